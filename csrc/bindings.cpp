@@ -1,0 +1,59 @@
+// Python face of the extension: raw tensors in, raw tensors out.
+#include "gather.h"
+
+namespace {
+
+gear::GatherArgs make_args(std::vector<at::Tensor> columns, std::vector<at::Tensor> out, at::Tensor starts,
+                           std::optional<at::Tensor> valid_begin, std::optional<at::Tensor> valid_end,
+                           int64_t seq_len, std::optional<at::Tensor> mask) {
+  gear::GatherArgs args{std::move(columns), std::move(out), std::move(starts), std::move(valid_begin),
+                        std::move(valid_end), std::move(mask), seq_len};
+  gear::check_gather_args(args);
+  return args;
+}
+
+void gather(std::vector<at::Tensor> columns, std::vector<at::Tensor> out, at::Tensor starts,
+            std::optional<at::Tensor> valid_begin, std::optional<at::Tensor> valid_end, int64_t seq_len,
+            std::optional<at::Tensor> mask) {
+  const gear::GatherArgs args = make_args(std::move(columns), std::move(out), std::move(starts),
+                                          std::move(valid_begin), std::move(valid_end), seq_len,
+                                          std::move(mask));
+  if (args.out.front().is_cuda()) {
+#ifdef GEAR_WITH_CUDA
+    gear::gather_cuda(args);
+    return;
+#else
+    TORCH_CHECK(false, "gather into CUDA tensors needs the extension's CUDA part, which this build of "
+                       "gear_torchrl does not have (it was built without nvcc or with a CPU torch)");
+#endif
+  }
+  for (const auto& col : args.columns) {
+    TORCH_CHECK(col.device().is_cpu(), "gather: CPU outputs need CPU columns, got a column on ", col.device());
+  }
+  TORCH_CHECK(args.starts.device().is_cpu(), "gather: CPU outputs need CPU starts");
+  gear::gather_cpu(args);
+}
+
+bool built_with_cuda() {
+#ifdef GEAR_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "gear_torchrl kernels: gather, trees, prefix sums";
+  m.def("gather", &gather, "Fill `out` from `columns` for windows (rows are windows of length 1)",
+        py::arg("columns"), py::arg("out"), py::arg("starts"), py::arg("valid_begin") = py::none(),
+        py::arg("valid_end") = py::none(), py::arg("seq_len") = 1, py::arg("mask") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("built_with_cuda", &built_with_cuda);
+#ifdef GEAR_WITH_CUDA
+  m.def("cuda_host_register", &gear::cuda_host_register,
+        "Pin and map a host tensor's memory so CUDA kernels read it in place");
+  m.def("cuda_host_unregister", &gear::cuda_host_unregister);
+#endif
+}

@@ -1,0 +1,104 @@
+// CPU gather: windows split across threads, one memcpy per contiguous run.
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+#include "gather.h"
+
+namespace gear {
+namespace {
+
+inline int64_t ring_row(int64_t row, int64_t capacity) {
+  const int64_t r = row % capacity;
+  return r < 0 ? r + capacity : r;
+}
+
+// RowBytes > 0 fixes the row size at compile time so that one-row copies of
+// small columns (rewards, flags) become single loads instead of memcpy calls.
+template <int64_t RowBytes>
+void copy_window(char* dst, const char* column, int64_t dynamic_row_bytes, int64_t capacity,
+                 int64_t start, int64_t begin, int64_t end, int64_t seq_len) {
+  const int64_t rb = RowBytes > 0 ? RowBytes : dynamic_row_bytes;
+  if (begin > 0) std::memset(dst, 0, begin * rb);
+  if (end < seq_len) std::memset(dst + end * rb, 0, (seq_len - end) * rb);
+  int64_t pos = begin;
+  while (pos < end) {  // at most two runs unless the window is longer than the ring
+    const int64_t row = ring_row(start + pos, capacity);
+    const int64_t run = std::min(end - pos, capacity - row);
+    if constexpr (RowBytes > 0) {
+      if (run == 1) {
+        std::memcpy(dst + pos * RowBytes, column + row * RowBytes, RowBytes);
+        pos += 1;
+        continue;
+      }
+    }
+    std::memcpy(dst + pos * rb, column + row * rb, run * rb);
+    pos += run;
+  }
+}
+
+using CopyFn = void (*)(char*, const char*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+CopyFn copy_fn_for(int64_t row_bytes) {
+  switch (row_bytes) {
+    case 1: return copy_window<1>;
+    case 2: return copy_window<2>;
+    case 4: return copy_window<4>;
+    case 8: return copy_window<8>;
+    case 16: return copy_window<16>;
+    default: return copy_window<0>;
+  }
+}
+
+}  // namespace
+
+void gather_cpu(const GatherArgs& a) {
+  const int64_t num_windows = a.num_windows();
+  if (num_windows == 0) return;
+  const int64_t capacity = a.capacity();
+  const int64_t seq_len = a.seq_len;
+  const at::Tensor starts = a.starts.contiguous();
+  const at::Tensor begins = a.valid_begin ? a.valid_begin->contiguous() : at::Tensor();
+  const at::Tensor ends = a.valid_end ? a.valid_end->contiguous() : at::Tensor();
+  const int64_t* start_p = starts.data_ptr<int64_t>();
+  const int64_t* begin_p = begins.defined() ? begins.data_ptr<int64_t>() : nullptr;
+  const int64_t* end_p = ends.defined() ? ends.data_ptr<int64_t>() : nullptr;
+  bool* mask_p = a.mask ? a.mask->data_ptr<bool>() : nullptr;
+
+  const size_t num_columns = a.columns.size();
+  std::vector<const char*> src(num_columns);
+  std::vector<char*> dst(num_columns);
+  std::vector<int64_t> row_bytes(num_columns);
+  std::vector<CopyFn> copy(num_columns);
+  int64_t window_bytes = 0;
+  for (size_t c = 0; c < num_columns; ++c) {
+    src[c] = static_cast<const char*>(a.columns[c].data_ptr());
+    dst[c] = static_cast<char*>(a.out[c].data_ptr());
+    row_bytes[c] = a.row_bytes(c);
+    copy[c] = copy_fn_for(row_bytes[c]);
+    window_bytes += row_bytes[c] * seq_len;
+  }
+  // About 64 KiB per task: enough to amortize scheduling, small enough to balance.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(window_bytes, 1));
+
+  at::parallel_for(0, num_windows, grain, [&](int64_t first, int64_t last) {
+    for (size_t c = 0; c < num_columns; ++c) {
+      const int64_t rb = row_bytes[c];
+      for (int64_t i = first; i < last; ++i) {
+        const int64_t begin = begin_p ? std::clamp<int64_t>(begin_p[i], 0, seq_len) : 0;
+        const int64_t end = end_p ? std::clamp<int64_t>(end_p[i], begin, seq_len) : seq_len;
+        copy[c](dst[c] + i * seq_len * rb, src[c], rb, capacity, start_p[i], begin, end, seq_len);
+      }
+    }
+    if (mask_p) {
+      for (int64_t i = first; i < last; ++i) {
+        const int64_t begin = begin_p ? std::clamp<int64_t>(begin_p[i], 0, seq_len) : 0;
+        const int64_t end = end_p ? std::clamp<int64_t>(end_p[i], begin, seq_len) : seq_len;
+        bool* m = mask_p + i * seq_len;
+        for (int64_t j = 0; j < seq_len; ++j) m[j] = j >= begin && j < end;
+      }
+    }
+  });
+}
+
+}  // namespace gear

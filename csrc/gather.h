@@ -1,0 +1,43 @@
+// One gather for every column of a table: rows are windows of length 1.
+//
+// Window i covers ring rows (starts[i] + j) mod capacity for j in [0, seq_len).
+// Positions j outside [valid_begin[i], valid_end[i]) are head/tail padding:
+// zero-filled, mask false. The ring wrap makes every index in range by
+// construction, so a bad start can never read outside a column.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+namespace gear {
+
+struct GatherArgs {
+  std::vector<at::Tensor> columns;  // each [capacity, *step_shape], contiguous
+  std::vector<at::Tensor> out;      // each [num_windows * seq_len, *step_shape]
+  at::Tensor starts;                // int64 [num_windows]
+  std::optional<at::Tensor> valid_begin;  // int64 [num_windows], or all 0
+  std::optional<at::Tensor> valid_end;    // int64 [num_windows], or all seq_len
+  std::optional<at::Tensor> mask;         // bool [num_windows * seq_len]
+  int64_t seq_len = 1;
+
+  int64_t capacity() const { return columns.front().size(0); }
+  int64_t num_windows() const { return starts.size(0); }
+  int64_t row_bytes(size_t c) const {
+    return capacity() == 0 ? 0 : columns[c].numel() / capacity() * columns[c].element_size();
+  }
+};
+
+// Checks shapes, dtypes and devices; throws (a Python RuntimeError) on any mismatch.
+void check_gather_args(const GatherArgs& args);
+
+void gather_cpu(const GatherArgs& args);
+
+#ifdef GEAR_WITH_CUDA
+void gather_cuda(const GatherArgs& args);
+void cuda_host_register(const at::Tensor& host);
+void cuda_host_unregister(const at::Tensor& host);
+#endif
+
+}  // namespace gear

@@ -1,0 +1,51 @@
+#include "gather.h"
+
+namespace gear {
+
+void check_gather_args(const GatherArgs& a) {
+  TORCH_CHECK(!a.columns.empty(), "gather: no columns");
+  TORCH_CHECK(a.columns.size() == a.out.size(), "gather: ", a.columns.size(), " columns but ",
+              a.out.size(), " outputs");
+  TORCH_CHECK(a.seq_len >= 1, "gather: seq_len must be >= 1, got ", a.seq_len);
+  TORCH_CHECK(a.starts.dim() == 1 && a.starts.scalar_type() == at::kLong,
+              "gather: starts must be a 1-D int64 tensor, got ", a.starts.scalar_type(), " of dim ",
+              a.starts.dim());
+  const int64_t capacity = a.capacity();
+  const int64_t num_windows = a.num_windows();
+  TORCH_CHECK(capacity > 0 || num_windows == 0, "gather: cannot gather from an empty table");
+  for (const auto* bound : {&a.valid_begin, &a.valid_end}) {
+    if (bound->has_value()) {
+      const at::Tensor& b = bound->value();
+      TORCH_CHECK(b.dim() == 1 && b.size(0) == num_windows && b.scalar_type() == at::kLong,
+                  "gather: valid_begin/valid_end must be int64 [", num_windows, "]");
+      TORCH_CHECK(b.device() == a.starts.device(), "gather: bounds must be on the device of starts");
+    }
+  }
+  if (a.mask.has_value()) {
+    const at::Tensor& m = a.mask.value();
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.is_contiguous() && m.numel() == num_windows * a.seq_len,
+                "gather: mask must be a contiguous bool tensor of ", num_windows * a.seq_len, " elements");
+  }
+  const at::Device out_device = a.out.front().device();
+  for (size_t c = 0; c < a.columns.size(); ++c) {
+    const at::Tensor& col = a.columns[c];
+    const at::Tensor& out = a.out[c];
+    TORCH_CHECK(col.dim() >= 1 && col.size(0) == capacity, "gather: column ", c, " has ",
+                col.dim() ? col.size(0) : 0, " rows, expected ", capacity);
+    TORCH_CHECK(col.is_contiguous() && out.is_contiguous(), "gather: column ", c,
+                " and its output must be contiguous");
+    TORCH_CHECK(col.scalar_type() == out.scalar_type(), "gather: column ", c, " is ",
+                col.scalar_type(), " but its output is ", out.scalar_type());
+    TORCH_CHECK(out.dim() >= 1 && out.size(0) == num_windows * a.seq_len, "gather: output ", c,
+                " must have ", num_windows * a.seq_len, " rows");
+    TORCH_CHECK(out.numel() / std::max<int64_t>(out.size(0), 1) ==
+                    col.numel() / std::max<int64_t>(capacity, 1),
+                "gather: output ", c, " rows differ in size from the column's rows");
+    TORCH_CHECK(out.device() == out_device, "gather: all outputs must be on one device");
+  }
+  if (a.mask.has_value()) {
+    TORCH_CHECK(a.mask->device() == out_device, "gather: mask must be on the outputs' device");
+  }
+}
+
+}  // namespace gear

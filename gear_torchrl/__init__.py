@@ -1,0 +1,1 @@
+"""gear_torchrl: GPU-centric experience replay as TorchRL storage and sampler backends."""
