@@ -1,0 +1,231 @@
+// gear_torchrl: one CUDA kernel that gathers rows / windows of every column of
+// a table into a batch (zero copy from pinned host memory, or from device
+// memory), zero-fills head/tail padding and writes the validity mask.
+//
+// This file is standalone on purpose: no torch or std headers, so that
+//   * csrc/cuda/gather_cuda.cu includes it (nvcc, the compiled extension), and
+//   * the package's CuPy fallback compiles the very same text at run time with
+//     NVRTC (cupy.RawModule(code=..., options=("--std=c++17",)),
+//     name_expressions not needed: the entry point is extern "C").
+//
+// Semantics (csrc/cpu/gather.cpp is the reference): window i, position j in
+// [0, seq_len): if begin_i <= j < end_i (begin clamped to [0, seq_len], end to
+// [begin, seq_len]; no bounds -> 0 / seq_len) then out row i*seq_len+j = column
+// row (starts[i]+j) mod capacity (non-negative), else zeros;
+// mask[i*seq_len+j] = (begin_i <= j < end_i). Rows are windows of seq_len 1.
+//
+// Calling convention of gear_gather_kernel (for any host, torch or CuPy):
+//   desc         device array of num_columns * 4 u64, per column c:
+//                  [4c+0] source base address (device pointer; for pinned host
+//                         memory the mapped device pointer),
+//                  [4c+1] output base address (device memory),
+//                  [4c+2] row bytes,
+//                  [4c+3] first work item of column c (exclusive prefix sum of
+//                         num_windows * ceil(seq_len * row_bytes / chunk_bytes)).
+//   starts       device int64 [num_windows]
+//   begins/ends  device int64 [num_windows], or null (0 / seq_len)
+//   mask         device bool/uint8 [num_windows * seq_len], or null
+//   chunk_bytes  bytes of one window's output span one warp copies per item,
+//                a power of two >= 512 (gear_gather_chunk_bytes below suggests one)
+//   copy_items   total items of all columns (= the prefix sum's end)
+//   total_items  copy_items + (mask ? ceil(num_windows*seq_len / GEAR_MASK_ITEM) : 0)
+//   launch       block GEAR_GATHER_THREADS threads, any grid (warps stride over
+//                the items); GEAR_GATHER_THREADS/32 items per block per round.
+// All offsets are 64-bit: tables above 4 GiB are fine.
+
+#ifndef GEAR_GATHER_KERNEL_CUH
+#define GEAR_GATHER_KERNEL_CUH
+
+#define GEAR_GATHER_THREADS 256
+#define GEAR_MASK_ITEM 1024  // mask positions one warp writes per item
+
+namespace gear_kernel {
+
+typedef long long i64;
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+__device__ __forceinline__ i64 imin(i64 a, i64 b) { return a < b ? a : b; }
+__device__ __forceinline__ i64 imax(i64 a, i64 b) { return a > b ? a : b; }
+
+__device__ __forceinline__ i64 ring_row(i64 row, i64 capacity) {
+  const i64 r = row % capacity;
+  return r < 0 ? r + capacity : r;
+}
+
+// Copy n units of T from src to dst (both T-aligned), lanes of a warp striding;
+// U independent loads in flight per lane before the first store (reads of
+// pinned host memory cross PCIe: latency wants many outstanding requests).
+// Loads are streaming (read once, evict first), stores cache in L2 only: the
+// batch is read next by the learner's kernels.
+template <typename T, int U>
+__device__ __forceinline__ void warp_copy_units(T* __restrict__ dst, const T* __restrict__ src, i64 n,
+                                                int lane) {
+  i64 base = 0;
+  for (; base + 32 * U <= n; base += 32 * U) {
+    T v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = __ldcs(src + base + u * 32 + lane);
+#pragma unroll
+    for (int u = 0; u < U; ++u) __stcg(dst + base + u * 32 + lane, v[u]);
+  }
+  // Remainder (< 32*U units): still issue all loads before the stores.
+  T v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const i64 k = base + u * 32 + lane;
+    if (k < n) v[u] = __ldcs(src + k);
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const i64 k = base + u * 32 + lane;
+    if (k < n) __stcg(dst + k, v[u]);
+  }
+}
+
+// Copy n bytes, any alignment. The widest unit that the mutual alignment of
+// src and dst allows (16, 8, 4, 2 or 1 bytes); head and tail bytes by lanes.
+__device__ __forceinline__ void warp_copy(char* dst, const char* src, i64 n, int lane) {
+  if (n <= 0) return;
+  const u64 d = (u64)dst, s = (u64)src;
+  const u32 mis = (u32)((d ^ s) & 15u);
+  u32 w = 16;
+  if (mis & 1u) w = 1;
+  else if (mis & 2u) w = 2;
+  else if (mis & 4u) w = 4;
+  else if (mis & 8u) w = 8;
+  i64 head = (i64)((w - (u32)(d & (w - 1))) & (w - 1));
+  if (head > n) head = n;
+  const i64 units = (n - head) / w;
+  const i64 body = units * w;
+  const i64 tail = n - head - body;
+  if (lane < head) dst[lane] = src[lane];
+  if (lane < tail) dst[head + body + lane] = src[head + body + lane];
+  char* bd = dst + head;
+  const char* bs = src + head;
+  switch (w) {
+    case 16: warp_copy_units<uint4, 4>((uint4*)bd, (const uint4*)bs, units, lane); break;
+    case 8: warp_copy_units<u64, 8>((u64*)bd, (const u64*)bs, units, lane); break;
+    case 4: warp_copy_units<u32, 8>((u32*)bd, (const u32*)bs, units, lane); break;
+    case 2: warp_copy_units<u16, 8>((u16*)bd, (const u16*)bs, units, lane); break;
+    default: warp_copy_units<u8, 8>((u8*)bd, (const u8*)bs, units, lane); break;
+  }
+}
+
+__device__ __forceinline__ void warp_zero(char* dst, i64 n, int lane) {
+  if (n <= 0) return;
+  const u64 d = (u64)dst;
+  i64 head = (i64)((16u - (u32)(d & 15u)) & 15u);
+  if (head > n) head = n;
+  const i64 units = (n - head) >> 4;
+  const i64 body = units << 4;
+  const i64 tail = n - head - body;
+  if (lane < head) dst[lane] = 0;
+  if (lane < tail) dst[head + body + lane] = 0;
+  uint4* bd = (uint4*)(dst + head);
+  const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+  for (i64 k = lane; k < units; k += 32) bd[k] = z;
+}
+
+// Intersect [lo, hi) of the window's output span with the chunk [c0, c1) and
+// copy it from src_at_lo (the source address of byte lo).
+__device__ __forceinline__ void copy_part(char* wdst, const char* src_at_lo, i64 lo, i64 hi, i64 c0, i64 c1,
+                                          int lane) {
+  const i64 a = imax(lo, c0), b = imin(hi, c1);
+  if (a < b) warp_copy(wdst + a, src_at_lo + (a - lo), b - a, lane);
+}
+
+__device__ __forceinline__ void zero_part(char* wdst, i64 lo, i64 hi, i64 c0, i64 c1, int lane) {
+  const i64 a = imax(lo, c0), b = imin(hi, c1);
+  if (a < b) warp_zero(wdst + a, b - a, lane);
+}
+
+__device__ __forceinline__ void window_bounds(const i64* begins, const i64* ends, i64 i, i64 seq_len, i64* begin,
+                                              i64* end) {
+  i64 b = begins ? begins[i] : 0;
+  b = imin(imax(b, 0), seq_len);
+  i64 e = ends ? ends[i] : seq_len;
+  e = imin(imax(e, b), seq_len);
+  *begin = b;
+  *end = e;
+}
+
+}  // namespace gear_kernel
+
+extern "C" __global__ void __launch_bounds__(GEAR_GATHER_THREADS)
+gear_gather_kernel(const unsigned long long* __restrict__ desc, int num_columns, const long long* __restrict__ starts,
+                   const long long* __restrict__ begins, const long long* __restrict__ ends,
+                   unsigned char* __restrict__ mask, long long num_windows, long long seq_len, long long capacity,
+                   long long chunk_bytes, long long copy_items, long long total_items) {
+  using namespace gear_kernel;
+  const int lane = threadIdx.x & 31;
+  const i64 warps_per_block = GEAR_GATHER_THREADS / 32;
+  const i64 first_warp = (i64)blockIdx.x * warps_per_block + (threadIdx.x >> 5);
+  const i64 num_warps = (i64)gridDim.x * warps_per_block;
+
+  for (i64 item = first_warp; item < total_items; item += num_warps) {
+    if (item >= copy_items) {
+      // Mask: GEAR_MASK_ITEM positions per item.
+      const i64 total = num_windows * seq_len;
+      const i64 p0 = (item - copy_items) * GEAR_MASK_ITEM;
+      const i64 p1 = imin(p0 + GEAR_MASK_ITEM, total);
+      for (i64 p = p0 + lane; p < p1; p += 32) {
+        const i64 i = p / seq_len;
+        const i64 j = p - i * seq_len;
+        i64 b, e;
+        window_bounds(begins, ends, i, seq_len, &b, &e);
+        mask[p] = (j >= b && j < e) ? 1 : 0;
+      }
+      continue;
+    }
+    // Which column: the last c with first_item(c) <= item (binary search).
+    int lo = 0, hi = num_columns - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if ((i64)desc[4 * mid + 3] <= item) lo = mid;
+      else hi = mid - 1;
+    }
+    const int c = lo;
+    const char* src = (const char*)desc[4 * c + 0];
+    char* dst = (char*)desc[4 * c + 1];
+    const i64 rb = (i64)desc[4 * c + 2];
+    const i64 span = seq_len * rb;  // bytes of one window's output
+    const i64 chunks = (span + chunk_bytes - 1) / chunk_bytes;
+    const i64 local = item - (i64)desc[4 * c + 3];
+    const i64 i = local / chunks;
+    const i64 c0 = (local - i * chunks) * chunk_bytes;
+    const i64 c1 = imin(c0 + chunk_bytes, span);
+
+    i64 begin, end;
+    window_bounds(begins, ends, i, seq_len, &begin, &end);
+    char* wdst = dst + i * span;
+    zero_part(wdst, 0, begin * rb, c0, c1, lane);
+    zero_part(wdst, end * rb, span, c0, c1, lane);
+    // Source runs: contiguous stretches of the ring (two unless the window is
+    // longer than the ring).
+    i64 pos = begin;
+    i64 row = pos < end ? ring_row(starts[i] + begin, capacity) : 0;
+    while (pos < end && pos * rb < c1) {
+      const i64 run = imin(end - pos, capacity - row);
+      copy_part(wdst, src + row * rb, pos * rb, (pos + run) * rb, c0, c1, lane);
+      pos += run;
+      row = 0;
+    }
+  }
+}
+
+#if !defined(__CUDACC_RTC__)
+// Host helper (not for NVRTC): a chunk size that gives every SM a few warps of
+// work per round while keeping per-item overhead small.
+static inline long long gear_gather_chunk_bytes(long long total_bytes, int num_sms) {
+  const long long target_items = (long long)num_sms * 64;  // 2 rounds of 32 warps/SM
+  long long per = total_bytes / (target_items > 0 ? target_items : 1);
+  long long chunk = 2048;
+  while (chunk < per && chunk < 65536) chunk <<= 1;
+  return chunk;
+}
+#endif
+
+#endif  // GEAR_GATHER_KERNEL_CUH

@@ -1,0 +1,145 @@
+"""GearStorage: a TorchRL ``Storage`` backed by a gear_torchrl shard.
+
+It subclasses TorchRL's ``TensorStorage`` so replay buffers pick the identity
+collate and TorchRL's samplers and writers treat it as a tensor storage; all
+state lives in the shard, not in TensorStorage's fields.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torchrl.data.replay_buffers.storages import Storage, TensorStorage
+
+from gear_torchrl.checkpointer import GearStorageCheckpointer
+from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, as_index_tensor
+from gear_torchrl.store.spec import Data, NestedKey
+
+
+class GearStorage(TensorStorage):
+    """Columnar step ring with an episode index; a drop-in for ``LazyTensorStorage``.
+
+    Args:
+        max_size: number of rows (steps) held; older rows are overwritten.
+        device: where sampled batches are returned. ``"cpu"`` for now.
+        end_keys: flags that end an episode (those present in the data are used).
+        traj_key: a trajectory-id key; an episode also ends where it changes.
+        checkpointer: defaults to :class:`GearStorageCheckpointer`.
+    """
+
+    _default_checkpointer = GearStorageCheckpointer
+
+    def __init__(
+        self,
+        max_size: int,
+        *,
+        device: torch.device | str = "cpu",
+        end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
+        traj_key: NestedKey | None = None,
+        checkpointer: GearStorageCheckpointer | None = None,
+    ) -> None:
+        device = torch.device(device)
+        if device.type != "cpu":
+            raise ValueError(f"GearStorage(device={str(device)!r}) is not supported yet: use 'cpu'")
+        Storage.__init__(self, max_size, checkpointer=checkpointer)
+        self.ndim = 1
+        self.device = device
+        self._shard = Shard(self.max_size, device=device, end_keys=end_keys, traj_key=traj_key)
+        self._last_cursor = None
+        self.__dict__["_storage_keys"] = None
+
+    # -- size and shape -------------------------------------------------------------
+    @property
+    def initialized(self) -> bool:
+        return self._shard.spec is not None
+
+    @property
+    def _len(self) -> int:
+        return self._shard.size
+
+    @_len.setter
+    def _len(self, value: int) -> None:
+        self._shard.set_size(int(value))
+
+    def __len__(self) -> int:
+        return self._shard.size
+
+    @property
+    def _total_shape(self) -> torch.Size:
+        return torch.Size([self.max_size])
+
+    @property
+    def _len_along_dim0(self) -> int:
+        return self._shard.size
+
+    def _max_size_along_dim0(self, *, single_data=None, batched_data=None) -> int:
+        return self.max_size
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self._shard.size])
+
+    def flatten(self) -> GearStorage:
+        return self
+
+    def _rand_given_ndim(self, batch_size: int) -> torch.Tensor:
+        if self._shard.size == 0:
+            raise RuntimeError("cannot sample from an empty storage: write some data first")
+        return torch.randint(0, self._shard.size, (batch_size,), generator=self._rng)
+
+    # -- episodes -------------------------------------------------------------------
+    @property
+    def shard(self) -> Shard:
+        """The underlying shard (columns, spec, episode index)."""
+        return self._shard
+
+    # -- TorchRL contract -----------------------------------------------------------
+    def set(self, cursor: Index, data: Data | list, *, set_cursor: bool = True) -> None:
+        if isinstance(data, list):
+            data = torch.stack(data)
+        self._shard.write(cursor, data, append=set_cursor)
+        if set_cursor:
+            self._set_last_cursor(cursor)
+        self._bump_mutation_revision()
+
+    def get(self, index: Index) -> Data:
+        return self._shard.read(index)
+
+    def contains(self, item: Any) -> bool | torch.Tensor:
+        size = self._shard.size
+        if isinstance(item, int):
+            return -size <= item < size
+        if isinstance(item, torch.Tensor):
+            return (item >= -size) & (item < size)
+        raise NotImplementedError(f"contains() does not take {type(item).__name__}")
+
+    def _empty(self) -> None:
+        self._shard.clear()
+        self._set_last_cursor(None)
+        self._bump_mutation_revision()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._shard.state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._shard.load_state(state_dict)
+        self._sync_cursor_from_shard()
+        self._bump_mutation_revision()
+
+    def _sync_cursor_from_shard(self) -> None:
+        shard = self._shard
+        self._set_last_cursor((shard.head - 1) % shard.capacity if shard.size else None)
+
+    # -- pickling and display -------------------------------------------------------
+    def __getstate__(self) -> dict:
+        return Storage.__getstate__(self)
+
+    def __setstate__(self, state: dict) -> None:
+        Storage.__setstate__(self, state)
+
+    def __repr__(self) -> str:
+        spec = self._shard.spec
+        keys = "<empty>" if spec is None else ", ".join(
+            f"{c.key}: {c.dtype} {tuple(c.row_shape)}" for c in spec.columns)
+        return (f"{type(self).__name__}(len={len(self)}, max_size={self.max_size}, device={self.device}, "
+                f"episodes={self._shard.episodes.num_episodes}, columns=[{keys}])")

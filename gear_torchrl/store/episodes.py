@@ -1,0 +1,185 @@
+"""Episode index of a ring of steps, kept current on every write.
+
+Episodes are numbered by a serial that only grows; the live ones are
+``[first_serial, next_serial)``, oldest first, and their rows tile the stored
+rows in ring order (the lengths add up to the number of stored rows). Appends
+cost O(rows written): the oldest steps are the ones a ring overwrites, so
+eviction trims or drops the oldest episodes by their lengths alone, with no
+per-row bookkeeping. Writes that are not appends (``write_at``,
+``storage[i] = ...``) rebuild the index from the stored flags in one
+vectorized pass.
+
+Per-episode records live in arrays that grow with the number of live
+episodes (slot ``serial % len(array)``), so the index costs nothing per row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MIN_SLOTS = 64
+
+
+@dataclass
+class EpisodeView:
+    """Live episodes in logical (oldest-first) order."""
+
+    serial: torch.Tensor  # int64 [E]
+    start: torch.Tensor  # int64 [E], ring row of the first live step
+    length: torch.Tensor  # int64 [E]
+    closed: torch.Tensor  # bool [E]: ended by a done flag or a trajectory change
+
+
+def episode_ends(flags: torch.Tensor | None, traj: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+    """Rows that end an episode: a done/truncated flag, or the next row's id differs."""
+    ends = torch.zeros(num_rows, dtype=torch.bool) if flags is None else flags.reshape(num_rows, -1).any(-1).cpu()
+    if traj is not None and num_rows > 1:
+        traj = traj.reshape(num_rows, -1)[:, 0].cpu()
+        ends[:-1] |= traj[1:] != traj[:-1]
+    return ends
+
+
+class EpisodeIndex:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.first_serial = 0
+        self.next_serial = 0
+        self.open_traj: int | None = None  # trajectory id of the open episode
+        self._alloc(_MIN_SLOTS)
+
+    def _alloc(self, slots: int) -> None:
+        self.start = torch.zeros(slots, dtype=torch.int64)
+        self.length = torch.zeros(slots, dtype=torch.int64)
+        self.closed = torch.zeros(slots, dtype=torch.bool)
+
+    # -- queries ---------------------------------------------------------------
+    @property
+    def num_episodes(self) -> int:
+        return self.next_serial - self.first_serial
+
+    def _slots(self, first: int, last: int) -> torch.Tensor:
+        return torch.arange(first, last, dtype=torch.int64) % self.start.numel()
+
+    def live(self) -> EpisodeView:
+        slot = self._slots(self.first_serial, self.next_serial)
+        serial = torch.arange(self.first_serial, self.next_serial, dtype=torch.int64)
+        return EpisodeView(serial, self.start[slot], self.length[slot], self.closed[slot])
+
+    def _newest_slot(self) -> int:
+        return (self.next_serial - 1) % self.start.numel()
+
+    def _newest_open(self) -> bool:
+        return self.num_episodes > 0 and not bool(self.closed[self._newest_slot()])
+
+    # -- updates ---------------------------------------------------------------
+    def append(self, rows: torch.Tensor, ends: torch.Tensor, evicted: int,
+               traj_first: int | None = None, traj_last: int | None = None) -> None:
+        """Record ``rows`` (consecutive ring rows) as the newest steps.
+
+        ``evicted`` is how many stored steps these rows overwrite (the oldest
+        ones). ``traj_first``/``traj_last`` are the trajectory ids of the
+        first and last row, in trajectory-id mode.
+        """
+        n = rows.numel()
+        if n == 0:
+            return
+        self._evict(evicted)
+        continuing = self._newest_open()
+        if continuing and traj_first is not None and self.open_traj != traj_first:
+            self.close_open()
+            continuing = False
+        offset = torch.zeros(n, dtype=torch.int64)
+        offset[1:] = torch.cumsum(ends[:-1].to(torch.int64), 0)
+        base = self.next_serial - 1 if continuing else self.next_serial
+        new_last = base + int(offset[-1])
+        self._reserve(new_last + 1 - self.first_serial)
+
+        counts = torch.bincount(offset)
+        last_pos = torch.cumsum(counts, 0) - 1
+        first_pos = last_pos - counts + 1
+        slots = self._slots(base, new_last + 1)
+        if continuing:
+            slot0 = int(slots[0])
+            if int(self.length[slot0]) == 0:
+                self.start[slot0] = rows[0]
+            self.length[slot0] += counts[0]
+            self.closed[slot0] = ends[last_pos[0]]
+            slots, first_pos, last_pos, counts = slots[1:], first_pos[1:], last_pos[1:], counts[1:]
+        self.start[slots] = rows[first_pos]
+        self.length[slots] = counts
+        self.closed[slots] = ends[last_pos]
+        self.next_serial = new_last + 1
+        self.open_traj = traj_last
+
+    def _evict(self, k: int) -> None:
+        """Drop the ``k`` oldest steps: whole oldest episodes, then the head of the next."""
+        if k <= 0:
+            return
+        m = min(k, self.num_episodes)
+        slots = self._slots(self.first_serial, self.first_serial + m)
+        cum = torch.cumsum(self.length[slots], 0)
+        whole = int(torch.searchsorted(cum, k, right=True))
+        if whole == self.num_episodes and self._newest_open():
+            # Every stored step goes, the open episode's too: it stays live, empty,
+            # and the rows being written continue it.
+            self.length[self._newest_slot()] = 0
+            self.first_serial = self.next_serial - 1
+            return
+        trim = k - (int(cum[whole - 1]) if whole else 0)
+        self.first_serial += whole
+        if trim:
+            slot = self.first_serial % self.start.numel()
+            self.start[slot] = (self.start[slot] + trim) % self.capacity
+            self.length[slot] -= trim
+
+    def _reserve(self, live: int) -> None:
+        """Grow the per-episode arrays so ``live`` episodes have distinct slots."""
+        if live <= self.start.numel():
+            return
+        view = self.live()
+        slots = self.start.numel()
+        while slots < live:
+            slots *= 2
+        self._alloc(slots)
+        new = view.serial % slots
+        self.start[new], self.length[new], self.closed[new] = view.start, view.length, view.closed
+
+    def close_open(self) -> None:
+        if self._newest_open():
+            self.closed[self._newest_slot()] = True
+
+    def rebuild(self, order: torch.Tensor, ends: torch.Tensor, traj_last: int | None = None) -> None:
+        """Recompute the index from scratch for rows ``order`` (oldest first)."""
+        self.clear()
+        self.append(order, ends, evicted=0, traj_last=traj_last)
+
+    def clear(self) -> None:
+        # Serials keep growing: a reference to an old episode never matches a new one.
+        self.first_serial = self.next_serial
+        self.open_traj = None
+
+    # -- persistence -----------------------------------------------------------
+    def state(self) -> dict:
+        view = self.live()
+        return {
+            "start": view.start,
+            "length": view.length,
+            "closed": view.closed,
+            "first_serial": self.first_serial,
+            "next_serial": self.next_serial,
+            "open_traj": self.open_traj,
+        }
+
+    def load(self, state: dict) -> None:
+        self.first_serial = int(state["first_serial"])
+        self.next_serial = int(state["next_serial"])
+        self.open_traj = None if state["open_traj"] is None else int(state["open_traj"])
+        slots = _MIN_SLOTS
+        while slots < self.num_episodes:
+            slots *= 2
+        self._alloc(slots)
+        slot = self._slots(self.first_serial, self.next_serial)
+        self.start[slot] = torch.as_tensor(state["start"], dtype=torch.int64)
+        self.length[slot] = torch.as_tensor(state["length"], dtype=torch.int64)
+        self.closed[slot] = torch.as_tensor(state["closed"], dtype=torch.bool)

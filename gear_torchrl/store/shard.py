@@ -1,0 +1,311 @@
+"""One shard: a ring of rows, one contiguous buffer per column.
+
+The shard knows tensors, not TorchRL. Rows are addressed exactly as TorchRL
+storages address them: row ``i`` of ``[0, size)``. Every write is validated
+in full (spec, indices) before the first byte changes, so a rejected write
+leaves the shard as it was.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence, Union
+
+import numpy as np
+import torch
+
+from gear_torchrl import gather
+from gear_torchrl.store.episodes import EpisodeIndex, episode_ends
+from gear_torchrl.store.spec import Data, NestedKey, TableSpec
+
+logger = logging.getLogger(__name__)
+
+Index = Union[int, slice, Sequence[int], np.ndarray, torch.Tensor, range]
+
+DEFAULT_END_KEYS: tuple[NestedKey, ...] = (("next", "done"), ("next", "truncated"))
+
+
+class EmptyStoreError(RuntimeError):
+    """Reading from a store that holds no rows."""
+
+
+def as_index_tensor(index: Index, bound: int, what: str) -> torch.Tensor:
+    """``index`` as int64 rows in ``[0, bound)``; negatives count from ``bound``.
+
+    Bool masks select rows; a 1-tuple (TorchRL's per-dimension index of a
+    1-D storage) is its only element. Raises IndexError naming the first bad index.
+    """
+    if isinstance(index, tuple):
+        if len(index) != 1:
+            raise IndexError(f"a {what} index into a 1-D storage takes one dimension, got {len(index)}")
+        index = index[0]
+    if isinstance(index, slice):
+        return torch.arange(*index.indices(bound), dtype=torch.int64)
+    if isinstance(index, range):
+        index = torch.arange(index.start, index.stop, index.step, dtype=torch.int64)
+    rows = torch.as_tensor(index)
+    if rows.device.type != "cpu":
+        rows = rows.cpu()
+    if rows.dtype == torch.bool:
+        if rows.shape != (bound,):
+            raise IndexError(f"a boolean {what} index must have shape ({bound},), got {tuple(rows.shape)}")
+        return rows.nonzero().squeeze(1)
+    if rows.is_floating_point() or rows.is_complex():
+        raise IndexError(f"{what} indices must be integers, got {rows.dtype}")
+    rows = rows.to(torch.int64)
+    if rows.numel():
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo < -bound or hi >= bound:
+            bad = lo if lo < -bound else hi
+            raise IndexError(f"{what} index {bad} is out of range for {bound} rows")
+        if lo < 0:
+            rows = torch.where(rows < 0, rows + bound, rows)
+    return rows
+
+
+class Shard:
+    """Columns in a ring plus the episode index over them.
+
+    ``end_keys`` (any that exist) mark the last step of an episode; with
+    ``traj_key`` set, an episode also ends where that id changes.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        device: torch.device | str = "cpu",
+        pin_memory: bool = False,
+        end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
+        traj_key: NestedKey | None = None,
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = int(capacity)
+        self.device = torch.device(device)
+        self.pin_memory = pin_memory
+        self.end_keys = tuple(end_keys)
+        self.traj_key = traj_key
+        self.spec: TableSpec | None = None
+        self.columns: list[torch.Tensor] = []
+        self.size = 0  # rows [0, size) are readable
+        self.head = 0  # next row an append writes
+        self.written = 0  # rows [0, written) have ever been written
+        self.episodes = EpisodeIndex(self.capacity)
+
+    # -- layout ------------------------------------------------------------------
+    def _allocate(self, spec: TableSpec) -> None:
+        pin = self.pin_memory and self.device.type == "cpu"
+        self.columns = [
+            torch.empty((self.capacity, *c.row_shape), dtype=c.dtype, device=self.device, pin_memory=pin)
+            for c in spec.columns
+        ]
+        self.spec = spec
+        self._end_columns = [i for k in self.end_keys if (i := spec.find(k)) is not None]
+        self._traj_column = spec.find(self.traj_key) if self.traj_key is not None else None
+        if self.traj_key is not None and self._traj_column is None:
+            logger.warning("traj_key %r is not in the data; episodes come from end flags only", self.traj_key)
+
+    @property
+    def tracks_episodes(self) -> bool:
+        """Episodes are tracked when rows are single steps."""
+        return self.spec is not None and len(self.spec.row_batch_shape) == 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.columns)
+
+    # -- writes --------------------------------------------------------------------
+    def write(self, index: Index, data: Data, *, append: bool) -> torch.Tensor:
+        """Write rows; ``append`` moves the ring's cursor and length like TorchRL's writers.
+
+        Returns the rows written.
+        """
+        single = isinstance(index, (int, np.integer))
+        spec = self.spec or TableSpec.from_data(data, batched=not single)
+        n = 1 if single else _num_rows(data)
+        values = spec.flatten(data, None if single else n)  # raises before any change
+        if single:
+            values = [v.unsqueeze(0) for v in values]
+        rows = as_index_tensor([index] if single else index, self.capacity, "write")
+        if rows.numel() != n:
+            raise IndexError(f"{rows.numel()} write indices for {n} rows of data")
+        if n == 0:
+            return rows
+        # -- everything is checked: from here on the write happens --
+        if self.spec is None:
+            self._allocate(spec)
+        consistent = self.size == self.capacity or self.head == self.size
+        is_append = append and consistent and _is_ring_run(rows, self.head, self.capacity)
+        size_before = self.size
+        if is_append:
+            ends = self._ends(values, n) if self.tracks_episodes else None
+            starts_fresh = False
+            if n > self.capacity:  # only the last `capacity` rows survive
+                keep = slice(n - self.capacity, n)
+                starts_fresh = ends is not None and bool(ends[: n - self.capacity].any())
+                rows, values = rows[keep], [v[keep] for v in values]
+                ends = None if ends is None else ends[keep]
+        else:
+            rows, values = _last_write_wins(rows, values, self.capacity)
+
+        self._copy_in(rows, values, contiguous=is_append)
+        self.written = max(self.written, int(rows.max()) + 1)
+        if append:
+            self.size = min(self.size + n, self.capacity)
+            self.head = (int(rows[-1]) + 1) % self.capacity
+        if not self.tracks_episodes:
+            return rows
+        if is_append:
+            if starts_fresh:
+                self.episodes.close_open()
+            traj = self._traj_ids(values)
+            self.episodes.append(
+                rows, ends, evicted=max(0, size_before + rows.numel() - self.capacity),
+                traj_first=None if traj is None else int(traj[0]),
+                traj_last=None if traj is None else int(traj[-1]),
+            )
+        else:
+            self.rebuild_episodes()
+        return rows
+
+    def set_size(self, size: int) -> None:
+        """Make rows ``[0, size)`` readable (TorchRL writers set ``_len`` after ``write_at``)."""
+        if not 0 <= size <= self.capacity:
+            raise ValueError(f"size {size} is outside [0, {self.capacity}]")
+        if size != self.size:
+            self.size = size
+            if self.tracks_episodes:
+                self.rebuild_episodes()
+
+    def _copy_in(self, rows: torch.Tensor, values: list[torch.Tensor], contiguous: bool) -> None:
+        n = rows.numel()
+        first = int(rows[0])
+        for column, value in zip(self.columns, values):
+            value = value.to(column.device, non_blocking=True)
+            if contiguous and first + n <= self.capacity:
+                column[first:first + n].copy_(value)
+            elif contiguous:
+                split = self.capacity - first
+                column[first:].copy_(value[:split])
+                column[: n - split].copy_(value[split:])
+            else:
+                column.index_copy_(0, rows.to(column.device), value)
+
+    def _ends(self, values: list[torch.Tensor], n: int) -> torch.Tensor:
+        flags = None
+        for i in self._end_columns:
+            f = values[i].reshape(n, -1).any(-1)
+            flags = f if flags is None else flags | f
+        return episode_ends(flags, self._traj_ids(values), n)
+
+    def _traj_ids(self, values: list[torch.Tensor]) -> torch.Tensor | None:
+        if self._traj_column is None:
+            return None
+        t = values[self._traj_column]
+        return t.reshape(t.shape[0], -1)[:, 0].cpu()
+
+    def logical_order(self) -> torch.Tensor:
+        """Stored rows oldest first."""
+        if self.size < self.capacity:
+            return torch.arange(self.size, dtype=torch.int64)
+        return (torch.arange(self.capacity, dtype=torch.int64) + self.head) % self.capacity
+
+    def rebuild_episodes(self) -> None:
+        order = self.logical_order()
+        values = [self.columns[i].index_select(0, order.to(self.device)) for i in self._end_columns]
+        flags = None
+        for v in values:
+            f = v.reshape(order.numel(), -1).any(-1)
+            flags = f if flags is None else flags | f
+        traj = None
+        if self._traj_column is not None:
+            traj = self.columns[self._traj_column].index_select(0, order.to(self.device))
+        ends = episode_ends(flags, traj, order.numel())
+        last = None if traj is None or order.numel() == 0 else int(traj.reshape(order.numel(), -1)[-1, 0])
+        self.episodes.rebuild(order, ends, traj_last=last)
+
+    def clear(self) -> None:
+        """Forget all rows; the spec and buffers stay, like TorchRL's ``_empty``."""
+        self.size = 0
+        self.head = 0
+        self.written = 0
+        self.episodes.clear()
+
+    # -- state -------------------------------------------------------------------------
+    def state(self) -> dict:
+        """Everything needed to restore the shard exactly; tensors are views, not copies."""
+        return {
+            "capacity": self.capacity,
+            "spec": None if self.spec is None else self.spec.to_json(),
+            "size": self.size,
+            "head": self.head,
+            "columns": [c[: self.written] for c in self.columns],
+            "episodes": self.episodes.state(),
+        }
+
+    def load_state(self, state: dict) -> None:
+        """Restore from ``state()``; checks everything before changing anything."""
+        if int(state["capacity"]) != self.capacity:
+            raise ValueError(f"state holds a storage of capacity {state['capacity']}, this one has {self.capacity}")
+        spec = None if state["spec"] is None else TableSpec.from_json(state["spec"])
+        if self.spec is not None and spec is not None and spec != self.spec:
+            raise ValueError("state's columns (keys, dtypes or shapes) differ from this storage's")
+        columns = state["columns"]
+        if spec is not None:
+            if len(columns) != len(spec.columns):
+                raise ValueError(f"state has {len(columns)} columns, its spec {len(spec.columns)}")
+            for c, t in zip(spec.columns, columns):
+                if t.dtype != c.dtype or t.shape[1:] != c.row_shape or t.shape[0] > self.capacity:
+                    raise ValueError(f"state column {c.key!r} has shape {tuple(t.shape)} and dtype {t.dtype}")
+        if self.spec is None and spec is not None:
+            self._allocate(spec)
+        for column, saved in zip(self.columns, columns):
+            column[: saved.shape[0]].copy_(saved)
+        self.size = int(state["size"])
+        self.head = int(state["head"])
+        self.written = columns[0].shape[0] if columns else 0
+        self.episodes.load(state["episodes"])
+
+    # -- reads -----------------------------------------------------------------------
+    def read(self, index: Index, out_device: torch.device | None = None) -> Data:
+        """Rows at ``index`` (int, slice, sequence, array or tensor of any shape)."""
+        if self.spec is None or self.size == 0:
+            raise EmptyStoreError("cannot read from an empty storage: write some data first")
+        scalar = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
+        rows = as_index_tensor(index, self.size, "read")
+        lead = torch.Size([]) if scalar else rows.shape
+        flat = gather.gather_rows(self.columns, rows.reshape(-1), device=out_device or self.device)
+        if scalar or rows.ndim != 1:
+            flat = [t.reshape(*lead, *t.shape[1:]) for t in flat]
+        return self.spec.unflatten(flat, lead, device=out_device or self.device)
+
+
+def _num_rows(data: Data) -> int:
+    if isinstance(data, torch.Tensor):
+        if data.ndim == 0:
+            raise ValueError("a batched write needs a leading row dimension, got a 0-d tensor")
+        return data.shape[0]
+    if len(data.batch_size) == 0:
+        raise ValueError("a batched write needs a TensorDict with a batch dimension, got batch_size=[]")
+    return data.batch_size[0]
+
+
+def _is_ring_run(rows: torch.Tensor, head: int, capacity: int) -> bool:
+    """Whether ``rows`` are ``head, head+1, ...`` around the ring."""
+    if int(rows[0]) != head:
+        return False
+    if rows.numel() == 1:
+        return True
+    expected = (torch.arange(rows.numel(), dtype=torch.int64) + head) % capacity
+    return torch.equal(rows, expected)
+
+
+def _last_write_wins(rows: torch.Tensor, values: list[torch.Tensor], capacity: int):
+    """Drop rows written twice in one call, keeping the last value (a write bigger than the ring)."""
+    n = rows.numel()
+    if n <= capacity and (n < 2 or torch.unique(rows).numel() == n):
+        return rows, values
+    positions = torch.arange(n, dtype=torch.int64)
+    last = torch.full((capacity,), -1, dtype=torch.int64).scatter_reduce(0, rows, positions, "amax")
+    keep = last[last >= 0].sort().values
+    return rows[keep], [v[keep.to(v.device)] for v in values]
