@@ -38,9 +38,8 @@ void check_gather_args(const GatherArgs& a) {
                 col.scalar_type(), " but its output is ", out.scalar_type());
     TORCH_CHECK(out.dim() >= 1 && out.size(0) == num_windows * a.seq_len, "gather: output ", c,
                 " must have ", num_windows * a.seq_len, " rows");
-    TORCH_CHECK(out.numel() / std::max<int64_t>(out.size(0), 1) ==
-                    col.numel() / std::max<int64_t>(capacity, 1),
-                "gather: output ", c, " rows differ in size from the column's rows");
+    TORCH_CHECK(out.sizes().slice(1) == col.sizes().slice(1), "gather: output ", c, " rows have shape ",
+                out.sizes().slice(1), " but the column's rows have shape ", col.sizes().slice(1));
     TORCH_CHECK(out.device() == out_device, "gather: all outputs must be on one device");
   }
   if (a.mask.has_value()) {

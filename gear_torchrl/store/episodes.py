@@ -84,11 +84,10 @@ class EpisodeIndex:
         n = rows.numel()
         if n == 0:
             return
+        if traj_first is not None and self.open_traj != traj_first:
+            self.close_open()  # before eviction, so an emptied episode is dropped, not kept open
         self._evict(evicted)
         continuing = self._newest_open()
-        if continuing and traj_first is not None and self.open_traj != traj_first:
-            self.close_open()
-            continuing = False
         offset = torch.zeros(n, dtype=torch.int64)
         offset[1:] = torch.cumsum(ends[:-1].to(torch.int64), 0)
         base = self.next_serial - 1 if continuing else self.next_serial

@@ -276,7 +276,7 @@ class Shard:
         lead = torch.Size([]) if scalar else rows.shape
         flat = gather.gather_rows(self.columns, rows.reshape(-1), device=out_device or self.device)
         if scalar or rows.ndim != 1:
-            flat = [t.reshape(*lead, *t.shape[1:]) for t in flat]
+            flat = [t.reshape((*lead, *t.shape[1:])) for t in flat]
         return self.spec.unflatten(flat, lead, device=out_device or self.device)
 
 

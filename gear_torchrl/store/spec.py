@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 NestedKey = Union[str, tuple[str, ...]]
 Data = Union[TensorDictBase, torch.Tensor]
@@ -187,14 +187,19 @@ class TableSpec:
         return cls(columns, blob["is_tensordict"], node_batch)
 
 
+def _is_leaf(cls: type) -> bool:
+    # Non-tensor data (strings, objects) counts as a leaf so the spec sees and rejects it.
+    return not issubclass(cls, TensorDictBase) or issubclass(cls, (NonTensorData, NonTensorStack))
+
+
 def _leaves(td: TensorDictBase):
-    for key in td.keys(include_nested=True, leaves_only=True):
+    for key in td.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf):
         yield key, td.get(key)
 
 
 def _nodes(td: TensorDictBase, prefix: tuple[str, ...] = ()):
     for key in td.keys():
         value = td.get(key)
-        if isinstance(value, TensorDictBase):
+        if isinstance(value, TensorDictBase) and not _is_leaf(type(value)):
             yield (*prefix, key), value
             yield from _nodes(value, (*prefix, key))

@@ -1,0 +1,5 @@
+"""Make tests/helpers.py importable from every test module."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))

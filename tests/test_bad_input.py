@@ -1,0 +1,150 @@
+"""Bad input gets a clear error naming the problem and leaves the storage exactly as it was."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
+
+from helpers import assert_same_td, make_steps
+from gear_torchrl import EmptyStoreError, GearStorage, SpecMismatchError
+
+
+def snapshot(storage: GearStorage):
+    shard = storage.shard
+    return (
+        copy.deepcopy({k: v for k, v in shard.state().items() if k != "columns"}),
+        [c.clone() for c in shard.columns],
+        storage._last_cursor_index,
+        storage._mutation_revision,
+    )
+
+
+def assert_unchanged(storage: GearStorage, snap) -> None:
+    meta, columns, cursor, revision = snap
+    now = snapshot(storage)
+    assert now[0]["size"] == meta["size"] and now[0]["head"] == meta["head"]
+    for name in ("start", "length", "closed"):
+        assert torch.equal(now[0]["episodes"][name], meta["episodes"][name])
+    assert now[0]["episodes"]["next_serial"] == meta["episodes"]["next_serial"]
+    as_bytes = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731 - NaN-safe, bit-for-bit
+    assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(now[1], columns))
+    assert now[2] == cursor
+    assert now[3] == revision
+
+
+@pytest.fixture
+def storage():
+    s = GearStorage(50)
+    s.set(torch.arange(30), make_steps(30, seed=1))
+    return s
+
+
+def bad_writes():
+    good = make_steps(4, seed=2)
+    missing = good.exclude("obs")
+    extra = good.clone()
+    extra["surprise"] = torch.zeros(4)
+    wrong_dtype = good.clone()
+    wrong_dtype["obs"] = wrong_dtype["obs"].double()
+    wrong_shape = good.clone()
+    del wrong_shape["obs"]
+    wrong_shape["obs"] = torch.zeros(4, 5)
+    nested_dtype = good.clone()
+    nested_dtype["next", "done"] = nested_dtype["next", "done"].to(torch.uint8)
+    return [
+        (missing, "missing ['obs']"),
+        (extra, "unexpected ['surprise']"),
+        (wrong_dtype, "key 'obs' has dtype torch.float64"),
+        (wrong_shape, "key 'obs' has shape (4, 5), expected (4, 4)"),
+        (nested_dtype, "key 'next.done' has dtype torch.uint8"),
+        (torch.zeros(4, 3), "this store holds a TensorDict"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(bad_writes())))
+def test_mismatched_write_is_rejected_and_nothing_changes(storage, case):
+    data, message = bad_writes()[case]
+    snap = snapshot(storage)
+    with pytest.raises(SpecMismatchError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        storage.set(torch.arange(30, 34), data)
+    assert_unchanged(storage, snap)
+
+
+def test_rejected_extend_through_the_buffer_keeps_the_data(storage):
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=4)
+    snap = snapshot(storage)
+    bad = make_steps(4, seed=3)
+    bad["obs"] = bad["obs"].half()
+    with pytest.raises(SpecMismatchError):
+        rb.extend(bad)
+    assert_unchanged(storage, snap)
+
+
+@pytest.mark.parametrize("index", [30, -31, [0, 30], torch.tensor([[1, 2], [3, 99]]), torch.tensor([0.5])])
+def test_out_of_range_or_non_integer_reads(storage, index):
+    snap = snapshot(storage)
+    with pytest.raises(IndexError, match="out of range for 30 rows|must be integers"):
+        storage.get(index)
+    assert_unchanged(storage, snap)
+
+
+def test_out_of_range_write_index(storage):
+    snap = snapshot(storage)
+    with pytest.raises(IndexError, match="write index 50 is out of range for 50 rows"):
+        storage.set(torch.tensor([1, 50]), make_steps(2, seed=4))
+    with pytest.raises(IndexError, match="3 write indices for 2 rows"):
+        storage.set(torch.tensor([1, 2, 3]), make_steps(2, seed=4))
+    assert_unchanged(storage, snap)
+
+
+def test_non_tensor_leaf_is_rejected_on_first_write():
+    storage = GearStorage(10)
+    td = TensorDict({"obs": torch.zeros(2, 3)}, [2])
+    td["name"] = "hello"
+    with pytest.raises(TypeError, match="key 'name' holds a"):
+        storage.set(torch.arange(2), td)
+    assert not storage.initialized and len(storage) == 0
+
+
+def test_reading_or_sampling_an_empty_storage():
+    storage = GearStorage(10)
+    with pytest.raises(EmptyStoreError, match="empty storage"):
+        storage.get(0)
+    rb = ReplayBuffer(storage=GearStorage(10), batch_size=2)
+    with pytest.raises(RuntimeError, match="empty"):
+        rb.sample()
+    rb.extend(make_steps(3, seed=1))
+    rb.empty()
+    with pytest.raises(RuntimeError, match="empty"):
+        rb.sample()
+
+
+def test_load_state_dict_of_another_layout_is_rejected(storage):
+    other = GearStorage(50)
+    other.set(torch.arange(3), TensorDict({"x": torch.zeros(3)}, [3]))
+    snap = snapshot(storage)
+    with pytest.raises(ValueError, match="differ"):
+        storage.load_state_dict(other.state_dict())
+    smaller = GearStorage(40)
+    with pytest.raises(ValueError, match="capacity 50"):
+        smaller.load_state_dict(storage.state_dict())
+    assert_unchanged(storage, snap)
+
+
+def test_loading_a_missing_or_damaged_checkpoint(tmp_path, storage):
+    with pytest.raises(FileNotFoundError, match="no gear_torchrl checkpoint"):
+        GearStorage(50).loads(tmp_path / "nothing")
+    storage.dumps(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "column_0.bin").write_bytes(b"truncated")
+    fresh = GearStorage(50)
+    with pytest.raises(ValueError, match="damaged"):
+        fresh.loads(tmp_path / "ckpt")
+    assert len(fresh) == 0 and not fresh.initialized
+
+
+def test_bad_capacity():
+    with pytest.raises(ValueError, match="capacity must be positive"):
+        GearStorage(0)

@@ -1,0 +1,92 @@
+"""The episode index stays equal to a brute-force split of the stored steps."""
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+from episode_model import model_episodes
+from gear_torchrl import GearStorage
+from gear_torchrl.store.shard import Shard
+
+
+def steps_td(first: int, dones: list[bool], traj: list[int] | None = None) -> TensorDict:
+    n = len(dones)
+    td = TensorDict(
+        {"step": torch.arange(first, first + n), ("next", "done"): torch.tensor(dones).view(n, 1)}, [n]
+    )
+    if traj is not None:
+        td["traj"] = torch.tensor(traj)
+    return td
+
+
+def live_tuples(shard: Shard):
+    v = shard.episodes.live()
+    return list(zip(v.start.tolist(), v.length.tolist(), v.closed.tolist()))
+
+
+def check_against_model(capacity, batches, use_traj=False):
+    shard = Shard(capacity, traj_key="traj" if use_traj else None)
+    history = []
+    g = 0
+    for dones, trajs in batches:
+        shard.write(torch.arange(g, g + len(dones)) % capacity, steps_td(g, dones, trajs if use_traj else None),
+                    append=True)
+        history += [(g + i, d, trajs[i] if use_traj else None) for i, d in enumerate(dones)]
+        g += len(dones)
+        assert live_tuples(shard) == model_episodes(history, capacity)
+        assert sum(length for _, length, _ in live_tuples(shard)) == shard.size
+
+
+def test_trim_and_drop_across_the_ring_end():
+    check_against_model(8, [([False, False, True, False, False], None),
+                            ([False, True, False, False, True, False], None),
+                            ([False] * 3, None)])
+
+
+def test_episode_longer_than_the_ring_stays_one_open_episode():
+    check_against_model(5, [([False] * 3, None), ([False] * 4, None), ([False] * 12, None), ([True], None)])
+
+
+def test_write_bigger_than_capacity_with_an_end_in_the_dropped_part():
+    check_against_model(4, [([False, False], None), ([False, True, False, False, False, False, False], None)])
+
+
+def test_trajectory_ids_split_episodes():
+    check_against_model(10, [([False] * 4, [1, 1, 2, 2]), ([False] * 3, [2, 3, 3]), ([False] * 6, [4] * 6)],
+                        use_traj=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    capacity=st.integers(1, 12),
+    batches=st.lists(st.lists(st.booleans(), min_size=1, max_size=20), min_size=1, max_size=8),
+)
+def test_incremental_index_equals_model(capacity, batches):
+    check_against_model(capacity, [(b, None) for b in batches])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    capacity=st.integers(1, 12),
+    batches=st.lists(st.lists(st.tuples(st.booleans(), st.integers(0, 2)), min_size=1, max_size=15),
+                     min_size=1, max_size=6),
+)
+def test_incremental_index_equals_model_with_traj_ids(capacity, batches):
+    check_against_model(capacity, [([d for d, _ in b], [t for _, t in b]) for b in batches], use_traj=True)
+
+
+def test_in_place_write_rebuilds_the_index():
+    storage = GearStorage(10)
+    storage.set(torch.arange(6), steps_td(0, [False] * 6))
+    assert live_tuples(storage.shard) == [(0, 6, False)]
+    storage[2] = steps_td(2, [True])[0]
+    assert live_tuples(storage.shard) == [(0, 3, True), (3, 3, False)]
+
+
+def test_per_episode_memory_grows_with_episodes_not_rows():
+    storage = GearStorage(100_000)
+    storage.set(torch.arange(50_000), steps_td(0, ([False] * 999 + [True]) * 50))
+    assert storage.shard.episodes.num_episodes == 50
+    assert storage.shard.episodes.start.numel() <= 64

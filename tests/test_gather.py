@@ -1,0 +1,89 @@
+"""The extension's gather against plain indexing: rows, windows, padding, ring wrap, every dtype."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gear_torchrl import gather
+from gear_torchrl._ext import _C
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+          torch.int16, torch.int32, torch.int64, torch.bool]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (random bytes read as floats include NaNs)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def column(capacity, shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (capacity, *shape, dtype.itemsize), generator=g, dtype=torch.uint8)
+    if dtype == torch.bool:
+        return raw[..., 0] % 2 == 1
+    return raw.view(dtype).squeeze(-1) if dtype.itemsize > 1 else raw.squeeze(-1).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (1,), (3,), (5, 7), (1025,)])
+def test_rows_match_index_select(dtype, shape):
+    col = column(97, shape, dtype)
+    rows = torch.randint(0, 97, (300,))
+    (out,) = gather.gather_rows([col], rows, torch.device("cpu"))
+    assert same_bits(out, col[rows])
+
+
+def reference_windows(col, starts, seq_len, begin, end):
+    cap = col.shape[0]
+    out = torch.zeros((starts.numel() * seq_len, *col.shape[1:]), dtype=col.dtype)
+    mask = torch.zeros(starts.numel() * seq_len, dtype=torch.bool)
+    for i, s in enumerate(starts.tolist()):
+        for j in range(seq_len):
+            if begin[i] <= j < end[i]:
+                out[i * seq_len + j] = col[(s + j) % cap]
+                mask[i * seq_len + j] = True
+    return out, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int64])
+def test_windows_with_padding_and_wrap(dtype):
+    cap, seq_len = 23, 6
+    cols = [column(cap, (3,), dtype, 1), column(cap, (), torch.uint8, 2)]
+    starts = torch.tensor([0, 20, -3, 17, 5, 100])
+    begin = torch.tensor([0, 0, 2, 1, 6, -4])
+    end = torch.tensor([6, 6, 6, 4, 6, 99])
+    out, mask = gather.gather_windows(cols, starts, seq_len, torch.device("cpu"), begin, end)
+    for c, o in zip(cols, out):
+        want, want_mask = reference_windows(c, starts, seq_len, begin.clamp(0, seq_len), end.clamp(0, seq_len))
+        assert same_bits(o, want)
+        assert torch.equal(mask, want_mask)
+
+
+def test_window_longer_than_the_ring():
+    col = torch.arange(5)
+    out, mask = gather.gather_windows([col], torch.tensor([3]), 12, torch.device("cpu"))
+    assert torch.equal(out[0], torch.tensor([3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4]))
+    assert bool(mask.all())
+
+
+def test_many_threads_same_answer():
+    col = column(10_000, (64,), torch.float32)
+    rows = torch.randint(0, 10_000, (50_000,))
+    torch.set_num_threads(2)
+    (out,) = gather.gather_rows([col], rows, torch.device("cpu"))
+    assert same_bits(out, col[rows])
+
+
+def test_argument_errors_are_python_exceptions():
+    col = torch.zeros(10, 3)
+    with pytest.raises(RuntimeError, match="column 0 is Float but its output is Double"):
+        _C.gather([col], [torch.zeros(2, 3, dtype=torch.float64)], torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="must have 2 rows"):
+        _C.gather([col], [torch.zeros(3, 3)], torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="starts must be a 1-D int64"):
+        _C.gather([col], [torch.zeros(2, 3)], torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        _C.gather([torch.zeros(3, 10).t()], [torch.zeros(2, 3)], torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="empty table"):
+        _C.gather([torch.zeros(0, 3)], [torch.zeros(2, 3)], torch.tensor([0, 1]))
