@@ -1,0 +1,61 @@
+"""Timing helpers shared by the benchmarks: medians of repetitions, ratios, JSON out."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def median_seconds(fn: Callable[[], object], *, repeats: int = 7, inner: int = 20, warmup: int = 3) -> float:
+    """Median over ``repeats`` of the mean time of ``inner`` back-to-back calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int = 7, inner: int = 20,
+                        warmup: int = 3) -> dict[str, float]:
+    """Like ``median_seconds`` for several contenders, taking turns so noise hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples[name].append((time.perf_counter() - start) / inner)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def machine() -> dict:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"machine": machine(), **payload}, indent=1))
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    line = lambda vals: "  ".join(str(v).rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(columns), line(["-" * w for w in widths]), *(line([r.get(c, "") for c in columns]) for r in rows)])
