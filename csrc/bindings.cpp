@@ -1,5 +1,6 @@
 // Python face of the extension: raw tensors in, raw tensors out.
 #include "gather.h"
+#include "trees.h"
 
 namespace {
 
@@ -51,6 +52,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("valid_end") = py::none(), py::arg("seq_len") = 1, py::arg("mask") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("built_with_cuda", &built_with_cuda);
+  m.def("sum_tree_set", &gear::sum_tree_set, py::arg("tree"), py::arg("index"), py::arg("values"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("min_tree_set", &gear::min_tree_set, py::arg("tree"), py::arg("index"), py::arg("values"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("sum_tree_find", &gear::sum_tree_find, py::arg("tree"), py::arg("mass"),
+        py::call_guard<py::gil_scoped_release>());
 #ifdef GEAR_WITH_CUDA
   m.def("cuda_host_register", &gear::cuda_host_register,
         "Pin and map a host tensor's memory so CUDA kernels read it in place");

@@ -15,14 +15,14 @@ from gear_torchrl.store.shard import Shard
 _FORMAT = "gear_torchrl.shard/1"
 
 
-def _write_raw(path: Path, tensor: torch.Tensor) -> None:
+def write_raw(path: Path, tensor: torch.Tensor) -> None:
     tensor = tensor.detach().contiguous().cpu()
     with open(path, "wb") as f:
         if tensor.numel():
             tensor.reshape(-1).view(torch.uint8).numpy().tofile(f)
 
 
-def _read_raw(path: Path, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+def read_raw(path: Path, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     numel = torch.Size(shape).numel()
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
@@ -42,7 +42,7 @@ def save_shard(shard: Shard, directory: str | Path) -> None:
     for name in ("start", "length", "closed"):
         tensors[f"episodes_{name}"] = episodes.pop(name)
     for name, t in tensors.items():
-        _write_raw(directory / f"{name}.bin", t)
+        write_raw(directory / f"{name}.bin", t)
     header = {
         "format": _FORMAT,
         **state,
@@ -62,7 +62,7 @@ def load_shard(shard: Shard, directory: str | Path) -> None:
     if header.get("format") != _FORMAT:
         raise ValueError(f"{header_path} has format {header.get('format')!r}, expected {_FORMAT!r}")
     tensors = {
-        name: _read_raw(directory / f"{name}.bin", getattr(torch, meta["dtype"]), meta["shape"])
+        name: read_raw(directory / f"{name}.bin", getattr(torch, meta["dtype"]), meta["shape"])
         for name, meta in header.pop("tensors").items()
     }
     episodes = header.pop("episodes")

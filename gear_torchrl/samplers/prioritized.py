@@ -1,0 +1,210 @@
+"""GearPrioritizedSampler: proportional prioritized replay on float64 trees in the extension."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler
+from torchrl.data.replay_buffers.storages import Storage
+
+from gear_torchrl.samplers.trees import PriorityTrees
+from gear_torchrl.store.persistence import read_raw, write_raw
+
+
+def _as_index(index: Any, capacity: int) -> torch.Tensor:
+    index = torch.as_tensor(index, dtype=torch.int64).reshape(-1).cpu()
+    if index.numel():
+        lo, hi = int(index.min()), int(index.max())
+        if lo < -1 or hi >= capacity:  # -1: "skip", as TorchRL's MaxValueWriter uses it
+            raise IndexError(f"priority index {lo if lo < -1 else hi} is out of range for {capacity} rows")
+    return index
+
+
+def _as_priority(priority: Any, count: int) -> torch.Tensor:
+    priority = torch.as_tensor(priority).detach().to(torch.float64).reshape(-1).cpu()
+    if priority.numel() == 1 and count != 1:
+        priority = priority.expand(count)
+    if priority.numel() != count:
+        raise ValueError(f"got {priority.numel()} priorities for {count} indices")
+    bad = ~torch.isfinite(priority) | (priority < 0)
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0])
+        raise ValueError(f"priorities must be finite and non-negative; got {float(priority[pos])} at position {pos}")
+    return priority
+
+
+class GearPrioritizedSampler(PrioritizedSampler):
+    """Proportional PER (Schaul et al.): P(i) = p_i^alpha / sum_j p_j^alpha, weights (p_i / p_min)^-beta.
+
+    A drop-in for TorchRL's ``PrioritizedSampler`` (it is one, so
+    ``TensorDictReplayBuffer.update_tensordict_priority`` works), with its trees in
+    float64 and every update and draw done in one batched extension call.
+
+    Each sampled batch's info carries ``"generation"``: pass it back as
+    ``update_priority(index, priority, generation=...)`` and rows overwritten since
+    they were sampled keep their new priority instead of the stale one.
+
+    ``beta`` anneals linearly to ``beta_final`` over ``beta_anneal_steps`` calls
+    to ``sample`` when that is given.
+    """
+
+    def __init__(
+        self,
+        max_capacity: int,
+        alpha: float,
+        beta: float,
+        eps: float = 1e-8,
+        *,
+        beta_final: float = 1.0,
+        beta_anneal_steps: int | None = None,
+    ) -> None:
+        if alpha < 0 or beta < 0:
+            raise ValueError(f"alpha and beta must be non-negative, got alpha={alpha}, beta={beta}")
+        if max_capacity <= 0:
+            raise ValueError(f"max_capacity must be positive, got {max_capacity}")
+        self._max_capacity = int(max_capacity)
+        self._alpha = float(alpha)
+        self._beta = float(beta)
+        self._beta_start = float(beta)
+        self._beta_final = float(beta_final)
+        self._beta_anneal_steps = beta_anneal_steps
+        self._eps = float(eps)
+        self.reduction = "max"
+        self._device = torch.device("cpu")
+        self._init()
+
+    def _init(self) -> None:
+        self._trees = PriorityTrees(self._max_capacity)
+        self._generation = torch.zeros(self._max_capacity, dtype=torch.int64)
+        self._max_raw_priority = 1.0
+        self._sample_calls = 0
+
+    # -- TorchRL's knobs -------------------------------------------------------------
+    @property
+    def alpha(self) -> float:
+        return self._alpha
+
+    @property
+    def beta(self) -> float:
+        return self._beta
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self._beta = float(value)
+
+    @property
+    def default_priority(self) -> float:
+        """Raw priority of new rows: the largest seen, so new experience gets sampled."""
+        return self._max_raw_priority
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(capacity={self._max_capacity}, alpha={self._alpha}, beta={self._beta}, "
+                f"eps={self._eps}, total_mass={self._trees.total:.6g})")
+
+    # -- sampling --------------------------------------------------------------------
+    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        if len(storage) == 0:
+            raise RuntimeError("cannot sample from an empty storage: write some data first")
+        total = self._trees.total
+        if not total > 0:
+            raise RuntimeError("every stored row has priority 0: nothing can be sampled")
+        mass = torch.rand(batch_size, dtype=torch.float64) * total
+        index = self._trees.find(mass)
+        weight = torch.pow(self._trees.get(index) / self._trees.minimum, -self._beta).to(torch.float32)
+        self._anneal_beta()
+        return index, {"priority_weight": weight, "generation": self._generation[index]}
+
+    def _anneal_beta(self) -> None:
+        self._sample_calls += 1
+        if self._beta_anneal_steps:
+            frac = min(1.0, self._sample_calls / self._beta_anneal_steps)
+            self._beta = self._beta_start + frac * (self._beta_final - self._beta_start)
+
+    # -- priorities ------------------------------------------------------------------
+    @torch.no_grad()
+    def update_priority(
+        self,
+        index: int | torch.Tensor,
+        priority: float | torch.Tensor,
+        *,
+        storage: Storage | None = None,
+        generation: torch.Tensor | None = None,
+    ) -> None:
+        """Set raw priorities; everything is checked before the trees change."""
+        index = _as_index(index, self._max_capacity)
+        priority = _as_priority(priority, index.numel())
+        keep = index >= 0
+        if generation is not None:
+            generation = torch.as_tensor(generation, dtype=torch.int64).reshape(-1).cpu()
+            if generation.numel() != index.numel():
+                raise ValueError(f"got {generation.numel()} generations for {index.numel()} indices")
+            keep &= self._generation[index.clamp_min(0)] == generation
+        if not bool(keep.all()):
+            index, priority = index[keep], priority[keep]
+        if index.numel() == 0:
+            return
+        self._max_raw_priority = max(self._max_raw_priority, float(priority.max()))
+        self._trees.set(index, torch.pow(priority + self._eps, self._alpha))
+
+    def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
+        """Rows were (over)written: new generation, default priority."""
+        index = _as_index(index, self._max_capacity)
+        index = index[index >= 0]
+        self._generation[index] += 1
+        self._trees.set(index, torch.full((index.numel(),), (self._max_raw_priority + self._eps) ** self._alpha,
+                                          dtype=torch.float64))
+
+    def add(self, index: int) -> None:
+        """Nothing to do: ``mark_update`` already gave the new row its priority."""
+
+    def extend(self, index: torch.Tensor) -> None:
+        """Nothing to do: ``mark_update`` already gave the new rows their priority."""
+
+    def _empty(self) -> None:
+        self._init()
+
+    # -- state -----------------------------------------------------------------------
+    def _scalars(self) -> dict:
+        return {"capacity": self._max_capacity, "alpha": self._alpha, "beta": self._beta, "eps": self._eps,
+                "max_raw_priority": self._max_raw_priority, "sample_calls": self._sample_calls}
+
+    def _restore(self, scalars: dict, tensors: dict[str, torch.Tensor]) -> None:
+        if int(scalars["capacity"]) != self._max_capacity:
+            raise ValueError(f"state is for capacity {scalars['capacity']}, this sampler has {self._max_capacity}")
+        for name, t in tensors.items():
+            if t.shape != self._state_tensors()[name].shape:
+                raise ValueError(f"state tensor {name} has shape {tuple(t.shape)}")
+        self._trees.sum.copy_(tensors["sum_tree"])
+        self._trees.min.copy_(tensors["min_tree"])
+        self._generation.copy_(tensors["generation"])
+        self._alpha, self._beta, self._eps = scalars["alpha"], scalars["beta"], scalars["eps"]
+        self._max_raw_priority = scalars["max_raw_priority"]
+        self._sample_calls = scalars["sample_calls"]
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"sum_tree": self._trees.sum, "min_tree": self._trees.min, "generation": self._generation}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self._scalars(), **{k: v.clone() for k, v in self._state_tensors().items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restore(state_dict, {k: state_dict[k] for k in self._state_tensors()})
+
+    def dumps(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        for name, t in self._state_tensors().items():
+            write_raw(path / f"{name}.bin", t)
+        (path / "sampler.json").write_text(json.dumps(self._scalars()))
+
+    def loads(self, path: str | Path) -> None:
+        path = Path(path)
+        scalars = json.loads((path / "sampler.json").read_text())
+        tensors = {name: read_raw(path / f"{name}.bin", t.dtype, list(t.shape))
+                   for name, t in self._state_tensors().items()}
+        self._restore(scalars, tensors)
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__)

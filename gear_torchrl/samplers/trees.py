@@ -1,0 +1,44 @@
+"""Sum and min trees of priorities in float64 tensors, updated and searched in batches.
+
+float64 because float32 trees lose mass once millions of priorities are
+summed. The tensors are the whole state: a checkpoint writes them as they are.
+"""
+from __future__ import annotations
+
+import torch
+
+from gear_torchrl._ext import _C
+
+
+class PriorityTrees:
+    """Per-row masses with O(log N) batched set, prefix search, total and minimum."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        leaves = 1
+        while leaves < capacity:
+            leaves *= 2
+        self.sum = torch.zeros(2 * leaves, dtype=torch.float64)
+        self.min = torch.full((2 * leaves,), float("inf"), dtype=torch.float64)
+
+    @property
+    def total(self) -> float:
+        return float(self.sum[1])
+
+    @property
+    def minimum(self) -> float:
+        return float(self.min[1])
+
+    def set(self, index: torch.Tensor, mass: torch.Tensor) -> None:
+        _C.sum_tree_set(self.sum, index, mass)
+        _C.min_tree_set(self.min, index, mass)
+
+    def get(self, index: torch.Tensor) -> torch.Tensor:
+        return self.sum[index + self.sum.numel() // 2]
+
+    def find(self, prefix_mass: torch.Tensor) -> torch.Tensor:
+        return _C.sum_tree_find(self.sum, prefix_mass)
+
+    def clear(self) -> None:
+        self.sum.zero_()
+        self.min.fill_(float("inf"))

@@ -1,0 +1,148 @@
+"""GearPrioritizedSampler: frequencies follow priorities, weights match TorchRL, bad input changes nothing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torchrl.data import LazyTensorStorage, PrioritizedSampler, TensorDictReplayBuffer
+
+from helpers import make_steps
+from gear_torchrl import GearPrioritizedSampler, GearStorage
+
+CHI2_DF19_P001 = 43.82  # critical value: a correct sampler exceeds it with probability 0.001
+
+
+def buffer(capacity=100, rows=20, alpha=0.7, beta=0.5, **kwargs):
+    rb = TensorDictReplayBuffer(storage=GearStorage(capacity),
+                                sampler=GearPrioritizedSampler(capacity, alpha, beta, **kwargs), batch_size=8)
+    rb.extend(make_steps(rows, seed=0))
+    return rb
+
+
+def test_frequencies_follow_priorities_chi_square():
+    rb = buffer(alpha=0.8, beta=0.5)
+    priorities = torch.linspace(0.1, 5.0, 20)
+    rb.update_priority(torch.arange(20), priorities)
+    torch.manual_seed(1234)
+    draws = torch.cat([rb.sampler.sample(rb.storage, 10_000)[0] for _ in range(20)])
+    observed = torch.bincount(draws, minlength=20).double()
+    expected = priorities.double().add(1e-8).pow(0.8)
+    expected = expected / expected.sum() * draws.numel()
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_DF19_P001, chi2
+    uniform = torch.full((20,), draws.numel() / 20.0)
+    assert float(((observed - uniform) ** 2 / uniform).sum()) > 100 * CHI2_DF19_P001
+
+
+def test_weights_and_masses_match_torchrl():
+    ours = GearPrioritizedSampler(50, alpha=0.6, beta=0.4)
+    ref = PrioritizedSampler(50, alpha=0.6, beta=0.4)
+    storage = LazyTensorStorage(50)
+    storage.set(torch.arange(30), make_steps(30, seed=1))
+    priorities = torch.rand(30) * 3 + 0.05
+    for s in (ours, ref):
+        s.mark_update(torch.arange(30))
+        s.update_priority(torch.arange(30), priorities)
+    torch.manual_seed(0)
+    index, info = ours.sample(storage, 256)
+    ref_mass = torch.tensor([ref._sum_tree[int(i)] for i in index], dtype=torch.float64)
+    assert torch.allclose(ours._trees.get(index), ref_mass, rtol=1e-6)
+    expected = torch.pow(ref_mass / ref._min_tree.query(0, 30), -0.4).float()
+    assert torch.allclose(info["priority_weight"], expected, rtol=1e-5)
+    assert info["priority_weight"].dtype == torch.float32
+
+
+def test_new_rows_get_the_largest_priority_seen():
+    rb = buffer()
+    rb.update_priority(torch.tensor([0, 1]), torch.tensor([7.0, 2.0]))
+    rb.extend(make_steps(3, seed=5))
+    new = torch.arange(20, 23)
+    assert torch.allclose(rb.sampler._trees.get(new), torch.full((3,), (7.0 + 1e-8) ** rb.sampler.alpha,
+                                                                  dtype=torch.float64))
+
+
+def test_update_tensordict_priority_path():
+    rb = buffer(alpha=1.0, beta=1.0)
+    sample = rb.sample()
+    sample["td_error"] = torch.full((8,), 0.0)
+    rb.update_tensordict_priority(sample)
+    assert torch.all(rb.sampler._trees.get(sample["index"]) == 1e-8)
+
+
+def test_stale_generation_updates_are_skipped():
+    rb = buffer(capacity=20, rows=20)
+    torch.manual_seed(0)
+    sample = rb.sample()
+    rb.extend(make_steps(5, seed=9))  # overwrites rows 0..4
+    before = rb.sampler._trees.get(sample["index"]).clone()
+    rb.sampler.update_priority(sample["index"], torch.full((8,), 42.0), generation=sample["generation"])
+    after = rb.sampler._trees.get(sample["index"])
+    stale = sample["index"] < 5
+    assert torch.equal(after[stale], before[stale])
+    assert torch.all(after[~stale] == (42.0 + 1e-8) ** rb.sampler.alpha)
+    assert bool(stale.any()) and bool((~stale).any())
+
+
+@pytest.mark.parametrize(
+    "index, priority, error, match",
+    [
+        (torch.tensor([0, 1]), torch.tensor([1.0, float("nan")]), ValueError, "got nan at position 1"),
+        (torch.tensor([0, 1]), torch.tensor([float("inf"), 1.0]), ValueError, "got inf at position 0"),
+        (torch.tensor([0, 1]), torch.tensor([1.0, -0.5]), ValueError, "got -0.5 at position 1"),
+        (torch.tensor([0, 1, 2]), torch.tensor([1.0, 2.0]), ValueError, "got 2 priorities for 3 indices"),
+        (torch.tensor([0, 100]), torch.tensor([1.0, 2.0]), IndexError, "index 100 is out of range"),
+    ],
+)
+def test_bad_priorities_are_rejected_and_trees_unchanged(index, priority, error, match):
+    rb = buffer()
+    trees = (rb.sampler._trees.sum.clone(), rb.sampler._trees.min.clone(), rb.sampler.default_priority)
+    with pytest.raises(error, match=match):
+        rb.update_priority(index, priority)
+    assert torch.equal(rb.sampler._trees.sum, trees[0]) and torch.equal(rb.sampler._trees.min, trees[1])
+    assert rb.sampler.default_priority == trees[2]
+
+
+def test_empty_and_zero_mass_sampling_errors():
+    rb = TensorDictReplayBuffer(storage=GearStorage(10), sampler=GearPrioritizedSampler(10, 0.7, 0.5), batch_size=2)
+    with pytest.raises(RuntimeError, match="empty"):
+        rb.sample()
+    rb.extend(make_steps(3, seed=0))
+    rb.update_priority(torch.arange(3), torch.zeros(3))
+    with pytest.raises(RuntimeError, match="priority 0"):
+        GearPrioritizedSampler(10, 1.0, 0.5, eps=0.0).sample(rb.storage, 2)
+
+
+def test_beta_anneals_linearly():
+    rb = buffer(alpha=0.6, beta=0.4, beta_final=1.0, beta_anneal_steps=4)
+    betas = []
+    for _ in range(6):
+        rb.sample()
+        betas.append(round(rb.sampler.beta, 6))
+    assert betas == [0.55, 0.7, 0.85, 1.0, 1.0, 1.0]
+
+
+def test_checkpoint_round_trip(tmp_path):
+    rb = buffer()
+    rb.update_priority(torch.arange(20), torch.rand(20) + 0.1)
+    rb.dumps(tmp_path)
+    loaded = TensorDictReplayBuffer(storage=GearStorage(100), sampler=GearPrioritizedSampler(100, 0.1, 0.1),
+                                    batch_size=8)
+    loaded.loads(tmp_path)
+    assert torch.equal(loaded.sampler._trees.sum, rb.sampler._trees.sum)
+    assert torch.equal(loaded.sampler._generation, rb.sampler._generation)
+    assert loaded.sampler.alpha == rb.sampler.alpha
+    restored = GearPrioritizedSampler(100, 0.1, 0.1)
+    restored.load_state_dict(rb.sampler.state_dict())
+    assert torch.equal(restored._trees.min, rb.sampler._trees.min)
+
+
+def test_million_priorities_checkpoint_restores_exactly(tmp_path):
+    sampler = GearPrioritizedSampler(1_000_000, 0.6, 0.4)
+    index = torch.arange(1_000_000)
+    sampler.mark_update(index)
+    sampler.update_priority(index, torch.rand(1_000_000, generator=torch.Generator().manual_seed(0)) + 0.01)
+    sampler.dumps(tmp_path)
+    restored = GearPrioritizedSampler(1_000_000, 0.6, 0.4)
+    restored.loads(tmp_path)
+    assert torch.equal(restored._trees.sum, sampler._trees.sum)
+    np.testing.assert_allclose(restored._trees.total, sampler._trees.total)
