@@ -1,9 +1,9 @@
 """gear_torchrl: GPU-centric experience replay as TorchRL storage and sampler backends."""
 from gear_torchrl.checkpointer import GearStorageCheckpointer
-from gear_torchrl.samplers import GearPrioritizedSampler
 from gear_torchrl.storage import GearStorage
+from gear_torchrl.samplers import GearPrioritizedSampler, GearSequenceSampler
 from gear_torchrl.store.shard import EmptyStoreError
 from gear_torchrl.store.spec import SpecMismatchError
 
-__all__ = ["GearStorage", "GearPrioritizedSampler", "GearStorageCheckpointer", "EmptyStoreError", "SpecMismatchError"]
+__all__ = ["GearStorage", "GearPrioritizedSampler", "GearSequenceSampler", "GearStorageCheckpointer", "EmptyStoreError", "SpecMismatchError"]
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ import torch
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 
 from gear_torchrl.checkpointer import GearStorageCheckpointer
-from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, as_index_tensor
+from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, Windows
 from gear_torchrl.store.spec import Data, NestedKey
 
 
@@ -46,6 +46,7 @@ class GearStorage(TensorStorage):
         self.device = device
         self._shard = Shard(self.max_size, device=device, end_keys=end_keys, traj_key=traj_key)
         self._last_cursor = None
+        self._window_plan: tuple[torch.Tensor, Windows] | None = None
         self.__dict__["_storage_keys"] = None
 
     # -- size and shape -------------------------------------------------------------
@@ -103,7 +104,19 @@ class GearStorage(TensorStorage):
         self._bump_mutation_revision()
 
     def get(self, index: Index) -> Data:
+        plan = self._window_plan
+        if plan is not None and plan[0] is index:
+            self._window_plan = None
+            return self._shard.read_windows(plan[1])
         return self._shard.read(index)
+
+    def plan_windows(self, index: torch.Tensor, windows: Windows) -> None:
+        """Announce that the next ``get(index)`` (this very tensor) reads ``windows``.
+
+        A sequence sampler returns TorchRL's flat row index; this lets the
+        storage serve it with one window gather that zero-fills the padding.
+        """
+        self._window_plan = (index, windows)
 
     def contains(self, item: Any) -> bool | torch.Tensor:
         size = self._shard.size

@@ -11,6 +11,10 @@ vectorized pass.
 
 Per-episode records live in arrays that grow with the number of live
 episodes (slot ``serial % len(array)``), so the index costs nothing per row.
+
+Readers that keep something per episode (a sampler's tree of window counts)
+follow ``revision`` and ask ``changed_since`` for the slots to refresh, so
+they stay O(changed episodes) per write instead of rescanning.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 _MIN_SLOTS = 64
+_LOG_SLOTS = 1 << 16  # change-log budget; past it readers rebuild from scratch
 
 
 @dataclass
@@ -46,12 +51,37 @@ class EpisodeIndex:
         self.first_serial = 0
         self.next_serial = 0
         self.open_traj: int | None = None  # trajectory id of the open episode
+        self.revision = 0
+        self._log: list[tuple[int, torch.Tensor]] = []  # (revision, changed slots)
+        self._log_floor = 0  # changes before this revision are no longer in the log
         self._alloc(_MIN_SLOTS)
 
     def _alloc(self, slots: int) -> None:
         self.start = torch.zeros(slots, dtype=torch.int64)
         self.length = torch.zeros(slots, dtype=torch.int64)
         self.closed = torch.zeros(slots, dtype=torch.bool)
+
+    # -- change log --------------------------------------------------------------
+    def _changed(self, slots: torch.Tensor | None) -> None:
+        """Record that ``slots`` changed (None: everything, e.g. the slots were remapped)."""
+        self.revision += 1
+        if slots is None:
+            self._log.clear()
+            self._log_floor = self.revision
+            return
+        self._log.append((self.revision, slots))
+        if sum(s.numel() for _, s in self._log) > _LOG_SLOTS:
+            self._log_floor = self._log.pop(0)[0]
+
+    def changed_since(self, revision: int) -> torch.Tensor | None:
+        """Slots changed after ``revision``; None when a reader must rebuild everything."""
+        if revision < self._log_floor:
+            return None
+        parts = [s for r, s in self._log if r > revision]
+        return torch.cat(parts).unique() if parts else torch.empty(0, dtype=torch.int64)
+
+    def slot_is_live(self, slots: torch.Tensor) -> torch.Tensor:
+        return (slots - self.first_serial) % self.start.numel() < self.num_episodes
 
     # -- queries ---------------------------------------------------------------
     @property
@@ -86,6 +116,7 @@ class EpisodeIndex:
             return
         if traj_first is not None and self.open_traj != traj_first:
             self.close_open()  # before eviction, so an emptied episode is dropped, not kept open
+        first_before, slots_before = self.first_serial, self.start.numel()
         self._evict(evicted)
         continuing = self._newest_open()
         offset = torch.zeros(n, dtype=torch.int64)
@@ -110,6 +141,11 @@ class EpisodeIndex:
         self.closed[slots] = ends[last_pos]
         self.next_serial = new_last + 1
         self.open_traj = traj_last
+        if self.start.numel() != slots_before:
+            self._changed(None)  # _reserve remapped every slot
+        else:
+            dropped_or_trimmed = self._slots(first_before, self.first_serial + 1)
+            self._changed(torch.cat([dropped_or_trimmed, self._slots(base, self.next_serial)]))
 
     def _evict(self, k: int) -> None:
         """Drop the ``k`` oldest steps: whole oldest episodes, then the head of the next."""
@@ -147,6 +183,7 @@ class EpisodeIndex:
     def close_open(self) -> None:
         if self._newest_open():
             self.closed[self._newest_slot()] = True
+            self._changed(torch.tensor([self._newest_slot()]))
 
     def rebuild(self, order: torch.Tensor, ends: torch.Tensor, traj_last: int | None = None) -> None:
         """Recompute the index from scratch for rows ``order`` (oldest first)."""
@@ -157,6 +194,7 @@ class EpisodeIndex:
         # Serials keep growing: a reference to an old episode never matches a new one.
         self.first_serial = self.next_serial
         self.open_traj = None
+        self._changed(None)
 
     # -- persistence -----------------------------------------------------------
     def state(self) -> dict:
@@ -182,3 +220,4 @@ class EpisodeIndex:
         self.start[slot] = torch.as_tensor(state["start"], dtype=torch.int64)
         self.length[slot] = torch.as_tensor(state["length"], dtype=torch.int64)
         self.closed[slot] = torch.as_tensor(state["closed"], dtype=torch.bool)
+        self._changed(None)

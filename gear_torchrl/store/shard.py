@@ -8,6 +8,7 @@ leaves the shard as it was.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Sequence, Union
 
 import numpy as np
@@ -26,6 +27,24 @@ DEFAULT_END_KEYS: tuple[NestedKey, ...] = (("next", "done"), ("next", "truncated
 
 class EmptyStoreError(RuntimeError):
     """Reading from a store that holds no rows."""
+
+
+@dataclass(frozen=True)
+class Windows:
+    """``seq_len`` ring rows from each start; positions outside ``[valid_begin, valid_end)`` are padding."""
+
+    starts: torch.Tensor  # int64 [W], ring row of position 0 (may be negative: wraps)
+    seq_len: int
+    valid_begin: torch.Tensor  # int64 [W]
+    valid_end: torch.Tensor  # int64 [W]
+
+    def rows(self, capacity: int) -> torch.Tensor:
+        """Flat ring rows of every position, padding included: [W * seq_len]."""
+        return ((self.starts[:, None] + torch.arange(self.seq_len)) % capacity).reshape(-1)
+
+    def mask(self) -> torch.Tensor:
+        pos = torch.arange(self.seq_len)
+        return ((pos >= self.valid_begin[:, None]) & (pos < self.valid_end[:, None])).reshape(-1)
 
 
 def as_index_tensor(index: Index, bound: int, what: str) -> torch.Tensor:
@@ -278,6 +297,21 @@ class Shard:
         if scalar or rows.ndim != 1:
             flat = [t.reshape((*lead, *t.shape[1:])) for t in flat]
         return self.spec.unflatten(flat, lead, device=out_device or self.device)
+
+    def read_windows(self, windows: Windows, out_device: torch.device | None = None,
+                     keys: Sequence[NestedKey] | None = None) -> Data:
+        """Windows as a flat batch of ``W * seq_len`` rows, padding zero-filled (all columns, or ``keys``)."""
+        if self.spec is None or self.size == 0:
+            raise EmptyStoreError("cannot read from an empty storage: write some data first")
+        device = out_device or self.device
+        flat, _ = gather.gather_windows(self.columns, windows.starts, windows.seq_len, device,
+                                        windows.valid_begin, windows.valid_end)
+        return self.spec.unflatten(flat, torch.Size([flat[0].shape[0]]), device=device)
+
+    def column(self, key: NestedKey) -> torch.Tensor | None:
+        """The buffer of one column, or None if the data has no such key."""
+        i = None if self.spec is None else self.spec.find(key)
+        return None if i is None else self.columns[i]
 
 
 def _num_rows(data: Data) -> int:

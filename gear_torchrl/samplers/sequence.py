@@ -1,0 +1,208 @@
+"""GearSequenceSampler: windows of steps inside episodes, from the episode index.
+
+The successor of GEAR's subscribe patterns and TorchRL's ``SliceSampler``:
+no scan of done flags at sample time. A tree over episode slots holds each
+episode's number of windows (kept current from the index's change log), so a
+batch costs O(batch · log episodes): pick episodes by window count, then an
+offset inside each.
+
+The batch comes back in ``SliceSampler``'s layout: ``num_windows * window_len``
+flat steps that reshape to ``[num_windows, window_len]``, ``("next",
+"truncated")`` marking each window's last valid step and ``("next", "done")``
+or-ed with it, plus the validity mask under ``("collector", "mask")``.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torchrl.data.replay_buffers.samplers import Sampler
+
+from gear_torchrl import gather
+from gear_torchrl.samplers.trees import PriorityTrees
+from gear_torchrl.storage import GearStorage
+from gear_torchrl.store.episodes import EpisodeIndex
+from gear_torchrl.store.shard import Windows
+from gear_torchrl.store.spec import NestedKey
+
+_MAX_REJECTION_ROUNDS = 16
+
+
+class GearSequenceSampler(Sampler):
+    """Windows of ``burn_in + seq_len`` steps inside one episode each.
+
+    Args:
+        seq_len: training steps per window.
+        num_windows: windows per batch; the batch size must be a multiple of
+            ``burn_in + seq_len`` when it is None (like ``SliceSampler``'s ``slice_len``).
+        burn_in: steps before the training steps (R2D2's burn-in). With padding
+            they may reach before the episode start (head padding).
+        strict_length: only windows fully inside an episode; otherwise windows
+            start at every step and run past the episode end (tail padding).
+        uniform_over: ``"windows"`` (each window equally likely) or ``"episodes"``
+            (each eligible episode equally likely, then a window inside it).
+        include_open: sample the episode still being written too.
+        cross_ring_end: allow windows whose rows wrap from the last ring row to
+            the first (still one episode; windows never span the write cursor).
+    """
+
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        num_windows: int | None = None,
+        burn_in: int = 0,
+        strict_length: bool = True,
+        uniform_over: Literal["windows", "episodes"] = "windows",
+        include_open: bool = True,
+        cross_ring_end: bool = True,
+        mask_key: NestedKey = ("collector", "mask"),
+        done_key: NestedKey = ("next", "done"),
+        truncated_key: NestedKey = ("next", "truncated"),
+        terminated_key: NestedKey = ("next", "terminated"),
+    ) -> None:
+        if seq_len < 1 or burn_in < 0:
+            raise ValueError(f"seq_len must be >= 1 and burn_in >= 0, got seq_len={seq_len}, burn_in={burn_in}")
+        if uniform_over not in ("windows", "episodes"):
+            raise ValueError(f"uniform_over must be 'windows' or 'episodes', got {uniform_over!r}")
+        self.seq_len = seq_len
+        self.burn_in = burn_in
+        self.window_len = burn_in + seq_len
+        self.num_windows = num_windows
+        self.strict_length = strict_length
+        self.uniform_over = uniform_over
+        self.include_open = include_open
+        self.cross_ring_end = cross_ring_end
+        self.mask_key, self.done_key = mask_key, done_key
+        self.truncated_key, self.terminated_key = truncated_key, terminated_key
+        self._tree: PriorityTrees | None = None
+        self._seen: tuple[int, int] = (-1, -1)  # (id of the episode index, its revision)
+
+    # -- per-episode window counts ----------------------------------------------------
+    def _windows_in(self, length: torch.Tensor) -> torch.Tensor:
+        if self.strict_length:
+            return (length - self.window_len + 1).clamp_min(0)
+        return length
+
+    def _weights(self, episodes: EpisodeIndex, slots: torch.Tensor) -> torch.Tensor:
+        count = self._windows_in(episodes.length[slots])
+        count = torch.where(episodes.slot_is_live(slots), count, 0)
+        if not self.include_open:
+            count = torch.where(episodes.closed[slots], count, 0)
+        if self.uniform_over == "episodes":
+            count = (count > 0).to(count.dtype)
+        return count.to(torch.float64)
+
+    def _refresh(self, episodes: EpisodeIndex) -> None:
+        """Bring the window-count tree up to the index's revision."""
+        slots = None if self._seen[0] != id(episodes) else episodes.changed_since(self._seen[1])
+        if slots is None or self._tree is None or self._tree.capacity != episodes.start.numel():
+            self._tree = PriorityTrees(episodes.start.numel())
+            slots = torch.arange(episodes.start.numel())
+        if slots.numel():
+            self._tree.set(slots, self._weights(episodes, slots))
+        self._seen = (id(episodes), episodes.revision)
+
+    # -- sampling -----------------------------------------------------------------------
+    def sample(self, storage: GearStorage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        if not isinstance(storage, GearStorage):
+            raise TypeError(f"GearSequenceSampler needs a GearStorage (its episode index), got {type(storage).__name__}")
+        shard = storage.shard
+        if len(storage) == 0:
+            raise RuntimeError("cannot sample from an empty storage: write some data first")
+        if not shard.tracks_episodes:
+            raise RuntimeError("GearSequenceSampler needs rows that are single steps (batch_size [] per row)")
+        num_windows = self._num_windows(batch_size)
+        episodes = shard.episodes
+        self._refresh(episodes)
+        if not self._tree.total > 0:
+            raise RuntimeError(self._nothing_to_sample(episodes))
+        windows = self._draw(episodes, num_windows, shard.capacity)
+        index = windows.rows(shard.capacity)
+        storage.plan_windows(index, windows)
+        return index, self._markers(shard, windows)
+
+    def _num_windows(self, batch_size: int) -> int:
+        if self.num_windows is not None:
+            if batch_size != self.num_windows * self.window_len:
+                raise ValueError(f"batch size {batch_size} is not num_windows * window_len = "
+                                 f"{self.num_windows} * {self.window_len}")
+            return self.num_windows
+        if batch_size % self.window_len:
+            raise ValueError(f"batch size {batch_size} is not a multiple of the window length {self.window_len}")
+        return batch_size // self.window_len
+
+    def _draw(self, episodes: EpisodeIndex, count: int, capacity: int) -> Windows:
+        windows = self._draw_once(episodes, count)
+        if self.cross_ring_end:
+            return windows
+        for _ in range(_MAX_REJECTION_ROUNDS):
+            wraps = self._wraps(windows, capacity)
+            if not bool(wraps.any()):
+                return windows
+            redraw = self._draw_once(episodes, int(wraps.sum()))
+            for name in ("starts", "valid_begin", "valid_end"):
+                getattr(windows, name)[wraps] = getattr(redraw, name)
+        raise RuntimeError("could not draw windows that stay off the ring end: almost every window wraps; "
+                           "use cross_ring_end=True")
+
+    def _wraps(self, windows: Windows, capacity: int) -> torch.Tensor:
+        first = (windows.starts + windows.valid_begin) % capacity
+        return first + (windows.valid_end - windows.valid_begin) > capacity
+
+    def _draw_once(self, episodes: EpisodeIndex, count: int) -> Windows:
+        slots = self._tree.find(torch.rand(count, dtype=torch.float64) * self._tree.total)
+        length = episodes.length[slots]
+        choices = self._windows_in(length)
+        offset = (torch.rand(count, dtype=torch.float64) * choices).long().clamp_max(choices - 1)
+        # position 0 of the window, relative to the episode's first step
+        first = offset if self.strict_length else offset - self.burn_in
+        starts = episodes.start[slots] + first
+        valid_begin = (-first).clamp_min(0)
+        valid_end = torch.minimum(length - first, torch.full_like(first, self.window_len))
+        return Windows(starts, self.window_len, valid_begin, valid_end)
+
+    def _markers(self, shard, windows: Windows) -> dict[str, Any]:
+        """SliceSampler's trajectory markers, read from the few columns they need."""
+        mask = windows.mask()
+        truncated = torch.zeros(mask.numel(), 1, dtype=torch.bool)
+        last = torch.arange(windows.starts.numel()) * windows.seq_len + windows.valid_end - 1
+        truncated[last] = True
+        info: dict[str, Any] = {self.mask_key: mask, self.truncated_key: truncated}
+        for key, merge in ((self.done_key, True), (self.terminated_key, False)):
+            column = shard.column(key)
+            if column is None:
+                stored = torch.zeros_like(truncated)
+            else:
+                (stored,), _ = gather.gather_windows([column], windows.starts, windows.seq_len, column.device,
+                                                     windows.valid_begin, windows.valid_end)
+                stored = stored.reshape(truncated.shape[0], -1).any(-1, keepdim=True)
+            info[key] = stored | truncated if merge else stored
+        return info
+
+    def _nothing_to_sample(self, episodes: EpisodeIndex) -> str:
+        longest = int(episodes.live().length.max()) if episodes.num_episodes else 0
+        if self.strict_length:
+            return (f"no stored episode holds a window of {self.window_len} steps (longest: {longest} steps); "
+                    "use strict_length=False to pad, or a shorter seq_len/burn_in")
+        return "no episode can be sampled (include_open=False and every stored episode is still open?)"
+
+    # -- TorchRL contract -------------------------------------------------------------
+    def _empty(self) -> None:
+        self._tree, self._seen = None, (-1, -1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # everything is derived from the storage's episode index
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._empty()
+
+    def dumps(self, path) -> None:
+        """Nothing to save: the window tree is rebuilt from the storage's episode index."""
+
+    def loads(self, path) -> None:
+        self._empty()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(seq_len={self.seq_len}, burn_in={self.burn_in}, "
+                f"strict_length={self.strict_length}, uniform_over={self.uniform_over!r})")
