@@ -163,22 +163,24 @@ class GearSequenceSampler(Sampler):
         return Windows(starts, self.window_len, valid_begin, valid_end)
 
     def _markers(self, shard, windows: Windows) -> dict[str, Any]:
-        """SliceSampler's trajectory markers, read from the few columns they need."""
-        mask = windows.mask()
-        truncated = torch.zeros(mask.numel(), 1, dtype=torch.bool)
-        last = torch.arange(windows.starts.numel()) * windows.seq_len + windows.valid_end - 1
-        truncated[last] = True
-        info: dict[str, Any] = {self.mask_key: mask, self.truncated_key: truncated}
-        for key, merge in ((self.done_key, True), (self.terminated_key, False)):
-            column = shard.column(key)
-            if column is None:
-                stored = torch.zeros_like(truncated)
-            else:
-                (stored,), _ = gather.gather_windows([column], windows.starts, windows.seq_len, column.device,
-                                                     windows.valid_begin, windows.valid_end)
-                stored = stored.reshape(truncated.shape[0], -1).any(-1, keepdim=True)
-            info[key] = stored | truncated if merge else stored
-        return info
+        """SliceSampler's trajectory markers, read from the one or two flag columns they need."""
+        num_steps = windows.starts.numel() * windows.seq_len
+        truncated = torch.zeros(num_steps, 1, dtype=torch.bool)
+        truncated[torch.arange(windows.starts.numel()) * windows.seq_len + windows.valid_end - 1] = True
+        keys = [k for k in (self.done_key, self.terminated_key) if shard.column(k) is not None]
+        stored, mask = {}, None
+        if keys:
+            columns = [shard.column(k) for k in keys]
+            flags, mask = gather.gather_windows(columns, windows.starts, windows.seq_len, columns[0].device,
+                                                windows.valid_begin, windows.valid_end)
+            stored = {k: f.reshape(num_steps, -1).any(-1, keepdim=True) for k, f in zip(keys, flags)}
+        no_flag = torch.zeros_like(truncated)
+        return {
+            self.mask_key: windows.mask() if mask is None else mask,
+            self.truncated_key: truncated,
+            self.done_key: stored.get(self.done_key, no_flag) | truncated,
+            self.terminated_key: stored.get(self.terminated_key, no_flag),
+        }
 
     def _nothing_to_sample(self, episodes: EpisodeIndex) -> str:
         longest = int(episodes.live().length.max()) if episodes.num_episodes else 0

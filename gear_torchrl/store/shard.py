@@ -40,7 +40,10 @@ class Windows:
 
     def rows(self, capacity: int) -> torch.Tensor:
         """Flat ring rows of every position, padding included: [W * seq_len]."""
-        return ((self.starts[:, None] + torch.arange(self.seq_len)) % capacity).reshape(-1)
+        rows = (self.starts % capacity)[:, None] + torch.arange(self.seq_len)
+        if self.seq_len > capacity:
+            return (rows % capacity).reshape(-1)
+        return torch.where(rows >= capacity, rows - capacity, rows).reshape(-1)  # cheaper than a modulo
 
     def mask(self) -> torch.Tensor:
         pos = torch.arange(self.seq_len)

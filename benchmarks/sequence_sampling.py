@@ -1,0 +1,88 @@
+"""Sequence windows: GearSequenceSampler against TorchRL's SliceSampler as the store grows.
+
+Windows of 64 steps, 256 per batch, from 1000-step episodes; time per batch
+through TensorDictReplayBuffer at each store size, and a plot of both curves.
+
+    .venv/bin/python benchmarks/sequence_sampling.py [--sizes 100000 1000000 10000000] \
+        [--out bench_out/sequence.json] [--plot bench_out/sequence.png]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, SliceSampler, TensorDictReplayBuffer
+
+from gear_torchrl import GearSequenceSampler, GearStorage
+from harness import interleaved_medians, table, write_json
+
+SEQ_LEN, WINDOWS, EPISODE = 64, 256, 1000
+
+
+def fill(rb: TensorDictReplayBuffer, steps: int) -> None:
+    chunk = 1_000_000
+    for first in range(0, steps, chunk):
+        n = min(chunk, steps - first)
+        done = torch.zeros(n, 1, dtype=torch.bool)
+        done[(EPISODE - 1 - first % EPISODE)::EPISODE] = True
+        rb.extend(TensorDict({"obs": torch.randn(n, 8), "action": torch.randint(0, 4, (n,)),
+                              ("next", "done"): done}, [n]))
+
+
+def measure(size: int, repeats: int) -> dict:
+    gear = TensorDictReplayBuffer(storage=GearStorage(size), sampler=GearSequenceSampler(SEQ_LEN),
+                                  batch_size=SEQ_LEN * WINDOWS)
+    ref = TensorDictReplayBuffer(storage=LazyTensorStorage(size), batch_size=SEQ_LEN * WINDOWS,
+                                 sampler=SliceSampler(slice_len=SEQ_LEN, end_key=("next", "done")))
+    fill(gear, size)
+    fill(ref, size)
+    inner = 10 if size <= 1_000_000 else 2
+    times = interleaved_medians({"gear": gear.sample, "slice": ref.sample}, repeats=repeats, inner=inner, warmup=1)
+    return {"stored_steps": size, "gear_ms": round(times["gear"] * 1e3, 3),
+            "SliceSampler_ms": round(times["slice"] * 1e3, 3),
+            "speedup": round(times["slice"] / times["gear"], 1)}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r["stored_steps"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.loglog(sizes, [r["SliceSampler_ms"] for r in rows], "o-", label="TorchRL SliceSampler + LazyTensorStorage")
+    ax.loglog(sizes, [r["gear_ms"] for r in rows], "o-", label="GearSequenceSampler + GearStorage")
+    ax.set_xlabel("stored steps")
+    ax.set_ylabel("ms per batch (256 windows x 64 steps)")
+    ax.set_title("Sequence sampling time against store size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--plot", default=None)
+    args = parser.parse_args()
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    rows = [measure(size, args.repeats) for size in args.sizes]
+    print(f"== windows of {SEQ_LEN} steps, {WINDOWS} per batch, {EPISODE}-step episodes "
+          f"(median of {args.repeats}) ==")
+    print(table(rows, ["stored_steps", "gear_ms", "SliceSampler_ms", "speedup"]))
+    flat = rows[-1]["gear_ms"] / rows[0]["gear_ms"]
+    print(f"GearSequenceSampler time at {args.sizes[-1]:,} / at {args.sizes[0]:,}: {flat:.2f}x")
+    write_json(args.out, {"benchmark": "sequence_sampling", "results": rows, "flatness": round(flat, 2)})
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
