@@ -1,4 +1,6 @@
 // Python face of the extension: raw tensors in, raw tensors out.
+#include <torch/extension.h>
+
 #include "gather.h"
 #include "trees.h"
 

@@ -6,7 +6,7 @@
 // construction, so a bad start can never read outside a column.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <optional>
 #include <vector>

@@ -3,7 +3,7 @@
 // and 2i+1; the leaves are nodes [L, 2L) with L a power of two; node 0 is unused.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 namespace gear {
 

@@ -1,14 +1,46 @@
-"""Gather: rows or windows of every column into a batch, in one extension call.
+"""Gather: rows or windows of every column into a batch, in one kernel call.
 
 Rows are windows of length one, so both go through the same kernel: a CPU
 loop of memcpys, or (for CUDA outputs) one CUDA kernel that reads pinned host
-or device memory in place.
+or device memory in place. The CUDA kernel comes from the extension when it
+was built with CUDA, else the same source is compiled at run time by CuPy.
+This module is the only place that chooses.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
+from gear_torchrl import cupy_kernels
 from gear_torchrl._ext import _C
+
+# Tests set this to run the CuPy path on a machine whose extension has CUDA.
+_FORCE_CUPY = os.environ.get("GEAR_TORCHRL_FORCE_CUPY") == "1"
+
+
+def cuda_unavailable_reason() -> str | None:
+    """None when CUDA gathers can run here, else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    if _C.built_with_cuda() and not _FORCE_CUPY:
+        return None
+    reason = cupy_kernels.unavailable_reason()
+    if reason is None:
+        return None
+    return (f"the extension was built without its CUDA part and the CuPy fallback cannot run: {reason}. "
+            "Rebuild with a CUDA torch and nvcc (GEAR_TORCHRL_CUDA=ON) or install CuPy")
+
+
+def _use_cupy() -> bool:
+    return _FORCE_CUPY or not _C.built_with_cuda()
+
+
+def _launch(columns, out, starts, valid_begin=None, valid_end=None, seq_len=1, mask=None) -> None:
+    if out[0].is_cuda and _use_cupy():
+        cupy_kernels.gather(columns, out, starts, valid_begin, valid_end, seq_len, mask)
+    else:
+        _C.gather(columns, out, starts, valid_begin, valid_end, seq_len, mask)
 
 
 def _empty_like_rows(columns: list[torch.Tensor], num_rows: int, device: torch.device) -> list[torch.Tensor]:
@@ -16,9 +48,9 @@ def _empty_like_rows(columns: list[torch.Tensor], num_rows: int, device: torch.d
 
 
 def gather_rows(columns: list[torch.Tensor], rows: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
-    """``[c[rows] for c in columns]``; ``rows`` must already be in range."""
+    """``[c[rows] for c in columns]`` on ``device``; ``rows`` must already be in range."""
     out = _empty_like_rows(columns, rows.numel(), device)
-    _C.gather(columns, out, rows)
+    _launch(columns, out, rows)
     return out
 
 
@@ -36,5 +68,14 @@ def gather_windows(
     """
     out = _empty_like_rows(columns, starts.numel() * seq_len, device)
     mask = torch.empty(starts.numel() * seq_len, dtype=torch.bool, device=device)
-    _C.gather(columns, out, starts, valid_begin, valid_end, seq_len, mask)
+    _launch(columns, out, starts, valid_begin, valid_end, seq_len, mask)
     return out, mask
+
+
+def host_register(tensor: torch.Tensor) -> None:
+    """Pin and map a CPU tensor's memory in place so CUDA gathers read it with zero copy."""
+    (cupy_kernels.host_register if _use_cupy() else _C.cuda_host_register)(tensor)
+
+
+def host_unregister(tensor: torch.Tensor) -> None:
+    (cupy_kernels.host_unregister if _use_cupy() else _C.cuda_host_unregister)(tensor)

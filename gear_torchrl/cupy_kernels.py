@@ -1,0 +1,112 @@
+"""The CUDA gather without the extension's CUDA part: the same kernel source, compiled by CuPy.
+
+A ``pip install`` on a machine without nvcc builds only the C++ part; on a
+GPU machine with CuPy this module compiles ``csrc/cuda/gather_kernel.cuh``
+(shipped in the package as ``gear_torchrl/kernels/gather_kernel.cuh``) with
+NVRTC at first use and launches it with the calling convention documented at
+the top of that file. Nothing here is a copy of the kernel.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_PACKAGE_KERNEL = Path(__file__).parent / "kernels" / "gather_kernel.cuh"
+_SOURCE_KERNEL = Path(__file__).parent.parent / "csrc" / "cuda" / "gather_kernel.cuh"
+_THREADS = 256
+_MASK_ITEM = 1024
+_CHUNK_BYTES = 2048
+
+
+def kernel_source_path() -> Path:
+    for path in (_PACKAGE_KERNEL, _SOURCE_KERNEL):
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"gather kernel source not found at {_PACKAGE_KERNEL} or {_SOURCE_KERNEL}")
+
+
+def unavailable_reason() -> str | None:
+    """None when the CuPy path can run, else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return "CuPy is not installed (pip install cupy-cuda13x)"
+    try:
+        kernel_source_path()
+    except FileNotFoundError as err:
+        return str(err)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device_index: int):
+    import cupy as cp
+
+    with cp.cuda.Device(device_index):
+        module = cp.RawModule(code=kernel_source_path().read_text(), options=("--std=c++17",))
+        return module.get_function("gear_gather_kernel")
+
+
+def _device_address(column: torch.Tensor, index: int) -> int:
+    if column.is_cuda:
+        return column.data_ptr()
+    import cupy as cp
+
+    try:
+        attributes = cp.cuda.runtime.pointerGetAttributes(column.data_ptr())
+    except cp.cuda.runtime.CUDARuntimeError as err:
+        raise RuntimeError(f"gather: column {index} is pageable CPU memory the GPU cannot read; pin it") from err
+    if attributes.type != cp.cuda.runtime.memoryTypeHost or not attributes.devicePointer:
+        raise RuntimeError(f"gather: column {index} is pageable CPU memory the GPU cannot read in place; "
+                           "pin it with .pin_memory() or gear_torchrl.gather.host_register()")
+    return int(attributes.devicePointer)
+
+
+def gather(columns: list[torch.Tensor], out: list[torch.Tensor], starts: torch.Tensor,
+           valid_begin: torch.Tensor | None, valid_end: torch.Tensor | None, seq_len: int,
+           mask: torch.Tensor | None) -> None:
+    """Same contract as ``_C.gather`` for CUDA outputs (see csrc/gather.h)."""
+    import cupy as cp
+
+    device = out[0].device
+    num_windows, capacity = starts.numel(), columns[0].shape[0]
+    descriptors, items = [], 0
+    for c, (column, target) in enumerate(zip(columns, out)):
+        row_bytes = column[0].numel() * column.element_size() if capacity else 0
+        descriptors += [_device_address(column, c), target.data_ptr(), row_bytes, items]
+        items += num_windows * ((row_bytes * seq_len + _CHUNK_BYTES - 1) // _CHUNK_BYTES)
+    copy_items = items
+    if mask is not None:
+        items += (num_windows * seq_len + _MASK_ITEM - 1) // _MASK_ITEM
+    if items == 0:
+        return
+    on_device = lambda t: None if t is None else t.to(device, torch.int64, non_blocking=True)  # noqa: E731
+    desc = torch.tensor(np.array(descriptors, dtype=np.uint64).view(np.int64), device=device)
+    starts_d, begin_d, end_d = on_device(starts), on_device(valid_begin), on_device(valid_end)
+    pointer = lambda t: np.uint64(0 if t is None else t.data_ptr())  # noqa: E731
+    blocks = (items + _THREADS // 32 - 1) // (_THREADS // 32)
+    stream = cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+    with cp.cuda.Device(device.index), stream:
+        _kernel(device.index)(
+            (blocks,), (_THREADS,),
+            (pointer(desc), np.int32(len(columns)), pointer(starts_d), pointer(begin_d), pointer(end_d),
+             pointer(mask), np.int64(num_windows), np.int64(seq_len), np.int64(capacity), np.int64(_CHUNK_BYTES),
+             np.int64(copy_items), np.int64(items)))
+
+
+def host_register(tensor: torch.Tensor) -> None:
+    import cupy as cp
+
+    nbytes = tensor.numel() * tensor.element_size()
+    cp.cuda.runtime.hostRegister(tensor.data_ptr(), nbytes, 0x02 | 0x01)  # mapped | portable
+
+
+def host_unregister(tensor: torch.Tensor) -> None:
+    import cupy as cp
+
+    cp.cuda.runtime.hostUnregister(tensor.data_ptr())

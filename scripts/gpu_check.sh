@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# One command on a fresh GPU machine: install carried wheels, build the
+# extension with CUDA, run tests/gpu, the GPU gather benchmark and the gather
+# tests under compute-sanitizer memcheck. Logs and JSON go to $OUT (default
+# ./gpu_out); a one-screen summary is printed at the end.
+#
+#   scripts/gpu_check.sh                        # everything
+#   GPU_CHECK_STEPS="build tests" scripts/gpu_check.sh
+#
+# Environment: PYTHON (default python3), GEAR_TORCHRL_CUDA_ARCHS (default 90),
+# CUDA_HOME (default: where nvcc is), GPU_CHECK_STEPS (default
+# "build tests bench memcheck"), GPU_CHECK_BENCH_ARGS (extra benchmark args),
+# GPU_CHECK_MEMCHECK_K (pytest -k for the memcheck run), GPU_CHECK_TIMEOUT_{TESTS,BENCH,MEMCHECK}
+# (seconds per step; 400, 400, 500).
+# Exit status: 0 when every step that ran passed.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+ROOT=$PWD
+OUT="${OUT:-$ROOT/gpu_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+STEPS="${GPU_CHECK_STEPS:-build tests bench memcheck}"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+status=0
+note() { echo "== $*" | tee -a "$SUMMARY"; }
+has_step() { [[ " $STEPS " == *" $1 "* ]]; }
+export PYTHONUNBUFFERED=1
+
+# ---- facts about the machine ----------------------------------------------
+NVCC="$(command -v nvcc || true)"
+[[ -z "$NVCC" && -x /usr/local/cuda/bin/nvcc ]] && NVCC=/usr/local/cuda/bin/nvcc
+export CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "${NVCC:-/usr/local/cuda/bin/nvcc}")")}"
+export PATH="$CUDA_HOME/bin:$PATH"
+{
+  date -u
+  nvidia-smi || true
+  "$PY" -c "import sys, torch; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())"
+  "$NVCC" --version || true
+  cmake --version || true
+  "$PY" -m pip list 2>/dev/null | grep -iE "^(torch|scikit.build.core|cmake|ninja|pybind11|pytest|cupy|numpy|torchrl|tensordict) " || true
+  nproc
+  free -g || true
+  command -v g++ && g++ -v 2>&1 | grep -oE "with-static-standard-libraries|gcc version.*"
+} >"$OUT/env.txt" 2>&1
+note "env: $(grep -m1 -E '^torch ' "$OUT/env.txt"); nvcc $("$NVCC" --version 2>/dev/null | grep -oE 'release [0-9.]+'); $(cmake --version 2>/dev/null | head -1)"
+
+# ---- carried wheels (.whl/*.whl, e.g. torchrl + tensordict) ----------------
+if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$ROOT"/.whl/*.whl \
+      >"$OUT/wheels.log" 2>&1; then
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    note "wheels: installed $(ls "$ROOT"/.whl/*.whl | wc -l) carried wheels into /tmp/site"
+  else
+    note "wheels: install FAILED (see wheels.log)"; status=1
+  fi
+fi
+
+# ---- build ------------------------------------------------------------------
+if has_step build; then
+  export GEAR_TORCHRL_CUDA=ON GEAR_TORCHRL_CUDA_ARCHS="${GEAR_TORCHRL_CUDA_ARCHS:-90}"
+  export CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
+  # On the lent GPU image g++'s own libstdc++.so (a relative symlink in its
+  # relocated library folder) dangles, so `-lstdc++` falls back to
+  # libstdc++.a: the extension then carries a second, uninitialised copy of
+  # the iostreams and the first TORCH_CHECK message (an ostringstream)
+  # segfaults. Linking the versioned shared library by name avoids it and is
+  # harmless on a healthy toolchain.
+  STDCXX_SO="$(g++ -print-file-name=libstdc++.so 2>/dev/null || true)"
+  if [[ -n "$STDCXX_SO" && ! -e "$STDCXX_SO" ]]; then
+    note "toolchain: g++'s $STDCXX_SO is missing or dangling; linking libstdc++.so.6 by name"
+  fi
+  export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_CXX_STANDARD_LIBRARIES=-l:libstdc++.so.6"
+  t0=$SECONDS
+  if "$PY" -m pip install --no-build-isolation --no-deps -v -e "$ROOT" >"$OUT/build.log" 2>&1; then
+    note "build: ok in $((SECONDS - t0)) s (GEAR_TORCHRL_CUDA_ARCHS=$GEAR_TORCHRL_CUDA_ARCHS)"
+    SO="$(find "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/gear_torchrl" -name '_C*.so' | head -1)"
+    [[ -n "$SO" ]] && note "build: $SO defines $(nm -DC --defined-only "$SO" | grep -c 'std::basic_ostream') std::basic_ostream symbols (0 = libstdc++ is shared)"
+  else
+    note "build: FAILED in $((SECONDS - t0)) s (see build.log)"; tail -40 "$OUT/build.log"; status=1
+    STEPS=""  # nothing else can run
+  fi
+fi
+
+# Plugins that may import torchrl (a root conftest) must not stop the kernel
+# tests on a machine without it.
+PYTEST_ARGS=(-p no:cacheprovider -W ignore::pytest.PytestUnknownMarkWarning)
+if ! "$PY" -c "import torchrl, tensordict" >/dev/null 2>&1; then
+  PYTEST_ARGS+=(--noconftest)
+fi
+
+# ---- tests --------------------------------------------------------------------
+if has_step tests; then
+  t0=$SECONDS
+  timeout "${GPU_CHECK_TIMEOUT_TESTS:-400}" "$PY" -m pytest tests/gpu -v -rs "${PYTEST_ARGS[@]}" >"$OUT/tests.log" 2>&1
+  rc=$?
+  note "tests: rc=$rc in $((SECONDS - t0)) s: $(tail -1 "$OUT/tests.log")"
+  grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/tests.log" | head -20 | tee -a "$SUMMARY"
+  [[ $rc -ne 0 && $rc -ne 5 ]] && status=1  # 5: nothing ran (no GPU): the skip reason is above
+fi
+
+# ---- benchmark ------------------------------------------------------------------
+if has_step bench; then
+  t0=$SECONDS
+  # shellcheck disable=SC2086
+  timeout "${GPU_CHECK_TIMEOUT_BENCH:-400}" "$PY" benchmarks/gpu_gather.py --out "$OUT/gpu_gather.json" ${GPU_CHECK_BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+  rc=$?
+  note "bench: rc=$rc in $((SECONDS - t0)) s"
+  cat "$OUT/bench.log" | tee -a "$SUMMARY"
+  [[ $rc -ne 0 ]] && status=1
+fi
+
+# ---- compute-sanitizer memcheck over the gather tests -----------------------------
+if has_step memcheck; then
+  SAN="$(command -v compute-sanitizer || true)"
+  if [[ -z "$SAN" ]]; then
+    note "memcheck: compute-sanitizer not found; skipped"
+  else
+    t0=$SECONDS
+    # Every kernel path (vector widths, padding, wrap, mask, many columns,
+    # odd offsets) without the slow multi-GiB cases.
+    MEMCHECK_K="not large and not cupy and not every_dtype and not 65536 and not register_errors"
+    # No caching allocator: out-of-bounds accesses past a tensor are then
+    # outside any allocation, so memcheck sees them.
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${GPU_CHECK_TIMEOUT_MEMCHECK:-500}" "$SAN" --tool memcheck --error-exitcode 3 --leak-check no \
+      "$PY" -m pytest tests/gpu -q -x "${PYTEST_ARGS[@]}" \
+      -k "${GPU_CHECK_MEMCHECK_K:-$MEMCHECK_K}" >"$OUT/memcheck.log" 2>&1
+    rc=$?
+    note "memcheck: rc=$rc in $((SECONDS - t0)) s: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1); $(grep -E '(passed|failed)' "$OUT/memcheck.log" | tail -1)"
+    [[ $rc -ne 0 ]] && status=1
+  fi
+fi
+
+note "gpu_check: status=$status (logs in $OUT)"
+exit $status

@@ -1,0 +1,93 @@
+"""Rate limiters: Reverb's rules, blocking with timeouts, wired into a TorchRL buffer."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torchrl.data import TensorDictReplayBuffer
+
+from helpers import make_steps
+from gear_torchrl import GearStorage, MinSize, RateLimiterTimeout, SampleToInsertRatio
+
+
+def gated_buffer(limiter, capacity=1000, batch=10):
+    rb = TensorDictReplayBuffer(storage=GearStorage(capacity), batch_size=batch)
+    return limiter.attach(rb)
+
+
+def test_min_size_blocks_sampling_until_enough_rows():
+    rb = gated_buffer(MinSize(50, timeout=0.2))
+    rb.extend(make_steps(30, seed=0))
+    with pytest.raises(RateLimiterTimeout, match="sampling needs 50 inserted rows"):
+        rb.sample()
+    rb.extend(make_steps(20, seed=1))
+    assert rb.sample().batch_size == torch.Size([10])
+
+
+def test_sample_to_insert_ratio_rule_matches_reverb():
+    limiter = SampleToInsertRatio(samples_per_insert=2.0, min_size_to_sample=10, error_buffer=4.0)
+    # below min size: inserts always allowed, samples never
+    assert limiter.can_insert(10) and not limiter.can_sample(1)
+    limiter.inserted(10)  # diff = 20, offset = 20, allowed diff range [16, 24]
+    assert limiter.can_sample(4) and not limiter.can_sample(5)
+    assert limiter.can_insert(2) and not limiter.can_insert(3)
+    limiter.sampled(4)  # diff = 16
+    assert not limiter.can_sample(1)
+    assert limiter.can_insert(4) and not limiter.can_insert(5)
+
+
+def test_inserter_and_sampler_threads_keep_the_ratio():
+    limiter = SampleToInsertRatio(samples_per_insert=4.0, min_size_to_sample=20, error_buffer=40.0, timeout=10)
+    rb = gated_buffer(limiter, capacity=10_000, batch=8)
+    ratios, errors = [], []
+
+    def insert():
+        try:
+            for i in range(40):
+                rb.extend(make_steps(5, seed=i))
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    def sample():
+        try:
+            for _ in range(90):
+                rb.sample()
+                ratios.append(limiter.inserts * limiter.samples_per_insert - limiter.samples)
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=insert), threading.Thread(target=sample)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    assert limiter.samples == 90 * 8 and limiter.inserts == 200
+    assert all(limiter.min_diff <= d <= limiter.max_diff for d in ratios), (min(ratios), max(ratios))
+
+
+def test_blocked_insert_times_out_with_a_clear_error_and_writes_nothing():
+    limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=5, error_buffer=2.0, timeout=0.1)
+    rb = gated_buffer(limiter)
+    rb.extend(make_steps(5, seed=0))
+    rb.extend(make_steps(2, seed=1))
+    start = time.monotonic()
+    with pytest.raises(RateLimiterTimeout, match="insert of 3 rows blocked for 0.1s"):
+        rb.extend(make_steps(3, seed=2))
+    assert time.monotonic() - start < 2
+    assert len(rb) == 7 and limiter.inserts == 7
+
+
+def test_empty_resets_counters_and_bad_arguments():
+    limiter = MinSize(5)
+    rb = gated_buffer(limiter)
+    rb.extend(make_steps(6, seed=0))
+    rb.empty()
+    assert limiter.inserts == 0 and len(rb) == 0
+    with pytest.raises(ValueError, match="error_buffer"):
+        SampleToInsertRatio(samples_per_insert=4.0, min_size_to_sample=1, error_buffer=1.0)
+    with pytest.raises(ValueError, match="min_size"):
+        MinSize(0)
