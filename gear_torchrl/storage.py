@@ -6,11 +6,12 @@ state lives in the shard, not in TensorStorage's fields.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 
+from gear_torchrl import gather
 from gear_torchrl.checkpointer import GearStorageCheckpointer
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, Windows
 from gear_torchrl.store.spec import Data, NestedKey
@@ -21,7 +22,11 @@ class GearStorage(TensorStorage):
 
     Args:
         max_size: number of rows (steps) held; older rows are overwritten.
-        device: where sampled batches are returned. ``"cpu"`` for now.
+        device: where sampled batches are returned (``"cpu"`` or a CUDA device).
+        memory: where the rows live. ``"host"`` (default): CPU memory, registered
+            with CUDA when ``device`` is CUDA so the GPU gathers batches straight
+            from it (zero copy, no staging). ``"device"``: GPU memory, when the
+            whole store fits.
         end_keys: flags that end an episode (those present in the data are used).
         traj_key: a trajectory-id key; an episode also ends where it changes.
         checkpointer: defaults to :class:`GearStorageCheckpointer`.
@@ -34,17 +39,24 @@ class GearStorage(TensorStorage):
         max_size: int,
         *,
         device: torch.device | str = "cpu",
+        memory: Literal["host", "device"] = "host",
         end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
         traj_key: NestedKey | None = None,
         checkpointer: GearStorageCheckpointer | None = None,
     ) -> None:
-        device = torch.device(device)
-        if device.type != "cpu":
-            raise ValueError(f"GearStorage(device={str(device)!r}) is not supported yet: use 'cpu'")
+        device = _resolve_device(device)
+        if memory not in ("host", "device"):
+            raise ValueError(f"memory must be 'host' or 'device', got {memory!r}")
+        if memory == "device" and device.type != "cuda":
+            raise ValueError("memory='device' needs device='cuda'")
         Storage.__init__(self, max_size, checkpointer=checkpointer)
         self.ndim = 1
         self.device = device
-        self._shard = Shard(self.max_size, device=device, end_keys=end_keys, traj_key=traj_key)
+        self.memory = memory
+        on_gpu = device.type == "cuda"
+        self._shard = Shard(self.max_size, device=device if memory == "device" else "cpu",
+                            register_host=on_gpu and memory == "host", out_device=device,
+                            end_keys=end_keys, traj_key=traj_key)
         self._last_cursor = None
         self._window_plan: tuple[torch.Tensor, Windows] | None = None
         self.__dict__["_storage_keys"] = None
@@ -86,7 +98,7 @@ class GearStorage(TensorStorage):
     def _rand_given_ndim(self, batch_size: int) -> torch.Tensor:
         if self._shard.size == 0:
             raise RuntimeError("cannot sample from an empty storage: write some data first")
-        return torch.randint(0, self._shard.size, (batch_size,), generator=self._rng)
+        return torch.randint(0, self._shard.size, (batch_size,), generator=self._rng, device=self.device)
 
     # -- episodes -------------------------------------------------------------------
     @property
@@ -154,5 +166,17 @@ class GearStorage(TensorStorage):
         spec = self._shard.spec
         keys = "<empty>" if spec is None else ", ".join(
             f"{c.key}: {c.dtype} {tuple(c.row_shape)}" for c in spec.columns)
-        return (f"{type(self).__name__}(len={len(self)}, max_size={self.max_size}, device={self.device}, "
+        return (f"{type(self).__name__}(len={len(self)}, max_size={self.max_size}, device={self.device}, memory={self.memory}, "
                 f"episodes={self._shard.episodes.num_episodes}, columns=[{keys}])")
+
+
+def _resolve_device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"GearStorage supports device 'cpu' or 'cuda', got {str(device)!r}")
+    reason = gather.cuda_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"GearStorage(device={str(device)!r}) cannot run here: {reason}")
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())

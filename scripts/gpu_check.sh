@@ -60,17 +60,12 @@ fi
 if has_step build; then
   export GEAR_TORCHRL_CUDA=ON GEAR_TORCHRL_CUDA_ARCHS="${GEAR_TORCHRL_CUDA_ARCHS:-90}"
   export CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
-  # On the lent GPU image g++'s own libstdc++.so (a relative symlink in its
-  # relocated library folder) dangles, so `-lstdc++` falls back to
-  # libstdc++.a: the extension then carries a second, uninitialised copy of
-  # the iostreams and the first TORCH_CHECK message (an ostringstream)
-  # segfaults. Linking the versioned shared library by name avoids it and is
-  # harmless on a healthy toolchain.
+  # CMakeLists.txt links libstdc++.so.6 by name: on the lent GPU image g++'s
+  # libstdc++.so symlink dangles and a static copy would otherwise be linked.
   STDCXX_SO="$(g++ -print-file-name=libstdc++.so 2>/dev/null || true)"
   if [[ -n "$STDCXX_SO" && ! -e "$STDCXX_SO" ]]; then
-    note "toolchain: g++'s $STDCXX_SO is missing or dangling; linking libstdc++.so.6 by name"
+    note "toolchain: g++'s $STDCXX_SO is missing or dangling (handled by CMakeLists.txt)"
   fi
-  export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_CXX_STANDARD_LIBRARIES=-l:libstdc++.so.6"
   t0=$SECONDS
   if "$PY" -m pip install --no-build-isolation --no-deps -v -e "$ROOT" >"$OUT/build.log" 2>&1; then
     note "build: ok in $((SECONDS - t0)) s (GEAR_TORCHRL_CUDA_ARCHS=$GEAR_TORCHRL_CUDA_ARCHS)"

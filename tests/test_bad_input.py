@@ -148,3 +148,14 @@ def test_loading_a_missing_or_damaged_checkpoint(tmp_path, storage):
 def test_bad_capacity():
     with pytest.raises(ValueError, match="capacity must be positive"):
         GearStorage(0)
+
+
+def test_cuda_device_without_a_gpu_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present here: tests/gpu covers GearStorage(device='cuda')")
+    with pytest.raises(RuntimeError, match=r"GearStorage\(device='cuda'\) cannot run here: no CUDA device"):
+        GearStorage(10, device="cuda")
+    with pytest.raises(ValueError, match="memory='device' needs device='cuda'"):
+        GearStorage(10, memory="device")
+    with pytest.raises(ValueError, match="device 'cpu' or 'cuda'"):
+        GearStorage(10, device="meta")

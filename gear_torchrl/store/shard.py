@@ -8,6 +8,7 @@ leaves the shard as it was.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -50,8 +51,11 @@ class Windows:
         return ((pos >= self.valid_begin[:, None]) & (pos < self.valid_end[:, None])).reshape(-1)
 
 
-def as_index_tensor(index: Index, bound: int, what: str) -> torch.Tensor:
+def as_index_tensor(index: Index, bound: int, what: str, device: torch.device | None = None) -> torch.Tensor:
     """``index`` as int64 rows in ``[0, bound)``; negatives count from ``bound``.
+
+    The rows stay on a CUDA device when ``device`` is that device (checking
+    their bounds then costs one synchronization), else they come to the CPU.
 
     Bool masks select rows; a 1-tuple (TorchRL's per-dimension index of a
     1-D storage) is its only element. Raises IndexError naming the first bad index.
@@ -65,8 +69,8 @@ def as_index_tensor(index: Index, bound: int, what: str) -> torch.Tensor:
     if isinstance(index, range):
         index = torch.arange(index.start, index.stop, index.step, dtype=torch.int64)
     rows = torch.as_tensor(index)
-    if rows.device.type != "cpu":
-        rows = rows.cpu()
+    if rows.device != (device or torch.device("cpu")):
+        rows = rows.to(device or "cpu")
     if rows.dtype == torch.bool:
         if rows.shape != (bound,):
             raise IndexError(f"a boolean {what} index must have shape ({bound},), got {tuple(rows.shape)}")
@@ -75,7 +79,7 @@ def as_index_tensor(index: Index, bound: int, what: str) -> torch.Tensor:
         raise IndexError(f"{what} indices must be integers, got {rows.dtype}")
     rows = rows.to(torch.int64)
     if rows.numel():
-        lo, hi = int(rows.min()), int(rows.max())
+        lo, hi = torch.stack([rows.min(), rows.max()]).tolist()
         if lo < -bound or hi >= bound:
             bad = lo if lo < -bound else hi
             raise IndexError(f"{what} index {bad} is out of range for {bound} rows")
@@ -96,15 +100,17 @@ class Shard:
         capacity: int,
         *,
         device: torch.device | str = "cpu",
-        pin_memory: bool = False,
+        register_host: bool = False,
+        out_device: torch.device | str | None = None,
         end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
         traj_key: NestedKey | None = None,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = int(capacity)
-        self.device = torch.device(device)
-        self.pin_memory = pin_memory
+        self.device = torch.device(device)  # where the columns live
+        self.register_host = register_host and self.device.type == "cpu"
+        self.out_device = torch.device(out_device) if out_device is not None else self.device
         self.end_keys = tuple(end_keys)
         self.traj_key = traj_key
         self.spec: TableSpec | None = None
@@ -116,11 +122,14 @@ class Shard:
 
     # -- layout ------------------------------------------------------------------
     def _allocate(self, spec: TableSpec) -> None:
-        pin = self.pin_memory and self.device.type == "cpu"
-        self.columns = [
-            torch.empty((self.capacity, *c.row_shape), dtype=c.dtype, device=self.device, pin_memory=pin)
-            for c in spec.columns
-        ]
+        self.columns = [torch.empty((self.capacity, *c.row_shape), dtype=c.dtype, device=self.device)
+                        for c in spec.columns]
+        if self.register_host:
+            # Registered in place (exact size; pin_memory() would round up to a power of two)
+            # so the CUDA gather reads the rows with zero copy.
+            for column in self.columns:
+                gather.host_register(column)
+            weakref.finalize(self, _unregister, list(self.columns))
         self.spec = spec
         self._end_columns = [i for k in self.end_keys if (i := spec.find(k)) is not None]
         self._traj_column = spec.find(self.traj_key) if self.traj_key is not None else None
@@ -289,27 +298,26 @@ class Shard:
         self.episodes.load(state["episodes"])
 
     # -- reads -----------------------------------------------------------------------
-    def read(self, index: Index, out_device: torch.device | None = None) -> Data:
-        """Rows at ``index`` (int, slice, sequence, array or tensor of any shape)."""
+    def read(self, index: Index) -> Data:
+        """Rows at ``index`` (int, slice, sequence, array or tensor of any shape), on ``out_device``."""
         if self.spec is None or self.size == 0:
             raise EmptyStoreError("cannot read from an empty storage: write some data first")
         scalar = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
-        rows = as_index_tensor(index, self.size, "read")
+        index_device = self.out_device if self.out_device.type == "cuda" else None
+        rows = as_index_tensor(index, self.size, "read", device=index_device)
         lead = torch.Size([]) if scalar else rows.shape
-        flat = gather.gather_rows(self.columns, rows.reshape(-1), device=out_device or self.device)
+        flat = gather.gather_rows(self.columns, rows.reshape(-1), device=self.out_device)
         if scalar or rows.ndim != 1:
             flat = [t.reshape((*lead, *t.shape[1:])) for t in flat]
-        return self.spec.unflatten(flat, lead, device=out_device or self.device)
+        return self.spec.unflatten(flat, lead, device=self.out_device)
 
-    def read_windows(self, windows: Windows, out_device: torch.device | None = None,
-                     keys: Sequence[NestedKey] | None = None) -> Data:
-        """Windows as a flat batch of ``W * seq_len`` rows, padding zero-filled (all columns, or ``keys``)."""
+    def read_windows(self, windows: Windows) -> Data:
+        """Windows as a flat batch of ``W * seq_len`` rows on ``out_device``, padding zero-filled."""
         if self.spec is None or self.size == 0:
             raise EmptyStoreError("cannot read from an empty storage: write some data first")
-        device = out_device or self.device
-        flat, _ = gather.gather_windows(self.columns, windows.starts, windows.seq_len, device,
+        flat, _ = gather.gather_windows(self.columns, windows.starts, windows.seq_len, self.out_device,
                                         windows.valid_begin, windows.valid_end)
-        return self.spec.unflatten(flat, torch.Size([flat[0].shape[0]]), device=device)
+        return self.spec.unflatten(flat, torch.Size([flat[0].shape[0]]), device=self.out_device)
 
     def column(self, key: NestedKey) -> torch.Tensor | None:
         """The buffer of one column, or None if the data has no such key."""
@@ -346,3 +354,8 @@ def _last_write_wins(rows: torch.Tensor, values: list[torch.Tensor], capacity: i
     last = torch.full((capacity,), -1, dtype=torch.int64).scatter_reduce(0, rows, positions, "amax")
     keep = last[last >= 0].sort().values
     return rows[keep], [v[keep.to(v.device)] for v in values]
+
+
+def _unregister(columns: list[torch.Tensor]) -> None:
+    for column in columns:
+        gather.host_unregister(column)
