@@ -122,14 +122,17 @@ class Shard:
 
     # -- layout ------------------------------------------------------------------
     def _allocate(self, spec: TableSpec) -> None:
-        self.columns = [torch.empty((self.capacity, *c.row_shape), dtype=c.dtype, device=self.device)
-                        for c in spec.columns]
         if self.register_host:
-            # Registered in place (exact size; pin_memory() would round up to a power of two)
-            # so the CUDA gather reads the rows with zero copy.
+            # Registered in place so the CUDA gather reads rows with zero copy. CUDA pins
+            # whole pages, so each column gets pages of its own (pin_memory() would
+            # instead round every column up to a power of two).
+            self.columns = [_page_aligned_empty((self.capacity, *c.row_shape), c.dtype) for c in spec.columns]
             for column in self.columns:
                 gather.host_register(column)
             weakref.finalize(self, _unregister, list(self.columns))
+        else:
+            self.columns = [torch.empty((self.capacity, *c.row_shape), dtype=c.dtype, device=self.device)
+                            for c in spec.columns]
         self.spec = spec
         self._end_columns = [i for k in self.end_keys if (i := spec.find(k)) is not None]
         self._traj_column = spec.find(self.traj_key) if self.traj_key is not None else None
@@ -359,3 +362,15 @@ def _last_write_wins(rows: torch.Tensor, values: list[torch.Tensor], capacity: i
 def _unregister(columns: list[torch.Tensor]) -> None:
     for column in columns:
         gather.host_unregister(column)
+
+
+_PAGE = 4096
+
+
+def _page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor that starts on a page and owns every page it touches."""
+    nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
+    pages = -(-nbytes // _PAGE) * _PAGE
+    backing = torch.empty(pages + _PAGE, dtype=torch.uint8)
+    offset = (-backing.data_ptr()) % _PAGE
+    return backing[offset: offset + nbytes].view(dtype).view(shape)
