@@ -118,7 +118,9 @@ class GearSequenceSampler(Sampler):
         if not self._tree.total > 0:
             raise RuntimeError(self._nothing_to_sample(episodes))
         windows = self._draw(episodes, num_windows, shard.capacity)
-        index = windows.rows(shard.capacity)
+        # On the storage's device already: TorchRL would otherwise move it, and the
+        # moved copy would no longer be the tensor the storage's window plan names.
+        index = windows.rows(shard.capacity).to(storage.device)
         storage.plan_windows(index, windows)
         return index, self._markers(shard, windows)
 
