@@ -58,6 +58,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("min_tree_set", &gear::min_tree_set, py::arg("tree"), py::arg("index"), py::arg("values"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("max_tree_set", &gear::max_tree_set, py::arg("tree"), py::arg("index"), py::arg("values"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("max_tree_topk", &gear::max_tree_topk, py::arg("tree"), py::arg("k"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("sum_tree_find", &gear::sum_tree_find, py::arg("tree"), py::arg("mass"),
         py::call_guard<py::gil_scoped_release>());
 #ifdef GEAR_WITH_CUDA

@@ -2,9 +2,15 @@
 from gear_torchrl.checkpointer import GearStorageCheckpointer
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.rate_limiters import MinSize, RateLimiter, RateLimiterTimeout, SampleToInsertRatio
-from gear_torchrl.samplers import GearPrioritizedSampler, GearSequenceSampler
+from gear_torchrl.samplers import (
+    GearPrioritizedSampler,
+    GearSequenceSampler,
+    MaxTimesSampled,
+    QueueSampler,
+    TopKSampler,
+)
 from gear_torchrl.store.shard import EmptyStoreError
 from gear_torchrl.store.spec import SpecMismatchError
 
-__all__ = ["GearStorage", "GearPrioritizedSampler", "GearSequenceSampler", "GearStorageCheckpointer", "MinSize", "SampleToInsertRatio", "RateLimiter", "RateLimiterTimeout", "EmptyStoreError", "SpecMismatchError"]
+__all__ = ["GearStorage", "GearPrioritizedSampler", "GearSequenceSampler", "QueueSampler", "TopKSampler", "MaxTimesSampled", "GearStorageCheckpointer", "MinSize", "SampleToInsertRatio", "RateLimiter", "RateLimiterTimeout", "EmptyStoreError", "SpecMismatchError"]
 __version__ = "0.1.0"

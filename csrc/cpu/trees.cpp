@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <limits>
+#include <queue>
+#include <utility>
+#include <vector>
 
 namespace gear {
 namespace {
@@ -51,6 +54,36 @@ void sum_tree_set(const at::Tensor& tree, const at::Tensor& index, const at::Ten
 
 void min_tree_set(const at::Tensor& tree, const at::Tensor& index, const at::Tensor& values) {
   tree_set(tree, index, values, [](double a, double b) { return std::min(a, b); });
+}
+
+void max_tree_set(const at::Tensor& tree, const at::Tensor& index, const at::Tensor& values) {
+  tree_set(tree, index, values, [](double a, double b) { return std::max(a, b); });
+}
+
+at::Tensor max_tree_topk(const at::Tensor& tree, int64_t k) {
+  check_tree(tree, at::empty({0}, at::kLong), nullptr);
+  TORCH_CHECK(k >= 0, "k must be non-negative, got ", k);
+  const double* t = tree.data_ptr<double>();
+  const int64_t leaves = tree.numel() / 2;
+  const double none = -std::numeric_limits<double>::infinity();
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(std::min(k, leaves)));
+  std::priority_queue<std::pair<double, int64_t>> frontier;
+  frontier.emplace(t[1], 1);
+  while (static_cast<int64_t>(out.size()) < k && !frontier.empty()) {
+    const auto [value, node] = frontier.top();
+    frontier.pop();
+    if (!(value > none)) break;  // only -inf (or NaN) left
+    if (node >= leaves) {
+      out.push_back(node - leaves);
+    } else {
+      frontier.emplace(t[2 * node], 2 * node);
+      frontier.emplace(t[2 * node + 1], 2 * node + 1);
+    }
+  }
+  at::Tensor result = at::empty({static_cast<int64_t>(out.size())}, at::kLong);
+  std::copy(out.begin(), out.end(), result.data_ptr<int64_t>());
+  return result;
 }
 
 at::Tensor sum_tree_find(const at::Tensor& tree, const at::Tensor& mass) {

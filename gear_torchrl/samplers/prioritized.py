@@ -156,6 +156,10 @@ class GearPrioritizedSampler(PrioritizedSampler):
         self._trees.set(index, torch.full((index.numel(),), (self._max_raw_priority + self._eps) ** self._alpha,
                                           dtype=torch.float64))
 
+    def exclude(self, index: torch.Tensor) -> None:
+        """Make rows unsampleable until they are written again (used by MaxTimesSampled)."""
+        self._trees.remove(index)
+
     def add(self, index: int) -> None:
         """Nothing to do: ``mark_update`` already gave the new row its priority."""
 

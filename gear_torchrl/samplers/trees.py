@@ -33,6 +33,11 @@ class PriorityTrees:
         _C.sum_tree_set(self.sum, index, mass)
         _C.min_tree_set(self.min, index, mass)
 
+    def remove(self, index: torch.Tensor) -> None:
+        """No mass, and out of the minimum (importance weights stay finite)."""
+        _C.sum_tree_set(self.sum, index, torch.zeros(index.numel(), dtype=torch.float64))
+        _C.min_tree_set(self.min, index, torch.full((index.numel(),), float("inf"), dtype=torch.float64))
+
     def get(self, index: torch.Tensor) -> torch.Tensor:
         return self.sum[index + self.sum.numel() // 2]
 
@@ -42,3 +47,26 @@ class PriorityTrees:
     def clear(self) -> None:
         self.sum.zero_()
         self.min.fill_(float("inf"))
+
+
+class ScoreTree:
+    """Per-row scores in a max tree: batched set, and the k best rows in O(k log N)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        leaves = 1
+        while leaves < capacity:
+            leaves *= 2
+        self.max = torch.full((2 * leaves,), float("-inf"), dtype=torch.float64)
+
+    def set(self, index: torch.Tensor, score: torch.Tensor) -> None:
+        _C.max_tree_set(self.max, index, score)
+
+    def remove(self, index: torch.Tensor) -> None:
+        self.set(index, torch.full((index.numel(),), float("-inf"), dtype=torch.float64))
+
+    def top(self, k: int) -> torch.Tensor:
+        return _C.max_tree_topk(self.max, k)
+
+    def clear(self) -> None:
+        self.max.fill_(float("-inf"))

@@ -1,0 +1,110 @@
+"""MaxTimesSampled: a cap on how often a row is sampled, around another sampler (Reverb's max_times_sampled).
+
+After ``max_times`` draws a row becomes unsampleable until it is written
+again. The cap is exact within a batch too: draws past a row's cap are
+redrawn. The inner sampler must be able to ``exclude`` rows
+(GearPrioritizedSampler, TopKSampler).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchrl.data.replay_buffers.samplers import Sampler
+from torchrl.data.replay_buffers.storages import Storage
+
+from gear_torchrl.samplers.prioritized import _as_index
+
+_MAX_ROUNDS = 32
+
+
+def _rank_among_equals(index: torch.Tensor) -> torch.Tensor:
+    """For each entry, how many equal entries come before it."""
+    order = torch.argsort(index, stable=True)
+    ordered = index[order]
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    position = torch.arange(index.numel())
+    group_start = torch.cummax(torch.where(starts, position, 0), 0).values
+    rank = torch.empty_like(index)
+    rank[order] = position - group_start
+    return rank
+
+
+class MaxTimesSampled(Sampler):
+    def __init__(self, sampler: Sampler, max_times: int, max_capacity: int) -> None:
+        if not callable(getattr(sampler, "exclude", None)):
+            raise TypeError(f"{type(sampler).__name__} cannot exclude rows, so it cannot be capped; "
+                            "use GearPrioritizedSampler (alpha=0 samples uniformly) or TopKSampler")
+        if max_times < 1:
+            raise ValueError(f"max_times must be >= 1, got {max_times}")
+        self.sampler = sampler
+        self.max_times = max_times
+        self.max_capacity = max_capacity
+        self._count = torch.zeros(max_capacity, dtype=torch.int64)
+
+    def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
+        rows = _as_index(index, self.max_capacity)
+        self._count[rows[rows >= 0]] = 0
+        self.sampler.mark_update(index, storage=storage)
+
+    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        parts: list[torch.Tensor] = []
+        infos: list[dict] = []
+        need = batch_size
+        for _ in range(_MAX_ROUNDS):
+            try:
+                index, info = self.sampler.sample(storage, need)
+            except RuntimeError as err:
+                raise RuntimeError(f"cannot draw {need} more rows: the others reached "
+                                   f"max_times_sampled={self.max_times}") from err
+            accepted = self._accept(index)
+            parts.append(index[accepted])
+            infos.append({k: v[accepted] for k, v in info.items()})
+            need -= int(accepted.sum())
+            if need == 0:
+                return torch.cat(parts), {k: torch.cat([i[k] for i in infos]) for k in infos[0]}
+        raise RuntimeError(f"could not draw {batch_size} rows under max_times_sampled={self.max_times} "
+                           f"in {_MAX_ROUNDS} rounds: too few rows remain sampleable")
+
+    def _accept(self, index: torch.Tensor) -> torch.Tensor:
+        accepted = self._count[index] + _rank_among_equals(index) < self.max_times
+        taken = index[accepted]
+        self._count.index_add_(0, taken, torch.ones_like(taken))
+        exhausted = taken[self._count[taken] >= self.max_times].unique()
+        if exhausted.numel():
+            self.sampler.exclude(exhausted)
+        return accepted
+
+    def update_priority(self, index: Any, priority: Any, **kwargs: Any) -> None:
+        """Forward, except for rows that reached the cap (they stay excluded)."""
+        rows = _as_index(index, self.max_capacity)
+        priority = torch.as_tensor(priority)
+        keep = (rows < 0) | (self._count[rows.clamp_min(0)] < self.max_times)
+        if priority.numel() > 1:
+            priority = priority.reshape(-1)[keep]
+        self.sampler.update_priority(rows[keep], priority, **kwargs)
+
+    def _empty(self) -> None:
+        self._count.zero_()
+        self.sampler._empty()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self._count.clone(), "sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._count.copy_(state_dict["count"])
+        self.sampler.load_state_dict(state_dict["sampler"])
+
+    def dumps(self, path: str | Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save(self._count, Path(path) / "times_sampled.pt")
+        self.sampler.dumps(Path(path) / "inner")
+
+    def loads(self, path: str | Path) -> None:
+        self._count.copy_(torch.load(Path(path) / "times_sampled.pt"))
+        self.sampler.loads(Path(path) / "inner")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.sampler!r}, max_times={self.max_times})"

@@ -1,0 +1,133 @@
+"""QueueSampler: FIFO or LIFO, each written row sampled once, then consumed (Reverb's queues).
+
+Rows enter the queue when written (``mark_update``) tagged with their write
+generation; a row overwritten before it was consumed leaves a stale entry
+that is skipped, so nothing is sampled twice and no stale row is served.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torchrl.data.replay_buffers.samplers import Sampler
+from torchrl.data.replay_buffers.storages import Storage
+
+from gear_torchrl.samplers.prioritized import _as_index
+
+
+class QueueSampler(Sampler):
+    """Consume rows in write order (``"fifo"``) or newest first (``"lifo"``)."""
+
+    def __init__(self, max_capacity: int, order: Literal["fifo", "lifo"] = "fifo") -> None:
+        if order not in ("fifo", "lifo"):
+            raise ValueError(f"order must be 'fifo' or 'lifo', got {order!r}")
+        self.max_capacity = max_capacity
+        self.order = order
+        self._init()
+
+    def _init(self) -> None:
+        self._generation = torch.zeros(self.max_capacity, dtype=torch.int64)
+        self._queued = torch.zeros(self.max_capacity, dtype=torch.bool)  # row has a live entry
+        self._waiting = 0  # live entries
+        self._rows = torch.empty(1024, dtype=torch.int64)  # entries [head, tail), oldest first
+        self._gens = torch.empty(1024, dtype=torch.int64)
+        self._head = self._tail = 0
+
+    # -- queue -----------------------------------------------------------------------
+    def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
+        index = _as_index(index, self.max_capacity)
+        index = index[index >= 0]
+        self._waiting -= int(self._queued[index].sum())  # their older entries go stale
+        self._generation[index] += 1
+        self._queued[index] = True
+        self._waiting += int(self._queued[index].sum())
+        self._push(index, self._generation[index])
+
+    def _push(self, rows: torch.Tensor, gens: torch.Tensor) -> None:
+        n = rows.numel()
+        if self._tail + n > self._rows.numel():
+            self._compact(extra=n)
+        self._rows[self._tail:self._tail + n] = rows
+        self._gens[self._tail:self._tail + n] = gens
+        self._tail += n
+
+    def _compact(self, extra: int) -> None:
+        live = slice(self._head, self._tail)
+        keep = self._gens[live] == self._generation[self._rows[live]]
+        rows, gens = self._rows[live][keep], self._gens[live][keep]
+        size = max(1024, 2 * (rows.numel() + extra))
+        self._rows, self._gens = torch.empty(size, dtype=torch.int64), torch.empty(size, dtype=torch.int64)
+        self._rows[: rows.numel()], self._gens[: rows.numel()] = rows, gens
+        self._head, self._tail = 0, rows.numel()
+
+    def __len__(self) -> int:
+        """Rows written and not consumed yet."""
+        return self._waiting
+
+    @property
+    def ran_out(self) -> bool:
+        return self._waiting == 0
+
+    @ran_out.setter
+    def ran_out(self, value: bool) -> None:
+        """TorchRL's buffers reset this flag; the queue's content decides it."""
+
+    # -- sampling ------------------------------------------------------------------------
+    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        """Consume ``batch_size`` rows from the queue's end; O(batch + stale entries skipped)."""
+        if self._waiting < batch_size:
+            raise RuntimeError(f"QueueSampler: {self._waiting} rows wait to be consumed, asked for {batch_size}")
+        fifo = self.order == "fifo"
+        taken: list[torch.Tensor] = []
+        need, pos = batch_size, self._head if fifo else self._tail
+        while need:
+            span = max(2 * need, 64)
+            lo, hi = (pos, min(pos + span, self._tail)) if fifo else (max(pos - span, self._head), pos)
+            rows, gens = self._rows[lo:hi], self._gens[lo:hi]
+            live = (gens == self._generation[rows]).nonzero().squeeze(1)
+            live = live[:need] if fifo else live.flip(0)[:need]
+            taken.append(rows[live])
+            need -= live.numel()
+            if fifo:
+                pos = lo + int(live[-1]) + 1 if need == 0 else hi
+            else:
+                pos = lo + int(live[-1]) if need == 0 else lo
+        if fifo:
+            self._head = pos
+        else:
+            self._tail = pos
+        index = torch.cat(taken)
+        self._queued[index] = False
+        self._waiting -= batch_size
+        return index, {}
+
+    # -- TorchRL contract -------------------------------------------------------------------
+    def _empty(self) -> None:
+        self._init()
+
+    def update_priority(self, *args: Any, **kwargs: Any) -> None:
+        """Queues have no priorities."""
+
+    def state_dict(self) -> dict[str, Any]:
+        live = slice(self._head, self._tail)
+        return {"generation": self._generation.clone(), "queued": self._queued.clone(), "waiting": self._waiting,
+                "rows": self._rows[live].clone(), "gens": self._gens[live].clone()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._generation = state_dict["generation"].clone()
+        self._queued = state_dict["queued"].clone()
+        self._waiting = int(state_dict["waiting"])
+        self._head = self._tail = 0
+        self._rows, self._gens = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
+        self._push(state_dict["rows"], state_dict["gens"])
+
+    def dumps(self, path: str | Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), Path(path) / "queue.pt")
+
+    def loads(self, path: str | Path) -> None:
+        self.load_state_dict(torch.load(Path(path) / "queue.pt"))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(order={self.order!r}, waiting={len(self)})"

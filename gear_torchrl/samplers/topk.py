@@ -1,0 +1,95 @@
+"""TopKSampler: the rows with the highest score (GEAR's top-k selection).
+
+Scores come from a key of the stored data (read once, when the rows are
+written) or from ``update_priority``. A max tree keeps them, so a batch costs
+O(batch · log N): no scan of the store.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchrl.data.replay_buffers.samplers import Sampler
+from torchrl.data.replay_buffers.storages import Storage
+
+from gear_torchrl.samplers.prioritized import _as_index, _as_priority
+from gear_torchrl.samplers.trees import ScoreTree
+from gear_torchrl.storage import GearStorage
+from gear_torchrl.store.spec import NestedKey
+
+
+class TopKSampler(Sampler):
+    """Each batch is the ``batch_size`` highest-scoring rows, best first.
+
+    Args:
+        max_capacity: rows of the storage it samples.
+        key: a scalar-per-row key of the data whose value is the score (e.g.
+            ``("next", "reward")``); None to score rows with ``update_priority``
+            (new rows then score ``default_score``).
+    """
+
+    def __init__(self, max_capacity: int, key: NestedKey | None = None, default_score: float = 0.0) -> None:
+        self.max_capacity = max_capacity
+        self.key = key
+        self.default_score = default_score
+        self._scores = ScoreTree(max_capacity)
+
+    def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
+        index = _as_index(index, self.max_capacity)
+        index = index[index >= 0]
+        if self.key is None:
+            score = torch.full((index.numel(),), self.default_score, dtype=torch.float64)
+        else:
+            score = self._scores_from(storage, index)
+        self._scores.set(index, score)
+
+    def _scores_from(self, storage: Storage | None, index: torch.Tensor) -> torch.Tensor:
+        if not isinstance(storage, GearStorage):
+            raise TypeError(f"TopKSampler(key=...) reads scores from a GearStorage, got {type(storage).__name__}")
+        column = storage.shard.column(self.key)
+        if column is None:
+            raise KeyError(f"TopKSampler: the data has no key {self.key!r}")
+        values = column.index_select(0, index.to(column.device)).reshape(index.numel(), -1)
+        if values.shape[1] != 1:
+            raise ValueError(f"TopKSampler: key {self.key!r} holds {values.shape[1]} values per row, not one")
+        return values[:, 0].double().cpu()
+
+    def update_priority(self, index: Any, priority: Any, *, storage: Storage | None = None) -> None:
+        if self.key is not None:
+            raise RuntimeError(f"TopKSampler scores rows by {self.key!r}; update_priority does not apply")
+        index = _as_index(index, self.max_capacity)
+        priority = _as_priority(priority, index.numel())
+        keep = index >= 0
+        self._scores.set(index[keep], priority[keep])
+
+    def exclude(self, index: torch.Tensor) -> None:
+        """Make rows unsampleable until they are written again (used by MaxTimesSampled)."""
+        self._scores.remove(index)
+
+    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        if len(storage) == 0:
+            raise RuntimeError("cannot sample from an empty storage: write some data first")
+        index = self._scores.top(batch_size)
+        if index.numel() < batch_size:
+            raise RuntimeError(f"TopKSampler: asked for the top {batch_size} rows, only {index.numel()} are stored")
+        return index, {}
+
+    def _empty(self) -> None:
+        self._scores.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scores": self._scores.max.clone()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._scores.max.copy_(state_dict["scores"])
+
+    def dumps(self, path: str | Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), Path(path) / "topk.pt")
+
+    def loads(self, path: str | Path) -> None:
+        self.load_state_dict(torch.load(Path(path) / "topk.pt"))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(key={self.key!r})"
