@@ -4,6 +4,7 @@ from gear_torchrl.storage import GearStorage
 from gear_torchrl.rate_limiters import MinSize, RateLimiter, RateLimiterTimeout, SampleToInsertRatio
 from gear_torchrl.samplers import (
     GearPrioritizedSampler,
+    GearPrioritizedSequenceSampler,
     GearSequenceSampler,
     MaxTimesSampled,
     QueueSampler,
@@ -12,5 +13,5 @@ from gear_torchrl.samplers import (
 from gear_torchrl.store.shard import EmptyStoreError
 from gear_torchrl.store.spec import SpecMismatchError
 
-__all__ = ["GearStorage", "GearPrioritizedSampler", "GearSequenceSampler", "QueueSampler", "TopKSampler", "MaxTimesSampled", "GearStorageCheckpointer", "MinSize", "SampleToInsertRatio", "RateLimiter", "RateLimiterTimeout", "EmptyStoreError", "SpecMismatchError"]
+__all__ = ["GearStorage", "GearPrioritizedSampler", "GearPrioritizedSequenceSampler", "GearSequenceSampler", "QueueSampler", "TopKSampler", "MaxTimesSampled", "GearStorageCheckpointer", "MinSize", "SampleToInsertRatio", "RateLimiter", "RateLimiterTimeout", "EmptyStoreError", "SpecMismatchError"]
 __version__ = "0.1.0"

@@ -1,8 +1,9 @@
 """Samplers: TorchRL ``Sampler``s over gear_torchrl storages, one selection rule per file."""
 from gear_torchrl.samplers.capped import MaxTimesSampled
 from gear_torchrl.samplers.prioritized import GearPrioritizedSampler
+from gear_torchrl.samplers.prioritized_sequence import GearPrioritizedSequenceSampler
 from gear_torchrl.samplers.queue import QueueSampler
 from gear_torchrl.samplers.sequence import GearSequenceSampler
 from gear_torchrl.samplers.topk import TopKSampler
 
-__all__ = ["GearPrioritizedSampler", "GearSequenceSampler", "MaxTimesSampled", "QueueSampler", "TopKSampler"]
+__all__ = ["GearPrioritizedSampler", "GearPrioritizedSequenceSampler", "GearSequenceSampler", "MaxTimesSampled", "QueueSampler", "TopKSampler"]

@@ -153,10 +153,18 @@ class GearSequenceSampler(Sampler):
         return first + (windows.valid_end - windows.valid_begin) > capacity
 
     def _draw_once(self, episodes: EpisodeIndex, count: int) -> Windows:
+        slots, offset = self._choose(episodes, count)
+        return self._windows_at(episodes, slots, offset)
+
+    def _choose(self, episodes: EpisodeIndex, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Episode slots, and each window's offset among its episode's windows."""
         slots = self._tree.find(torch.rand(count, dtype=torch.float64) * self._tree.total)
-        length = episodes.length[slots]
-        choices = self._windows_in(length)
+        choices = self._windows_in(episodes.length[slots])
         offset = (torch.rand(count, dtype=torch.float64) * choices).long().clamp_max(choices - 1)
+        return slots, offset
+
+    def _windows_at(self, episodes: EpisodeIndex, slots: torch.Tensor, offset: torch.Tensor) -> Windows:
+        length = episodes.length[slots]
         # position 0 of the window, relative to the episode's first step
         first = offset if self.strict_length else offset - self.burn_in
         starts = episodes.start[slots] + first

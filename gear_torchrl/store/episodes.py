@@ -96,6 +96,27 @@ class EpisodeIndex:
         serial = torch.arange(self.first_serial, self.next_serial, dtype=torch.int64)
         return EpisodeView(serial, self.start[slot], self.length[slot], self.closed[slot])
 
+    def locate(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Episode slot and step offset of each ring row, and whether a live episode holds it.
+
+        Live episodes tile the stored rows in ring order from the oldest one's
+        start, so a binary search over their cumulative lengths finds a row's
+        episode: O(log episodes) per row once per revision's O(episodes) table.
+        """
+        if getattr(self, "_located", (None,))[0] != self.revision:
+            view = self.live()
+            self._located = (self.revision, view, torch.cumsum(view.length, 0))
+        _, view, ends = self._located
+        if view.serial.numel() == 0:
+            zeros = torch.zeros_like(rows)
+            return zeros, zeros, torch.zeros(rows.shape, dtype=torch.bool)
+        logical = (rows - view.start[0]) % self.capacity
+        i = torch.searchsorted(ends, logical, right=True)
+        found = i < ends.numel()
+        i = i.clamp_max(ends.numel() - 1)
+        offset = logical - (ends[i] - view.length[i])
+        return view.serial[i] % self.start.numel(), offset, found
+
     def _newest_slot(self) -> int:
         return (self.next_serial - 1) % self.start.numel()
 

@@ -1,0 +1,182 @@
+"""GearPrioritizedSequenceSampler: prioritized windows (R2D2's sequence priorities).
+
+A window is keyed by the ring row of its first training step (after the
+burn-in). A float64 tree holds one mass per row: the row's priority mass if
+a window may start its training steps there, else zero. Which rows may do so
+follows the episode index (its change log, as for the uniform sampler), so a
+batch costs O(batch · log N).
+
+``update_priority`` takes the batch's flat index and either one priority per
+step (reduced per window: R2D2's ``eta * max + (1 - eta) * mean``, or the
+first training step's own priority with ``reduction="start"``) or one per
+window.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from gear_torchrl.samplers.prioritized import GearPrioritizedSampler, _as_index, _as_priority
+from gear_torchrl.samplers.sequence import GearSequenceSampler
+from gear_torchrl.samplers.trees import PriorityTrees
+from gear_torchrl.storage import GearStorage
+from gear_torchrl.store.episodes import EpisodeIndex
+from gear_torchrl.store.persistence import read_raw, write_raw
+
+
+class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler):
+    """Windows drawn in proportion to their priority, with importance weights per step.
+
+    Takes GearSequenceSampler's window options plus ``alpha``, ``beta``, ``eps``
+    (as GearPrioritizedSampler) and:
+
+    Args:
+        max_capacity: rows of the storage it samples.
+        reduction: ``"r2d2"`` (``eta * max + (1 - eta) * mean`` of a window's step
+            priorities) or ``"start"`` (each step keeps its own priority; a window
+            weighs as its first training step).
+        eta: R2D2's mix of max and mean.
+    """
+
+    def __init__(
+        self,
+        max_capacity: int,
+        seq_len: int,
+        *,
+        alpha: float = 0.9,
+        beta: float = 0.6,
+        eps: float = 1e-6,
+        reduction: Literal["r2d2", "start"] = "r2d2",
+        eta: float = 0.9,
+        **window_options: Any,
+    ) -> None:
+        if reduction not in ("r2d2", "start"):
+            raise ValueError(f"reduction must be 'r2d2' or 'start', got {reduction!r}")
+        if not 0.0 <= eta <= 1.0:
+            raise ValueError(f"eta must be in [0, 1], got {eta}")
+        GearSequenceSampler.__init__(self, seq_len, **window_options)
+        GearPrioritizedSampler.__init__(self, max_capacity, alpha, beta, eps)
+        self.window_reduction = reduction  # (TorchRL's `reduction` is the per-step reduce over extra dims)
+        self.eta = eta
+
+    def _init(self) -> None:
+        GearPrioritizedSampler._init(self)
+        self._row_mass = torch.ones(self._max_capacity, dtype=torch.float64)  # (p + eps)^alpha per row
+        self._episodes: EpisodeIndex | None = None  # of the storage last sampled
+
+    # -- which rows may key a window ----------------------------------------------------
+    def _key_offsets(self, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """First and one-past-last offset of a training start, per episode length."""
+        if self.strict_length:
+            return torch.full_like(length, self.burn_in), (length - self.seq_len + 1).clamp_min(self.burn_in)
+        return torch.zeros_like(length), length
+
+    def _valid_keys(self, episodes: EpisodeIndex, rows: torch.Tensor) -> torch.Tensor:
+        slots, offset, found = episodes.locate(rows)
+        lo, hi = self._key_offsets(episodes.length[slots])
+        valid = found & (offset >= lo) & (offset < hi)
+        if not self.include_open:
+            valid &= episodes.closed[slots]
+        return valid
+
+    def _refresh(self, episodes: EpisodeIndex) -> None:
+        """Re-derive the masses of the rows of every episode that changed since the last look."""
+        slots = None if self._seen[0] != id(episodes) else episodes.changed_since(self._seen[1])
+        if slots is None:
+            self._trees.clear()
+            slots = torch.arange(episodes.start.numel())
+        slots = slots[episodes.slot_is_live(slots)]
+        if slots.numel():
+            length = episodes.length[slots]
+            rows = (episodes.start[slots].repeat_interleave(length)
+                    + torch.arange(int(length.sum())) - torch.repeat_interleave(torch.cumsum(length, 0) - length,
+                                                                                length)) % self._max_capacity
+            self._set_masses(episodes, rows)
+        self._seen = (id(episodes), episodes.revision)
+        self._episodes = episodes
+        self._tree = self._trees  # the base class draws from and checks `_tree`
+
+    def _set_masses(self, episodes: EpisodeIndex, rows: torch.Tensor) -> None:
+        valid = self._valid_keys(episodes, rows)
+        self._trees.set(rows[valid], self._row_mass[rows[valid]])
+        self._trees.remove(rows[~valid])  # no mass, and out of the minimum
+
+    def _choose(self, episodes: EpisodeIndex, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = self._trees.find(torch.rand(count, dtype=torch.float64) * self._trees.total)
+        slots, key_offset, _ = episodes.locate(keys)
+        return slots, key_offset - (self.burn_in if self.strict_length else 0)
+
+    # -- sampling and priorities ----------------------------------------------------------
+    def sample(self, storage: GearStorage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        if storage.max_size != self._max_capacity:
+            raise ValueError(f"sampler built for {self._max_capacity} rows, storage holds {storage.max_size}")
+        index, info = GearSequenceSampler.sample(self, storage, batch_size)
+        keys = index.view(-1, self.window_len)[:, self.burn_in].cpu()
+        weight = torch.pow(self._trees.get(keys) / self._trees.minimum, -self._beta).to(torch.float32)
+        info["priority_weight"] = weight.repeat_interleave(self.window_len)
+        self._anneal_beta()
+        return index, info
+
+    @torch.no_grad()
+    def update_priority(self, index: Any, priority: Any, *, storage: GearStorage | None = None) -> None:
+        """Priorities for sampled windows: ``index`` is the batch's flat index (``[W * window_len]``)."""
+        rows = _as_index(index, self._max_capacity)
+        if rows.numel() % self.window_len:
+            raise ValueError(f"index of {rows.numel()} rows is not whole windows of {self.window_len} steps")
+        windows = rows.view(-1, self.window_len)
+        per_window = torch.as_tensor(priority).numel() == windows.shape[0] and windows.shape[0] != rows.numel()
+        priority = _as_priority(priority, windows.shape[0] if per_window else rows.numel())
+        if per_window or self.window_reduction == "r2d2":
+            if not per_window:
+                steps = priority.view(-1, self.window_len)
+                priority = self.eta * steps.max(1).values + (1 - self.eta) * steps.mean(1)
+            targets = windows[:, self.burn_in]
+        else:
+            targets = rows
+        self._max_raw_priority = max(self._max_raw_priority, float(priority.max()))
+        self._row_mass[targets] = torch.pow(priority + self._eps, self._alpha)
+        if self._episodes is not None:  # else the first sample derives every mass
+            self._set_masses(self._episodes, targets)
+
+    def mark_update(self, index: Any, *, storage: GearStorage | None = None) -> None:
+        """New rows get the largest priority seen; their windows count once the index says so."""
+        rows = _as_index(index, self._max_capacity)
+        rows = rows[rows >= 0]
+        self._generation[rows] += 1
+        self._row_mass[rows] = (self._max_raw_priority + self._eps) ** self._alpha
+
+    # -- state ------------------------------------------------------------------------------
+    def _empty(self) -> None:
+        GearSequenceSampler._empty(self)
+        self._init()
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"row_mass": self._row_mass, "generation": self._generation}
+
+    def _restore(self, scalars: dict, tensors: dict[str, torch.Tensor]) -> None:
+        if int(scalars["capacity"]) != self._max_capacity:
+            raise ValueError(f"state is for capacity {scalars['capacity']}, this sampler has {self._max_capacity}")
+        self._row_mass.copy_(tensors["row_mass"])
+        self._generation.copy_(tensors["generation"])
+        self._alpha, self._beta, self._eps = scalars["alpha"], scalars["beta"], scalars["eps"]
+        self._max_raw_priority = scalars["max_raw_priority"]
+        self._sample_calls = scalars["sample_calls"]
+        GearSequenceSampler._empty(self)  # the tree is re-derived at the next sample
+
+    def state_dict(self) -> dict[str, Any]:
+        return GearPrioritizedSampler.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        GearPrioritizedSampler.load_state_dict(self, state_dict)
+
+    def dumps(self, path: str | Path) -> None:
+        GearPrioritizedSampler.dumps(self, path)
+
+    def loads(self, path: str | Path) -> None:
+        GearPrioritizedSampler.loads(self, path)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(seq_len={self.seq_len}, burn_in={self.burn_in}, reduction={self.window_reduction!r}, "
+                f"alpha={self._alpha}, beta={self._beta})")
