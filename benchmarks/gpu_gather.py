@@ -23,8 +23,6 @@ included. Needs torch and the compiled extension only.
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import json
 import statistics
 import sys
@@ -33,32 +31,6 @@ import time
 import torch
 
 
-def load_extension():
-    """gear_torchrl._C, without requiring the package's Python dependencies (torchrl)."""
-    try:
-        from gear_torchrl import _C
-
-        return _C
-    except ImportError as err:
-        first_error = err
-    for finder in sys.meta_path:
-        find_spec = getattr(finder, "find_spec", None)
-        try:
-            spec = find_spec("gear_torchrl._C", None) if find_spec else None
-        except Exception:  # noqa: BLE001
-            spec = None
-        if spec is not None and spec.origin and spec.origin.endswith((".so", ".pyd")):
-            break
-    else:
-        spec = None
-        pkg = importlib.machinery.PathFinder.find_spec("gear_torchrl")
-        if pkg is not None and pkg.submodule_search_locations:
-            spec = importlib.machinery.PathFinder.find_spec("gear_torchrl._C", list(pkg.submodule_search_locations))
-    if spec is None:
-        raise first_error
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def time_op(fn, reps, warmup=2):
@@ -188,7 +160,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("gpu_gather: no CUDA device; nothing to measure", file=sys.stderr)
         return 0
-    _C = load_extension()
+    from gear_torchrl._ext import _C  # the package imports its kernels without torchrl
+
     if not _C.built_with_cuda():
         print("gpu_gather: gear_torchrl._C was built without CUDA; nothing to measure", file=sys.stderr)
         return 0

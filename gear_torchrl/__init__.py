@@ -1,17 +1,58 @@
-"""gear_torchrl: GPU-centric experience replay as TorchRL storage and sampler backends."""
-from gear_torchrl.checkpointer import GearStorageCheckpointer
-from gear_torchrl.storage import GearStorage
-from gear_torchrl.rate_limiters import MinSize, RateLimiter, RateLimiterTimeout, SampleToInsertRatio
-from gear_torchrl.samplers import (
-    GearPrioritizedSampler,
-    GearPrioritizedSequenceSampler,
-    GearSequenceSampler,
-    MaxTimesSampled,
-    QueueSampler,
-    TopKSampler,
-)
-from gear_torchrl.store.shard import EmptyStoreError
-from gear_torchrl.store.spec import SpecMismatchError
+"""gear_torchrl: GPU-centric experience replay as TorchRL storage and sampler backends.
 
-__all__ = ["GearStorage", "GearPrioritizedSampler", "GearPrioritizedSequenceSampler", "GearSequenceSampler", "QueueSampler", "TopKSampler", "MaxTimesSampled", "GearStorageCheckpointer", "MinSize", "SampleToInsertRatio", "RateLimiter", "RateLimiterTimeout", "EmptyStoreError", "SpecMismatchError"]
+Public names load on first use, so the kernels (``gear_torchrl._ext``,
+``gear_torchrl.gather``) import without torchrl; only the TorchRL glue needs it.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "GearStorage": "gear_torchrl.storage",
+    "GearStorageCheckpointer": "gear_torchrl.checkpointer",
+    "GearPrioritizedSampler": "gear_torchrl.samplers",
+    "GearPrioritizedSequenceSampler": "gear_torchrl.samplers",
+    "GearSequenceSampler": "gear_torchrl.samplers",
+    "MaxTimesSampled": "gear_torchrl.samplers",
+    "QueueSampler": "gear_torchrl.samplers",
+    "TopKSampler": "gear_torchrl.samplers",
+    "MinSize": "gear_torchrl.rate_limiters",
+    "SampleToInsertRatio": "gear_torchrl.rate_limiters",
+    "RateLimiter": "gear_torchrl.rate_limiters",
+    "RateLimiterTimeout": "gear_torchrl.rate_limiters",
+    "EmptyStoreError": "gear_torchrl.store.shard",
+    "SpecMismatchError": "gear_torchrl.store.spec",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gear_torchrl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:
+    from gear_torchrl.checkpointer import GearStorageCheckpointer
+    from gear_torchrl.rate_limiters import MinSize, RateLimiter, RateLimiterTimeout, SampleToInsertRatio
+    from gear_torchrl.samplers import (
+        GearPrioritizedSampler,
+        GearPrioritizedSequenceSampler,
+        GearSequenceSampler,
+        MaxTimesSampled,
+        QueueSampler,
+        TopKSampler,
+    )
+    from gear_torchrl.storage import GearStorage
+    from gear_torchrl.store.shard import EmptyStoreError
+    from gear_torchrl.store.spec import SpecMismatchError

@@ -2,6 +2,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "gather.h"
 
@@ -37,17 +38,24 @@ void copy_window(char* dst, const char* column, int64_t dynamic_row_bytes, int64
   }
 }
 
+// Calls f(std::integral_constant<int64_t, N>) with N the row size when it is one
+// of the small sizes worth a fixed-size copy, else N = 0 (size known at run time).
+template <typename F>
+auto dispatch_row_bytes(int64_t row_bytes, F&& f) {
+  switch (row_bytes) {
+    case 1: return f(std::integral_constant<int64_t, 1>{});
+    case 2: return f(std::integral_constant<int64_t, 2>{});
+    case 4: return f(std::integral_constant<int64_t, 4>{});
+    case 8: return f(std::integral_constant<int64_t, 8>{});
+    case 16: return f(std::integral_constant<int64_t, 16>{});
+    default: return f(std::integral_constant<int64_t, 0>{});
+  }
+}
+
 using CopyFn = void (*)(char*, const char*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
 
 CopyFn copy_fn_for(int64_t row_bytes) {
-  switch (row_bytes) {
-    case 1: return copy_window<1>;
-    case 2: return copy_window<2>;
-    case 4: return copy_window<4>;
-    case 8: return copy_window<8>;
-    case 16: return copy_window<16>;
-    default: return copy_window<0>;
-  }
+  return dispatch_row_bytes(row_bytes, [](auto n) -> CopyFn { return copy_window<decltype(n)::value>; });
 }
 
 // Rows are the hot path (uniform and prioritized sampling): one copy per row,
@@ -77,14 +85,7 @@ void copy_rows(char* dst, const char* column, int64_t dynamic_row_bytes, int64_t
 using RowsFn = void (*)(char*, const char*, int64_t, int64_t, const int64_t*, int64_t, int64_t);
 
 RowsFn rows_fn_for(int64_t row_bytes) {
-  switch (row_bytes) {
-    case 1: return copy_rows<1>;
-    case 2: return copy_rows<2>;
-    case 4: return copy_rows<4>;
-    case 8: return copy_rows<8>;
-    case 16: return copy_rows<16>;
-    default: return copy_rows<0>;
-  }
+  return dispatch_row_bytes(row_bytes, [](auto n) -> RowsFn { return copy_rows<decltype(n)::value>; });
 }
 
 }  // namespace

@@ -6,17 +6,17 @@ that is skipped, so nothing is sampled twice and no stale row is served.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
+from gear_torchrl.samplers.state_file import StateDictFile
 from gear_torchrl.samplers.prioritized import _as_index
 
 
-class QueueSampler(Sampler):
+class QueueSampler(StateDictFile, Sampler):
     """Consume rows in write order (``"fifo"``) or newest first (``"lifo"``)."""
 
     def __init__(self, max_capacity: int, order: Literal["fifo", "lifo"] = "fifo") -> None:
@@ -121,13 +121,6 @@ class QueueSampler(Sampler):
         self._head = self._tail = 0
         self._rows, self._gens = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
         self._push(state_dict["rows"], state_dict["gens"])
-
-    def dumps(self, path: str | Path) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        torch.save(self.state_dict(), Path(path) / "queue.pt")
-
-    def loads(self, path: str | Path) -> None:
-        self.load_state_dict(torch.load(Path(path) / "queue.pt"))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(order={self.order!r}, waiting={len(self)})"

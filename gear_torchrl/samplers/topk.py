@@ -6,20 +6,20 @@ O(batch · log N): no scan of the store.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
+from gear_torchrl.samplers.state_file import StateDictFile
 from gear_torchrl.samplers.prioritized import _as_index, _as_priority
 from gear_torchrl.samplers.trees import ScoreTree
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.spec import NestedKey
 
 
-class TopKSampler(Sampler):
+class TopKSampler(StateDictFile, Sampler):
     """Each batch is the ``batch_size`` highest-scoring rows, best first.
 
     Args:
@@ -83,13 +83,6 @@ class TopKSampler(Sampler):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._scores.max.copy_(state_dict["scores"])
-
-    def dumps(self, path: str | Path) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        torch.save(self.state_dict(), Path(path) / "topk.pt")
-
-    def loads(self, path: str | Path) -> None:
-        self.load_state_dict(torch.load(Path(path) / "topk.pt"))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(key={self.key!r})"

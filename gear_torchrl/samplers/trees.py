@@ -10,16 +10,21 @@ import torch
 from gear_torchrl._ext import _C
 
 
+def tree_nodes(capacity: int) -> int:
+    """Nodes of a binary tree over ``capacity`` leaves: 2L with L the next power of two."""
+    leaves = 1
+    while leaves < capacity:
+        leaves *= 2
+    return 2 * leaves
+
+
 class PriorityTrees:
     """Per-row masses with O(log N) batched set, prefix search, total and minimum."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        leaves = 1
-        while leaves < capacity:
-            leaves *= 2
-        self.sum = torch.zeros(2 * leaves, dtype=torch.float64)
-        self.min = torch.full((2 * leaves,), float("inf"), dtype=torch.float64)
+        self.sum = torch.zeros(tree_nodes(capacity), dtype=torch.float64)
+        self.min = torch.full((tree_nodes(capacity),), float("inf"), dtype=torch.float64)
 
     @property
     def total(self) -> float:
@@ -54,10 +59,7 @@ class ScoreTree:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        leaves = 1
-        while leaves < capacity:
-            leaves *= 2
-        self.max = torch.full((2 * leaves,), float("-inf"), dtype=torch.float64)
+        self.max = torch.full((tree_nodes(capacity),), float("-inf"), dtype=torch.float64)
 
     def set(self, index: torch.Tensor, score: torch.Tensor) -> None:
         _C.max_tree_set(self.max, index, score)

@@ -11,8 +11,6 @@ the extension's CUDA part.
 """
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import os
 import pathlib
 import sys
@@ -20,44 +18,8 @@ import sys
 import pytest
 import torch
 
-
-def _load_extension():
-    """gear_torchrl._C, without requiring the package's Python dependencies.
-
-    `import gear_torchrl` may import torchrl; the kernel tests must not need
-    it, so on an ImportError the compiled module is loaded on its own.
-    """
-    try:
-        from gear_torchrl import _C
-
-        return _C
-    except ImportError as err:
-        first_error = err
-    spec = None
-    for finder in sys.meta_path:  # editable installs (scikit-build-core redirect)
-        find_spec = getattr(finder, "find_spec", None)
-        if find_spec is None:
-            continue
-        try:
-            spec = find_spec("gear_torchrl._C", None)
-        except Exception:  # noqa: BLE001 - some finders need a parent package
-            spec = None
-        if spec is not None and spec.origin and spec.origin.endswith((".so", ".pyd")):
-            break
-        spec = None
-    if spec is None:
-        pkg = importlib.machinery.PathFinder.find_spec("gear_torchrl")
-        if pkg is not None and pkg.submodule_search_locations:
-            spec = importlib.machinery.PathFinder.find_spec("gear_torchrl._C", list(pkg.submodule_search_locations))
-    if spec is None:
-        raise first_error
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 try:
-    _C = _load_extension()
+    from gear_torchrl._ext import _C  # the package imports its kernels without torchrl
 except ImportError as err:  # pragma: no cover - depends on the machine
     pytest.skip(f"gear_torchrl._C cannot be imported: {err}", allow_module_level=True)
 
