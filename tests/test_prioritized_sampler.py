@@ -146,3 +146,46 @@ def test_million_priorities_checkpoint_restores_exactly(tmp_path):
     restored.loads(tmp_path)
     assert torch.equal(restored._trees.sum, sampler._trees.sum)
     np.testing.assert_allclose(restored._trees.total, sampler._trees.total)
+
+
+# -- the GPU structure (blocked prefix sums), checked on the CPU: same code on every device --
+
+def test_block_prefix_sums_find_the_same_rows_as_the_trees():
+    from gear_torchrl.samplers.block_sums import BlockPrefixSums
+    from gear_torchrl.samplers.trees import PriorityTrees
+
+    g = torch.Generator().manual_seed(0)
+    capacity = 3000
+    blocks, trees = BlockPrefixSums(capacity, block=64), PriorityTrees(capacity)
+    index = torch.randint(0, capacity, (5000,), generator=g)
+    mass = torch.randint(0, 5, (5000,), generator=g).double()  # integers: every sum is exact
+    blocks.set(index, mass)
+    trees.set(*_last_write(index, mass))
+    assert blocks.total == trees.total and blocks.minimum == trees.minimum
+    prefix = torch.rand(20_000, generator=g, dtype=torch.float64) * trees.total
+    prefix[:3] = torch.tensor([0.0, trees.total, trees.total * (1 - 1e-16)])
+    assert torch.equal(blocks.find(prefix), trees.find(prefix))
+    assert bool((blocks.get(blocks.find(prefix)) > 0).all())
+
+
+def _last_write(index, mass):
+    last = {}
+    for i, m in zip(index.tolist(), mass.tolist()):
+        last[i] = m
+    return torch.tensor(list(last)), torch.tensor(list(last.values()), dtype=torch.float64)
+
+
+def test_sampler_state_moves_between_structures(tmp_path):
+    from gear_torchrl.samplers.block_sums import BlockPrefixSums
+
+    trees_sampler = GearPrioritizedSampler(500, 0.7, 0.4)
+    trees_sampler.mark_update(torch.arange(300))
+    trees_sampler.update_priority(torch.arange(0, 300, 3), torch.rand(100) + 0.5)
+    trees_sampler.dumps(tmp_path)
+    blocks_sampler = GearPrioritizedSampler(500, 0.1, 0.1)
+    blocks_sampler._trees = BlockPrefixSums(500, block=32)  # what device="cuda" builds, here on the CPU
+    blocks_sampler.loads(tmp_path)
+    assert blocks_sampler._trees.total == pytest.approx(trees_sampler._trees.total, rel=1e-12)
+    index = torch.arange(500)
+    assert torch.equal(blocks_sampler._trees.get(index), trees_sampler._trees.get(index))
+    assert blocks_sampler._trees.minimum == trees_sampler._trees.minimum

@@ -9,28 +9,29 @@ import torch
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
+from gear_torchrl.samplers.block_sums import BlockPrefixSums
 from gear_torchrl.samplers.trees import PriorityTrees
 from gear_torchrl.store.persistence import read_raw, write_raw
 
 
-def _as_index(index: Any, capacity: int) -> torch.Tensor:
-    index = torch.as_tensor(index, dtype=torch.int64).reshape(-1).cpu()
+def _as_index(index: Any, capacity: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    index = torch.as_tensor(index, dtype=torch.int64).reshape(-1).to(device)
     if index.numel():
-        lo, hi = int(index.min()), int(index.max())
+        lo, hi = torch.stack([index.min(), index.max()]).tolist()
         if lo < -1 or hi >= capacity:  # -1: "skip", as TorchRL's MaxValueWriter uses it
             raise IndexError(f"priority index {lo if lo < -1 else hi} is out of range for {capacity} rows")
     return index
 
 
-def _as_priority(priority: Any, count: int) -> torch.Tensor:
-    priority = torch.as_tensor(priority).detach().to(torch.float64).reshape(-1).cpu()
+def _as_priority(priority: Any, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    priority = torch.as_tensor(priority).detach().to(device, torch.float64).reshape(-1)
     if priority.numel() == 1 and count != 1:
         priority = priority.expand(count)
     if priority.numel() != count:
         raise ValueError(f"got {priority.numel()} priorities for {count} indices")
     bad = ~torch.isfinite(priority) | (priority < 0)
     if bool(bad.any()):
-        pos = int(bad.nonzero()[0])
+        pos = int(bad.nonzero()[0, 0])
         raise ValueError(f"priorities must be finite and non-negative; got {float(priority[pos])} at position {pos}")
     return priority
 
@@ -48,6 +49,10 @@ class GearPrioritizedSampler(PrioritizedSampler):
 
     ``beta`` anneals linearly to ``beta_final`` over ``beta_anneal_steps`` calls
     to ``sample`` when that is given.
+
+    With ``device="cuda"`` the masses live on the GPU (blocked prefix sums, see
+    ``block_sums.py``): draws, weights and updates run there, for storages whose
+    batches are on the GPU too.
     """
 
     def __init__(
@@ -59,6 +64,7 @@ class GearPrioritizedSampler(PrioritizedSampler):
         *,
         beta_final: float = 1.0,
         beta_anneal_steps: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         if alpha < 0 or beta < 0:
             raise ValueError(f"alpha and beta must be non-negative, got alpha={alpha}, beta={beta}")
@@ -72,12 +78,16 @@ class GearPrioritizedSampler(PrioritizedSampler):
         self._beta_anneal_steps = beta_anneal_steps
         self._eps = float(eps)
         self.reduction = "max"
-        self._device = torch.device("cpu")
+        self._device = torch.device(device)
         self._init()
 
     def _init(self) -> None:
-        self._trees = PriorityTrees(self._max_capacity)
-        self._generation = torch.zeros(self._max_capacity, dtype=torch.int64)
+        # The one place CPU and GPU differ: trees in the extension, or blocked prefix sums on the device.
+        if self._device.type == "cpu":
+            self._trees: PriorityTrees | BlockPrefixSums = PriorityTrees(self._max_capacity)
+        else:
+            self._trees = BlockPrefixSums(self._max_capacity, self._device)
+        self._generation = torch.zeros(self._max_capacity, dtype=torch.int64, device=self._device)
         self._max_raw_priority = 1.0
         self._sample_calls = 0
 
@@ -110,7 +120,7 @@ class GearPrioritizedSampler(PrioritizedSampler):
         total = self._trees.total
         if not total > 0:
             raise RuntimeError("every stored row has priority 0: nothing can be sampled")
-        mass = torch.rand(batch_size, dtype=torch.float64) * total
+        mass = torch.rand(batch_size, dtype=torch.float64, device=self._device) * total
         index = self._trees.find(mass)
         weight = torch.pow(self._trees.get(index) / self._trees.minimum, -self._beta).to(torch.float32)
         self._anneal_beta()
@@ -133,11 +143,11 @@ class GearPrioritizedSampler(PrioritizedSampler):
         generation: torch.Tensor | None = None,
     ) -> None:
         """Set raw priorities; everything is checked before the trees change."""
-        index = _as_index(index, self._max_capacity)
-        priority = _as_priority(priority, index.numel())
+        index = _as_index(index, self._max_capacity, self._device)
+        priority = _as_priority(priority, index.numel(), self._device)
         keep = index >= 0
         if generation is not None:
-            generation = torch.as_tensor(generation, dtype=torch.int64).reshape(-1).cpu()
+            generation = torch.as_tensor(generation, dtype=torch.int64).reshape(-1).to(self._device)
             if generation.numel() != index.numel():
                 raise ValueError(f"got {generation.numel()} generations for {index.numel()} indices")
             keep &= self._generation[index.clamp_min(0)] == generation
@@ -150,11 +160,11 @@ class GearPrioritizedSampler(PrioritizedSampler):
 
     def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
         """Rows were (over)written: new generation, default priority."""
-        index = _as_index(index, self._max_capacity)
+        index = _as_index(index, self._max_capacity, self._device)
         index = index[index >= 0]
         self._generation[index] += 1
         self._trees.set(index, torch.full((index.numel(),), (self._max_raw_priority + self._eps) ** self._alpha,
-                                          dtype=torch.float64))
+                                          dtype=torch.float64, device=self._device))
 
     def exclude(self, index: torch.Tensor) -> None:
         """Make rows unsampleable until they are written again (used by MaxTimesSampled)."""
@@ -180,15 +190,14 @@ class GearPrioritizedSampler(PrioritizedSampler):
         for name, t in tensors.items():
             if t.shape != self._state_tensors()[name].shape:
                 raise ValueError(f"state tensor {name} has shape {tuple(t.shape)}")
-        self._trees.sum.copy_(tensors["sum_tree"])
-        self._trees.min.copy_(tensors["min_tree"])
+        self._trees.load_tensors(tensors)
         self._generation.copy_(tensors["generation"])
         self._alpha, self._beta, self._eps = scalars["alpha"], scalars["beta"], scalars["eps"]
         self._max_raw_priority = scalars["max_raw_priority"]
         self._sample_calls = scalars["sample_calls"]
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"sum_tree": self._trees.sum, "min_tree": self._trees.min, "generation": self._generation}
+        return {**self._trees.tensors(), "generation": self._generation}
 
     def state_dict(self) -> dict[str, Any]:
         return {**self._scalars(), **{k: v.clone() for k, v in self._state_tensors().items()}}

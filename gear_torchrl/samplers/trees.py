@@ -35,13 +35,13 @@ class PriorityTrees:
         return float(self.min[1])
 
     def set(self, index: torch.Tensor, mass: torch.Tensor) -> None:
+        """Masses of rows; the minimum counts positive masses only, so importance weights stay finite."""
+        mass = mass.to(torch.float64)
         _C.sum_tree_set(self.sum, index, mass)
-        _C.min_tree_set(self.min, index, mass)
+        _C.min_tree_set(self.min, index, torch.where(mass > 0, mass, float("inf")))
 
     def remove(self, index: torch.Tensor) -> None:
-        """No mass, and out of the minimum (importance weights stay finite)."""
-        _C.sum_tree_set(self.sum, index, torch.zeros(index.numel(), dtype=torch.float64))
-        _C.min_tree_set(self.min, index, torch.full((index.numel(),), float("inf"), dtype=torch.float64))
+        self.set(index, torch.zeros(index.numel(), dtype=torch.float64))
 
     def get(self, index: torch.Tensor) -> torch.Tensor:
         return self.sum[index + self.sum.numel() // 2]
@@ -52,6 +52,16 @@ class PriorityTrees:
     def clear(self) -> None:
         self.sum.zero_()
         self.min.fill_(float("inf"))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Per-row masses: the same state whatever structure (and device) holds them."""
+        leaves = self.sum.numel() // 2
+        return {"mass": self.sum[leaves: leaves + self.capacity]}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        mass = tensors["mass"].to("cpu", torch.float64)
+        self.clear()
+        self.set(torch.arange(self.capacity), mass)
 
 
 class ScoreTree:
