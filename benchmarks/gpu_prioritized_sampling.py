@@ -53,13 +53,14 @@ def main() -> None:
     storage.set(torch.arange(n), TensorDict({"x": torch.zeros(n, dtype=torch.uint8)}, [n]))
     priorities = torch.rand(n) + 0.01
     contenders = {
-        "GearPrioritizedSampler(device='cuda')": (GearPrioritizedSampler(n, 0.7, 0.5, device="cuda"), "cuda"),
-        "GearPrioritizedSampler (CPU trees)": (GearPrioritizedSampler(n, 0.7, 0.5), "cpu"),
-        "TorchRL PrioritizedSampler (CPU trees)": (PrioritizedSampler(n, 0.7, 0.5), "cpu"),
+        "GearPrioritizedSampler(device='cuda')": (lambda: GearPrioritizedSampler(n, 0.7, 0.5, device="cuda"), "cuda"),
+        "GearPrioritizedSampler (CPU trees)": (lambda: GearPrioritizedSampler(n, 0.7, 0.5), "cpu"),
+        "TorchRL PrioritizedSampler (CPU trees)": (lambda: PrioritizedSampler(n, 0.7, 0.5), "cpu"),
     }
     times = {}
-    for name, (sampler, device) in contenders.items():
+    for name, (make, device) in contenders.items():
         try:
+            sampler = make()
             sampler.mark_update(torch.arange(n))
             sampler.update_priority(torch.arange(n), priorities)
             times[name] = timed(loop(sampler, storage, args.batch, device))
