@@ -83,7 +83,7 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
 
     def _refresh(self, episodes: EpisodeIndex) -> None:
         """Re-derive the masses of the rows of every episode that changed since the last look."""
-        slots = None if self._seen[0] != id(episodes) else episodes.changed_since(self._seen[1])
+        slots = None if self._seen[0] != episodes.uid else episodes.changed_since(self._seen[1])
         if slots is None:
             self._trees.clear()
             slots = torch.arange(episodes.start.numel())
@@ -94,7 +94,7 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
                     + torch.arange(int(length.sum())) - torch.repeat_interleave(torch.cumsum(length, 0) - length,
                                                                                 length)) % self._max_capacity
             self._set_masses(episodes, rows)
-        self._seen = (id(episodes), episodes.revision)
+        self._seen = (episodes.uid, episodes.revision)
         self._episodes = episodes
         self._tree = self._trees  # the base class draws from and checks `_tree`
 

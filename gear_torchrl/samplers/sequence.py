@@ -76,7 +76,7 @@ class GearSequenceSampler(Sampler):
         self.mask_key, self.done_key = mask_key, done_key
         self.truncated_key, self.terminated_key = truncated_key, terminated_key
         self._tree: PriorityTrees | None = None
-        self._seen: tuple[int, int] = (-1, -1)  # (id of the episode index, its revision)
+        self._seen: tuple[int, int] = (-1, -1)  # (uid of the episode index, its revision)
 
     # -- per-episode window counts ----------------------------------------------------
     def _windows_in(self, length: torch.Tensor) -> torch.Tensor:
@@ -95,13 +95,13 @@ class GearSequenceSampler(Sampler):
 
     def _refresh(self, episodes: EpisodeIndex) -> None:
         """Bring the window-count tree up to the index's revision."""
-        slots = None if self._seen[0] != id(episodes) else episodes.changed_since(self._seen[1])
+        slots = None if self._seen[0] != episodes.uid else episodes.changed_since(self._seen[1])
         if slots is None or self._tree is None or self._tree.capacity != episodes.start.numel():
             self._tree = PriorityTrees(episodes.start.numel())
             slots = torch.arange(episodes.start.numel())
         if slots.numel():
             self._tree.set(slots, self._weights(episodes, slots))
-        self._seen = (id(episodes), episodes.revision)
+        self._seen = (episodes.uid, episodes.revision)
 
     # -- sampling -----------------------------------------------------------------------
     def sample(self, storage: GearStorage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -18,11 +18,13 @@ they stay O(changed episodes) per write instead of rescanning.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 _MIN_SLOTS = 64
+_UIDS = itertools.count()
 _LOG_SLOTS = 1 << 16  # change-log budget; past it readers rebuild from scratch
 
 
@@ -48,6 +50,7 @@ def episode_ends(flags: torch.Tensor | None, traj: torch.Tensor | None, num_rows
 class EpisodeIndex:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self.uid = next(_UIDS)  # readers key their derived state on this (ids of dead objects get reused)
         self.first_serial = 0
         self.next_serial = 0
         self.open_traj: int | None = None  # trajectory id of the open episode

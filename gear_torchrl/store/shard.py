@@ -119,6 +119,8 @@ class Shard:
         self.head = 0  # next row an append writes
         self.written = 0  # rows [0, written) have ever been written
         self.episodes = EpisodeIndex(self.capacity)
+        self._end_columns: list[int] = []  # spec positions of the end flags present in the data
+        self._traj_column: int | None = None
 
     # -- layout ------------------------------------------------------------------
     def _allocate(self, spec: TableSpec) -> None:
@@ -225,14 +227,15 @@ class Shard:
             else:
                 column.index_copy_(0, rows.to(column.device), value)
 
-    def _ends(self, values: list[torch.Tensor], n: int) -> torch.Tensor:
+    def _ends(self, values: Sequence[torch.Tensor | None], n: int) -> torch.Tensor:
+        """Which of ``n`` rows end an episode; ``values`` holds at least the flag and trajectory columns."""
         flags = None
         for i in self._end_columns:
             f = values[i].reshape(n, -1).any(-1)
             flags = f if flags is None else flags | f
         return episode_ends(flags, self._traj_ids(values), n)
 
-    def _traj_ids(self, values: list[torch.Tensor]) -> torch.Tensor | None:
+    def _traj_ids(self, values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
         if self._traj_column is None:
             return None
         t = values[self._traj_column]
@@ -245,18 +248,16 @@ class Shard:
         return (torch.arange(self.capacity, dtype=torch.int64) + self.head) % self.capacity
 
     def rebuild_episodes(self) -> None:
+        """Re-derive the episode index from the stored flags (after a write that was not an append)."""
         order = self.logical_order()
-        values = [self.columns[i].index_select(0, order.to(self.device)) for i in self._end_columns]
-        flags = None
-        for v in values:
-            f = v.reshape(order.numel(), -1).any(-1)
-            flags = f if flags is None else flags | f
-        traj = None
-        if self._traj_column is not None:
-            traj = self.columns[self._traj_column].index_select(0, order.to(self.device))
-        ends = episode_ends(flags, traj, order.numel())
-        last = None if traj is None or order.numel() == 0 else int(traj.reshape(order.numel(), -1)[-1, 0])
-        self.episodes.rebuild(order, ends, traj_last=last)
+        if order.numel() == 0:
+            self.episodes.clear()
+            return
+        needed = {*self._end_columns, *([] if self._traj_column is None else [self._traj_column])}
+        values = [c.index_select(0, order.to(c.device)) if i in needed else None for i, c in enumerate(self.columns)]
+        traj = self._traj_ids(values)
+        self.episodes.rebuild(order, self._ends(values, order.numel()),
+                              traj_last=None if traj is None else int(traj[-1]))
 
     def clear(self) -> None:
         """Forget all rows; the spec and buffers stay, like TorchRL's ``_empty``."""
