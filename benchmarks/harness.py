@@ -6,7 +6,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

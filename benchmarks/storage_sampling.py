@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import resource
 import shutil
 import tempfile
 

@@ -42,7 +42,7 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads lazily
     from gear_torchrl.checkpointer import GearStorageCheckpointer
     from gear_torchrl.rate_limiters import MinSize, RateLimiter, RateLimiterTimeout, SampleToInsertRatio
     from gear_torchrl.samplers import (

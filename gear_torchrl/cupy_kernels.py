@@ -43,7 +43,7 @@ def unavailable_reason() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel(device_index: int):
     import cupy as cp
 

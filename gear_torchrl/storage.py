@@ -6,7 +6,8 @@ state lives in the shard, not in TensorStorage's fields.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
+from collections.abc import Sequence
 
 import torch
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage

@@ -8,7 +8,7 @@ def model_episodes(steps: list[tuple[int, bool, int | None]], capacity: int):
     Returns (start_row, length, closed) per live episode, oldest first.
     """
     live = steps[-capacity:]
-    dropped = steps[:-capacity] if len(steps) > capacity else []
+    steps[:-capacity] if len(steps) > capacity else []
     episodes = []
     current = None
     for i, (g, done, traj) in enumerate(live):

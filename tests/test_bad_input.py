@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
-from helpers import assert_same_td, make_steps
+from helpers import make_steps
 from gear_torchrl import EmptyStoreError, GearStorage, SpecMismatchError
 
 

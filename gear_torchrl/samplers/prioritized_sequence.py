@@ -20,10 +20,8 @@ import torch
 
 from gear_torchrl.samplers.prioritized import GearPrioritizedSampler, _as_index, _as_priority
 from gear_torchrl.samplers.sequence import GearSequenceSampler
-from gear_torchrl.samplers.trees import PriorityTrees
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.episodes import EpisodeIndex
-from gear_torchrl.store.persistence import read_raw, write_raw
 
 
 class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler):

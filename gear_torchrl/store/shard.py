@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Sequence, Union
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from gear_torchrl.store.spec import Data, NestedKey, TableSpec
 
 logger = logging.getLogger(__name__)
 
-Index = Union[int, slice, Sequence[int], np.ndarray, torch.Tensor, range]
+Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor | range
 
 DEFAULT_END_KEYS: tuple[NestedKey, ...] = (("next", "done"), ("next", "truncated"))
 

@@ -8,13 +8,13 @@ leaves the store untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-NestedKey = Union[str, tuple[str, ...]]
-Data = Union[TensorDictBase, torch.Tensor]
+NestedKey = str | tuple[str, ...]
+Data = TensorDictBase | torch.Tensor
 
 
 class SpecMismatchError(ValueError):
