@@ -54,14 +54,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("valid_end") = py::none(), py::arg("seq_len") = 1, py::arg("mask") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("built_with_cuda", &built_with_cuda);
-  m.def("sum_tree_set", &gear::sum_tree_set, py::arg("tree"), py::arg("index"), py::arg("values"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("min_tree_set", &gear::min_tree_set, py::arg("tree"), py::arg("index"), py::arg("values"),
-        py::call_guard<py::gil_scoped_release>());
+  m.def("tree_nodes", &gear::tree_nodes, "Size of a tree tensor over `capacity` leaves", py::arg("capacity"));
+  m.def("tree_leaf_offset", &gear::tree_leaf_offset, py::arg("nodes"));
   m.def("max_tree_set", &gear::max_tree_set, py::arg("tree"), py::arg("index"), py::arg("values"),
         py::call_guard<py::gil_scoped_release>());
   m.def("max_tree_topk", &gear::max_tree_topk, py::arg("tree"), py::arg("k"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("priority_set", &gear::priority_set, py::arg("sum_tree"), py::arg("min_tree"), py::arg("index"),
+        py::arg("mass"), py::call_guard<py::gil_scoped_release>());
   m.def("sum_tree_find", &gear::sum_tree_find, py::arg("tree"), py::arg("mass"),
         py::call_guard<py::gil_scoped_release>());
 #ifdef GEAR_WITH_CUDA

@@ -1,23 +1,34 @@
-// Sum and min trees kept in flat float64 tensors (the state is the tensor, so
-// checkpoints and shared memory need nothing special). Node i has children 2i
-// and 2i+1; the leaves are nodes [L, 2L) with L a power of two; node 0 is unused.
+// Sum, min and max trees kept in flat float64 tensors (the state is the tensor, so
+// checkpoints and shared memory need nothing special).
+//
+// Layout: 8-ary, so the 8 children of a node fill one 64-byte cache line and a
+// tree over a million rows is 7 levels deep instead of 20. Level 0 is the root
+// (node 0, padded to 8 entries); level k >= 1 starts at 8 + (8^k - 8) / 7 and
+// holds 8^k nodes; node i of level k has children 8i..8i+7 of level k+1; the
+// leaves are the last level. tree_nodes(capacity) is the tensor size to allocate.
 #pragma once
 
 #include <ATen/ATen.h>
 
 namespace gear {
 
+int64_t tree_nodes(int64_t capacity);
+int64_t tree_leaf_offset(int64_t nodes);  // where leaf 0 sits in a tree of `nodes` entries
+
 // Leaves `index` get `values` (in order: a repeated index keeps its last value),
-// then every ancestor is recomputed from its children. O(k log L).
-void sum_tree_set(const at::Tensor& tree, const at::Tensor& index, const at::Tensor& values);
-void min_tree_set(const at::Tensor& tree, const at::Tensor& index, const at::Tensor& values);
+// then every ancestor is recomputed from its children. O(k log_8 L).
 void max_tree_set(const at::Tensor& tree, const at::Tensor& index, const at::Tensor& values);
 
+// Both trees of a priority table in one pass: sum of masses, and the minimum of
+// the positive ones (a zero mass counts as +inf there, so weights stay finite).
+void priority_set(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& index,
+                  const at::Tensor& mass);
+
 // For each prefix mass m in [0, total), the leaf whose cumulative range holds m.
-// Never returns a zero-mass leaf while the total is positive. O(k log L).
+// Never returns a zero-mass leaf while the total is positive. O(k log_8 L).
 at::Tensor sum_tree_find(const at::Tensor& tree, const at::Tensor& mass);
 
-// The k leaves of largest value, largest first (best-first search: O(k log k + k log L)).
+// The k leaves of largest value, largest first (best-first search).
 // Leaves at -inf are never returned, so fewer than k come back when fewer are finite.
 at::Tensor max_tree_topk(const at::Tensor& tree, int64_t k);
 

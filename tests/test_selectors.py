@@ -64,7 +64,8 @@ def test_topk_by_key_and_by_priority():
     rb.extend(steps(0, 20))
     top = rb.sample(4)
     assert top["next", "reward"].flatten().tolist() == [6.0, 6.0, 5.0, 5.0]  # best first
-    assert set(top["step"].tolist()) == {6, 13, 5, 12}
+    chosen = set(top["step"].tolist())
+    assert {6, 13} <= chosen <= {6, 13, 5, 12, 19}  # reward 6 at steps 6, 13; reward 5 at 5, 12, 19
     by_priority = buffer(TopKSampler(50))
     by_priority.extend(steps(0, 10))
     by_priority.update_priority(torch.arange(10), torch.tensor([0., 9, 1, 8, 2, 7, 3, 6, 4, 5]))

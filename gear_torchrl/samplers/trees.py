@@ -1,7 +1,8 @@
-"""Sum and min trees of priorities in float64 tensors, updated and searched in batches.
+"""Sum, min and max trees of per-row values in float64 tensors, updated and searched in batches.
 
 float64 because float32 trees lose mass once millions of priorities are
-summed. The tensors are the whole state: a checkpoint writes them as they are.
+summed. The layout (8-ary, one cache line per node's children) lives in
+csrc/trees.h; here the trees are tensors plus where their leaves start.
 """
 from __future__ import annotations
 
@@ -10,12 +11,10 @@ import torch
 from gear_torchrl._ext import _C
 
 
-def tree_nodes(capacity: int) -> int:
-    """Nodes of a binary tree over ``capacity`` leaves: 2L with L the next power of two."""
-    leaves = 1
-    while leaves < capacity:
-        leaves *= 2
-    return 2 * leaves
+def _tree(capacity: int, fill: float) -> tuple[torch.Tensor, int]:
+    """A tree tensor over ``capacity`` leaves, every entry ``fill``, and its first leaf's position."""
+    nodes = _C.tree_nodes(capacity)
+    return torch.full((nodes,), fill, dtype=torch.float64), _C.tree_leaf_offset(nodes)
 
 
 class PriorityTrees:
@@ -23,28 +22,26 @@ class PriorityTrees:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.sum = torch.zeros(tree_nodes(capacity), dtype=torch.float64)
-        self.min = torch.full((tree_nodes(capacity),), float("inf"), dtype=torch.float64)
+        self.sum, self._leaf = _tree(capacity, 0.0)
+        self.min, _ = _tree(capacity, float("inf"))
 
     @property
     def total(self) -> float:
-        return float(self.sum[1])
+        return float(self.sum[0])
 
     @property
     def minimum(self) -> float:
-        return float(self.min[1])
+        return float(self.min[0])
 
     def set(self, index: torch.Tensor, mass: torch.Tensor) -> None:
         """Masses of rows; the minimum counts positive masses only, so importance weights stay finite."""
-        mass = mass.to(torch.float64)
-        _C.sum_tree_set(self.sum, index, mass)
-        _C.min_tree_set(self.min, index, torch.where(mass > 0, mass, float("inf")))
+        _C.priority_set(self.sum, self.min, index, mass)
 
     def remove(self, index: torch.Tensor) -> None:
         self.set(index, torch.zeros(index.numel(), dtype=torch.float64))
 
     def get(self, index: torch.Tensor) -> torch.Tensor:
-        return self.sum[index + self.sum.numel() // 2]
+        return self.sum[index + self._leaf]
 
     def find(self, prefix_mass: torch.Tensor) -> torch.Tensor:
         return _C.sum_tree_find(self.sum, prefix_mass)
@@ -55,8 +52,7 @@ class PriorityTrees:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Per-row masses: the same state whatever structure (and device) holds them."""
-        leaves = self.sum.numel() // 2
-        return {"mass": self.sum[leaves: leaves + self.capacity]}
+        return {"mass": self.sum[self._leaf: self._leaf + self.capacity]}
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         mass = tensors["mass"].to("cpu", torch.float64)
@@ -69,7 +65,7 @@ class ScoreTree:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.max = torch.full((tree_nodes(capacity),), float("-inf"), dtype=torch.float64)
+        self.max, _ = _tree(capacity, float("-inf"))
 
     def set(self, index: torch.Tensor, score: torch.Tensor) -> None:
         _C.max_tree_set(self.max, index, score)
