@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
-import time
 
 import torch
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, PrioritizedSampler
 
 from gear_torchrl import GearPrioritizedSampler
-from harness import table, write_json
+from harness import cuda_median_seconds, table, write_json
 
 
 def loop(sampler, storage, batch, device):
@@ -25,20 +23,6 @@ def loop(sampler, storage, batch, device):
         index, _ = sampler.sample(storage, batch)
         sampler.update_priority(index, torch.rand(batch, device=device) + 0.01)
     return step
-
-
-def timed(fn, repeats=7, inner=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - start) / inner)
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -63,7 +47,7 @@ def main() -> None:
             sampler = make()
             sampler.mark_update(torch.arange(n))
             sampler.update_priority(torch.arange(n), priorities)
-            times[name] = timed(loop(sampler, storage, args.batch, device))
+            times[name] = cuda_median_seconds(loop(sampler, storage, args.batch, device), inner=10)
         except Exception as err:  # torchrl's C++ trees need the torch they were built for
             print(f"{name}: not measured here ({type(err).__name__}: {err})")
     base = times.get("TorchRL PrioritizedSampler (CPU trees)", times["GearPrioritizedSampler (CPU trees)"])

@@ -10,29 +10,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
-import time
 
 import torch
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 from gear_torchrl import GearStorage
-from harness import table, write_json
-
-
-def timed(fn, repeats=7, inner=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - start) / inner)
-    return statistics.median(out)
+from harness import cuda_median_seconds, table, write_json
 
 
 def main() -> None:
@@ -61,7 +45,7 @@ def main() -> None:
     fns = {k: rb.sample for k, rb in buffers.items()}
     fns["LazyTensorStorage(cpu) + .to(cuda)"] = lambda: buffers["LazyTensorStorage(cpu) + .to(cuda)"].sample().to(
         "cuda", non_blocking=True)
-    times = {k: timed(f) for k, f in fns.items()}
+    times = {k: cuda_median_seconds(f) for k, f in fns.items()}
     base = times["LazyTensorStorage(cpu) + .to(cuda)"]
     rows = [{"contender": k, "ms_per_batch": round(t * 1e3, 3), "Msteps_per_s": round(args.batch / t / 1e6, 2),
              "x_vs_cpu_plus_to_cuda": round(base / t, 2)} for k, t in times.items()]

@@ -24,6 +24,19 @@ def median_seconds(fn: Callable[[], object], *, repeats: int = 7, inner: int = 2
     return statistics.median(samples)
 
 
+def cuda_median_seconds(fn: Callable[[], object], *, repeats: int = 7, inner: int = 20, warmup: int = 3) -> float:
+    """``median_seconds`` for GPU work: the device is synchronized before the clock stops."""
+    def synchronized():
+        for _ in range(inner):
+            fn()
+        torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    return median_seconds(synchronized, repeats=repeats, inner=1, warmup=0) / inner
+
+
 def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int = 7, inner: int = 20,
                         warmup: int = 3) -> dict[str, float]:
     """Like ``median_seconds`` for several contenders, taking turns so noise hits all alike."""
