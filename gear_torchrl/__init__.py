@@ -43,9 +43,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads lazily
-    from gear_torchrl.checkpointer import GearStorageCheckpointer
-    from gear_torchrl.rate_limiters import MinSize, RateLimiter, RateLimiterTimeout, SampleToInsertRatio
-    from gear_torchrl.samplers import (
+    from gear_torchrl.checkpointer import GearStorageCheckpointer  # noqa: F401
+    from gear_torchrl.rate_limiters import MinSize, RateLimiter, RateLimiterTimeout, SampleToInsertRatio  # noqa: F401
+    from gear_torchrl.samplers import (  # noqa: F401
         GearPrioritizedSampler,
         GearPrioritizedSequenceSampler,
         GearSequenceSampler,
@@ -53,6 +53,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads l
         QueueSampler,
         TopKSampler,
     )
-    from gear_torchrl.storage import GearStorage
-    from gear_torchrl.store.shard import EmptyStoreError
-    from gear_torchrl.store.spec import SpecMismatchError
+    from gear_torchrl.storage import GearStorage  # noqa: F401
+    from gear_torchrl.store.shard import EmptyStoreError  # noqa: F401
+    from gear_torchrl.store.spec import SpecMismatchError  # noqa: F401
