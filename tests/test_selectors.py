@@ -89,3 +89,10 @@ def test_max_times_sampled_caps_each_row_exactly():
 def test_max_times_needs_a_sampler_that_can_exclude():
     with pytest.raises(TypeError, match="cannot exclude rows"):
         MaxTimesSampled(GearSequenceSampler(4), max_times=1, max_capacity=10)
+
+
+def test_queue_write_larger_than_the_ring_serves_each_row_once():
+    rb = buffer(QueueSampler(8), capacity=8)
+    rb.extend(steps(0, 20))  # rows repeat in the writer's index: only steps 12..19 survive
+    assert len(rb.sampler) == 8
+    assert rb.sample(8)["step"].tolist() == list(range(12, 20))

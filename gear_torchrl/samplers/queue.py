@@ -16,6 +16,15 @@ from gear_torchrl.samplers.state_file import StateDictFile
 from gear_torchrl.samplers.prioritized import _as_index
 
 
+def _last_writes(index: torch.Tensor) -> torch.Tensor:
+    """Each row once, at its last write, in write order (a write larger than the ring repeats rows)."""
+    if index.numel() < 2:
+        return index
+    position = torch.arange(index.numel())
+    last = torch.full((int(index.max()) + 1,), -1, dtype=torch.int64).scatter_reduce(0, index, position, "amax")
+    return index[last[last >= 0].sort().values]
+
+
 class QueueSampler(StateDictFile, Sampler):
     """Consume rows in write order (``"fifo"``) or newest first (``"lifo"``)."""
 
@@ -37,7 +46,7 @@ class QueueSampler(StateDictFile, Sampler):
     # -- queue -----------------------------------------------------------------------
     def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
         index = _as_index(index, self.max_capacity)
-        index = index[index >= 0]
+        index = _last_writes(index[index >= 0])
         self._waiting -= int(self._queued[index].sum())  # their older entries go stale
         self._generation[index] += 1
         self._queued[index] = True
