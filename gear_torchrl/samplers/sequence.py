@@ -13,12 +13,13 @@ or-ed with it, plus the validity mask under ``("collector", "mask")``.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Literal
 
 import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
-from gear_torchrl import gather
 from gear_torchrl.samplers.trees import PriorityTrees
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.episodes import EpisodeIndex
@@ -118,11 +119,12 @@ class GearSequenceSampler(Sampler):
         if not self._tree.total > 0:
             raise RuntimeError(self._nothing_to_sample(episodes))
         windows = self._draw(episodes, num_windows, shard.capacity)
+        windows = dataclasses.replace(windows, markers=functools.partial(self._markers, windows))
         # On the storage's device already: TorchRL would otherwise move it, and the
         # moved copy would no longer be the tensor the storage's window plan names.
         index = windows.rows(shard.capacity).to(storage.device)
         storage.plan_windows(index, windows)
-        return index, self._markers(shard, windows)
+        return index, {}
 
     def _num_windows(self, batch_size: int) -> int:
         if self.num_windows is not None:
@@ -172,24 +174,28 @@ class GearSequenceSampler(Sampler):
         valid_end = torch.minimum(length - first, torch.full_like(first, self.window_len))
         return Windows(starts, self.window_len, valid_begin, valid_end)
 
-    def _markers(self, shard, windows: Windows) -> dict[str, Any]:
-        """SliceSampler's trajectory markers, read from the one or two flag columns they need."""
-        num_steps = windows.starts.numel() * windows.seq_len
-        truncated = torch.zeros(num_steps, 1, dtype=torch.bool)
-        truncated[torch.arange(windows.starts.numel()) * windows.seq_len + windows.valid_end - 1] = True
-        keys = [k for k in (self.done_key, self.terminated_key) if shard.column(k) is not None]
-        stored, mask = {}, None
-        if keys:
-            columns = [shard.column(k) for k in keys]
-            flags, mask = gather.gather_windows(columns, windows.starts, windows.seq_len, columns[0].device,
-                                                windows.valid_begin, windows.valid_end)
-            stored = {k: f.reshape(num_steps, -1).any(-1, keepdim=True) for k, f in zip(keys, flags)}
-        no_flag = torch.zeros_like(truncated)
+    def _markers(self, windows: Windows, columns: dict[NestedKey, torch.Tensor],
+                 mask: torch.Tensor) -> dict[NestedKey, torch.Tensor]:
+        """SliceSampler's trajectory markers, from the columns the storage just gathered.
+
+        They go into the batch as it is built, so they cost neither a second
+        gather nor a per-key insert afterwards.
+        """
+        num_steps = mask.numel()
+        truncated = torch.zeros(num_steps, 1, dtype=torch.bool, device=mask.device)
+        last = torch.arange(windows.starts.numel()) * windows.seq_len + windows.valid_end - 1
+        truncated[last.to(mask.device)] = True
+        by_path = {(k,) if isinstance(k, str) else tuple(k): t for k, t in columns.items()}
+
+        def stored_flag(key: NestedKey) -> torch.Tensor:
+            flag = by_path.get((key,) if isinstance(key, str) else tuple(key))
+            return torch.zeros_like(truncated) if flag is None else flag.reshape(num_steps, -1).any(-1, keepdim=True)
+
         return {
-            self.mask_key: windows.mask() if mask is None else mask,
+            self.mask_key: mask,
             self.truncated_key: truncated,
-            self.done_key: stored.get(self.done_key, no_flag) | truncated,
-            self.terminated_key: stored.get(self.terminated_key, no_flag),
+            self.done_key: stored_flag(self.done_key) | truncated,
+            self.terminated_key: stored_flag(self.terminated_key),
         }
 
     def _nothing_to_sample(self, episodes: EpisodeIndex) -> str:

@@ -11,7 +11,7 @@ import logging
 import weakref
 from dataclasses import dataclass
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +31,10 @@ class EmptyStoreError(RuntimeError):
     """Reading from a store that holds no rows."""
 
 
+# Given a window batch's gathered columns (by key) and validity mask, the keys to add or replace.
+Markers = Callable[[dict[NestedKey, torch.Tensor], torch.Tensor], dict[NestedKey, torch.Tensor]]
+
+
 @dataclass(frozen=True)
 class Windows:
     """``seq_len`` ring rows from each start; positions outside ``[valid_begin, valid_end)`` are padding."""
@@ -39,6 +43,7 @@ class Windows:
     seq_len: int
     valid_begin: torch.Tensor  # int64 [W]
     valid_end: torch.Tensor  # int64 [W]
+    markers: Markers | None = None  # a sampler's per-step keys, derived from the gathered columns
 
     def rows(self, capacity: int) -> torch.Tensor:
         """Flat ring rows of every position, padding included: [W * seq_len]."""
@@ -320,9 +325,10 @@ class Shard:
         """Windows as a flat batch of ``W * seq_len`` rows on ``out_device``, padding zero-filled."""
         if self.spec is None or self.size == 0:
             raise EmptyStoreError("cannot read from an empty storage: write some data first")
-        flat, _ = gather.gather_windows(self.columns, windows.starts, windows.seq_len, self.out_device,
-                                        windows.valid_begin, windows.valid_end)
-        return self.spec.unflatten(flat, torch.Size([flat[0].shape[0]]), device=self.out_device)
+        flat, mask = gather.gather_windows(self.columns, windows.starts, windows.seq_len, self.out_device,
+                                           windows.valid_begin, windows.valid_end)
+        extra = None if windows.markers is None else windows.markers(dict(zip(self.spec.keys, flat)), mask)
+        return self.spec.unflatten(flat, torch.Size([flat[0].shape[0]]), device=self.out_device, extra=extra)
 
     def column(self, key: NestedKey) -> torch.Tensor | None:
         """The buffer of one column, or None if the data has no such key."""

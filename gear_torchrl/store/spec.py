@@ -140,14 +140,20 @@ class TableSpec:
             out.append(value)
         return out
 
-    def unflatten(self, tensors: list[torch.Tensor], lead: torch.Size, device: torch.device | None) -> Data:
-        """Rebuild what was written from column tensors whose leading dims are ``lead``."""
+    def unflatten(self, tensors: list[torch.Tensor], lead: torch.Size, device: torch.device | None,
+                  extra: dict[NestedKey, torch.Tensor] | None = None) -> Data:
+        """Rebuild what was written from column tensors whose leading dims are ``lead``.
+
+        ``extra`` adds keys or replaces columns (a sampler's trajectory markers),
+        built into the same TensorDict at no extra cost.
+        """
         if not self.is_tensordict:
             return tensors[0]
         root: dict = {}
-        for c, t in zip(self.columns, tensors):
+        pairs = [*zip(self.keys, tensors), *(extra or {}).items()]
+        for key, t in pairs:
             node = root
-            path = _as_tuple(c.key)
+            path = _as_tuple(key)
             for part in path[:-1]:
                 node = node.setdefault(part, {})
             node[path[-1]] = t
