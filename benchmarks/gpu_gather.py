@@ -31,8 +31,6 @@ import time
 import torch
 
 
-
-
 def time_op(fn, reps, warmup=2):
     """Median seconds of fn() over reps, with CUDA events around each call."""
     for _ in range(warmup):

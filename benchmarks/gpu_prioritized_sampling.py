@@ -11,11 +11,11 @@ import argparse
 import logging
 
 import torch
+from harness import cuda_median_seconds, table, write_json
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, PrioritizedSampler
 
 from gear_torchrl import GearPrioritizedSampler
-from harness import cuda_median_seconds, table, write_json
 
 
 def loop(sampler, storage, batch, device):

@@ -12,11 +12,11 @@ import argparse
 import logging
 
 import torch
+from harness import cuda_median_seconds, table, write_json
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 from gear_torchrl import GearStorage
-from harness import cuda_median_seconds, table, write_json
 
 
 def main() -> None:

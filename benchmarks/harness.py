@@ -5,8 +5,8 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 

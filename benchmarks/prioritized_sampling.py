@@ -11,11 +11,11 @@ import argparse
 import logging
 
 import torch
+from harness import interleaved_medians, table, write_json
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, PrioritizedSampler, TensorDictReplayBuffer
 
 from gear_torchrl import GearPrioritizedSampler, GearStorage
-from harness import interleaved_medians, table, write_json
 
 
 def steps(n: int) -> TensorDict:

@@ -12,11 +12,11 @@ import argparse
 import logging
 
 import torch
+from harness import interleaved_medians, table, write_json
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, SliceSampler, TensorDictReplayBuffer
 
 from gear_torchrl import GearSequenceSampler, GearStorage
-from harness import interleaved_medians, table, write_json
 
 SEQ_LEN, WINDOWS, EPISODE = 64, 256, 1000
 

@@ -11,7 +11,3 @@ except ImportError as exc:  # pragma: no cover - only without a build
         f"({exc}). Build it with `pip install --no-build-isolation -e .` (or `make build`)."
     ) from exc
 
-
-def cuda_kernels_built() -> bool:
-    """Whether the extension was compiled with its CUDA part."""
-    return bool(_C.built_with_cuda())

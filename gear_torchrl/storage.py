@@ -6,8 +6,8 @@ state lives in the shard, not in TensorStorage's fields.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
 from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage

@@ -5,10 +5,10 @@ import copy
 
 import pytest
 import torch
+from helpers import make_steps
 from tensordict import TensorDict
 from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
-from helpers import make_steps
 from gear_torchrl import EmptyStoreError, GearStorage, SpecMismatchError
 
 

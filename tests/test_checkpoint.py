@@ -5,9 +5,9 @@ import os
 
 import pytest
 import torch
+from helpers import assert_same_td, make_steps
 from tensordict import TensorDict
 
-from helpers import assert_same_td, make_steps
 from gear_torchrl import GearStorage
 
 

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import torch
+from episode_model import model_episodes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from episode_model import model_episodes
 from gear_torchrl import GearStorage
 from gear_torchrl.store.shard import Shard
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import make_steps
 from torchrl.data import LazyTensorStorage, PrioritizedSampler, TensorDictReplayBuffer
 
-from helpers import make_steps
 from gear_torchrl import GearPrioritizedSampler, GearStorage
 
 CHI2_DF19_P001 = 43.82  # critical value: a correct sampler exceeds it with probability 0.001

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import torch
+from helpers import assert_same_td, make_steps
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-from helpers import assert_same_td, make_steps
 from gear_torchrl import GearStorage
 
 ops = st.one_of(

@@ -6,9 +6,9 @@ import time
 
 import pytest
 import torch
+from helpers import make_steps
 from torchrl.data import TensorDictReplayBuffer
 
-from helpers import make_steps
 from gear_torchrl import GearStorage, MinSize, RateLimiterTimeout, SampleToInsertRatio
 
 

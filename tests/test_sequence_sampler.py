@@ -5,13 +5,14 @@ from collections import Counter
 
 import pytest
 import torch
+from episode_model import model_episodes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, SliceSampler, TensorDictReplayBuffer
 
-from episode_model import model_episodes
 from gear_torchrl import GearSequenceSampler, GearStorage
+
 
 def chi2_critical(df: int) -> float:
     # Wilson-Hilferty approximation of the 0.999 quantile (z = 3.09)

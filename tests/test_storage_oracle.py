@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import assert_same_td, make_steps
 from tensordict import TensorDict
 from torchrl.data import (
     LazyMemmapStorage,
@@ -17,7 +18,6 @@ from torchrl.data import (
     TensorDictReplayBuffer,
 )
 
-from helpers import assert_same_td, make_steps
 from gear_torchrl import GearStorage
 
 CAPACITY = 100

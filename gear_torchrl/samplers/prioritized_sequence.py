@@ -81,18 +81,14 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
 
     def _refresh(self, episodes: EpisodeIndex) -> None:
         """Re-derive the masses of the rows of every episode that changed since the last look."""
-        slots = None if self._seen[0] != episodes.uid else episodes.changed_since(self._seen[1])
+        slots = episodes.changed_since(self._seen)
         if slots is None:
             self._trees.clear()
             slots = torch.arange(episodes.start.numel())
         slots = slots[episodes.slot_is_live(slots)]
         if slots.numel():
-            length = episodes.length[slots]
-            rows = (episodes.start[slots].repeat_interleave(length)
-                    + torch.arange(int(length.sum())) - torch.repeat_interleave(torch.cumsum(length, 0) - length,
-                                                                                length)) % self._max_capacity
-            self._set_masses(episodes, rows)
-        self._seen = (episodes.uid, episodes.revision)
+            self._set_masses(episodes, episodes.rows_of(slots))
+        self._seen = episodes.position
         self._episodes = episodes
         self._tree = self._trees  # the base class draws from and checks `_tree`
 

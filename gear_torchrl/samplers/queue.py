@@ -12,8 +12,8 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.samplers.state_file import StateDictFile
 from gear_torchrl.samplers.prioritized import _as_index
+from gear_torchrl.samplers.state_file import StateDictFile
 
 
 def _last_writes(index: torch.Tensor) -> torch.Tensor:

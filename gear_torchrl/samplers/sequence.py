@@ -24,7 +24,7 @@ from gear_torchrl.samplers.trees import PriorityTrees
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.episodes import EpisodeIndex
 from gear_torchrl.store.shard import Windows
-from gear_torchrl.store.spec import NestedKey
+from gear_torchrl.store.spec import NestedKey, as_path
 
 _MAX_REJECTION_ROUNDS = 16
 
@@ -77,7 +77,7 @@ class GearSequenceSampler(Sampler):
         self.mask_key, self.done_key = mask_key, done_key
         self.truncated_key, self.terminated_key = truncated_key, terminated_key
         self._tree: PriorityTrees | None = None
-        self._seen: tuple[int, int] = (-1, -1)  # (uid of the episode index, its revision)
+        self._seen: tuple[int, int] | None = None  # the episode index's position when last refreshed
 
     # -- per-episode window counts ----------------------------------------------------
     def _windows_in(self, length: torch.Tensor) -> torch.Tensor:
@@ -96,13 +96,13 @@ class GearSequenceSampler(Sampler):
 
     def _refresh(self, episodes: EpisodeIndex) -> None:
         """Bring the window-count tree up to the index's revision."""
-        slots = None if self._seen[0] != episodes.uid else episodes.changed_since(self._seen[1])
+        slots = episodes.changed_since(self._seen)
         if slots is None or self._tree is None or self._tree.capacity != episodes.start.numel():
             self._tree = PriorityTrees(episodes.start.numel())
             slots = torch.arange(episodes.start.numel())
         if slots.numel():
             self._tree.set(slots, self._weights(episodes, slots))
-        self._seen = (episodes.uid, episodes.revision)
+        self._seen = episodes.position
 
     # -- sampling -----------------------------------------------------------------------
     def sample(self, storage: GearStorage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -185,10 +185,10 @@ class GearSequenceSampler(Sampler):
         truncated = torch.zeros(num_steps, 1, dtype=torch.bool, device=mask.device)
         last = torch.arange(windows.starts.numel()) * windows.seq_len + windows.valid_end - 1
         truncated[last.to(mask.device)] = True
-        by_path = {(k,) if isinstance(k, str) else tuple(k): t for k, t in columns.items()}
+        by_path = {as_path(k): t for k, t in columns.items()}
 
         def stored_flag(key: NestedKey) -> torch.Tensor:
-            flag = by_path.get((key,) if isinstance(key, str) else tuple(key))
+            flag = by_path.get(as_path(key))
             return torch.zeros_like(truncated) if flag is None else flag.reshape(num_steps, -1).any(-1, keepdim=True)
 
         return {
@@ -207,7 +207,7 @@ class GearSequenceSampler(Sampler):
 
     # -- TorchRL contract -------------------------------------------------------------
     def _empty(self) -> None:
-        self._tree, self._seen = None, (-1, -1)
+        self._tree, self._seen = None, None
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # everything is derived from the storage's episode index

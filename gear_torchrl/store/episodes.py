@@ -76,12 +76,25 @@ class EpisodeIndex:
         if sum(s.numel() for _, s in self._log) > _LOG_SLOTS:
             self._log_floor = self._log.pop(0)[0]
 
-    def changed_since(self, revision: int) -> torch.Tensor | None:
-        """Slots changed after ``revision``; None when a reader must rebuild everything."""
-        if revision < self._log_floor:
+    @property
+    def position(self) -> tuple[int, int]:
+        """What a reader records after catching up; hand it back to ``changed_since``."""
+        return (self.uid, self.revision)
+
+    def changed_since(self, position: tuple[int, int] | None) -> torch.Tensor | None:
+        """Slots changed after ``position``; None when a reader must rebuild everything
+        (it never looked, looked at another index, or the log has moved past it)."""
+        if position is None or position[0] != self.uid or position[1] < self._log_floor:
             return None
-        parts = [s for r, s in self._log if r > revision]
+        parts = [s for r, s in self._log if r > position[1]]
         return torch.cat(parts).unique() if parts else torch.empty(0, dtype=torch.int64)
+
+    def rows_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every ring row of the episodes in ``slots``, episode after episode."""
+        length = self.length[slots]
+        first_of_each = torch.repeat_interleave(torch.cumsum(length, 0) - length, length)
+        offset = torch.arange(int(length.sum())) - first_of_each
+        return (self.start[slots].repeat_interleave(length) + offset) % self.capacity
 
     def slot_is_live(self, slots: torch.Tensor) -> torch.Tensor:
         return (slots - self.first_serial) % self.start.numel() < self.num_episodes

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
-
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch

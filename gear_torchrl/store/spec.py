@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
@@ -27,7 +26,8 @@ def key_name(key: NestedKey | None) -> str:
     return key if isinstance(key, str) else ".".join(key)
 
 
-def _as_tuple(key: NestedKey) -> tuple[str, ...]:
+def as_path(key: NestedKey) -> tuple[str, ...]:
+    """A key as a tuple path: ``"obs"`` and ``("obs",)`` name the same column."""
     return (key,) if isinstance(key, str) else tuple(key)
 
 
@@ -71,9 +71,9 @@ class TableSpec:
         return self.node_batch.get((), torch.Size([]))
 
     def find(self, key: NestedKey) -> int | None:
-        want = _as_tuple(key)
+        want = as_path(key)
         for i, c in enumerate(self.columns):
-            if c.key is not None and _as_tuple(c.key) == want:
+            if c.key is not None and as_path(c.key) == want:
                 return i
         return None
 
@@ -153,7 +153,7 @@ class TableSpec:
         pairs = [*zip(self.keys, tensors), *(extra or {}).items()]
         for key, t in pairs:
             node = root
-            path = _as_tuple(key)
+            path = as_path(key)
             for part in path[:-1]:
                 node = node.setdefault(part, {})
             node[path[-1]] = t
@@ -172,7 +172,7 @@ class TableSpec:
         return {
             "is_tensordict": self.is_tensordict,
             "columns": [
-                {"key": None if c.key is None else list(_as_tuple(c.key)), "dtype": str(c.dtype).removeprefix("torch."),
+                {"key": None if c.key is None else list(as_path(c.key)), "dtype": str(c.dtype).removeprefix("torch."),
                  "row_shape": list(c.row_shape)}
                 for c in self.columns
             ],
