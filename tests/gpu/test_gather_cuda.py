@@ -12,7 +12,6 @@ the extension's CUDA part.
 from __future__ import annotations
 
 import os
-import pathlib
 import sys
 
 import pytest
@@ -377,24 +376,11 @@ def test_table_larger_than_4gib(tier):
     torch.cuda.empty_cache()
 
 
-def _kernel_source():
-    here = pathlib.Path(__file__).resolve()
-    candidates = [here.parents[2] / "csrc" / "cuda" / "gather_kernel.cuh"]
-    if getattr(_C, "__file__", None):
-        candidates.append(pathlib.Path(_C.__file__).parent / "kernels" / "gather_kernel.cuh")
-    for c in candidates:
-        if c.is_file():
-            return c.read_text()
-    pytest.skip("gather_kernel.cuh not found")
-
-
 def test_kernel_source_compiles_with_nvrtc_via_cupy():
-    """The same kernel text, compiled at run time (the CuPy fallback path), gathers the same bytes."""
-    cp = pytest.importorskip("cupy")
-    import numpy as np
+    """The CuPy run-time path (the same kernel file, compiled by NVRTC) gathers the same bytes."""
+    pytest.importorskip("cupy")
+    from gear_torchrl import cupy_kernels
 
-    module = cp.RawModule(code=_kernel_source(), options=("--std=c++17",))
-    kernel = module.get_function("gear_gather_kernel")
     gen = torch.Generator().manual_seed(12)
     capacity, seq_len, n = 300, 10, 97
     cols = [random_column(capacity, (7,), torch.uint8, gen).pin_memory(),
@@ -408,22 +394,8 @@ def test_kernel_source_compiles_with_nvrtc_via_cupy():
 
     outs = [torch.full((n * seq_len, *c.shape[1:]), 7, dtype=c.dtype, device=DEVICE) for c in cols]
     mask = torch.ones(n * seq_len, dtype=torch.bool, device=DEVICE)
-    chunk, items, desc = 2048, 0, []
-    for c, o in zip(cols, outs):
-        rb = c[0].numel() * c.element_size()
-        desc += [c.data_ptr(), o.data_ptr(), rb, items]
-        items += n * ((rb * seq_len + chunk - 1) // chunk)
-    copy_items = items
-    items += (n * seq_len + 1023) // 1024
-    d_desc = torch.tensor(desc, dtype=torch.int64, device=DEVICE)
-    d_starts, d_begin, d_end = (t.to(DEVICE) for t in (starts, begin, end))
+    cupy_kernels.gather(cols, outs, starts, begin, end, seq_len, mask)
     torch.cuda.synchronize()
-    blocks = (items + 7) // 8
-    ptr = lambda t: np.uint64(t.data_ptr())  # noqa: E731
-    kernel((blocks,), (256,), (ptr(d_desc), np.int32(len(cols)), ptr(d_starts), ptr(d_begin), ptr(d_end),
-                                ptr(mask), np.int64(n), np.int64(seq_len), np.int64(capacity), np.int64(chunk),
-                                np.int64(copy_items), np.int64(items)))
-    cp.cuda.runtime.deviceSynchronize()
     for o, r in zip(outs, ref):
         assert_bitwise_equal(o, r, "cupy kernel")
     assert_bitwise_equal(mask, ref_mask, "cupy mask")
