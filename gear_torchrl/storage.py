@@ -15,6 +15,7 @@ from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from gear_torchrl import gather
 from gear_torchrl.checkpointer import GearStorageCheckpointer
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, Windows
+from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
 from gear_torchrl.store.spec import Data, NestedKey
 
 
@@ -31,6 +32,14 @@ class GearStorage(TensorStorage):
         end_keys: flags that end an episode (those present in the data are used).
         traj_key: a trajectory-id key; an episode also ends where it changes.
         checkpointer: defaults to :class:`GearStorageCheckpointer`.
+        shared: keep the rows in named shared memory that other processes attach
+            to (pickling this storage, e.g. into spawned actors, collector workers
+            or DataLoader workers, attaches instead of copying). Any process may
+            append (``extend``, :class:`TrajectoryWriter`); each append becomes
+            readable all at once. This process owns the memory: it is freed by
+            :meth:`close` or when this process exits, however it exits.
+        handle: attach to the shared store ``handle`` (from :attr:`handle`) instead
+            of creating one; ``max_size``, ``end_keys`` and ``traj_key`` come from it.
     """
 
     _default_checkpointer = GearStorageCheckpointer
@@ -44,20 +53,31 @@ class GearStorage(TensorStorage):
         end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
         traj_key: NestedKey | None = None,
         checkpointer: GearStorageCheckpointer | None = None,
+        shared: bool = False,
+        handle: SharedStoreHandle | None = None,
     ) -> None:
         device = _resolve_device(device)
         if memory not in ("host", "device"):
             raise ValueError(f"memory must be 'host' or 'device', got {memory!r}")
         if memory == "device" and device.type != "cuda":
             raise ValueError("memory='device' needs device='cuda'")
+        shared = shared or handle is not None
+        if shared and memory == "device":
+            raise ValueError("a shared GearStorage lives in host shared memory; memory='device' cannot be shared")
+        if handle is not None:
+            max_size = handle.capacity
         Storage.__init__(self, max_size, checkpointer=checkpointer)
         self.ndim = 1
         self.device = device
         self.memory = memory
         on_gpu = device.type == "cuda"
-        self._shard = Shard(self.max_size, device=device if memory == "device" else "cpu",
-                            register_host=on_gpu and memory == "host", out_device=device,
-                            end_keys=end_keys, traj_key=traj_key)
+        if shared:
+            self._shard = SharedShard(self.max_size, handle=handle, register_host=on_gpu, out_device=device,
+                                      end_keys=end_keys, traj_key=traj_key)
+        else:
+            self._shard = Shard(self.max_size, device=device if memory == "device" else "cpu",
+                                register_host=on_gpu and memory == "host", out_device=device,
+                                end_keys=end_keys, traj_key=traj_key)
         self._last_cursor = None
         self._window_plan: tuple[torch.Tensor, Windows] | None = None
         self.__dict__["_storage_keys"] = None
@@ -69,14 +89,14 @@ class GearStorage(TensorStorage):
 
     @property
     def _len(self) -> int:
-        return self._shard.size
+        return self._shard.readable_rows()
 
     @_len.setter
     def _len(self, value: int) -> None:
         self._shard.set_size(int(value))
 
     def __len__(self) -> int:
-        return self._shard.size
+        return self._shard.readable_rows()
 
     @property
     def _total_shape(self) -> torch.Size:
@@ -84,22 +104,21 @@ class GearStorage(TensorStorage):
 
     @property
     def _len_along_dim0(self) -> int:
-        return self._shard.size
+        return self._shard.readable_rows()
 
     def _max_size_along_dim0(self, *, single_data=None, batched_data=None) -> int:
         return self.max_size
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size([self._shard.size])
+        return torch.Size([self._shard.readable_rows()])
 
     def flatten(self) -> GearStorage:
         return self
 
     def _rand_given_ndim(self, batch_size: int) -> torch.Tensor:
-        if self._shard.size == 0:
-            raise RuntimeError("cannot sample from an empty storage: write some data first")
-        return torch.randint(0, self._shard.size, (batch_size,), generator=self._rng, device=self.device)
+        with self._shard.picking():
+            return self._shard.uniform_rows(batch_size, self._rng, self.device)
 
     # -- episodes -------------------------------------------------------------------
     @property
@@ -156,6 +175,28 @@ class GearStorage(TensorStorage):
         shard = self._shard
         self._set_last_cursor((shard.head - 1) % shard.capacity if shard.size else None)
 
+    # -- sharing across processes ------------------------------------------------------
+    @property
+    def shared(self) -> bool:
+        return isinstance(self._shard, SharedShard)
+
+    @property
+    def handle(self) -> SharedStoreHandle:
+        """Small and picklable: ``GearStorage(0, handle=h)`` attaches to this store's rows."""
+        if not self.shared:
+            raise RuntimeError("only a shared GearStorage (shared=True) has a handle")
+        return self._shard.handle
+
+    def close(self) -> None:
+        """Detach from a shared store; its owner also frees the shared memory."""
+        if self.shared:
+            self._shard.close()
+
+    def __reduce__(self):
+        if self.shared:  # another process attaches to the same rows
+            return (_attach, (self.handle, str(self.device)))
+        return super().__reduce__()
+
     # -- pickling and display -------------------------------------------------------
     def __getstate__(self) -> dict:
         return Storage.__getstate__(self)
@@ -169,6 +210,10 @@ class GearStorage(TensorStorage):
             f"{c.key}: {c.dtype} {tuple(c.row_shape)}" for c in spec.columns)
         return (f"{type(self).__name__}(len={len(self)}, max_size={self.max_size}, device={self.device}, memory={self.memory}, "
                 f"episodes={self._shard.episodes.num_episodes}, columns=[{keys}])")
+
+
+def _attach(handle: SharedStoreHandle, device: str) -> GearStorage:
+    return GearStorage(handle.capacity, device=device, handle=handle)
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:

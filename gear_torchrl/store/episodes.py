@@ -36,6 +36,7 @@ class EpisodeView:
     start: torch.Tensor  # int64 [E], ring row of the first live step
     length: torch.Tensor  # int64 [E]
     closed: torch.Tensor  # bool [E]: ended by a done flag or a trajectory change
+    dead: torch.Tensor  # bool [E]: rows a crashed writer left half-written; never sampled
 
 
 def episode_ends(flags: torch.Tensor | None, traj: torch.Tensor | None, num_rows: int) -> torch.Tensor:
@@ -63,6 +64,7 @@ class EpisodeIndex:
         self.start = torch.zeros(slots, dtype=torch.int64)
         self.length = torch.zeros(slots, dtype=torch.int64)
         self.closed = torch.zeros(slots, dtype=torch.bool)
+        self.dead = torch.zeros(slots, dtype=torch.bool)
 
     # -- change log --------------------------------------------------------------
     def _changed(self, slots: torch.Tensor | None) -> None:
@@ -110,7 +112,7 @@ class EpisodeIndex:
     def live(self) -> EpisodeView:
         slot = self._slots(self.first_serial, self.next_serial)
         serial = torch.arange(self.first_serial, self.next_serial, dtype=torch.int64)
-        return EpisodeView(serial, self.start[slot], self.length[slot], self.closed[slot])
+        return EpisodeView(serial, self.start[slot], self.length[slot], self.closed[slot], self.dead[slot])
 
     def locate(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Episode slot and step offset of each ring row, and whether a live episode holds it.
@@ -141,13 +143,18 @@ class EpisodeIndex:
 
     # -- updates ---------------------------------------------------------------
     def append(self, rows: torch.Tensor, ends: torch.Tensor, evicted: int,
-               traj_first: int | None = None, traj_last: int | None = None) -> None:
+               traj_first: int | None = None, traj_last: int | None = None, dead: bool = False) -> None:
         """Record ``rows`` (consecutive ring rows) as the newest steps.
 
         ``evicted`` is how many stored steps these rows overwrite (the oldest
         ones). ``traj_first``/``traj_last`` are the trajectory ids of the
-        first and last row, in trajectory-id mode.
+        first and last row, in trajectory-id mode. ``dead`` rows (a crashed
+        writer's) form one closed episode that no sampler picks.
         """
+        if dead:
+            self.close_open()
+            ends = torch.zeros(rows.numel(), dtype=torch.bool)
+            ends[-1] = True
         n = rows.numel()
         if n == 0:
             return
@@ -176,6 +183,7 @@ class EpisodeIndex:
         self.start[slots] = rows[first_pos]
         self.length[slots] = counts
         self.closed[slots] = ends[last_pos]
+        self.dead[slots] = dead
         self.next_serial = new_last + 1
         self.open_traj = traj_last
         if self.start.numel() != slots_before:
@@ -183,6 +191,17 @@ class EpisodeIndex:
         else:
             dropped_or_trimmed = self._slots(first_before, self.first_serial + 1)
             self._changed(torch.cat([dropped_or_trimmed, self._slots(base, self.next_serial)]))
+
+    def evict(self, k: int) -> None:
+        """Drop the ``k`` oldest steps (another process is about to overwrite them)."""
+        first_before = self.first_serial
+        self._evict(k)
+        if k > 0:
+            self._changed(self._slots(first_before, min(self.first_serial + 1, self.next_serial)))
+
+    @property
+    def has_dead(self) -> bool:
+        return self.num_episodes > 0 and bool(self.dead[self._slots(self.first_serial, self.next_serial)].any())
 
     def _evict(self, k: int) -> None:
         """Drop the ``k`` oldest steps: whole oldest episodes, then the head of the next."""
@@ -216,6 +235,7 @@ class EpisodeIndex:
         self._alloc(slots)
         new = view.serial % slots
         self.start[new], self.length[new], self.closed[new] = view.start, view.length, view.closed
+        self.dead[new] = view.dead
 
     def close_open(self) -> None:
         if self._newest_open():

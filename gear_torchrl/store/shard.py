@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,16 +131,21 @@ class Shard:
     # -- layout ------------------------------------------------------------------
     def _allocate(self, spec: TableSpec) -> None:
         if self.register_host:
-            # Registered in place so the CUDA gather reads rows with zero copy. CUDA pins
-            # whole pages, so each column gets pages of its own (pin_memory() would
-            # instead round every column up to a power of two).
-            self.columns = [_page_aligned_empty((self.capacity, *c.row_shape), c.dtype) for c in spec.columns]
+            # CUDA pins whole pages, so each column gets pages of its own (pin_memory()
+            # would instead round every column up to a power of two).
+            self._adopt(spec, [_page_aligned_empty((self.capacity, *c.row_shape), c.dtype) for c in spec.columns])
+        else:
+            self._adopt(spec, [torch.empty((self.capacity, *c.row_shape), dtype=c.dtype, device=self.device)
+                               for c in spec.columns])
+
+    def _adopt(self, spec: TableSpec, columns: list[torch.Tensor]) -> None:
+        """Take ``columns`` as the table's buffers (page-aligned when ``register_host``)."""
+        self.columns = columns
+        if self.register_host:
+            # Registered in place so the CUDA gather reads rows with zero copy.
             for column in self.columns:
                 gather.host_register(column)
             weakref.finalize(self, _unregister, list(self.columns))
-        else:
-            self.columns = [torch.empty((self.capacity, *c.row_shape), dtype=c.dtype, device=self.device)
-                            for c in spec.columns]
         self.spec = spec
         self._end_columns = [i for k in self.end_keys if (i := spec.find(k)) is not None]
         self._traj_column = spec.find(self.traj_key) if self.traj_key is not None else None
@@ -162,11 +168,7 @@ class Shard:
         Returns the rows written.
         """
         single = isinstance(index, (int, np.integer))
-        spec = self.spec or TableSpec.from_data(data, batched=not single)
-        n = 1 if single else _num_rows(data)
-        values = spec.flatten(data, None if single else n)  # raises before any change
-        if single:
-            values = [v.unsqueeze(0) for v in values]
+        spec, values, n = self._validated(data, single)
         rows = as_index_tensor([index] if single else index, self.capacity, "write")
         if rows.numel() != n:
             raise IndexError(f"{rows.numel()} write indices for {n} rows of data")
@@ -208,6 +210,15 @@ class Shard:
         else:
             self.rebuild_episodes()
         return rows
+
+    def _validated(self, data: Data, single: bool) -> tuple[TableSpec, list[torch.Tensor], int]:
+        """The spec, the data as columns of ``n`` rows, and ``n``; raises before any change."""
+        spec = self.spec or TableSpec.from_data(data, batched=not single)
+        n = 1 if single else _num_rows(data)
+        values = spec.flatten(data, None if single else n)
+        if single:
+            values = [v.unsqueeze(0) for v in values]
+        return spec, values, n
 
     def set_size(self, size: int) -> None:
         """Make rows ``[0, size)`` readable (TorchRL writers set ``_len`` after ``write_at``)."""
@@ -258,11 +269,14 @@ class Shard:
         if order.numel() == 0:
             self.episodes.clear()
             return
+        ends, traj = self._stored_ends(order)
+        self.episodes.rebuild(order, ends, traj_last=None if traj is None else int(traj[-1]))
+
+    def _stored_ends(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Episode ends and trajectory ids of stored ``rows``, read from their flag columns."""
         needed = {*self._end_columns, *([] if self._traj_column is None else [self._traj_column])}
-        values = [c.index_select(0, order.to(c.device)) if i in needed else None for i, c in enumerate(self.columns)]
-        traj = self._traj_ids(values)
-        self.episodes.rebuild(order, self._ends(values, order.numel()),
-                              traj_last=None if traj is None else int(traj[-1]))
+        values = [c.index_select(0, rows.to(c.device)) if i in needed else None for i, c in enumerate(self.columns)]
+        return self._ends(values, rows.numel()), self._traj_ids(values)
 
     def clear(self) -> None:
         """Forget all rows; the spec and buffers stay, like TorchRL's ``_empty``."""
@@ -307,25 +321,61 @@ class Shard:
         self.episodes.load(state["episodes"])
 
     # -- reads -----------------------------------------------------------------------
+    # A sampler picks rows inside ``picking()`` and the storage then reads them. Here
+    # nothing can change between the two; a shared shard refreshes its view of what
+    # other processes committed, and holds back evictions until the read is done.
+    @contextmanager
+    def picking(self) -> Iterator[None]:
+        yield
+
+    def refresh(self) -> None:
+        """Catch up with rows other processes committed (nothing to do for a local shard)."""
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Around a gather of rows picked earlier (see ``picking``)."""
+        yield
+
+    def readable_rows(self) -> int:
+        """How many rows a reader finds now."""
+        return self.size
+
+    def uniform_rows(self, n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+        """``n`` readable ring rows drawn uniformly with replacement (call inside ``picking``)."""
+        if self.size == 0:
+            raise EmptyStoreError("cannot sample from an empty storage: write some data first")
+        return torch.randint(0, self.size, (n,), generator=generator, device=device)
+
+    @property
+    def ring_rows(self) -> int:
+        """Read indices are ring rows in ``[0, ring_rows)``."""
+        return self.size
+
+    def check_readable(self, rows: torch.Tensor) -> None:
+        """Raise if any of ``rows`` (in range) holds no readable data."""
+
     def read(self, index: Index) -> Data:
         """Rows at ``index`` (int, slice, sequence, array or tensor of any shape), on ``out_device``."""
-        if self.spec is None or self.size == 0:
-            raise EmptyStoreError("cannot read from an empty storage: write some data first")
-        scalar = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
-        index_device = self.out_device if self.out_device.type == "cuda" else None
-        rows = as_index_tensor(index, self.size, "read", device=index_device)
-        lead = torch.Size([]) if scalar else rows.shape
-        flat = gather.gather_rows(self.columns, rows.reshape(-1), device=self.out_device)
+        with self.reading():
+            if self.spec is None or self.size == 0:
+                raise EmptyStoreError("cannot read from an empty storage: write some data first")
+            scalar = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
+            index_device = self.out_device if self.out_device.type == "cuda" else None
+            rows = as_index_tensor(index, self.ring_rows, "read", device=index_device)
+            self.check_readable(rows)
+            lead = torch.Size([]) if scalar else rows.shape
+            flat = gather.gather_rows(self.columns, rows.reshape(-1), device=self.out_device)
         if scalar or rows.ndim != 1:
             flat = [t.reshape((*lead, *t.shape[1:])) for t in flat]
         return self.spec.unflatten(flat, lead, device=self.out_device)
 
     def read_windows(self, windows: Windows) -> Data:
         """Windows as a flat batch of ``W * seq_len`` rows on ``out_device``, padding zero-filled."""
-        if self.spec is None or self.size == 0:
-            raise EmptyStoreError("cannot read from an empty storage: write some data first")
-        flat, mask = gather.gather_windows(self.columns, windows.starts, windows.seq_len, self.out_device,
-                                           windows.valid_begin, windows.valid_end)
+        with self.reading():
+            if self.spec is None or self.size == 0:
+                raise EmptyStoreError("cannot read from an empty storage: write some data first")
+            flat, mask = gather.gather_windows(self.columns, windows.starts, windows.seq_len, self.out_device,
+                                               windows.valid_begin, windows.valid_end)
         extra = None if windows.markers is None else windows.markers(dict(zip(self.spec.keys, flat)), mask)
         return self.spec.unflatten(flat, torch.Size([flat[0].shape[0]]), device=self.out_device, extra=extra)
 

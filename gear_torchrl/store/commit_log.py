@@ -1,0 +1,317 @@
+"""The control segment of a shared store: who may write which rows, and what is readable.
+
+Rows are numbered by *position*, a 64-bit count of rows ever reserved (ring
+row = position % capacity). Writers in any process:
+
+1. ``reserve(n)`` under the lock: take positions ``[R, R + n)`` and append a
+   reservation record. Rows older than ``R + n - capacity`` are evicted now,
+   before anyone overwrites them.
+2. Wait for the readers that began before that eviction to finish (a grace
+   period; only when the reservation evicts rows).
+3. Copy the rows, outside the lock, in parallel with other writers.
+4. ``commit(record)`` under the lock: the record is done, and the published
+   end advances over every leading record that is done.
+
+Readers ``begin_read()`` under the lock: a snapshot of the reserved and
+published ends and the records published since their last look, and a
+reader slot stamped with the current epoch that holds back writers' grace
+periods until ``end_read()``. A reader therefore sees whole records only,
+never a row being written. A writer that dies holding a reservation is
+found by the next publish (its pid is gone) and its record is marked dead:
+published, never sampled, overwritten on the next lap of the ring.
+
+The lock is ``flock`` on the control segment plus a thread lock: the kernel
+drops a dead process's ``flock``, so no crash can leave the store locked.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from gear_torchrl.store import janitor
+from gear_torchrl.store.shared_memory import PAGE, map_segment, page_round
+
+MAGIC = 0x47454152_54524C31  # "GEARTRL1"
+_H_MAGIC, _H_CAPACITY, _H_OWNER = 0, 2, 3
+_H_STATE = janitor.STATE_SLOT
+_H_RESERVED, _H_PUBLISHED, _H_NEXT_SEQ, _H_PUBLISHED_SEQ, _H_EPOCH = 5, 6, 7, 8, 9
+_H_INSERTS, _H_SAMPLES, _H_SPEC_LEN, _H_RECORDS, _H_READERS, _H_FLOOR = 10, 11, 12, 13, 14, 15
+_HEADER_SLOTS = PAGE // 8
+_SPEC_BYTES = 1 << 16
+
+OPEN, CLOSED, OWNER_DIED = 0, janitor.CLOSED, janitor.OWNER_DIED
+RESERVED, COMMITTED, DEAD = 1, 2, 3
+
+_GRACE_POLL_S = 50e-6
+
+
+class StoreClosedError(RuntimeError):
+    """The shared store was closed by its owner, or its owner died."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    seq: int
+    position: int  # first position reserved
+    num_rows: int
+    epoch: int  # readers that began before this epoch must finish before the copy
+    evicts: bool
+
+
+@dataclass(frozen=True)
+class ReadSnapshot:
+    reserved_end: int
+    published_end: int
+    floor: int  # positions below it were emptied
+    # Records published since the reader's last look: int64 [k, 3] of (position, rows, dead).
+    records: np.ndarray
+    # Records that left the table before this reader saw them (it lags by more than the table).
+    lost: bool
+
+
+def control_bytes(num_records: int, num_readers: int) -> int:
+    return page_round(8 * (_HEADER_SLOTS + 4 * num_records + 2 * num_readers) + _SPEC_BYTES)
+
+
+class CommitLog:
+    """One process's view of a store's control segment."""
+
+    def __init__(self, path, *, create_capacity: int | None = None, num_records: int = 1 << 16,
+                 num_readers: int = 256) -> None:
+        self.path = path
+        self._map = map_segment(path)
+        words = np.frombuffer(self._map, dtype=np.int64)
+        self._h = words[:_HEADER_SLOTS]
+        if create_capacity is not None:
+            self._h[_H_CAPACITY] = create_capacity
+            self._h[_H_OWNER] = os.getpid()
+            self._h[_H_RECORDS] = num_records
+            self._h[_H_READERS] = num_readers
+            self._h[_H_EPOCH] = 1
+            self._h[_H_MAGIC] = MAGIC
+        elif self._h[_H_MAGIC] != MAGIC:
+            raise StoreClosedError(f"{path} is not a gear_torchrl control segment (or was not finished)")
+        k, s = int(self._h[_H_RECORDS]), int(self._h[_H_READERS])
+        self.capacity = int(self._h[_H_CAPACITY])
+        self.owner_pid = int(self._h[_H_OWNER])
+        self._records = words[_HEADER_SLOTS: _HEADER_SLOTS + 4 * k].reshape(k, 4)
+        self._readers = words[_HEADER_SLOTS + 4 * k: _HEADER_SLOTS + 4 * k + 2 * s].reshape(s, 2)
+        spec_at = 8 * (_HEADER_SLOTS + 4 * k + 2 * s)
+        self._spec = memoryview(self._map)[spec_at: spec_at + _SPEC_BYTES]
+        self._fd = os.open(path, os.O_RDWR)
+        self._thread_lock = threading.Lock()
+        self._reader_slot: int | None = None
+        self._seen_seq = 0  # records before this one are in this reader's view
+
+    # -- locking and liveness --------------------------------------------------------
+    def _locked(self):
+        return _Locked(self._thread_lock, self._fd)
+
+    def check_open(self) -> None:
+        state = int(self._h[_H_STATE])
+        if state == OPEN and _alive(self.owner_pid):
+            return
+        if state == CLOSED:
+            raise StoreClosedError("the shared store was closed by its owner")
+        raise StoreClosedError(f"the shared store's owner (pid {self.owner_pid}) died; its data is gone")
+
+    def mark_closed(self) -> None:
+        self._h[_H_STATE] = CLOSED
+
+    # -- spec (written once, by the first writer) ---------------------------------------
+    def read_spec(self) -> dict | None:
+        n = int(self._h[_H_SPEC_LEN])
+        return None if n == 0 else json.loads(bytes(self._spec[:n]))
+
+    def publish_spec(self, spec: dict, create_data) -> dict:
+        """Store ``spec`` unless another process already did; returns the store's spec.
+
+        ``create_data`` runs under the lock, before the spec becomes visible, so
+        whoever sees a spec finds the data segment.
+        """
+        with self._locked():
+            existing = self.read_spec()
+            if existing is not None:
+                return existing
+            blob = json.dumps(spec).encode()
+            if len(blob) > _SPEC_BYTES:
+                raise ValueError(f"the table spec takes {len(blob)} bytes; a shared store holds at most {_SPEC_BYTES}")
+            create_data()
+            self._spec[: len(blob)] = blob
+            self._h[_H_SPEC_LEN] = len(blob)
+            return spec
+
+    # -- writers ------------------------------------------------------------------------
+    def reserve(self, num_rows: int) -> Reservation:
+        if not 0 < num_rows <= self.capacity:
+            raise ValueError(f"a commit must hold 1 to {self.capacity} rows (the ring's size), got {num_rows}")
+        with self._locked():
+            self.check_open()
+            seq = int(self._h[_H_NEXT_SEQ])
+            k = self._records.shape[0]
+            if seq - int(self._h[_H_PUBLISHED_SEQ]) >= k:
+                self._publish()
+                if seq - int(self._h[_H_PUBLISHED_SEQ]) >= k:
+                    raise RuntimeError(f"{k} commits are in flight at once; the control segment holds no more")
+            position = int(self._h[_H_RESERVED])
+            end = position + num_rows
+            self._records[seq % k] = (position, num_rows, os.getpid(), RESERVED)
+            self._h[_H_RESERVED] = end
+            self._h[_H_NEXT_SEQ] = seq + 1
+            evicts = end > self.capacity
+            epoch = int(self._h[_H_EPOCH])
+            if evicts:
+                epoch += 1
+                self._h[_H_EPOCH] = epoch
+            return Reservation(seq, position, num_rows, epoch, evicts)
+
+    def await_readers(self, reservation: Reservation) -> None:
+        """Wait until no reader that began before the reservation's eviction is still reading."""
+        if not reservation.evicts:
+            return
+        while True:
+            epochs = self._readers[:, 1]
+            old = np.flatnonzero((epochs > 0) & (epochs < reservation.epoch))
+            if old.size == 0:
+                return
+            for slot in old:
+                pid = int(self._readers[slot, 0])
+                if not _alive(pid):
+                    self._readers[slot, 1] = 0
+            self.check_open()
+            time.sleep(_GRACE_POLL_S)
+
+    def commit(self, reservation: Reservation, *, dead: bool = False) -> None:
+        with self._locked():
+            k = self._records.shape[0]
+            self._records[reservation.seq % k, 3] = DEAD if dead else COMMITTED
+            if not dead:
+                self._h[_H_INSERTS] += reservation.num_rows
+            self._publish()
+
+    def _publish(self) -> None:
+        """Advance the published end over leading records that are done (lock held)."""
+        k = self._records.shape[0]
+        seq, end = int(self._h[_H_PUBLISHED_SEQ]), int(self._h[_H_NEXT_SEQ])
+        while seq < end:
+            record = self._records[seq % k]
+            if record[3] == RESERVED:
+                if _alive(int(record[2])):
+                    break
+                record[3] = DEAD  # its writer died mid-copy
+            seq += 1
+        if seq != int(self._h[_H_PUBLISHED_SEQ]):
+            last = self._records[(seq - 1) % k]
+            self._h[_H_PUBLISHED] = last[0] + last[1]
+            self._h[_H_PUBLISHED_SEQ] = seq
+
+    # -- readers --------------------------------------------------------------------------
+    def begin_read(self) -> ReadSnapshot:
+        """Snapshot what is readable and hold back evictions of it until ``end_read``."""
+        with self._locked():
+            self.check_open()
+            self._publish()  # also finds writers that died holding the head reservation
+            slot = self._reader_slot if self._reader_slot is not None else self._claim_reader_slot()
+            if self._readers[slot, 1] == 0:  # an open section keeps its older epoch: its picks stay protected
+                self._readers[slot, 1] = self._h[_H_EPOCH]
+            published_seq = int(self._h[_H_PUBLISHED_SEQ])
+            k = self._records.shape[0]
+            first = max(self._seen_seq, published_seq - k)
+            seqs = np.arange(first, published_seq) % k
+            records = self._records[seqs][:, [0, 1, 3]].copy()
+            records[:, 2] = records[:, 2] == DEAD
+            snapshot = ReadSnapshot(int(self._h[_H_RESERVED]), int(self._h[_H_PUBLISHED]), int(self._h[_H_FLOOR]), records,
+                                    lost=first > self._seen_seq)
+            self._seen_seq = published_seq
+            return snapshot
+
+    def end_read(self) -> None:
+        if self._reader_slot is not None:
+            self._readers[self._reader_slot, 1] = 0
+
+    def forget_reads(self) -> None:
+        """Start this reader's view again from the oldest record still held."""
+        self._seen_seq = 0
+
+    def _claim_reader_slot(self) -> int:
+        pids = self._readers[:, 0]
+        for slot in range(pids.shape[0]):
+            pid = int(pids[slot])
+            if pid == 0 or not _alive(pid):
+                self._readers[slot] = (os.getpid(), 0)
+                self._reader_slot = slot
+                return slot
+        raise RuntimeError(f"all {pids.shape[0]} reader slots of the shared store are taken by live processes")
+
+    # -- counters for rate limiters ---------------------------------------------------------
+    @property
+    def inserts(self) -> int:
+        return int(self._h[_H_INSERTS])
+
+    @property
+    def samples(self) -> int:
+        return int(self._h[_H_SAMPLES])
+
+    def add_samples(self, num_rows: int) -> None:
+        with self._locked():
+            self._h[_H_SAMPLES] += num_rows
+
+    def reset_counters(self) -> None:
+        with self._locked():
+            self._h[_H_INSERTS] = 0
+            self._h[_H_SAMPLES] = 0
+
+    def readable_rows(self) -> int:
+        """Rows a reader would find now, read without the lock (for ``len``)."""
+        reserved, published = int(self._h[_H_RESERVED]), int(self._h[_H_PUBLISHED])
+        return max(0, published - max(reserved - self.capacity, int(self._h[_H_FLOOR]), 0))
+
+    def empty(self) -> None:
+        """Every row written or being written so far stops being readable."""
+        with self._locked():
+            self.check_open()
+            self._h[_H_FLOOR] = self._h[_H_RESERVED]
+
+    def close(self) -> None:
+        """Unmap; the segment itself belongs to the janitor."""
+        if self._reader_slot is not None:
+            self._readers[self._reader_slot] = (0, 0)
+            self._reader_slot = None
+        os.close(self._fd)
+        del self._h, self._records, self._readers
+        self._spec.release()
+        self._map.close()
+
+
+class _Locked:
+    def __init__(self, thread_lock: threading.Lock, fd: int) -> None:
+        self._thread_lock, self._fd = thread_lock, fd
+
+    def __enter__(self) -> None:
+        self._thread_lock.acquire()
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._thread_lock.release()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as dead: it will never write again)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (FileNotFoundError, IndexError):
+        return False

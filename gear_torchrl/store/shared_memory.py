@@ -1,0 +1,91 @@
+"""Named shared-memory segments of one store, and who removes them.
+
+A store's segments are files in ``/dev/shm`` named ``gear_torchrl-<store id>.<part>``,
+so every segment of a store is found from its id alone. The process that
+creates a store starts a janitor (``gear_torchrl.store.janitor``) holding the
+read end of a pipe; when the creator closes the store or dies, even by
+SIGKILL, the pipe closes and the janitor marks the store dead and removes the
+segments. Nothing else unlinks, so no segment outlives its owner and no
+attached process can remove one under the others.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SHM_DIR = Path(os.environ.get("GEAR_TORCHRL_SHM_DIR", "/dev/shm"))
+PREFIX = "gear_torchrl-"
+PAGE = mmap.PAGESIZE
+
+
+def new_store_id() -> str:
+    return f"{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def segment_path(store_id: str, part: str) -> Path:
+    return SHM_DIR / f"{PREFIX}{store_id}.{part}"
+
+
+def store_segments(store_id: str) -> list[Path]:
+    return sorted(SHM_DIR.glob(f"{PREFIX}{store_id}.*"))
+
+
+def create_segment(path: Path, nbytes: int) -> None:
+    """A new zero-filled segment; fails if one of that name exists."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+
+
+def map_segment(path: Path) -> mmap.mmap:
+    """The whole segment mapped shared, read-write."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"shared segment {path} does not exist: its store was closed or its owner died") from None
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def map_tensor(path: Path) -> torch.Tensor:
+    """The whole segment as a shared uint8 tensor (zero copy; views of it stay valid while any exists)."""
+    size = path.stat().st_size
+    return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+
+
+def page_round(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+class Janitor:
+    """Removes a store's segments when this process closes the store or dies."""
+
+    def __init__(self, store_id: str) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "gear_torchrl.store.janitor", str(SHM_DIR), f"{PREFIX}{store_id}"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        ready = self._proc.stdout.readline()  # the janitor is watching before any segment exists
+        if ready.strip() != b"ready":
+            raise RuntimeError(f"the shared-memory janitor failed to start (said {ready!r})")
+
+    def release(self) -> None:
+        """Remove the segments now (the owner closes the store)."""
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            self._proc.wait(timeout=30)
+        self._proc.stdout.close()

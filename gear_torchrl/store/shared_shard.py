@@ -1,0 +1,292 @@
+"""A shard in named shared memory that many processes write and read at once.
+
+Columns live in one shared segment (each column page-aligned, so CUDA can
+register it), the commit protocol in a control segment (``commit_log``).
+Every process keeps its own episode index: on ``refresh`` it replays the
+commits published since its last look, in ring order, reading episode ends
+from the stored flag columns. The index code, the gather and the samplers
+are the local shard's; only where rows come from differs.
+
+Each commit is a segment of its own: its last row ends an episode unless a
+trajectory key says the next commit continues it, since the next rows in
+the ring may be another process's.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gear_torchrl.store.commit_log import CommitLog, ReadSnapshot, control_bytes
+from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard
+from gear_torchrl.store.shared_memory import (
+    Janitor, create_segment, map_tensor, new_store_id, page_round, segment_path)
+from gear_torchrl.store.spec import Data, NestedKey, SpecMismatchError, TableSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SharedStoreHandle:
+    """What another process needs to attach to a shared store (small and picklable)."""
+
+    store_id: str
+    capacity: int
+    end_keys: tuple[NestedKey, ...]
+    traj_key: NestedKey | None
+
+
+class SharedShard(Shard):
+    """Create a shared store (``handle=None``) or attach to one.
+
+    The creating process owns the segments: they are removed when it calls
+    ``close()`` or exits, however it exits.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        handle: SharedStoreHandle | None = None,
+        register_host: bool = False,
+        out_device: torch.device | str | None = None,
+        end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
+        traj_key: NestedKey | None = None,
+    ) -> None:
+        if handle is not None:
+            capacity, end_keys, traj_key = handle.capacity, handle.end_keys, handle.traj_key
+        super().__init__(capacity, register_host=register_host, out_device=out_device,
+                         end_keys=end_keys, traj_key=traj_key)
+        self.is_owner = handle is None
+        self._janitor: Janitor | None = None
+        if handle is None:
+            self.store_id = new_store_id()
+            self._janitor = Janitor(self.store_id)
+            path = segment_path(self.store_id, "control")
+            create_segment(path, control_bytes(1 << 16, 256))
+            self.log = CommitLog(path, create_capacity=self.capacity)
+        else:
+            self.store_id = handle.store_id
+            self.log = CommitLog(segment_path(self.store_id, "control"))
+            self.log.check_open()
+        self._lo = 0  # oldest position in this process's episode index
+        self._hi = 0  # published end this process has replayed
+        self._snapshot: ReadSnapshot | None = None  # set while a read section is open
+        self._closed = False
+        self._map_data()
+
+    @property
+    def handle(self) -> SharedStoreHandle:
+        return SharedStoreHandle(self.store_id, self.capacity, self.end_keys, self.traj_key)
+
+    # -- the data segment ------------------------------------------------------------
+    def _layout(self, spec: TableSpec) -> tuple[list[int], int]:
+        offsets, total = [], 0
+        for c in spec.columns:
+            offsets.append(total)
+            total += page_round(max(1, self.capacity * c.row_bytes))
+        return offsets, total
+
+    def _map_data(self) -> None:
+        """Map the columns once some process has written the first rows."""
+        if self.spec is not None:
+            return
+        blob = self.log.read_spec()
+        if blob is None:
+            return
+        spec = TableSpec.from_json(blob)
+        offsets, _ = self._layout(spec)
+        data = map_tensor(segment_path(self.store_id, "data"))
+        columns = [data[o: o + self.capacity * c.row_bytes].view(c.dtype).view(self.capacity, *c.row_shape)
+                   for o, c in zip(offsets, spec.columns)]
+        self._adopt(spec, columns)
+        self._end_columns = [i for k in self.end_keys if (i := spec.find(k)) is not None]
+        self._traj_column = spec.find(self.traj_key) if self.traj_key is not None else None
+
+    def _allocate(self, spec: TableSpec) -> None:
+        _, total = self._layout(spec)
+        published = self.log.publish_spec(spec.to_json(),
+                                          lambda: create_segment(segment_path(self.store_id, "data"), total))
+        self._map_data()
+        if TableSpec.from_json(published) != spec:
+            raise SpecMismatchError("the data's keys, dtypes or shapes differ from the shared store's "
+                                    f"(set by the first write): {self.spec}")
+
+    # -- writes: reserve, copy, commit ---------------------------------------------------
+    def write(self, index: Index, data: Data, *, append: bool) -> torch.Tensor:
+        """Append ``data`` as one commit; ``index`` (a writer's cursor) only gives the row count."""
+        if not append:
+            raise NotImplementedError(
+                "a shared GearStorage takes appends only (extend, add, TrajectoryWriter): an in-place "
+                "write (write_at, storage[i] = ...) could change rows another process is reading")
+        self._map_data()
+        spec, values, n = self._validated(data, isinstance(index, (int, np.integer)))
+        if self.spec is None:
+            self._allocate(spec)
+        return self.commit(values, n)
+
+    def commit(self, values: list[torch.Tensor], n: int) -> torch.Tensor:
+        """Write validated column ``values`` of ``n`` rows; visible to readers all at once."""
+        if n > self.capacity:  # only the newest `capacity` rows would survive
+            values, n = [v[n - self.capacity:] for v in values], self.capacity
+        reservation = self.log.reserve(n)
+        rows = (torch.arange(n, dtype=torch.int64) + reservation.position) % self.capacity
+        try:
+            self.log.await_readers(reservation)
+            self._copy_in(rows, values, contiguous=True)
+        except BaseException:
+            self.log.commit(reservation, dead=True)
+            raise
+        self.log.commit(reservation)
+        return rows
+
+    def set_size(self, size: int) -> None:
+        raise NotImplementedError("a shared GearStorage's length follows its commits; it cannot be set")
+
+    def clear(self) -> None:
+        self.log.empty()
+
+    # -- reads -------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return self._hi - self._lo
+
+    @size.setter
+    def size(self, value: int) -> None:  # Shard.__init__ sets it; the view decides
+        pass
+
+    def readable_rows(self) -> int:
+        """Rows readable now in the whole store (for ``len``; no read section opened)."""
+        return self.log.readable_rows()
+
+    def uniform_rows(self, n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+        if self.size == 0:
+            raise EmptyStoreError("cannot sample from an empty storage: no process has committed rows yet")
+        offsets = torch.randint(0, self.size, (n,), generator=generator)
+        rows = (offsets + self._lo) % self.capacity
+        if self.episodes.has_dead:  # redraw rows a crashed writer left behind (rare, and few)
+            for _ in range(64):
+                slots, _, _ = self.episodes.locate(rows)
+                dead = self.episodes.dead[slots]
+                if not bool(dead.any()):
+                    break
+                redraw = torch.randint(0, self.size, (int(dead.sum()),), generator=generator)
+                rows[dead] = (redraw + self._lo) % self.capacity
+            else:
+                raise RuntimeError("could not draw live rows: almost every stored row was left by crashed writers")
+        return rows.to(device)
+
+    @property
+    def ring_rows(self) -> int:
+        return min(self._hi, self.capacity)
+
+    @contextmanager
+    def picking(self) -> Iterator[None]:
+        self.refresh()
+        try:
+            yield
+        except BaseException:
+            self._end_read()
+            raise
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        if self._snapshot is None:
+            self.refresh()
+        try:
+            yield
+            if self.out_device.type == "cuda":
+                torch.cuda.current_stream(self.out_device).synchronize()  # the kernel reads host rows
+        finally:
+            self._end_read()
+
+    def _end_read(self) -> None:
+        self._snapshot = None
+        self.log.end_read()
+
+    def check_readable(self, rows: torch.Tensor) -> None:
+        rows = rows.reshape(-1).cpu()
+        if rows.numel() == 0:
+            return
+        position = self._hi - 1 - (self._hi - 1 - rows) % self.capacity  # newest position of each ring row
+        stale = position < self._lo
+        if bool(stale.any()):
+            raise IndexError(f"row {int(rows[stale][0])} is not readable: it was evicted or is being rewritten")
+        if self.episodes.has_dead:
+            slots, _, _ = self.episodes.locate(rows)
+            dead = self.episodes.dead[slots]
+            if bool(dead.any()):
+                raise IndexError(f"row {int(rows[dead][0])} was left half-written by a writer that died")
+
+    def refresh(self) -> None:
+        """Open a read section and replay what was published since the last one."""
+        snapshot = self.log.begin_read()
+        self._snapshot = snapshot
+        self._map_data()
+        if snapshot.lost:
+            logger.warning("this process fell more than the control segment's record table behind; "
+                           "rows committed before the oldest record still held are not sampled by it")
+            self.episodes.clear()
+            self._lo = self._hi = int(snapshot.records[0, 0]) if len(snapshot.records) else snapshot.published_end
+        lo = max(snapshot.reserved_end - self.capacity, snapshot.floor, 0)
+        for position, n, dead in snapshot.records.tolist():
+            self._evict_to(min(lo, position))
+            first = max(position, lo)
+            end = position + n
+            if first >= end:  # evicted before this process saw it
+                self.episodes.clear()
+                self._lo = end
+            else:
+                if self._lo == self._hi:
+                    self._lo = first
+                self._replay(first, end, bool(dead))
+            self._hi = end
+        self._evict_to(lo)
+
+    def _replay(self, first: int, end: int, dead: bool) -> None:
+        rows = torch.arange(first, end, dtype=torch.int64) % self.capacity
+        if dead:
+            self.episodes.append(rows, None, evicted=0, dead=True)
+            return
+        ends, traj = self._stored_ends(rows)
+        if traj is None:
+            ends[-1] = True  # the next commit in the ring may be another writer's
+        self.episodes.append(rows, ends, evicted=0,
+                             traj_first=None if traj is None else int(traj[0]),
+                             traj_last=None if traj is None else int(traj[-1]))
+
+    def _evict_to(self, position: int) -> None:
+        k = min(position, self._hi) - self._lo
+        if k > 0:
+            self.episodes.evict(k)
+            self._lo += k
+
+    def logical_order(self) -> torch.Tensor:
+        return torch.arange(self._lo, self._hi, dtype=torch.int64) % self.capacity
+
+    def rebuild_episodes(self) -> None:
+        raise NotImplementedError("a shared shard's episodes come from its commits")
+
+    def state(self) -> dict:
+        raise NotImplementedError("checkpointing a shared GearStorage is not supported yet: "
+                                  "copy it into a local GearStorage (extend with its rows) and save that")
+
+    load_state = state
+
+    # -- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Detach; the owner also removes the segments (attached processes then fail clearly)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.is_owner:
+            self.log.mark_closed()
+        self.log.close()
+        if self._janitor is not None:
+            self._janitor.release()
