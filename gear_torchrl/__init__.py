@@ -25,6 +25,8 @@ _EXPORTS = {
     "RateLimiterTimeout": "gear_torchrl.rate_limiters",
     "EmptyStoreError": "gear_torchrl.store.shard",
     "SpecMismatchError": "gear_torchrl.store.spec",
+    "StoreClosedError": "gear_torchrl.store.commit_log",
+    "TrajectoryWriter": "gear_torchrl.trajectory_writer",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -54,5 +56,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads l
         TopKSampler,
     )
     from gear_torchrl.storage import GearStorage  # noqa: F401
+    from gear_torchrl.store.commit_log import StoreClosedError  # noqa: F401
     from gear_torchrl.store.shard import EmptyStoreError  # noqa: F401
     from gear_torchrl.store.spec import SpecMismatchError  # noqa: F401
+    from gear_torchrl.trajectory_writer import TrajectoryWriter  # noqa: F401

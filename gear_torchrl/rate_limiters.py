@@ -12,6 +12,7 @@ import functools
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 
@@ -19,14 +20,102 @@ class RateLimiterTimeout(TimeoutError):
     """A gated insert or sample waited longer than the limiter's timeout."""
 
 
+class _LocalCounters:
+    """Counts in this process; waiters wake when another thread counts."""
+
+    def __init__(self) -> None:
+        self.inserts = 0
+        self.samples = 0
+        self._cond = threading.Condition()
+
+    def add(self, inserts: int = 0, samples: int = 0) -> None:
+        with self._cond:
+            self.inserts += inserts
+            self.samples += samples
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        with self._cond:
+            self.inserts = self.samples = 0
+            self._cond.notify_all()
+
+    def wait_until(self, allowed: Callable[[], bool], deadline: float | None) -> bool:
+        with self._cond:
+            while not allowed():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+
+class _StoreCounters:
+    """Counts in a shared GearStorage's control segment, so every attached process agrees.
+
+    Inserts are the rows committed by any process (counted by the store itself);
+    samples are what the limiters of all processes reported. Waiters poll.
+    """
+
+    _POLL_S = 1e-3
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+        self._log = storage.shard.log
+
+    @property
+    def inserts(self) -> int:
+        return self._log.inserts
+
+    @property
+    def samples(self) -> int:
+        return self._log.samples
+
+    def add(self, inserts: int = 0, samples: int = 0) -> None:
+        if samples:
+            self._log.add_samples(samples)
+
+    def reset(self) -> None:
+        self._log.reset_counters()
+
+    def wait_until(self, allowed: Callable[[], bool], deadline: float | None) -> bool:
+        while not allowed():
+            self._log.check_open()
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(self._POLL_S)
+        return True
+
+    def __getstate__(self) -> dict:
+        return {"storage": self.storage}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["storage"])
+
+
 class RateLimiter(ABC):
     """Counters plus a rule; subclasses define ``can_insert`` and ``can_sample``."""
 
     def __init__(self, timeout: float | None = 60.0) -> None:
         self.timeout = timeout
-        self.inserts = 0
-        self.samples = 0
-        self._cond = threading.Condition()
+        self._counters: _LocalCounters | _StoreCounters = _LocalCounters()
+
+    @property
+    def inserts(self) -> int:
+        return self._counters.inserts
+
+    @property
+    def samples(self) -> int:
+        return self._counters.samples
+
+    def share(self, storage: Any) -> RateLimiter:
+        """Count in the shared GearStorage ``storage``: the rule then holds across all its processes.
+
+        Pickling a shared limiter (into actor processes) keeps it shared.
+        """
+        if not getattr(storage, "shared", False):
+            raise ValueError("a rate limiter can be shared through a shared GearStorage (shared=True) only")
+        self._counters = _StoreCounters(storage)
+        return self
 
     # -- the rule ------------------------------------------------------------------
     @abstractmethod
@@ -41,14 +130,10 @@ class RateLimiter(ABC):
     def _await(self, allowed, what: str, num_rows: int, timeout: float | None) -> None:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while not allowed(num_rows):
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise RateLimiterTimeout(
-                        f"{type(self).__name__}: {what} of {num_rows} rows blocked for {timeout}s "
-                        f"(inserted {self.inserts}, sampled {self.samples}): {self._why_blocked(what)}")
-                self._cond.wait(remaining)
+        if not self._counters.wait_until(lambda: allowed(num_rows), deadline):
+            raise RateLimiterTimeout(
+                f"{type(self).__name__}: {what} of {num_rows} rows blocked for {timeout}s "
+                f"(inserted {self.inserts}, sampled {self.samples}): {self._why_blocked(what)}")
 
     def await_insert(self, num_rows: int, timeout: float | None = None) -> None:
         self._await(self.can_insert, "insert", num_rows, timeout)
@@ -57,26 +142,26 @@ class RateLimiter(ABC):
         self._await(self.can_sample, "sample", num_rows, timeout)
 
     def inserted(self, num_rows: int) -> None:
-        with self._cond:
-            self.inserts += num_rows
-            self._cond.notify_all()
+        """Count inserted rows (a shared store counts its commits itself)."""
+        self._counters.add(inserts=num_rows)
 
     def sampled(self, num_rows: int) -> None:
-        with self._cond:
-            self.samples += num_rows
-            self._cond.notify_all()
+        self._counters.add(samples=num_rows)
 
     def reset(self) -> None:
-        with self._cond:
-            self.inserts = self.samples = 0
-            self._cond.notify_all()
+        self._counters.reset()
 
     def _why_blocked(self, what: str) -> str:
         return "waiting for the other side to catch up"
 
     # -- wiring into a TorchRL buffer ------------------------------------------------------
     def attach(self, rb: Any) -> Any:
-        """Gate ``rb.extend``, ``rb.add`` and ``rb.sample``; ``rb.empty`` resets the counters."""
+        """Gate ``rb.extend``, ``rb.add`` and ``rb.sample``; ``rb.empty`` resets the counters.
+
+        Over a shared GearStorage the limiter counts in the store (see ``share``).
+        """
+        if getattr(rb._storage, "shared", False):
+            self.share(rb._storage)
         extend, add, sample, empty = rb.extend, rb.add, rb.sample, rb.empty
 
         @functools.wraps(extend)

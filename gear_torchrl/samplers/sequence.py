@@ -87,7 +87,7 @@ class GearSequenceSampler(Sampler):
 
     def _weights(self, episodes: EpisodeIndex, slots: torch.Tensor) -> torch.Tensor:
         count = self._windows_in(episodes.length[slots])
-        count = torch.where(episodes.slot_is_live(slots), count, 0)
+        count = torch.where(episodes.slot_is_live(slots) & ~episodes.dead[slots], count, 0)
         if not self.include_open:
             count = torch.where(episodes.closed[slots], count, 0)
         if self.uniform_over == "episodes":
@@ -108,8 +108,12 @@ class GearSequenceSampler(Sampler):
     def sample(self, storage: GearStorage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
         if not isinstance(storage, GearStorage):
             raise TypeError(f"GearSequenceSampler needs a GearStorage (its episode index), got {type(storage).__name__}")
+        with storage.shard.picking():  # a shared store catches up with other processes' commits here
+            return self._pick(storage, batch_size)
+
+    def _pick(self, storage: GearStorage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
         shard = storage.shard
-        if len(storage) == 0:
+        if shard.size == 0:
             raise RuntimeError("cannot sample from an empty storage: write some data first")
         if not shard.tracks_episodes:
             raise RuntimeError("GearSequenceSampler needs rows that are single steps (batch_size [] per row)")

@@ -267,6 +267,11 @@ class CommitLog:
             self._h[_H_INSERTS] = 0
             self._h[_H_SAMPLES] = 0
 
+    @property
+    def reserved_end(self) -> int:
+        """Rows ever reserved (read without the lock)."""
+        return int(self._h[_H_RESERVED])
+
     def readable_rows(self) -> int:
         """Rows a reader would find now, read without the lock (for ``len``)."""
         reserved, published = int(self._h[_H_RESERVED]), int(self._h[_H_PUBLISHED])

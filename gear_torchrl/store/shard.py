@@ -18,7 +18,7 @@ import torch
 
 from gear_torchrl import gather
 from gear_torchrl.store.episodes import EpisodeIndex, episode_ends
-from gear_torchrl.store.spec import Data, NestedKey, TableSpec
+from gear_torchrl.store.spec import Data, NestedKey, SpecMismatchError, TableSpec
 
 logger = logging.getLogger(__name__)
 
@@ -168,15 +168,32 @@ class Shard:
         Returns the rows written.
         """
         single = isinstance(index, (int, np.integer))
-        spec, values, n = self._validated(data, single)
+        spec, values, n = self.validated(data, single)
         rows = as_index_tensor([index] if single else index, self.capacity, "write")
         if rows.numel() != n:
             raise IndexError(f"{rows.numel()} write indices for {n} rows of data")
         if n == 0:
             return rows
+        return self._write_columns(spec, rows, values, append)
+
+    def commit(self, spec: TableSpec, values: list[torch.Tensor]) -> torch.Tensor:
+        """Append checked columns (``validated``) as one unit whose last row ends an episode.
+
+        This is how a :class:`TrajectoryWriter` hands over an episode or a chunk of one.
+        """
+        rows = (torch.arange(values[0].shape[0], dtype=torch.int64) + self.head) % self.capacity
+        rows = self._write_columns(spec, rows, values, append=True)
+        if self.tracks_episodes:
+            self.episodes.close_open()
+        return rows
+
+    def _write_columns(self, spec: TableSpec, rows: torch.Tensor, values: list[torch.Tensor], append: bool):
         # -- everything is checked: from here on the write happens --
+        n = rows.numel()
         if self.spec is None:
             self._allocate(spec)
+        elif spec != self.spec:
+            raise SpecMismatchError(f"the data's keys, dtypes or shapes differ from the store's: {self.spec}")
         consistent = self.size == self.capacity or self.head == self.size
         is_append = append and consistent and _is_ring_run(rows, self.head, self.capacity)
         size_before = self.size
@@ -211,9 +228,13 @@ class Shard:
             self.rebuild_episodes()
         return rows
 
-    def _validated(self, data: Data, single: bool) -> tuple[TableSpec, list[torch.Tensor], int]:
-        """The spec, the data as columns of ``n`` rows, and ``n``; raises before any change."""
-        spec = self.spec or TableSpec.from_data(data, batched=not single)
+    def validated(self, data: Data, single: bool, spec: TableSpec | None = None,
+                  ) -> tuple[TableSpec, list[torch.Tensor], int]:
+        """The spec, the data as columns of ``n`` rows, and ``n``; raises before any change.
+
+        The spec is ``spec``, else the shard's, else the data's own.
+        """
+        spec = spec or self.spec or TableSpec.from_data(data, batched=not single)
         n = 1 if single else _num_rows(data)
         values = spec.flatten(data, None if single else n)
         if single:

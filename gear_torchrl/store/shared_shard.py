@@ -126,13 +126,17 @@ class SharedShard(Shard):
                 "a shared GearStorage takes appends only (extend, add, TrajectoryWriter): an in-place "
                 "write (write_at, storage[i] = ...) could change rows another process is reading")
         self._map_data()
-        spec, values, n = self._validated(data, isinstance(index, (int, np.integer)))
+        spec, values, _ = self.validated(data, isinstance(index, (int, np.integer)))
+        return self.commit(spec, values)
+
+    def commit(self, spec: TableSpec, values: list[torch.Tensor]) -> torch.Tensor:
+        """Write checked columns (``validated``) as one unit, readable all at once."""
+        self._map_data()
         if self.spec is None:
             self._allocate(spec)
-        return self.commit(values, n)
-
-    def commit(self, values: list[torch.Tensor], n: int) -> torch.Tensor:
-        """Write validated column ``values`` of ``n`` rows; visible to readers all at once."""
+        elif spec != self.spec:
+            raise SpecMismatchError(f"the data's keys, dtypes or shapes differ from the shared store's: {self.spec}")
+        n = values[0].shape[0]
         if n > self.capacity:  # only the newest `capacity` rows would survive
             values, n = [v[n - self.capacity:] for v in values], self.capacity
         reservation = self.log.reserve(n)

@@ -1,0 +1,109 @@
+"""TrajectoryWriter: an actor's episodes, each committed to a GearStorage at once.
+
+Steps are checked against the table spec as they arrive and staged in this
+process; ``end_episode`` hands the episode over as one contiguous commit.
+Readers therefore never see part of an episode, and an actor killed
+mid-episode leaves nothing in the store: its staged steps die with it.
+"""
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+
+from gear_torchrl.rate_limiters import RateLimiter
+from gear_torchrl.storage import GearStorage
+from gear_torchrl.store.spec import TableSpec
+
+_TRUNCATED = ("next", "truncated")
+
+
+class TrajectoryWriter:
+    """Append steps of one episode at a time; ``end_episode`` makes them readable.
+
+    Args:
+        storage: a :class:`GearStorage`, usually ``shared=True`` and handed to this
+            (actor) process by pickling it.
+        max_chunk: commit every ``max_chunk`` steps of a long episode instead of at
+            its end (bounds this process's staging memory). Each chunk is then an
+            episode of its own to the sequence samplers.
+        limiter: a rate limiter to wait on before each commit (e.g. a
+            :class:`SampleToInsertRatio` shared with the learner).
+    """
+
+    def __init__(self, storage: GearStorage, *, max_chunk: int | None = None,
+                 limiter: RateLimiter | None = None) -> None:
+        if max_chunk is not None and max_chunk < 1:
+            raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+        self.storage = storage
+        self.max_chunk = max_chunk
+        self.limiter = limiter
+        self._spec: TableSpec | None = None
+        self._staged: list[list[torch.Tensor]] = []
+        self._pending = 0
+        self.episodes_written = 0
+        self.rows_written = 0
+
+    @property
+    def pending(self) -> int:
+        """Steps staged and not yet committed."""
+        return self._pending
+
+    def append(self, step: TensorDictBase) -> None:
+        """Stage one step (a TensorDict with ``batch_size=[]``)."""
+        self._stage(step, single=True)
+
+    def extend(self, steps: TensorDictBase) -> None:
+        """Stage consecutive steps of the current episode (``batch_size=[T]``)."""
+        self._stage(steps, single=False)
+
+    def end_episode(self, *, truncated: bool = False) -> int:
+        """Commit the staged steps as one episode; returns the rows committed.
+
+        ``truncated=True`` also sets the last step's ``("next", "truncated")``
+        flag when the data has one, so code reading flags sees the cut.
+        """
+        if truncated and self._pending:
+            self._mark_truncated()
+        return self._commit()
+
+    def discard(self) -> int:
+        """Drop the staged steps (an episode the actor abandons); returns how many."""
+        n, self._staged, self._pending = self._pending, [], 0
+        return n
+
+    # -- internals -------------------------------------------------------------------
+    def _stage(self, data: TensorDictBase, single: bool) -> None:
+        shard = self.storage.shard
+        spec = shard.spec or self._spec or TableSpec.from_data(data, batched=not single)
+        spec, values, n = shard.validated(data, single, spec=spec)  # raises before anything is staged
+        self._spec = spec
+        if n == 0:
+            return
+        self._staged.append(values)
+        self._pending += n
+        if self.max_chunk is not None and self._pending >= self.max_chunk:
+            self._commit()
+
+    def _mark_truncated(self) -> None:
+        column = self._spec.find(_TRUNCATED)
+        if column is None:
+            return
+        last = self._staged[-1]
+        flag = last[column].clone()
+        flag[-1] = True
+        last[column] = flag
+
+    def _commit(self) -> int:
+        if self._pending == 0:
+            return 0
+        n = self._pending
+        values = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*self._staged)]
+        if self.limiter is not None:
+            self.limiter.await_insert(n)
+        self.storage.shard.commit(self._spec, values)
+        self._staged, self._pending = [], 0
+        if self.limiter is not None:
+            self.limiter.inserted(n)
+        self.episodes_written += 1
+        self.rows_written += n
+        return n

@@ -1,0 +1,89 @@
+"""Process bodies for the shared-store tests (spawned processes import them from here).
+
+Every step carries its episode id, its step number, its episode's length and a
+checksum over all of them and its observation, so a reader can verify any row
+it gets without knowing who wrote it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+from tensordict import TensorDict
+
+OBS = 8
+_WEIGHTS = torch.arange(1, OBS + 1, dtype=torch.float64)
+
+
+def checksum(obs: torch.Tensor, ep: torch.Tensor, step: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    return (obs.to(torch.float64) * _WEIGHTS).sum(-1) + 3.0 * ep + 7.0 * step + 11.0 * length
+
+
+def episode(ep_id: int, length: int, generator: torch.Generator | None = None) -> TensorDict:
+    obs = torch.rand(length, OBS, generator=generator)
+    ep = torch.full((length,), ep_id, dtype=torch.int64)
+    step = torch.arange(length, dtype=torch.int64)
+    total = torch.full((length,), length, dtype=torch.int64)
+    done = torch.zeros(length, 1, dtype=torch.bool)
+    done[-1] = True
+    return TensorDict({"obs": obs, "ep": ep, "step": step, "len": total, "check": checksum(obs, ep, step, total),
+                       "next": {"done": done}}, [length])
+
+
+def verify(batch: TensorDict) -> None:
+    """Raise if any row is torn or made up."""
+    expected = checksum(batch["obs"], batch["ep"], batch["step"], batch["len"])
+    bad = ~torch.isclose(expected, batch["check"], rtol=0, atol=1e-6)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise AssertionError(f"row {i} is torn: ep {int(batch['ep'][i])} step {int(batch['step'][i])}")
+    if bool(((batch["step"] < 0) | (batch["step"] >= batch["len"])).any()):
+        raise AssertionError("a row's step number is outside its episode")
+
+
+def write_episodes(storage, writer_id: int, num_episodes: int, max_len: int, per_step: bool, result_queue) -> None:
+    """Write ``num_episodes`` episodes through a TrajectoryWriter; report rows written."""
+    from gear_torchrl import TrajectoryWriter
+
+    generator = torch.Generator().manual_seed(writer_id)
+    writer = TrajectoryWriter(storage)
+    rows = 0
+    for e in range(num_episodes):
+        length = int(torch.randint(1, max_len + 1, (1,), generator=generator))
+        data = episode(writer_id * 1_000_000 + e, length, generator)
+        if per_step:
+            for t in range(length):
+                writer.append(data[t])
+        else:
+            writer.extend(data)
+        rows += writer.end_episode()
+    result_queue.put((writer_id, rows))
+
+
+def stage_then_hang(storage, ready, mid_copy: bool) -> None:
+    """Stage half an episode (or hold a reservation, as if killed mid-copy), then wait to be killed."""
+    from gear_torchrl import TrajectoryWriter
+
+    writer = TrajectoryWriter(storage)
+    writer.extend(episode(-1, 10)[:5])
+    if mid_copy:
+        storage.shard.log.reserve(5)  # reserved rows that will never be committed
+    ready.set()
+    time.sleep(120)
+
+
+def own_store(capacity: int, handle_queue, stop) -> None:
+    """Create a shared store, hand out its handle, and live until told to stop (or killed)."""
+    from gear_torchrl import GearStorage
+
+    storage = GearStorage(capacity, shared=True)
+    storage.set(torch.arange(4), episode(0, 4))
+    handle_queue.put(storage.handle)
+    stop.wait(120)
+    storage.close()
+
+
+def kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)

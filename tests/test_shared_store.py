@@ -1,0 +1,181 @@
+"""A shared GearStorage across real processes (spawn): writers, readers, crashes, cleanup."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import time
+
+import pytest
+import torch
+from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
+
+import shared_workers as w
+from gear_torchrl import GearSequenceSampler, GearStorage, SpecMismatchError, StoreClosedError, TrajectoryWriter
+from gear_torchrl.store.shared_memory import SHM_DIR, store_segments
+
+CTX = mp.get_context("spawn")
+JOIN_S = 120
+
+
+def _segments() -> set[str]:
+    return {p.name for p in SHM_DIR.glob("gear_torchrl-*")}
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Every test ends with its processes gone and no segment of its stores left in /dev/shm."""
+    before = _segments()
+    yield
+    for child in mp.active_children():
+        child.kill()
+        child.join(10)
+    deadline = time.monotonic() + 10  # a janitor may still be unlinking
+    while _segments() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _segments() - before == set(), "shared-memory segments leaked"
+
+
+def _join(processes) -> None:
+    for p in processes:
+        p.join(JOIN_S)
+        assert p.exitcode == 0, f"{p.name} exited with {p.exitcode}"
+
+
+def test_handle_is_small_and_attaches_to_the_same_rows():
+    storage = GearStorage(64, shared=True)
+    try:
+        storage.set(torch.arange(5), w.episode(7, 5))
+        blob = pickle.dumps(storage)
+        assert len(blob) < 1024  # a handle, not the rows
+        other = pickle.loads(blob)
+        assert len(other) == 5 and torch.equal(other.get(torch.arange(5))["ep"], torch.full((5,), 7))
+        other.set(torch.arange(3), w.episode(8, 3))  # the cursor a TorchRL writer passes is ignored: appended
+        assert len(storage) == 8
+        assert torch.equal(storage.get(torch.arange(8))["ep"][5:], torch.full((3,), 8))
+        other.close()
+    finally:
+        storage.close()
+    assert store_segments(storage.handle.store_id) == []
+
+
+def test_rejected_writes_leave_the_store_as_it_was():
+    storage = GearStorage(32, shared=True)
+    try:
+        storage.set(torch.arange(4), w.episode(1, 4))
+        bad = w.episode(2, 4)
+        bad["obs"] = bad["obs"].double()
+        with pytest.raises(SpecMismatchError):
+            storage.set(torch.arange(4), bad)
+        with pytest.raises(NotImplementedError, match="appends only"):
+            storage.set(torch.arange(4), w.episode(3, 4), set_cursor=False)
+        with pytest.raises(IndexError, match="out of range"):
+            storage.get(torch.tensor([4]))
+        assert len(storage) == 4 and storage.shard.log.inserts == 4
+        w.verify(storage.get(torch.arange(4)))
+    finally:
+        storage.close()
+
+
+def test_four_writers_and_a_sampling_reader_see_only_whole_rows():
+    """4 writer processes wrap the ring many times while this process samples steps and windows."""
+    storage = GearStorage(2_000, shared=True)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=256)
+    windows = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(seq_len=8), batch_size=64)
+    results = CTX.Queue()
+    writers = [CTX.Process(target=w.write_episodes, args=(storage, i, 150, 60, i % 2 == 0, results))
+               for i in range(4)]
+    try:
+        for p in writers:
+            p.start()
+        batches = 0
+        deadline = time.monotonic() + JOIN_S
+        while any(p.is_alive() for p in writers) and time.monotonic() < deadline:
+            if len(storage) < 100:
+                time.sleep(0.01)
+                continue
+            w.verify(rb.sample())
+            seq = windows.sample()
+            w.verify(seq)
+            ep, step = seq["ep"].view(-1, 8), seq["step"].view(-1, 8)
+            assert bool((ep == ep[:, :1]).all()), "a window crosses episodes"
+            assert bool((step[:, 1:] - step[:, :-1] == 1).all()), "a window skips steps"
+            batches += 1
+        _join(writers)
+        written = dict(results.get(timeout=10) for _ in writers)
+        assert batches > 0
+        assert storage.shard.log.inserts == sum(written.values())
+        assert len(storage) == 2_000  # the ring is full, and nothing in it is missing
+        everything = storage.get(torch.arange(2_000))
+        w.verify(everything)
+        # Whole episodes only, apart from the oldest one (the ring cut its head off).
+        storage.shard.refresh()
+        view = storage.shard.episodes.live()
+        storage.shard._end_read()
+        lengths = storage.get(view.start)["len"]
+        assert torch.equal(view.length[1:], lengths[1:])
+        assert int(view.length.sum()) == 2_000
+    finally:
+        storage.close()
+
+
+def test_a_writer_killed_mid_episode_leaves_nothing_sampleable():
+    storage = GearStorage(256, shared=True)
+    try:
+        storage.set(torch.arange(10), w.episode(1, 10))
+        ready = CTX.Event()
+        staged = CTX.Process(target=w.stage_then_hang, args=(storage, ready, False))
+        reserved = CTX.Event()
+        copying = CTX.Process(target=w.stage_then_hang, args=(storage, reserved, True))
+        staged.start()
+        assert ready.wait(60)
+        copying.start()
+        assert reserved.wait(60)
+        assert storage.shard.log.reserved_end == 15
+        storage.set(torch.arange(6), w.episode(2, 6))  # committed after the hung reservation
+        assert len(storage) == 10  # the hung reservation holds back what follows it
+        for p in (staged, copying):
+            w.kill(p.pid)
+            p.join(10)
+        # The next reader finds the dead writer, and the rows after its reservation become readable.
+        batch = TensorDictReplayBuffer(storage=storage, batch_size=500).sample()
+        w.verify(batch)
+        assert set(batch["ep"].tolist()) == {1, 2}
+        assert len(storage) == 21  # 10 + 5 dead + 6: the dead rows are spent ring space, reclaimed next lap
+        windows = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(seq_len=3), batch_size=300)
+        assert set(windows.sample()["ep"].tolist()) == {1, 2}
+        with pytest.raises(IndexError, match="half-written"):
+            storage.get(torch.tensor([12]))
+    finally:
+        storage.close()
+
+
+def test_owner_death_makes_attached_processes_fail_clearly_and_frees_memory():
+    handles, stop = CTX.Queue(), CTX.Event()
+    owner = CTX.Process(target=w.own_store, args=(128, handles, stop))
+    owner.start()
+    handle = handles.get(timeout=60)
+    storage = GearStorage(0, handle=handle)
+    writer = TrajectoryWriter(storage)
+    writer.extend(w.episode(5, 3))
+    writer.end_episode()
+    assert len(storage) == 7
+    w.kill(owner.pid)
+    owner.join(10)
+    deadline = time.monotonic() + 10
+    while store_segments(handle.store_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store_segments(handle.store_id) == []
+    writer.extend(w.episode(6, 3))
+    with pytest.raises(StoreClosedError, match="owner .* died"):
+        writer.end_episode()
+    with pytest.raises(StoreClosedError, match="died"):
+        ReplayBuffer(storage=storage, batch_size=4).sample()
+    storage.close()
+
+
+def test_attaching_to_a_closed_store_is_a_clear_error():
+    storage = GearStorage(16, shared=True)
+    handle = storage.handle
+    storage.close()
+    with pytest.raises(FileNotFoundError, match="closed or its owner died"):
+        GearStorage(0, handle=handle)
