@@ -27,6 +27,7 @@ _EXPORTS = {
     "SpecMismatchError": "gear_torchrl.store.spec",
     "StoreClosedError": "gear_torchrl.store.commit_log",
     "TrajectoryWriter": "gear_torchrl.trajectory_writer",
+    "GearDataset": "gear_torchrl.dataset",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -46,6 +47,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads lazily
     from gear_torchrl.checkpointer import GearStorageCheckpointer  # noqa: F401
+    from gear_torchrl.dataset import GearDataset  # noqa: F401
     from gear_torchrl.rate_limiters import MinSize, RateLimiter, RateLimiterTimeout, SampleToInsertRatio  # noqa: F401
     from gear_torchrl.samplers import (  # noqa: F401
         GearPrioritizedSampler,

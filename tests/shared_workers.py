@@ -87,3 +87,9 @@ def own_store(capacity: int, handle_queue, stop) -> None:
 
 def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+
+
+def cartpole():
+    from torchrl.envs import GymEnv
+
+    return GymEnv("CartPole-v1")

@@ -179,3 +179,53 @@ def test_attaching_to_a_closed_store_is_a_clear_error():
     storage.close()
     with pytest.raises(FileNotFoundError, match="closed or its owner died"):
         GearStorage(0, handle=handle)
+
+
+def test_dataloader_workers_see_rows_written_after_they_started():
+    from gear_torchrl import GearDataset
+
+    storage = GearStorage(512, shared=True)
+    try:
+        storage.set(torch.arange(20), w.episode(1, 20))
+        rb = TensorDictReplayBuffer(storage=storage, batch_size=64)
+        loader = GearDataset(rb).loader(num_workers=2, multiprocessing_context=CTX, persistent_workers=True)
+        batches = iter(loader)
+        first = [next(batches) for _ in range(4)]  # both workers are running
+        assert all(set(b["ep"].tolist()) == {1} for b in first)
+        writer = TrajectoryWriter(storage)
+        writer.extend(w.episode(2, 400))
+        writer.end_episode()
+        seen = set()
+        deadline = time.monotonic() + 60
+        while {1, 2} - seen and time.monotonic() < deadline:
+            batch = next(batches)
+            w.verify(batch)
+            seen |= set(batch["ep"].tolist())
+        assert seen == {1, 2}
+        # The two workers draw different rows (the DataLoader seeds each).
+        a, b = next(batches), next(batches)
+        assert not torch.equal(a["obs"], b["obs"])
+        del batches, loader
+    finally:
+        storage.close()
+
+
+def test_collector_workers_write_into_a_shared_storage():
+    from torchrl.collectors import MultiSyncCollector
+
+    storage = GearStorage(5_000, shared=True, traj_key=("collector", "traj_ids"))
+    rb = ReplayBuffer(storage=storage, sampler=GearSequenceSampler(seq_len=4, strict_length=True), batch_size=64)
+    collector = MultiSyncCollector([w.cartpole, w.cartpole], policy=None, frames_per_batch=200,
+                                   total_frames=1_000, replay_buffer=rb)
+    try:
+        for _ in collector:
+            pass
+        collector.shutdown()
+        assert len(storage) == 1_000
+        batch = rb.sample()
+        traj = batch["collector", "traj_ids"].view(-1, 4)
+        assert bool((traj == traj[:, :1]).all()), "a window crosses trajectories"
+        obs, next_obs = batch["observation"].view(-1, 4, 4), batch["next", "observation"].view(-1, 4, 4)
+        assert torch.equal(obs[:, 1:], next_obs[:, :-1]), "a window's steps do not follow each other"
+    finally:
+        storage.close()
