@@ -93,3 +93,13 @@ def cartpole():
     from torchrl.envs import GymEnv
 
     return GymEnv("CartPole-v1")
+
+
+def write_limited(storage, limiter, num_episodes: int, length: int) -> None:
+    """Write episodes, each waiting for the limiter's permission."""
+    from gear_torchrl import TrajectoryWriter
+
+    writer = TrajectoryWriter(storage, limiter=limiter)
+    for e in range(num_episodes):
+        writer.extend(episode(e, length))
+        writer.end_episode()

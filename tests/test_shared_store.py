@@ -229,3 +229,61 @@ def test_collector_workers_write_into_a_shared_storage():
         assert torch.equal(obs[:, 1:], next_obs[:, :-1]), "a window's steps do not follow each other"
     finally:
         storage.close()
+
+
+def test_prioritized_sampler_follows_commits_from_other_processes():
+    from gear_torchrl import GearPrioritizedSampler
+
+    storage = GearStorage(200, shared=True)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=GearPrioritizedSampler(200, alpha=1.0, beta=1.0),
+                                batch_size=1_000)
+    results = CTX.Queue()
+    try:
+        writer = CTX.Process(target=w.write_episodes, args=(storage, 0, 6, 20, False, results))
+        writer.start()
+        _join([writer])
+        written = results.get(timeout=10)[1]
+        batch = rb.sample()
+        w.verify(batch)
+        assert len(set(batch["index"].tolist())) > 0.9 * written  # new rows enter at the max priority
+        first = batch["ep"] == batch["ep"][0]
+        rb.update_tensordict_priority(batch.set("td_error", first.double() * 0 + (~first).double()))
+        assert int(batch["ep"][0]) not in set(rb.sample()["ep"].tolist())  # priority 0: never again
+        # Another process wraps the ring: evicted rows leave the trees, the new ones join.
+        writer = CTX.Process(target=w.write_episodes, args=(storage, 1, 30, 20, False, results))
+        writer.start()
+        _join([writer])
+        live = set(storage.get(torch.arange(len(storage)))["ep"].tolist())
+        batch = rb.sample()
+        w.verify(batch)
+        assert set(batch["ep"].tolist()) <= live
+    finally:
+        storage.close()
+
+
+def test_sample_to_insert_ratio_holds_across_processes():
+    from gear_torchrl import SampleToInsertRatio
+
+    storage = GearStorage(1_000, shared=True)
+    limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=10, error_buffer=20, timeout=60)
+    rb = limiter.attach(TensorDictReplayBuffer(storage=storage, batch_size=40))
+    actor = CTX.Process(target=w.write_limited, args=(storage, limiter, 10, 10))
+    try:
+        actor.start()
+
+        def settles_at(rows: int) -> None:
+            deadline = time.monotonic() + 60
+            while limiter.inserts < rows and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.5)  # give the actor the chance to overshoot, which the rule forbids
+            assert limiter.inserts == rows
+
+        settles_at(30)  # (inserts) * 1 - samples may not exceed 10 + 20
+        w.verify(rb.sample())
+        assert limiter.samples == 40
+        settles_at(70)
+        rb.sample()  # 80 samples allow up to 110 inserts: the actor finishes its 100
+        _join([actor])
+        assert limiter.inserts == 100
+    finally:
+        storage.close()

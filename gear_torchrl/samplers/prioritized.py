@@ -90,6 +90,7 @@ class GearPrioritizedSampler(PrioritizedSampler):
         self._generation = torch.zeros(self._max_capacity, dtype=torch.int64, device=self._device)
         self._max_raw_priority = 1.0
         self._sample_calls = 0
+        self._followed = (0, 0)  # the shared store's rows this sampler has priorities for
 
     # -- TorchRL's knobs -------------------------------------------------------------
     @property
@@ -115,6 +116,18 @@ class GearPrioritizedSampler(PrioritizedSampler):
 
     # -- sampling --------------------------------------------------------------------
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        shard = getattr(storage, "shard", None)
+        if shard is None:
+            return self._pick(storage, batch_size)
+        with shard.picking():  # a shared store catches up with other processes' commits here
+            gone, new, self._followed = shard.rows_changed_since(self._followed)
+            if gone.numel():
+                self._trees.remove(gone.to(self._device))
+            if new.numel():
+                self.mark_update(new)
+            return self._pick(storage, batch_size)
+
+    def _pick(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
         if len(storage) == 0:
             raise RuntimeError("cannot sample from an empty storage: write some data first")
         total = self._trees.total

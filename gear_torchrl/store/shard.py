@@ -357,6 +357,17 @@ class Shard:
         """Around a gather of rows picked earlier (see ``picking``)."""
         yield
 
+    def rows_changed_since(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """Rows other processes' commits evicted and added since ``position`` (start from ``(0, 0)``).
+
+        Returns ``(gone, new, position)``; ``new`` excludes rows left by crashed
+        writers. Samplers that keep per-row state (priorities) follow a shared
+        store with it; in a local shard TorchRL's writer reports every write
+        itself, so nothing changes behind a sampler's back.
+        """
+        empty = torch.empty(0, dtype=torch.int64)
+        return empty, empty, position
+
     def readable_rows(self) -> int:
         """How many rows a reader finds now."""
         return self.size

@@ -253,6 +253,17 @@ class SharedShard(Shard):
             self._hi = end
         self._evict_to(lo)
 
+    def rows_changed_since(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        old_lo, old_hi = position
+        gone_from = max(old_lo, self._lo - self.capacity)
+        gone = torch.arange(gone_from, min(self._lo, old_hi), dtype=torch.int64) % self.capacity
+        new = torch.arange(max(old_hi, self._lo), self._hi, dtype=torch.int64) % self.capacity
+        if new.numel() and self.episodes.has_dead:
+            slots, _, _ = self.episodes.locate(new)
+            dead = self.episodes.dead[slots]
+            gone, new = torch.cat([gone, new[dead]]), new[~dead]
+        return gone, new, (self._lo, self._hi)
+
     def _replay(self, first: int, end: int, dead: bool) -> None:
         rows = torch.arange(first, end, dtype=torch.int64) % self.capacity
         if dead:
