@@ -250,7 +250,7 @@ def test_prioritized_sampler_follows_commits_from_other_processes():
         rb.update_tensordict_priority(batch.set("td_error", first.double() * 0 + (~first).double()))
         assert int(batch["ep"][0]) not in set(rb.sample()["ep"].tolist())  # priority 0: never again
         # Another process wraps the ring: evicted rows leave the trees, the new ones join.
-        writer = CTX.Process(target=w.write_episodes, args=(storage, 1, 30, 20, False, results))
+        writer = CTX.Process(target=w.write_episodes, args=(storage, 1, 80, 20, False, results))
         writer.start()
         _join([writer])
         live = set(storage.get(torch.arange(len(storage)))["ep"].tolist())

@@ -239,42 +239,43 @@ class SharedShard(Shard):
             self.episodes.clear()
             self._lo = self._hi = int(snapshot.records[0, 0]) if len(snapshot.records) else snapshot.published_end
         lo = max(snapshot.reserved_end - self.capacity, snapshot.floor, 0)
-        for position, n, dead in snapshot.records.tolist():
+        for position, end, dead, record_ends in _runs(snapshot.records):
             self._evict_to(min(lo, position))
             first = max(position, lo)
-            end = position + n
             if first >= end:  # evicted before this process saw it
                 self.episodes.clear()
                 self._lo = end
             else:
                 if self._lo == self._hi:
                     self._lo = first
-                self._replay(first, end, bool(dead))
+                self._replay(first, end, dead, record_ends)
             self._hi = end
         self._evict_to(lo)
 
+    def _replay(self, first: int, end: int, dead: bool, record_ends: np.ndarray) -> None:
+        """Append positions ``[first, end)``: dead rows, or committed records ending at ``record_ends``."""
+        rows = torch.arange(first, end, dtype=torch.int64) % self.capacity
+        if dead:
+            self.episodes.append(rows, None, evicted=0, dead=True)
+            return
+        ends, traj = self._stored_ends(rows)
+        if traj is None:  # the next commit in the ring may be another writer's
+            ends[torch.from_numpy(record_ends[record_ends > first] - 1 - first)] = True
+        self.episodes.append(rows, ends, evicted=0,
+                             traj_first=None if traj is None else int(traj[0]),
+                             traj_last=None if traj is None else int(traj[-1]))
+
     def rows_changed_since(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         old_lo, old_hi = position
-        gone_from = max(old_lo, self._lo - self.capacity)
-        gone = torch.arange(gone_from, min(self._lo, old_hi), dtype=torch.int64) % self.capacity
+        gone_end = min(self._lo, old_hi)  # old rows now evicted; a ring row needs clearing once
+        gone = torch.arange(max(old_lo, gone_end - self.capacity), max(old_lo, gone_end), dtype=torch.int64)
+        gone %= self.capacity
         new = torch.arange(max(old_hi, self._lo), self._hi, dtype=torch.int64) % self.capacity
         if new.numel() and self.episodes.has_dead:
             slots, _, _ = self.episodes.locate(new)
             dead = self.episodes.dead[slots]
             gone, new = torch.cat([gone, new[dead]]), new[~dead]
         return gone, new, (self._lo, self._hi)
-
-    def _replay(self, first: int, end: int, dead: bool) -> None:
-        rows = torch.arange(first, end, dtype=torch.int64) % self.capacity
-        if dead:
-            self.episodes.append(rows, None, evicted=0, dead=True)
-            return
-        ends, traj = self._stored_ends(rows)
-        if traj is None:
-            ends[-1] = True  # the next commit in the ring may be another writer's
-        self.episodes.append(rows, ends, evicted=0,
-                             traj_first=None if traj is None else int(traj[0]),
-                             traj_last=None if traj is None else int(traj[-1]))
 
     def _evict_to(self, position: int) -> None:
         k = min(position, self._hi) - self._lo
@@ -305,3 +306,20 @@ class SharedShard(Shard):
         self.log.close()
         if self._janitor is not None:
             self._janitor.release()
+
+
+def _runs(records: np.ndarray) -> Iterator[tuple[int, int, bool, np.ndarray]]:
+    """Consecutive records grouped into runs of committed ones and single dead ones.
+
+    Yields ``(first position, end position, dead, end position of each record)``,
+    so a reader replays a burst of commits with one gather of their flags.
+    """
+    i, k = 0, len(records)
+    while i < k:
+        j = i + 1
+        if not records[i, 2]:
+            while j < k and not records[j, 2]:
+                j += 1
+        ends = records[i:j, 0] + records[i:j, 1]
+        yield int(records[i, 0]), int(ends[-1]), bool(records[i, 2]), ends
+        i = j
