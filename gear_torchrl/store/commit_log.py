@@ -49,6 +49,8 @@ OPEN, CLOSED, OWNER_DIED = 0, janitor.CLOSED, janitor.OWNER_DIED
 RESERVED, COMMITTED, DEAD = 1, 2, 3
 
 _GRACE_POLL_S = 50e-6
+RECORDS = 1 << 16  # commits a reader may lag behind before it loses track of the oldest rows
+READER_SLOTS = 256  # processes reading one store at once
 
 
 class StoreClosedError(RuntimeError):
@@ -75,15 +77,15 @@ class ReadSnapshot:
     lost: bool
 
 
-def control_bytes(num_records: int, num_readers: int) -> int:
+def control_bytes(num_records: int = RECORDS, num_readers: int = READER_SLOTS) -> int:
     return page_round(8 * (_HEADER_SLOTS + 4 * num_records + 2 * num_readers) + _SPEC_BYTES)
 
 
 class CommitLog:
     """One process's view of a store's control segment."""
 
-    def __init__(self, path, *, create_capacity: int | None = None, num_records: int = 1 << 16,
-                 num_readers: int = 256) -> None:
+    def __init__(self, path, *, create_capacity: int | None = None, num_records: int = RECORDS,
+                 num_readers: int = READER_SLOTS) -> None:
         self.path = path
         self._map = map_segment(path)
         words = np.frombuffer(self._map, dtype=np.int64)

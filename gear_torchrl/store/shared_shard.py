@@ -69,7 +69,7 @@ class SharedShard(Shard):
             self.store_id = new_store_id()
             self._janitor = Janitor(self.store_id)
             path = segment_path(self.store_id, "control")
-            create_segment(path, control_bytes(1 << 16, 256))
+            create_segment(path, control_bytes())
             self.log = CommitLog(path, create_capacity=self.capacity)
         else:
             self.store_id = handle.store_id
