@@ -14,8 +14,6 @@ the ring may be another process's.
 from __future__ import annotations
 
 import logging
-import os
-import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -106,8 +104,6 @@ class SharedShard(Shard):
         columns = [data[o: o + self.capacity * c.row_bytes].view(c.dtype).view(self.capacity, *c.row_shape)
                    for o, c in zip(offsets, spec.columns)]
         self._adopt(spec, columns)
-        self._end_columns = [i for k in self.end_keys if (i := spec.find(k)) is not None]
-        self._traj_column = spec.find(self.traj_key) if self.traj_key is not None else None
 
     def _allocate(self, spec: TableSpec) -> None:
         _, total = self._layout(spec)
@@ -125,9 +121,8 @@ class SharedShard(Shard):
             raise NotImplementedError(
                 "a shared GearStorage takes appends only (extend, add, TrajectoryWriter): an in-place "
                 "write (write_at, storage[i] = ...) could change rows another process is reading")
-        self._map_data()
         spec, values, _ = self.validated(data, isinstance(index, (int, np.integer)))
-        return self.commit(spec, values)
+        return self.commit(spec, values)  # checks the spec against the store's
 
     def commit(self, spec: TableSpec, values: list[torch.Tensor]) -> torch.Tensor:
         """Write checked columns (``validated``) as one unit, readable all at once."""
@@ -176,8 +171,7 @@ class SharedShard(Shard):
         rows = (offsets + self._lo) % self.capacity
         if self.episodes.has_dead:  # redraw rows a crashed writer left behind (rare, and few)
             for _ in range(64):
-                slots, _, _ = self.episodes.locate(rows)
-                dead = self.episodes.dead[slots]
+                dead = self._dead(rows)
                 if not bool(dead.any()):
                     break
                 redraw = torch.randint(0, self.size, (int(dead.sum()),), generator=generator)
@@ -185,6 +179,11 @@ class SharedShard(Shard):
             else:
                 raise RuntimeError("could not draw live rows: almost every stored row was left by crashed writers")
         return rows.to(device)
+
+    def _dead(self, rows: torch.Tensor) -> torch.Tensor:
+        """Which of ``rows`` a writer that died left half-written."""
+        slots, _, _ = self.episodes.locate(rows)
+        return self.episodes.dead[slots]
 
     @property
     def ring_rows(self) -> int:
@@ -223,8 +222,7 @@ class SharedShard(Shard):
         if bool(stale.any()):
             raise IndexError(f"row {int(rows[stale][0])} is not readable: it was evicted or is being rewritten")
         if self.episodes.has_dead:
-            slots, _, _ = self.episodes.locate(rows)
-            dead = self.episodes.dead[slots]
+            dead = self._dead(rows)
             if bool(dead.any()):
                 raise IndexError(f"row {int(rows[dead][0])} was left half-written by a writer that died")
 
@@ -272,8 +270,7 @@ class SharedShard(Shard):
         gone %= self.capacity
         new = torch.arange(max(old_hi, self._lo), self._hi, dtype=torch.int64) % self.capacity
         if new.numel() and self.episodes.has_dead:
-            slots, _, _ = self.episodes.locate(new)
-            dead = self.episodes.dead[slots]
+            dead = self._dead(new)
             gone, new = torch.cat([gone, new[dead]]), new[~dead]
         return gone, new, (self._lo, self._hi)
 
