@@ -28,6 +28,8 @@ _EXPORTS = {
     "StoreClosedError": "gear_torchrl.store.commit_log",
     "TrajectoryWriter": "gear_torchrl.trajectory_writer",
     "GearDataset": "gear_torchrl.dataset",
+    "ShardedGearStorage": "gear_torchrl.sharded_storage",
+    "ShardUnavailableError": "gear_torchrl.distributed.transports.base",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -57,6 +59,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads l
         QueueSampler,
         TopKSampler,
     )
+    from gear_torchrl.distributed.transports.base import ShardUnavailableError  # noqa: F401
+    from gear_torchrl.sharded_storage import ShardedGearStorage  # noqa: F401
     from gear_torchrl.storage import GearStorage  # noqa: F401
     from gear_torchrl.store.commit_log import StoreClosedError  # noqa: F401
     from gear_torchrl.store.shard import EmptyStoreError  # noqa: F401

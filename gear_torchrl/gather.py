@@ -61,12 +61,15 @@ def gather_windows(
     device: torch.device,
     valid_begin: torch.Tensor | None = None,
     valid_end: torch.Tensor | None = None,
+    out: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Windows of ``seq_len`` ring rows from ``starts``, padded outside ``[valid_begin, valid_end)``.
 
-    Returns the flat ``[num_windows * seq_len, ...]`` columns and the validity mask.
+    Returns the flat ``[num_windows * seq_len, ...]`` columns (``out`` when given:
+    contiguous tensors of that shape) and the validity mask.
     """
-    out = _empty_like_rows(columns, starts.numel() * seq_len, device)
+    if out is None:
+        out = _empty_like_rows(columns, starts.numel() * seq_len, device)
     mask = torch.empty(starts.numel() * seq_len, dtype=torch.bool, device=device)
     _launch(columns, out, starts, valid_begin, valid_end, seq_len, mask)
     return out, mask

@@ -36,6 +36,13 @@ def _as_priority(priority: Any, count: int, device: torch.device | str = "cpu") 
     return priority
 
 
+def _seeds_defaults(index: Any, priority: Any, default: float) -> bool:
+    """Whether this is TorchRL's ``_initialize_prioritized_sampler``: rows 0..n-1 at the default priority."""
+    index, priority = torch.as_tensor(index).reshape(-1), torch.as_tensor(priority).reshape(-1)
+    return (index.numel() > 0 and bool((index == torch.arange(index.numel(), device=index.device)).all())
+            and bool((priority == default).all()))
+
+
 class GearPrioritizedSampler(PrioritizedSampler):
     """Proportional PER (Schaul et al.): P(i) = p_i^alpha / sum_j p_j^alpha, weights (p_i / p_min)^-beta.
 
@@ -116,28 +123,69 @@ class GearPrioritizedSampler(PrioritizedSampler):
 
     # -- sampling --------------------------------------------------------------------
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        if getattr(storage, "is_sharded", False):
+            return self._sample_shards(storage, batch_size)
         shard = getattr(storage, "shard", None)
         if shard is None:
             return self._pick(storage, batch_size)
         with shard.picking():  # a shared store catches up with other processes' commits here
-            gone, new, self._followed = shard.rows_changed_since(self._followed)
-            if gone.numel():
-                self._trees.remove(gone.to(self._device))
-            if new.numel():
-                self.mark_update(new)
+            self.follow(storage)
             return self._pick(storage, batch_size)
+
+    def follow(self, storage: Storage) -> None:
+        """Give rows other processes committed the default priority and drop evicted ones.
+
+        Call inside ``storage.shard.picking()``.
+        """
+        gone, new, self._followed = storage.shard.rows_changed_since(self._followed)
+        if gone.numel():
+            self._trees.remove(gone.to(self._device))
+        if new.numel():
+            self.mark_update(new)
 
     def _pick(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
         if len(storage) == 0:
             raise RuntimeError("cannot sample from an empty storage: write some data first")
-        total = self._trees.total
-        if not total > 0:
+        if not self._trees.total > 0:
             raise RuntimeError("every stored row has priority 0: nothing can be sampled")
-        mass = torch.rand(batch_size, dtype=torch.float64, device=self._device) * total
-        index = self._trees.find(mass)
-        weight = torch.pow(self._trees.get(index) / self._trees.minimum, -self._beta).to(torch.float32)
+        index, generation = self.draw(batch_size)
+        weight = self._importance_weights(self._trees.get(index), self._trees.minimum)
         self._anneal_beta()
-        return index, {"priority_weight": weight, "generation": self._generation[index]}
+        return index, {"priority_weight": weight, "generation": generation}
+
+    def _sample_shards(self, storage: Any, batch_size: int) -> tuple[torch.Tensor, dict]:
+        """Each shard's owner draws its share from its own trees; the weights are global."""
+        picked = storage.select(self.selection(), batch_size)
+        weight = self._importance_weights(picked.extra["mass"], picked.scalars["min_mass"])
+        self._anneal_beta()
+        return picked.index, {"priority_weight": weight, "generation": picked.extra["generation"]}
+
+    def draw(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` rows drawn in proportion to their masses, and their write generations."""
+        mass = torch.rand(count, dtype=torch.float64, device=self._device) * self._trees.total
+        index = self._trees.find(mass)
+        return index, self._generation[index]
+
+    def _importance_weights(self, masses: torch.Tensor, min_mass: float) -> torch.Tensor:
+        """(N P(i))^-beta normalized by its largest value: (mass_i / min mass)^-beta."""
+        return torch.pow(masses / min_mass, -self._beta).to(torch.float32)
+
+    def selection(self) -> dict[str, Any]:
+        """What a shard owner needs to keep these priorities (``beta`` stays with the learner)."""
+        return {"kind": "prioritized", "alpha": self._alpha, "eps": self._eps}
+
+    def masses(self, index: torch.Tensor) -> torch.Tensor:
+        """``(p + eps)^alpha`` of each row."""
+        return self._trees.get(index)
+
+    @property
+    def total_mass(self) -> float:
+        return self._trees.total
+
+    @property
+    def min_mass(self) -> float:
+        """The smallest positive mass (what normalizes the importance weights)."""
+        return self._trees.minimum
 
     def _anneal_beta(self) -> None:
         self._sample_calls += 1
@@ -156,6 +204,11 @@ class GearPrioritizedSampler(PrioritizedSampler):
         generation: torch.Tensor | None = None,
     ) -> None:
         """Set raw priorities; everything is checked before the trees change."""
+        if getattr(storage, "is_sharded", False):
+            if _seeds_defaults(index, priority, self.default_priority):
+                return  # TorchRL's first-use seeding of stored rows: owners give new rows this priority already
+            storage.update_priority(self.selection(), index, priority, generation)
+            return
         index = _as_index(index, self._max_capacity, self._device)
         priority = _as_priority(priority, index.numel(), self._device)
         keep = index >= 0

@@ -104,11 +104,14 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
 
     # -- sampling and priorities ----------------------------------------------------------
     def sample(self, storage: GearStorage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        if getattr(storage, "is_sharded", False):
+            raise NotImplementedError("GearPrioritizedSequenceSampler does not sample a ShardedGearStorage yet: "
+                                      "use GearSequenceSampler or GearPrioritizedSampler there")
         if storage.max_size != self._max_capacity:
             raise ValueError(f"sampler built for {self._max_capacity} rows, storage holds {storage.max_size}")
         index, info = GearSequenceSampler.sample(self, storage, batch_size)
         keys = index.view(-1, self.window_len)[:, self.burn_in].cpu()
-        weight = torch.pow(self._trees.get(keys) / self._trees.minimum, -self._beta).to(torch.float32)
+        weight = self._importance_weights(self._trees.get(keys), self._trees.minimum)
         info["priority_weight"] = weight.repeat_interleave(self.window_len)
         self._anneal_beta()
         return index, info

@@ -106,29 +106,46 @@ class GearSequenceSampler(Sampler):
 
     # -- sampling -----------------------------------------------------------------------
     def sample(self, storage: GearStorage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
-        if not isinstance(storage, GearStorage):
-            raise TypeError(f"GearSequenceSampler needs a GearStorage (its episode index), got {type(storage).__name__}")
-        with storage.shard.picking():  # a shared store catches up with other processes' commits here
-            return self._pick(storage, batch_size)
+        num_windows = self._num_windows(batch_size)
+        if getattr(storage, "is_sharded", False):  # each shard's owner draws its share
+            index, windows = storage.select_windows(self.selection(), num_windows)
+        else:
+            if not isinstance(storage, GearStorage):
+                raise TypeError(f"GearSequenceSampler needs a GearStorage (its episode index), got {type(storage).__name__}")
+            with storage.shard.picking():  # a shared store catches up with other processes' commits here
+                windows = self.draw_windows(storage, num_windows)
+            # On the storage's device already: TorchRL would otherwise move it, and the
+            # moved copy would no longer be the tensor the storage's window plan names.
+            index = windows.rows(storage.shard.capacity).to(storage.device)
+        windows = dataclasses.replace(windows, markers=functools.partial(self._markers, windows))
+        storage.plan_windows(index, windows)
+        return index, {}
 
-    def _pick(self, storage: GearStorage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    def draw_windows(self, storage: GearStorage, num_windows: int) -> Windows:
+        """``num_windows`` windows of the shard (call inside ``storage.shard.picking()``)."""
         shard = storage.shard
         if shard.size == 0:
             raise RuntimeError("cannot sample from an empty storage: write some data first")
         if not shard.tracks_episodes:
             raise RuntimeError("GearSequenceSampler needs rows that are single steps (batch_size [] per row)")
-        num_windows = self._num_windows(batch_size)
-        episodes = shard.episodes
-        self._refresh(episodes)
+        self._refresh(shard.episodes)
         if not self._tree.total > 0:
-            raise RuntimeError(self._nothing_to_sample(episodes))
-        windows = self._draw(episodes, num_windows, shard.capacity)
-        windows = dataclasses.replace(windows, markers=functools.partial(self._markers, windows))
-        # On the storage's device already: TorchRL would otherwise move it, and the
-        # moved copy would no longer be the tensor the storage's window plan names.
-        index = windows.rows(shard.capacity).to(storage.device)
-        storage.plan_windows(index, windows)
-        return index, {}
+            raise RuntimeError(self._nothing_to_sample(shard.episodes))
+        return self._draw(shard.episodes, num_windows, shard.capacity)
+
+    def window_mass(self, storage: GearStorage) -> float:
+        """How many windows (or eligible episodes) the shard holds: its weight among shards."""
+        shard = storage.shard
+        if shard.size == 0 or not shard.tracks_episodes:
+            return 0.0
+        self._refresh(shard.episodes)
+        return float(self._tree.total)
+
+    def selection(self) -> dict[str, Any]:
+        """What a shard owner needs to draw these windows."""
+        return {"kind": "sequence", "seq_len": self.seq_len, "burn_in": self.burn_in,
+                "strict_length": self.strict_length, "uniform_over": self.uniform_over,
+                "include_open": self.include_open, "cross_ring_end": self.cross_ring_end}
 
     def _num_windows(self, batch_size: int) -> int:
         if self.num_windows is not None:

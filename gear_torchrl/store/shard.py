@@ -357,6 +357,9 @@ class Shard:
         """Around a gather of rows picked earlier (see ``picking``)."""
         yield
 
+    def release(self) -> None:
+        """End the read section ``picking`` opened, for rows read by other means (a remote learner)."""
+
     def rows_changed_since(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         """Rows other processes' commits evicted and added since ``position`` (start from ``(0, 0)``).
 

@@ -209,6 +209,14 @@ class SharedShard(Shard):
         finally:
             self._end_read()
 
+    def release(self) -> None:
+        self._end_read()
+
+    def mapped_columns(self) -> list[torch.Tensor]:
+        """The columns, mapped if a writer has published them since this process attached."""
+        self._map_data()
+        return self.columns
+
     def _end_read(self) -> None:
         self._snapshot = None
         self.log.end_read()

@@ -1,0 +1,132 @@
+"""The control plane: who holds which shard, the job's secret, and shard health.
+
+All of it rides on ``torch.distributed``: descriptors are exchanged with one
+``all_gather_object`` when the store is built, and the secret and each
+shard's periodic statistics (its heartbeat) live in the process group's
+key-value store. No membership protocol of our own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@cache
+def host_id() -> str:
+    """Same value exactly for processes that share this machine's memory (hostname and boot)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class ShardDescriptor:
+    """Everything a learner needs to reach one shard."""
+
+    shard: int
+    rank: int
+    host: str  # host_id() of the owner
+    addr: str  # where its shard server listens
+    port: int
+    store_id: str  # its shared-memory segments, for same-host readers
+    capacity: int
+    end_keys: list
+    traj_key: Any
+    rdma: dict | None = None  # the registered region, when the owner exports one
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ShardDescriptor:
+        return cls(**json.loads(text))
+
+    @property
+    def where(self) -> str:
+        return f"shard {self.shard} (rank {self.rank}, {self.addr}:{self.port})"
+
+
+class Directory:
+    """Keys under ``gear_torchrl/<name>/`` in the process group's store."""
+
+    def __init__(self, store: dist.Store, name: str) -> None:
+        self.store = store
+        self.prefix = f"gear_torchrl/{name}"
+
+    def secret(self, *, create: bool) -> bytes:
+        """The job's shared secret: created by one rank, read (blocking) by the others."""
+        key = f"{self.prefix}/secret"
+        if create:
+            self.store.set(key, secrets.token_hex(32))
+        return bytes.fromhex(self.store.get(key).decode())
+
+    def publish_stats(self, shard: int, stats: dict[str, Any]) -> None:
+        self.store.set(f"{self.prefix}/stats/{shard}", json.dumps({**stats, "time": time.time()}))
+
+    def stats(self, shard: int) -> dict[str, Any] | None:
+        key = f"{self.prefix}/stats/{shard}"
+        if not self.store.check([key]):
+            return None
+        return json.loads(self.store.get(key))
+
+
+def exchange_descriptors(mine: ShardDescriptor | None, group: dist.ProcessGroup | None = None) -> list[ShardDescriptor]:
+    """Every rank's shard descriptor (ranks without a shard give None), numbered in rank order."""
+    gathered: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, None if mine is None else mine.to_json(), group=group)
+    descriptors = []
+    for text in gathered:
+        if text is not None:
+            d = ShardDescriptor.from_json(text)
+            descriptors.append(ShardDescriptor(**{**asdict(d), "shard": len(descriptors)}))
+    return descriptors
+
+
+class Heartbeat:
+    """Publishes a shard's statistics every ``period`` seconds until stopped."""
+
+    def __init__(self, directory: Directory, shard: int, stats: Callable[[], dict[str, Any]], period: float) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(directory, shard, stats, period),
+                                        name=f"gear-heartbeat-{shard}", daemon=True)
+        self._thread.start()
+
+    def _run(self, directory: Directory, shard: int, stats: Callable[[], dict[str, Any]], period: float) -> None:
+        while not self._stop.is_set():
+            try:
+                directory.publish_stats(shard, stats())
+            except Exception as exc:  # the store's host is gone: nobody is left to read the heartbeat
+                logger.warning("shard %d stops its heartbeat: %s", shard, exc)
+                return
+            self._stop.wait(period)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def serving_address() -> str:
+    """The address other hosts reach this one at: the interface that routes to the rendezvous host."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((master, 9))  # no packet is sent: this only picks the route
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"

@@ -1,0 +1,138 @@
+"""What a shard owner runs for a learner's selection request.
+
+Selection is decentralized: the learner splits its batch across shards by
+their masses, and each owner picks its share with the very sampler classes a
+single-process buffer uses, over its own shard. A selector adapts one sampler
+to that exchange: its mass (what the learner splits by), a selection (rows or
+windows, plus what the learner needs for importance weights) and, for
+priorities, updates.
+
+Priorities belong to the owner, one tree per configuration, shared by every
+learner; window trees and episode indexes are per connection, because each
+connection reads the shard through its own view (see ``ShardServer``).
+"""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gear_torchrl.samplers.prioritized import GearPrioritizedSampler
+from gear_torchrl.samplers.sequence import GearSequenceSampler
+from gear_torchrl.storage import GearStorage
+
+
+_NONE = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class Picked:
+    """One shard's share of a batch, as windows of ring rows (rows: windows of length one)."""
+
+    starts: torch.Tensor
+    seq_len: int
+    valid_begin: torch.Tensor
+    valid_end: torch.Tensor
+    mass: float  # the shard's total mass after picking: what the learner splits the next batch by
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row masses, generations
+    scalars: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def rows(cls, rows: torch.Tensor, mass: float, **kw: Any) -> Picked:
+        return cls(rows, 1, torch.zeros_like(rows), torch.ones_like(rows), mass, **kw)
+
+
+class Selector(ABC):
+    """Picks ``count`` of a shard's rows for one learner connection.
+
+    ``pick`` leaves the connection's read section open: the rows stay
+    readable until the learner has read them (READ or RELEASE).
+    """
+
+    @abstractmethod
+    def pick(self, storage: GearStorage, count: int) -> Picked: ...
+
+    def update(self, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None) -> None:
+        raise ValueError(f"{type(self).__name__} keeps no priorities to update")
+
+
+class UniformSelector(Selector):
+    def pick(self, storage: GearStorage, count: int) -> Picked:
+        with storage.shard.picking():
+            size = storage.shard.size
+            rows = storage._rand_given_ndim(count) if count and size else _NONE
+        return Picked.rows(rows.cpu(), float(size))
+
+
+class PrioritizedSelector(Selector):
+    """The shard's priorities for one ``(alpha, eps)``: one sampler whichever learner asks."""
+
+    def __init__(self, capacity: int, alpha: float, eps: float) -> None:
+        self.sampler = GearPrioritizedSampler(capacity, alpha=alpha, beta=0.0, eps=eps)
+        self.lock = threading.Lock()
+
+    def pick(self, storage: GearStorage, count: int) -> Picked:
+        with self.lock, storage.shard.picking():
+            self.sampler.follow(storage)
+            total = self.sampler.total_mass
+            if count == 0 or not total > 0:
+                return Picked.rows(_NONE, total, scalars={"min_mass": self.sampler.min_mass})
+            rows, generation = self.sampler.draw(count)
+            return Picked.rows(rows, total, extra={"mass": self.sampler.masses(rows), "generation": generation},
+                               scalars={"min_mass": self.sampler.min_mass})
+
+    def update(self, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None) -> None:
+        with self.lock:
+            self.sampler.update_priority(rows, priority, generation=generation)
+
+
+class SequenceSelector(Selector):
+    """Windows inside the shard's episodes, uniform over windows or episodes."""
+
+    def __init__(self, **options: Any) -> None:
+        self.sampler = GearSequenceSampler(**options)
+
+    def pick(self, storage: GearStorage, count: int) -> Picked:
+        with storage.shard.picking():
+            mass = self.sampler.window_mass(storage)
+            if count == 0 or not mass > 0:
+                return Picked(_NONE, self.sampler.window_len, _NONE, _NONE, mass)
+            windows = self.sampler.draw_windows(storage, count)
+        return Picked(windows.starts % storage.max_size, windows.seq_len, windows.valid_begin, windows.valid_end, mass)
+
+
+_SEQUENCE_OPTIONS = ("seq_len", "burn_in", "strict_length", "uniform_over", "include_open", "cross_ring_end")
+
+
+class SelectorRegistry:
+    """The owner's selectors: shared ones (priorities) per shard, the rest per connection."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._shared: dict[tuple, Selector] = {}
+        self._lock = threading.Lock()
+
+    def for_connection(self, config: dict[str, Any], local: dict[tuple, Selector]) -> Selector:
+        kind = config.get("kind")
+        if kind == "uniform":
+            return local.setdefault(("uniform",), UniformSelector())
+        if kind == "prioritized":
+            key = ("prioritized", float(config["alpha"]), float(config["eps"]))
+            with self._lock:
+                if key not in self._shared:
+                    self._shared[key] = PrioritizedSelector(self.capacity, key[1], key[2])
+                return self._shared[key]
+        if kind == "sequence":
+            options = {name: config[name] for name in _SEQUENCE_OPTIONS}
+            key = ("sequence", *sorted(options.items()))
+            if key not in local:
+                local[key] = SequenceSelector(**options)
+            return local[key]
+        raise ValueError(f"unknown selection kind {kind!r}: expected 'uniform', 'prioritized' or 'sequence'")
+
+    def prioritized(self) -> list[PrioritizedSelector]:
+        with self._lock:
+            return [s for s in self._shared.values() if isinstance(s, PrioritizedSelector)]

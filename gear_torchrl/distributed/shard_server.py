@@ -1,0 +1,192 @@
+"""A shard owner's server: learners select, read and update priorities over TCP.
+
+Each accepted connection is one learner. It gets its own view of the shard
+(an attached ``GearStorage``: its own episode index and reader slot), so a
+selection can hold its rows readable until the learner has read them: SELECT
+opens the view's read section, and READ (bytes sent back over this socket) or
+RELEASE (after a one-sided or same-host read) closes it. Writers waiting to
+overwrite those rows wait for exactly that.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any
+
+import torch
+
+from gear_torchrl import gather
+from gear_torchrl.distributed import wire
+from gear_torchrl.distributed.selectors import Selector, SelectorRegistry
+from gear_torchrl.distributed.wire import Message, Op
+from gear_torchrl.storage import GearStorage
+from gear_torchrl.store.shared_shard import SharedStoreHandle
+from gear_torchrl.store.shard import Windows
+
+logger = logging.getLogger(__name__)
+
+MAX_READ_POSITIONS = 1 << 24  # rows in one READ
+_HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class ShardServer:
+    """Serves ``storage`` (a shared GearStorage) on ``host:port`` (0: any free port)."""
+
+    def __init__(self, storage: GearStorage, secret: bytes, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        if not storage.shared:
+            raise ValueError("a shard server serves a shared GearStorage (shared=True)")
+        self.handle: SharedStoreHandle = storage.handle
+        self.selectors = SelectorRegistry(storage.max_size)
+        self._secret = secret
+        self._listener = socket.create_server((host, port))
+        self.address = self._listener.getsockname()[:2]
+        self._closed = threading.Event()
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept_loop, name="gear-shard-server", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn, peer), name=f"gear-shard-conn-{peer}", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        with self._lock:
+            self._connections.add(conn)
+        session: _Session | None = None
+        try:
+            conn.settimeout(_HANDSHAKE_TIMEOUT_S)
+            if not wire.challenge(conn, self._secret):
+                logger.warning("rejected a connection from %s: it does not hold the job's secret", peer)
+                return
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            session = _Session(GearStorage(0, handle=self.handle), self.selectors)
+            while not self._closed.is_set():
+                reply = session.handle(wire.receive(conn))
+                if reply is not None:
+                    wire.send(conn, reply)
+        except (OSError, wire.ProtocolError) as exc:  # the learner left, or spoke nonsense: drop it
+            logger.debug("connection from %s ends: %s", peer, exc)
+        finally:
+            if session is not None:
+                session.close()
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        with self._lock:
+            for conn in list(self._connections):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class _Session:
+    """One learner's requests, against its own view of the shard."""
+
+    def __init__(self, storage: GearStorage, selectors: SelectorRegistry) -> None:
+        self.storage = storage
+        self.selectors = selectors
+        self.local_selectors: dict[tuple, Selector] = {}
+
+    def handle(self, request: Message) -> Message | None:
+        if request.op in (Op.SELECT, Op.RELEASE):
+            self.storage.shard.release()  # a connection holds at most one selection's rows
+        try:
+            if request.op == Op.SELECT:
+                return self._select(request)
+            if request.op == Op.READ:
+                return self._read(request)
+            if request.op == Op.RELEASE:
+                return None
+            if request.op == Op.UPDATE:
+                return self._update(request)
+            if request.op == Op.DESCRIBE:
+                return self._describe()
+            raise ValueError(f"unknown request code {request.op}")
+        except Exception as exc:  # refused: the learner gets the reason, the shard is unchanged
+            self.storage.shard.release()
+            return wire.error(exc)
+
+    def _select(self, request: Message) -> Message:
+        count = int(request.meta["count"])
+        if not 0 <= count <= MAX_READ_POSITIONS:
+            raise ValueError(f"cannot select {count} rows in one request")
+        selector = self.selectors.for_connection(request.meta["selection"], self.local_selectors)
+        picked = selector.pick(self.storage, count)
+        names = sorted(picked.extra)
+        scalars = {**picked.scalars, "rows": self.storage.shard.size}
+        meta = {"seq_len": picked.seq_len, "mass": picked.mass, "scalars": scalars, "extra": names}
+        arrays = [picked.starts, picked.valid_begin, picked.valid_end, *(picked.extra[n].cpu() for n in names)]
+        return Message(Op.OK, meta, [a.contiguous() for a in arrays])
+
+    def _read(self, request: Message) -> Message:
+        seq_len = int(request.meta["seq_len"])
+        if len(request.arrays) != 3:
+            raise ValueError("a READ carries starts, valid_begin and valid_end")
+        starts, valid_begin, valid_end = (_viewed(a, torch.int64) for a in request.arrays)
+        shard = self.storage.shard
+        with shard.reading():
+            if shard.spec is None or shard.size == 0:
+                raise IndexError("the shard holds no rows yet")
+            windows = _checked_windows(starts, seq_len, valid_begin, valid_end, shard.capacity)
+            shard.check_readable(windows.rows(shard.capacity)[windows.mask()])
+            columns, _ = gather.gather_windows(shard.columns, windows.starts, seq_len, torch.device("cpu"),
+                                               windows.valid_begin, windows.valid_end)
+        return Message(Op.OK, {}, columns)
+
+    def _update(self, request: Message) -> Message:
+        if len(request.arrays) != 3:
+            raise ValueError("an UPDATE carries rows, priorities and generations (possibly empty)")
+        rows, priority, generation = (_viewed(a, t) for a, t in zip(request.arrays, _UPDATE_DTYPES))
+        selector = self.selectors.for_connection(request.meta["selection"], self.local_selectors)
+        selector.update(rows, priority, generation if generation.numel() else None)
+        return Message(Op.OK)
+
+    def _describe(self) -> Message:
+        shard = self.storage.shard
+        shard.mapped_columns()
+        return Message(Op.OK, {"spec": None if shard.spec is None else shard.spec.to_json(),
+                               "capacity": shard.capacity})
+
+    def close(self) -> None:
+        self.storage.shard.release()
+        self.storage.close()
+
+
+_UPDATE_DTYPES = (torch.int64, torch.float64, torch.int64)
+
+
+def _viewed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Received bytes as ``dtype`` values."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if raw.numel() % size:
+        raise ValueError(f"an array of {dtype} has {raw.numel()} bytes, not a multiple of {size}")
+    return raw.view(dtype)
+
+
+def _checked_windows(starts: torch.Tensor, seq_len: int, valid_begin: torch.Tensor, valid_end: torch.Tensor,
+                     capacity: int) -> Windows:
+    """The request's windows, or IndexError/ValueError naming the first thing out of bounds."""
+    if not 1 <= seq_len <= capacity:
+        raise ValueError(f"seq_len {seq_len} is outside [1, {capacity}]")
+    if not starts.numel() == valid_begin.numel() == valid_end.numel():
+        raise ValueError("starts, valid_begin and valid_end differ in length")
+    if starts.numel() * seq_len > MAX_READ_POSITIONS:
+        raise ValueError(f"a READ covers at most {MAX_READ_POSITIONS} rows")
+    if starts.numel():
+        if int(starts.min()) < 0 or int(starts.max()) >= capacity:
+            bad = int(starts.min()) if int(starts.min()) < 0 else int(starts.max())
+            raise IndexError(f"row {bad} is out of range for a shard of {capacity} rows")
+        if int(valid_begin.min()) < 0 or int(valid_end.max()) > seq_len or bool((valid_begin > valid_end).any()):
+            raise IndexError(f"valid ranges must satisfy 0 <= valid_begin <= valid_end <= seq_len ({seq_len})")
+    return Windows(starts, seq_len, valid_begin, valid_end)

@@ -1,0 +1,72 @@
+"""The one job every transport does: copy windows of a shard's rows into local tensors."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+class ShardUnavailableError(ConnectionError):
+    """A shard owner died, stopped answering, or refused us."""
+
+
+class RemoteShardError(RuntimeError):
+    """A shard owner rejected a request (the message says why); the connection stays usable."""
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """Windows of ``seq_len`` ring rows of one shard, as the gather contract has them.
+
+    Rows are windows of length one. Position ``p`` of window ``w`` is ring row
+    ``(starts[w] + p) % capacity``; only positions in ``[valid_begin[w], valid_end[w])``
+    are read, the others (padding) are left untouched in the output.
+    """
+
+    starts: torch.Tensor  # int64 [W], in [0, capacity)
+    seq_len: int
+    valid_begin: torch.Tensor  # int64 [W]
+    valid_end: torch.Tensor  # int64 [W]
+
+    @classmethod
+    def of_rows(cls, rows: torch.Tensor) -> ReadRequest:
+        rows = rows.reshape(-1).to(torch.int64)
+        return cls(rows, 1, torch.zeros_like(rows), torch.ones_like(rows))
+
+    @property
+    def num_windows(self) -> int:
+        return self.starts.numel()
+
+    @property
+    def num_positions(self) -> int:
+        return self.starts.numel() * self.seq_len
+
+
+@dataclass(frozen=True)
+class ColumnLayout:
+    """Where a shard's columns sit in its data segment: what one-sided readers need."""
+
+    offsets: tuple[int, ...]  # byte offset of each column's row 0 in the segment
+    row_bytes: tuple[int, ...]  # bytes per row of each column
+    capacity: int  # rows in the ring
+
+
+class Transport(ABC):
+    """Reads from one shard. Implementations differ only in how bytes move."""
+
+    name: str
+    releases_selection: bool  # whether a read also lets the owner reuse the selected rows
+
+    @abstractmethod
+    def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
+        """Fill ``out[c][w * seq_len + p]`` for every valid position, for every column ``c``.
+
+        ``out`` holds one contiguous CPU tensor per column, ``[W * seq_len, *row_shape]``,
+        zero-filled by the caller; padding positions stay zero.
+        Raises ``ShardUnavailableError`` if the shard cannot be reached and
+        ``RemoteShardError``/``IndexError`` if it refuses the request.
+        """
+
+    def close(self) -> None:
+        """Release connections and registrations."""

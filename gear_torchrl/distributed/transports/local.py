@@ -1,0 +1,32 @@
+"""local: a learner on the shard's host reads its shared memory directly."""
+from __future__ import annotations
+
+import torch
+
+from gear_torchrl import gather
+from gear_torchrl.distributed.transports.base import ReadRequest, Transport
+from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
+
+
+class LocalTransport(Transport):
+    """Gathers from the shard's segments mapped into this process: one copy, no socket.
+
+    The rows stay readable because the owner holds the selection's read
+    section until the learner releases it.
+    """
+
+    name = "local"
+    releases_selection = False
+
+    def __init__(self, handle: SharedStoreHandle) -> None:
+        self._shard = SharedShard(handle.capacity, handle=handle)
+
+    def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
+        columns = self._shard.mapped_columns()
+        if not columns:
+            raise RuntimeError("the shard has published no rows yet")
+        gather.gather_windows(columns, request.starts, request.seq_len, torch.device("cpu"),
+                              request.valid_begin, request.valid_end, out=out)
+
+    def close(self) -> None:
+        self._shard.close()

@@ -1,0 +1,146 @@
+"""Framing for the shard server: small JSON metadata, raw tensor bytes, nothing pickled.
+
+A message is a fixed header, a JSON object (the request's or reply's scalars)
+and a list of byte arrays that go straight between tensors and the socket.
+Sizes are checked against limits before anything is allocated, so a peer
+cannot make the other side allocate or read out of bounds.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MAGIC = b"GEAR"
+VERSION = 1
+_HEADER = struct.Struct("<4sHHIQ")  # magic, op, number of arrays, JSON bytes, array bytes
+_LENGTH = struct.Struct("<Q")
+_HELLO = struct.Struct("<4sH16s")  # magic, version, nonce
+_DIGEST_BYTES = 32
+
+MAX_META_BYTES = 1 << 16
+MAX_ARRAYS = 64
+MAX_ARRAY_BYTES = 1 << 34  # 16 GiB in one message
+
+
+class Op:
+    """Request and reply codes."""
+
+    OK = 0
+    ERROR = 1
+    SELECT = 2  # pick rows with a named selector, holding them readable until RELEASE/READ
+    READ = 3  # gather windows of rows and send their bytes
+    RELEASE = 4  # end the read section SELECT opened (after a one-sided read)
+    UPDATE = 5  # set priorities of rows
+    DESCRIBE = 6  # the shard's table spec and layout
+
+
+class ProtocolError(ConnectionError):
+    """The peer sent something that is not this protocol."""
+
+
+@dataclass
+class Message:
+    op: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    arrays: list[torch.Tensor] = field(default_factory=list)
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes without a copy (it must be contiguous and on the CPU)."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("only contiguous CPU tensors go on the wire")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def send(sock: socket.socket, message: Message) -> None:
+    meta = json.dumps(message.meta, separators=(",", ":")).encode()
+    views = [as_bytes(a) for a in message.arrays]
+    lengths = b"".join(_LENGTH.pack(v.nbytes) for v in views)
+    sock.sendall(_HEADER.pack(MAGIC, message.op, len(views), len(meta), sum(v.nbytes for v in views)) + meta + lengths)
+    for v in views:
+        sock.sendall(v)
+
+
+def receive(sock: socket.socket, into: Sequence[torch.Tensor] | None = None) -> Message:
+    """Read one message; its arrays land in ``into`` (exact sizes) or in new uint8 tensors."""
+    magic, op, count, meta_len, total = _HEADER.unpack(recv_exact(sock, _HEADER.size))
+    if magic != MAGIC:
+        raise ProtocolError("the peer does not speak the gear_torchrl shard protocol")
+    if meta_len > MAX_META_BYTES or count > MAX_ARRAYS or total > MAX_ARRAY_BYTES:
+        raise ProtocolError(f"message too large: {meta_len} metadata bytes, {count} arrays, {total} array bytes")
+    meta = json.loads(recv_exact(sock, meta_len)) if meta_len else {}
+    lengths = [_LENGTH.unpack_from(recv_exact(sock, _LENGTH.size))[0] for _ in range(count)]
+    if sum(lengths) != total:
+        raise ProtocolError("array lengths do not add up to the header's total")
+    if op != Op.OK or into is None:
+        arrays = [torch.empty(n, dtype=torch.uint8) for n in lengths]
+    else:
+        arrays = list(into)
+        sizes = [a.numel() * a.element_size() for a in arrays]
+        if sizes != lengths:
+            drain(sock, total)
+            raise ProtocolError(f"expected arrays of {sizes} bytes, the peer sent {lengths}")
+    for a in arrays:
+        recv_into(sock, as_bytes(a))
+    return Message(op, meta, arrays)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, view.nbytes
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionResetError("the peer closed the connection")
+        got += k
+
+
+def drain(sock: socket.socket, n: int) -> None:
+    scratch = memoryview(bytearray(min(n, 1 << 20)))
+    while n > 0:
+        k = min(n, scratch.nbytes)
+        recv_into(sock, scratch[:k])
+        n -= k
+
+
+def error(exc: BaseException) -> Message:
+    return Message(Op.ERROR, {"type": type(exc).__name__, "message": str(exc)})
+
+
+# -- authentication: HMAC of a server nonce with the secret from the rendezvous store ---------------
+def challenge(sock: socket.socket, secret: bytes) -> bool:
+    """Server side: True if the peer proved it holds ``secret``."""
+    nonce = os.urandom(16)
+    sock.sendall(_HELLO.pack(MAGIC, VERSION, nonce))
+    answer = recv_exact(sock, _DIGEST_BYTES)
+    ok = hmac.compare_digest(answer, _digest(secret, nonce))
+    sock.sendall(b"\x01" if ok else b"\x00")
+    return ok
+
+
+def answer_challenge(sock: socket.socket, secret: bytes) -> None:
+    """Client side: raises PermissionError if the server rejects ``secret``."""
+    magic, version, nonce = _HELLO.unpack(recv_exact(sock, _HELLO.size))
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError(f"the peer is not a gear_torchrl shard server of protocol version {VERSION}")
+    sock.sendall(_digest(secret, nonce))
+    if recv_exact(sock, 1) != b"\x01":
+        raise PermissionError("the shard server rejected our secret: this process is not part of the store's job")
+
+
+def _digest(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, nonce, hashlib.sha256).digest()

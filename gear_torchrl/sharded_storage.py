@@ -1,0 +1,548 @@
+"""ShardedGearStorage: shards on many ranks and hosts, read as one TorchRL storage.
+
+Launched with ``torchrun``: every rank builds it (a collective). A rank that
+owns a shard holds it in shared memory, where that host's actors write with
+``TrajectoryWriter`` (``storage.local``), and serves it. Any rank, and any
+process it pickles the storage into (DataLoader workers), samples the union:
+the batch is split across shards by their masses, each shard's owner picks
+its share with the same samplers a single store uses, and the rows come back
+through a transport (``tcp``, ``local`` shared memory, or ``rdma``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torchrl.data.replay_buffers.storages import Storage, TensorStorage
+
+from gear_torchrl.distributed import global_ids
+from gear_torchrl.distributed.directory import (
+    Directory,
+    Heartbeat,
+    ShardDescriptor,
+    exchange_descriptors,
+    host_id,
+    serving_address,
+)
+from gear_torchrl.distributed.selectors import Picked
+from gear_torchrl.distributed.shard_client import ShardClient
+from gear_torchrl.distributed.shard_server import ShardServer
+from gear_torchrl.distributed.transports.base import ReadRequest, ShardUnavailableError, Transport
+from gear_torchrl.distributed.transports.local import LocalTransport
+from gear_torchrl.distributed.transports.tcp import TcpTransport
+from gear_torchrl.samplers.prioritized import _as_priority
+from gear_torchrl.storage import GearStorage
+from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Windows
+from gear_torchrl.store.shared_memory import segment_path
+from gear_torchrl.store.shared_shard import SharedStoreHandle
+from gear_torchrl.store.spec import Data, NestedKey, SpecMismatchError, TableSpec
+
+logger = logging.getLogger(__name__)
+
+TransportName = Literal["auto", "tcp", "local", "rdma"]
+_MAX_ROUNDS = 8  # selection rounds per batch (shards that came up short, or failed, are made up for)
+
+
+@dataclass
+class Selection:
+    """A batch picked across shards, its rows already read."""
+
+    index: torch.Tensor  # global row ids, flat [W * seq_len]
+    windows: Windows  # in batch order; rows are windows of length one
+    columns: list[torch.Tensor]
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-window values the owners sent
+    scalars: dict[str, float] = field(default_factory=dict)
+
+
+class ShardedGearStorage(TensorStorage):
+    """The union of one shard per owning rank, as one storage for ``ReplayBuffer``.
+
+    Args:
+        max_size: rows in this rank's shard (ignored where ``owns_shard=False``).
+        owns_shard: hold and serve a shard on this rank. Ranks without one only sample.
+        transport: how rows move: ``"tcp"``, ``"local"`` (same host, shared
+            memory), ``"rdma"`` (one-sided reads), or ``"auto"``: rdma where a
+            device and the owner's region exist, local for same-host shards, else tcp.
+        on_shard_failure: a shard that dies or stops answering makes sampling
+            ``"raise"`` :class:`ShardUnavailableError`, or ``"skip"`` it: sampling goes
+            on over the other shards, without its mass, and a warning is logged.
+        timeout: seconds a shard may take to answer before it counts as failed.
+        name: keeps several sharded stores of one job apart.
+        serve_on: address this rank's shard server binds (default: the interface
+            that reaches ``MASTER_ADDR``).
+        pin_memory: return batches in pinned memory (fast, asynchronous copies to a GPU).
+        heartbeat_s: how often an owner publishes its shard's statistics.
+        group: the process group to build over (default: the default group,
+            initialized from torchrun's environment if needed).
+    """
+
+    is_sharded = True
+
+    def __init__(
+        self,
+        max_size: int,
+        *,
+        owns_shard: bool = True,
+        transport: TransportName = "auto",
+        on_shard_failure: Literal["raise", "skip"] = "raise",
+        timeout: float = 10.0,
+        name: str = "default",
+        serve_on: str | None = None,
+        end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
+        traj_key: NestedKey | None = None,
+        pin_memory: bool = False,
+        heartbeat_s: float = 1.0,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        _check_options(transport, on_shard_failure, timeout, pin_memory)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        directory = Directory(_store_of(group), name)
+        secret = directory.secret(create=dist.get_rank(group) == 0)
+        local = GearStorage(max_size, shared=True, end_keys=end_keys, traj_key=traj_key) if owns_shard else None
+        server = None if local is None else ShardServer(local, secret, host=serve_on or serving_address())
+        mine = None if local is None else _describe(local, server, dist.get_rank())
+        descriptors = exchange_descriptors(mine, group)
+        if not descriptors:
+            raise ValueError("no rank owns a shard: build it with owns_shard=True on at least one rank")
+        self._setup(descriptors, secret, transport=transport, on_shard_failure=on_shard_failure,
+                    timeout=timeout, pin_memory=pin_memory)
+        self._local, self._server, self._directory = local, server, directory
+        self.shard_id = None if mine is None else next(d.shard for d in descriptors if d.rank == mine.rank)
+        self._heartbeat = None if local is None else Heartbeat(directory, self.shard_id, self._local_stats, heartbeat_s)
+
+    def _setup(self, descriptors: list[ShardDescriptor], secret: bytes, **options: Any) -> None:
+        """The reader half, which every copy of the storage has (see ``__reduce__``)."""
+        Storage.__init__(self, sum(d.capacity for d in descriptors))
+        self.ndim = 1
+        self.device = torch.device("cpu")
+        self.descriptors = descriptors
+        self._secret = secret
+        self._options = options
+        self._transport_choice: TransportName = options["transport"]
+        self.on_shard_failure = options["on_shard_failure"]
+        self._timeout = options["timeout"]
+        self._pin = options["pin_memory"]
+        self._local = self._server = self._directory = self._heartbeat = None
+        self.shard_id = None
+        self._clients: dict[int, ShardClient] = {}
+        self._transports: dict[int, Transport] = {}
+        self._specs: dict[int, TableSpec] = {}
+        self._masses: dict[str, dict[int, float]] = {}
+        self._rows: dict[int, int] = {}
+        self._failed: dict[int, str] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._ready: Selection | None = None
+        self.__dict__["_storage_keys"] = None
+
+    # -- what this rank holds ---------------------------------------------------------
+    @property
+    def local(self) -> GearStorage | None:
+        """This rank's shard: where its host's actors write (pickle it into them)."""
+        return self._local
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.descriptors)
+
+    @property
+    def live_shards(self) -> list[int]:
+        return [d.shard for d in self.descriptors if d.shard not in self._failed]
+
+    @property
+    def failed_shards(self) -> dict[int, str]:
+        """Shards skipped after a failure, and why."""
+        return dict(self._failed)
+
+    # -- size -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        if not self._rows_known():
+            self._pick_across({"kind": "uniform"}, 0)
+        return sum(n for s, n in self._rows.items() if s not in self._failed)
+
+    @property
+    def _len(self) -> int:
+        return len(self)
+
+    @_len.setter
+    def _len(self, value: int) -> None:
+        raise NotImplementedError("a ShardedGearStorage's size is the sum of its shards'")
+
+    @property
+    def _len_along_dim0(self) -> int:
+        return len(self)
+
+    @property
+    def _total_shape(self) -> torch.Size:
+        return torch.Size([self.max_size])
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([len(self)])
+
+    @property
+    def initialized(self) -> bool:
+        return True
+
+    # -- selection across shards ---------------------------------------------------------
+    def select(self, selection: dict[str, Any], count: int) -> Selection:
+        """Pick ``count`` rows or windows across the live shards and read them.
+
+        The split follows each shard's mass as of its last answer (each answer
+        carries it); shards that come up short or fail are made up for from
+        the others in further rounds.
+        """
+        if count <= 0:
+            raise ValueError(f"select at least one row or window, got {count}")
+        return self._assemble(*self._pick_across(selection, count))
+
+    def _pick_across(self, selection: dict[str, Any], count: int
+                     ) -> tuple[list[tuple[int, Picked, list[torch.Tensor]]], dict[str, float]]:
+        masses = self._masses.setdefault(json.dumps(selection, sort_keys=True), {})
+        got: list[tuple[int, Picked, list[torch.Tensor]]] = []
+        scalars: dict[str, float] = {}
+        remaining = count
+        for _ in range(_MAX_ROUNDS):
+            live = self.live_shards
+            if not live:
+                raise ShardUnavailableError(f"every shard has failed: {self._failed}")
+            counts = _split(remaining, [masses.get(s, 0.0) for s in live])
+            for shard, (picked, columns) in self._on_each(live, lambda s, k: self._select_and_read(s, selection, k),
+                                                          counts):
+                masses[shard] = picked.mass
+                self._rows[shard] = int(picked.scalars.get("rows", self._rows.get(shard, 0)))
+                _merge_min(scalars, picked.scalars)
+                if picked.starts.numel():
+                    got.append((shard, picked, columns))
+            remaining = count - sum(p.starts.numel() for _, p, _ in got)
+            if remaining == 0:
+                return got, scalars
+            if not any(masses.get(s, 0.0) > 0 for s in self.live_shards) and self._rows_known():
+                raise EmptyStoreError(f"nothing to sample in any of the {len(self.live_shards)} live shards "
+                                      f"for {selection['kind']} selection (empty, or no eligible rows/windows)")
+        raise RuntimeError(f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds: the shards keep coming up short")
+
+    def _rows_known(self) -> bool:
+        return all(s in self._rows for s in self.live_shards)
+
+    def _select_and_read(self, shard: int, selection: dict[str, Any], count: int) -> tuple[Picked, list[torch.Tensor]]:
+        client = self._client(shard)
+        picked = client.select(selection, count)
+        if not picked.starts.numel():
+            return picked, []
+        transport = self._transport(shard)
+        spec = self._spec(shard)
+        out = self._empty_columns(spec, picked.starts.numel() * picked.seq_len)
+        transport.read(ReadRequest(picked.starts, picked.seq_len, picked.valid_begin, picked.valid_end), out)
+        if not transport.releases_selection:
+            client.release()
+        return picked, out
+
+    def _assemble(self, got: list[tuple[int, Picked, list[torch.Tensor]]], scalars: dict[str, float]) -> Selection:
+        seq_len = got[0][1].seq_len
+        capacity = {d.shard: d.capacity for d in self.descriptors}
+        windows = [Windows(p.starts, seq_len, p.valid_begin, p.valid_end) for _, p, _ in got]
+        index = torch.cat([global_ids.encode(s, w.rows(capacity[s])) for (s, _, _), w in zip(got, windows)])
+        columns = [torch.cat(parts) for parts in zip(*(c for _, _, c in got))]
+        names = got[0][1].extra.keys()
+        extra = {n: torch.cat([p.extra[n] for _, p, _ in got]) for n in names}
+        batch_windows = Windows(torch.cat([w.starts for w in windows]), seq_len,
+                                torch.cat([w.valid_begin for w in windows]), torch.cat([w.valid_end for w in windows]))
+        self._ready = Selection(index, batch_windows, columns, extra, scalars)
+        return self._ready
+
+    def select_windows(self, selection: dict[str, Any], num_windows: int) -> tuple[torch.Tensor, Windows]:
+        picked = self.select(selection, num_windows)
+        return picked.index, picked.windows
+
+    def plan_windows(self, index: torch.Tensor, windows: Windows) -> None:
+        """Attach a sequence sampler's trajectory markers to the batch selected under ``index``."""
+        if self._ready is not None and self._ready.index is index:
+            self._ready.windows = windows
+
+    def _rand_given_ndim(self, batch_size: int) -> torch.Tensor:
+        return self.select({"kind": "uniform"}, batch_size).index
+
+    # -- reads -----------------------------------------------------------------------------
+    def get(self, index: Any) -> Data:
+        ready, self._ready = self._ready, None
+        if ready is not None and ready.index is index:
+            return self._batch(ready)
+        return self._read_ids(torch.as_tensor(index))
+
+    def _batch(self, ready: Selection) -> Data:
+        spec = next(iter(self._specs.values()))
+        windows, n = ready.windows, ready.index.numel()
+        extra = None
+        if windows.markers is not None:
+            extra = windows.markers(dict(zip(spec.keys, ready.columns)), windows.mask())
+        return spec.unflatten(ready.columns, torch.Size([n]), device=self.device, extra=extra)
+
+    def _read_ids(self, ids: torch.Tensor) -> Data:
+        """Rows by global id, in any order: one READ per shard, scattered back into place."""
+        shards, rows = global_ids.decode(ids)
+        owners = torch.unique(shards).tolist()
+        for s in owners:
+            if s >= self.num_shards:
+                raise IndexError(f"row id {int(ids.reshape(-1)[shards == s][0])} names shard {s}, "
+                                 f"but the store has {self.num_shards} shards")
+        spec = self._spec(owners[0]) if owners else None
+        if spec is None:
+            raise EmptyStoreError("cannot read an empty index from a sharded store")
+        out = self._empty_columns(spec, rows.numel())
+        where = {s: (shards == s).nonzero().squeeze(1) for s in owners}
+
+        def read(shard: int, _: int) -> list[torch.Tensor]:
+            block = self._empty_columns(self._spec(shard), where[shard].numel())
+            self._client(shard).read(ReadRequest.of_rows(rows[where[shard]]), block)
+            return block
+
+        for shard, block in self._on_each(owners, read, [0] * len(owners), allow_skip=False):
+            for o, b in zip(out, block):
+                o[where[shard]] = b
+        lead = ids.shape
+        return spec.unflatten([o.reshape(*lead, *o.shape[1:]) for o in out], lead, device=self.device)
+
+    # -- priorities ---------------------------------------------------------------------------
+    def update_priority(self, selection: dict[str, Any], index: Any, priority: Any,
+                        generation: torch.Tensor | None = None) -> None:
+        """Route priority updates to the shards that own the rows, one request per shard."""
+        shards, rows = global_ids.decode(index)
+        priority = _as_priority(priority, rows.numel())
+        if generation is not None:
+            generation = torch.as_tensor(generation, dtype=torch.int64).reshape(-1)
+            if generation.numel() != rows.numel():
+                raise ValueError(f"got {generation.numel()} generations for {rows.numel()} indices")
+        owners = [s for s in torch.unique(shards).tolist() if s not in self._failed]
+        for s in owners:
+            if s >= self.num_shards:
+                raise IndexError(f"a row id names shard {s}, but the store has {self.num_shards} shards")
+
+        def update(shard: int, _: int) -> None:
+            mine = shards == shard
+            self._client(shard).update(selection, rows[mine], priority[mine],
+                                       None if generation is None else generation[mine])
+
+        list(self._on_each(owners, update, [0] * len(owners)))
+
+    # -- fan-out with failure handling ---------------------------------------------------------------
+    def _on_each(self, shards: list[int], call: Callable[[int, int], Any], counts: list[int],
+                 allow_skip: bool = True) -> list[tuple[int, Any]]:
+        """``call(shard, count)`` on every shard at once; failed shards are skipped or raised."""
+        if len(shards) == 1:
+            futures = [(shards[0], _Done(call, shards[0], counts[0]))]
+        else:
+            pool = self._pool or ThreadPoolExecutor(max_workers=self.num_shards, thread_name_prefix="gear-shards")
+            self._pool = pool
+            futures = [(s, pool.submit(call, s, k)) for s, k in zip(shards, counts)]
+        results, first_error = [], None
+        for shard, future in futures:
+            try:
+                results.append((shard, future.result()))
+            except ShardUnavailableError as exc:
+                if self.on_shard_failure == "skip" and allow_skip:
+                    self._fail(shard, str(exc))
+                elif first_error is None:
+                    first_error = exc
+            except Exception as exc:  # a refusal: raise it once every other request is done
+                if first_error is None:
+                    first_error = exc
+        if first_error is not None:
+            raise first_error
+        return results
+
+    def _fail(self, shard: int, why: str) -> None:
+        self._failed[shard] = why
+        client = self._clients.pop(shard, None)
+        if client is not None:
+            client.close()
+        transport = self._transports.pop(shard, None)
+        if transport is not None:
+            transport.close()
+        logger.warning("skipping %s from now on: %s; sampling goes on over %d shards without its mass",
+                       self.descriptors[shard].where, why, len(self.live_shards))
+
+    # -- connections -------------------------------------------------------------------------------
+    def _client(self, shard: int) -> ShardClient:
+        client = self._clients.get(shard)
+        if client is None:
+            client = self._clients[shard] = ShardClient(self.descriptors[shard], self._secret, self._timeout)
+        return client
+
+    def _transport(self, shard: int) -> Transport:
+        transport = self._transports.get(shard)
+        if transport is None:
+            transport = self._transports[shard] = self._open_transport(self.descriptors[shard])
+        return transport
+
+    def _open_transport(self, d: ShardDescriptor) -> Transport:
+        choice = self._transport_choice
+        same_host = d.host == host_id() and segment_path(d.store_id, "data").exists()
+        if choice == "rdma" or (choice == "auto" and d.rdma is not None and _rdma_reason() is None):
+            return _rdma_transport(self, d)
+        if choice == "local" or (choice == "auto" and same_host):
+            if not same_host:
+                raise ValueError(f"transport='local' needs {d.where} on this host; it is on {d.host}")
+            return LocalTransport(SharedStoreHandle(d.store_id, d.capacity, tuple(map(_key, d.end_keys)),
+                                                    _key(d.traj_key)))
+        return TcpTransport(self._client(d.shard))
+
+    def transport_of(self, shard: int) -> str:
+        """Which transport reads ``shard`` (``"tcp"``, ``"local"`` or ``"rdma"``)."""
+        return self._transport(shard).name
+
+    def _spec(self, shard: int) -> TableSpec:
+        spec = self._specs.get(shard)
+        if spec is None:
+            blob = self._client(shard).describe()["spec"]
+            if blob is None:
+                raise EmptyStoreError(f"{self.descriptors[shard].where} holds no rows yet")
+            spec = TableSpec.from_json(blob)
+            for other in self._specs.values():
+                if other.to_json() != spec.to_json():
+                    raise SpecMismatchError(f"{self.descriptors[shard].where} stores other keys, dtypes or shapes "
+                                            f"than the shards read before: every shard must hold the same table")
+            self._specs[shard] = spec
+        return spec
+
+    def _empty_columns(self, spec: TableSpec, num_rows: int) -> list[torch.Tensor]:
+        return [torch.zeros((num_rows, *c.row_shape), dtype=c.dtype, pin_memory=self._pin) for c in spec.columns]
+
+    # -- statistics --------------------------------------------------------------------------------
+    def _local_stats(self) -> dict[str, Any]:
+        shard = self._local.shard
+        return {"rows": shard.readable_rows(), "capacity": shard.capacity, "inserts": shard.log.inserts}
+
+    def stats(self) -> dict[str, Any]:
+        """Rows per shard (from the owners' heartbeats where this rank has the control plane)."""
+        per_shard = []
+        for d in self.descriptors:
+            beat = self._directory.stats(d.shard) if self._directory is not None else None
+            per_shard.append({"shard": d.shard, "rank": d.rank, "failed": self._failed.get(d.shard),
+                              "rows": (beat or {}).get("rows", self._rows.get(d.shard)), "heartbeat": beat})
+        return {"shards": per_shard, "rows": sum(s["rows"] or 0 for s in per_shard if not s["failed"])}
+
+    # -- writes go to a shard ------------------------------------------------------------------------
+    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+        raise NotImplementedError("a ShardedGearStorage is written shard by shard: extend a replay buffer over "
+                                  "`storage.local` on an owning rank, or give it to actors' TrajectoryWriter")
+
+    def _empty(self) -> None:
+        raise NotImplementedError("empty each shard on its owner (`storage.local`)")
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("checkpoint each shard on its owner (`storage.local`)")
+
+    load_state_dict = state_dict
+
+    # -- lifetime and pickling ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop serving this rank's shard (its memory is freed) and drop connections."""
+        for t in self._transports.values():
+            t.close()
+        for c in self._clients.values():
+            c.close()
+        self._transports.clear()
+        self._clients.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self._server is not None:
+            self._server.close()
+        if self._local is not None:
+            self._local.close()
+
+    def __reduce__(self):
+        return (_reader, (self.descriptors, self._secret, self._options))
+
+    def __getstate__(self) -> dict:
+        return Storage.__getstate__(self)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(shards={self.num_shards}, failed={sorted(self._failed)}, "
+                f"local={self.shard_id}, transport={self._transport_choice!r})")
+
+
+class _Done:
+    """A finished call in a future's clothes (one shard needs no thread)."""
+
+    def __init__(self, call: Callable[[int, int], Any], shard: int, count: int) -> None:
+        try:
+            self._value, self._error = call(shard, count), None
+        except Exception as exc:
+            self._value, self._error = None, exc
+
+    def result(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _reader(descriptors: list[ShardDescriptor], secret: bytes, options: dict[str, Any]) -> ShardedGearStorage:
+    """A copy that samples (DataLoader workers, spawned learners): no shard, no control plane."""
+    storage = ShardedGearStorage.__new__(ShardedGearStorage)
+    storage._setup(descriptors, secret, **options)
+    return storage
+
+
+def _split(count: int, masses: list[float]) -> list[int]:
+    """How many of ``count`` draws each shard gets, in proportion to its mass (multinomial)."""
+    weights = torch.tensor(masses, dtype=torch.float64)
+    if count == 0 or not weights.sum() > 0:
+        return [0] * len(masses)
+    draws = torch.multinomial(weights, count, replacement=True)
+    return torch.bincount(draws, minlength=len(masses)).tolist()
+
+
+def _merge_min(into: dict[str, float], scalars: dict[str, float]) -> None:
+    """The global minimum of per-shard minima (what normalizes importance weights)."""
+    for name, value in scalars.items():
+        if name.startswith("min_") and value > 0:
+            into[name] = min(into.get(name, value), value)
+
+
+def _describe(local: GearStorage, server: ShardServer, rank: int) -> ShardDescriptor:
+    handle = local.handle
+    addr, port = server.address
+    return ShardDescriptor(shard=-1, rank=rank, host=host_id(), addr=addr, port=port, store_id=handle.store_id,
+                           capacity=handle.capacity, end_keys=list(handle.end_keys), traj_key=handle.traj_key)
+
+
+def _key(key: Any) -> NestedKey | None:
+    """JSON turned tuple keys into lists; keys are strings or tuples."""
+    return tuple(key) if isinstance(key, list) else key
+
+
+def _store_of(group: dist.ProcessGroup | None) -> dist.Store:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store() if group is None else distributed_c10d._get_process_group_store(group)
+
+
+def _check_options(transport: str, on_shard_failure: str, timeout: float, pin_memory: bool) -> None:
+    if transport not in ("auto", "tcp", "local", "rdma"):
+        raise ValueError(f"transport must be 'auto', 'tcp', 'local' or 'rdma', got {transport!r}")
+    if on_shard_failure not in ("raise", "skip"):
+        raise ValueError(f"on_shard_failure must be 'raise' or 'skip', got {on_shard_failure!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    if pin_memory and not torch.cuda.is_available():
+        raise ValueError("pin_memory=True needs CUDA (pinned memory is for copies to a GPU)")
+
+
+def _rdma_reason() -> str | None:
+    from gear_torchrl.distributed.transports.rdma import rdma_unavailable_reason
+
+    return rdma_unavailable_reason()
+
+
+def _rdma_transport(storage: ShardedGearStorage, d: ShardDescriptor) -> Transport:
+    raise RuntimeError("the rdma transport is being wired in")

@@ -1,0 +1,212 @@
+"""Process bodies for the sharded-store tests: shard owners and learners on 127.0.0.1.
+
+Owner ``s`` writes ``ROWS_PER_SHARD[s]`` steps, each carrying its shard, its
+position in the shard and shared_workers' checksum, so a learner can check
+every row it gets against the global id it came with. Learners run the checks
+of phase 1, wait for the test to kill one owner, then check failure handling.
+Results go to files in ``tmp`` (a killed peer leaves no collective to use).
+"""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shared_workers import episode, verify
+
+OWNERS = 4
+ROWS_PER_SHARD = [300, 600, 900, 1200]  # unequal, so a split by anything but mass shows
+CAPACITY = 1500
+SEQ_LEN = 4
+BATCHES = 40
+ALPHA, BETA, EPS = 0.7, 0.5, 1e-6
+KILLED = 3
+TIMEOUT_S = 3.0
+WAIT_S = 240.0
+
+
+def priority_of(shard: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return (1 + (pos % 5) + shard).to(torch.float64)
+
+
+def run_rank(rank: int, world: int, port: int, tmp: str, learner_options: dict) -> None:
+    from gear_torchrl import ShardedGearStorage
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    owner = rank < OWNERS
+    storage = ShardedGearStorage(CAPACITY, owns_shard=owner, serve_on="127.0.0.1", timeout=TIMEOUT_S,
+                                 **learner_options.get(rank, {}))
+    if owner:
+        _write_shard(storage.local, rank)
+    dist.barrier()  # every shard holds its rows
+    tmp_path = Path(tmp)
+    try:
+        if owner:
+            _serve_until_done(storage, rank, tmp_path)
+        else:
+            results = _learn(storage, rank, tmp_path)
+            torch.save(results, tmp_path / f"learner_{rank}.pt")
+    finally:
+        storage.close()
+    os._exit(0)  # no teardown collective: a peer may be dead
+
+
+def shard_episodes(shard: int):
+    """Owner ``shard``'s episodes, the same every time (the tests rebuild them as their oracle)."""
+    generator = torch.Generator().manual_seed(shard)
+    pos, e = 0, 0
+    while pos < ROWS_PER_SHARD[shard]:
+        length = min(int(torch.randint(5, 41, (1,), generator=generator)), ROWS_PER_SHARD[shard] - pos)
+        data = episode(shard * 1000 + e, length, generator)
+        data["shard"] = torch.full((length,), shard, dtype=torch.int64)
+        data["pos"] = torch.arange(pos, pos + length, dtype=torch.int64)
+        yield data
+        pos, e = pos + length, e + 1
+
+
+def _write_shard(local, shard: int) -> None:
+    from gear_torchrl import TrajectoryWriter
+
+    writer = TrajectoryWriter(local)
+    for data in shard_episodes(shard):
+        writer.extend(data)
+        writer.end_episode()
+
+
+def _serve_until_done(storage, shard: int, tmp: Path) -> None:
+    _wait_for(tmp / "finish")
+    masses = {}
+    for selector in storage._server.selectors.prioritized():
+        rows = torch.arange(ROWS_PER_SHARD[shard])
+        masses[(selector.sampler.alpha, selector.sampler._eps)] = selector.sampler.masses(rows)
+    torch.save(masses, tmp / f"owner_{shard}.pt")
+
+
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} never came")
+        time.sleep(0.05)
+
+
+# -- learners ------------------------------------------------------------------------------------
+def _learn(storage, rank: int, tmp: Path) -> dict:
+    results = {"transports": [storage.transport_of(s) for s in range(storage.num_shards)], "len": len(storage)}
+    results["uniform"] = _uniform_counts(storage)
+    results["windows"] = _window_counts(storage)
+    if rank == OWNERS:  # one learner sets priorities; several would overwrite each other
+        results["prioritized"] = _prioritized(storage)
+    else:
+        results["refusals"] = _refusals(storage)
+    (tmp / f"phase1_{rank}").touch()
+    _wait_for(tmp / "killed")
+    results["after_kill"] = _after_kill(storage)
+    return results
+
+
+def _histogram(shard: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(shard * CAPACITY + pos, minlength=OWNERS * CAPACITY)
+
+
+def _check_ids(batch, index) -> None:
+    from gear_torchrl.distributed import global_ids
+
+    verify(batch)
+    shard, row = global_ids.decode(index)
+    assert torch.equal(shard, batch["shard"]) and torch.equal(row, batch["pos"]), "a row came back under another id"
+
+
+def _uniform_counts(storage) -> torch.Tensor:
+    from torchrl.data import TensorDictReplayBuffer
+
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=4096)
+    counts = torch.zeros(OWNERS * CAPACITY, dtype=torch.int64)
+    for _ in range(BATCHES):
+        batch = rb.sample()
+        _check_ids(batch, batch["index"])
+        counts += _histogram(batch["shard"], batch["pos"])
+    return counts
+
+
+def _window_counts(storage) -> torch.Tensor:
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import GearSequenceSampler
+
+    rb = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(SEQ_LEN), batch_size=SEQ_LEN * 1024)
+    counts = torch.zeros(OWNERS * CAPACITY, dtype=torch.int64)
+    for _ in range(BATCHES // 2):
+        batch = rb.sample()
+        _check_ids(batch, batch["index"])
+        windows = batch.reshape(-1, SEQ_LEN)
+        assert bool((windows["ep"] == windows["ep"][:, :1]).all()), "a window crosses episodes"
+        assert bool((windows["step"].diff(dim=1) == 1).all()), "a window skips steps"
+        assert bool(windows["collector", "mask"].all()), "strict windows have no padding"
+        assert bool(windows["next", "truncated"][:, -1].all()), "each window's last step is marked"
+        counts += _histogram(windows["shard"][:, 0], windows["pos"][:, 0])
+    return counts
+
+
+def _prioritized(storage) -> dict:
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import GearPrioritizedSampler
+    from gear_torchrl.distributed import global_ids
+
+    sampler = GearPrioritizedSampler(CAPACITY, alpha=ALPHA, beta=BETA, eps=EPS)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=4096)
+    rb.sample()  # the owners start keeping these priorities
+    ids = torch.cat([global_ids.encode(s, torch.arange(n)) for s, n in enumerate(ROWS_PER_SHARD)])
+    shard, pos = global_ids.decode(ids)
+    rb.update_priority(ids, priority_of(shard, pos))
+    counts = torch.zeros(OWNERS * CAPACITY, dtype=torch.int64)
+    weights = torch.zeros(OWNERS * CAPACITY, dtype=torch.float64)
+    for _ in range(BATCHES):
+        batch = rb.sample()
+        _check_ids(batch, batch["index"])
+        counts += _histogram(batch["shard"], batch["pos"])
+        weights[batch["shard"] * CAPACITY + batch["pos"]] = batch["priority_weight"].to(torch.float64)
+    return {"counts": counts, "weights": weights}
+
+
+def _refusals(storage) -> dict:
+    from gear_torchrl.distributed.shard_client import ShardClient
+    from gear_torchrl.distributed.transports.base import ReadRequest
+
+    found = {}
+    try:
+        ShardClient(storage.descriptors[0], b"not the secret", TIMEOUT_S)
+    except PermissionError as exc:
+        found["wrong_secret"] = str(exc)
+    client = ShardClient(storage.descriptors[0], storage._secret, TIMEOUT_S)
+    spec = storage._spec(0)
+    for name, rows in (("past_capacity", [CAPACITY + 5]), ("negative", [-1]), ("never_written", [CAPACITY - 1])):
+        try:
+            client.read(ReadRequest.of_rows(torch.tensor(rows)), storage._empty_columns(spec, 1))
+        except IndexError as exc:
+            found[name] = str(exc)
+    out = storage._empty_columns(spec, 2)
+    client.read(ReadRequest.of_rows(torch.tensor([0, 7])), out)  # the connection still serves
+    found["still_serves"] = out[spec.find("pos")].tolist()
+    client.close()
+    return found
+
+
+def _after_kill(storage) -> dict:
+    from gear_torchrl.distributed.transports.base import ShardUnavailableError
+    from torchrl.data import TensorDictReplayBuffer
+
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=1024)
+    start = time.monotonic()
+    try:
+        shards = torch.cat([rb.sample()["shard"] for _ in range(10)])
+    except ShardUnavailableError as exc:
+        return {"raised": str(exc), "seconds": time.monotonic() - start}
+    return {"shards_seen": torch.unique(shards).tolist(), "failed": storage.failed_shards,
+            "seconds": time.monotonic() - start}

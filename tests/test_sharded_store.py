@@ -1,0 +1,165 @@
+"""A sharded store on 127.0.0.1: 4 shard owners and 2 learners under torch.distributed.
+
+One job runs every check (starting six processes is the expensive part);
+each test asserts one aspect of its results against a single-store oracle.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import sharded_workers as w
+
+SHM_DIR = Path("/dev/shm")
+LEARNER_SKIP, LEARNER_RAISE = w.OWNERS, w.OWNERS + 1
+# learner options per rank: one reads over tcp and skips failed shards, one picks the transport and raises
+OPTIONS = {LEARNER_SKIP: {"transport": "tcp", "on_shard_failure": "skip"},
+           LEARNER_RAISE: {"transport": "auto", "on_shard_failure": "raise"}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(paths: list[Path], processes, deadline: float) -> None:
+    while not all(p.exists() for p in paths):
+        dead = [p for p in processes if p.exitcode not in (None, 0, -signal.SIGKILL)]
+        assert not dead, f"{dead[0].name} exited with {dead[0].exitcode}"
+        assert time.monotonic() < deadline, f"timed out waiting for {[p.name for p in paths if not p.exists()]}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sharded")
+    before = {p.name for p in SHM_DIR.glob("gear_torchrl-*")}
+    ctx = mp.get_context("spawn")
+    world, port = w.OWNERS + 2, _free_port()
+    processes = [ctx.Process(target=w.run_rank, args=(r, world, port, str(tmp), OPTIONS), name=f"rank{r}")
+                 for r in range(world)]
+    for p in processes:
+        p.start()
+    try:
+        deadline = time.monotonic() + 300
+        _wait([tmp / f"phase1_{r}" for r in OPTIONS], processes, deadline)
+        os.kill(processes[w.KILLED].pid, signal.SIGKILL)
+        processes[w.KILLED].join(10)
+        (tmp / "killed").touch()
+        _wait([tmp / f"learner_{r}.pt" for r in OPTIONS], processes, deadline)
+        (tmp / "finish").touch()
+        for p in processes:
+            p.join(60)
+        exits = {p.name: p.exitcode for p in processes}
+        results = {r: torch.load(tmp / f"learner_{r}.pt") for r in OPTIONS}
+        owners = {s: torch.load(tmp / f"owner_{s}.pt") for s in range(w.OWNERS) if s != w.KILLED}
+        deadline = time.monotonic() + 10  # the killed owner's janitor unlinks its segments
+        while {p.name for p in SHM_DIR.glob("gear_torchrl-*")} - before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        leaked = {p.name for p in SHM_DIR.glob("gear_torchrl-*")} - before
+        yield {"results": results, "owners": owners, "exits": exits, "leaked": leaked}
+    finally:
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _chi2(observed: torch.Tensor, expected_p: torch.Tensor) -> tuple[float, int]:
+    support = expected_p > 0
+    assert int(observed[~support].sum()) == 0, "rows outside the store were sampled"
+    expected = expected_p[support] / expected_p[support].sum() * observed.sum()
+    return float(((observed[support] - expected) ** 2 / expected).sum()), int(support.sum()) - 1
+
+
+def _assert_fits(observed: torch.Tensor, expected_p: torch.Tensor) -> None:
+    """Chi-square within 5 standard deviations of its mean (normal approximation, many dof)."""
+    chi2, dof = _chi2(observed.to(torch.float64), expected_p.to(torch.float64))
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+def _stored() -> tuple[torch.Tensor, torch.Tensor]:
+    shard = torch.arange(w.OWNERS).repeat_interleave(w.CAPACITY)
+    pos = torch.arange(w.CAPACITY).repeat(w.OWNERS)
+    return shard, pos
+
+
+def _uniform_oracle() -> torch.Tensor:
+    shard, pos = _stored()
+    return (pos < torch.tensor(w.ROWS_PER_SHARD)[shard]).to(torch.float64)
+
+
+def test_processes_exit_cleanly_and_free_their_memory(job):
+    assert job["exits"].pop(f"rank{w.KILLED}") == -signal.SIGKILL
+    assert set(job["exits"].values()) == {0}, job["exits"]
+    assert job["leaked"] == set()
+
+
+def test_learners_see_every_shard_through_their_transport(job):
+    tcp, auto = job["results"][LEARNER_SKIP], job["results"][LEARNER_RAISE]
+    assert tcp["transports"] == ["tcp"] * w.OWNERS
+    assert auto["transports"] == ["local"] * w.OWNERS  # every shard is on this host
+    assert tcp["len"] == auto["len"] == sum(w.ROWS_PER_SHARD)
+
+
+def test_uniform_sampling_matches_one_store_holding_all_rows(job):
+    for r in OPTIONS:
+        counts = job["results"][r]["uniform"]
+        _assert_fits(counts, _uniform_oracle())
+        per_shard = counts.view(w.OWNERS, w.CAPACITY).sum(1).to(torch.float64) / counts.sum()
+        sizes = torch.tensor(w.ROWS_PER_SHARD, dtype=torch.float64)
+        assert torch.allclose(per_shard, sizes / sizes.sum(), atol=0.01), per_shard
+
+
+def test_windows_are_uniform_over_all_windows_of_all_shards(job):
+    expected = torch.zeros(w.OWNERS * w.CAPACITY, dtype=torch.float64)  # 1 where a window may start
+    for s in range(w.OWNERS):
+        for data in w.shard_episodes(s):
+            first = s * w.CAPACITY + int(data["pos"][0])
+            expected[first: first + max(0, data.shape[0] - w.SEQ_LEN + 1)] = 1.0
+    for r in OPTIONS:
+        _assert_fits(job["results"][r]["windows"], expected)
+
+
+def test_prioritized_sampling_and_weights_match_one_store(job):
+    got = job["results"][LEARNER_SKIP]["prioritized"]
+    shard, pos = _stored()
+    stored = _uniform_oracle() > 0
+    mass = torch.where(stored, (w.priority_of(shard, pos) + w.EPS) ** w.ALPHA, 0.0)
+    _assert_fits(got["counts"], mass)
+    seen = got["counts"] > 0
+    expected_weight = (mass[seen] / mass[stored].min()) ** -w.BETA
+    assert torch.allclose(got["weights"][seen], expected_weight, rtol=1e-5)
+
+
+def test_priority_updates_land_at_the_owner_of_each_row(job):
+    for s, masses in job["owners"].items():
+        pos = torch.arange(w.ROWS_PER_SHARD[s])
+        expected = (w.priority_of(torch.full_like(pos, s), pos) + w.EPS) ** w.ALPHA
+        assert torch.allclose(masses[(w.ALPHA, w.EPS)], expected), s
+
+
+def test_wrong_secret_and_out_of_bounds_reads_are_refused(job):
+    found = job["results"][LEARNER_RAISE]["refusals"]
+    assert "rejected our secret" in found["wrong_secret"]
+    assert "out of range" in found["past_capacity"] and "out of range" in found["negative"]
+    assert "not readable" in found["never_written"]
+    assert found["still_serves"] == [0, 7]
+
+
+def test_a_dead_shard_is_skipped_or_raised_within_the_timeout(job):
+    skipped = job["results"][LEARNER_SKIP]["after_kill"]
+    assert set(skipped["shards_seen"]) == set(range(w.OWNERS)) - {w.KILLED}
+    assert list(skipped["failed"]) == [w.KILLED]
+    raised = job["results"][LEARNER_RAISE]["after_kill"]
+    assert f"shard {w.KILLED}" in raised["raised"]
+    for outcome in (skipped, raised):
+        assert outcome["seconds"] < 2 * w.TIMEOUT_S + 5
