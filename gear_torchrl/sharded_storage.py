@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,7 +34,12 @@ from gear_torchrl.distributed.directory import (
 from gear_torchrl.distributed.selectors import Picked
 from gear_torchrl.distributed.shard_client import ShardClient
 from gear_torchrl.distributed.shard_server import ShardServer
-from gear_torchrl.distributed.transports.base import ReadRequest, ShardUnavailableError, Transport
+from gear_torchrl.distributed.transports.base import (
+    ColumnLayout,
+    ReadRequest,
+    ShardUnavailableError,
+    Transport,
+)
 from gear_torchrl.distributed.transports.local import LocalTransport
 from gear_torchrl.distributed.transports.tcp import TcpTransport
 from gear_torchrl.samplers.prioritized import _as_priority
@@ -107,7 +113,8 @@ class ShardedGearStorage(TensorStorage):
         secret = directory.secret(create=dist.get_rank(group) == 0)
         local = GearStorage(max_size, shared=True, end_keys=end_keys, traj_key=traj_key) if owns_shard else None
         server = None if local is None else ShardServer(local, secret, host=serve_on or serving_address())
-        mine = None if local is None else _describe(local, server, dist.get_rank())
+        rdma = None if local is None or _rdma_reason() is not None else {"prefix": f"{directory.prefix}/rdma/{dist.get_rank()}"}
+        mine = None if local is None else _describe(local, server, dist.get_rank(), rdma)
         descriptors = exchange_descriptors(mine, group)
         if not descriptors:
             raise ValueError("no rank owns a shard: build it with owns_shard=True on at least one rank")
@@ -115,7 +122,8 @@ class ShardedGearStorage(TensorStorage):
                     timeout=timeout, pin_memory=pin_memory)
         self._local, self._server, self._directory = local, server, directory
         self.shard_id = None if mine is None else next(d.shard for d in descriptors if d.rank == mine.rank)
-        self._heartbeat = None if local is None else Heartbeat(directory, self.shard_id, self._local_stats, heartbeat_s)
+        self._exporter = None
+        self._heartbeat = None if local is None else Heartbeat(directory, self.shard_id, self._beat, heartbeat_s)
 
     def _setup(self, descriptors: list[ShardDescriptor], secret: bytes, **options: Any) -> None:
         """The reader half, which every copy of the storage has (see ``__reduce__``)."""
@@ -129,7 +137,7 @@ class ShardedGearStorage(TensorStorage):
         self.on_shard_failure = options["on_shard_failure"]
         self._timeout = options["timeout"]
         self._pin = options["pin_memory"]
-        self._local = self._server = self._directory = self._heartbeat = None
+        self._local = self._server = self._directory = self._heartbeat = self._exporter = None
         self.shard_id = None
         self._clients: dict[int, ShardClient] = {}
         self._transports: dict[int, Transport] = {}
@@ -139,6 +147,7 @@ class ShardedGearStorage(TensorStorage):
         self._failed: dict[int, str] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._ready: Selection | None = None
+        self._pid = os.getpid()
         self.__dict__["_storage_keys"] = None
 
     # -- what this rank holds ---------------------------------------------------------
@@ -335,6 +344,7 @@ class ShardedGearStorage(TensorStorage):
     def _on_each(self, shards: list[int], call: Callable[[int, int], Any], counts: list[int],
                  allow_skip: bool = True) -> list[tuple[int, Any]]:
         """``call(shard, count)`` on every shard at once; failed shards are skipped or raised."""
+        self._forget_parent_connections()
         if len(shards) == 1:
             futures = [(shards[0], _Done(call, shards[0], counts[0]))]
         else:
@@ -369,13 +379,21 @@ class ShardedGearStorage(TensorStorage):
                        self.descriptors[shard].where, why, len(self.live_shards))
 
     # -- connections -------------------------------------------------------------------------------
+    def _forget_parent_connections(self) -> None:
+        """In a forked child (a DataLoader worker), the parent's sockets and threads are not ours."""
+        if os.getpid() != self._pid:
+            self._pid = os.getpid()
+            self._clients, self._transports, self._pool = {}, {}, None
+
     def _client(self, shard: int) -> ShardClient:
+        self._forget_parent_connections()
         client = self._clients.get(shard)
         if client is None:
             client = self._clients[shard] = ShardClient(self.descriptors[shard], self._secret, self._timeout)
         return client
 
     def _transport(self, shard: int) -> Transport:
+        self._forget_parent_connections()
         transport = self._transports.get(shard)
         if transport is None:
             transport = self._transports[shard] = self._open_transport(self.descriptors[shard])
@@ -384,14 +402,33 @@ class ShardedGearStorage(TensorStorage):
     def _open_transport(self, d: ShardDescriptor) -> Transport:
         choice = self._transport_choice
         same_host = d.host == host_id() and segment_path(d.store_id, "data").exists()
-        if choice == "rdma" or (choice == "auto" and d.rdma is not None and _rdma_reason() is None):
-            return _rdma_transport(self, d)
+        if choice == "rdma" or (choice == "auto" and d.rdma is not None and self._directory is not None
+                                and _rdma_reason() is None):
+            return self._rdma_transport(d)
         if choice == "local" or (choice == "auto" and same_host):
             if not same_host:
                 raise ValueError(f"transport='local' needs {d.where} on this host; it is on {d.host}")
             return LocalTransport(SharedStoreHandle(d.store_id, d.capacity, tuple(map(_key, d.end_keys)),
                                                     _key(d.traj_key)))
         return TcpTransport(self._client(d.shard))
+
+    def _rdma_transport(self, d: ShardDescriptor) -> Transport:
+        from gear_torchrl.distributed.transports.rdma import (
+            RdmaTransport,
+            RegionInfo,
+            region_key,
+        )
+
+        if d.rdma is None or self._directory is None:
+            raise RuntimeError(f"transport='rdma' needs {d.where} to export its memory (it has no RDMA device) "
+                               "and this process to hold the job's control plane (not a pickled copy)")
+        meta = self._client(d.shard).describe()
+        spec = self._spec(d.shard)
+        layout = ColumnLayout(tuple(meta["offsets"]), tuple(c.row_bytes for c in spec.columns), d.capacity)
+        store, prefix = self._directory.store, d.rdma["prefix"]
+        region = RegionInfo.from_bytes(store.get(region_key(prefix)))
+        learner = f"rank{dist.get_rank()}-pid{os.getpid()}-{id(self)}"
+        return RdmaTransport(store, prefix, learner, region, layout)
 
     def transport_of(self, shard: int) -> str:
         """Which transport reads ``shard`` (``"tcp"``, ``"local"`` or ``"rdma"``)."""
@@ -415,8 +452,14 @@ class ShardedGearStorage(TensorStorage):
         return [torch.zeros((num_rows, *c.row_shape), dtype=c.dtype, pin_memory=self._pin) for c in spec.columns]
 
     # -- statistics --------------------------------------------------------------------------------
-    def _local_stats(self) -> dict[str, Any]:
+    def _beat(self) -> dict[str, Any]:
+        """An owner's periodic work: export its region to RDMA readers, report its statistics."""
         shard = self._local.shard
+        mine = self.descriptors[self.shard_id]
+        if mine.rdma is not None and shard.mapped_columns():
+            if self._exporter is None:
+                self._exporter = _rdma_exporter(self._directory.store, mine.rdma["prefix"], shard.segment)
+            self._exporter.accept_pending()
         return {"rows": shard.readable_rows(), "capacity": shard.capacity, "inserts": shard.log.inserts}
 
     def stats(self) -> dict[str, Any]:
@@ -455,6 +498,8 @@ class ShardedGearStorage(TensorStorage):
             self._pool = None
         if self._heartbeat is not None:
             self._heartbeat.stop()
+        if self._exporter is not None:
+            self._exporter.close()
         if self._server is not None:
             self._server.close()
         if self._local is not None:
@@ -509,11 +554,12 @@ def _merge_min(into: dict[str, float], scalars: dict[str, float]) -> None:
             into[name] = min(into.get(name, value), value)
 
 
-def _describe(local: GearStorage, server: ShardServer, rank: int) -> ShardDescriptor:
+def _describe(local: GearStorage, server: ShardServer, rank: int, rdma: dict | None) -> ShardDescriptor:
     handle = local.handle
     addr, port = server.address
     return ShardDescriptor(shard=-1, rank=rank, host=host_id(), addr=addr, port=port, store_id=handle.store_id,
-                           capacity=handle.capacity, end_keys=list(handle.end_keys), traj_key=handle.traj_key)
+                           capacity=handle.capacity, end_keys=list(handle.end_keys), traj_key=handle.traj_key,
+                           rdma=rdma)
 
 
 def _key(key: Any) -> NestedKey | None:
@@ -544,5 +590,10 @@ def _rdma_reason() -> str | None:
     return rdma_unavailable_reason()
 
 
-def _rdma_transport(storage: ShardedGearStorage, d: ShardDescriptor) -> Transport:
-    raise RuntimeError("the rdma transport is being wired in")
+def _rdma_exporter(store: dist.Store, prefix: str, segment: torch.Tensor):
+    """Register the shard's data segment for one-sided reads and publish where it is."""
+    from gear_torchrl.distributed.transports.rdma import RdmaExporter
+
+    exporter = RdmaExporter(store, prefix, segment.data_ptr(), segment.numel())
+    exporter.publish_region()
+    return exporter

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from shared_workers import episode, verify
 
 OWNERS = 4
@@ -104,6 +103,7 @@ def _learn(storage, rank: int, tmp: Path) -> dict:
         results["prioritized"] = _prioritized(storage)
     else:
         results["refusals"] = _refusals(storage)
+        results["loader"] = _loader_batches(storage)
     (tmp / f"phase1_{rank}").touch()
     _wait_for(tmp / "killed")
     results["after_kill"] = _after_kill(storage)
@@ -175,6 +175,19 @@ def _prioritized(storage) -> dict:
     return {"counts": counts, "weights": weights}
 
 
+def _loader_batches(storage) -> dict:
+    """DataLoader workers (forked from a process already connected) sample the shards themselves."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import GearDataset
+
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=512)
+    batches = list(GearDataset(rb, num_batches=3, prefetch=2).loader(num_workers=2))
+    for batch in batches:
+        _check_ids(batch, batch["index"])
+    return {"count": len(batches), "distinct": len({tuple(b["pos"][:32].tolist()) for b in batches})}
+
+
 def _refusals(storage) -> dict:
     from gear_torchrl.distributed.shard_client import ShardClient
     from gear_torchrl.distributed.transports.base import ReadRequest
@@ -199,8 +212,9 @@ def _refusals(storage) -> dict:
 
 
 def _after_kill(storage) -> dict:
-    from gear_torchrl.distributed.transports.base import ShardUnavailableError
     from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl.distributed.transports.base import ShardUnavailableError
 
     rb = TensorDictReplayBuffer(storage=storage, batch_size=1024)
     start = time.monotonic()

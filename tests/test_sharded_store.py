@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-
 import sharded_workers as w
+import torch
 
 SHM_DIR = Path("/dev/shm")
 LEARNER_SKIP, LEARNER_RAISE = w.OWNERS, w.OWNERS + 1
@@ -153,6 +152,12 @@ def test_wrong_secret_and_out_of_bounds_reads_are_refused(job):
     assert "out of range" in found["past_capacity"] and "out of range" in found["negative"]
     assert "not readable" in found["never_written"]
     assert found["still_serves"] == [0, 7]
+
+
+def test_dataloader_workers_sample_the_shards_with_their_own_connections_and_seeds(job):
+    loader = job["results"][LEARNER_RAISE]["loader"]
+    assert loader["count"] == 6  # 3 batches from each of 2 workers, every row checked against its id
+    assert loader["distinct"] == 6
 
 
 def test_a_dead_shard_is_skipped_or_raised_within_the_timeout(job):

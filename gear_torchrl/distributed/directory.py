@@ -8,8 +8,8 @@ key-value store. No membership protocol of our own.
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import secrets
 import socket
 import threading

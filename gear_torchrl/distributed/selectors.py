@@ -24,7 +24,6 @@ from gear_torchrl.samplers.prioritized import GearPrioritizedSampler
 from gear_torchrl.samplers.sequence import GearSequenceSampler
 from gear_torchrl.storage import GearStorage
 
-
 _NONE = torch.empty(0, dtype=torch.int64)
 
 

@@ -11,7 +11,11 @@ import torch
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.selectors import Picked
-from gear_torchrl.distributed.transports.base import ReadRequest, RemoteShardError, ShardUnavailableError
+from gear_torchrl.distributed.transports.base import (
+    ReadRequest,
+    RemoteShardError,
+    ShardUnavailableError,
+)
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.store.shard import EmptyStoreError
 

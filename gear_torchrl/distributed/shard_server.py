@@ -21,8 +21,8 @@ from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.selectors import Selector, SelectorRegistry
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.storage import GearStorage
-from gear_torchrl.store.shared_shard import SharedStoreHandle
 from gear_torchrl.store.shard import Windows
+from gear_torchrl.store.shared_shard import SharedStoreHandle
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +155,9 @@ class _Session:
     def _describe(self) -> Message:
         shard = self.storage.shard
         shard.mapped_columns()
-        return Message(Op.OK, {"spec": None if shard.spec is None else shard.spec.to_json(),
-                               "capacity": shard.capacity})
+        published = shard.spec is not None
+        return Message(Op.OK, {"spec": shard.spec.to_json() if published else None, "capacity": shard.capacity,
+                               "offsets": shard.column_offsets() if published else None})
 
     def close(self) -> None:
         self.storage.shard.release()

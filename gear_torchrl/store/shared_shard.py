@@ -77,6 +77,7 @@ class SharedShard(Shard):
         self._hi = 0  # published end this process has replayed
         self._snapshot: ReadSnapshot | None = None  # set while a read section is open
         self._closed = False
+        self.segment: torch.Tensor | None = None  # the mapped data segment (bytes), once published
         self._map_data()
 
     @property
@@ -100,7 +101,7 @@ class SharedShard(Shard):
             return
         spec = TableSpec.from_json(blob)
         offsets, _ = self._layout(spec)
-        data = map_tensor(segment_path(self.store_id, "data"))
+        data = self.segment = map_tensor(segment_path(self.store_id, "data"))
         columns = [data[o: o + self.capacity * c.row_bytes].view(c.dtype).view(self.capacity, *c.row_shape)
                    for o, c in zip(offsets, spec.columns)]
         self._adopt(spec, columns)
@@ -211,6 +212,10 @@ class SharedShard(Shard):
 
     def release(self) -> None:
         self._end_read()
+
+    def column_offsets(self) -> list[int]:
+        """Byte offset of each column in the data segment (what one-sided readers address)."""
+        return self._layout(self.spec)[0]
 
     def mapped_columns(self) -> list[torch.Tensor]:
         """The columns, mapped if a writer has published them since this process attached."""
