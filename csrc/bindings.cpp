@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "gather.h"
+#include "send.h"
 #include "trees.h"
 
 namespace {
@@ -53,6 +54,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("columns"), py::arg("out"), py::arg("starts"), py::arg("valid_begin") = py::none(),
         py::arg("valid_end") = py::none(), py::arg("seq_len") = 1, py::arg("mask") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("send_windows", &gear::send_windows, "Write windows' rows from the columns to a socket, no gather",
+        py::arg("fd"), py::arg("columns"), py::arg("starts"), py::arg("valid_begin"), py::arg("valid_end"),
+        py::arg("seq_len"), py::call_guard<py::gil_scoped_release>());
   m.def("built_with_cuda", &built_with_cuda);
   m.def("tree_nodes", &gear::tree_nodes, "Size of a tree tensor over `capacity` leaves", py::arg("capacity"));
   m.def("tree_leaf_offset", &gear::tree_leaf_offset, py::arg("nodes"));

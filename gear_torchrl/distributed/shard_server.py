@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gear_torchrl import gather
+from gear_torchrl._ext import _C
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.selectors import Selector, SelectorRegistry
 from gear_torchrl.distributed.wire import Message, Op
@@ -65,7 +65,7 @@ class ShardServer:
                 return
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session = _Session(GearStorage(0, handle=self.handle), self.selectors)
+            session = _Session(GearStorage(0, handle=self.handle), self.selectors, conn)
             while not self._closed.is_set():
                 reply = session.handle(wire.receive(conn))
                 if reply is not None:
@@ -93,7 +93,8 @@ class ShardServer:
 class _Session:
     """One learner's requests, against its own view of the shard."""
 
-    def __init__(self, storage: GearStorage, selectors: SelectorRegistry) -> None:
+    def __init__(self, storage: GearStorage, selectors: SelectorRegistry, conn: socket.socket) -> None:
+        self.conn = conn
         self.storage = storage
         self.selectors = selectors
         self.local_selectors: dict[tuple, Selector] = {}
@@ -129,7 +130,8 @@ class _Session:
         arrays = [picked.starts, picked.valid_begin, picked.valid_end, *(picked.extra[n].cpu() for n in names)]
         return Message(Op.OK, meta, [a.contiguous() for a in arrays])
 
-    def _read(self, request: Message) -> Message:
+    def _read(self, request: Message) -> None:
+        """Reply with the windows' rows, sent from the ring itself (no gather into a batch first)."""
         seq_len = int(request.meta["seq_len"])
         if len(request.arrays) != 3:
             raise ValueError("a READ carries starts, valid_begin and valid_end")
@@ -140,9 +142,9 @@ class _Session:
                 raise IndexError("the shard holds no rows yet")
             windows = _checked_windows(starts, seq_len, valid_begin, valid_end, shard.capacity)
             shard.check_readable(windows.rows(shard.capacity)[windows.mask()])
-            columns, _ = gather.gather_windows(shard.columns, windows.starts, seq_len, torch.device("cpu"),
-                                               windows.valid_begin, windows.valid_end)
-        return Message(Op.OK, {}, columns)
+            positions = windows.starts.numel() * seq_len
+            wire.send_header(self.conn, Op.OK, {}, [positions * c.row_bytes for c in shard.spec.columns])
+            _C.send_windows(self.conn.fileno(), shard.columns, starts, valid_begin, valid_end, seq_len)
 
     def _update(self, request: Message) -> Message:
         if len(request.arrays) != 3:

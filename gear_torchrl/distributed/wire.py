@@ -62,12 +62,17 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def send(sock: socket.socket, message: Message) -> None:
-    meta = json.dumps(message.meta, separators=(",", ":")).encode()
     views = [as_bytes(a) for a in message.arrays]
-    lengths = b"".join(_LENGTH.pack(v.nbytes) for v in views)
-    sock.sendall(_HEADER.pack(MAGIC, message.op, len(views), len(meta), sum(v.nbytes for v in views)) + meta + lengths)
+    send_header(sock, message.op, message.meta, [v.nbytes for v in views])
     for v in views:
         sock.sendall(v)
+
+
+def send_header(sock: socket.socket, op: int, meta: dict[str, Any], sizes: Sequence[int]) -> None:
+    """Everything before the arrays' bytes, which the caller then sends in order."""
+    blob = json.dumps(meta, separators=(",", ":")).encode()
+    lengths = b"".join(_LENGTH.pack(n) for n in sizes)
+    sock.sendall(_HEADER.pack(MAGIC, op, len(sizes), len(blob), sum(sizes)) + blob + lengths)
 
 
 def receive(sock: socket.socket, into: Sequence[torch.Tensor] | None = None) -> Message:

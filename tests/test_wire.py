@@ -1,0 +1,91 @@
+"""The shard server's wire: framing limits, authentication, and rows sent straight from the ring."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from gear_torchrl import gather
+from gear_torchrl._ext import _C
+from gear_torchrl.distributed import global_ids, wire
+from gear_torchrl.distributed.wire import Message, Op
+
+
+def _received(sender, nbytes: int) -> bytes:
+    a, b = socket.socketpair()
+    with a, b:
+        got = bytearray(nbytes)
+        reader = threading.Thread(target=lambda: wire.recv_into(b, memoryview(got)))
+        reader.start()
+        sender(a)
+        reader.join(10)
+        return bytes(got)
+
+
+def test_send_windows_streams_exactly_what_the_window_gather_builds():
+    g = torch.Generator().manual_seed(0)
+    capacity, seq_len = 50, 7
+    columns = [torch.randn(capacity, 300, generator=g),  # 1200-byte rows: sent from the ring
+               torch.randint(0, 255, (capacity, 3), generator=g, dtype=torch.uint8),  # tiny rows: staged
+               torch.randn(capacity, 2, generator=g).to(torch.float64)]
+    starts = torch.tensor([0, 46, 10, 49, 10])  # 46 and 49 wrap the ring end
+    valid_begin = torch.tensor([0, 2, 0, 1, 3])
+    valid_end = torch.tensor([7, 7, 5, 6, 3])  # the last window is all padding
+    expected, _ = gather.gather_windows(columns, starts, seq_len, torch.device("cpu"), valid_begin, valid_end)
+    nbytes = sum(t.numel() * t.element_size() for t in expected)
+    got = _received(lambda s: _C.send_windows(s.fileno(), columns, starts, valid_begin, valid_end, seq_len), nbytes)
+    assert got == b"".join(bytes(wire.as_bytes(t)) for t in expected)
+
+
+def test_send_windows_refuses_bad_valid_ranges():
+    with pytest.raises(RuntimeError, match="valid range"):
+        _C.send_windows(-1, [torch.zeros(4, 2)], torch.tensor([0]), torch.tensor([2]), torch.tensor([1]), 3)
+
+
+def test_messages_round_trip_into_given_tensors():
+    out = [torch.zeros(3, 2), torch.zeros(5, dtype=torch.int64)]
+    arrays = [torch.arange(6.0).reshape(3, 2), torch.arange(5)]
+    a, b = socket.socketpair()
+    with a, b:
+        wire.send(a, Message(Op.OK, {"k": 1}, arrays))
+        reply = wire.receive(b, into=out)
+    assert reply.meta == {"k": 1} and torch.equal(out[0], arrays[0]) and torch.equal(out[1], arrays[1])
+
+
+def test_oversized_or_foreign_messages_are_protocol_errors():
+    a, b = socket.socketpair()
+    with a, b:
+        wire.send_header(a, Op.READ, {}, [wire.MAX_ARRAY_BYTES + 1])
+        with pytest.raises(wire.ProtocolError, match="too large"):
+            wire.receive(b)
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"HTTP" + bytes(wire._HEADER.size - 4))
+        with pytest.raises(wire.ProtocolError, match="does not speak"):
+            wire.receive(b)
+
+
+@pytest.mark.parametrize("client_secret", [b"s" * 32, b"wrong"])
+def test_only_holders_of_the_secret_pass_the_challenge(client_secret):
+    a, b = socket.socketpair()
+    verdict = {}
+    with a, b:
+        server = threading.Thread(target=lambda: verdict.setdefault("ok", wire.challenge(a, b"s" * 32)))
+        server.start()
+        if client_secret == b"s" * 32:
+            wire.answer_challenge(b, client_secret)
+        else:
+            with pytest.raises(PermissionError, match="rejected our secret"):
+                wire.answer_challenge(b, client_secret)
+        server.join(10)
+    assert verdict["ok"] == (client_secret == b"s" * 32)
+
+
+def test_global_ids_round_trip_and_refuse_local_rows():
+    rows = torch.tensor([0, 5, (1 << global_ids.ROW_BITS) - 1])
+    shards, back = global_ids.decode(global_ids.encode(3, rows))
+    assert shards.tolist() == [3, 3, 3] and torch.equal(back, rows)
+    with pytest.raises(ValueError, match="not a global row id"):
+        global_ids.decode(torch.tensor([7]))
