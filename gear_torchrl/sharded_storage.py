@@ -247,7 +247,7 @@ class ShardedGearStorage(TensorStorage):
             return picked, []
         transport = self._transport(shard)
         spec = self._spec(shard)
-        out = self._empty_columns(spec, picked.starts.numel() * picked.seq_len)
+        out = self._empty_columns(spec, picked.starts.numel() * picked.seq_len, zeroed=not transport.writes_padding)
         transport.read(ReadRequest(picked.starts, picked.seq_len, picked.valid_begin, picked.valid_end), out)
         if not transport.releases_selection:
             client.release()
@@ -258,7 +258,7 @@ class ShardedGearStorage(TensorStorage):
         capacity = {d.shard: d.capacity for d in self.descriptors}
         windows = [Windows(p.starts, seq_len, p.valid_begin, p.valid_end) for _, p, _ in got]
         index = torch.cat([global_ids.encode(s, w.rows(capacity[s])) for (s, _, _), w in zip(got, windows)])
-        columns = [torch.cat(parts) for parts in zip(*(c for _, _, c in got))]
+        columns = got[0][2] if len(got) == 1 else [torch.cat(parts) for parts in zip(*(c for _, _, c in got))]
         names = got[0][1].extra.keys()
         extra = {n: torch.cat([p.extra[n] for _, p, _ in got]) for n in names}
         batch_windows = Windows(torch.cat([w.starts for w in windows]), seq_len,
@@ -448,8 +448,9 @@ class ShardedGearStorage(TensorStorage):
             self._specs[shard] = spec
         return spec
 
-    def _empty_columns(self, spec: TableSpec, num_rows: int) -> list[torch.Tensor]:
-        return [torch.zeros((num_rows, *c.row_shape), dtype=c.dtype, pin_memory=self._pin) for c in spec.columns]
+    def _empty_columns(self, spec: TableSpec, num_rows: int, zeroed: bool = False) -> list[torch.Tensor]:
+        make = torch.zeros if zeroed else torch.empty
+        return [make((num_rows, *c.row_shape), dtype=c.dtype, pin_memory=self._pin) for c in spec.columns]
 
     # -- statistics --------------------------------------------------------------------------------
     def _beat(self) -> dict[str, Any]:

@@ -57,13 +57,15 @@ class Transport(ABC):
 
     name: str
     releases_selection: bool  # whether a read also lets the owner reuse the selected rows
+    writes_padding: bool = True  # whether padding positions come back as zeros (else: left untouched)
 
     @abstractmethod
     def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
         """Fill ``out[c][w * seq_len + p]`` for every valid position, for every column ``c``.
 
-        ``out`` holds one contiguous CPU tensor per column, ``[W * seq_len, *row_shape]``,
-        zero-filled by the caller; padding positions stay zero.
+        ``out`` holds one contiguous CPU tensor per column, ``[W * seq_len, *row_shape]``.
+        Padding positions are written as zeros, or left untouched where
+        ``writes_padding`` is False (the caller then passes zeroed tensors).
         Raises ``ShardUnavailableError`` if the shard cannot be reached and
         ``RemoteShardError``/``IndexError`` if it refuses the request.
         """
