@@ -464,12 +464,12 @@ class ShardedGearStorage(TensorStorage):
         return {"rows": shard.readable_rows(), "capacity": shard.capacity, "inserts": shard.log.inserts}
 
     def stats(self) -> dict[str, Any]:
-        """Rows per shard (from the owners' heartbeats where this rank has the control plane)."""
+        """Rows per shard: from the shard's last answer to this process, else from its heartbeat."""
         per_shard = []
         for d in self.descriptors:
             beat = self._directory.stats(d.shard) if self._directory is not None else None
             per_shard.append({"shard": d.shard, "rank": d.rank, "failed": self._failed.get(d.shard),
-                              "rows": (beat or {}).get("rows", self._rows.get(d.shard)), "heartbeat": beat})
+                              "rows": self._rows.get(d.shard, (beat or {}).get("rows")), "heartbeat": beat})
         return {"shards": per_shard, "rows": sum(s["rows"] or 0 for s in per_shard if not s["failed"])}
 
     # -- writes go to a shard ------------------------------------------------------------------------
