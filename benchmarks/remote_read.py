@@ -2,9 +2,9 @@
 
 Shard owners (spawned ranks under torch.distributed on 127.0.0.1) each hold
 1000-step episodes of obs f32[512] (2 KiB a step). Each owner also runs a raw
-sender: asked for n bytes, it ``sendall``s them from memory, which a learner
-``recv_into``s a preallocated tensor; nothing can move the same bytes over the
-same sockets faster. The learner measures, rounds interleaved, medians:
+sender: asked for n bytes, it ``sendall``s n contiguous bytes from a random place
+in a buffer as large as its shard's rows, which a learner ``recv_into``s a
+preallocated tensor; nothing can move the same bytes over the same sockets faster. The learner measures, rounds interleaved, medians:
 
 - ``raw``: the bytes of a batch of 4096 steps, split over the shards, in parallel;
 - ``read rows`` / ``read windows``: the tcp transport alone reading 4096 random
@@ -48,12 +48,15 @@ def _raw_sender(listener: socket.socket, payload: torch.Tensor) -> None:
 
 
 def _answer(conn: socket.socket, view: memoryview) -> None:
+    """Send the asked number of bytes from a random place in a buffer as large as the shard's rows."""
     with conn:
         while True:
             ask = conn.recv(_ASK.size, socket.MSG_WAITALL)
             if len(ask) < _ASK.size:
                 return
-            conn.sendall(view[: _ASK.unpack(ask)[0]])
+            n = _ASK.unpack(ask)[0]
+            at = int(torch.randint(0, view.nbytes - n + 1, ()))
+            conn.sendall(view[at: at + n])
 
 
 def _owner(storage, rank: int) -> None:
@@ -66,8 +69,8 @@ def _owner(storage, rank: int) -> None:
         writer.extend(TensorDict({"obs": torch.randn(EPISODE, OBS), "next": {"done": done}}, [EPISODE]))
         writer.end_episode()
     listener = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_sender, args=(listener, torch.empty(BATCH * (OBS * 4 + 1), dtype=torch.uint8)),
-                     daemon=True).start()
+    payload = torch.randint(0, 256, (ROWS * (OBS * 4 + 1),), dtype=torch.uint8)  # real pages, not the zero page
+    threading.Thread(target=_raw_sender, args=(listener, payload), daemon=True).start()
     dist.distributed_c10d._get_default_store().set(f"raw/{rank}", str(listener.getsockname()[1]))
 
 
@@ -100,13 +103,20 @@ def _learner(storage, shards: int, rounds: int, out) -> None:
     rows_rb.sample()
     spec = storage._spec(0)
     per_shard = BATCH // shards
-    row_reads = [ReadRequest.of_rows(torch.randint(0, ROWS, (per_shard,))) for _ in range(shards)]
-    starts = [torch.randint(0, ROWS - SEQ_LEN, (per_shard // SEQ_LEN,)) for _ in range(shards)]
-    window_reads = [ReadRequest(s, SEQ_LEN, torch.zeros_like(s), torch.full_like(s, SEQ_LEN)) for s in starts]
+    # fresh rows on every call (cycling through 32 batches), as sampling gets: no batch stays in cache
+    row_reads = [[ReadRequest.of_rows(torch.randint(0, ROWS, (per_shard,))) for _ in range(shards)]
+                 for _ in range(32)]
+    window_reads = [[_windows(torch.randint(0, ROWS - SEQ_LEN, (per_shard // SEQ_LEN,))) for _ in range(shards)]
+                    for _ in range(32)]
     blocks = [storage._empty_columns(spec, per_shard) for _ in range(shards)]
 
-    def reader(requests):
-        return lambda: list(pool.map(lambda i: storage._client(i).read(requests[i], blocks[i]), range(shards)))
+    def reader(batches):
+        turn = iter(range(1 << 62))
+
+        def read() -> None:
+            requests = batches[next(turn) % len(batches)]
+            list(pool.map(lambda i: storage._client(i).read(requests[i], blocks[i]), range(shards)))
+        return read
 
     contenders = {"raw": raw_batch, "read rows": reader(row_reads), "read windows": reader(window_reads),
                   "sample rows": rows_rb.sample, "sample windows": windows_rb.sample}
@@ -122,6 +132,12 @@ def _learner(storage, shards: int, rounds: int, out) -> None:
     nbytes = SEQ_LEN * WINDOWS * (OBS * 4 + 1)  # every contender moves one batch of 4096 steps
     assert nbytes == batch_bytes
     out.put({name: nbytes / statistics.median(s) / 1e9 for name, s in samples.items()})
+
+
+def _windows(starts: torch.Tensor):
+    from gear_torchrl.distributed.transports.base import ReadRequest
+
+    return ReadRequest(starts, SEQ_LEN, torch.zeros_like(starts), torch.full_like(starts, SEQ_LEN))
 
 
 def _rank(rank: int, world: int, port: int, rounds: int, out) -> None:

@@ -31,7 +31,7 @@ from gear_torchrl.distributed.directory import (
     host_id,
     serving_address,
 )
-from gear_torchrl.distributed.selectors import Picked
+from gear_torchrl.distributed.picked import Picked
 from gear_torchrl.distributed.shard_client import ShardClient
 from gear_torchrl.distributed.shard_server import ShardServer
 from gear_torchrl.distributed.transports.base import (
@@ -242,16 +242,11 @@ class ShardedGearStorage(TensorStorage):
 
     def _select_and_read(self, shard: int, selection: dict[str, Any], count: int) -> tuple[Picked, list[torch.Tensor]]:
         client = self._client(shard)
-        picked = client.select(selection, count)
-        if not picked.starts.numel():
-            return picked, []
-        transport = self._transport(shard)
+        if count == 0:
+            return client.select(selection, 0)
         spec = self._spec(shard)
-        out = self._empty_columns(spec, picked.starts.numel() * picked.seq_len, zeroed=not transport.writes_padding)
-        transport.read(ReadRequest(picked.starts, picked.seq_len, picked.valid_begin, picked.valid_end), out)
-        if not transport.releases_selection:
-            client.release()
-        return picked, out
+        return self._transport(shard).read_selection(
+            client, selection, count, lambda n, zeroed=False: self._empty_columns(spec, n, zeroed))
 
     def _assemble(self, got: list[tuple[int, Picked, list[torch.Tensor]]], scalars: dict[str, float]) -> Selection:
         seq_len = got[0][1].seq_len

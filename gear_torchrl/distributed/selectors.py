@@ -15,33 +15,16 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from gear_torchrl.distributed.picked import Picked
 from gear_torchrl.samplers.prioritized import GearPrioritizedSampler
 from gear_torchrl.samplers.sequence import GearSequenceSampler
 from gear_torchrl.storage import GearStorage
 
 _NONE = torch.empty(0, dtype=torch.int64)
-
-
-@dataclass
-class Picked:
-    """One shard's share of a batch, as windows of ring rows (rows: windows of length one)."""
-
-    starts: torch.Tensor
-    seq_len: int
-    valid_begin: torch.Tensor
-    valid_end: torch.Tensor
-    mass: float  # the shard's total mass after picking: what the learner splits the next batch by
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row masses, generations
-    scalars: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def rows(cls, rows: torch.Tensor, mass: float, **kw: Any) -> Picked:
-        return cls(rows, 1, torch.zeros_like(rows), torch.ones_like(rows), mass, **kw)
 
 
 class Selector(ABC):

@@ -4,13 +4,14 @@ from __future__ import annotations
 import builtins
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.directory import ShardDescriptor
-from gear_torchrl.distributed.selectors import Picked
+from gear_torchrl.distributed.picked import Picked
 from gear_torchrl.distributed.transports.base import (
     ReadRequest,
     RemoteShardError,
@@ -54,13 +55,28 @@ class ShardClient:
             raise kind(f"{self.descriptor.where}: {reply.meta.get('message')}")
         return reply
 
-    def select(self, selection: dict[str, Any], count: int) -> Picked:
-        reply = self.request(Message(Op.SELECT, {"selection": selection, "count": count}))
-        starts, valid_begin, valid_end, *extra = reply.arrays
+    def select(self, selection: dict[str, Any], count: int,
+               columns_of: Callable[[int], list[torch.Tensor]] | None = None) -> tuple[Picked, list[torch.Tensor]]:
+        """The owner's pick of ``count`` rows or windows.
+
+        With ``columns_of`` (number of positions -> output columns) the owner sends
+        the picked rows in the same reply: one round trip for a batch.
+        """
+        def allocate(meta: dict[str, Any], lengths: list[int]) -> list[torch.Tensor]:
+            picked = 3 + len(meta["extra"])
+            arrays = [torch.empty(n, dtype=torch.uint8) for n in lengths[:picked]]
+            if len(lengths) > picked:
+                arrays += columns_of(lengths[0] // 8 * int(meta["seq_len"]))
+            return arrays
+
+        request = Message(Op.SELECT, {"selection": selection, "count": count, "read": columns_of is not None})
+        reply = self.request(request, into=allocate)
+        starts, valid_begin, valid_end, *rest = reply.arrays
         names = reply.meta["extra"]
-        values = {n: a.view(torch.float64 if n == "mass" else torch.int64) for n, a in zip(names, extra)}
-        return Picked(starts.view(torch.int64), int(reply.meta["seq_len"]), valid_begin.view(torch.int64),
-                      valid_end.view(torch.int64), float(reply.meta["mass"]), values, reply.meta["scalars"])
+        values = {n: a.view(torch.float64 if n == "mass" else torch.int64) for n, a in zip(names, rest)}
+        picked = Picked(starts.view(torch.int64), int(reply.meta["seq_len"]), valid_begin.view(torch.int64),
+                        valid_end.view(torch.int64), float(reply.meta["mass"]), values, reply.meta["scalars"])
+        return picked, rest[len(names):]
 
     def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
         """Bytes of the windows' rows, received straight into ``out`` (padding arrives as zeros)."""

@@ -127,8 +127,13 @@ class _Session:
         names = sorted(picked.extra)
         scalars = {**picked.scalars, "rows": self.storage.shard.size}
         meta = {"seq_len": picked.seq_len, "mass": picked.mass, "scalars": scalars, "extra": names}
-        arrays = [picked.starts, picked.valid_begin, picked.valid_end, *(picked.extra[n].cpu() for n in names)]
-        return Message(Op.OK, meta, [a.contiguous() for a in arrays])
+        arrays = [a.contiguous() for a in (picked.starts, picked.valid_begin, picked.valid_end,
+                                             *(picked.extra[n].cpu() for n in names))]
+        if not request.meta.get("read") or not picked.starts.numel():
+            return Message(Op.OK, meta, arrays)
+        with self.storage.shard.reading():  # the section the pick opened ends once the rows are sent
+            self._send_rows(meta, arrays, picked.seq_len)
+        return None
 
     def _read(self, request: Message) -> None:
         """Reply with the windows' rows, sent from the ring itself (no gather into a batch first)."""
@@ -142,9 +147,19 @@ class _Session:
                 raise IndexError("the shard holds no rows yet")
             windows = _checked_windows(starts, seq_len, valid_begin, valid_end, shard.capacity)
             shard.check_readable(windows.rows(shard.capacity)[windows.mask()])
-            positions = windows.starts.numel() * seq_len
-            wire.send_header(self.conn, Op.OK, {}, [positions * c.row_bytes for c in shard.spec.columns])
-            _C.send_windows(self.conn.fileno(), shard.columns, starts, valid_begin, valid_end, seq_len)
+            self._send_rows({}, [starts, valid_begin, valid_end], seq_len, echo=False)
+
+    def _send_rows(self, meta: dict[str, Any], arrays: list[torch.Tensor], seq_len: int, echo: bool = True) -> None:
+        """Reply with ``arrays`` (if ``echo``), then the rows of the windows they start with, straight from the ring."""
+        starts, valid_begin, valid_end = arrays[:3]
+        shard = self.storage.shard
+        views = [wire.as_bytes(a) for a in arrays] if echo else []
+        positions = starts.numel() * seq_len
+        wire.send_header(self.conn, Op.OK, meta,
+                         [v.nbytes for v in views] + [positions * c.row_bytes for c in shard.spec.columns])
+        for v in views:
+            self.conn.sendall(v)
+        _C.send_windows(self.conn.fileno(), shard.columns, starts, valid_begin, valid_end, seq_len)
 
     def _update(self, request: Message) -> Message:
         if len(request.arrays) != 3:

@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,21 +75,26 @@ def send_header(sock: socket.socket, op: int, meta: dict[str, Any], sizes: Seque
     sock.sendall(_HEADER.pack(MAGIC, op, len(sizes), len(blob), sum(sizes)) + blob + lengths)
 
 
-def receive(sock: socket.socket, into: Sequence[torch.Tensor] | None = None) -> Message:
-    """Read one message; its arrays land in ``into`` (exact sizes) or in new uint8 tensors."""
+# Where a message's arrays land: given its metadata and array byte lengths, tensors of exactly those sizes.
+Allocator = Callable[[dict[str, Any], list[int]], Sequence[torch.Tensor]]
+
+
+def receive(sock: socket.socket, into: Sequence[torch.Tensor] | Allocator | None = None) -> Message:
+    """Read one message; its arrays land in ``into`` (exact sizes, or an allocator) or in new uint8 tensors."""
     magic, op, count, meta_len, total = _HEADER.unpack(recv_exact(sock, _HEADER.size))
     if magic != MAGIC:
         raise ProtocolError("the peer does not speak the gear_torchrl shard protocol")
     if meta_len > MAX_META_BYTES or count > MAX_ARRAYS or total > MAX_ARRAY_BYTES:
         raise ProtocolError(f"message too large: {meta_len} metadata bytes, {count} arrays, {total} array bytes")
-    meta = json.loads(recv_exact(sock, meta_len)) if meta_len else {}
-    lengths = [_LENGTH.unpack_from(recv_exact(sock, _LENGTH.size))[0] for _ in range(count)]
+    head = recv_exact(sock, meta_len + count * _LENGTH.size)
+    meta = json.loads(head[:meta_len]) if meta_len else {}
+    lengths = [_LENGTH.unpack_from(head, meta_len + i * _LENGTH.size)[0] for i in range(count)]
     if sum(lengths) != total:
         raise ProtocolError("array lengths do not add up to the header's total")
     if op != Op.OK or into is None:
         arrays = [torch.empty(n, dtype=torch.uint8) for n in lengths]
     else:
-        arrays = list(into)
+        arrays = list(into(meta, lengths) if callable(into) else into)
         sizes = [a.numel() * a.element_size() for a in arrays]
         if sizes != lengths:
             drain(sock, total)

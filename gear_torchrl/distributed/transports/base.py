@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from gear_torchrl.distributed.picked import Picked
 
 
 class ShardUnavailableError(ConnectionError):
@@ -69,6 +73,22 @@ class Transport(ABC):
         Raises ``ShardUnavailableError`` if the shard cannot be reached and
         ``RemoteShardError``/``IndexError`` if it refuses the request.
         """
+
+    def read_selection(self, client: Any, selection: dict[str, Any], count: int,
+                       columns_of: Callable[..., list[torch.Tensor]]) -> tuple[Picked, list[torch.Tensor]]:
+        """Have the owner pick ``count`` rows or windows, then read them.
+
+        The owner keeps the picked rows readable until the read is done (the
+        read, or a release here, tells it so).
+        """
+        picked, _ = client.select(selection, count)
+        if not picked.starts.numel():
+            return picked, []
+        out = columns_of(picked.starts.numel() * picked.seq_len, zeroed=not self.writes_padding)
+        self.read(ReadRequest(picked.starts, picked.seq_len, picked.valid_begin, picked.valid_end), out)
+        if not self.releases_selection:
+            client.release()
+        return picked, out
 
     def close(self) -> None:
         """Release connections and registrations."""

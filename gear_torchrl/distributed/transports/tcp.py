@@ -1,15 +1,21 @@
 """tcp: the portable transport; the shard server gathers and sends the rows' bytes."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+
+from gear_torchrl.distributed.picked import Picked
 
 from gear_torchrl.distributed.transports.base import ReadRequest, Transport
 
 
 class TcpTransport(Transport):
-    """Reads over the learner's control connection to the shard (see ``ShardClient.read``).
+    """Reads over the learner's control connection to the shard (see ``ShardClient``).
 
-    A READ also ends the read section of the selection before it.
+    A selection's rows come back in the selection's own reply; a READ also ends
+    the read section of the selection before it.
     """
 
     name = "tcp"
@@ -20,3 +26,8 @@ class TcpTransport(Transport):
 
     def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
         self._client.read(request, out)
+
+    def read_selection(self, client, selection: dict[str, Any], count: int,
+                       columns_of: Callable[..., list[torch.Tensor]]) -> tuple[Picked, list[torch.Tensor]]:
+        """One round trip: the owner sends the picked rows right behind its pick."""
+        return client.select(selection, count, columns_of=columns_of)
