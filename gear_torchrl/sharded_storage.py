@@ -43,6 +43,7 @@ from gear_torchrl.distributed.transports.base import (
 from gear_torchrl.distributed.transports.local import LocalTransport
 from gear_torchrl.distributed.transports.tcp import TcpTransport
 from gear_torchrl.samplers.prioritized import _as_priority
+from gear_torchrl.stats import Rates
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Windows
 from gear_torchrl.store.shared_memory import segment_path
@@ -148,6 +149,8 @@ class ShardedGearStorage(TensorStorage):
         self._pool: ThreadPoolExecutor | None = None
         self._ready: Selection | None = None
         self._pid = os.getpid()
+        self._rows_sampled = 0
+        self._rates = Rates()
         self.__dict__["_storage_keys"] = None
 
     # -- what this rank holds ---------------------------------------------------------
@@ -259,6 +262,7 @@ class ShardedGearStorage(TensorStorage):
         batch_windows = Windows(torch.cat([w.starts for w in windows]), seq_len,
                                 torch.cat([w.valid_begin for w in windows]), torch.cat([w.valid_end for w in windows]))
         self._ready = Selection(index, batch_windows, columns, extra, scalars)
+        self._rows_sampled += index.numel()
         return self._ready
 
     def select_windows(self, selection: dict[str, Any], num_windows: int) -> tuple[torch.Tensor, Windows]:
@@ -459,13 +463,21 @@ class ShardedGearStorage(TensorStorage):
         return {"rows": shard.readable_rows(), "capacity": shard.capacity, "inserts": shard.log.inserts}
 
     def stats(self) -> dict[str, Any]:
-        """Rows per shard: from the shard's last answer to this process, else from its heartbeat."""
+        """A snapshot: rows per shard and in all, rows inserted (all shards) and sampled (this process).
+
+        A shard's rows come from its last answer to this process, else from its
+        heartbeat; inserts from heartbeats, which only processes holding the
+        control plane (not pickled copies) see.
+        """
         per_shard = []
         for d in self.descriptors:
             beat = self._directory.stats(d.shard) if self._directory is not None else None
             per_shard.append({"shard": d.shard, "rank": d.rank, "failed": self._failed.get(d.shard),
                               "rows": self._rows.get(d.shard, (beat or {}).get("rows")), "heartbeat": beat})
-        return {"shards": per_shard, "rows": sum(s["rows"] or 0 for s in per_shard if not s["failed"])}
+        live = [s for s in per_shard if not s["failed"]]
+        inserts = sum((s["heartbeat"] or {}).get("inserts", 0) for s in live)
+        return {"rows": sum(s["rows"] or 0 for s in live), "shards": per_shard,
+                **self._rates.snapshot(inserts, self._rows_sampled)}
 
     # -- writes go to a shard ------------------------------------------------------------------------
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:

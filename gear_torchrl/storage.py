@@ -14,6 +14,7 @@ from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 
 from gear_torchrl import gather
 from gear_torchrl.checkpointer import GearStorageCheckpointer
+from gear_torchrl.stats import Rates
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, Windows
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
 from gear_torchrl.store.spec import Data, NestedKey
@@ -79,6 +80,7 @@ class GearStorage(TensorStorage):
                                 register_host=on_gpu and memory == "host", out_device=device,
                                 end_keys=end_keys, traj_key=traj_key)
         self._last_cursor = None
+        self._rates = Rates()
         self._window_plan: tuple[torch.Tensor, Windows] | None = None
         self.__dict__["_storage_keys"] = None
 
@@ -125,6 +127,19 @@ class GearStorage(TensorStorage):
     def shard(self) -> Shard:
         """The underlying shard (columns, spec, episode index)."""
         return self._shard
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot: rows, episodes, rows inserted and sampled (totals, per second since the last call, ratio).
+
+        Over a shared store, inserts count every process's commits and samples
+        this process's reads.
+        """
+        shard = self._shard
+        with shard.picking():  # a shared store's episode index catches up first
+            episodes = shard.episodes.num_episodes
+        shard.release()
+        return {"rows": len(self), "capacity": self.max_size, "episodes": episodes,
+                **self._rates.snapshot(shard.rows_inserted, shard.rows_read)}
 
     # -- TorchRL contract -----------------------------------------------------------
     def set(self, cursor: Index, data: Data | list, *, set_cursor: bool = True) -> None:

@@ -37,3 +37,35 @@ def assert_same_td(a, b) -> None:
         assert x.dtype == y.dtype, k
         assert x.shape == y.shape, k
         assert torch.equal(x, y), k
+
+
+def segments_left_by_dead_owners(before: set[str], grace_s: float = 10.0) -> set[str]:
+    """Shared-memory segments created since ``before`` whose owner process is gone.
+
+    Segments are named ``gear_torchrl-<owner pid>-<token>.<part>``; live stores of
+    other tests may come and go meanwhile, so only dead owners' count. A janitor
+    unlinks right after its owner ends: wait up to ``grace_s`` for it.
+    """
+    import time
+
+    from gear_torchrl.store.commit_log import _alive
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        leaked = {s for s in shm_segments() - before if not _alive(_owner_pid(s))}
+        if not leaked or time.monotonic() > deadline:
+            return leaked
+        time.sleep(0.05)
+
+
+def shm_segments() -> set[str]:
+    from gear_torchrl.store.shared_memory import SHM_DIR
+
+    return {p.name for p in SHM_DIR.glob("gear_torchrl-*")}
+
+
+def _owner_pid(segment: str) -> int:
+    try:
+        return int(segment[len("gear_torchrl-"):].split("-", 1)[0])
+    except ValueError:
+        return 0

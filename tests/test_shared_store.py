@@ -104,6 +104,8 @@ def test_four_writers_and_a_sampling_reader_see_only_whole_rows():
         written = dict(results.get(timeout=10) for _ in writers)
         assert batches > 0
         assert storage.shard.log.inserts == sum(written.values())
+        snapshot = storage.stats()  # inserts: every writer's; samples: this process's reads
+        assert snapshot["inserts"] == sum(written.values()) and snapshot["samples"] == batches * (256 + 64)
         assert len(storage) == 2_000  # the ring is full, and nothing in it is missing
         everything = storage.get(torch.arange(2_000))
         w.verify(everything)

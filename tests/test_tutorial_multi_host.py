@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from helpers import segments_left_by_dead_owners, shm_segments
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tutorials" / "05_multi_host.py"
 SMALL = ["--capacity", "4000", "--warmup", "1000", "--frame", "16", "--batch", "256", "--seq-len", "8",
@@ -17,27 +16,9 @@ SMALL = ["--capacity", "4000", "--warmup", "1000", "--frame", "16", "--batch", "
 OWNERS = 2  # --nproc-per-node 3 with one learner per node
 
 
-def _segments() -> set[str]:
-    from gear_torchrl.store.shared_memory import SHM_DIR  # /dev/shm unless GEAR_TORCHRL_SHM_DIR says otherwise
-
-    return {p.name for p in SHM_DIR.glob("gear_torchrl-*")}
-
-
-def _owner_alive(segment: str) -> bool:
-    """Segments are named gear_torchrl-<owner pid>-<token>.<part>."""
-    try:
-        pid = int(segment[len("gear_torchrl-"):].split("-", 1)[0])
-        os.kill(pid, 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def torchrun(*args: str, nproc: int = 3, timeout: int = 110) -> str:
     """Run the tutorial under torchrun; then no segment it created may remain."""
-    before = _segments()
+    before = shm_segments()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                str(SCRIPT), *args]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -55,12 +36,7 @@ def torchrun(*args: str, nproc: int = 3, timeout: int = 110) -> str:
     assert launcher.returncode == 0, out[-3000:] + err[-5000:]
     # Every rank has exited, so every segment of the job has lost its owner; other tests' live
     # stores may come and go meanwhile, which the owner check leaves out.
-    deadline = time.monotonic() + 10
-    while True:
-        leaked = {s for s in _segments() - before if not _owner_alive(s)}
-        if not leaked or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    leaked = segments_left_by_dead_owners(before)
     assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
     return out
 

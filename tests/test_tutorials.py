@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import segments_left_by_dead_owners, shm_segments
 
 TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
 
@@ -33,3 +34,48 @@ def test_02_dqn_cartpole_learns():
     assert "reached the target" in out, out  # an evaluation's mean return reached the target
     before = float(re.search(r"before training: mean return ([\d.]+)", out).group(1))
     assert target > before + 100, out  # ... which is clearly better than the untrained greedy policy
+
+
+# -- Tutorials 3 and 4 use shared stores: every segment they create must be gone when they end. --
+
+def run_without_leaks(script: str, *args: str) -> str:
+    """Run a tutorial; then no segment it created may remain (other processes' live stores may come and go)."""
+    before = shm_segments()
+    out = run(script, *args)
+    leaked = segments_left_by_dead_owners(before)
+    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
+    return out
+
+
+def test_03_sequence_transformer_learns_what_needs_memory():
+    out = run_without_leaks("03_sequence_transformer.py", "--episodes", "400", "--steps", "800", "--workers", "2")
+    first, last = map(float, re.search(r"loss: first ([\d.]+) -> last ([\d.]+)", out).groups())
+    assert last < 0.5 * first, out  # the masked loss clearly falls
+    accuracy, baseline = map(float, re.search(r"memory accuracy: ([\d.]+) on \d+ expert steps \(per-step baseline "
+                                              r"([\d.]+)", out).groups())
+    assert accuracy > 2 * baseline, out  # thousands of scored steps: chance gives the baseline +- 0.01
+    best, got_best, got_none, behaviour = map(float, re.search(
+        r"asked for (\d+), got ([\d.]+); asked for 0, got ([\d.]+) \(random play [\d.]+, the behaviour policies "
+        r"([\d.]+)\)", out).groups())
+    assert got_best > behaviour and got_best > 0.75 * best, out  # asked for a high return, it plays the expert
+    assert got_none < behaviour, out  # ... and asked for none, it does not
+
+
+def test_04_many_actors_hold_the_sample_to_insert_ratio():
+    if importlib.util.find_spec("gymnasium") is None:
+        pytest.skip("gymnasium is not installed (it is in requirements.txt)")
+    actors, steps, ratio, chunk, batch = 2, 3000, 8.0, 64, 256
+    out = run_without_leaks("04_many_actors.py", "--actors", str(actors), "--steps-per-actor", str(steps),
+                            "--ratio", str(ratio), "--chunk", str(chunk), "--batch", str(batch), "--min-size", "500")
+    assert f"{actors} actors inserted {actors * steps} rows" in out, out  # every actor's every step arrived
+    assert re.search(r"[\d,]+ inserts/s", out) and re.search(r"[\d,]+ samples/s", out), out
+    achieved = float(re.search(r"sample-to-insert ratio: target [\d.]+, achieved ([\d.]+)", out).group(1))
+    assert abs(achieved - ratio) < 0.1 * ratio, out
+    worst, error_buffer = map(float, re.search(r"largest distance from the target line: (\d+) sampled rows "
+                                               r"\(error buffer ([\d.]+),", out).groups())
+    # The rule keeps the distance within the error buffer; actors' commits that pass the check at the same
+    # moment can each add one chunk more (the check and the commit are not one atomic step).
+    assert worst <= error_buffer + (actors - 1) * chunk * ratio, out
+    first, last = map(float, re.search(r"dynamics model loss: first ([\d.]+) -> last ([\d.]+)", out).groups())
+    assert last < 0.2 * first, out  # the learner learned from rows that several processes wrote
+    assert "actors joined, store closed" in out, out

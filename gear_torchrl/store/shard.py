@@ -124,6 +124,8 @@ class Shard:
         self.size = 0  # rows [0, size) are readable
         self.head = 0  # next row an append writes
         self.written = 0  # rows [0, written) have ever been written
+        self.rows_inserted = 0  # counters for stats(): rows appended, rows read
+        self.rows_read = 0
         self.episodes = EpisodeIndex(self.capacity)
         self._end_columns: list[int] = []  # spec positions of the end flags present in the data
         self._traj_column: int | None = None
@@ -209,6 +211,7 @@ class Shard:
             rows, values = _last_write_wins(rows, values, self.capacity)
 
         self._copy_in(rows, values, contiguous=is_append)
+        self.rows_inserted += n
         self.written = max(self.written, int(rows.max()) + 1)
         if append:
             self.size = min(self.size + n, self.capacity)
@@ -400,6 +403,7 @@ class Shard:
             self.check_readable(rows)
             lead = torch.Size([]) if scalar else rows.shape
             flat = gather.gather_rows(self.columns, rows.reshape(-1), device=self.out_device)
+            self.rows_read += rows.numel()
         if scalar or rows.ndim != 1:
             flat = [t.reshape((*lead, *t.shape[1:])) for t in flat]
         return self.spec.unflatten(flat, lead, device=self.out_device)
@@ -411,6 +415,7 @@ class Shard:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")
             flat, mask = gather.gather_windows(self.columns, windows.starts, windows.seq_len, self.out_device,
                                                windows.valid_begin, windows.valid_end)
+            self.rows_read += flat[0].shape[0]
         extra = None if windows.markers is None else windows.markers(dict(zip(self.spec.keys, flat)), mask)
         return self.spec.unflatten(flat, torch.Size([flat[0].shape[0]]), device=self.out_device, extra=extra)
 

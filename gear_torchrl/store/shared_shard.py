@@ -161,6 +161,15 @@ class SharedShard(Shard):
     def size(self, value: int) -> None:  # Shard.__init__ sets it; the view decides
         pass
 
+    @property
+    def rows_inserted(self) -> int:
+        """Rows every process committed (the control segment counts them)."""
+        return self.log.inserts
+
+    @rows_inserted.setter
+    def rows_inserted(self, value: int) -> None:  # Shard.__init__ sets it; the log decides
+        pass
+
     def readable_rows(self) -> int:
         """Rows readable now in the whole store (for ``len``; no read section opened)."""
         return self.log.readable_rows()
