@@ -245,7 +245,7 @@ class SampleToInsertRatio(RateLimiter):
         self.max_diff = offset + error_buffer
 
     def can_insert(self, num_rows: int) -> bool:
-        if self.inserts + num_rows <= self.min_size_to_sample:
+        if self.inserts < self.min_size_to_sample:  # as Reverb: nobody may sample yet, so nobody could unblock it
             return True
         return (self.inserts + num_rows) * self.samples_per_insert - self.samples <= self.max_diff
 

@@ -103,3 +103,12 @@ def write_limited(storage, limiter, num_episodes: int, length: int) -> None:
     for e in range(num_episodes):
         writer.extend(episode(e, length))
         writer.end_episode()
+
+
+def episodes_sampled(rb, draws: int, result_queue) -> None:
+    """Which episode ids ``rb`` (pickled into this process) samples in ``draws`` batches."""
+    seen: set[int] = set()
+    for _ in range(draws):
+        batch = rb.sample()
+        seen |= set(batch["ep"][batch["collector", "mask"].reshape(-1)].tolist())
+    result_queue.put(sorted(seen))

@@ -91,3 +91,12 @@ def test_empty_resets_counters_and_bad_arguments():
         SampleToInsertRatio(samples_per_insert=4.0, min_size_to_sample=1, error_buffer=1.0)
     with pytest.raises(ValueError, match="min_size"):
         MinSize(0)
+
+
+def test_an_insert_that_starts_below_min_size_is_admitted_whatever_its_size():
+    """Nobody can sample before min_size, so blocking it there would wait forever (Reverb admits it too)."""
+    limiter = SampleToInsertRatio(samples_per_insert=4.0, min_size_to_sample=100, error_buffer=4.0)
+    limiter.inserted(90)
+    assert limiter.can_insert(64) and not limiter.can_sample(1)
+    limiter.inserted(64)
+    assert not limiter.can_insert(1)  # past min_size, the ratio rules

@@ -289,3 +289,23 @@ def test_sample_to_insert_ratio_holds_across_processes():
         assert limiter.inserts == 100
     finally:
         storage.close()
+
+
+def test_a_sequence_sampler_pickled_after_sampling_sees_later_episodes():
+    """Its window tree belongs to the parent's episode index; the child's index must not pass for it."""
+    storage = GearStorage(1_000, shared=True)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(seq_len=4, strict_length=False),
+                                batch_size=64)
+    try:
+        for ep in range(3):
+            rb.extend(w.episode(ep, 20))
+            rb.sample()  # the parent's tree is current after every write
+        for ep in range(3, 6):
+            rb.extend(w.episode(ep, 20))  # written after the parent last sampled
+        results = CTX.Queue()
+        child = CTX.Process(target=w.episodes_sampled, args=(rb, 100, results))
+        child.start()
+        assert results.get(timeout=JOIN_S) == [0, 1, 2, 3, 4, 5]
+        _join([child])
+    finally:
+        storage.close()

@@ -19,12 +19,15 @@ they stay O(changed episodes) per write instead of rescanning.
 from __future__ import annotations
 
 import itertools
+import os
+import secrets
 from dataclasses import dataclass
 
 import torch
 
 _MIN_SLOTS = 64
 _UIDS = itertools.count()
+_PROCESS_TOKEN = secrets.token_hex(8)  # with the pid: no other process's index shares a uid
 _LOG_SLOTS = 1 << 16  # change-log budget; past it readers rebuild from scratch
 
 
@@ -51,7 +54,9 @@ def episode_ends(flags: torch.Tensor | None, traj: torch.Tensor | None, num_rows
 class EpisodeIndex:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.uid = next(_UIDS)  # readers key their derived state on this (ids of dead objects get reused)
+        # Readers key their derived state on this: ids of dead objects get reused, and a counter alone
+        # repeats in every process (a sampler pickled into a worker would trust a stranger's index).
+        self.uid = (os.getpid(), _PROCESS_TOKEN, next(_UIDS))
         self.first_serial = 0
         self.next_serial = 0
         self.open_traj: int | None = None  # trajectory id of the open episode
