@@ -21,23 +21,45 @@ class RateLimiterTimeout(TimeoutError):
 
 
 class _LocalCounters:
-    """Counts in this process; waiters wake when another thread counts."""
+    """Counts in this process; waiters wake when another thread counts.
+
+    An admitted insert counts from the moment it is admitted until ``add``
+    replaces it with the committed rows, so concurrent inserters see each other.
+    """
 
     def __init__(self) -> None:
-        self.inserts = 0
+        self.committed = 0
+        self.admitted = 0
         self.samples = 0
         self._cond = threading.Condition()
 
+    @property
+    def inserts(self) -> int:
+        return self.committed + self.admitted
+
     def add(self, inserts: int = 0, samples: int = 0) -> None:
         with self._cond:
-            self.inserts += inserts
+            self.committed += inserts
+            self.admitted = max(0, self.admitted - inserts)
             self.samples += samples
+            self._cond.notify_all()
+
+    def forfeit(self, num_rows: int) -> None:
+        with self._cond:
+            self.admitted = max(0, self.admitted - num_rows)
             self._cond.notify_all()
 
     def reset(self) -> None:
         with self._cond:
-            self.inserts = self.samples = 0
+            self.committed = self.admitted = self.samples = 0
             self._cond.notify_all()
+
+    def admit(self, num_rows: int, allowed: Callable[[], bool], deadline: float | None) -> bool:
+        with self._cond:
+            if not self.wait_until(allowed, deadline):
+                return False
+            self.admitted += num_rows
+            return True
 
     def wait_until(self, allowed: Callable[[], bool], deadline: float | None) -> bool:
         with self._cond:
@@ -52,8 +74,11 @@ class _LocalCounters:
 class _StoreCounters:
     """Counts in a shared GearStorage's control segment, so every attached process agrees.
 
-    Inserts are the rows committed by any process (counted by the store itself);
-    samples are what the limiters of all processes reported. Waiters poll.
+    Inserts are the rows committed by any process (counted by the store itself)
+    plus those a limiter admitted and whose commit is still on its way: a limiter
+    checks and admits in one step under the store's lock, so writers in
+    different processes cannot all pass the same check at once. Samples are what
+    the limiters of all processes reported. Waiters poll.
     """
 
     _POLL_S = 1e-3
@@ -64,21 +89,32 @@ class _StoreCounters:
 
     @property
     def inserts(self) -> int:
-        return self._log.inserts
+        return self._log.inserts + self._log.admitted
 
     @property
     def samples(self) -> int:
         return self._log.samples
 
     def add(self, inserts: int = 0, samples: int = 0) -> None:
+        if inserts:
+            self._log.settle(inserts)  # the commit itself counted them
         if samples:
             self._log.add_samples(samples)
+
+    def forfeit(self, num_rows: int) -> None:
+        self._log.settle(num_rows)
 
     def reset(self) -> None:
         self._log.reset_counters()
 
+    def admit(self, num_rows: int, allowed: Callable[[], bool], deadline: float | None) -> bool:
+        return self._poll(lambda: self._log.admit(num_rows, allowed), deadline)
+
     def wait_until(self, allowed: Callable[[], bool], deadline: float | None) -> bool:
-        while not allowed():
+        return self._poll(allowed, deadline)
+
+    def _poll(self, done: Callable[[], bool], deadline: float | None) -> bool:
+        while not done():
             self._log.check_open()
             if deadline is not None and time.monotonic() >= deadline:
                 return False
@@ -130,7 +166,11 @@ class RateLimiter(ABC):
     def _await(self, allowed, what: str, num_rows: int, timeout: float | None) -> None:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._counters.wait_until(lambda: allowed(num_rows), deadline):
+        if what == "insert":  # checked and counted at once (see the counters)
+            passed = self._counters.admit(num_rows, lambda: allowed(num_rows), deadline)
+        else:
+            passed = self._counters.wait_until(lambda: allowed(num_rows), deadline)
+        if not passed:
             raise RateLimiterTimeout(
                 f"{type(self).__name__}: {what} of {num_rows} rows blocked for {timeout}s "
                 f"(inserted {self.inserts}, sampled {self.samples}): {self._why_blocked(what)}")
@@ -144,6 +184,10 @@ class RateLimiter(ABC):
     def inserted(self, num_rows: int) -> None:
         """Count inserted rows (a shared store counts its commits itself)."""
         self._counters.add(inserts=num_rows)
+
+    def insert_failed(self, num_rows: int) -> None:
+        """An admitted insert did not happen: stop counting it."""
+        self._counters.forfeit(num_rows)
 
     def sampled(self, num_rows: int) -> None:
         self._counters.add(samples=num_rows)
@@ -168,14 +212,22 @@ class RateLimiter(ABC):
         def gated_extend(data, *args, **kwargs):
             n = len(data)
             self.await_insert(n)
-            out = extend(data, *args, **kwargs)
+            try:
+                out = extend(data, *args, **kwargs)
+            except BaseException:
+                self.insert_failed(n)
+                raise
             self.inserted(n)
             return out
 
         @functools.wraps(add)
         def gated_add(data, *args, **kwargs):
             self.await_insert(1)
-            out = add(data, *args, **kwargs)
+            try:
+                out = add(data, *args, **kwargs)
+            except BaseException:
+                self.insert_failed(1)
+                raise
             self.inserted(1)
             return out
 

@@ -100,7 +100,12 @@ class TrajectoryWriter:
         values = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*self._staged)]
         if self.limiter is not None:
             self.limiter.await_insert(n)
-        self.storage.shard.commit(self._spec, values)
+        try:
+            self.storage.shard.commit(self._spec, values)
+        except BaseException:
+            if self.limiter is not None:
+                self.limiter.insert_failed(n)
+            raise
         self._staged, self._pending = [], 0
         if self.limiter is not None:
             self.limiter.inserted(n)

@@ -112,3 +112,17 @@ def episodes_sampled(rb, draws: int, result_queue) -> None:
         batch = rb.sample()
         seen |= set(batch["ep"][batch["collector", "mask"].reshape(-1)].tolist())
     result_queue.put(sorted(seen))
+
+
+def write_until_blocked(storage, limiter, barrier) -> None:
+    """Write 10-step episodes, all writers starting at once, until the limiter stops letting them in."""
+    from gear_torchrl import RateLimiterTimeout, TrajectoryWriter
+
+    writer = TrajectoryWriter(storage, limiter=limiter)
+    barrier.wait()
+    try:
+        for e in range(1_000):
+            writer.extend(episode(e, 10))
+            writer.end_episode()
+    except RateLimiterTimeout:
+        pass

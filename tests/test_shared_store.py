@@ -10,7 +10,14 @@ import torch
 from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
 import shared_workers as w
-from gear_torchrl import GearSequenceSampler, GearStorage, SpecMismatchError, StoreClosedError, TrajectoryWriter
+from gear_torchrl import (
+    GearSequenceSampler,
+    GearStorage,
+    SampleToInsertRatio,
+    SpecMismatchError,
+    StoreClosedError,
+    TrajectoryWriter,
+)
 from gear_torchrl.store.shared_memory import SHM_DIR, store_segments
 
 CTX = mp.get_context("spawn")
@@ -264,8 +271,6 @@ def test_prioritized_sampler_follows_commits_from_other_processes():
 
 
 def test_sample_to_insert_ratio_holds_across_processes():
-    from gear_torchrl import SampleToInsertRatio
-
     storage = GearStorage(1_000, shared=True)
     limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=10, error_buffer=20, timeout=60)
     rb = limiter.attach(TensorDictReplayBuffer(storage=storage, batch_size=40))
@@ -307,5 +312,21 @@ def test_a_sequence_sampler_pickled_after_sampling_sees_later_episodes():
         child.start()
         assert results.get(timeout=JOIN_S) == [0, 1, 2, 3, 4, 5]
         _join([child])
+    finally:
+        storage.close()
+
+
+def test_concurrent_writers_cannot_all_pass_the_same_rate_limiter_check():
+    """Nobody samples, so the rule admits at most 101 rows; 8 writers racing must not overshoot it."""
+    storage = GearStorage(10_000, shared=True)
+    limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=1, error_buffer=100,
+                                  timeout=1.0).share(storage)
+    barrier = CTX.Barrier(8)
+    writers = [CTX.Process(target=w.write_until_blocked, args=(storage, limiter, barrier)) for _ in range(8)]
+    try:
+        for p in writers:
+            p.start()
+        _join(writers)
+        assert len(storage) == limiter.inserts == 100  # 10 episodes of 10: the 11th would pass 101
     finally:
         storage.close()

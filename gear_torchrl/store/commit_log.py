@@ -42,6 +42,7 @@ _H_MAGIC, _H_CAPACITY, _H_OWNER = 0, 2, 3
 _H_STATE = janitor.STATE_SLOT
 _H_RESERVED, _H_PUBLISHED, _H_NEXT_SEQ, _H_PUBLISHED_SEQ, _H_EPOCH = 5, 6, 7, 8, 9
 _H_INSERTS, _H_SAMPLES, _H_SPEC_LEN, _H_RECORDS, _H_READERS, _H_FLOOR = 10, 11, 12, 13, 14, 15
+_H_ADMITTED = 16  # rows rate limiters let in that are not committed yet
 _HEADER_SLOTS = PAGE // 8
 _SPEC_BYTES = 1 << 16
 
@@ -260,6 +261,29 @@ class CommitLog:
     def samples(self) -> int:
         return int(self._h[_H_SAMPLES])
 
+    @property
+    def admitted(self) -> int:
+        """Rows rate limiters admitted whose commits have not been counted yet."""
+        return int(self._h[_H_ADMITTED])
+
+    def admit(self, num_rows: int, allowed) -> bool:
+        """Count ``num_rows`` as admitted if ``allowed()`` holds, both under the lock.
+
+        Checking and counting in one step is what keeps writers in different
+        processes from all passing the same check at once.
+        """
+        with self._locked():
+            self.check_open()
+            if not allowed():
+                return False
+            self._h[_H_ADMITTED] += num_rows
+            return True
+
+    def settle(self, num_rows: int) -> None:
+        """Admitted rows were committed (the commit counted them) or given up."""
+        with self._locked():
+            self._h[_H_ADMITTED] = max(0, int(self._h[_H_ADMITTED]) - num_rows)
+
     def add_samples(self, num_rows: int) -> None:
         with self._locked():
             self._h[_H_SAMPLES] += num_rows
@@ -268,6 +292,7 @@ class CommitLog:
         with self._locked():
             self._h[_H_INSERTS] = 0
             self._h[_H_SAMPLES] = 0
+            self._h[_H_ADMITTED] = 0
 
     @property
     def reserved_end(self) -> int:
