@@ -37,7 +37,7 @@ class _LocalCounters:
     def inserts(self) -> int:
         return self.committed + self.admitted
 
-    def add(self, inserts: int = 0, samples: int = 0) -> None:
+    def add(self, inserts: int = 0, samples: int = 0, settled: int = 0) -> None:
         with self._cond:
             self.committed += inserts
             self.admitted = max(0, self.admitted - inserts)
@@ -95,9 +95,9 @@ class _StoreCounters:
     def samples(self) -> int:
         return self._log.samples
 
-    def add(self, inserts: int = 0, samples: int = 0) -> None:
-        if inserts:
-            self._log.settle(inserts)  # the commit itself counted them
+    def add(self, inserts: int = 0, samples: int = 0, settled: int = 0) -> None:
+        if inserts > settled:
+            self._log.settle(inserts - settled)  # their commits counted them; stop counting them as admitted
         if samples:
             self._log.add_samples(samples)
 
@@ -181,9 +181,23 @@ class RateLimiter(ABC):
     def await_sample(self, num_rows: int, timeout: float | None = None) -> None:
         self._await(self.can_sample, "sample", num_rows, timeout)
 
-    def inserted(self, num_rows: int) -> None:
-        """Count inserted rows (a shared store counts its commits itself)."""
-        self._counters.add(inserts=num_rows)
+    def inserted(self, num_rows: int, *, settled: int = 0) -> None:
+        """Count inserted rows (a shared store counts its commits itself).
+
+        ``settled``: rows whose commit already replaced their admission in the
+        store's counters (see ``settles_in``).
+        """
+        self._counters.add(inserts=num_rows, settled=settled)
+
+    def settles_in(self, storage: Any) -> bool:
+        """Whether commits to ``storage`` can settle this limiter's admissions as they count themselves.
+
+        True when the limiter counts in that very shared store: a writer then passes
+        its admitted rows to the commit, so they are never counted twice.
+        """
+        log = getattr(self._counters, "_log", None)
+        shard = getattr(storage, "shard", None)
+        return log is not None and getattr(shard, "store_id", None) == getattr(self._counters.storage.shard, "store_id", 0)
 
     def insert_failed(self, num_rows: int) -> None:
         """An admitted insert did not happen: stop counting it."""

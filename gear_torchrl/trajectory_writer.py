@@ -98,17 +98,19 @@ class TrajectoryWriter:
             return 0
         n = self._pending
         values = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*self._staged)]
+        settles = 0
         if self.limiter is not None:
             self.limiter.await_insert(n)
+            settles = n if self.limiter.settles_in(self.storage) else 0  # count them once, in the commit
         try:
-            self.storage.shard.commit(self._spec, values)
+            self.storage.shard.commit(self._spec, values, settles=settles)
         except BaseException:
             if self.limiter is not None:
                 self.limiter.insert_failed(n)
             raise
         self._staged, self._pending = [], 0
         if self.limiter is not None:
-            self.limiter.inserted(n)
+            self.limiter.inserted(n, settled=settles)
         self.episodes_written += 1
         self.rows_written += n
         return n

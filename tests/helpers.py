@@ -40,19 +40,23 @@ def assert_same_td(a, b) -> None:
 
 
 def segments_left_by_dead_owners(before: set[str], grace_s: float = 10.0) -> set[str]:
-    """Shared-memory segments created since ``before`` whose owner process is gone.
+    """Shared-memory segments created since ``before`` that this process or a dead one owns.
 
     Segments are named ``gear_torchrl-<owner pid>-<token>.<part>``; live stores of
-    other tests may come and go meanwhile, so only dead owners' count. A janitor
-    unlinks right after its owner ends: wait up to ``grace_s`` for it.
+    other processes on the machine may come and go meanwhile, and do not count. A
+    janitor unlinks right after its owner ends: wait up to ``grace_s`` for it.
     """
+    import os
     import time
 
     from gear_torchrl.store.commit_log import _alive
 
+    def leaked_by(pid: int) -> bool:
+        return pid == os.getpid() or not _alive(pid)
+
     deadline = time.monotonic() + grace_s
     while True:
-        leaked = {s for s in shm_segments() - before if not _alive(_owner_pid(s))}
+        leaked = {s for s in shm_segments() - before if leaked_by(_owner_pid(s))}
         if not leaked or time.monotonic() > deadline:
             return leaked
         time.sleep(0.05)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import sharded_workers as w
 import torch
+from helpers import segments_left_by_dead_owners, shm_segments
 
-SHM_DIR = Path("/dev/shm")
 LEARNER_SKIP, LEARNER_RAISE = w.OWNERS, w.OWNERS + 1
 # learner options per rank: one reads over tcp and skips failed shards, one picks the transport and raises
 OPTIONS = {LEARNER_SKIP: {"transport": "tcp", "on_shard_failure": "skip"},
@@ -40,7 +40,7 @@ def _wait(paths: list[Path], processes, deadline: float) -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded")
-    before = {p.name for p in SHM_DIR.glob("gear_torchrl-*")}
+    before = shm_segments()
     ctx = mp.get_context("spawn")
     world, port = w.OWNERS + 2, _free_port()
     processes = [ctx.Process(target=w.run_rank, args=(r, world, port, str(tmp), OPTIONS), name=f"rank{r}")
@@ -60,10 +60,7 @@ def job(tmp_path_factory):
         exits = {p.name: p.exitcode for p in processes}
         results = {r: torch.load(tmp / f"learner_{r}.pt") for r in OPTIONS}
         owners = {s: torch.load(tmp / f"owner_{s}.pt") for s in range(w.OWNERS) if s != w.KILLED}
-        deadline = time.monotonic() + 10  # the killed owner's janitor unlinks its segments
-        while {p.name for p in SHM_DIR.glob("gear_torchrl-*")} - before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        leaked = {p.name for p in SHM_DIR.glob("gear_torchrl-*")} - before
+        leaked = segments_left_by_dead_owners(before)  # the killed owner's janitor unlinks its segments
         yield {"results": results, "owners": owners, "exits": exits, "leaked": leaked}
     finally:
         for p in processes:

@@ -6,10 +6,11 @@ import pickle
 import time
 
 import pytest
+import shared_workers as w
 import torch
+from helpers import segments_left_by_dead_owners, shm_segments
 from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
-import shared_workers as w
 from gear_torchrl import (
     GearSequenceSampler,
     GearStorage,
@@ -18,28 +19,21 @@ from gear_torchrl import (
     StoreClosedError,
     TrajectoryWriter,
 )
-from gear_torchrl.store.shared_memory import SHM_DIR, store_segments
+from gear_torchrl.store.shared_memory import store_segments
 
 CTX = mp.get_context("spawn")
 JOIN_S = 120
 
 
-def _segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob("gear_torchrl-*")}
-
-
 @pytest.fixture(autouse=True)
 def no_leaks():
     """Every test ends with its processes gone and no segment of its stores left in /dev/shm."""
-    before = _segments()
+    before = shm_segments()
     yield
     for child in mp.active_children():
         child.kill()
         child.join(10)
-    deadline = time.monotonic() + 10  # a janitor may still be unlinking
-    while _segments() - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _segments() - before == set(), "shared-memory segments leaked"
+    assert segments_left_by_dead_owners(before) == set(), "shared-memory segments leaked"
 
 
 def _join(processes) -> None:

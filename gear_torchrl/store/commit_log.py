@@ -190,12 +190,14 @@ class CommitLog:
             self.check_open()
             time.sleep(_GRACE_POLL_S)
 
-    def commit(self, reservation: Reservation, *, dead: bool = False) -> None:
+    def commit(self, reservation: Reservation, *, dead: bool = False, settles: int = 0) -> None:
+        """Publish a reservation; its rows count as inserts, replacing ``settles`` admitted rows at once."""
         with self._locked():
             k = self._records.shape[0]
             self._records[reservation.seq % k, 3] = DEAD if dead else COMMITTED
             if not dead:
                 self._h[_H_INSERTS] += reservation.num_rows
+                self._h[_H_ADMITTED] = max(0, int(self._h[_H_ADMITTED]) - settles)
             self._publish()
 
     def _publish(self) -> None:

@@ -178,10 +178,12 @@ class Shard:
             return rows
         return self._write_columns(spec, rows, values, append)
 
-    def commit(self, spec: TableSpec, values: list[torch.Tensor]) -> torch.Tensor:
+    def commit(self, spec: TableSpec, values: list[torch.Tensor], settles: int = 0) -> torch.Tensor:
         """Append checked columns (``validated``) as one unit whose last row ends an episode.
 
         This is how a :class:`TrajectoryWriter` hands over an episode or a chunk of one.
+        ``settles``: rows a rate limiter admitted into a shared store's counters,
+        which the commit replaces with its own (nothing to do here).
         """
         rows = (torch.arange(values[0].shape[0], dtype=torch.int64) + self.head) % self.capacity
         rows = self._write_columns(spec, rows, values, append=True)

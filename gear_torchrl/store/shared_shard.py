@@ -125,7 +125,7 @@ class SharedShard(Shard):
         spec, values, _ = self.validated(data, isinstance(index, (int, np.integer)))
         return self.commit(spec, values)  # checks the spec against the store's
 
-    def commit(self, spec: TableSpec, values: list[torch.Tensor]) -> torch.Tensor:
+    def commit(self, spec: TableSpec, values: list[torch.Tensor], settles: int = 0) -> torch.Tensor:
         """Write checked columns (``validated``) as one unit, readable all at once."""
         self._map_data()
         if self.spec is None:
@@ -143,7 +143,7 @@ class SharedShard(Shard):
         except BaseException:
             self.log.commit(reservation, dead=True)
             raise
-        self.log.commit(reservation)
+        self.log.commit(reservation, settles=settles)
         return rows
 
     def set_size(self, size: int) -> None:
