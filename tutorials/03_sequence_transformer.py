@@ -23,26 +23,15 @@ from __future__ import annotations
 import argparse
 import logging
 import pickle
-import sys
 import time
 
 import torch
 from tensordict import TensorDict
 from torch import nn
 from torchrl.data import TensorDictReplayBuffer
+from tqdm import tqdm
 
 from gear_torchrl import GearDataset, GearSequenceSampler, GearStorage
-
-try:
-    from tqdm import tqdm
-except ImportError:  # tqdm is optional: without it, a line every tenth of the way
-    def tqdm(iterable, total=None, desc=""):
-        total = len(iterable) if total is None else total
-        for i, item in enumerate(iterable):
-            if total >= 10 and i % (total // 10) == 0:
-                print(f"{desc}: {i}/{total}", file=sys.stderr, flush=True)
-            yield item
-
 
 # -- 1. The environment and the behaviour data ------------------------------------------
 #

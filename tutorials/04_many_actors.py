@@ -31,26 +31,15 @@ import argparse
 import logging
 import multiprocessing as mp
 import pickle
-import sys
 import time
 
 import torch
 from tensordict import TensorDict
 from torch import nn
 from torchrl.data import TensorDictReplayBuffer
+from tqdm import tqdm
 
 from gear_torchrl import GearStorage, SampleToInsertRatio, TrajectoryWriter
-
-try:
-    from tqdm import tqdm
-except ImportError:  # tqdm is optional: without it, a line every tenth of the way
-    def tqdm(iterable, total=None, desc=""):
-        total = len(iterable) if total is None else total
-        for i, item in enumerate(iterable):
-            if total >= 10 and i % (total // 10) == 0:
-                print(f"{desc}: {i}/{total}", file=sys.stderr, flush=True)
-            yield item
-
 
 # -- 1. The actor: an environment loop that writes episodes --------------------------------
 #
