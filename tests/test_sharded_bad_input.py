@@ -1,0 +1,83 @@
+"""Bad input to a sharded store gets a clear error and changes nothing (one rank owning one shard)."""
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torchrl.data import TensorDictReplayBuffer
+
+from gear_torchrl import (
+    EmptyStoreError,
+    GearPrioritizedSampler,
+    GearSequenceSampler,
+    ShardedGearStorage,
+    TrajectoryWriter,
+)
+from gear_torchrl.distributed import global_ids
+
+
+@pytest.fixture(scope="module")
+def storage():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    store = ShardedGearStorage(100, serve_on="127.0.0.1", transport="tcp", timeout=10)
+    try:
+        yield store
+    finally:
+        store.close()
+        dist.destroy_process_group()
+
+
+def _steps(n: int) -> TensorDict:
+    done = torch.zeros(n, 1, dtype=torch.bool)
+    done[-1] = True
+    return TensorDict({"obs": torch.arange(n, dtype=torch.float32), ("next", "done"): done}, [n])
+
+
+def test_sampling_an_empty_sharded_store_says_so(storage):
+    with pytest.raises(RuntimeError, match="empty"):  # TorchRL's RandomSampler asks len() first
+        TensorDictReplayBuffer(storage=storage, batch_size=4).sample()
+    with pytest.raises(EmptyStoreError, match="nothing to sample in any of the 1 live shards"):
+        TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(2), batch_size=4).sample()
+
+
+def test_bad_options_are_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="transport"):
+        ShardedGearStorage(10, transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="on_shard_failure"):
+        ShardedGearStorage(10, on_shard_failure="ignore")
+
+
+def test_writes_through_the_union_point_to_the_local_shard(storage):
+    with pytest.raises(NotImplementedError, match="storage.local"):
+        TensorDictReplayBuffer(storage=storage).extend(_steps(3))
+
+
+def test_bad_row_ids_and_priorities_leave_the_owner_unchanged(storage):
+    writer = TrajectoryWriter(storage.local)
+    writer.extend(_steps(10))
+    writer.end_episode()
+    sampler = GearPrioritizedSampler(100, alpha=1.0, beta=0.5)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=8)
+    rb.sample()  # the owner starts keeping these priorities
+    ids = global_ids.encode(0, torch.arange(10))
+    rb.update_priority(ids, torch.arange(1.0, 11.0))
+    with pytest.raises(ValueError, match="not a global row id"):
+        rb.update_priority(torch.tensor([3]), torch.tensor([5.0]))
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        rb.update_priority(ids[:2], torch.tensor([1.0, float("nan")]))
+    with pytest.raises(IndexError, match="out of range"):
+        rb.update_priority(global_ids.encode(0, torch.tensor([500])), torch.tensor([1.0]))
+    with pytest.raises(IndexError, match="names shard 5"):
+        storage.get(global_ids.encode(5, torch.tensor([0])))
+    owner = storage._server.selectors.prioritized()[0].sampler
+    assert torch.allclose(owner.masses(torch.arange(10)), torch.arange(1.0, 11.0, dtype=torch.float64) + 1e-8)
+    rows = storage.get(ids[[2, 7]])  # reads by id still work, in the order asked
+    assert rows["obs"].tolist() == [2.0, 7.0]
