@@ -36,6 +36,14 @@ def no_leaks():
     assert segments_left_by_dead_owners(before) == set(), "shared-memory segments leaked"
 
 
+def _readable_rows(storage: GearStorage) -> torch.Tensor:
+    """Every readable ring row, oldest first, as this process sees the store now."""
+    with storage.shard.picking():
+        rows = storage.shard.logical_order()
+    storage.shard.release()
+    return rows
+
+
 def _join(processes) -> None:
     for p in processes:
         p.join(JOIN_S)
@@ -107,8 +115,10 @@ def test_four_writers_and_a_sampling_reader_see_only_whole_rows():
         assert storage.shard.log.inserts == sum(written.values())
         snapshot = storage.stats()  # inserts: every writer's; samples: this process's reads
         assert snapshot["inserts"] == sum(written.values()) and snapshot["samples"] == batches * (256 + 64)
-        assert len(storage) == 2_000  # the ring is full, and nothing in it is missing
-        everything = storage.get(torch.arange(2_000))
+        # The ring is full but for the block evicted ahead of the writers, and nothing else is missing.
+        assert 2_000 - 2_000 // 64 <= len(storage) < 2_000
+        everything = storage.get(_readable_rows(storage))
+        assert everything.shape[0] == len(storage)
         w.verify(everything)
         # Whole episodes only, apart from the oldest one (the ring cut its head off).
         storage.shard.refresh()
@@ -116,7 +126,7 @@ def test_four_writers_and_a_sampling_reader_see_only_whole_rows():
         storage.shard._end_read()
         lengths = storage.get(view.start)["len"]
         assert torch.equal(view.length[1:], lengths[1:])
-        assert int(view.length.sum()) == 2_000
+        assert int(view.length.sum()) == len(storage)
     finally:
         storage.close()
 
@@ -256,7 +266,7 @@ def test_prioritized_sampler_follows_commits_from_other_processes():
         writer = CTX.Process(target=w.write_episodes, args=(storage, 1, 80, 20, False, results))
         writer.start()
         _join([writer])
-        live = set(storage.get(torch.arange(len(storage)))["ep"].tolist())
+        live = set(storage.get(_readable_rows(storage))["ep"].tolist())
         batch = rb.sample()
         w.verify(batch)
         assert set(batch["ep"].tolist()) <= live

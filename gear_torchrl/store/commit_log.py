@@ -43,6 +43,8 @@ _H_STATE = janitor.STATE_SLOT
 _H_RESERVED, _H_PUBLISHED, _H_NEXT_SEQ, _H_PUBLISHED_SEQ, _H_EPOCH = 5, 6, 7, 8, 9
 _H_INSERTS, _H_SAMPLES, _H_SPEC_LEN, _H_RECORDS, _H_READERS, _H_FLOOR = 10, 11, 12, 13, 14, 15
 _H_ADMITTED = 16  # rows rate limiters let in that are not committed yet
+_H_EVICTED, _H_EVICT_EPOCH = 17, 18  # rows below EVICTED - capacity are gone, since that epoch
+_EVICT_BLOCKS = 64  # the ring evicts 1/64 of itself at a time
 _HEADER_SLOTS = PAGE // 8
 _SPEC_BYTES = 1 << 16
 
@@ -69,7 +71,7 @@ class Reservation:
 
 @dataclass(frozen=True)
 class ReadSnapshot:
-    reserved_end: int
+    evicted_end: int  # positions below evicted_end - capacity are gone
     published_end: int
     floor: int  # positions below it were emptied
     # Records published since the reader's last look: int64 [k, 3] of (position, rows, dead).
@@ -170,11 +172,21 @@ class CommitLog:
             self._h[_H_RESERVED] = end
             self._h[_H_NEXT_SEQ] = seq + 1
             evicts = end > self.capacity
-            epoch = int(self._h[_H_EPOCH])
-            if evicts:
-                epoch += 1
-                self._h[_H_EPOCH] = epoch
-            return Reservation(seq, position, num_rows, epoch, evicts)
+            if evicts and end > int(self._h[_H_EVICTED]):
+                self._evict_block(end)
+            return Reservation(seq, position, num_rows, int(self._h[_H_EVICT_EPOCH]), evicts)
+
+    def _evict_block(self, end: int) -> None:
+        """Make the oldest rows unreadable a block ahead of ``end`` (lock held).
+
+        Writers then wait for readers once per block, not once per commit: the
+        reservations inside the block find their rows evicted already, at an
+        epoch whose older readers the first of them waited for.
+        """
+        block = max(1, self.capacity // _EVICT_BLOCKS)
+        self._h[_H_EVICTED] = min(end + block, end + self.capacity - 1)
+        self._h[_H_EPOCH] += 1
+        self._h[_H_EVICT_EPOCH] = self._h[_H_EPOCH]
 
     def await_readers(self, reservation: Reservation) -> None:
         """Wait until no reader that began before the reservation's eviction is still reading."""
@@ -233,7 +245,7 @@ class CommitLog:
             seqs = np.arange(first, published_seq) % k
             records = self._records[seqs][:, [0, 1, 3]].copy()
             records[:, 2] = records[:, 2] == DEAD
-            snapshot = ReadSnapshot(int(self._h[_H_RESERVED]), int(self._h[_H_PUBLISHED]), int(self._h[_H_FLOOR]), records,
+            snapshot = ReadSnapshot(self._evicted_end(), int(self._h[_H_PUBLISHED]), int(self._h[_H_FLOOR]), records,
                                     lost=first > self._seen_seq)
             self._seen_seq = published_seq
             return snapshot
@@ -303,10 +315,14 @@ class CommitLog:
         """Rows ever reserved (read without the lock)."""
         return int(self._h[_H_RESERVED])
 
+    def _evicted_end(self) -> int:
+        """Positions below this minus the capacity are gone (reserved over, or evicted ahead)."""
+        return max(int(self._h[_H_RESERVED]), int(self._h[_H_EVICTED]))
+
     def readable_rows(self) -> int:
         """Rows a reader would find now, read without the lock (for ``len``)."""
-        reserved, published = int(self._h[_H_RESERVED]), int(self._h[_H_PUBLISHED])
-        return max(0, published - max(reserved - self.capacity, int(self._h[_H_FLOOR]), 0))
+        published = int(self._h[_H_PUBLISHED])
+        return max(0, published - max(self._evicted_end() - self.capacity, int(self._h[_H_FLOOR]), 0))
 
     def empty(self) -> None:
         """Every row written or being written so far stops being readable."""

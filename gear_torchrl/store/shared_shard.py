@@ -258,7 +258,7 @@ class SharedShard(Shard):
                            "rows committed before the oldest record still held are not sampled by it")
             self.episodes.clear()
             self._lo = self._hi = int(snapshot.records[0, 0]) if len(snapshot.records) else snapshot.published_end
-        lo = max(snapshot.reserved_end - self.capacity, snapshot.floor, 0)
+        lo = max(snapshot.evicted_end - self.capacity, snapshot.floor, 0)
         for position, end, dead, record_ends in _runs(snapshot.records):
             self._evict_to(min(lo, position))
             first = max(position, lo)
