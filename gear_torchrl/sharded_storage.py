@@ -481,8 +481,13 @@ class ShardedGearStorage(TensorStorage):
 
     # -- writes go to a shard ------------------------------------------------------------------------
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
-        raise NotImplementedError("a ShardedGearStorage is written shard by shard: extend a replay buffer over "
-                                  "`storage.local` on an owning rank, or give it to actors' TrajectoryWriter")
+        """Append to this rank's own shard (a replay buffer's ``extend`` on an owning rank)."""
+        if self._local is None:
+            raise NotImplementedError("this rank owns no shard, so it cannot write: write on a rank built with "
+                                      "owns_shard=True (through this storage or `storage.local`), or from actors "
+                                      "with a TrajectoryWriter on `storage.local`")
+        self._local.set(cursor, data, set_cursor=set_cursor)
+        self._rows.pop(self.shard_id, None)  # len() asks the shard again
 
     def _empty(self) -> None:
         raise NotImplementedError("empty each shard on its owner (`storage.local`)")

@@ -1,6 +1,7 @@
 """Bad input to a sharded store gets a clear error and changes nothing (one rank owning one shard)."""
 from __future__ import annotations
 
+import pickle
 import socket
 from datetime import timedelta
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torchrl.data import TensorDictReplayBuffer
+from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
 from gear_torchrl import (
     EmptyStoreError,
@@ -55,19 +56,24 @@ def test_bad_options_are_refused_before_anything_starts():
         ShardedGearStorage(10, on_shard_failure="ignore")
 
 
-def test_writes_through_the_union_point_to_the_local_shard(storage):
-    with pytest.raises(NotImplementedError, match="storage.local"):
-        TensorDictReplayBuffer(storage=storage).extend(_steps(3))
+def test_an_owner_extends_the_union_into_its_own_shard_and_a_reader_cannot(storage):
+    reader = pickle.loads(pickle.dumps(storage))  # a copy holds no shard (as a DataLoader worker's)
+    with pytest.raises(NotImplementedError, match="owns no shard"):
+        ReplayBuffer(storage=reader).extend(_steps(3))
+    before = len(storage)
+    ReplayBuffer(storage=storage).extend(_steps(5))
+    assert len(storage) == len(storage.local) == before + 5
 
 
 def test_bad_row_ids_and_priorities_leave_the_owner_unchanged(storage):
+    first = len(storage.local)  # earlier tests may have written: these rows follow theirs in the ring
     writer = TrajectoryWriter(storage.local)
     writer.extend(_steps(10))
     writer.end_episode()
     sampler = GearPrioritizedSampler(100, alpha=1.0, beta=0.5)
     rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=8)
     rb.sample()  # the owner starts keeping these priorities
-    ids = global_ids.encode(0, torch.arange(10))
+    ids = global_ids.encode(0, torch.arange(first, first + 10))
     rb.update_priority(ids, torch.arange(1.0, 11.0))
     with pytest.raises(ValueError, match="not a global row id"):
         rb.update_priority(torch.tensor([3]), torch.tensor([5.0]))
@@ -78,6 +84,6 @@ def test_bad_row_ids_and_priorities_leave_the_owner_unchanged(storage):
     with pytest.raises(IndexError, match="names shard 5"):
         storage.get(global_ids.encode(5, torch.tensor([0])))
     owner = storage._server.selectors.prioritized()[0].sampler
-    assert torch.allclose(owner.masses(torch.arange(10)), torch.arange(1.0, 11.0, dtype=torch.float64) + 1e-8)
+    assert torch.allclose(owner.masses(torch.arange(first, first + 10)), torch.arange(1.0, 11.0, dtype=torch.float64) + 1e-8)
     rows = storage.get(ids[[2, 7]])  # reads by id still work, in the order asked
     assert rows["obs"].tolist() == [2.0, 7.0]
