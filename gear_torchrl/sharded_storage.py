@@ -114,7 +114,8 @@ class ShardedGearStorage(TensorStorage):
         secret = directory.secret(create=dist.get_rank(group) == 0)
         local = GearStorage(max_size, shared=True, end_keys=end_keys, traj_key=traj_key) if owns_shard else None
         server = None if local is None else ShardServer(local, secret, host=serve_on or serving_address())
-        rdma = None if local is None or _rdma_reason() is not None else {"prefix": f"{directory.prefix}/rdma/{dist.get_rank()}"}
+        exports_rdma = local is not None and _rdma_reason() is None
+        rdma = {"prefix": f"{directory.prefix}/rdma/{dist.get_rank()}"} if exports_rdma else None
         mine = None if local is None else _describe(local, server, dist.get_rank(), rdma)
         descriptors = exchange_descriptors(mine, group)
         if not descriptors:
@@ -238,7 +239,8 @@ class ShardedGearStorage(TensorStorage):
             if not any(masses.get(s, 0.0) > 0 for s in self.live_shards) and self._rows_known():
                 raise EmptyStoreError(f"nothing to sample in any of the {len(self.live_shards)} live shards "
                                       f"for {selection['kind']} selection (empty, or no eligible rows/windows)")
-        raise RuntimeError(f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds: the shards keep coming up short")
+        raise RuntimeError(f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds: "
+                           "the shards keep coming up short")
 
     def _rows_known(self) -> bool:
         return all(s in self._rows for s in self.live_shards)

@@ -84,6 +84,7 @@ def test_bad_row_ids_and_priorities_leave_the_owner_unchanged(storage):
     with pytest.raises(IndexError, match="names shard 5"):
         storage.get(global_ids.encode(5, torch.tensor([0])))
     owner = storage._server.selectors.prioritized()[0].sampler
-    assert torch.allclose(owner.masses(torch.arange(first, first + 10)), torch.arange(1.0, 11.0, dtype=torch.float64) + 1e-8)
+    expected = torch.arange(1.0, 11.0, dtype=torch.float64) + 1e-8  # alpha 1, eps 1e-8
+    assert torch.allclose(owner.masses(torch.arange(first, first + 10)), expected)
     rows = storage.get(ids[[2, 7]])  # reads by id still work, in the order asked
     assert rows["obs"].tolist() == [2.0, 7.0]
