@@ -45,8 +45,8 @@ class UniformSelector(Selector):
     def pick(self, storage: GearStorage, count: int) -> Picked:
         with storage.shard.picking():
             size = storage.shard.size
-            rows = storage._rand_given_ndim(count) if count and size else _NONE
-        return Picked.rows(rows.cpu(), float(size))
+            rows = storage.shard.uniform_rows(count, None, torch.device("cpu")) if count and size else _NONE
+        return Picked.rows(rows, float(size))
 
 
 class PrioritizedSelector(Selector):
