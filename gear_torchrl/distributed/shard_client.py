@@ -1,7 +1,6 @@
 """A learner's connection to one shard owner: selection, priority updates, TCP reads."""
 from __future__ import annotations
 
-import builtins
 import socket
 import threading
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from gear_torchrl.store.shard import EmptyStoreError
 # Errors an owner reports that keep their type on the learner's side.
 _REMOTE_TYPES: dict[str, type[Exception]] = {
     "IndexError": IndexError, "ValueError": ValueError, "EmptyStoreError": EmptyStoreError,
-    "NotImplementedError": builtins.NotImplementedError,
+    "NotImplementedError": NotImplementedError,
 }
 
 
@@ -42,7 +41,7 @@ class ShardClient:
         except (OSError, wire.ProtocolError) as exc:
             raise ShardUnavailableError(f"cannot reach {descriptor.where}: {exc}") from exc
 
-    def request(self, message: Message, into: list[torch.Tensor] | None = None) -> Message:
+    def request(self, message: Message, into: list[torch.Tensor] | wire.Allocator | None = None) -> Message:
         with self._lock:
             try:
                 wire.send(self._sock, message)
