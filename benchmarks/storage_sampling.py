@@ -17,7 +17,12 @@ import tempfile
 import torch
 from harness import interleaved_medians, table, write_json
 from tensordict import TensorDict
-from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer, TensorDictReplayBuffer
+from torchrl.data import (
+    LazyMemmapStorage,
+    LazyTensorStorage,
+    ReplayBuffer,
+    TensorDictReplayBuffer,
+)
 
 from gear_torchrl import GearStorage
 from gear_torchrl._ext import _C

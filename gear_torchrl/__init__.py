@@ -50,7 +50,13 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads lazily
     from gear_torchrl.checkpointer import GearStorageCheckpointer  # noqa: F401
     from gear_torchrl.dataset import GearDataset  # noqa: F401
-    from gear_torchrl.rate_limiters import MinSize, RateLimiter, RateLimiterTimeout, SampleToInsertRatio  # noqa: F401
+    from gear_torchrl.distributed.transports.base import ShardUnavailableError  # noqa: F401
+    from gear_torchrl.rate_limiters import (  # noqa: F401
+        MinSize,
+        RateLimiter,
+        RateLimiterTimeout,
+        SampleToInsertRatio,
+    )
     from gear_torchrl.samplers import (  # noqa: F401
         GearPrioritizedSampler,
         GearPrioritizedSequenceSampler,
@@ -59,7 +65,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads l
         QueueSampler,
         TopKSampler,
     )
-    from gear_torchrl.distributed.transports.base import ShardUnavailableError  # noqa: F401
     from gear_torchrl.sharded_storage import ShardedGearStorage  # noqa: F401
     from gear_torchrl.storage import GearStorage  # noqa: F401
     from gear_torchrl.store.commit_log import StoreClosedError  # noqa: F401

@@ -25,10 +25,10 @@ def test_readme_example_runs(tmp_path):
 
 
 def test_stats_snapshot_counts_rows_episodes_and_rates():
+    from helpers import make_steps
     from torchrl.data import TensorDictReplayBuffer
 
     from gear_torchrl import GearStorage
-    from helpers import make_steps
 
     storage = GearStorage(1000)
     rb = TensorDictReplayBuffer(storage=storage, batch_size=64)

@@ -61,7 +61,12 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
-from gear_torchrl import GearDataset, GearSequenceSampler, ShardedGearStorage, TrajectoryWriter
+from gear_torchrl import (
+    GearDataset,
+    GearSequenceSampler,
+    ShardedGearStorage,
+    TrajectoryWriter,
+)
 from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.directory import host_id
 

@@ -18,7 +18,11 @@ from typing import Any, Literal
 
 import torch
 
-from gear_torchrl.samplers.prioritized import GearPrioritizedSampler, _as_index, _as_priority
+from gear_torchrl.samplers.prioritized import (
+    GearPrioritizedSampler,
+    _as_index,
+    _as_priority,
+)
 from gear_torchrl.samplers.sequence import GearSequenceSampler
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.episodes import EpisodeIndex

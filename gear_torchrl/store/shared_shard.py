@@ -24,7 +24,13 @@ import torch
 from gear_torchrl.store.commit_log import CommitLog, ReadSnapshot, control_bytes
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard
 from gear_torchrl.store.shared_memory import (
-    Janitor, create_segment, map_tensor, new_store_id, page_round, segment_path)
+    Janitor,
+    create_segment,
+    map_tensor,
+    new_store_id,
+    page_round,
+    segment_path,
+)
 from gear_torchrl.store.spec import Data, NestedKey, SpecMismatchError, TableSpec
 
 logger = logging.getLogger(__name__)

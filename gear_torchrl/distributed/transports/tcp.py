@@ -1,4 +1,4 @@
-"""tcp: the portable transport; the shard server gathers and sends the rows' bytes."""
+"""tcp: the portable transport; the shard server sends the rows' bytes from its ring."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 from gear_torchrl.distributed.picked import Picked
-
 from gear_torchrl.distributed.transports.base import ReadRequest, Transport
 
 
