@@ -24,6 +24,7 @@ SEQ_LEN = 4
 BATCHES = 40
 ALPHA, BETA, EPS = 0.7, 0.5, 1e-6
 KILLED = 3
+STOPPED = 2  # then SIGSTOPped: alive, silent
 TIMEOUT_S = 10.0
 WAIT_S = 240.0
 
@@ -107,6 +108,9 @@ def _learn(storage, rank: int, tmp: Path) -> dict:
     (tmp / f"phase1_{rank}").touch()
     _wait_for(tmp / "killed")
     results["after_kill"] = _after_kill(storage)
+    (tmp / f"phase2_{rank}").touch()
+    _wait_for(tmp / "stopped")
+    results["after_stop"] = _after_kill(storage)  # a silent shard must cost at most the timeout
     return results
 
 
@@ -212,6 +216,7 @@ def _refusals(storage) -> dict:
 
 
 def _after_kill(storage) -> dict:
+    """Sample 10 batches after a shard failed: which shards answered, or what was raised, and how fast."""
     from torchrl.data import TensorDictReplayBuffer
 
     from gear_torchrl.distributed.transports.base import ShardUnavailableError
@@ -222,5 +227,5 @@ def _after_kill(storage) -> dict:
         shards = torch.cat([rb.sample()["shard"] for _ in range(10)])
     except ShardUnavailableError as exc:
         return {"raised": str(exc), "seconds": time.monotonic() - start}
-    return {"shards_seen": torch.unique(shards).tolist(), "failed": storage.failed_shards,
+    return {"shards_seen": torch.unique(shards).tolist(), "failed": dict(storage.failed_shards),
             "seconds": time.monotonic() - start}

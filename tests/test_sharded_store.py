@@ -53,7 +53,13 @@ def job(tmp_path_factory):
         os.kill(processes[w.KILLED].pid, signal.SIGKILL)
         processes[w.KILLED].join(10)
         (tmp / "killed").touch()
-        _wait([tmp / f"learner_{r}.pt" for r in OPTIONS], processes, deadline)
+        _wait([tmp / f"phase2_{r}" for r in OPTIONS], processes, deadline)
+        os.kill(processes[w.STOPPED].pid, signal.SIGSTOP)
+        (tmp / "stopped").touch()
+        try:
+            _wait([tmp / f"learner_{r}.pt" for r in OPTIONS], processes, deadline)
+        finally:
+            os.kill(processes[w.STOPPED].pid, signal.SIGCONT)
         (tmp / "finish").touch()
         for p in processes:
             p.join(60)
@@ -165,3 +171,12 @@ def test_a_dead_shard_is_skipped_or_raised_within_the_timeout(job):
     assert f"shard {w.KILLED}" in raised["raised"]
     for outcome in (skipped, raised):
         assert outcome["seconds"] < 2 * w.TIMEOUT_S + 5
+
+
+def test_a_silent_shard_costs_at_most_the_timeout(job):
+    skipped = job["results"][LEARNER_SKIP]["after_stop"]
+    assert set(skipped["shards_seen"]) == set(range(w.OWNERS)) - {w.KILLED, w.STOPPED}
+    assert "stopped answering" in skipped["failed"][w.STOPPED]
+    assert w.TIMEOUT_S * 0.9 <= skipped["seconds"] < 2 * w.TIMEOUT_S + 5  # it waited once, then went on
+    raised = job["results"][LEARNER_RAISE]["after_stop"]
+    assert "shard" in raised["raised"] and raised["seconds"] < 2 * w.TIMEOUT_S + 5
