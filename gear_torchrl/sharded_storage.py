@@ -10,6 +10,7 @@ through a transport (``tcp``, ``local`` shared memory, or ``rdma``).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -216,54 +217,89 @@ class ShardedGearStorage(TensorStorage):
         return self._assemble(*self._pick_across(selection, count))
 
     def _pick_across(self, selection: dict[str, Any], count: int
-                     ) -> tuple[list[tuple[int, Picked, list[torch.Tensor]]], dict[str, float]]:
+                     ) -> tuple[list[tuple[int, Picked, list[torch.Tensor]]], dict[str, float], list | None]:
+        """Rounds of selection until ``count`` picks are read; also the batch, when they filled it in place.
+
+        The first round that picks gives each shard a slice of one batch to read
+        into, so a batch whose shards deliver what they were asked needs no copy.
+        """
         masses = self._masses.setdefault(json.dumps(selection, sort_keys=True), {})
         got: list[tuple[int, Picked, list[torch.Tensor]]] = []
         scalars: dict[str, float] = {}
-        remaining = count
+        batch, exact, remaining = None, True, count
         for _ in range(_MAX_ROUNDS):
             live = self.live_shards
             if not live:
                 raise ShardUnavailableError(f"every shard has failed: {self._failed}")
             counts = _split(remaining, [masses.get(s, 0.0) for s in live])
-            for shard, (picked, columns) in self._on_each(live, lambda s, k: self._select_and_read(s, selection, k),
-                                                          counts):
+            slices = {}
+            if batch is None and remaining == count and any(counts):
+                batch, per_pick = self._batch_for(live, counts, selection, count)
+                first = [0, *itertools.accumulate(counts)][:-1]
+                slices = {s: (f * per_pick, k * per_pick) for s, f, k in zip(live, first, counts)}
+            elif any(counts):
+                exact = False  # a later round: its picks go to buffers of their own
+            asked = dict(zip(live, counts))
+            results = self._on_each(live, lambda s, k: self._select_and_read(s, selection, k, batch, slices.get(s)),
+                                    counts)
+            for shard, (picked, columns) in results:
                 masses[shard] = picked.mass
                 self._rows[shard] = int(picked.scalars.get("rows", self._rows.get(shard, 0)))
                 _merge_min(scalars, picked.scalars)
+                exact &= picked.starts.numel() == asked[shard]
                 if picked.starts.numel():
                     got.append((shard, picked, columns))
+            exact &= len(results) == len(live)  # a skipped shard left its slice empty
             remaining = count - sum(p.starts.numel() for _, p, _ in got)
             if remaining == 0:
-                return got, scalars
+                return got, scalars, batch if exact else None
             if not any(masses.get(s, 0.0) > 0 for s in self.live_shards) and self._rows_known():
                 raise EmptyStoreError(f"nothing to sample in any of the {len(self.live_shards)} live shards "
                                       f"for {selection['kind']} selection (empty, or no eligible rows/windows)")
         raise RuntimeError(f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds: "
                            "the shards keep coming up short")
 
+    def _batch_for(self, live: list[int], counts: list[int], selection: dict[str, Any],
+                   count: int) -> tuple[list[torch.Tensor], int]:
+        """Columns for the whole batch, and how many rows one pick (a row or a window) takes."""
+        per_pick = selection["seq_len"] + selection["burn_in"] if selection["kind"] == "sequence" else 1
+        spec = self._spec(next(s for s, k in zip(live, counts) if k))
+        return self._empty_columns(spec, count * per_pick), per_pick
+
     def _rows_known(self) -> bool:
         return all(s in self._rows for s in self.live_shards)
 
-    def _select_and_read(self, shard: int, selection: dict[str, Any], count: int) -> tuple[Picked, list[torch.Tensor]]:
+    def _select_and_read(self, shard: int, selection: dict[str, Any], count: int, batch: list[torch.Tensor] | None,
+                         where: tuple[int, int] | None) -> tuple[Picked, list[torch.Tensor]]:
+        """One shard's picks, read into its slice ``where = (first row, rows)`` of ``batch`` if given."""
         client = self._client(shard)
         if count == 0:
             return client.select(selection, 0)
         spec = self._spec(shard)
-        return self._transport(shard).read_selection(
-            client, selection, count, lambda n, zeroed=False: self._empty_columns(spec, n, zeroed))
 
-    def _assemble(self, got: list[tuple[int, Picked, list[torch.Tensor]]], scalars: dict[str, float]) -> Selection:
+        def columns_of(n: int, zeroed: bool = False) -> list[torch.Tensor]:
+            if where is None or n > where[1]:
+                return self._empty_columns(spec, n, zeroed)
+            views = [c[where[0]: where[0] + n] for c in batch]
+            for v in views if zeroed else ():
+                v.zero_()
+            return views
+
+        return self._transport(shard).read_selection(client, selection, count, columns_of)
+
+    def _assemble(self, got: list[tuple[int, Picked, list[torch.Tensor]]], scalars: dict[str, float],
+                  batch: list[torch.Tensor] | None) -> Selection:
         seq_len = got[0][1].seq_len
         capacity = {d.shard: d.capacity for d in self.descriptors}
         windows = [Windows(p.starts, seq_len, p.valid_begin, p.valid_end) for _, p, _ in got]
         index = torch.cat([global_ids.encode(s, w.rows(capacity[s])) for (s, _, _), w in zip(got, windows)])
-        columns = got[0][2] if len(got) == 1 else [torch.cat(parts) for parts in zip(*(c for _, _, c in got))]
+        if batch is None:
+            batch = got[0][2] if len(got) == 1 else [torch.cat(parts) for parts in zip(*(c for _, _, c in got))]
         names = got[0][1].extra.keys()
         extra = {n: torch.cat([p.extra[n] for _, p, _ in got]) for n in names}
         batch_windows = Windows(torch.cat([w.starts for w in windows]), seq_len,
                                 torch.cat([w.valid_begin for w in windows]), torch.cat([w.valid_end for w in windows]))
-        self._ready = Selection(index, batch_windows, columns, extra, scalars)
+        self._ready = Selection(index, batch_windows, batch, extra, scalars)
         self._rows_sampled += index.numel()
         return self._ready
 
