@@ -53,6 +53,29 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int = 
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sharded_rank(rank: int, world: int, port: int, rows: int, timeout_s: float):
+    """Join a loopback job (ranks 0..world-2 own shards of ``rows`` steps, the last learns) and build its store."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from gear_torchrl import ShardedGearStorage
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    return ShardedGearStorage(rows, owns_shard=rank < world - 1, transport="tcp", serve_on="127.0.0.1", timeout=60)
+
+
 def machine() -> dict:
     return {
         "cpu": platform.processor() or platform.machine(),

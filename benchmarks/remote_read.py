@@ -24,11 +24,10 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from harness import table, write_json
+from harness import free_port, sharded_rank, table, write_json
 from tensordict import TensorDict
 
 OBS = 512
@@ -141,13 +140,8 @@ def _windows(starts: torch.Tensor):
 
 
 def _rank(rank: int, world: int, port: int, rounds: int, out) -> None:
-    from gear_torchrl import ShardedGearStorage
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
     shards = world - 1
-    storage = ShardedGearStorage(ROWS, owns_shard=rank < shards, transport="tcp", serve_on="127.0.0.1", timeout=60)
+    storage = sharded_rank(rank, world, port, ROWS, timeout_s=60)
     if rank < shards:
         _owner(storage, rank)
     dist.barrier()
@@ -159,9 +153,7 @@ def _rank(rank: int, world: int, port: int, rounds: int, out) -> None:
 
 def run(shards: int, rounds: int) -> dict[str, float]:
     ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = ctx.Queue()
     world = shards + 1
     processes = [ctx.Process(target=_rank, args=(r, world, port, rounds, out)) for r in range(world)]

@@ -25,16 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import socket
 import statistics
 import subprocess
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from harness import table, write_json
+from harness import free_port, sharded_rank, table, write_json
 from reverb_side import EPISODE, OBS, episode_obs
 from tensordict import TensorDict
 
@@ -77,13 +75,8 @@ def _learner(storage, batch: int, commands, out) -> None:
 
 
 def _rank(rank: int, world: int, port: int, rows: int, batch: int, commands, out) -> None:
-    from gear_torchrl import ShardedGearStorage
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
     shards = world - 1
-    storage = ShardedGearStorage(rows, owns_shard=rank < shards, transport="tcp", serve_on="127.0.0.1", timeout=60)
+    storage = sharded_rank(rank, world, port, rows, timeout_s=600)
     if rank < shards:
         _owner(storage, rank, rows)
     dist.barrier()
@@ -98,9 +91,7 @@ class Ours:
 
     def __init__(self, shards: int, rows: int, batch: int) -> None:
         ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.commands, self.out = ctx.Queue(), ctx.Queue()
         world = shards + 1
         self.processes = [ctx.Process(target=_rank, args=(r, world, port, rows, batch, self.commands, self.out))
