@@ -195,9 +195,9 @@ class RateLimiter(ABC):
         True when the limiter counts in that very shared store: a writer then passes
         its admitted rows to the commit, so they are never counted twice.
         """
-        log = getattr(self._counters, "_log", None)
-        shard = getattr(storage, "shard", None)
-        return log is not None and getattr(shard, "store_id", None) == getattr(self._counters.storage.shard, "store_id", 0)
+        if not isinstance(self._counters, _StoreCounters):
+            return False
+        return getattr(storage.shard, "store_id", None) == self._counters.storage.shard.store_id
 
     def insert_failed(self, num_rows: int) -> None:
         """An admitted insert did not happen: stop counting it."""
