@@ -210,7 +210,10 @@ class GearSequenceSampler(Sampler):
 
         def stored_flag(key: NestedKey) -> torch.Tensor:
             flag = by_path.get(as_path(key))
-            return torch.zeros_like(truncated) if flag is None else flag.reshape(num_steps, -1).any(-1, keepdim=True)
+            if flag is None:
+                return torch.zeros_like(truncated)
+            flag = flag.reshape(num_steps, -1)
+            return flag if flag.shape[1] == 1 and flag.dtype == torch.bool else flag.any(-1, keepdim=True)
 
         return {
             self.mask_key: mask,

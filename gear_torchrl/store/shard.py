@@ -47,9 +47,12 @@ class Windows:
 
     def rows(self, capacity: int) -> torch.Tensor:
         """Flat ring rows of every position, padding included: [W * seq_len]."""
-        rows = (self.starts % capacity)[:, None] + torch.arange(self.seq_len)
+        first = self.starts % capacity
+        rows = first[:, None] + torch.arange(self.seq_len)
         if self.seq_len > capacity:
             return (rows % capacity).reshape(-1)
+        if first.numel() == 0 or int(first.max()) + self.seq_len <= capacity:
+            return rows.reshape(-1)  # no window wraps the ring end (the usual case)
         return torch.where(rows >= capacity, rows - capacity, rows).reshape(-1)  # cheaper than a modulo
 
     def mask(self) -> torch.Tensor:
