@@ -60,7 +60,6 @@ class Transport(ABC):
     """Reads from one shard. Implementations differ only in how bytes move."""
 
     name: str
-    releases_selection: bool  # whether a read also lets the owner reuse the selected rows
     writes_padding: bool = True  # whether padding positions come back as zeros (else: left untouched)
 
     @abstractmethod
@@ -76,18 +75,17 @@ class Transport(ABC):
 
     def read_selection(self, client: Any, selection: dict[str, Any], count: int,
                        columns_of: Callable[..., list[torch.Tensor]]) -> tuple[Picked, list[torch.Tensor]]:
-        """Have the owner pick ``count`` rows or windows, then read them.
+        """Have the owner pick ``count`` rows or windows, read them, then release them.
 
-        The owner keeps the picked rows readable until the read is done (the
-        read, or a release here, tells it so).
+        The owner keeps the picked rows readable until the release. A transport
+        whose owner sends the rows itself (tcp) overrides this with one round trip.
         """
         picked, _ = client.select(selection, count)
         if not picked.starts.numel():
             return picked, []
         out = columns_of(picked.starts.numel() * picked.seq_len, zeroed=not self.writes_padding)
         self.read(ReadRequest(picked.starts, picked.seq_len, picked.valid_begin, picked.valid_end), out)
-        if not self.releases_selection:
-            client.release()
+        client.release()
         return picked, out
 
     def close(self) -> None:

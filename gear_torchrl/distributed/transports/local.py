@@ -16,7 +16,6 @@ class LocalTransport(Transport):
     """
 
     name = "local"
-    releases_selection = False
 
     def __init__(self, handle: SharedStoreHandle) -> None:
         self._shard = SharedShard(handle.capacity, handle=handle)

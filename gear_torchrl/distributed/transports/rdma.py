@@ -728,7 +728,6 @@ class RdmaTransport(Transport):
     """
 
     name = "rdma"
-    releases_selection = False  # the owner's CPU never sees the read: the learner releases
     writes_padding = False  # only valid rows are read
 
     def __init__(self, store: KeyValueStore, prefix: str, learner_id: str, region: RegionInfo,

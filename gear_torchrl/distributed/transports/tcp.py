@@ -18,7 +18,6 @@ class TcpTransport(Transport):
     """
 
     name = "tcp"
-    releases_selection = True
 
     def __init__(self, client) -> None:
         self._client = client
