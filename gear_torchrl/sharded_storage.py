@@ -559,9 +559,6 @@ class ShardedGearStorage(TensorStorage):
     def __reduce__(self):
         return (_reader, (self.descriptors, self._secret, self._options))
 
-    def __getstate__(self) -> dict:
-        return Storage.__getstate__(self)
-
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(shards={self.num_shards}, failed={sorted(self._failed)}, "
                 f"local={self.shard_id}, transport={self._transport_choice!r})")
