@@ -4,18 +4,26 @@ Batch 4096 over 10M rows: draw a batch, then write new priorities for it,
 the PER loop's sampler work. Median of repetitions, synchronized.
 
     python benchmarks/gpu_prioritized_sampling.py [--rows 10000000] [--out gpu_prioritized.json]
+        [--torchrl-site DIR]
+
+TorchRL's trees are C++ built against one torch: where this machine's torch
+differs from the pinned one (the lent GPU image), pass ``--torchrl-site``, a
+folder holding a torchrl and tensordict built for this torch (pip install
+--target); TorchRL's sampler is then timed there, in a subprocess of this run.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import torch
-from harness import cuda_median_seconds, table, write_json
-from tensordict import TensorDict
-from torchrl.data import LazyTensorStorage, PrioritizedSampler
+from harness import cuda_median_seconds, median_seconds, table, write_json
 
-from gear_torchrl import GearPrioritizedSampler
+TORCHRL = "TorchRL PrioritizedSampler (CPU trees)"
 
 
 def loop(sampler, storage, batch, device):
@@ -25,38 +33,66 @@ def loop(sampler, storage, batch, device):
     return step
 
 
+def seconds_per_iteration(make, rows: int, batch: int, device: str) -> float:
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage
+
+    storage = LazyTensorStorage(rows)
+    storage.set(torch.arange(rows), TensorDict({"x": torch.zeros(rows, dtype=torch.uint8)}, [rows]))
+    sampler = make()
+    sampler.mark_update(torch.arange(rows))
+    sampler.update_priority(torch.arange(rows), torch.rand(rows) + 0.01)
+    timer = cuda_median_seconds if device == "cuda" else median_seconds
+    return timer(loop(sampler, storage, batch, device), inner=10)
+
+
+def torchrl_seconds(rows: int, batch: int) -> float:
+    from torchrl.data import PrioritizedSampler
+
+    return seconds_per_iteration(lambda: PrioritizedSampler(rows, 0.7, 0.5), rows, batch, "cpu")
+
+
+def torchrl_seconds_elsewhere(site: str, rows: int, batch: int) -> float:
+    """TorchRL's sampler timed in a subprocess that imports torchrl from ``site``."""
+    path = [site, os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    out = subprocess.run([sys.executable, __file__, "--torchrl-only", "--rows", str(rows), "--batch", str(batch)],
+                         env=env, capture_output=True, text=True, check=True, timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--torchrl-site", default=None, help="time TorchRL's sampler with the torchrl found here")
+    parser.add_argument("--torchrl-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.getLogger("torchrl").setLevel(logging.WARNING)
-    n = args.rows
-    storage = LazyTensorStorage(n)
-    storage.set(torch.arange(n), TensorDict({"x": torch.zeros(n, dtype=torch.uint8)}, [n]))
-    priorities = torch.rand(n) + 0.01
+    n, batch = args.rows, args.batch
+    if args.torchrl_only:
+        print(json.dumps({"seconds": torchrl_seconds(n, batch)}))
+        return
+    from gear_torchrl import GearPrioritizedSampler
+
     contenders = {
         "GearPrioritizedSampler(device='cuda')": (lambda: GearPrioritizedSampler(n, 0.7, 0.5, device="cuda"), "cuda"),
         "GearPrioritizedSampler (CPU trees)": (lambda: GearPrioritizedSampler(n, 0.7, 0.5), "cpu"),
-        "TorchRL PrioritizedSampler (CPU trees)": (lambda: PrioritizedSampler(n, 0.7, 0.5), "cpu"),
     }
-    times = {}
-    for name, (make, device) in contenders.items():
-        try:
-            sampler = make()
-            sampler.mark_update(torch.arange(n))
-            sampler.update_priority(torch.arange(n), priorities)
-            times[name] = cuda_median_seconds(loop(sampler, storage, args.batch, device), inner=10)
-        except Exception as err:  # torchrl's C++ trees need the torch they were built for
-            print(f"{name}: not measured here ({type(err).__name__}: {err})")
-    base = times.get("TorchRL PrioritizedSampler (CPU trees)", times["GearPrioritizedSampler (CPU trees)"])
+    times = {name: seconds_per_iteration(make, n, batch, device) for name, (make, device) in contenders.items()}
+    try:
+        times[TORCHRL] = (torchrl_seconds_elsewhere(args.torchrl_site, n, batch) if args.torchrl_site
+                          else torchrl_seconds(n, batch))
+    except Exception as err:  # torchrl's C++ trees need the torch they were built for
+        print(f"{TORCHRL}: not measured here ({type(err).__name__}: {err}); see --torchrl-site")
+    base = times.get(TORCHRL, times["GearPrioritizedSampler (CPU trees)"])
     rows = [{"contender": k, "ms_per_iter": round(t * 1e3, 3), "x_vs_torchrl": round(base / t, 2)}
             for k, t in times.items()]
-    print(f"== {torch.cuda.get_device_name()}: sample + update, batch {args.batch} over {n:,} rows ==")
+    print(f"== {torch.cuda.get_device_name()}: sample + update, batch {batch} over {n:,} rows ==")
     print(table(rows, ["contender", "ms_per_iter", "x_vs_torchrl"]))
     write_json(args.out, {"benchmark": "gpu_prioritized_sampling", "device": torch.cuda.get_device_name(),
-                          "rows": n, "batch": args.batch, "results": rows})
+                          "rows": n, "batch": batch, "torchrl_site": args.torchrl_site, "results": rows})
 
 
 if __name__ == "__main__":

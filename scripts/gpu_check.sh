@@ -7,9 +7,16 @@
 #   scripts/gpu_check.sh                        # everything
 #   GPU_CHECK_STEPS="build tests" scripts/gpu_check.sh
 #
+# Steps: build, tests (tests/gpu, tutorial 6 included), bench (the gather kernel,
+# benchmarks/gpu_gather.py), prioritized (benchmarks/gpu_prioritized_sampling.py),
+# storage (benchmarks/gpu_storage_sampling.py, two row sizes), memcheck.
+# Carried wheels: .whl/*.whl (torchrl, tensordict and their small deps) are
+# installed for the tests; .whl/peer/*.whl, a torchrl + tensordict built for the
+# machine's own torch, let the prioritized benchmark time TorchRL's C++ trees.
+#
 # Environment: PYTHON (default python3), GEAR_TORCHRL_CUDA_ARCHS (default 90),
 # CUDA_HOME (default: where nvcc is), GPU_CHECK_STEPS (default
-# "build tests bench memcheck"), GPU_CHECK_BENCH_ARGS (extra benchmark args),
+# "build tests bench prioritized storage memcheck"), GPU_CHECK_BENCH_ARGS (extra benchmark args),
 # GPU_CHECK_MEMCHECK_K (pytest -k for the memcheck run), GPU_CHECK_TIMEOUT_{TESTS,BENCH,MEMCHECK}
 # (seconds per step; 400, 400, 500).
 # Exit status: 0 when every step that ran passed.
@@ -19,7 +26,7 @@ ROOT=$PWD
 OUT="${OUT:-$ROOT/gpu_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-STEPS="${GPU_CHECK_STEPS:-build tests bench memcheck}"
+STEPS="${GPU_CHECK_STEPS:-build tests bench prioritized storage memcheck}"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 status=0
@@ -53,6 +60,17 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
     note "wheels: installed $(ls "$ROOT"/.whl/*.whl | wc -l) carried wheels into /tmp/site"
   else
     note "wheels: install FAILED (see wheels.log)"; status=1
+  fi
+fi
+
+PEER_SITE=""
+if compgen -G "$ROOT/.whl/peer/*.whl" >/dev/null; then
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peer-site \
+      "$ROOT"/.whl/peer/*.whl >>"$OUT/wheels.log" 2>&1; then
+    PEER_SITE=/tmp/peer-site
+    note "wheels: TorchRL for this machine's torch in $PEER_SITE (the prioritized benchmark's peer)"
+  else
+    note "wheels: peer install FAILED (see wheels.log)"
   fi
 fi
 
@@ -105,6 +123,24 @@ if has_step bench; then
   [[ $rc -ne 0 ]] && status=1
 fi
 
+# ---- user-level benchmarks: priorities on the GPU, batches through TorchRL's buffer ----
+run_bench() {  # name, script, args...
+  local name=$1 script=$2; shift 2
+  t0=$SECONDS
+  (cd "$ROOT/benchmarks" && timeout "${GPU_CHECK_TIMEOUT_BENCH:-400}" "$PY" "$script" "$@") >"$OUT/$name.log" 2>&1
+  rc=$?
+  note "$name: rc=$rc in $((SECONDS - t0)) s"
+  tee -a "$SUMMARY" <"$OUT/$name.log"
+  [[ $rc -ne 0 ]] && status=1
+}
+if has_step prioritized; then
+  run_bench prioritized gpu_prioritized_sampling.py --out "$OUT/gpu_prioritized.json" ${PEER_SITE:+--torchrl-site "$PEER_SITE"}
+fi
+if has_step storage; then
+  run_bench storage gpu_storage_sampling.py --out "$OUT/gpu_storage.json"
+  run_bench storage_atari gpu_storage_sampling.py --rows 50000 --obs 4 84 84 --out "$OUT/gpu_storage_atari.json"
+fi
+
 # ---- compute-sanitizer memcheck over the gather tests -----------------------------
 if has_step memcheck; then
   SAN="$(command -v compute-sanitizer || true)"
@@ -114,7 +150,7 @@ if has_step memcheck; then
     t0=$SECONDS
     # Every kernel path (vector widths, padding, wrap, mask, many columns,
     # odd offsets) without the slow multi-GiB cases.
-    MEMCHECK_K="not large and not cupy and not every_dtype and not 65536 and not register_errors"
+    MEMCHECK_K="not large and not cupy and not every_dtype and not 65536 and not register_errors and not tutorial and not shared_store"
     # No caching allocator: out-of-bounds accesses past a tensor are then
     # outside any allocation, so memcheck sees them.
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${GPU_CHECK_TIMEOUT_MEMCHECK:-500}" "$SAN" --tool memcheck --error-exitcode 3 --leak-check no \

@@ -77,3 +77,12 @@ def test_04_many_actors_hold_the_sample_to_insert_ratio():
     first, last = map(float, re.search(r"dynamics model loss: first ([\d.]+) -> last ([\d.]+)", out).groups())
     assert last < 0.2 * first, out  # the learner learned from rows that several processes wrote
     assert "actors joined, store closed" in out, out
+
+
+def test_06_gpu_says_why_it_cannot_run_without_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: tests/gpu/test_tutorial_gpu.py runs the whole tutorial")
+    out = run("06_gpu.py", "--steps", "1000")
+    assert "This tutorial needs a GPU. GearStorage(device='cuda') cannot run here: no CUDA device" in out, out

@@ -4,7 +4,9 @@ The sum tree's pointer chasing suits a CPU; on a GPU, a batch of draws is
 cheaper as two searches: over the running sum of per-block masses, then
 inside each drawn block. Block sums are recomputed exactly (never updated by
 deltas, so no drift) for the blocks a write touches. Per call: O(batch · block)
-work for draws and writes plus an O(blocks) running sum, all in a few kernels.
+work for draws and writes plus an O(blocks) running sum, in a few kernels and
+without waiting for the device: data-dependent sizes (``unique``, boolean
+masks) are avoided, and the total and minimum stay 0-dim device tensors.
 The same code runs on the CPU, which is how the tests check it against the
 trees without a GPU.
 """
@@ -15,14 +17,6 @@ import torch
 BLOCK = 256
 
 
-def _last_write_wins(index: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    unique, inverse = torch.unique(index, return_inverse=True)
-    position = torch.arange(index.numel(), device=index.device)
-    last = torch.full((unique.numel(),), -1, dtype=torch.int64, device=index.device)
-    last = last.scatter_reduce(0, inverse, position, "amax")
-    return unique, values[last]
-
-
 class BlockPrefixSums:
     """Per-row masses with batched set, prefix search, total and minimum, on any device."""
 
@@ -30,23 +24,34 @@ class BlockPrefixSums:
         self.capacity = capacity
         self.block = block
         blocks = -(-capacity // block)
-        self.mass = torch.zeros(blocks * block, dtype=torch.float64, device=device)
+        # One slot past the blocks absorbs the writes that lose (see ``set``).
+        self._slots = torch.zeros(blocks * block + 1, dtype=torch.float64, device=device)
+        self._discard = blocks * block
+        self.mass = self._slots[: blocks * block]
         self.block_sum = torch.zeros(blocks, dtype=torch.float64, device=device)
         self.block_min = torch.full((blocks,), float("inf"), dtype=torch.float64, device=device)
 
     @property
-    def total(self) -> float:
-        return float(self.block_sum.sum())
+    def total(self) -> torch.Tensor:
+        """Sum of all masses, a 0-dim tensor on the masses' device."""
+        return self.block_sum.sum()
 
     @property
-    def minimum(self) -> float:
-        """Smallest positive mass (rows without mass do not count)."""
-        return float(self.block_min.min())
+    def minimum(self) -> torch.Tensor:
+        """Smallest positive mass (rows without mass do not count), a 0-dim tensor."""
+        return self.block_min.min()
 
-    def set(self, index: torch.Tensor, mass: torch.Tensor) -> None:
-        index, mass = _last_write_wins(index.to(self.mass.device), mass.to(self.mass))
-        self.mass[index] = mass
-        touched = torch.unique(index // self.block)
+    def set(self, index: torch.Tensor, mass: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Masses of rows; where ``index`` repeats the last write wins, and entries with ``keep`` False are dropped."""
+        index, mass = index.to(self.mass.device), mass.to(self.mass)
+        if keep is not None:
+            index = torch.where(keep.to(index.device), index, self._discard)
+        # Sort stably: the last entry of each run of equal rows is that row's last write.
+        index, order = torch.sort(index, stable=True)
+        last = torch.ones_like(index, dtype=torch.bool)
+        last[:-1] = index[1:] != index[:-1]
+        self._slots[torch.where(last, index, self._discard)] = mass[order]
+        touched = index.clamp_max(self._discard - 1) // self.block  # recomputing a block twice is harmless
         rows = self.mass.view(-1, self.block)[touched]
         self.block_sum[touched] = rows.sum(1)
         self.block_min[touched] = torch.where(rows > 0, rows, float("inf")).min(1).values
@@ -58,13 +63,13 @@ class BlockPrefixSums:
         return self.mass[index.to(self.mass.device)]
 
     def find(self, prefix_mass: torch.Tensor) -> torch.Tensor:
-        """Rows whose cumulative mass range holds each prefix; never a zero-mass row."""
+        """Rows whose cumulative mass range holds each prefix; never a zero-mass row while any has mass."""
         prefix = prefix_mass.to(self.mass).clamp_min(0)
         running = torch.cumsum(self.block_sum, 0)
-        block = torch.searchsorted(running, prefix, right=True)
-        # rounding can put a prefix at or past the total: take the last block with mass
-        last = int(torch.nonzero(self.block_sum > 0).max()) if bool((self.block_sum > 0).any()) else 0
-        block = block.clamp_max(last)
+        # Rounding can put a prefix at or past the total: clamp to the last block with mass.
+        has_mass = self.block_sum > 0
+        last_block = has_mass.numel() - 1 - torch.argmax(has_mass.flip(0).to(torch.int8))
+        block = torch.minimum(torch.searchsorted(running, prefix, right=True), last_block)
         within = prefix - (running[block] - self.block_sum[block])
         rows = self.mass.view(-1, self.block)[block]
         inside = torch.searchsorted(torch.cumsum(rows, 1), within.unsqueeze(1), right=True).squeeze(1)
@@ -72,7 +77,7 @@ class BlockPrefixSums:
         return block * self.block + torch.minimum(inside, last_in_block)
 
     def clear(self) -> None:
-        self.mass.zero_()
+        self._slots.zero_()
         self.block_sum.zero_()
         self.block_min.fill_(float("inf"))
 
@@ -81,7 +86,7 @@ class BlockPrefixSums:
         return {"mass": self.mass[: self.capacity]}
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.mass.zero_()
+        self.clear()
         self.mass[: self.capacity].copy_(tensors["mass"])
         rows = self.mass.view(-1, self.block)
         self.block_sum.copy_(rows.sum(1))

@@ -14,25 +14,57 @@ from gear_torchrl.samplers.trees import PriorityTrees
 from gear_torchrl.store.persistence import read_raw, write_raw
 
 
-def _as_index(index: Any, capacity: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    index = torch.as_tensor(index, dtype=torch.int64).reshape(-1).to(device)
-    if index.numel():
-        lo, hi = torch.stack([index.min(), index.max()]).tolist()
-        if lo < -1 or hi >= capacity:  # -1: "skip", as TorchRL's MaxValueWriter uses it
-            raise IndexError(f"priority index {lo if lo < -1 else hi} is out of range for {capacity} rows")
-    return index
-
-
-def _as_priority(priority: Any, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def _shaped_priority(priority: Any, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
     priority = torch.as_tensor(priority).detach().to(device, torch.float64).reshape(-1)
     if priority.numel() == 1 and count != 1:
         priority = priority.expand(count)
     if priority.numel() != count:
         raise ValueError(f"got {priority.numel()} priorities for {count} indices")
-    bad = ~torch.isfinite(priority) | (priority < 0)
+    return priority
+
+
+def _bad_priorities(priority: torch.Tensor) -> torch.Tensor:
+    return ~torch.isfinite(priority) | (priority < 0)
+
+
+def _refuse_bad_priority(priority: torch.Tensor, bad: torch.Tensor) -> None:
+    pos = int(bad.nonzero()[0, 0])
+    raise ValueError(f"priorities must be finite and non-negative; got {float(priority[pos])} at position {pos}")
+
+
+def _validated(
+    index: Any, priority: Any, capacity: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Indices (and priorities) on ``device``, checked with a single wait for it.
+
+    Index -1 means "skip", as TorchRL's ``MaxValueWriter`` uses it.
+    """
+    index = torch.as_tensor(index, dtype=torch.int64).reshape(-1).to(device)
+    if priority is not None:
+        priority = _shaped_priority(priority, index.numel(), device)
+    if index.numel() == 0:
+        return index, priority
+    facts = [index.min(), index.max()]
+    if priority is not None:
+        bad = _bad_priorities(priority)
+        facts.append(bad.sum())
+    lo, hi, *bad_count = torch.stack(facts).tolist()
+    if lo < -1 or hi >= capacity:
+        raise IndexError(f"priority index {lo if lo < -1 else hi} is out of range for {capacity} rows")
+    if bad_count and bad_count[0]:
+        _refuse_bad_priority(priority, bad)
+    return index, priority
+
+
+def _as_index(index: Any, capacity: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return _validated(index, None, capacity, device)[0]
+
+
+def _as_priority(priority: Any, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    priority = _shaped_priority(priority, count, device)
+    bad = _bad_priorities(priority)
     if bool(bad.any()):
-        pos = int(bad.nonzero()[0, 0])
-        raise ValueError(f"priorities must be finite and non-negative; got {float(priority[pos])} at position {pos}")
+        _refuse_bad_priority(priority, bad)
     return priority
 
 
@@ -95,7 +127,8 @@ class GearPrioritizedSampler(PrioritizedSampler):
         else:
             self._trees = BlockPrefixSums(self._max_capacity, self._device)
         self._generation = torch.zeros(self._max_capacity, dtype=torch.int64, device=self._device)
-        self._max_raw_priority = 1.0
+        # A device tensor, so updates never wait for the GPU to learn the new maximum.
+        self._max_raw_priority = torch.tensor(1.0, dtype=torch.float64, device=self._device)
         self._sample_calls = 0
         self._followed = (0, 0)  # the shared store's rows this sampler has priorities for
 
@@ -115,11 +148,11 @@ class GearPrioritizedSampler(PrioritizedSampler):
     @property
     def default_priority(self) -> float:
         """Raw priority of new rows: the largest seen, so new experience gets sampled."""
-        return self._max_raw_priority
+        return float(self._max_raw_priority)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(capacity={self._max_capacity}, alpha={self._alpha}, beta={self._beta}, "
-                f"eps={self._eps}, total_mass={self._trees.total:.6g})")
+                f"eps={self._eps}, total_mass={self.total_mass:.6g})")
 
     # -- sampling --------------------------------------------------------------------
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
@@ -146,7 +179,7 @@ class GearPrioritizedSampler(PrioritizedSampler):
     def _pick(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
         if len(storage) == 0:
             raise RuntimeError("cannot sample from an empty storage: write some data first")
-        if not self._trees.total > 0:
+        if not self._trees.total > 0:  # on a GPU, the one wait for the device in a draw
             raise RuntimeError("every stored row has priority 0: nothing can be sampled")
         index, generation = self.draw(batch_size)
         weight = self._importance_weights(self._trees.get(index), self._trees.minimum)
@@ -180,12 +213,12 @@ class GearPrioritizedSampler(PrioritizedSampler):
 
     @property
     def total_mass(self) -> float:
-        return self._trees.total
+        return float(self._trees.total)
 
     @property
     def min_mass(self) -> float:
         """The smallest positive mass (what normalizes the importance weights)."""
-        return self._trees.minimum
+        return float(self._trees.minimum)
 
     def _anneal_beta(self) -> None:
         self._sample_calls += 1
@@ -209,28 +242,26 @@ class GearPrioritizedSampler(PrioritizedSampler):
                 return  # TorchRL's first-use seeding of stored rows: owners give new rows this priority already
             storage.update_priority(self.selection(), index, priority, generation)
             return
-        index = _as_index(index, self._max_capacity, self._device)
-        priority = _as_priority(priority, index.numel(), self._device)
-        keep = index >= 0
+        index, priority = _validated(index, priority, self._max_capacity, self._device)
+        if index.numel() == 0:
+            return
+        keep = index >= 0  # a mask, not a filter: filtering would wait for the GPU
         if generation is not None:
             generation = torch.as_tensor(generation, dtype=torch.int64).reshape(-1).to(self._device)
             if generation.numel() != index.numel():
                 raise ValueError(f"got {generation.numel()} generations for {index.numel()} indices")
             keep &= self._generation[index.clamp_min(0)] == generation
-        if not bool(keep.all()):
-            index, priority = index[keep], priority[keep]
-        if index.numel() == 0:
-            return
-        self._max_raw_priority = max(self._max_raw_priority, float(priority.max()))
-        self._trees.set(index, torch.pow(priority + self._eps, self._alpha))
+        kept_max = torch.where(keep, priority, 0.0).max()
+        self._max_raw_priority = torch.maximum(self._max_raw_priority, kept_max)
+        self._trees.set(index.clamp_min(0), torch.pow(priority + self._eps, self._alpha), keep)
 
     def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
         """Rows were (over)written: new generation, default priority."""
-        index = _as_index(index, self._max_capacity, self._device)
+        index, _ = _validated(index, None, self._max_capacity, self._device)
         index = index[index >= 0]
         self._generation[index] += 1
-        self._trees.set(index, torch.full((index.numel(),), (self._max_raw_priority + self._eps) ** self._alpha,
-                                          dtype=torch.float64, device=self._device))
+        mass = torch.pow(self._max_raw_priority + self._eps, self._alpha)
+        self._trees.set(index, mass.repeat(index.numel()))
 
     def exclude(self, index: torch.Tensor) -> None:
         """Make rows unsampleable until they are written again (used by MaxTimesSampled)."""
@@ -248,7 +279,7 @@ class GearPrioritizedSampler(PrioritizedSampler):
     # -- state -----------------------------------------------------------------------
     def _scalars(self) -> dict:
         return {"capacity": self._max_capacity, "alpha": self._alpha, "beta": self._beta, "eps": self._eps,
-                "max_raw_priority": self._max_raw_priority, "sample_calls": self._sample_calls}
+                "max_raw_priority": float(self._max_raw_priority), "sample_calls": self._sample_calls}
 
     def _restore(self, scalars: dict, tensors: dict[str, torch.Tensor]) -> None:
         if int(scalars["capacity"]) != self._max_capacity:
@@ -259,7 +290,7 @@ class GearPrioritizedSampler(PrioritizedSampler):
         self._trees.load_tensors(tensors)
         self._generation.copy_(tensors["generation"])
         self._alpha, self._beta, self._eps = scalars["alpha"], scalars["beta"], scalars["eps"]
-        self._max_raw_priority = scalars["max_raw_priority"]
+        self._max_raw_priority = torch.tensor(scalars["max_raw_priority"], dtype=torch.float64, device=self._device)
         self._sample_calls = scalars["sample_calls"]
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:

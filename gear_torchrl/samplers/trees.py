@@ -33,8 +33,10 @@ class PriorityTrees:
     def minimum(self) -> float:
         return float(self.min[0])
 
-    def set(self, index: torch.Tensor, mass: torch.Tensor) -> None:
-        """Masses of rows; the minimum counts positive masses only, so importance weights stay finite."""
+    def set(self, index: torch.Tensor, mass: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Masses of rows (entries with ``keep`` False dropped); the minimum counts positive masses only."""
+        if keep is not None:
+            index, mass = index[keep], mass[keep]
         _C.priority_set(self.sum, self.min, index, mass)
 
     def remove(self, index: torch.Tensor) -> None:

@@ -113,3 +113,35 @@ def test_cupy_runtime_path_gives_the_same_batches():
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "cupy path ok" in out.stdout
+
+
+def test_shared_store_is_read_on_the_gpu_by_every_process():
+    """Each attaching process registers its own mapping of the segment; all read the same rows on the GPU."""
+    import multiprocessing as mp
+
+    from shared_gpu_workers import frames, read_on_the_gpu_then_write
+
+    from gear_torchrl import TrajectoryWriter
+
+    owner = GearStorage(1000, shared=True, device="cuda")
+    rb = TensorDictReplayBuffer(storage=owner, batch_size=128)
+    try:
+        writer = TrajectoryWriter(owner)
+        writer.extend(frames(0, 300))
+        writer.end_episode()
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        child = ctx.Process(target=read_on_the_gpu_then_write, args=(owner, 300, results))
+        child.start()
+        status, same, written = results.get(timeout=120)
+        child.join(timeout=60)
+        assert status == "ok", same
+        assert same is True and written == 40 and child.exitcode == 0
+        assert len(owner) == 340
+        everything = owner.get(torch.arange(340, device="cuda"))
+        assert torch.equal(everything["obs"].cpu(), frames(0, 340)["obs"])  # the child's rows, read by the owner
+        sample = rb.sample()
+        assert sample["obs"].is_cuda
+        assert torch.equal(sample["obs"].cpu(), frames(0, 340)["obs"][sample["step"].cpu()])
+    finally:
+        owner.close()
