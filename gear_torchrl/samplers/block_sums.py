@@ -4,15 +4,18 @@ The sum tree's pointer chasing suits a CPU; on a GPU, a batch of draws is
 cheaper as two searches: over the running sum of per-block masses, then
 inside each drawn block. Block sums are recomputed exactly (never updated by
 deltas, so no drift) for the blocks a write touches. Per call: O(batch · block)
-work for draws and writes plus an O(blocks) running sum, in a few kernels and
-without waiting for the device: data-dependent sizes (``unique``, boolean
-masks) are avoided, and the total and minimum stay 0-dim device tensors.
+work for draws and writes plus an O(blocks) running sum, without waiting for
+the device: data-dependent sizes (``unique``, boolean masks) are avoided, and
+the total and minimum stay 0-dim device tensors. That also lets a search or a
+write replay as one CUDA graph (``cuda_graphs.py``) instead of dozens of launches.
 The same code runs on the CPU, which is how the tests check it against the
 trees without a GPU.
 """
 from __future__ import annotations
 
 import torch
+
+from gear_torchrl.cuda_graphs import GraphedCall
 
 BLOCK = 256
 
@@ -30,6 +33,9 @@ class BlockPrefixSums:
         self.mass = self._slots[: blocks * block]
         self.block_sum = torch.zeros(blocks, dtype=torch.float64, device=device)
         self.block_min = torch.full((blocks,), float("inf"), dtype=torch.float64, device=device)
+        # Tensors above are only ever changed in place: the graphs hold their addresses.
+        self._find = GraphedCall(self._find_rows)
+        self._write = GraphedCall(self._write_masses)
 
     @property
     def total(self) -> torch.Tensor:
@@ -43,9 +49,17 @@ class BlockPrefixSums:
 
     def set(self, index: torch.Tensor, mass: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Masses of rows; where ``index`` repeats the last write wins, and entries with ``keep`` False are dropped."""
+        if index.numel() == 0:
+            return
         index, mass = index.to(self.mass.device), mass.to(self.mass)
+        if keep is None:
+            self._write(index, mass)
+        else:
+            self._write(index, mass, keep.to(index.device))
+
+    def _write_masses(self, index: torch.Tensor, mass: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         if keep is not None:
-            index = torch.where(keep.to(index.device), index, self._discard)
+            index = torch.where(keep, index, self._discard)
         # Sort stably: the last entry of each run of equal rows is that row's last write.
         index, order = torch.sort(index, stable=True)
         last = torch.ones_like(index, dtype=torch.bool)
@@ -64,17 +78,19 @@ class BlockPrefixSums:
 
     def find(self, prefix_mass: torch.Tensor) -> torch.Tensor:
         """Rows whose cumulative mass range holds each prefix; never a zero-mass row while any has mass."""
-        prefix = prefix_mass.to(self.mass).clamp_min(0)
+        return self._find(prefix_mass.to(self.mass))
+
+    def _find_rows(self, prefix: torch.Tensor) -> torch.Tensor:
+        # A prefix strictly below a running sum's end lands where that sum grows: on a row with mass.
         running = torch.cumsum(self.block_sum, 0)
-        # Rounding can put a prefix at or past the total: clamp to the last block with mass.
-        has_mass = self.block_sum > 0
-        last_block = has_mass.numel() - 1 - torch.argmax(has_mass.flip(0).to(torch.int8))
-        block = torch.minimum(torch.searchsorted(running, prefix, right=True), last_block)
-        within = prefix - (running[block] - self.block_sum[block])
-        rows = self.mass.view(-1, self.block)[block]
-        inside = torch.searchsorted(torch.cumsum(rows, 1), within.unsqueeze(1), right=True).squeeze(1)
-        last_in_block = self.block - 1 - torch.argmax(rows.flip(1).gt(0).to(torch.int8), 1)
-        return block * self.block + torch.minimum(inside, last_in_block)
+        zero = running.new_zeros(1)
+        prefix = torch.minimum(prefix.clamp_min(0), torch.nextafter(running[-1:], zero))
+        block = torch.searchsorted(running, prefix, right=True)
+        within = prefix - torch.cat([zero, running])[block]
+        row_running = torch.cumsum(self.mass.view(-1, self.block)[block], 1)
+        within = torch.minimum(within, torch.nextafter(row_running[:, -1], zero))
+        inside = torch.searchsorted(row_running, within.unsqueeze(1), right=True).squeeze(1)
+        return block * self.block + inside
 
     def clear(self) -> None:
         self._slots.zero_()

@@ -57,3 +57,23 @@ def test_bad_priorities_on_the_gpu_change_nothing():
     with pytest.raises(ValueError, match="got nan"):
         rb.update_priority(torch.tensor([1, 2]), torch.tensor([1.0, float("nan")], device="cuda"))
     assert torch.equal(rb.sampler._trees.tensors()["mass"], before)
+
+
+def test_graph_replays_match_eager_masses_and_draws():
+    """Searches and writes replayed from CUDA graphs see the live masses and equal the eager CPU code."""
+    from gear_torchrl.samplers.block_sums import BlockPrefixSums
+
+    g = torch.Generator().manual_seed(0)
+    capacity = 50_000
+    gpu, cpu = BlockPrefixSums(capacity, "cuda"), BlockPrefixSums(capacity, "cpu")
+    for step in range(30):
+        n = (64, 64, 300, 4096, 1)[step % 5] + (step // 10)  # repeated shapes replay, new ones capture
+        index = torch.randint(0, capacity, (n,), generator=g)
+        mass = torch.randint(0, 9, (n,), generator=g).double()  # integers: sums are exact in any order
+        keep = torch.rand(n, generator=g) < 0.8
+        gpu.set(index.cuda(), mass.cuda(), keep.cuda())
+        cpu.set(index, mass, keep)
+        prefix = torch.rand(n, generator=g, dtype=torch.float64) * float(cpu.total)
+        assert torch.equal(gpu.find(prefix.cuda()).cpu(), cpu.find(prefix))
+    assert torch.equal(gpu.mass.cpu(), cpu.mass) and torch.equal(gpu.block_sum.cpu(), cpu.block_sum)
+    assert gpu._find._graphs and gpu._write._graphs  # the graph path ran, not only the eager fallback

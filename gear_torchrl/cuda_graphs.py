@@ -1,0 +1,74 @@
+"""Replaying a short sequence of small GPU ops as one CUDA graph.
+
+Sampling and updating priorities on the GPU is dozens of tiny kernels; their
+launches, not their work, set the time. Captured once per input signature, the
+same Python function replays as a single graph launch. CPU tensors, and any
+function that cannot be captured, simply run eagerly: the graph is a cache,
+never a second implementation.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_Signature = tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
+
+
+class GraphedCall:
+    """``fn(*tensors)``, replayed from a CUDA graph per input signature (shapes, dtypes, device).
+
+    ``fn`` must not synchronize with the host or produce data-dependent shapes,
+    must keep the storage of every tensor it touches besides its arguments (the
+    graph holds their addresses), and must give the same result when called
+    again with the same arguments: capture runs it twice on a side stream first,
+    as CUDA graphs need. It returns None or one tensor.
+    """
+
+    def __init__(self, fn: Callable[..., torch.Tensor | None], max_graphs: int = 8) -> None:
+        self.fn = fn
+        self.max_graphs = max_graphs
+        self._graphs: dict[_Signature, tuple[list[torch.Tensor], torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
+        self._capturable = True
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor | None:
+        if not (self._capturable and args[0].is_cuda):
+            return self.fn(*args)
+        signature = tuple((a.shape, a.dtype, a.device) for a in args)
+        entry = self._graphs.get(signature)
+        if entry is None:
+            if len(self._graphs) >= self.max_graphs:
+                return self.fn(*args)
+            entry = self._capture(args)
+            if entry is None:
+                return self.fn(*args)
+            self._graphs[signature] = entry
+        inputs, graph, output = entry
+        for static, arg in zip(inputs, args):
+            static.copy_(arg)
+        graph.replay()
+        return None if output is None else output.clone()
+
+    def _capture(self, args: tuple[torch.Tensor, ...]):
+        inputs = [a.clone() for a in args]
+        side = torch.cuda.Stream(device=args[0].device)
+        side.wait_stream(torch.cuda.current_stream(args[0].device))
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(2):  # lazy library initialization must not happen inside the capture
+                    self.fn(*inputs)
+            torch.cuda.current_stream(args[0].device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                output = self.fn(*inputs)
+        except RuntimeError as err:  # an op that cannot be captured: stay eager from now on
+            log.warning("%s runs without a CUDA graph: %s", getattr(self.fn, "__qualname__", self.fn), err)
+            self._capturable = False
+            return None
+        return inputs, graph, output
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_graphs": {}}  # graphs belong to this process's device context
