@@ -82,6 +82,7 @@ class GearStorage(TensorStorage):
         self._last_cursor = None
         self._rates = Rates()
         self._window_plan: tuple[torch.Tensor, Windows] | None = None
+        self._drawn: torch.Tensor | None = None
         self.__dict__["_storage_keys"] = None
 
     # -- size and shape -------------------------------------------------------------
@@ -120,7 +121,9 @@ class GearStorage(TensorStorage):
 
     def _rand_given_ndim(self, batch_size: int) -> torch.Tensor:
         with self._shard.picking():
-            return self._shard.uniform_rows(batch_size, self._rng, self.device)
+            rows = self._shard.uniform_rows(batch_size, self._rng, self.device)
+        self._drawn = rows  # in range by construction: ``get`` skips checking them (a wait for the GPU)
+        return rows
 
     # -- episodes -------------------------------------------------------------------
     @property
@@ -155,7 +158,8 @@ class GearStorage(TensorStorage):
         if plan is not None and plan[0] is index:
             self._window_plan = None
             return self._shard.read_windows(plan[1])
-        return self._shard.read(index)
+        drawn, self._drawn = self._drawn, None
+        return self._shard.read(index, in_range=index is drawn)
 
     def plan_windows(self, index: torch.Tensor, windows: Windows) -> None:
         """Announce that the next ``get(index)`` (this very tensor) reads ``windows``.
