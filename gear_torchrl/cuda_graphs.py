@@ -26,16 +26,22 @@ class GraphedCall:
     graph holds their addresses), and must give the same result when called
     again with the same arguments: capture runs it twice on a side stream first,
     as CUDA graphs need. It returns None or one tensor.
+
+    Calls with more than ``max_elements`` in their first argument run eagerly:
+    their work outweighs the launches, and a graph would keep their
+    intermediates allocated for good.
     """
 
-    def __init__(self, fn: Callable[..., torch.Tensor | None], max_graphs: int = 8) -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor | None], max_graphs: int = 8,
+                 max_elements: int = 1 << 16) -> None:
         self.fn = fn
         self.max_graphs = max_graphs
+        self.max_elements = max_elements
         self._graphs: dict[_Signature, tuple[list[torch.Tensor], torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self._capturable = True
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor | None:
-        if not (self._capturable and args[0].is_cuda):
+        if not (self._capturable and args[0].is_cuda) or args[0].numel() > self.max_elements:
             return self.fn(*args)
         signature = tuple((a.shape, a.dtype, a.device) for a in args)
         entry = self._graphs.get(signature)

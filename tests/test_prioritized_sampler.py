@@ -173,6 +173,14 @@ def test_block_prefix_sums_find_the_same_rows_as_the_trees():
     trees.set(*_last_write(index[keep], new_mass[keep]))
     assert torch.equal(blocks.get(torch.arange(capacity)), trees.get(torch.arange(capacity)))
     assert blocks.total == trees.total and blocks.minimum == trees.minimum
+    # a write smaller than the number of blocks recomputes only the blocks it touches
+    few = torch.tensor([5, 700, 5, 2999, 64])
+    blocks.set(few, torch.tensor([9.0, 0.0, 1.0, 3.0, 0.0]))
+    trees.set(*_last_write(few, torch.tensor([9.0, 0.0, 1.0, 3.0, 0.0])))
+    assert torch.equal(blocks.block_sum, BlockPrefixSums(capacity, block=64).block_sum.index_add(
+        0, torch.arange(capacity) // 64, trees.get(torch.arange(capacity))))
+    assert blocks.total == trees.total and blocks.minimum == trees.minimum
+    assert torch.equal(blocks.find(prefix), trees.find(prefix))
 
 
 def _last_write(index, mass):

@@ -65,10 +65,16 @@ class BlockPrefixSums:
         last = torch.ones_like(index, dtype=torch.bool)
         last[:-1] = index[1:] != index[:-1]
         self._slots[torch.where(last, index, self._discard)] = mass[order]
-        touched = index.clamp_max(self._discard - 1) // self.block  # recomputing a block twice is harmless
-        rows = self.mass.view(-1, self.block)[touched]
-        self.block_sum[touched] = rows.sum(1)
-        self.block_min[touched] = torch.where(rows > 0, rows, float("inf")).min(1).values
+        blocks = self.mass.view(-1, self.block)
+        if index.numel() >= blocks.shape[0]:  # a bulk write: recompute every block once
+            self._summarize(blocks, slice(None))
+        else:
+            touched = index.clamp_max(self._discard - 1) // self.block  # recomputing a block twice is harmless
+            self._summarize(blocks[touched], touched)
+
+    def _summarize(self, rows: torch.Tensor, blocks: torch.Tensor | slice) -> None:
+        self.block_sum[blocks] = rows.sum(1)
+        self.block_min[blocks] = torch.where(rows > 0, rows, float("inf")).min(1).values
 
     def remove(self, index: torch.Tensor) -> None:
         self.set(index, torch.zeros(index.numel(), dtype=torch.float64, device=self.mass.device))
@@ -104,6 +110,4 @@ class BlockPrefixSums:
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.clear()
         self.mass[: self.capacity].copy_(tensors["mass"])
-        rows = self.mass.view(-1, self.block)
-        self.block_sum.copy_(rows.sum(1))
-        self.block_min.copy_(torch.where(rows > 0, rows, float("inf")).min(1).values)
+        self._summarize(self.mass.view(-1, self.block), slice(None))
