@@ -41,7 +41,8 @@ class GraphedCall:
         self._capturable = True
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor | None:
-        if not (self._capturable and args[0].is_cuda) or args[0].numel() > self.max_elements:
+        if (not (self._capturable and args[0].is_cuda) or args[0].numel() > self.max_elements
+                or torch.cuda.is_current_stream_capturing()):  # inside another capture: be part of it
             return self.fn(*args)
         signature = tuple((a.shape, a.dtype, a.device) for a in args)
         entry = self._graphs.get(signature)

@@ -77,3 +77,13 @@ def test_graph_replays_match_eager_masses_and_draws():
         assert torch.equal(gpu.find(prefix.cuda()).cpu(), cpu.find(prefix))
     assert torch.equal(gpu.mass.cpu(), cpu.mass) and torch.equal(gpu.block_sum.cpu(), cpu.block_sum)
     assert gpu._find._graphs and gpu._write._graphs  # the graph path ran, not only the eager fallback
+
+
+def test_bulk_calls_run_eagerly_and_keep_no_graph():
+    from gear_torchrl.cuda_graphs import GraphedCall
+
+    doubled = GraphedCall(lambda x: x * 2, max_elements=100)
+    small, large = torch.arange(10.0, device="cuda"), torch.arange(1000.0, device="cuda")
+    assert torch.equal(doubled(small), small * 2) and torch.equal(doubled(small + 1), (small + 1) * 2)
+    assert torch.equal(doubled(large), large * 2)
+    assert len(doubled._graphs) == 1  # the small signature only
