@@ -9,11 +9,15 @@ never a second implementation.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
 
 log = logging.getLogger(__name__)
+
+# CUDA graphs need PyTorch's caching allocator; tools such as compute-sanitizer run without it.
+_CACHING_ALLOCATOR = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0")
 
 _Signature = tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
 
@@ -38,7 +42,7 @@ class GraphedCall:
         self.max_graphs = max_graphs
         self.max_elements = max_elements
         self._graphs: dict[_Signature, tuple[list[torch.Tensor], torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
-        self._capturable = True
+        self._capturable = _CACHING_ALLOCATOR
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor | None:
         if (not (self._capturable and args[0].is_cuda) or args[0].numel() > self.max_elements

@@ -1,6 +1,8 @@
 """GearPrioritizedSampler(device="cuda"): draws, weights and updates on the GPU."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -76,7 +78,8 @@ def test_graph_replays_match_eager_masses_and_draws():
         prefix = torch.rand(n, generator=g, dtype=torch.float64) * float(cpu.total)
         assert torch.equal(gpu.find(prefix.cuda()).cpu(), cpu.find(prefix))
     assert torch.equal(gpu.mass.cpu(), cpu.mass) and torch.equal(gpu.block_sum.cpu(), cpu.block_sum)
-    assert gpu._find._graphs and gpu._write._graphs  # the graph path ran, not only the eager fallback
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0"):  # graphs need the caching allocator
+        assert gpu._find._graphs and gpu._write._graphs  # the graph path ran, not only the eager fallback
 
 
 def test_bulk_calls_run_eagerly_and_keep_no_graph():
@@ -86,4 +89,5 @@ def test_bulk_calls_run_eagerly_and_keep_no_graph():
     small, large = torch.arange(10.0, device="cuda"), torch.arange(1000.0, device="cuda")
     assert torch.equal(doubled(small), small * 2) and torch.equal(doubled(small + 1), (small + 1) * 2)
     assert torch.equal(doubled(large), large * 2)
-    assert len(doubled._graphs) == 1  # the small signature only
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0"):  # graphs need the caching allocator
+        assert len(doubled._graphs) == 1  # the small signature only
