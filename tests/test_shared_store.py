@@ -334,3 +334,63 @@ def test_concurrent_writers_cannot_all_pass_the_same_rate_limiter_check():
         assert len(storage) == limiter.inserts == 100  # 10 episodes of 10: the 11th would pass 101
     finally:
         storage.close()
+
+
+def _assert_whole_episodes(storage: GearStorage) -> int:
+    """Every live episode holds consecutive steps of one written episode, complete but for the oldest."""
+    with storage.shard.picking():  # a shared store's index catches up with the commits first
+        view = storage.shard.episodes.live()
+        slots = storage.shard.episodes.slots_of(view.serial)
+    storage.shard.release()
+    for i, (slot, length) in enumerate(zip(slots.tolist(), view.length.tolist())):
+        batch = storage.get(storage.shard.episodes.rows_of(torch.tensor([slot])))
+        w.verify(batch)
+        assert bool((batch["ep"] == batch["ep"][0]).all()), "an episode mixes rows of two written episodes"
+        assert torch.equal(batch["step"], torch.arange(int(batch["step"][0]), int(batch["step"][0]) + length))
+        assert int(batch["step"][-1]) == int(batch["len"][0]) - 1  # it ends where the written episode ended
+        assert i == 0 or int(batch["step"][0]) == 0  # only the oldest may have lost its first steps
+    return int(view.length.sum())
+
+
+def test_a_shared_store_checkpoints_while_a_writer_runs_and_loads_local_or_shared(tmp_path):
+    owner = GearStorage(500, shared=True)
+    opened = [owner]
+    try:
+        results = CTX.Queue()
+        writer = CTX.Process(target=w.write_episodes, args=(owner, 3, 1500, 20, True, results))
+        writer.start()
+        snapshots = []
+        while writer.is_alive() and len(snapshots) < 3:
+            if len(owner) > 100:  # the ring has wrapped or is about to: snapshots race its evictions
+                path = tmp_path / f"snapshot_{len(snapshots)}"
+                owner.dumps(path)
+                snapshots.append(path)
+            time.sleep(0.01)
+        _join([writer])
+        owner.dumps(tmp_path / "final")
+        snapshots.append(tmp_path / "final")
+        assert len(snapshots) >= 2, "the writer finished before a snapshot could race it"
+        for path in snapshots:
+            local = GearStorage(500)
+            local.loads(path)
+            rows = _assert_whole_episodes(local)
+            assert len(local) == rows > 0
+            shared = GearStorage(500, shared=True)
+            opened.append(shared)
+            shared.loads(path)
+            assert len(shared) == rows and _assert_whole_episodes(shared) == rows
+            assert torch.equal(shared.get(_readable_rows(shared))["check"], local.get(torch.arange(rows))["check"])
+            rb = TensorDictReplayBuffer(storage=shared, sampler=GearSequenceSampler(4, strict_length=False),
+                                        batch_size=64)
+            batch = rb.sample()
+            w.verify(batch[batch["collector", "mask"]])  # padding is zeros, not rows
+            before = shared.get(_readable_rows(shared))
+            with pytest.raises(ValueError, match="empty shared store only"):
+                shared.loads(path)
+            assert torch.equal(shared.get(_readable_rows(shared))["check"], before["check"])
+        final = GearStorage(500)
+        final.loads(tmp_path / "final")
+        assert torch.equal(final.get(torch.arange(len(final)))["check"], owner.get(_readable_rows(owner))["check"])
+    finally:
+        for storage in opened:
+            storage.close()

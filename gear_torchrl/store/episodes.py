@@ -114,6 +114,10 @@ class EpisodeIndex:
     def _slots(self, first: int, last: int) -> torch.Tensor:
         return torch.arange(first, last, dtype=torch.int64) % self.start.numel()
 
+    def slots_of(self, serial: torch.Tensor) -> torch.Tensor:
+        """Where the live episodes with these serial numbers are held."""
+        return serial % self.start.numel()
+
     def live(self) -> EpisodeView:
         slot = self._slots(self.first_serial, self.next_serial)
         serial = torch.arange(self.first_serial, self.next_serial, dtype=torch.int64)

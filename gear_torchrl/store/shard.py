@@ -315,6 +315,22 @@ class Shard:
         self.episodes.clear()
 
     # -- state -------------------------------------------------------------------------
+    def checked_state(self, state: dict) -> tuple[TableSpec | None, list[torch.Tensor]]:
+        """The spec and columns of a ``state()``, checked against this shard."""
+        if int(state["capacity"]) != self.capacity:
+            raise ValueError(f"state holds a storage of capacity {state['capacity']}, this one has {self.capacity}")
+        spec = None if state["spec"] is None else TableSpec.from_json(state["spec"])
+        if self.spec is not None and spec is not None and spec != self.spec:
+            raise ValueError("state's columns (keys, dtypes or shapes) differ from this storage's")
+        columns = state["columns"]
+        if spec is not None:
+            if len(columns) != len(spec.columns):
+                raise ValueError(f"state has {len(columns)} columns, its spec {len(spec.columns)}")
+            for c, t in zip(spec.columns, columns):
+                if t.dtype != c.dtype or t.shape[1:] != c.row_shape or t.shape[0] > self.capacity:
+                    raise ValueError(f"state column {c.key!r} has shape {tuple(t.shape)} and dtype {t.dtype}")
+        return spec, columns
+
     def state(self) -> dict:
         """Everything needed to restore the shard exactly; tensors are views, not copies."""
         return {
@@ -328,18 +344,7 @@ class Shard:
 
     def load_state(self, state: dict) -> None:
         """Restore from ``state()``; checks everything before changing anything."""
-        if int(state["capacity"]) != self.capacity:
-            raise ValueError(f"state holds a storage of capacity {state['capacity']}, this one has {self.capacity}")
-        spec = None if state["spec"] is None else TableSpec.from_json(state["spec"])
-        if self.spec is not None and spec is not None and spec != self.spec:
-            raise ValueError("state's columns (keys, dtypes or shapes) differ from this storage's")
-        columns = state["columns"]
-        if spec is not None:
-            if len(columns) != len(spec.columns):
-                raise ValueError(f"state has {len(columns)} columns, its spec {len(spec.columns)}")
-            for c, t in zip(spec.columns, columns):
-                if t.dtype != c.dtype or t.shape[1:] != c.row_shape or t.shape[0] > self.capacity:
-                    raise ValueError(f"state column {c.key!r} has shape {tuple(t.shape)} and dtype {t.dtype}")
+        spec, columns = self.checked_state(state)
         if self.spec is None and spec is not None:
             self._allocate(spec)
         for column, saved in zip(self.columns, columns):

@@ -315,10 +315,54 @@ class SharedShard(Shard):
         raise NotImplementedError("a shared shard's episodes come from its commits")
 
     def state(self) -> dict:
-        raise NotImplementedError("checkpointing a shared GearStorage is not supported yet: "
-                                  "copy it into a local GearStorage (extend with its rows) and save that")
+        """The readable episodes as a local shard's state: compacted, oldest first, at rows ``0..n-1``.
 
-    load_state = state
+        A consistent snapshot taken while other processes keep committing (a read
+        section holds eviction back while the rows are copied). Rows a crashed
+        writer left are not saved. A local or a new shared storage loads it.
+        """
+        with self.picking():
+            try:
+                view = self.episodes.live()
+                keep = ~view.dead
+                slots = self.episodes.slots_of(view.serial[keep])
+                rows = self.episodes.rows_of(slots)
+                columns = [c[rows] for c in self.columns] if self.spec is not None else []
+            finally:
+                self.release()
+        length = view.length[keep]
+        return {
+            "capacity": self.capacity,
+            "spec": None if self.spec is None else self.spec.to_json(),
+            "size": rows.numel(),
+            "head": rows.numel() % self.capacity,
+            "columns": columns,
+            "episodes": {"start": torch.cumsum(length, 0) - length, "length": length, "closed": view.closed[keep],
+                         "first_serial": 0, "next_serial": int(length.numel()), "open_traj": None},
+        }
+
+    def load_state(self, state: dict) -> None:
+        """Commit a saved shard's episodes into this empty shared store, oldest first, one commit each.
+
+        Every commit ends its episode, so an episode that was still open when saved
+        is closed here.
+        """
+        if self.rows_inserted or self.readable_rows():
+            raise ValueError("a checkpoint loads into an empty shared store only: this one already holds rows")
+        spec, columns = self.checked_state(state)
+        if spec is None or not columns:
+            return
+        episodes = state["episodes"]
+        starts = torch.as_tensor(episodes["start"], dtype=torch.int64)
+        lengths = torch.as_tensor(episodes["length"], dtype=torch.int64)
+        if bool((lengths < 0).any()):
+            raise ValueError("the checkpoint's episode index has negative lengths: it is damaged")
+        first_of_each = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        rows = (starts.repeat_interleave(lengths) + torch.arange(int(lengths.sum())) - first_of_each) % self.capacity
+        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < columns[0].shape[0]:
+            raise ValueError("the checkpoint's episode index names rows its columns do not hold: it is damaged")
+        for episode_rows in torch.split(rows, lengths.tolist()):
+            self.commit(spec, [c[episode_rows] for c in columns])
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
