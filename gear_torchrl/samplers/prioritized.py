@@ -257,7 +257,7 @@ class GearPrioritizedSampler(PrioritizedSampler):
 
     def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
         """Rows were (over)written: new generation, default priority."""
-        index, _ = _validated(index, None, self._max_capacity, self._device)
+        index = _as_index(index, self._max_capacity, self._device)
         index = index[index >= 0]
         self._generation[index] += 1
         mass = torch.pow(self._max_raw_priority + self._eps, self._alpha)

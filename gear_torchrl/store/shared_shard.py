@@ -321,15 +321,13 @@ class SharedShard(Shard):
         section holds eviction back while the rows are copied). Rows a crashed
         writer left are not saved. A local or a new shared storage loads it.
         """
-        with self.picking():
-            try:
-                view = self.episodes.live()
-                keep = ~view.dead
-                slots = self.episodes.slots_of(view.serial[keep])
-                rows = self.episodes.rows_of(slots)
-                columns = [c[rows] for c in self.columns] if self.spec is not None else []
-            finally:
-                self.release()
+        with self.picking():  # ends the read section itself if anything here raises
+            view = self.episodes.live()
+            keep = ~view.dead
+            rows = self.episodes.rows_of(self.episodes.slots_of(view.serial[keep]))
+            mapped = self.mapped_columns()  # another process may have laid the columns out since we attached
+            columns = [c[rows] for c in mapped] if self.spec is not None else []
+        self.release()
         length = view.length[keep]
         return {
             "capacity": self.capacity,
