@@ -60,21 +60,24 @@ class GraphedCall:
         inputs, graph, output = entry
         for static, arg in zip(inputs, args):
             static.copy_(arg)
-        graph.replay()
+        with torch.cuda.device(args[0].device):
+            graph.replay()
         return None if output is None else output.clone()
 
     def _capture(self, args: tuple[torch.Tensor, ...]):
+        device = args[0].device
         inputs = [a.clone() for a in args]
-        side = torch.cuda.Stream(device=args[0].device)
-        side.wait_stream(torch.cuda.current_stream(args[0].device))
         try:
-            with torch.cuda.stream(side):
-                for _ in range(2):  # lazy library initialization must not happen inside the capture
-                    self.fn(*inputs)
-            torch.cuda.current_stream(args[0].device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                output = self.fn(*inputs)
+            with torch.cuda.device(device):  # capture on the arguments' device, whichever is current
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # lazy library initialization must not happen inside the capture
+                        self.fn(*inputs)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    output = self.fn(*inputs)
         except RuntimeError as err:  # an op that cannot be captured: stay eager from now on
             log.warning("%s runs without a CUDA graph: %s", getattr(self.fn, "__qualname__", self.fn), err)
             self._capturable = False
