@@ -14,9 +14,11 @@ from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 from gear_torchrl import (
     GearSequenceSampler,
     GearStorage,
+    QueueSampler,
     SampleToInsertRatio,
     SpecMismatchError,
     StoreClosedError,
+    TopKSampler,
     TrajectoryWriter,
 )
 from gear_torchrl.store.shared_memory import store_segments
@@ -394,3 +396,41 @@ def test_a_shared_store_checkpoints_while_a_writer_runs_and_loads_local_or_share
     finally:
         for storage in opened:
             storage.close()
+
+
+def _write_in(storage: GearStorage, writer_id: int, episodes: int) -> int:
+    results = CTX.Queue()
+    writer = CTX.Process(target=w.write_episodes, args=(storage, writer_id, episodes, 30, False, results))
+    writer.start()
+    _join([writer])
+    return results.get(timeout=JOIN_S)[1]
+
+
+def _ids(batch) -> list[tuple[int, int]]:
+    return list(zip(batch["ep"].tolist(), batch["step"].tolist()))
+
+
+def test_queue_and_topk_samplers_follow_other_processes_commits_and_evictions():
+    owner = GearStorage(200, shared=True)
+    try:
+        fifo = TensorDictReplayBuffer(storage=owner, sampler=QueueSampler(200))
+        best = TensorDictReplayBuffer(storage=owner, sampler=TopKSampler(200, key="step"), batch_size=5)
+        assert _write_in(owner, 1, 6) > 40
+        committed = _ids(owner.get(_readable_rows(owner)))
+        first = _ids(fifo.sample(40))
+        assert first == committed[:40]  # the oldest rows first, each once, in commit order
+        top = best.sample()
+        assert sorted(top["step"].tolist(), reverse=True) == top["step"].tolist()  # best first
+        assert top["step"].tolist() == sorted((s for _, s in committed), reverse=True)[:5]
+        _write_in(owner, 2, 12)  # about 200 more rows: the ring wraps, unconsumed rows are evicted
+        readable = _ids(owner.get(_readable_rows(owner)))
+        waiting = [r for r in readable if r not in set(first)]
+        rest = _ids(fifo.sample(len(waiting)))
+        assert rest == waiting  # evicted rows left the queue; the other writer's rows joined in order
+        assert len(set(rest) | set(first)) == len(rest) + len(first)  # nothing served twice
+        with pytest.raises(RuntimeError, match="0 rows wait"):
+            fifo.sample(1)
+        top = best.sample()
+        assert top["step"].tolist() == sorted((s for _, s in readable), reverse=True)[:5]
+    finally:
+        owner.close()

@@ -10,6 +10,7 @@ from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.samplers.block_sums import BlockPrefixSums
+from gear_torchrl.samplers.following import FollowsCommits
 from gear_torchrl.samplers.trees import PriorityTrees
 from gear_torchrl.store.persistence import read_raw, write_raw
 
@@ -75,7 +76,7 @@ def _seeds_defaults(index: Any, priority: Any, default: float) -> bool:
             and bool((priority == default).all()))
 
 
-class GearPrioritizedSampler(PrioritizedSampler):
+class GearPrioritizedSampler(FollowsCommits, PrioritizedSampler):
     """Proportional PER (Schaul et al.): P(i) = p_i^alpha / sum_j p_j^alpha, weights (p_i / p_min)^-beta.
 
     A drop-in for TorchRL's ``PrioritizedSampler`` (it is one, so
@@ -158,23 +159,11 @@ class GearPrioritizedSampler(PrioritizedSampler):
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
         if getattr(storage, "is_sharded", False):
             return self._sample_shards(storage, batch_size)
-        shard = getattr(storage, "shard", None)
-        if shard is None:
-            return self._pick(storage, batch_size)
-        with shard.picking():  # a shared store catches up with other processes' commits here
-            self.follow(storage)
-            return self._pick(storage, batch_size)
+        return FollowsCommits.sample(self, storage, batch_size)
 
-    def follow(self, storage: Storage) -> None:
-        """Give rows other processes committed the default priority and drop evicted ones.
-
-        Call inside ``storage.shard.picking()``.
-        """
-        gone, new, self._followed = storage.shard.rows_changed_since(self._followed)
-        if gone.numel():
-            self._trees.remove(gone.to(self._device))
-        if new.numel():
-            self.mark_update(new)
+    def forget(self, rows: torch.Tensor) -> None:
+        """Rows lose their mass until they are written again (evicted, or capped by MaxTimesSampled)."""
+        self._trees.remove(rows.to(self._device))
 
     def _pick(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
         if len(storage) == 0:
@@ -263,9 +252,7 @@ class GearPrioritizedSampler(PrioritizedSampler):
         mass = torch.pow(self._max_raw_priority + self._eps, self._alpha)
         self._trees.set(index, mass.repeat(index.numel()))
 
-    def exclude(self, index: torch.Tensor) -> None:
-        """Make rows unsampleable until they are written again (used by MaxTimesSampled)."""
-        self._trees.remove(index)
+    exclude = forget  # MaxTimesSampled: unsampleable until written again
 
     def add(self, index: int) -> None:
         """Nothing to do: ``mark_update`` already gave the new row its priority."""

@@ -12,6 +12,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
+from gear_torchrl.samplers.following import FollowsCommits
 from gear_torchrl.samplers.prioritized import _as_index
 from gear_torchrl.samplers.state_file import StateDictFile
 
@@ -25,8 +26,12 @@ def _last_writes(index: torch.Tensor) -> torch.Tensor:
     return index[last[last >= 0].sort().values]
 
 
-class QueueSampler(StateDictFile, Sampler):
-    """Consume rows in write order (``"fifo"``) or newest first (``"lifo"``)."""
+class QueueSampler(FollowsCommits, StateDictFile, Sampler):
+    """Consume rows in write order (``"fifo"``) or newest first (``"lifo"``).
+
+    Over a shared storage, rows other processes commit join the queue in commit
+    order, and rows evicted before they were consumed leave it.
+    """
 
     def __init__(self, max_capacity: int, order: Literal["fifo", "lifo"] = "fifo") -> None:
         if order not in ("fifo", "lifo"):
@@ -42,6 +47,7 @@ class QueueSampler(StateDictFile, Sampler):
         self._rows = torch.empty(1024, dtype=torch.int64)  # entries [head, tail), oldest first
         self._gens = torch.empty(1024, dtype=torch.int64)
         self._head = self._tail = 0
+        self._followed = (0, 0)
 
     # -- queue -----------------------------------------------------------------------
     def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
@@ -52,6 +58,12 @@ class QueueSampler(StateDictFile, Sampler):
         self._queued[index] = True
         self._waiting += int(self._queued[index].sum())
         self._push(index, self._generation[index])
+
+    def forget(self, rows: torch.Tensor) -> None:
+        """Rows evicted before they were consumed: their entries go stale."""
+        self._waiting -= int(self._queued[rows].sum())
+        self._queued[rows] = False
+        self._generation[rows] += 1
 
     def _push(self, rows: torch.Tensor, gens: torch.Tensor) -> None:
         n = rows.numel()
@@ -83,7 +95,7 @@ class QueueSampler(StateDictFile, Sampler):
         """TorchRL's buffers reset this flag; the queue's content decides it."""
 
     # -- sampling ------------------------------------------------------------------------
-    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+    def _pick(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
         """Consume ``batch_size`` rows from the queue's end; O(batch + stale entries skipped)."""
         if self._waiting < batch_size:
             raise RuntimeError(f"QueueSampler: {self._waiting} rows wait to be consumed, asked for {batch_size}")

@@ -12,6 +12,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
+from gear_torchrl.samplers.following import FollowsCommits
 from gear_torchrl.samplers.prioritized import _as_index, _as_priority
 from gear_torchrl.samplers.state_file import StateDictFile
 from gear_torchrl.samplers.trees import ScoreTree
@@ -19,8 +20,11 @@ from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.spec import NestedKey
 
 
-class TopKSampler(StateDictFile, Sampler):
+class TopKSampler(FollowsCommits, StateDictFile, Sampler):
     """Each batch is the ``batch_size`` highest-scoring rows, best first.
+
+    Over a shared storage, rows other processes commit are scored as they are
+    seen, and evicted rows leave the ranking.
 
     Args:
         max_capacity: rows of the storage it samples.
@@ -63,11 +67,13 @@ class TopKSampler(StateDictFile, Sampler):
         keep = index >= 0
         self._scores.set(index[keep], priority[keep])
 
-    def exclude(self, index: torch.Tensor) -> None:
-        """Make rows unsampleable until they are written again (used by MaxTimesSampled)."""
-        self._scores.remove(index)
+    def forget(self, rows: torch.Tensor) -> None:
+        """Rows leave the ranking until they are written again (evicted, or capped by MaxTimesSampled)."""
+        self._scores.remove(rows)
 
-    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+    exclude = forget
+
+    def _pick(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
         if len(storage) == 0:
             raise RuntimeError("cannot sample from an empty storage: write some data first")
         index = self._scores.top(batch_size)
@@ -77,6 +83,7 @@ class TopKSampler(StateDictFile, Sampler):
 
     def _empty(self) -> None:
         self._scores.clear()
+        self._followed = (0, 0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scores": self._scores.max.clone()}
