@@ -72,8 +72,12 @@ from gear_torchrl.distributed.directory import host_id
 
 
 def say(*parts: object) -> None:
-    """Print one line, marked with the rank that prints it (all ranks share the terminal)."""
-    print(f"[rank {dist.get_rank()}]", *parts, flush=True)
+    """Print one line, marked with the rank that prints it (all ranks share the terminal).
+
+    The line goes out in one write: pieces written apart interleave with other ranks' lines.
+    """
+    line = " ".join(map(str, (f"[rank {dist.get_rank()}]", *parts))) + "\n"
+    os.write(1, line.encode())
 
 
 # -- 1. The actor: CartPole episodes, written into this host's shard ----------------------------
