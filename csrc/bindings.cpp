@@ -65,7 +65,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("max_tree_topk", &gear::max_tree_topk, py::arg("tree"), py::arg("k"),
         py::call_guard<py::gil_scoped_release>());
   m.def("priority_set", &gear::priority_set, py::arg("sum_tree"), py::arg("min_tree"), py::arg("index"),
-        py::arg("mass"), py::call_guard<py::gil_scoped_release>());
+        py::arg("mass"), py::arg("keep") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("sum_tree_find", &gear::sum_tree_find, py::arg("tree"), py::arg("mass"),
         py::call_guard<py::gil_scoped_release>());
 #ifdef GEAR_WITH_CUDA

@@ -10,6 +10,8 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+
 namespace gear {
 
 int64_t tree_nodes(int64_t capacity);
@@ -21,8 +23,9 @@ void max_tree_set(const at::Tensor& tree, const at::Tensor& index, const at::Ten
 
 // Both trees of a priority table in one pass: sum of masses, and the minimum of
 // the positive ones (a zero mass counts as +inf there, so weights stay finite).
+// Entries whose `keep` is false (stale rows, skipped indices) are left out.
 void priority_set(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& index,
-                  const at::Tensor& mass);
+                  const at::Tensor& mass, const std::optional<at::Tensor>& keep);
 
 // For each prefix mass m in [0, total), the leaf whose cumulative range holds m.
 // Never returns a zero-mass leaf while the total is positive. O(k log_8 L).

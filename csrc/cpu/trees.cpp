@@ -8,6 +8,7 @@
 #include <limits>
 #include <queue>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace gear {
@@ -50,11 +51,34 @@ struct SetArgs {
   int64_t count;
 };
 
-SetArgs set_args(const Layout& layout, const at::Tensor& index, const at::Tensor& values) {
+// The entries of index and values where keep is true, in order.
+std::pair<at::Tensor, at::Tensor> kept(const at::Tensor& index, const at::Tensor& values, const at::Tensor& keep) {
+  TORCH_CHECK(keep.dim() == 1 && keep.scalar_type() == at::kBool && keep.numel() == index.numel(),
+              "keep must be a 1-D bool tensor with ", index.numel(), " elements");
+  const at::Tensor k = keep.contiguous();
+  const bool* kp = k.data_ptr<bool>();
+  at::Tensor out_index = at::empty_like(index), out_values = at::empty_like(values);
+  const int64_t* ip = index.data_ptr<int64_t>();
+  const double* vp = values.data_ptr<double>();
+  int64_t* oi = out_index.data_ptr<int64_t>();
+  double* ov = out_values.data_ptr<double>();
+  int64_t count = 0;
+  for (int64_t i = 0; i < index.numel(); ++i) {
+    oi[count] = ip[i];
+    ov[count] = vp[i];
+    count += kp[i];
+  }
+  return {out_index.narrow(0, 0, count), out_values.narrow(0, 0, count)};
+}
+
+SetArgs set_args(const Layout& layout, const at::Tensor& index, const at::Tensor& values,
+                 const std::optional<at::Tensor>& keep = std::nullopt) {
   TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong, "index must be a 1-D int64 tensor");
   TORCH_CHECK(values.dim() == 1 && values.numel() == index.numel(), "values must be 1-D with ", index.numel(),
               " elements, got ", values.numel());
-  SetArgs a{index.contiguous(), values.to(at::kDouble).contiguous(), nullptr, nullptr, index.numel()};
+  SetArgs a{index.contiguous(), values.to(at::kDouble).contiguous(), nullptr, nullptr, 0};
+  if (keep) std::tie(a.index, a.values) = kept(a.index, a.values, *keep);
+  a.count = a.index.numel();
   a.ip = a.index.data_ptr<int64_t>();
   a.vp = a.values.data_ptr<double>();
   for (int64_t i = 0; i < a.count; ++i) {
@@ -64,16 +88,46 @@ SetArgs set_args(const Layout& layout, const at::Tensor& index, const at::Tensor
   return a;
 }
 
-// Recompute the ancestors of `leaf` from their children.
+// Random reads into trees of millions of leaves miss the cache at every level;
+// looking this many entries ahead keeps that many misses in flight at once.
+constexpr int64_t kPrefetchDistance = 32;
+
+inline void prefetch(const double* p) { __builtin_prefetch(p); }
+
+// Writes the leaves, prefetching the ones a few entries ahead.
+template <typename Leaf>
+void write_leaves(double* t, const Layout& layout, const SetArgs& a, Leaf leaf) {
+  double* leaves = t + layout.offset[layout.depth];
+  for (int64_t i = 0; i < a.count; ++i) {
+    if (i + kPrefetchDistance < a.count) prefetch(leaves + a.ip[i + kPrefetchDistance]);
+    leaves[a.ip[i]] = leaf(a.vp[i]);
+  }
+}
+
+// Recomputes every ancestor of the leaves `ip` from its children, one level at a
+// time from the bottom: the nodes of a level are independent of each other, so
+// their cache misses overlap (walking each leaf's path instead serializes them).
+// A level with no more nodes than leaves were set is recomputed whole, in order.
 template <typename Combine>
-void update_path(double* t, const Layout& layout, int64_t leaf, Combine combine) {
-  int64_t node = leaf;
+void recompute_ancestors(double* t, const Layout& layout, const int64_t* ip, int64_t count, Combine combine) {
   for (int64_t level = layout.depth - 1; level >= 0; --level) {
-    node /= kFanout;
-    const double* children = t + layout.offset[level + 1] + kFanout * node;
-    double acc = children[0];
-    for (int64_t j = 1; j < kFanout; ++j) acc = combine(acc, children[j]);
-    t[layout.offset[level] + node] = acc;
+    const int64_t shift = 3 * (layout.depth - level);
+    double* parents = t + layout.offset[level];
+    const double* children = t + layout.offset[level + 1];
+    auto recompute = [&](int64_t node) {
+      const double* c = children + kFanout * node;
+      double acc = c[0];
+      for (int64_t j = 1; j < kFanout; ++j) acc = combine(acc, c[j]);
+      parents[node] = acc;
+    };
+    if (pow8(level) <= count) {
+      for (int64_t node = 0; node < pow8(level); ++node) recompute(node);
+      continue;
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      if (i + kPrefetchDistance < count) prefetch(children + kFanout * (ip[i + kPrefetchDistance] >> shift));
+      recompute(ip[i] >> shift);
+    }
   }
 }
 
@@ -86,8 +140,8 @@ void tree_set(const at::Tensor& tree, const at::Tensor& index, const at::Tensor&
   const Layout layout = layout_of(tree);
   const SetArgs a = set_args(layout, index, values);
   double* t = tree.data_ptr<double>();
-  for (int64_t i = 0; i < a.count; ++i) t[layout.offset[layout.depth] + a.ip[i]] = a.vp[i];
-  for (int64_t i = 0; i < a.count; ++i) update_path(t, layout, a.ip[i], combine);
+  write_leaves(t, layout, a, [](double v) { return v; });
+  recompute_ancestors(t, layout, a.ip, a.count, combine);
 }
 
 }  // namespace
@@ -109,22 +163,25 @@ void max_tree_set(const at::Tensor& tree, const at::Tensor& index, const at::Ten
 }
 
 void priority_set(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& index,
-                  const at::Tensor& mass) {
+                  const at::Tensor& mass, const std::optional<at::Tensor>& keep) {
   const Layout layout = layout_of(sum_tree);
   TORCH_CHECK(layout_of(min_tree).depth == layout.depth, "sum and min trees differ in size");
-  const SetArgs a = set_args(layout, index, mass);
+  const SetArgs a = set_args(layout, index, mass, keep);
   double* s = sum_tree.data_ptr<double>();
   double* m = min_tree.data_ptr<double>();
   const double inf = std::numeric_limits<double>::infinity();
-  const int64_t leaf0 = layout.offset[layout.depth];
-  for (int64_t i = 0; i < a.count; ++i) {
-    s[leaf0 + a.ip[i]] = a.vp[i];
-    m[leaf0 + a.ip[i]] = a.vp[i] > 0.0 ? a.vp[i] : inf;
-  }
-  for (int64_t i = 0; i < a.count; ++i) {
-    update_path(s, layout, a.ip[i], kSum);
-    update_path(m, layout, a.ip[i], kMin);
-  }
+  // The two trees are independent: one task each.
+  at::parallel_for(0, 2, 1, [&](int64_t first, int64_t last) {
+    for (int64_t tree = first; tree < last; ++tree) {
+      if (tree == 0) {
+        write_leaves(s, layout, a, [](double v) { return v; });
+        recompute_ancestors(s, layout, a.ip, a.count, kSum);
+      } else {
+        write_leaves(m, layout, a, [inf](double v) { return v > 0.0 ? v : inf; });
+        recompute_ancestors(m, layout, a.ip, a.count, kMin);
+      }
+    }
+  });
 }
 
 // Index of the child of `children` whose cumulative range holds u (u is reduced
@@ -146,6 +203,29 @@ inline int64_t pick_child(const double* children, double& u) {
   return chosen;
 }
 
+// Searches run in lanes: each level advances every lane by one node and
+// prefetches the children it will read next, so the lanes' cache misses overlap
+// instead of each search waiting out its own misses one level at a time.
+constexpr int64_t kLanes = 32;
+
+void find_lanes(const double* t, const Layout& layout, const double* mass, int64_t* leaf, int64_t lanes) {
+  double u[kLanes];
+  int64_t node[kLanes];
+  for (int64_t g = 0; g < lanes; ++g) {
+    u[g] = std::max(mass[g], 0.0);
+    node[g] = 0;
+  }
+  for (int64_t level = 0; level < layout.depth; ++level) {
+    const double* children = t + layout.offset[level + 1];
+    const double* grandchildren = level + 1 < layout.depth ? t + layout.offset[level + 2] : nullptr;
+    for (int64_t g = 0; g < lanes; ++g) {
+      node[g] = kFanout * node[g] + pick_child(children + kFanout * node[g], u[g]);
+      if (grandchildren) prefetch(grandchildren + kFanout * node[g]);
+    }
+  }
+  std::copy(node, node + lanes, leaf);
+}
+
 at::Tensor sum_tree_find(const at::Tensor& tree, const at::Tensor& mass) {
   TORCH_CHECK(mass.dim() == 1, "mass must be 1-D");
   const Layout layout = layout_of(tree);
@@ -155,13 +235,8 @@ at::Tensor sum_tree_find(const at::Tensor& tree, const at::Tensor& mass) {
   const double* mp = m.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, m.numel(), 1024, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
-      double u = std::max(mp[i], 0.0);
-      int64_t node = 0;
-      for (int64_t level = 0; level < layout.depth; ++level) {
-        node = kFanout * node + pick_child(t + layout.offset[level + 1] + kFanout * node, u);
-      }
-      op[i] = node;
+    for (int64_t lane0 = first; lane0 < last; lane0 += kLanes) {
+      find_lanes(t, layout, mp + lane0, op + lane0, std::min(kLanes, last - lane0));
     }
   });
   return out;

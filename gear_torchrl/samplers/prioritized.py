@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler
@@ -33,32 +34,39 @@ def _refuse_bad_priority(priority: torch.Tensor, bad: torch.Tensor) -> None:
     raise ValueError(f"priorities must be finite and non-negative; got {float(priority[pos])} at position {pos}")
 
 
-def _validated(
-    index: Any, priority: Any, capacity: int, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+class Checked(NamedTuple):
+    """An update's indices and priorities on the sampler's device, and what checking them learned."""
+
+    index: torch.Tensor
+    priority: torch.Tensor | None
+    skips: bool  # some index is -1
+    max_priority: float  # 0.0 without priorities
+
+
+def _validated(index: Any, priority: Any, capacity: int, device: torch.device | str = "cpu") -> Checked:
     """Indices (and priorities) on ``device``, checked with a single wait for it.
 
-    Index -1 means "skip", as TorchRL's ``MaxValueWriter`` uses it.
+    Index -1 means "skip", as TorchRL's ``MaxValueWriter`` uses it. A NaN, an
+    infinity or a negative value shows in the priorities' minimum or maximum.
     """
     index = torch.as_tensor(index, dtype=torch.int64).reshape(-1).to(device)
     if priority is not None:
         priority = _shaped_priority(priority, index.numel(), device)
     if index.numel() == 0:
-        return index, priority
-    facts = [index.min(), index.max()]
+        return Checked(index, priority, False, 0.0)
+    facts = torch.stack(torch.aminmax(index)).to(torch.float64)
     if priority is not None:
-        bad = _bad_priorities(priority)
-        facts.append(bad.sum())
-    lo, hi, *bad_count = torch.stack(facts).tolist()
+        facts = torch.cat([facts, torch.stack(torch.aminmax(priority))])
+    lo, hi, *extremes = facts.tolist()
     if lo < -1 or hi >= capacity:
-        raise IndexError(f"priority index {lo if lo < -1 else hi} is out of range for {capacity} rows")
-    if bad_count and bad_count[0]:
-        _refuse_bad_priority(priority, bad)
-    return index, priority
+        raise IndexError(f"priority index {int(lo) if lo < -1 else int(hi)} is out of range for {capacity} rows")
+    if extremes and not (extremes[0] >= 0 and extremes[1] < math.inf):
+        _refuse_bad_priority(priority, _bad_priorities(priority))
+    return Checked(index, priority, lo < 0, extremes[1] if extremes else 0.0)
 
 
 def _as_index(index: Any, capacity: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    return _validated(index, None, capacity, device)[0]
+    return _validated(index, None, capacity, device).index
 
 
 def _as_priority(priority: Any, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -186,7 +194,7 @@ class GearPrioritizedSampler(FollowsCommits, PrioritizedSampler):
         """``count`` rows drawn in proportion to their masses, and their write generations."""
         mass = torch.rand(count, dtype=torch.float64, device=self._device) * self._trees.total
         index = self._trees.find(mass)
-        return index, self._generation[index]
+        return index, self._generation.index_select(0, index)
 
     def _importance_weights(self, masses: torch.Tensor, min_mass: float) -> torch.Tensor:
         """(N P(i))^-beta normalized by its largest value: (mass_i / min mass)^-beta."""
@@ -231,18 +239,22 @@ class GearPrioritizedSampler(FollowsCommits, PrioritizedSampler):
                 return  # TorchRL's first-use seeding of stored rows: owners give new rows this priority already
             storage.update_priority(self.selection(), index, priority, generation)
             return
-        index, priority = _validated(index, priority, self._max_capacity, self._device)
+        index, priority, skips, max_priority = _validated(index, priority, self._max_capacity, self._device)
         if index.numel() == 0:
             return
-        keep = index >= 0  # a mask, not a filter: filtering would wait for the GPU
+        # Masks, not filters: filtering would wait for the GPU.
+        keep = (index >= 0) if skips else None
         if generation is not None:
             generation = torch.as_tensor(generation, dtype=torch.int64).reshape(-1).to(self._device)
             if generation.numel() != index.numel():
                 raise ValueError(f"got {generation.numel()} generations for {index.numel()} indices")
-            keep &= self._generation[index.clamp_min(0)] == generation
-        kept_max = torch.where(keep, priority, 0.0).max()
-        self._max_raw_priority = torch.maximum(self._max_raw_priority, kept_max)
-        self._trees.set(index.clamp_min(0), torch.pow(priority + self._eps, self._alpha), keep)
+            current = self._generation.index_select(0, index.clamp_min(0)) == generation
+            keep = current if keep is None else keep & current
+        if keep is None:  # every entry lands: the checked maximum is the batch's
+            self._max_raw_priority.clamp_(min=max_priority)
+        else:
+            self._max_raw_priority = torch.maximum(self._max_raw_priority, torch.where(keep, priority, 0.0).max())
+        self._trees.set(index.clamp_min(0) if skips else index, torch.pow(priority + self._eps, self._alpha), keep)
 
     def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
         """Rows were (over)written: new generation, default priority."""

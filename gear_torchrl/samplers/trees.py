@@ -24,6 +24,7 @@ class PriorityTrees:
         self.capacity = capacity
         self.sum, self._leaf = _tree(capacity, 0.0)
         self.min, _ = _tree(capacity, float("inf"))
+        self._masses = self.sum[self._leaf: self._leaf + capacity]  # a view of the leaves
 
     @property
     def total(self) -> float:
@@ -35,15 +36,13 @@ class PriorityTrees:
 
     def set(self, index: torch.Tensor, mass: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Masses of rows (entries with ``keep`` False dropped); the minimum counts positive masses only."""
-        if keep is not None:
-            index, mass = index[keep], mass[keep]
-        _C.priority_set(self.sum, self.min, index, mass)
+        _C.priority_set(self.sum, self.min, index, mass, keep)
 
     def remove(self, index: torch.Tensor) -> None:
         self.set(index, torch.zeros(index.numel(), dtype=torch.float64))
 
     def get(self, index: torch.Tensor) -> torch.Tensor:
-        return self.sum[index + self._leaf]
+        return self._masses.index_select(0, index)
 
     def find(self, prefix_mass: torch.Tensor) -> torch.Tensor:
         return _C.sum_tree_find(self.sum, prefix_mass)
@@ -54,7 +53,7 @@ class PriorityTrees:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Per-row masses: the same state whatever structure (and device) holds them."""
-        return {"mass": self.sum[self._leaf: self._leaf + self.capacity]}
+        return {"mass": self._masses}
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         mass = tensors["mass"].to("cpu", torch.float64)
