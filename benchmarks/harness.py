@@ -53,6 +53,27 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int = 
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def cold_median_seconds(fn: Callable[[], object], *, repeats: int = 7, inner: int = 10,
+                        evict_bytes: int = 64 << 20) -> float:
+    """``median_seconds`` with the CPU caches flushed before every call (not timed).
+
+    The same ``evict_bytes`` are written whatever ``fn`` does, so calls on small
+    and large stores start equally cold: what remains is the cost of the store's size.
+    """
+    evictor = torch.zeros(evict_bytes // 4)
+    fn()
+    samples = []
+    for _ in range(repeats):
+        total = 0.0
+        for _ in range(inner):
+            evictor.add_(1.0)
+            start = time.perf_counter()
+            fn()
+            total += time.perf_counter() - start
+        samples.append(total / inner)
+    return statistics.median(samples)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     import socket

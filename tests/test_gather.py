@@ -87,3 +87,18 @@ def test_argument_errors_are_python_exceptions():
         _C.gather([torch.zeros(3, 10).t()], [torch.zeros(2, 3)], torch.tensor([0, 1]))
     with pytest.raises(RuntimeError, match="empty table"):
         _C.gather([torch.zeros(0, 3)], [torch.zeros(2, 3)], torch.tensor([0, 1]))
+
+
+def test_large_local_columns_ask_for_huge_pages():
+    from pathlib import Path
+
+    from gear_torchrl.store.huge_pages import advise_huge_pages, empty_huge
+
+    small = empty_huge((1000,), torch.float32)
+    assert small.shape == (1000,) and small.dtype == torch.float32
+    assert not advise_huge_pages(small)  # below the size worth asking for
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip(f"transparent huge pages are off or absent here ({mode}): nothing to grant")
+    big = torch.empty(16 << 20, dtype=torch.uint8)
+    assert advise_huge_pages(big)

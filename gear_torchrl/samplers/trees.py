@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 
 from gear_torchrl._ext import _C
+from gear_torchrl.store.huge_pages import empty_huge
 
 
 def _tree(capacity: int, fill: float) -> tuple[torch.Tensor, int]:
     """A tree tensor over ``capacity`` leaves, every entry ``fill``, and its first leaf's position."""
     nodes = _C.tree_nodes(capacity)
-    return torch.full((nodes,), fill, dtype=torch.float64), _C.tree_leaf_offset(nodes)
+    return empty_huge((nodes,), torch.float64).fill_(fill), _C.tree_leaf_offset(nodes)
 
 
 class PriorityTrees:

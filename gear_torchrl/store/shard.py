@@ -18,6 +18,7 @@ import torch
 
 from gear_torchrl import gather
 from gear_torchrl.store.episodes import EpisodeIndex, episode_ends
+from gear_torchrl.store.huge_pages import empty_huge
 from gear_torchrl.store.spec import Data, NestedKey, SpecMismatchError, TableSpec
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,8 @@ class Shard:
             # CUDA pins whole pages, so each column gets pages of its own (pin_memory()
             # would instead round every column up to a power of two).
             self._adopt(spec, [_page_aligned_empty((self.capacity, *c.row_shape), c.dtype) for c in spec.columns])
+        elif self.device.type == "cpu":
+            self._adopt(spec, [empty_huge((self.capacity, *c.row_shape), c.dtype) for c in spec.columns])
         else:
             self._adopt(spec, [torch.empty((self.capacity, *c.row_shape), dtype=c.dtype, device=self.device)
                                for c in spec.columns])
