@@ -34,7 +34,7 @@ def _refuse_bad_priority(priority: torch.Tensor, bad: torch.Tensor) -> None:
     raise ValueError(f"priorities must be finite and non-negative; got {float(priority[pos])} at position {pos}")
 
 
-class Checked(NamedTuple):
+class _Checked(NamedTuple):
     """An update's indices and priorities on the sampler's device, and what checking them learned."""
 
     index: torch.Tensor
@@ -43,7 +43,7 @@ class Checked(NamedTuple):
     max_priority: float  # 0.0 without priorities
 
 
-def _validated(index: Any, priority: Any, capacity: int, device: torch.device | str = "cpu") -> Checked:
+def _validated(index: Any, priority: Any, capacity: int, device: torch.device | str = "cpu") -> _Checked:
     """Indices (and priorities) on ``device``, checked with a single wait for it.
 
     Index -1 means "skip", as TorchRL's ``MaxValueWriter`` uses it. A NaN, an
@@ -53,7 +53,7 @@ def _validated(index: Any, priority: Any, capacity: int, device: torch.device | 
     if priority is not None:
         priority = _shaped_priority(priority, index.numel(), device)
     if index.numel() == 0:
-        return Checked(index, priority, False, 0.0)
+        return _Checked(index, priority, False, 0.0)
     facts = torch.stack(torch.aminmax(index)).to(torch.float64)
     if priority is not None:
         facts = torch.cat([facts, torch.stack(torch.aminmax(priority))])
@@ -62,7 +62,7 @@ def _validated(index: Any, priority: Any, capacity: int, device: torch.device | 
         raise IndexError(f"priority index {int(lo) if lo < -1 else int(hi)} is out of range for {capacity} rows")
     if extremes and not (extremes[0] >= 0 and extremes[1] < math.inf):
         _refuse_bad_priority(priority, _bad_priorities(priority))
-    return Checked(index, priority, lo < 0, extremes[1] if extremes else 0.0)
+    return _Checked(index, priority, lo < 0, extremes[1] if extremes else 0.0)
 
 
 def _as_index(index: Any, capacity: int, device: torch.device | str = "cpu") -> torch.Tensor:
