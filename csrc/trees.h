@@ -21,7 +21,7 @@ int64_t tree_leaf_offset(int64_t nodes);  // where leaf 0 sits in a tree of `nod
 // then every ancestor is recomputed from its children. O(k log_8 L).
 void max_tree_set(const at::Tensor& tree, const at::Tensor& index, const at::Tensor& values);
 
-// Both trees of a priority table in one pass: sum of masses, and the minimum of
+// Both trees of a priority table in one call (one core each): sum of masses, and the minimum of
 // the positive ones (a zero mass counts as +inf there, so weights stay finite).
 // Entries whose `keep` is false (stale rows, skipped indices) are left out.
 void priority_set(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& index,
