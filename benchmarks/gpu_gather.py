@@ -69,6 +69,7 @@ class Bench:
         self.pin_s = time.perf_counter() - t0
         self.device_table = None
         self.results = []
+        self.hot_results = []
         self.gen = torch.Generator().manual_seed(0)
 
     def columns_in(self, buf, specs, capacity):
@@ -129,6 +130,37 @@ class Bench:
             del dst
         self.results.append(res)
         print(format_row(res), flush=True)
+        return res
+
+
+    def hot_case(self, row, batch, seq_len, share):
+        """Uniform starts over a host table whose newest ``share`` of rows also sit in a hot tier."""
+        _C, dev = self._C, self.dev
+        capacity = self.host.numel() // row
+        slots = max(1, int(capacity * share))
+        (col,) = self.columns_in(self.host, [((row,), torch.uint8)], capacity)
+        newest = torch.arange(capacity - slots, capacity)
+        hot = torch.empty(slots, row, dtype=torch.uint8, device=dev)
+        hot[newest % slots] = col[newest].to(dev)
+        owner = torch.empty(slots, dtype=torch.int64, device=dev)
+        owner[(newest % slots).to(dev)] = newest.to(dev)
+        starts = torch.randint(0, capacity, (batch,), generator=self.gen)
+        out = torch.empty(batch * seq_len, row, dtype=torch.uint8, device=dev)
+        nbytes = out.numel()
+        tiered = time_op(lambda: _C.gather([col], [out], starts, seq_len=seq_len, hot_columns=[hot], hot_owner=owner),
+                         self.reps)
+        rows = flat_rows(starts, seq_len, capacity)
+        assert torch.equal(out[:64].cpu(), col[rows[:64]]), "wrong bytes with a hot tier"
+        host_only = time_op(lambda: _C.gather([col], [out], starts, seq_len=seq_len), self.reps)
+        res = {"section": "hot-tier", "batch": batch, "seq_len": seq_len, "row_bytes": row, "bytes": nbytes,
+               "hot_share": share, "gear_hot_s": tiered, "gear_hot_gbps": gbps(nbytes, tiered),
+               "gear_host_s": host_only, "gear_host_gbps": gbps(nbytes, host_only), "x_host": host_only / tiered}
+        self.hot_results.append(res)
+        print(f"hot tier {share:>5.0%} of {capacity} rows  batch {batch:>5} x {seq_len:>3}  row {row:>6} B  "
+              f"{res['gear_hot_gbps']:8.2f} GB/s  host only {res['gear_host_gbps']:7.2f} GB/s  "
+              f"x{res['x_host']:5.2f}", flush=True)
+        del hot, owner, out
+        torch.cuda.empty_cache()
         return res
 
 
@@ -197,6 +229,11 @@ def main(argv=None):
     b.case("atari-windows", atari, atari_cap, 256, 64 if not args.quick else 16)
     b.case("atari-steps", atari, atari_cap, 4096, 1)
 
+    # Hot tier: uniform batches over a host table whose newest rows are also on the GPU.
+    for share in (0.25, 0.5, 1.0):
+        b.hot_case(1024, 256, 64, share)
+        b.hot_case(4096, 4096, 1, share)
+
     # Device tier.
     b.device_table = torch.empty(table_bytes, dtype=torch.uint8, device=b.dev)
     b.device_table.fill_(3)
@@ -218,6 +255,7 @@ def main(argv=None):
         "timing": "median of reps, CUDA events around the whole call on an idle stream",
         "gb": 1e9,
         "results": b.results,
+        "hot_tier": b.hot_results,
     }
     host = [r for r in b.results if r["tier"] == "host" and r["row_bytes"] >= 1024]
     if host:

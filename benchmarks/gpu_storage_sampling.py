@@ -33,6 +33,8 @@ def main() -> None:
     buffers = {
         "GearStorage(cuda, host memory)": TensorDictReplayBuffer(storage=GearStorage(n, device="cuda"),
                                                                  batch_size=args.batch),
+        "GearStorage(cuda, host memory, hot_rows=n/4)": TensorDictReplayBuffer(
+            storage=GearStorage(n, device="cuda", hot_rows=n // 4), batch_size=args.batch),
         "GearStorage(cuda, device memory)": TensorDictReplayBuffer(
             storage=GearStorage(n, device="cuda", memory="device"), batch_size=args.batch),
         "LazyTensorStorage(cpu) + .to(cuda)": TensorDictReplayBuffer(storage=LazyTensorStorage(n),

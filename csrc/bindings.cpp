@@ -9,19 +9,22 @@ namespace {
 
 gear::GatherArgs make_args(std::vector<at::Tensor> columns, std::vector<at::Tensor> out, at::Tensor starts,
                            std::optional<at::Tensor> valid_begin, std::optional<at::Tensor> valid_end,
-                           int64_t seq_len, std::optional<at::Tensor> mask) {
-  gear::GatherArgs args{std::move(columns), std::move(out), std::move(starts), std::move(valid_begin),
-                        std::move(valid_end), std::move(mask), seq_len};
+                           int64_t seq_len, std::optional<at::Tensor> mask, std::vector<at::Tensor> hot_columns,
+                           std::optional<at::Tensor> hot_owner) {
+  gear::GatherArgs args{std::move(columns),   std::move(out),  std::move(starts),      std::move(valid_begin),
+                        std::move(valid_end), std::move(mask), seq_len, std::move(hot_columns),
+                        std::move(hot_owner)};
   gear::check_gather_args(args);
   return args;
 }
 
 void gather(std::vector<at::Tensor> columns, std::vector<at::Tensor> out, at::Tensor starts,
             std::optional<at::Tensor> valid_begin, std::optional<at::Tensor> valid_end, int64_t seq_len,
-            std::optional<at::Tensor> mask) {
-  const gear::GatherArgs args = make_args(std::move(columns), std::move(out), std::move(starts),
-                                          std::move(valid_begin), std::move(valid_end), seq_len,
-                                          std::move(mask));
+            std::optional<at::Tensor> mask, std::vector<at::Tensor> hot_columns,
+            std::optional<at::Tensor> hot_owner) {
+  const gear::GatherArgs args =
+      make_args(std::move(columns), std::move(out), std::move(starts), std::move(valid_begin), std::move(valid_end),
+                seq_len, std::move(mask), std::move(hot_columns), std::move(hot_owner));
   if (args.out.front().is_cuda()) {
 #ifdef GEAR_WITH_CUDA
     gear::gather_cuda(args);
@@ -53,6 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather", &gather, "Fill `out` from `columns` for windows (rows are windows of length 1)",
         py::arg("columns"), py::arg("out"), py::arg("starts"), py::arg("valid_begin") = py::none(),
         py::arg("valid_end") = py::none(), py::arg("seq_len") = 1, py::arg("mask") = py::none(),
+        py::arg("hot_columns") = std::vector<at::Tensor>{}, py::arg("hot_owner") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("send_windows", &gear::send_windows, "Write windows' rows from the columns to a socket, no gather",
         py::arg("fd"), py::arg("columns"), py::arg("starts"), py::arg("valid_begin"), py::arg("valid_end"),

@@ -4,6 +4,10 @@
 // Positions j outside [valid_begin[i], valid_end[i]) are head/tail padding:
 // zero-filled, mask false. The ring wrap makes every index in range by
 // construction, so a bad start can never read outside a column.
+//
+// A hot tier (CUDA only) holds copies of some rows in GPU memory: hot_columns[c]
+// is [hot_rows, *step_shape] on the outputs' device, and row r sits in slot
+// r % hot_rows when hot_owner[r % hot_rows] == r; those rows are read from there.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -21,6 +25,8 @@ struct GatherArgs {
   std::optional<at::Tensor> valid_end;    // int64 [num_windows], or all seq_len
   std::optional<at::Tensor> mask;         // bool [num_windows * seq_len]
   int64_t seq_len = 1;
+  std::vector<at::Tensor> hot_columns;    // empty: no hot tier
+  std::optional<at::Tensor> hot_owner;    // int64 [hot_rows]
 
   int64_t capacity() const { return columns.front().size(0); }
   int64_t num_windows() const { return starts.size(0); }

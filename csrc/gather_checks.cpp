@@ -2,6 +2,33 @@
 
 namespace gear {
 
+namespace {
+
+void check_hot_tier(const GatherArgs& a, const at::Device& out_device) {
+  if (a.hot_columns.empty()) {
+    TORCH_CHECK(!a.hot_owner.has_value(), "gather: hot_owner without hot_columns");
+    return;
+  }
+  TORCH_CHECK(out_device.is_cuda(), "gather: a hot tier needs CUDA outputs");
+  TORCH_CHECK(a.hot_columns.size() == a.columns.size(), "gather: ", a.hot_columns.size(),
+              " hot columns for ", a.columns.size(), " columns");
+  TORCH_CHECK(a.hot_owner.has_value(), "gather: hot_columns without hot_owner");
+  const at::Tensor& owner = *a.hot_owner;
+  TORCH_CHECK(owner.dim() == 1 && owner.numel() > 0 && owner.scalar_type() == at::kLong && owner.is_contiguous(),
+              "gather: hot_owner must be a contiguous non-empty int64 vector");
+  TORCH_CHECK(owner.device() == out_device, "gather: hot_owner must be on the outputs' device ", out_device);
+  for (size_t c = 0; c < a.columns.size(); ++c) {
+    const at::Tensor& hot = a.hot_columns[c];
+    TORCH_CHECK(hot.device() == out_device && hot.is_contiguous() && hot.scalar_type() == a.columns[c].scalar_type()
+                    && hot.dim() >= 1 && hot.size(0) == owner.numel()
+                    && hot.sizes().slice(1) == a.columns[c].sizes().slice(1),
+                "gather: hot column ", c, " must be a contiguous ", a.columns[c].scalar_type(), " tensor [",
+                owner.numel(), ", ", a.columns[c].sizes().slice(1), "] on ", out_device);
+  }
+}
+
+}  // namespace
+
 void check_gather_args(const GatherArgs& a) {
   TORCH_CHECK(!a.columns.empty(), "gather: no columns");
   TORCH_CHECK(a.columns.size() == a.out.size(), "gather: ", a.columns.size(), " columns but ",
@@ -45,6 +72,7 @@ void check_gather_args(const GatherArgs& a) {
   if (a.mask.has_value()) {
     TORCH_CHECK(a.mask->device() == out_device, "gather: mask must be on the outputs' device");
   }
+  check_hot_tier(a, out_device);
 }
 
 }  // namespace gear

@@ -16,8 +16,11 @@ import torch
 
 _PACKAGE_KERNEL = Path(__file__).parent / "kernels" / "gather_kernel.cuh"
 _SOURCE_KERNEL = Path(__file__).parent.parent / "csrc" / "cuda" / "gather_kernel.cuh"
+# The launch constants of csrc/cuda/gather_kernel.cuh (GEAR_*).
 _THREADS = 256
-_MASK_ITEM = 1024
+_MASK_WINDOWS = 32
+_DESC_WORDS = 5
+_MAX_LAUNCH_COLUMNS = 1024
 _CHUNK_BYTES = 2048
 
 
@@ -69,34 +72,44 @@ def _device_address(column: torch.Tensor, index: int) -> int:
 
 def gather(columns: list[torch.Tensor], out: list[torch.Tensor], starts: torch.Tensor,
            valid_begin: torch.Tensor | None, valid_end: torch.Tensor | None, seq_len: int,
-           mask: torch.Tensor | None) -> None:
+           mask: torch.Tensor | None, hot_columns: list[torch.Tensor] | None = None,
+           hot_owner: torch.Tensor | None = None) -> None:
     """Same contract as ``_C.gather`` for CUDA outputs (see csrc/gather.h)."""
     import cupy as cp
 
     device = out[0].device
     num_windows, capacity = starts.numel(), columns[0].shape[0]
-    descriptors, items = [], 0
-    for c, (column, target) in enumerate(zip(columns, out)):
-        row_bytes = column[0].numel() * column.element_size() if capacity else 0
-        descriptors += [_device_address(column, c), target.data_ptr(), row_bytes, items]
-        items += num_windows * ((row_bytes * seq_len + _CHUNK_BYTES - 1) // _CHUNK_BYTES)
-    copy_items = items
-    if mask is not None:
-        items += (num_windows * seq_len + _MASK_ITEM - 1) // _MASK_ITEM
-    if items == 0:
+    if num_windows == 0:
         return
     on_device = lambda t: None if t is None else t.to(device, torch.int64, non_blocking=True)  # noqa: E731
-    desc = torch.tensor(np.array(descriptors, dtype=np.uint64).view(np.int64), device=device)
-    starts_d, begin_d, end_d = on_device(starts), on_device(valid_begin), on_device(valid_end)
     pointer = lambda t: np.uint64(0 if t is None else t.data_ptr())  # noqa: E731
-    blocks = (items + _THREADS // 32 - 1) // (_THREADS // 32)
+    starts_d, begin_d, end_d = on_device(starts), on_device(valid_begin), on_device(valid_end)
+    hot_rows = 0 if hot_owner is None else hot_owner.numel()
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
-    with cp.cuda.Device(device.index), stream:
-        _kernel(device.index)(
-            (blocks,), (_THREADS,),
-            (pointer(desc), np.int32(len(columns)), pointer(starts_d), pointer(begin_d), pointer(end_d),
-             pointer(mask), np.int64(num_windows), np.int64(seq_len), np.int64(capacity), np.int64(_CHUNK_BYTES),
-             np.int64(copy_items), np.int64(items)))
+    for first in range(0, len(columns), _MAX_LAUNCH_COLUMNS):  # descriptors fill shared memory
+        group = range(first, min(first + _MAX_LAUNCH_COLUMNS, len(columns)))
+        descriptors, items = [], 0
+        for c in group:
+            row_bytes = columns[c][0].numel() * columns[c].element_size() if capacity else 0
+            hot = 0 if hot_owner is None else hot_columns[c].data_ptr()
+            descriptors += [_device_address(columns[c], c), out[c].data_ptr(), row_bytes, items, hot]
+            items += num_windows * ((row_bytes * seq_len + _CHUNK_BYTES - 1) // _CHUNK_BYTES)
+        copy_items = items
+        group_mask = mask if first == 0 else None
+        if group_mask is not None:
+            items += (num_windows + _MASK_WINDOWS - 1) // _MASK_WINDOWS
+        if items == 0:
+            continue
+        desc = torch.tensor(np.array(descriptors, dtype=np.uint64).view(np.int64), device=device)
+        blocks = (items + _THREADS // 32 - 1) // (_THREADS // 32)
+        with cp.cuda.Device(device.index), stream:
+            _kernel(device.index)(
+                (blocks,), (_THREADS,),
+                (pointer(desc), np.int32(len(group)), pointer(starts_d), pointer(begin_d), pointer(end_d),
+                 pointer(group_mask), np.int64(num_windows), np.int64(seq_len), np.int64(capacity),
+                 np.int64(_CHUNK_BYTES), np.int64(copy_items), np.int64(items), pointer(hot_owner),
+                 np.int64(hot_rows)),
+                shared_mem=len(group) * _DESC_WORDS * 8)
 
 
 def host_register(tensor: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ This module is the only place that chooses.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -36,21 +37,31 @@ def _use_cupy() -> bool:
     return _FORCE_CUPY or not _C.built_with_cuda()
 
 
-def _launch(columns, out, starts, valid_begin=None, valid_end=None, seq_len=1, mask=None) -> None:
+class HotRows(NamedTuple):
+    """Copies of some rows in GPU memory: row ``r`` sits in slot ``r % len(owner)`` when ``owner`` says so."""
+
+    columns: list[torch.Tensor]  # [slots, *step_shape] per column, on the outputs' device
+    owner: torch.Tensor  # int64 [slots]: the row each slot holds, -1 for none
+
+
+def _launch(columns, out, starts, valid_begin=None, valid_end=None, seq_len=1, mask=None,
+            hot: HotRows | None = None) -> None:
+    hot_columns, hot_owner = ([], None) if hot is None else hot
     if out[0].is_cuda and _use_cupy():
-        cupy_kernels.gather(columns, out, starts, valid_begin, valid_end, seq_len, mask)
+        cupy_kernels.gather(columns, out, starts, valid_begin, valid_end, seq_len, mask, hot_columns, hot_owner)
     else:
-        _C.gather(columns, out, starts, valid_begin, valid_end, seq_len, mask)
+        _C.gather(columns, out, starts, valid_begin, valid_end, seq_len, mask, hot_columns, hot_owner)
 
 
 def _empty_like_rows(columns: list[torch.Tensor], num_rows: int, device: torch.device) -> list[torch.Tensor]:
     return [torch.empty((num_rows, *c.shape[1:]), dtype=c.dtype, device=device) for c in columns]
 
 
-def gather_rows(columns: list[torch.Tensor], rows: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+def gather_rows(columns: list[torch.Tensor], rows: torch.Tensor, device: torch.device,
+                hot: HotRows | None = None) -> list[torch.Tensor]:
     """``[c[rows] for c in columns]`` on ``device``; ``rows`` must already be in range."""
     out = _empty_like_rows(columns, rows.numel(), device)
-    _launch(columns, out, rows)
+    _launch(columns, out, rows, hot=hot)
     return out
 
 
@@ -62,6 +73,7 @@ def gather_windows(
     valid_begin: torch.Tensor | None = None,
     valid_end: torch.Tensor | None = None,
     out: list[torch.Tensor] | None = None,
+    hot: HotRows | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Windows of ``seq_len`` ring rows from ``starts``, padded outside ``[valid_begin, valid_end)``.
 
@@ -71,7 +83,7 @@ def gather_windows(
     if out is None:
         out = _empty_like_rows(columns, starts.numel() * seq_len, device)
     mask = torch.empty(starts.numel() * seq_len, dtype=torch.bool, device=device)
-    _launch(columns, out, starts, valid_begin, valid_end, seq_len, mask)
+    _launch(columns, out, starts, valid_begin, valid_end, seq_len, mask, hot)
     return out, mask
 
 

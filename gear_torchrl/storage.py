@@ -30,6 +30,11 @@ class GearStorage(TensorStorage):
             with CUDA when ``device`` is CUDA so the GPU gathers batches straight
             from it (zero copy, no staging). ``"device"``: GPU memory, when the
             whole store fits.
+        hot_rows: with ``memory="host"`` on CUDA, also keep the newest ``hot_rows``
+            rows in GPU memory (a hot tier): batches read them from there and the
+            rest across PCIe, in the same kernel. Costs ``hot_rows`` rows of GPU
+            memory and one extra host-to-GPU copy per write. Not with ``shared``:
+            other processes' writes would not reach it.
         end_keys: flags that end an episode (those present in the data are used).
         traj_key: a trajectory-id key; an episode also ends where it changes.
         checkpointer: defaults to :class:`GearStorageCheckpointer`.
@@ -51,6 +56,7 @@ class GearStorage(TensorStorage):
         *,
         device: torch.device | str = "cpu",
         memory: Literal["host", "device"] = "host",
+        hot_rows: int = 0,
         end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
         traj_key: NestedKey | None = None,
         checkpointer: GearStorageCheckpointer | None = None,
@@ -65,6 +71,7 @@ class GearStorage(TensorStorage):
         shared = shared or handle is not None
         if shared and memory == "device":
             raise ValueError("a shared GearStorage lives in host shared memory; memory='device' cannot be shared")
+        _check_hot_rows(hot_rows, device, memory, shared)
         if handle is not None:
             max_size = handle.capacity
         Storage.__init__(self, max_size, checkpointer=checkpointer)
@@ -78,7 +85,7 @@ class GearStorage(TensorStorage):
         else:
             self._shard = Shard(self.max_size, device=device if memory == "device" else "cpu",
                                 register_host=on_gpu and memory == "host", out_device=device,
-                                end_keys=end_keys, traj_key=traj_key)
+                                end_keys=end_keys, traj_key=traj_key, hot_rows=hot_rows)
         self._last_cursor = None
         self._rates = Rates()
         self._window_plan: tuple[torch.Tensor, Windows] | None = None
@@ -233,6 +240,19 @@ class GearStorage(TensorStorage):
 
 def _attach(handle: SharedStoreHandle, device: str) -> GearStorage:
     return GearStorage(handle.capacity, device=device, handle=handle)
+
+
+def _check_hot_rows(hot_rows: int, device: torch.device, memory: str, shared: bool) -> None:
+    if isinstance(hot_rows, bool) or not isinstance(hot_rows, int) or hot_rows < 0:
+        raise ValueError(f"hot_rows must be a non-negative int, got {hot_rows!r}")
+    if hot_rows == 0:
+        return
+    if device.type != "cuda" or memory != "host":
+        raise ValueError(f"hot_rows keeps recent rows in GPU memory in front of host memory: it needs "
+                         f"device='cuda' and memory='host', got device={str(device)!r}, memory={memory!r}")
+    if shared:
+        raise ValueError("hot_rows is not available with a shared store: rows other processes write "
+                         "would not reach this process's GPU copy")
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:

@@ -3,13 +3,17 @@
 // Columns live in device memory or in pinned / registered host memory, which
 // the kernel reads in place through its mapped device address (zero copy).
 // The column descriptors (and the window indices when they come from the CPU)
-// travel to the device in one small pinned H2D copy on the current stream.
+// sit in one pinned buffer that the kernel reads in place: small batches pay
+// for no copy and no wait before the launch.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CachingHostAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "../gather.h"
 #include "gather_kernel.cuh"
@@ -62,6 +66,17 @@ int num_sms(int device) {
   return n;
 }
 
+// A device address of pinned host memory from torch's caching host allocator
+// (the same address under unified addressing), or null when it is not mapped.
+const void* mapped_address(const void* host) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, host) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return attr.type == cudaMemoryTypeHost ? attr.devicePointer : nullptr;
+}
+
 }  // namespace
 
 void gather_cuda(const GatherArgs& a) {
@@ -74,13 +89,14 @@ void gather_cuda(const GatherArgs& a) {
     TORCH_CHECK(a.mask->is_cuda(), "gather: the mask must be on the outputs' device");
   }
   if (num_windows == 0) return;
-  TORCH_CHECK(num_columns <= (int64_t{1} << 30), "gather: too many columns");
   const int64_t capacity = a.capacity();
+  const bool hot = !a.hot_columns.empty();
 
-  // Host-side descriptors; indices from the CPU ride in the same buffer.
+  // One pinned staging buffer: the descriptors, then the indices when they come
+  // from the CPU. The kernel reads it in place, so nothing is copied before the launch.
   const bool idx_on_cpu = a.starts.device().is_cpu();
   const int64_t num_bounds = (a.valid_begin ? 1 : 0) + (a.valid_end ? 1 : 0);
-  const int64_t desc_words = 4 * num_columns;
+  const int64_t desc_words = GEAR_DESC_WORDS * num_columns;
   const int64_t words = desc_words + (idx_on_cpu ? num_windows * (1 + num_bounds) : 0);
   at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   auto* h = reinterpret_cast<unsigned long long*>(host.data_ptr<int64_t>());
@@ -89,46 +105,60 @@ void gather_cuda(const GatherArgs& a) {
   for (int64_t c = 0; c < num_columns; ++c) total_bytes += a.row_bytes(c) * seq_len * num_windows;
   const int64_t chunk = gear_gather_chunk_bytes(total_bytes, num_sms(device.index()));
 
+  // Columns go in launches of at most GEAR_MAX_LAUNCH_COLUMNS (their descriptors
+  // fill shared memory); work items are numbered from 0 in each launch.
+  std::vector<int64_t> launch_items;
   int64_t items = 0;
   for (int64_t c = 0; c < num_columns; ++c) {
+    if (c % GEAR_MAX_LAUNCH_COLUMNS == 0 && c > 0) {
+      launch_items.push_back(items);
+      items = 0;
+    }
     const int64_t rb = a.row_bytes(c);
-    h[4 * c + 0] = reinterpret_cast<unsigned long long>(device_address(a.columns[c], c, device));
-    h[4 * c + 1] = reinterpret_cast<unsigned long long>(a.out[c].data_ptr());
-    h[4 * c + 2] = static_cast<unsigned long long>(rb);
-    h[4 * c + 3] = static_cast<unsigned long long>(items);
+    unsigned long long* d = h + GEAR_DESC_WORDS * c;
+    d[0] = reinterpret_cast<unsigned long long>(device_address(a.columns[c], c, device));
+    d[1] = reinterpret_cast<unsigned long long>(a.out[c].data_ptr());
+    d[2] = static_cast<unsigned long long>(rb);
+    d[3] = static_cast<unsigned long long>(items);
+    d[4] = hot ? reinterpret_cast<unsigned long long>(a.hot_columns[c].data_ptr()) : 0ull;
     items += num_windows * ((rb * seq_len + chunk - 1) / chunk);
   }
-  const int64_t copy_items = items;
-  if (a.mask) items += (num_windows * seq_len + GEAR_MASK_ITEM - 1) / GEAR_MASK_ITEM;
-  if (items == 0) return;
+  launch_items.push_back(items);
 
   const auto idx_options = at::TensorOptions().dtype(at::kLong).device(device);
   at::Tensor starts, begins, ends;  // device tensors when the indices came from CUDA
   if (idx_on_cpu) {
     int64_t off = desc_words;
-    auto stage = [&](const at::Tensor& t) {
-      const at::Tensor ct = t.contiguous();
+    for (const at::Tensor* t : {&a.starts, a.valid_begin ? &*a.valid_begin : nullptr,
+                                a.valid_end ? &*a.valid_end : nullptr}) {
+      if (!t) continue;
+      const at::Tensor ct = t->contiguous();
       std::memcpy(h + off, ct.data_ptr<int64_t>(), num_windows * sizeof(int64_t));
       off += num_windows;
-    };
-    stage(a.starts);
-    if (a.valid_begin) stage(*a.valid_begin);
-    if (a.valid_end) stage(*a.valid_end);
+    }
   } else {
     starts = a.starts.to(idx_options).contiguous();
     if (a.valid_begin) begins = a.valid_begin->to(idx_options).contiguous();
     if (a.valid_end) ends = a.valid_end->to(idx_options).contiguous();
   }
-  // One H2D copy on the current stream; the caching host allocator keeps the
-  // pinned buffer alive until the copy has run.
-  at::Tensor dev = at::empty({words}, idx_options);
-  dev.copy_(host, /*non_blocking=*/true);
-  const auto* d = reinterpret_cast<const unsigned long long*>(dev.data_ptr<int64_t>());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+  const auto* staged = static_cast<const unsigned long long*>(mapped_address(host.data_ptr()));
+  at::Tensor dev;
+  if (staged == nullptr) {  // pinned memory that is not mapped: copy it over instead
+    dev = at::empty({words}, idx_options);
+    dev.copy_(host, /*non_blocking=*/true);
+    staged = reinterpret_cast<const unsigned long long*>(dev.data_ptr<int64_t>());
+  } else {
+    // The buffer goes back to the allocator on return; it must not be reused
+    // before the kernel has read it.
+    at::getHostAllocator(at::kCUDA)->record_event(host.data_ptr(), host.storage().data_ptr().get_context(),
+                                                  at::cuda::getCurrentCUDAStream(device.index()).unwrap());
+  }
   const long long* starts_p;
   const long long* begins_p = nullptr;
   const long long* ends_p = nullptr;
   if (idx_on_cpu) {
-    const auto* di = reinterpret_cast<const long long*>(d + desc_words);
+    const auto* di = reinterpret_cast<const long long*>(staged + desc_words);
     starts_p = di;
     int64_t off = num_windows;
     if (a.valid_begin) { begins_p = di + off; off += num_windows; }
@@ -139,15 +169,26 @@ void gather_cuda(const GatherArgs& a) {
     if (ends.defined()) ends_p = reinterpret_cast<const long long*>(ends.data_ptr<int64_t>());
   }
   unsigned char* mask_p = a.mask ? reinterpret_cast<unsigned char*>(a.mask->data_ptr<bool>()) : nullptr;
+  const long long* owner_p = hot ? reinterpret_cast<const long long*>(a.hot_owner->data_ptr<int64_t>()) : nullptr;
+  const int64_t hot_rows = hot ? a.hot_owner->numel() : 0;
 
   const int64_t warps_per_block = GEAR_GATHER_THREADS / 32;
   const int64_t max_blocks = static_cast<int64_t>(num_sms(device.index())) * (2048 / GEAR_GATHER_THREADS);
-  const int64_t blocks = std::max<int64_t>(1, std::min((items + warps_per_block - 1) / warps_per_block, max_blocks));
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
-  gear_gather_kernel<<<static_cast<unsigned int>(blocks), GEAR_GATHER_THREADS, 0, stream>>>(
-      d, static_cast<int>(num_columns), starts_p, begins_p, ends_p, mask_p, num_windows, seq_len, capacity, chunk,
-      copy_items, items);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  for (size_t g = 0; g < launch_items.size(); ++g) {
+    const int64_t first = static_cast<int64_t>(g) * GEAR_MAX_LAUNCH_COLUMNS;
+    const int64_t cols = std::min<int64_t>(GEAR_MAX_LAUNCH_COLUMNS, num_columns - first);
+    const int64_t copy_items = launch_items[g];
+    // The mask rides with the first launch.
+    const bool with_mask = g == 0 && mask_p != nullptr;
+    const int64_t total = copy_items + (with_mask ? (num_windows + GEAR_MASK_WINDOWS - 1) / GEAR_MASK_WINDOWS : 0);
+    if (total == 0) continue;
+    const int64_t blocks = std::max<int64_t>(1, std::min((total + warps_per_block - 1) / warps_per_block, max_blocks));
+    const size_t shared = static_cast<size_t>(cols) * GEAR_DESC_WORDS * sizeof(unsigned long long);
+    gear_gather_kernel<<<static_cast<unsigned int>(blocks), GEAR_GATHER_THREADS, shared, stream>>>(
+        staged + GEAR_DESC_WORDS * first, static_cast<int>(cols), starts_p, begins_p, ends_p,
+        with_mask ? mask_p : nullptr, num_windows, seq_len, capacity, chunk, copy_items, total, owner_p, hot_rows);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 void cuda_host_register(const at::Tensor& host) {

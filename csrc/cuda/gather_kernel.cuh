@@ -14,21 +14,31 @@
 // row (starts[i]+j) mod capacity (non-negative), else zeros;
 // mask[i*seq_len+j] = (begin_i <= j < end_i). Rows are windows of seq_len 1.
 //
+// Hot tier (optional): for each column a device copy of some rows in
+// hot_rows slots, row r in slot r % hot_rows when hot_owner[r % hot_rows] == r.
+// Rows in their slot are read from there (GPU memory), the rest from the column.
+//
 // Calling convention of gear_gather_kernel (for any host, torch or CuPy):
-//   desc         device array of num_columns * 4 u64, per column c:
-//                  [4c+0] source base address (device pointer; for pinned host
-//                         memory the mapped device pointer),
-//                  [4c+1] output base address (device memory),
-//                  [4c+2] row bytes,
-//                  [4c+3] first work item of column c (exclusive prefix sum of
-//                         num_windows * ceil(seq_len * row_bytes / chunk_bytes)).
-//   starts       device int64 [num_windows]
-//   begins/ends  device int64 [num_windows], or null (0 / seq_len)
+//   desc         GEAR_DESC_WORDS u64 per column, per column c at 5c:
+//                  +0 source base address (device pointer; for pinned host
+//                     memory the mapped device pointer),
+//                  +1 output base address (device memory),
+//                  +2 row bytes,
+//                  +3 first work item of column c (exclusive prefix sum of
+//                     num_windows * ceil(seq_len * row_bytes / chunk_bytes)),
+//                  +4 hot tier base address (device memory), or 0 without one.
+//                num_columns <= GEAR_MAX_LAUNCH_COLUMNS; dynamic shared memory
+//                of num_columns * GEAR_DESC_WORDS * 8 bytes.
+//   starts       int64 [num_windows]
+//   begins/ends  int64 [num_windows], or null (0 / seq_len)
 //   mask         device bool/uint8 [num_windows * seq_len], or null
+//   desc, starts, begins and ends may live in device memory or in mapped pinned
+//   host memory (read in place: a launch needs no copy before it).
 //   chunk_bytes  bytes of one window's output span one warp copies per item,
 //                a power of two >= 512 (gear_gather_chunk_bytes below suggests one)
 //   copy_items   total items of all columns (= the prefix sum's end)
-//   total_items  copy_items + (mask ? ceil(num_windows*seq_len / GEAR_MASK_ITEM) : 0)
+//   total_items  copy_items + (mask ? ceil(num_windows / 32) : 0)
+//   hot_owner    device int64 [hot_rows] (see above), or null for no hot tier
 //   launch       block GEAR_GATHER_THREADS threads, any grid (warps stride over
 //                the items); GEAR_GATHER_THREADS/32 items per block per round.
 // All offsets are 64-bit: tables above 4 GiB are fine.
@@ -37,7 +47,9 @@
 #define GEAR_GATHER_KERNEL_CUH
 
 #define GEAR_GATHER_THREADS 256
-#define GEAR_MASK_ITEM 1024  // mask positions one warp writes per item
+#define GEAR_MASK_WINDOWS 32  // windows whose mask one warp writes per item
+#define GEAR_DESC_WORDS 5
+#define GEAR_MAX_LAUNCH_COLUMNS 1024  // 40 KiB of descriptors in shared memory
 
 namespace gear_kernel {
 
@@ -152,14 +164,54 @@ __device__ __forceinline__ void window_bounds(const i64* begins, const i64* ends
   *end = e;
 }
 
+// The mask of windows [i0, i0 + 32): each lane reads one window's bounds
+// (one round trip for all, wherever the bounds live), then the warp writes the
+// positions in order, taking each position's bounds from its window's lane.
+__device__ __forceinline__ void write_mask(unsigned char* mask, const i64* begins, const i64* ends, i64 i0,
+                                           i64 num_windows, i64 seq_len, int lane) {
+  const i64 n = imin(GEAR_MASK_WINDOWS, num_windows - i0);
+  i64 b = 0, e = 0;
+  if (lane < n) window_bounds(begins, ends, i0 + lane, seq_len, &b, &e);
+  const i64 total = n * seq_len;
+  for (i64 q0 = 0; q0 < total; q0 += 32) {  // the same trip count on every lane (shuffles)
+    const i64 q = q0 + lane;
+    const int w = q < total ? (int)(q / seq_len) : 0;
+    const i64 bw = __shfl_sync(0xffffffffu, b, w);
+    const i64 ew = __shfl_sync(0xffffffffu, e, w);
+    const i64 j = q - (i64)w * seq_len;
+    if (q < total) mask[i0 * seq_len + q] = (j >= bw && j < ew) ? 1 : 0;
+  }
+}
+
+// How many of the rows [row, row + run) (at most 32, not crossing the hot
+// tier's last slot) are all in the hot tier or all not, as row is; *hot says
+// which. One owner lookup per lane, one ballot.
+__device__ __forceinline__ i64 tier_run(const i64* hot_owner, i64 hot_rows, i64 row, i64 run, int lane,
+                                        bool* hot) {
+  const i64 slot = row % hot_rows;
+  const i64 n = imin(imin(run, 32), hot_rows - slot);
+  const bool mine = lane < n && hot_owner[slot + lane] == row + lane;
+  const unsigned bits = __ballot_sync(0xffffffffu, mine);
+  *hot = bits & 1u;
+  const unsigned same = *hot ? bits : ~bits;  // lanes in the tier of the first row
+  const int first_other = __ffs(~same) - 1;   // -1: all 32 lanes agree
+  return first_other < 0 ? n : imin(first_other, n);
+}
+
 }  // namespace gear_kernel
 
 extern "C" __global__ void __launch_bounds__(GEAR_GATHER_THREADS)
 gear_gather_kernel(const unsigned long long* __restrict__ desc, int num_columns, const long long* __restrict__ starts,
                    const long long* __restrict__ begins, const long long* __restrict__ ends,
                    unsigned char* __restrict__ mask, long long num_windows, long long seq_len, long long capacity,
-                   long long chunk_bytes, long long copy_items, long long total_items) {
+                   long long chunk_bytes, long long copy_items, long long total_items,
+                   const long long* __restrict__ hot_owner, long long hot_rows) {
   using namespace gear_kernel;
+  // Descriptors to shared memory once per block: they may be in host memory.
+  extern __shared__ u64 sdesc[];
+  for (int k = threadIdx.x; k < num_columns * GEAR_DESC_WORDS; k += GEAR_GATHER_THREADS) sdesc[k] = desc[k];
+  __syncthreads();
+
   const int lane = threadIdx.x & 31;
   const i64 warps_per_block = GEAR_GATHER_THREADS / 32;
   const i64 first_warp = (i64)blockIdx.x * warps_per_block + (threadIdx.x >> 5);
@@ -167,51 +219,48 @@ gear_gather_kernel(const unsigned long long* __restrict__ desc, int num_columns,
 
   for (i64 item = first_warp; item < total_items; item += num_warps) {
     if (item >= copy_items) {
-      // Mask: GEAR_MASK_ITEM positions per item.
-      const i64 total = num_windows * seq_len;
-      const i64 p0 = (item - copy_items) * GEAR_MASK_ITEM;
-      const i64 p1 = imin(p0 + GEAR_MASK_ITEM, total);
-      for (i64 p = p0 + lane; p < p1; p += 32) {
-        const i64 i = p / seq_len;
-        const i64 j = p - i * seq_len;
-        i64 b, e;
-        window_bounds(begins, ends, i, seq_len, &b, &e);
-        mask[p] = (j >= b && j < e) ? 1 : 0;
-      }
+      write_mask(mask, begins, ends, (item - copy_items) * GEAR_MASK_WINDOWS, num_windows, seq_len, lane);
       continue;
     }
     // Which column: the last c with first_item(c) <= item (binary search).
     int lo = 0, hi = num_columns - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
-      if ((i64)desc[4 * mid + 3] <= item) lo = mid;
+      if ((i64)sdesc[GEAR_DESC_WORDS * mid + 3] <= item) lo = mid;
       else hi = mid - 1;
     }
-    const int c = lo;
-    const char* src = (const char*)desc[4 * c + 0];
-    char* dst = (char*)desc[4 * c + 1];
-    const i64 rb = (i64)desc[4 * c + 2];
+    const u64* d = sdesc + GEAR_DESC_WORDS * lo;
+    const char* src = (const char*)d[0];
+    char* dst = (char*)d[1];
+    const i64 rb = (i64)d[2];
+    const char* hot_src = (const char*)d[4];
     const i64 span = seq_len * rb;  // bytes of one window's output
     const i64 chunks = (span + chunk_bytes - 1) / chunk_bytes;
-    const i64 local = item - (i64)desc[4 * c + 3];
+    const i64 local = item - (i64)d[3];
     const i64 i = local / chunks;
     const i64 c0 = (local - i * chunks) * chunk_bytes;
     const i64 c1 = imin(c0 + chunk_bytes, span);
 
+    const i64 start = starts[i];
     i64 begin, end;
     window_bounds(begins, ends, i, seq_len, &begin, &end);
     char* wdst = dst + i * span;
     zero_part(wdst, 0, begin * rb, c0, c1, lane);
     zero_part(wdst, end * rb, span, c0, c1, lane);
-    // Source runs: contiguous stretches of the ring (two unless the window is
-    // longer than the ring).
-    i64 pos = begin;
-    i64 row = pos < end ? ring_row(starts[i] + begin, capacity) : 0;
+    // Source runs from the first row that reaches this chunk: contiguous
+    // stretches of the ring, split where the hot tier starts or stops holding them.
+    i64 pos = imax(begin, c0 / rb);
     while (pos < end && pos * rb < c1) {
-      const i64 run = imin(end - pos, capacity - row);
-      copy_part(wdst, src + row * rb, pos * rb, (pos + run) * rb, c0, c1, lane);
+      const i64 row = ring_row(start + pos, capacity);
+      i64 run = imin(end - pos, capacity - row);
+      const char* from = src + row * rb;
+      if (hot_owner) {
+        bool hot;
+        run = tier_run(hot_owner, hot_rows, row, run, lane, &hot);
+        if (hot) from = hot_src + (row % hot_rows) * rb;
+      }
+      copy_part(wdst, from, pos * rb, (pos + run) * rb, c0, c1, lane);
       pos += run;
-      row = 0;
     }
   }
 }

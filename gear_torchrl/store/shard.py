@@ -18,6 +18,7 @@ import torch
 
 from gear_torchrl import gather
 from gear_torchrl.store.episodes import EpisodeIndex, episode_ends
+from gear_torchrl.store.hot_tier import HotTier
 from gear_torchrl.store.huge_pages import empty_huge
 from gear_torchrl.store.spec import Data, NestedKey, SpecMismatchError, TableSpec
 
@@ -114,6 +115,7 @@ class Shard:
         out_device: torch.device | str | None = None,
         end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
         traj_key: NestedKey | None = None,
+        hot_rows: int = 0,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
@@ -121,6 +123,8 @@ class Shard:
         self.device = torch.device(device)  # where the columns live
         self.register_host = register_host and self.device.type == "cpu"
         self.out_device = torch.device(out_device) if out_device is not None else self.device
+        # The newest rows also in GPU memory (see store/hot_tier.py).
+        self.hot = HotTier(min(hot_rows, self.capacity), self.out_device) if hot_rows else None
         self.end_keys = tuple(end_keys)
         self.traj_key = traj_key
         self.spec: TableSpec | None = None
@@ -149,6 +153,8 @@ class Shard:
     def _adopt(self, spec: TableSpec, columns: list[torch.Tensor]) -> None:
         """Take ``columns`` as the table's buffers (page-aligned when ``register_host``)."""
         self.columns = columns
+        if self.hot is not None:
+            self.hot.allocate(spec)
         if self.register_host:
             # Registered in place so the CUDA gather reads rows with zero copy.
             for column in self.columns:
@@ -167,6 +173,7 @@ class Shard:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the rows (the hot tier's copies not included)."""
         return sum(c.numel() * c.element_size() for c in self.columns)
 
     # -- writes --------------------------------------------------------------------
@@ -274,6 +281,8 @@ class Shard:
                 column[: n - split].copy_(value[split:])
             else:
                 column.index_copy_(0, rows.to(column.device), value)
+        if self.hot is not None:
+            self.hot.admit(rows, values, run=contiguous)
 
     def _ends(self, values: Sequence[torch.Tensor | None], n: int) -> torch.Tensor:
         """Which of ``n`` rows end an episode; ``values`` holds at least the flag and trajectory columns."""
@@ -352,6 +361,8 @@ class Shard:
             self._allocate(spec)
         for column, saved in zip(self.columns, columns):
             column[: saved.shape[0]].copy_(saved)
+        if self.hot is not None:
+            self.hot.forget()
         self.size = int(state["size"])
         self.head = int(state["head"])
         self.written = columns[0].shape[0] if columns else 0
@@ -418,7 +429,7 @@ class Shard:
             rows = index if in_range else as_index_tensor(index, self.ring_rows, "read", device=index_device)
             self.check_readable(rows)
             lead = torch.Size([]) if scalar else rows.shape
-            flat = gather.gather_rows(self.columns, rows.reshape(-1), device=self.out_device)
+            flat = gather.gather_rows(self.columns, rows.reshape(-1), self.out_device, self._hot_rows())
             self.rows_read += rows.numel()
         if scalar or rows.ndim != 1:
             flat = [t.reshape((*lead, *t.shape[1:])) for t in flat]
@@ -430,10 +441,13 @@ class Shard:
             if self.spec is None or self.size == 0:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")
             flat, mask = gather.gather_windows(self.columns, windows.starts, windows.seq_len, self.out_device,
-                                               windows.valid_begin, windows.valid_end)
+                                               windows.valid_begin, windows.valid_end, hot=self._hot_rows())
             self.rows_read += flat[0].shape[0]
         extra = None if windows.markers is None else windows.markers(dict(zip(self.spec.keys, flat)), mask)
         return self.spec.unflatten(flat, torch.Size([flat[0].shape[0]]), device=self.out_device, extra=extra)
+
+    def _hot_rows(self) -> gather.HotRows | None:
+        return None if self.hot is None else self.hot.rows
 
     def column(self, key: NestedKey) -> torch.Tensor | None:
         """The buffer of one column, or None if the data has no such key."""
