@@ -2,7 +2,9 @@
 
 Peers, same data, same batches: TorchRL's LazyTensorStorage on the CPU with
 each batch moved to the GPU (``.to("cuda")``, the common path), and
-LazyTensorStorage(device="cuda") holding everything in GPU memory.
+LazyTensorStorage(device="cuda") holding everything in GPU memory. The
+contenders take turns (median of 9 turns of 20 batches each), so a noisy
+neighbour on a shared machine slows them alike.
 
     python benchmarks/gpu_storage_sampling.py [--rows 1000000] [--out gpu_storage.json]
 """
@@ -12,7 +14,7 @@ import argparse
 import logging
 
 import torch
-from harness import cuda_median_seconds, table, write_json
+from harness import interleaved_medians, table, write_json
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
@@ -47,7 +49,7 @@ def main() -> None:
     fns = {k: rb.sample for k, rb in buffers.items()}
     fns["LazyTensorStorage(cpu) + .to(cuda)"] = lambda: buffers["LazyTensorStorage(cpu) + .to(cuda)"].sample().to(
         "cuda", non_blocking=True)
-    times = {k: cuda_median_seconds(f) for k, f in fns.items()}
+    times = interleaved_medians(fns, repeats=9, inner=20, finish=torch.cuda.synchronize)
     base = times["LazyTensorStorage(cpu) + .to(cuda)"]
     rows = [{"contender": k, "ms_per_batch": round(t * 1e3, 3), "Msteps_per_s": round(args.batch / t / 1e6, 2),
              "x_vs_cpu_plus_to_cuda": round(base / t, 2)} for k, t in times.items()]

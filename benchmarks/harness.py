@@ -38,17 +38,22 @@ def cuda_median_seconds(fn: Callable[[], object], *, repeats: int = 7, inner: in
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int = 7, inner: int = 20,
-                        warmup: int = 3) -> dict[str, float]:
-    """Like ``median_seconds`` for several contenders, taking turns so noise hits all alike."""
+                        warmup: int = 3, finish: Callable[[], object] = lambda: None) -> dict[str, float]:
+    """Like ``median_seconds`` for several contenders, taking turns so noise hits all alike.
+
+    ``finish`` runs before each clock stops (``torch.cuda.synchronize`` for GPU work).
+    """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    finish()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             start = time.perf_counter()
             for _ in range(inner):
                 fn()
+            finish()
             samples[name].append((time.perf_counter() - start) / inner)
     return {name: statistics.median(s) for name, s in samples.items()}
 
