@@ -30,9 +30,9 @@ class GearStorage(TensorStorage):
             with CUDA when ``device`` is CUDA so the GPU gathers batches straight
             from it (zero copy, no staging). ``"device"``: GPU memory, when the
             whole store fits.
-        hot_rows: with ``memory="host"`` on CUDA, also keep the newest ``hot_rows``
-            rows in GPU memory (a hot tier): batches read them from there and the
-            rest across PCIe, in the same kernel. Costs ``hot_rows`` rows of GPU
+        hot_rows: with ``memory="host"`` on CUDA, also keep up to ``hot_rows`` of the
+            most recently written rows in GPU memory (a hot tier): batches read them
+            from there and the rest across PCIe, in the same kernel. Costs ``hot_rows`` rows of GPU
             memory and one extra host-to-GPU copy per write. Not with ``shared``:
             other processes' writes would not reach it.
         end_keys: flags that end an episode (those present in the data are used).

@@ -141,7 +141,8 @@ void gather_cuda(const GatherArgs& a) {
     if (a.valid_begin) begins = a.valid_begin->to(idx_options).contiguous();
     if (a.valid_end) ends = a.valid_end->to(idx_options).contiguous();
   }
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+  const at::cuda::CUDAStream cuda_stream = at::cuda::getCurrentCUDAStream(device.index());
+  const cudaStream_t stream = cuda_stream.stream();
   const auto* staged = static_cast<const unsigned long long*>(mapped_address(host.data_ptr()));
   at::Tensor dev;
   if (staged == nullptr) {  // pinned memory that is not mapped: copy it over instead
@@ -152,7 +153,7 @@ void gather_cuda(const GatherArgs& a) {
     // The buffer goes back to the allocator on return; it must not be reused
     // before the kernel has read it.
     at::getHostAllocator(at::kCUDA)->record_event(host.data_ptr(), host.storage().data_ptr().get_context(),
-                                                  at::cuda::getCurrentCUDAStream(device.index()).unwrap());
+                                                  cuda_stream.unwrap());
   }
   const long long* starts_p;
   const long long* begins_p = nullptr;

@@ -4,7 +4,8 @@ A store larger than GPU memory keeps its rows in pinned host memory, where
 the gather kernel reads them across PCIe. The hot tier adds ``slots`` rows of
 GPU memory in front of it: row ``r`` lives in slot ``r % slots`` and takes it
 over whenever it is written, so the newest ``slots`` rows of an appending
-writer are all on the GPU. ``owner[s]`` names the row slot ``s`` holds; the
+writer are on the GPU (all of them unless they wrap the ring's end, where two
+of them may share a slot). ``owner[s]`` names the row slot ``s`` holds; the
 kernel reads a row from its slot when the owner matches and from host memory
 otherwise, in the same launch (csrc/cuda/gather_kernel.cuh).
 

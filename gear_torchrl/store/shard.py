@@ -152,9 +152,9 @@ class Shard:
 
     def _adopt(self, spec: TableSpec, columns: list[torch.Tensor]) -> None:
         """Take ``columns`` as the table's buffers (page-aligned when ``register_host``)."""
-        self.columns = columns
-        if self.hot is not None:
+        if self.hot is not None:  # first: running out of GPU memory leaves the shard as it was
             self.hot.allocate(spec)
+        self.columns = columns
         if self.register_host:
             # Registered in place so the CUDA gather reads rows with zero copy.
             for column in self.columns:
