@@ -15,15 +15,14 @@ from torchrl.data.replay_buffers.storages import Storage
 from gear_torchrl.samplers.following import FollowsCommits
 from gear_torchrl.samplers.prioritized import _as_index
 from gear_torchrl.samplers.state_file import StateDictFile
+from gear_torchrl.store.last_writes import last_write_positions
 
 
 def _last_writes(index: torch.Tensor) -> torch.Tensor:
     """Each row once, at its last write, in write order (a write larger than the ring repeats rows)."""
     if index.numel() < 2:
         return index
-    position = torch.arange(index.numel())
-    last = torch.full((int(index.max()) + 1,), -1, dtype=torch.int64).scatter_reduce(0, index, position, "amax")
-    return index[last[last >= 0].sort().values]
+    return index[last_write_positions(index, int(index.max()) + 1)]
 
 
 class QueueSampler(FollowsCommits, StateDictFile, Sampler):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from gear_torchrl.gather import HotRows
+from gear_torchrl.store.last_writes import last_write_positions
 from gear_torchrl.store.spec import TableSpec
 
 
@@ -65,7 +66,7 @@ class HotTier:
             if split < m:
                 self._fill(slice(0, m - split), tail[split:], [v[split:] for v in values])
         else:
-            keep = _last_per_slot(rows % self.slots)
+            keep = last_write_positions(rows % self.slots, self.slots)
             where = (rows[keep] % self.slots).to(self.device, non_blocking=True)
             self._fill(where, rows[keep], [v[keep] for v in values])
 
@@ -77,11 +78,3 @@ class HotTier:
             column[where] = value.to(self.device, non_blocking=True)
         owner[where] = rows.to(self.device, non_blocking=True)
 
-
-def _last_per_slot(slots: torch.Tensor) -> torch.Tensor:
-    """Positions of the last occurrence of each slot (writes are in order: the last one wins)."""
-    order = torch.sort(slots, stable=True).indices
-    ordered = slots[order]
-    last = torch.ones_like(ordered, dtype=torch.bool)
-    last[:-1] = ordered[1:] != ordered[:-1]
-    return order[last]

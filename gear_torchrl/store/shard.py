@@ -20,6 +20,7 @@ from gear_torchrl import gather
 from gear_torchrl.store.episodes import EpisodeIndex, episode_ends
 from gear_torchrl.store.hot_tier import HotTier
 from gear_torchrl.store.huge_pages import empty_huge
+from gear_torchrl.store.last_writes import last_write_positions
 from gear_torchrl.store.spec import Data, NestedKey, SpecMismatchError, TableSpec
 
 logger = logging.getLogger(__name__)
@@ -480,9 +481,7 @@ def _last_write_wins(rows: torch.Tensor, values: list[torch.Tensor], capacity: i
     n = rows.numel()
     if n <= capacity and (n < 2 or torch.unique(rows).numel() == n):
         return rows, values
-    positions = torch.arange(n, dtype=torch.int64)
-    last = torch.full((capacity,), -1, dtype=torch.int64).scatter_reduce(0, rows, positions, "amax")
-    keep = last[last >= 0].sort().values
+    keep = last_write_positions(rows, capacity)
     return rows[keep], [v[keep.to(v.device)] for v in values]
 
 
