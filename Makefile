@@ -22,7 +22,7 @@ $(VPY):
 
 $(DEPS): requirements.txt | $(VPY)
 	$(VPY) -m pip install --upgrade pip
-	$(VPY) -m pip install -r requirements.txt
+	$(VPY) -m pip install --no-cache-dir -r requirements.txt
 	touch $@
 
 # Incremental: CMake reuses build/<wheel tag>. The CUDA part is built when torch is a
