@@ -4,6 +4,7 @@
 #include "gather.h"
 #include "send.h"
 #include "trees.h"
+#include "windows.h"
 
 namespace {
 
@@ -52,7 +53,7 @@ bool built_with_cuda() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "gear_torchrl kernels: gather, trees, prefix sums";
+  m.doc() = "gear_torchrl kernels: gather, trees, window geometry";
   m.def("gather", &gather, "Fill `out` from `columns` for windows (rows are windows of length 1)",
         py::arg("columns"), py::arg("out"), py::arg("starts"), py::arg("valid_begin") = py::none(),
         py::arg("valid_end") = py::none(), py::arg("seq_len") = 1, py::arg("mask") = py::none(),
@@ -72,6 +73,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mass"), py::arg("keep") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("sum_tree_find", &gear::sum_tree_find, py::arg("tree"), py::arg("mass"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("place_windows", &gear::place_windows, "Windows at positions `first` of episode slots",
+        py::arg("episode_start"), py::arg("episode_length"), py::arg("slots"), py::arg("first"),
+        py::arg("window_len"));
+  m.def("uniform_windows", &gear::uniform_windows, "A uniform window of each chosen episode",
+        py::arg("episode_start"), py::arg("episode_length"), py::arg("slots"), py::arg("u"), py::arg("window_len"),
+        py::arg("burn_in"), py::arg("strict_length"));
+  m.def("window_rows", &gear::window_rows, "Flat ring rows of windows", py::arg("starts"), py::arg("seq_len"),
+        py::arg("capacity"));
 #ifdef GEAR_WITH_CUDA
   m.def("cuda_host_register", &gear::cuda_host_register,
         "Pin and map a host tensor's memory so CUDA kernels read it in place");

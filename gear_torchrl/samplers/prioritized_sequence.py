@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from gear_torchrl._ext import _C
 from gear_torchrl.samplers.prioritized import (
     GearPrioritizedSampler,
     _as_index,
@@ -26,6 +27,7 @@ from gear_torchrl.samplers.prioritized import (
 from gear_torchrl.samplers.sequence import GearSequenceSampler
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.episodes import EpisodeIndex
+from gear_torchrl.store.shard import Windows
 
 
 class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler):
@@ -101,10 +103,12 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
         self._trees.set(rows[valid], self._row_mass[rows[valid]])
         self._trees.remove(rows[~valid])  # no mass, and out of the minimum
 
-    def _choose(self, episodes: EpisodeIndex, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw_once(self, episodes: EpisodeIndex, count: int) -> Windows:
+        """Windows by their key steps' priorities: the key step sits ``burn_in`` steps into its window."""
         keys = self._trees.find(torch.rand(count, dtype=torch.float64) * self._trees.total)
         slots, key_offset, _ = episodes.locate(keys)
-        return slots, key_offset - (self.burn_in if self.strict_length else 0)
+        placed = _C.place_windows(episodes.start, episodes.length, slots, key_offset - self.burn_in, self.window_len)
+        return Windows(placed[0], self.window_len, *placed[1:])
 
     # -- sampling and priorities ----------------------------------------------------------
     def sample(self, storage: GearStorage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
+from gear_torchrl._ext import _C
 from gear_torchrl.samplers.trees import PriorityTrees
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.episodes import EpisodeIndex
@@ -176,24 +177,12 @@ class GearSequenceSampler(Sampler):
         return first + (windows.valid_end - windows.valid_begin) > capacity
 
     def _draw_once(self, episodes: EpisodeIndex, count: int) -> Windows:
-        slots, offset = self._choose(episodes, count)
-        return self._windows_at(episodes, slots, offset)
-
-    def _choose(self, episodes: EpisodeIndex, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Episode slots, and each window's offset among its episode's windows."""
-        slots = self._tree.find(torch.rand(count, dtype=torch.float64) * self._tree.total)
-        choices = self._windows_in(episodes.length[slots])
-        offset = (torch.rand(count, dtype=torch.float64) * choices).long().clamp_max(choices - 1)
-        return slots, offset
-
-    def _windows_at(self, episodes: EpisodeIndex, slots: torch.Tensor, offset: torch.Tensor) -> Windows:
-        length = episodes.length[slots]
-        # position 0 of the window, relative to the episode's first step
-        first = offset if self.strict_length else offset - self.burn_in
-        starts = episodes.start[slots] + first
-        valid_begin = (-first).clamp_min(0)
-        valid_end = torch.minimum(length - first, torch.full_like(first, self.window_len))
-        return Windows(starts, self.window_len, valid_begin, valid_end)
+        """Episodes by their window counts, then a uniform window inside each."""
+        u = torch.rand(2, count, dtype=torch.float64)
+        slots = self._tree.find(u[0] * self._tree.total)
+        placed = _C.uniform_windows(episodes.start, episodes.length, slots, u[1], self.window_len, self.burn_in,
+                                    self.strict_length)
+        return Windows(placed[0], self.window_len, *placed[1:])
 
     def _markers(self, windows: Windows, columns: dict[NestedKey, torch.Tensor],
                  mask: torch.Tensor) -> dict[NestedKey, torch.Tensor]:

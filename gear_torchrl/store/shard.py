@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from gear_torchrl import gather
+from gear_torchrl._ext import _C
 from gear_torchrl.store.episodes import EpisodeIndex, episode_ends
 from gear_torchrl.store.hot_tier import HotTier
 from gear_torchrl.store.huge_pages import empty_huge
@@ -50,13 +51,7 @@ class Windows:
 
     def rows(self, capacity: int) -> torch.Tensor:
         """Flat ring rows of every position, padding included: [W * seq_len]."""
-        first = self.starts % capacity
-        rows = first[:, None] + torch.arange(self.seq_len)
-        if self.seq_len > capacity:
-            return (rows % capacity).reshape(-1)
-        if first.numel() == 0 or int(first.max()) + self.seq_len <= capacity:
-            return rows.reshape(-1)  # no window wraps the ring end (the usual case)
-        return torch.where(rows >= capacity, rows - capacity, rows).reshape(-1)  # cheaper than a modulo
+        return _C.window_rows(self.starts, self.seq_len, capacity)
 
     def mask(self) -> torch.Tensor:
         pos = torch.arange(self.seq_len)

@@ -1,0 +1,109 @@
+#include "windows.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace gear {
+namespace {
+
+void check_episode_args(const at::Tensor& start, const at::Tensor& length, const at::Tensor& slots,
+                        const at::Tensor& per_window, at::ScalarType per_window_dtype, const char* per_window_name) {
+  for (const at::Tensor* t : {&start, &length, &slots}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
+                "windows: episode_start, episode_length and slots must be contiguous 1-D int64 CPU tensors");
+  }
+  TORCH_CHECK(start.numel() == length.numel(), "windows: episode_start and episode_length differ in length");
+  TORCH_CHECK(per_window.device().is_cpu() && per_window.scalar_type() == per_window_dtype && per_window.dim() == 1 &&
+                  per_window.numel() == slots.numel(),
+              "windows: ", per_window_name, " must be a 1-D ", c10::toString(per_window_dtype),
+              " CPU tensor with one entry per slot");
+}
+
+struct Placed {
+  at::Tensor starts, valid_begin, valid_end;
+  int64_t *s, *b, *e;
+  explicit Placed(int64_t n)
+      : starts(at::empty({n}, at::kLong)), valid_begin(at::empty({n}, at::kLong)), valid_end(at::empty({n}, at::kLong)),
+        s(starts.data_ptr<int64_t>()), b(valid_begin.data_ptr<int64_t>()), e(valid_end.data_ptr<int64_t>()) {}
+
+  // Window i: position 0 is `first` steps into an episode starting at `start` of `length` steps.
+  void set(int64_t i, int64_t start, int64_t length, int64_t first, int64_t window_len) {
+    s[i] = start + first;
+    b[i] = std::min(std::max<int64_t>(-first, 0), window_len);
+    e[i] = std::max(std::min(length - first, window_len), b[i]);
+  }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> done() { return {starts, valid_begin, valid_end}; }
+};
+
+int64_t checked_slot(const int64_t* slots, int64_t i, int64_t num_slots) {
+  const int64_t slot = slots[i];
+  TORCH_CHECK(slot >= 0 && slot < num_slots, "windows: slot ", slot, " out of range [0, ", num_slots, ")");
+  return slot;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> place_windows(const at::Tensor& episode_start,
+                                                             const at::Tensor& episode_length,
+                                                             const at::Tensor& slots, const at::Tensor& first,
+                                                             int64_t window_len) {
+  check_episode_args(episode_start, episode_length, slots, first, at::kLong, "first");
+  TORCH_CHECK(window_len >= 1, "windows: window_len must be >= 1, got ", window_len);
+  const int64_t n = slots.numel(), num_slots = episode_start.numel();
+  const int64_t *start = episode_start.data_ptr<int64_t>(), *length = episode_length.data_ptr<int64_t>();
+  const int64_t *slot = slots.data_ptr<int64_t>(), *f = first.data_ptr<int64_t>();
+  Placed out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = checked_slot(slot, i, num_slots);
+    out.set(i, start[k], length[k], f[i], window_len);
+  }
+  return out.done();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> uniform_windows(const at::Tensor& episode_start,
+                                                               const at::Tensor& episode_length,
+                                                               const at::Tensor& slots, const at::Tensor& u,
+                                                               int64_t window_len, int64_t burn_in,
+                                                               bool strict_length) {
+  check_episode_args(episode_start, episode_length, slots, u, at::kDouble, "u");
+  TORCH_CHECK(window_len >= 1 && burn_in >= 0 && burn_in < window_len,
+              "windows: need window_len >= 1 and 0 <= burn_in < window_len, got ", window_len, ", ", burn_in);
+  const int64_t n = slots.numel(), num_slots = episode_start.numel();
+  const int64_t tail = strict_length ? window_len - 1 : 0;
+  const int64_t shift = strict_length ? 0 : burn_in;  // padded windows may start burn_in steps early
+  const int64_t *start = episode_start.data_ptr<int64_t>(), *length = episode_length.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const double* uu = u.data_ptr<double>();
+  Placed out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = checked_slot(slot, i, num_slots);
+    const int64_t choices = std::max<int64_t>(length[k] - tail, 0);
+    // u * choices can round up to choices itself: clamp to the last window.
+    const int64_t offset = std::min(static_cast<int64_t>(std::floor(uu[i] * static_cast<double>(choices))), choices - 1);
+    out.set(i, start[k], length[k], offset - shift, window_len);
+  }
+  return out.done();
+}
+
+at::Tensor window_rows(const at::Tensor& starts, int64_t seq_len, int64_t capacity) {
+  TORCH_CHECK(starts.device().is_cpu() && starts.scalar_type() == at::kLong && starts.dim() == 1,
+              "window_rows: starts must be a 1-D int64 CPU tensor");
+  TORCH_CHECK(seq_len >= 1 && capacity >= 1, "window_rows: need seq_len >= 1 and capacity >= 1, got ", seq_len,
+              ", ", capacity);
+  const at::Tensor s = starts.contiguous();
+  const int64_t n = s.numel();
+  at::Tensor rows = at::empty({n * seq_len}, at::kLong);
+  const int64_t* sp = s.data_ptr<int64_t>();
+  int64_t* out = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t row = sp[i] % capacity;
+    if (row < 0) row += capacity;
+    for (int64_t j = 0; j < seq_len; ++j) {
+      out[i * seq_len + j] = row;
+      if (++row == capacity) row = 0;
+    }
+  }
+  return rows;
+}
+
+}  // namespace gear

@@ -1,0 +1,36 @@
+// Window geometry for sequence sampling: where each drawn window sits in the ring.
+//
+// A window is window_len steps whose position 0 is `first` steps after its
+// episode's first step (negative: it starts before the episode, head padding).
+// Positions outside the episode are padding: valid positions are
+// [valid_begin, valid_end). One pass over the batch instead of a dozen tensor
+// operations, the sampler's fixed cost per batch.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace gear {
+
+// For episode slots and window positions `first` (int64 [W]): the ring row of each
+// window's position 0 (episode_start[slot] + first, not wrapped), valid_begin and valid_end.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> place_windows(const at::Tensor& episode_start,
+                                                             const at::Tensor& episode_length,
+                                                             const at::Tensor& slots, const at::Tensor& first,
+                                                             int64_t window_len);
+
+// A uniform window of each chosen episode: u in [0, 1) (float64 [W]) picks one of the
+// episode's max(length - tail, 0) windows, tail = window_len - 1 when windows must fit
+// inside the episode, else 0 (windows start at every step, burn_in before it padded).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> uniform_windows(const at::Tensor& episode_start,
+                                                               const at::Tensor& episode_length,
+                                                               const at::Tensor& slots, const at::Tensor& u,
+                                                               int64_t window_len, int64_t burn_in,
+                                                               bool strict_length);
+
+// Flat ring rows of every position of every window: (starts[i] mod capacity + j) mod capacity,
+// int64 [W * seq_len].
+at::Tensor window_rows(const at::Tensor& starts, int64_t seq_len, int64_t capacity);
+
+}  // namespace gear

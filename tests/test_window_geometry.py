@@ -1,0 +1,75 @@
+"""The window geometry kernels against the tensor formulas they replace."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gear_torchrl._ext import _C
+
+
+def episodes(n=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    length = torch.randint(1, 200, (n,), generator=g)
+    start = torch.cumsum(length, 0) - length + 7
+    return start, length
+
+
+def reference(start, length, slots, first, window_len):
+    """The sampler's former tensor code: position 0 at ``first`` steps into the episode."""
+    starts = start[slots] + first
+    valid_begin = (-first).clamp_min(0)
+    valid_end = torch.minimum(length[slots] - first, torch.full_like(first, window_len))
+    return starts, valid_begin, valid_end
+
+
+@pytest.mark.parametrize("strict_length", [True, False])
+@pytest.mark.parametrize("burn_in", [0, 5])
+def test_uniform_windows_match_the_tensor_formulas(strict_length, burn_in):
+    start, length = episodes()
+    window_len = burn_in + 16
+    tail = window_len - 1 if strict_length else 0
+    eligible = torch.nonzero(length > tail).flatten()
+    g = torch.Generator().manual_seed(1)
+    slots = eligible[torch.randint(0, eligible.numel(), (4000,), generator=g)]
+    u = torch.rand(4000, dtype=torch.float64, generator=g)
+    u[:3] = torch.tensor([0.0, 1.0 - 2**-53, 0.5])  # the ends of [0, 1)
+    got = _C.uniform_windows(start, length, slots, u, window_len, burn_in, strict_length)
+
+    choices = (length[slots] - tail).clamp_min(0)
+    offset = (u * choices).long().clamp_max(choices - 1)
+    first = offset if strict_length else offset - burn_in
+    for g_, r in zip(got, reference(start, length, slots, first, window_len)):
+        assert torch.equal(g_, r)
+    # every offset of a short episode is reachable: the draw is uniform over its windows
+    one = int(eligible[0])
+    hits = _C.uniform_windows(start, length, torch.full((20000,), one), torch.rand(20000, dtype=torch.float64),
+                              window_len, burn_in, strict_length)[0]
+    assert hits.unique().numel() == int(length[one] - tail)
+
+
+def test_place_windows_pads_head_and_tail():
+    start, length = torch.tensor([100]), torch.tensor([10])
+    first = torch.tensor([-3, 0, 4, 8])
+    starts, begin, end = _C.place_windows(start, length, torch.zeros(4, dtype=torch.int64), first, 6)
+    assert starts.tolist() == [97, 100, 104, 108]
+    assert begin.tolist() == [3, 0, 0, 0]
+    assert end.tolist() == [6, 6, 6, 2]
+
+
+@pytest.mark.parametrize("seq_len,capacity", [(8, 100), (8, 5), (1, 3)])
+def test_window_rows_wrap_the_ring(seq_len, capacity):
+    starts = torch.tensor([0, capacity - 1, -2, 3 * capacity + 1, 37])
+    expected = ((starts % capacity)[:, None] + torch.arange(seq_len)) % capacity
+    assert torch.equal(_C.window_rows(starts, seq_len, capacity), expected.reshape(-1))
+
+
+def test_bad_arguments_are_refused():
+    start, length = episodes(5)
+    with pytest.raises(RuntimeError, match="slot 5 out of range"):
+        _C.place_windows(start, length, torch.tensor([0, 5]), torch.zeros(2, dtype=torch.int64), 4)
+    with pytest.raises(RuntimeError, match="u must be"):
+        _C.uniform_windows(start, length, torch.tensor([0]), torch.rand(1), 4, 0, True)
+    with pytest.raises(RuntimeError, match="one entry per slot"):
+        _C.place_windows(start, length, torch.tensor([0, 1]), torch.zeros(3, dtype=torch.int64), 4)
+    with pytest.raises(RuntimeError, match="int64"):
+        _C.window_rows(torch.tensor([0.5]), 4, 10)
