@@ -13,9 +13,12 @@ import logging
 import torch
 from harness import interleaved_medians, table, write_json
 from tensordict import TensorDict
-from torchrl.data import LazyTensorStorage, PrioritizedSampler, TensorDictReplayBuffer
+from torchrl.data import LazyTensorStorage, PrioritizedSampler, RandomSampler, TensorDictReplayBuffer
 
 from gear_torchrl import GearPrioritizedSampler, GearStorage
+
+
+FLOOR = "uniform sample alone: GearStorage + RandomSampler"
 
 
 def steps(n: int) -> TensorDict:
@@ -61,8 +64,14 @@ def main() -> None:
             rb.sampler.update_priority(index, torch.rand(args.batch))
         return step
 
+    # The floor of any PER loop through this buffer on our storage: the same batch, drawn
+    # uniformly (no priorities to draw, weigh or update), gathered and returned by TorchRL's code.
+    floor = TensorDictReplayBuffer(storage=GearStorage(args.rows), sampler=RandomSampler(), batch_size=args.batch)
+    floor.extend(data)
+
     fns = {f"loop / {k}": loop(rb) for k, rb in contenders.items()}
     fns.update({f"sampler only / {k}": sampler_only(rb) for k, rb in contenders.items()})
+    fns[FLOOR] = floor.sample
     times = interleaved_medians(fns, repeats=args.repeats, inner=5)
     ref = "LazyTensorStorage + PrioritizedSampler (TorchRL)"
     rows = []
@@ -72,8 +81,12 @@ def main() -> None:
             t = times[f"{kind} / {name}"]
             rows.append({"what": kind, "contender": name, "ms_per_iter": round(t * 1e3, 3),
                          "speedup_vs_torchrl": round(base / t, 2)})
+    loop_base = times[f"loop / {ref}"]
+    rows.append({"what": "floor", "contender": FLOOR, "ms_per_iter": round(times[FLOOR] * 1e3, 3),
+                 "speedup_vs_torchrl": round(loop_base / times[FLOOR], 2)})
     print(f"== prioritized sample+update, {args.rows:,} steps, batch {args.batch} (median of {args.repeats}) ==")
     print(table(rows, ["what", "contender", "ms_per_iter", "speedup_vs_torchrl"]))
+    print(f"the floor allows at most {loop_base / times[FLOOR]:.2f}x TorchRL's loop, before any priority work")
     write_json(args.out, {"benchmark": "prioritized_sampling", "rows": args.rows, "batch": args.batch,
                           "results": rows})
 
