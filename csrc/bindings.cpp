@@ -81,6 +81,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("burn_in"), py::arg("strict_length"));
   m.def("window_rows", &gear::window_rows, "Flat ring rows of windows", py::arg("starts"), py::arg("seq_len"),
         py::arg("capacity"));
+  m.def("check_windows", &gear::check_windows, "Bounds of a request's windows", py::arg("starts"),
+        py::arg("valid_begin"), py::arg("valid_end"), py::arg("seq_len"), py::arg("capacity"));
+  m.def("first_row_outside", &gear::first_row_outside, "First valid row outside a ring interval, or -1",
+        py::arg("starts"), py::arg("valid_begin"), py::arg("valid_end"), py::arg("seq_len"), py::arg("capacity"),
+        py::arg("first"), py::arg("count"));
 #ifdef GEAR_WITH_CUDA
   m.def("cuda_host_register", &gear::cuda_host_register,
         "Pin and map a host tensor's memory so CUDA kernels read it in place");

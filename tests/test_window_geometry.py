@@ -73,3 +73,32 @@ def test_bad_arguments_are_refused():
         _C.place_windows(start, length, torch.tensor([0, 1]), torch.zeros(3, dtype=torch.int64), 4)
     with pytest.raises(RuntimeError, match="int64"):
         _C.window_rows(torch.tensor([0.5]), 4, 10)
+
+
+def test_check_windows_names_the_bad_window():
+    starts, begin, end = torch.tensor([0, 9]), torch.tensor([0, 0]), torch.tensor([4, 4])
+    _C.check_windows(starts, begin, end, 4, 10)  # in bounds: no error
+    with pytest.raises(IndexError, match="row 10 is out of range for a shard of 10 rows"):
+        _C.check_windows(torch.tensor([0, 10]), begin, end, 4, 10)
+    with pytest.raises(IndexError, match=r"window 1 has \[3, 2\)"):
+        _C.check_windows(starts, torch.tensor([0, 3]), torch.tensor([4, 2]), 4, 10)
+    with pytest.raises(IndexError, match="valid_end <= seq_len"):
+        _C.check_windows(starts, begin, torch.tensor([4, 5]), 4, 10)
+    with pytest.raises(ValueError, match="seq_len 11 is outside"):
+        _C.check_windows(starts, begin, end, 11, 10)
+    with pytest.raises(ValueError, match="differ in length"):
+        _C.check_windows(starts, begin, torch.tensor([4]), 4, 10)
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 10), (3, 8), (7, 12), (15, 40), (9, 9)])
+def test_first_row_outside_matches_the_position_formula(lo, hi):
+    """Rows readable in positions [lo, hi) of a ring of 10: the shared store's check, row by row."""
+    capacity, seq_len = 10, 3
+    starts = torch.arange(capacity)
+    begin, end = torch.zeros(capacity, dtype=torch.int64), torch.full((capacity,), seq_len)
+    end[4] = 1  # a window whose tail is padding: its padded rows are not checked
+    rows = torch.cat([(s + torch.arange(int(e))) % capacity for s, e in zip(starts, end)])
+    newest = hi - 1 - (hi - 1 - rows) % capacity
+    stale = rows[newest < lo]
+    got = _C.first_row_outside(starts, begin, end, seq_len, capacity, lo % capacity, hi - lo)
+    assert got == (int(stale[0]) if stale.numel() else -1)

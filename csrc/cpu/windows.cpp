@@ -106,4 +106,51 @@ at::Tensor window_rows(const at::Tensor& starts, int64_t seq_len, int64_t capaci
   return rows;
 }
 
+namespace {
+
+void check_window_tensors(const at::Tensor& starts, const at::Tensor& valid_begin, const at::Tensor& valid_end) {
+  for (const at::Tensor* t : {&starts, &valid_begin, &valid_end}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
+                      "windows: starts, valid_begin and valid_end must be contiguous 1-D int64 CPU tensors");
+  }
+  TORCH_CHECK_VALUE(starts.numel() == valid_begin.numel() && starts.numel() == valid_end.numel(),
+                    "starts, valid_begin and valid_end differ in length");
+}
+
+}  // namespace
+
+void check_windows(const at::Tensor& starts, const at::Tensor& valid_begin, const at::Tensor& valid_end,
+                   int64_t seq_len, int64_t capacity) {
+  check_window_tensors(starts, valid_begin, valid_end);
+  TORCH_CHECK_VALUE(seq_len >= 1 && seq_len <= capacity, "seq_len ", seq_len, " is outside [1, ", capacity, "]");
+  const int64_t *s = starts.data_ptr<int64_t>(), *b = valid_begin.data_ptr<int64_t>(),
+                *e = valid_end.data_ptr<int64_t>();
+  for (int64_t i = 0; i < starts.numel(); ++i) {
+    TORCH_CHECK_INDEX(s[i] >= 0 && s[i] < capacity, "row ", s[i], " is out of range for a shard of ", capacity,
+                      " rows");
+    TORCH_CHECK_INDEX(0 <= b[i] && b[i] <= e[i] && e[i] <= seq_len,
+                      "valid ranges must satisfy 0 <= valid_begin <= valid_end <= seq_len (", seq_len,
+                      "); window ", i, " has [", b[i], ", ", e[i], ")");
+  }
+}
+
+int64_t first_row_outside(const at::Tensor& starts, const at::Tensor& valid_begin, const at::Tensor& valid_end,
+                          int64_t seq_len, int64_t capacity, int64_t first, int64_t count) {
+  check_window_tensors(starts, valid_begin, valid_end);
+  TORCH_CHECK_VALUE(capacity >= 1 && first >= 0 && first < capacity && count >= 0,
+                    "first_row_outside: need 0 <= first < capacity and count >= 0");
+  if (count >= capacity) return -1;
+  const int64_t *s = starts.data_ptr<int64_t>(), *b = valid_begin.data_ptr<int64_t>(),
+                *e = valid_end.data_ptr<int64_t>();
+  for (int64_t i = 0; i < starts.numel(); ++i) {
+    for (int64_t j = b[i]; j < e[i]; ++j) {
+      int64_t row = (s[i] + j) % capacity;
+      if (row < 0) row += capacity;
+      const int64_t from_first = row >= first ? row - first : row + capacity - first;
+      if (from_first >= count) return row;
+    }
+  }
+  return -1;
+}
+
 }  // namespace gear

@@ -145,8 +145,10 @@ class _Session:
         with shard.reading():
             if shard.spec is None or shard.size == 0:
                 raise IndexError("the shard holds no rows yet")
-            windows = _checked_windows(starts, seq_len, valid_begin, valid_end, shard.capacity)
-            shard.check_readable(windows.rows(shard.capacity)[windows.mask()])
+            if starts.numel() * seq_len > MAX_READ_POSITIONS:
+                raise ValueError(f"a READ covers at most {MAX_READ_POSITIONS} rows")
+            _C.check_windows(starts, valid_begin, valid_end, seq_len, shard.capacity)
+            shard.check_readable_windows(Windows(starts, seq_len, valid_begin, valid_end))
             self._send_rows({}, [starts, valid_begin, valid_end], seq_len, echo=False)
 
     def _send_rows(self, meta: dict[str, Any], arrays: list[torch.Tensor], seq_len: int, echo: bool = True) -> None:
@@ -156,9 +158,7 @@ class _Session:
         views = [wire.as_bytes(a) for a in arrays] if echo else []
         positions = starts.numel() * seq_len
         wire.send_header(self.conn, Op.OK, meta,
-                         [v.nbytes for v in views] + [positions * c.row_bytes for c in shard.spec.columns])
-        for v in views:
-            self.conn.sendall(v)
+                         [v.nbytes for v in views] + [positions * c.row_bytes for c in shard.spec.columns], then=views)
         _C.send_windows(self.conn.fileno(), shard.columns, starts, valid_begin, valid_end, seq_len)
 
     def _update(self, request: Message) -> Message:
@@ -186,25 +186,7 @@ _UPDATE_DTYPES = (torch.int64, torch.float64, torch.int64)
 
 def _viewed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Received bytes as ``dtype`` values."""
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     if raw.numel() % size:
         raise ValueError(f"an array of {dtype} has {raw.numel()} bytes, not a multiple of {size}")
     return raw.view(dtype)
-
-
-def _checked_windows(starts: torch.Tensor, seq_len: int, valid_begin: torch.Tensor, valid_end: torch.Tensor,
-                     capacity: int) -> Windows:
-    """The request's windows, or IndexError/ValueError naming the first thing out of bounds."""
-    if not 1 <= seq_len <= capacity:
-        raise ValueError(f"seq_len {seq_len} is outside [1, {capacity}]")
-    if not starts.numel() == valid_begin.numel() == valid_end.numel():
-        raise ValueError("starts, valid_begin and valid_end differ in length")
-    if starts.numel() * seq_len > MAX_READ_POSITIONS:
-        raise ValueError(f"a READ covers at most {MAX_READ_POSITIONS} rows")
-    if starts.numel():
-        if int(starts.min()) < 0 or int(starts.max()) >= capacity:
-            bad = int(starts.min()) if int(starts.min()) < 0 else int(starts.max())
-            raise IndexError(f"row {bad} is out of range for a shard of {capacity} rows")
-        if int(valid_begin.min()) < 0 or int(valid_end.max()) > seq_len or bool((valid_begin > valid_end).any()):
-            raise IndexError(f"valid ranges must satisfy 0 <= valid_begin <= valid_end <= seq_len ({seq_len})")
-    return Windows(starts, seq_len, valid_begin, valid_end)

@@ -210,7 +210,12 @@ class EpisodeIndex:
 
     @property
     def has_dead(self) -> bool:
-        return self.num_episodes > 0 and bool(self.dead[self._slots(self.first_serial, self.next_serial)].any())
+        # Asked on every remote read: recomputed only when the index changed.
+        key = (self.revision, self.first_serial, self.next_serial, id(self.dead))
+        if getattr(self, "_dead_known", (None,))[0] != key:
+            dead = self.num_episodes > 0 and bool(self.dead[self._slots(self.first_serial, self.next_serial)].any())
+            self._dead_known = (key, dead)
+        return self._dead_known[1]
 
     def _evict(self, k: int) -> None:
         """Drop the ``k`` oldest steps: whole oldest episodes, then the head of the next."""

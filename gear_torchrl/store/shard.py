@@ -412,6 +412,9 @@ class Shard:
     def check_readable(self, rows: torch.Tensor) -> None:
         """Raise if any of ``rows`` (in range) holds no readable data."""
 
+    def check_readable_windows(self, windows: Windows) -> None:
+        """``check_readable`` of the windows' valid positions (starts in range)."""
+
     def read(self, index: Index, *, in_range: bool = False) -> Data:
         """Rows at ``index`` (int, slice, sequence, array or tensor of any shape), on ``out_device``.
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gear_torchrl._ext import _C
 from gear_torchrl.store.commit_log import CommitLog, ReadSnapshot, control_bytes
-from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard
+from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard, Windows
 from gear_torchrl.store.shared_memory import (
     Janitor,
     create_segment,
@@ -253,6 +254,15 @@ class SharedShard(Shard):
             dead = self._dead(rows)
             if bool(dead.any()):
                 raise IndexError(f"row {int(rows[dead][0])} was left half-written by a writer that died")
+
+    def check_readable_windows(self, windows: Windows) -> None:
+        # The readable rows are the ring interval of positions [lo, hi): one C++ pass, no row list.
+        row = _C.first_row_outside(windows.starts, windows.valid_begin, windows.valid_end, windows.seq_len,
+                                   self.capacity, self._lo % self.capacity, self._hi - self._lo)
+        if row >= 0:
+            raise IndexError(f"row {row} is not readable: it was evicted or is being rewritten")
+        if self.episodes.has_dead:
+            self.check_readable(windows.rows(self.capacity)[windows.mask()])  # names the half-written row
 
     def refresh(self) -> None:
         """Open a read section and replay what was published since the last one."""
