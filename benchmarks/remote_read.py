@@ -3,8 +3,9 @@
 Shard owners (spawned ranks under torch.distributed on 127.0.0.1) each hold
 1000-step episodes of obs f32[512] (2 KiB a step). Each owner also runs a raw
 sender: asked for n bytes, it ``sendall``s n contiguous bytes from a random place
-in a buffer as large as its shard's rows, which a learner ``recv_into``s a
-preallocated tensor; nothing can move the same bytes over the same sockets faster. The learner measures, rounds interleaved, medians:
+in a buffer as large as its shard's rows, which a learner receives into a
+preallocated tensor with the transport's own receive loop (``_C.recv_exact``);
+nothing can move the same bytes over the same sockets faster. The learner measures, rounds interleaved, medians:
 
 - ``raw``: the bytes of a batch of 4096 steps, split over the shards, in parallel;
 - ``read rows`` / ``read windows``: the tcp transport alone reading 4096 random
@@ -77,6 +78,7 @@ def _learner(storage, shards: int, rounds: int, out) -> None:
     from torchrl.data import TensorDictReplayBuffer
 
     from gear_torchrl import GearSequenceSampler
+    from gear_torchrl._ext import _C
     from gear_torchrl.distributed.transports.base import ReadRequest
 
     store = dist.distributed_c10d._get_default_store()
@@ -91,9 +93,7 @@ def _learner(storage, shards: int, rounds: int, out) -> None:
     def raw_batch() -> None:
         def one(i: int) -> None:
             raw[i].sendall(_ASK.pack(part))
-            view, got = memoryview(sink[i].numpy()), 0
-            while got < part:
-                got += raw[i].recv_into(view[got:], part - got)
+            assert _C.recv_exact(raw[i].fileno(), sink[i], -1.0) == part  # the receive loop the transport uses
         list(pool.map(one, range(shards)))
 
     rows_rb = TensorDictReplayBuffer(storage=storage, batch_size=BATCH)

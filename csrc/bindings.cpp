@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "gather.h"
+#include "recv.h"
 #include "send.h"
 #include "trees.h"
 #include "windows.h"
@@ -62,6 +63,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("send_windows", &gear::send_windows, "Write windows' rows from the columns to a socket, no gather",
         py::arg("fd"), py::arg("columns"), py::arg("starts"), py::arg("valid_begin"), py::arg("valid_end"),
         py::arg("seq_len"), py::call_guard<py::gil_scoped_release>());
+  m.def("recv_exact", &gear::recv_exact, "Receive exactly a tensor's bytes from a socket (GIL released)",
+        py::arg("fd"), py::arg("out"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
   m.def("built_with_cuda", &built_with_cuda);
   m.def("tree_nodes", &gear::tree_nodes, "Size of a tree tensor over `capacity` leaves", py::arg("capacity"));
   m.def("tree_leaf_offset", &gear::tree_leaf_offset, py::arg("nodes"));

@@ -54,6 +54,34 @@ def test_messages_round_trip_into_given_tensors():
     assert reply.meta == {"k": 1} and torch.equal(out[0], arrays[0]) and torch.equal(out[1], arrays[1])
 
 
+def test_large_arrays_arrive_whole_through_the_native_receive():
+    big = torch.randint(0, 255, (3 << 20,), dtype=torch.uint8)  # several kernel chunks, above _NATIVE_FROM
+    out = torch.zeros_like(big)
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(10.0)
+        sender = threading.Thread(target=lambda: wire.send_buffers(a, [wire.as_bytes(big)]))
+        sender.start()
+        wire.recv_tensor(b, out)
+        sender.join(10)
+    assert torch.equal(out, big)
+
+
+def test_native_receive_reports_a_closed_peer_and_a_timeout_as_socket_errors():
+    out = torch.zeros(1 << 17, dtype=torch.uint8)
+    a, b = socket.socketpair()
+    with b:
+        a.sendall(b"x" * 100)
+        a.close()  # the peer leaves mid-array
+        with pytest.raises(ConnectionResetError, match="closed the connection"):
+            wire.recv_tensor(b, out)
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(0.2)
+        with pytest.raises(TimeoutError):  # the peer stays, silent: bounded by the socket's timeout
+            wire.recv_tensor(b, out)
+
+
 def test_oversized_or_foreign_messages_are_protocol_errors():
     a, b = socket.socketpair()
     with a, b:

@@ -7,6 +7,7 @@ cannot make the other side allocate or read out of bounds.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from gear_torchrl._ext import _C
 
 MAGIC = b"GEAR"
 VERSION = 1
@@ -54,11 +57,16 @@ class Message:
     arrays: list[torch.Tensor] = field(default_factory=list)
 
 
-def as_bytes(t: torch.Tensor) -> memoryview:
-    """A tensor's bytes without a copy (it must be contiguous and on the CPU)."""
+def as_tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor, without a copy (it must be contiguous and on the CPU)."""
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError("only contiguous CPU tensors go on the wire")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8)
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes without a copy (it must be contiguous and on the CPU)."""
+    return memoryview(as_tensor_bytes(t).numpy())
 
 
 def send(sock: socket.socket, message: Message) -> None:
@@ -114,8 +122,28 @@ def receive(sock: socket.socket, into: Sequence[torch.Tensor] | Allocator | None
             drain(sock, total)
             raise ProtocolError(f"expected arrays of {sizes} bytes, the peer sent {lengths}")
     for a in arrays:
-        recv_into(sock, as_bytes(a))
+        recv_tensor(sock, a)
     return Message(op, meta, arrays)
+
+
+_NATIVE_FROM = 1 << 16  # below this many bytes one Python recv costs no more
+
+
+def recv_tensor(sock: socket.socket, t: torch.Tensor) -> None:
+    """A tensor's bytes; large ones in one native loop with the GIL released, under the socket's timeout."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes < _NATIVE_FROM:
+        recv_into(sock, as_bytes(t))
+        return
+    timeout = sock.gettimeout()
+    got = _C.recv_exact(sock.fileno(), as_tensor_bytes(t), -1.0 if timeout is None else timeout)
+    if got == nbytes:
+        return
+    if got >= 0:
+        raise ConnectionResetError("the peer closed the connection")
+    if got == -errno.ETIMEDOUT:
+        raise TimeoutError("timed out")
+    raise OSError(-got, os.strerror(-got))
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
