@@ -103,6 +103,12 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
         self._trees.set(rows[valid], self._row_mass[rows[valid]])
         self._trees.remove(rows[~valid])  # no mass, and out of the minimum
 
+    def draw_windows(self, storage: GearStorage, num_windows: int) -> Windows:
+        # Rows committed by TrajectoryWriters (or other processes) since the last draw get the
+        # largest priority seen, as rows written through the buffer do (call inside ``picking()``).
+        self.follow(storage)
+        return GearSequenceSampler.draw_windows(self, storage, num_windows)
+
     def _draw_once(self, episodes: EpisodeIndex, count: int) -> Windows:
         """Windows by their key steps' priorities: the key step sits ``burn_in`` steps into its window."""
         keys = self._trees.find(torch.rand(count, dtype=torch.float64) * self._trees.total)

@@ -22,6 +22,7 @@ from gear_torchrl.store.episodes import EpisodeIndex, episode_ends
 from gear_torchrl.store.hot_tier import HotTier
 from gear_torchrl.store.huge_pages import empty_huge
 from gear_torchrl.store.last_writes import last_write_positions
+from gear_torchrl.store.local_commits import CommitRecord
 from gear_torchrl.store.spec import Data, NestedKey, SpecMismatchError, TableSpec
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class Shard:
         self.rows_inserted = 0  # counters for stats(): rows appended, rows read
         self.rows_read = 0
         self.episodes = EpisodeIndex(self.capacity)
+        self.commits = CommitRecord(self.capacity)  # what TrajectoryWriters wrote, for samplers to follow
         self._end_columns: list[int] = []  # spec positions of the end flags present in the data
         self._traj_column: int | None = None
 
@@ -195,9 +197,11 @@ class Shard:
         which the commit replaces with its own (nothing to do here).
         """
         rows = (torch.arange(values[0].shape[0], dtype=torch.int64) + self.head) % self.capacity
+        size_before = self.size
         rows = self._write_columns(spec, rows, values, append=True)
         if self.tracks_episodes:
             self.episodes.close_open()
+        self.commits.add(rows, size_before)
         return rows
 
     def _write_columns(self, spec: TableSpec, rows: torch.Tensor, values: list[torch.Tensor], append: bool):
@@ -321,6 +325,7 @@ class Shard:
         self.head = 0
         self.written = 0
         self.episodes.clear()
+        self.commits.clear()
 
     # -- state -------------------------------------------------------------------------
     def checked_state(self, state: dict) -> tuple[TableSpec | None, list[torch.Tensor]]:
@@ -363,6 +368,7 @@ class Shard:
         self.head = int(state["head"])
         self.written = columns[0].shape[0] if columns else 0
         self.episodes.load(state["episodes"])
+        self.commits.clear()
 
     # -- reads -----------------------------------------------------------------------
     # A sampler picks rows inside ``picking()`` and the storage then reads them. Here
@@ -384,15 +390,14 @@ class Shard:
         """End the read section ``picking`` opened, for rows read by other means (a remote learner)."""
 
     def rows_changed_since(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
-        """Rows other processes' commits evicted and added since ``position`` (start from ``(0, 0)``).
+        """Rows commits overwrote and added since ``position`` (start from ``(0, 0)``).
 
-        Returns ``(gone, new, position)``; ``new`` excludes rows left by crashed
-        writers. Samplers that keep per-row state (priorities) follow a shared
-        store with it; in a local shard TorchRL's writer reports every write
-        itself, so nothing changes behind a sampler's back.
+        Returns ``(gone, new, position)``. Samplers that keep per-row state
+        (priorities) follow the store with it. In a local shard these are the
+        TrajectoryWriter's commits: TorchRL's writer reports its own writes. A
+        shared shard reports every process's commits, less rows left by crashed writers.
         """
-        empty = torch.empty(0, dtype=torch.int64)
-        return empty, empty, position
+        return self.commits.since(position)
 
     def readable_rows(self) -> int:
         """How many rows a reader finds now."""
