@@ -1,9 +1,10 @@
 """Samplers with per-row state, kept current over a shared store.
 
-Over a local storage, TorchRL's writer tells the sampler about every write
-(``mark_update``). Over a shared storage, other processes commit too, and a
-ring block can be evicted for them: before each pick, the sampler catches up
-with what the store's commit log says changed since it last looked.
+TorchRL's writer tells the sampler about every write it makes
+(``mark_update``). TrajectoryWriters commit behind it: in this process into a
+local storage, in any process into a shared one, where a ring block can also
+be evicted for them. Before each pick, the sampler catches up with what the
+store says those commits changed since it last looked.
 """
 from __future__ import annotations
 

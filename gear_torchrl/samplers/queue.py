@@ -28,8 +28,9 @@ def _last_writes(index: torch.Tensor) -> torch.Tensor:
 class QueueSampler(FollowsCommits, StateDictFile, Sampler):
     """Consume rows in write order (``"fifo"``) or newest first (``"lifo"``).
 
-    Over a shared storage, rows other processes commit join the queue in commit
-    order, and rows evicted before they were consumed leave it.
+    Rows committed by TrajectoryWriters (in this process or, over a shared
+    storage, in others) join the queue in commit order, and rows overwritten or
+    evicted before they were consumed leave it.
     """
 
     def __init__(self, max_capacity: int, order: Literal["fifo", "lifo"] = "fifo") -> None:

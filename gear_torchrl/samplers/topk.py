@@ -23,8 +23,9 @@ from gear_torchrl.store.spec import NestedKey
 class TopKSampler(FollowsCommits, StateDictFile, Sampler):
     """Each batch is the ``batch_size`` highest-scoring rows, best first.
 
-    Over a shared storage, rows other processes commit are scored as they are
-    seen, and evicted rows leave the ranking.
+    Rows committed by TrajectoryWriters (in this process or, over a shared
+    storage, in others) are scored as they are seen, and overwritten or evicted
+    rows leave the ranking.
 
     Args:
         max_capacity: rows of the storage it samples.
