@@ -262,7 +262,7 @@ class ShardedGearStorage(TensorStorage):
     def _batch_for(self, live: list[int], counts: list[int], selection: dict[str, Any],
                    count: int) -> tuple[list[torch.Tensor], int]:
         """Columns for the whole batch, and how many rows one pick (a row or a window) takes."""
-        per_pick = selection["seq_len"] + selection["burn_in"] if selection["kind"] == "sequence" else 1
+        per_pick = selection["seq_len"] + selection["burn_in"] if "seq_len" in selection else 1  # windows, or rows
         spec = self._spec(next(s for s, k in zip(live, counts) if k))
         return self._empty_columns(spec, count * per_pick), per_pick
 

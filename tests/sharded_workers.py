@@ -102,6 +102,7 @@ def _learn(storage, rank: int, tmp: Path) -> dict:
     results["windows"] = _window_counts(storage)
     if rank == OWNERS:  # one learner sets priorities; several would overwrite each other
         results["prioritized"] = _prioritized(storage)
+        results["prioritized_windows"] = _prioritized_windows(storage)
     else:
         results["refusals"] = _refusals(storage)
         results["loader"] = _loader_batches(storage)
@@ -176,6 +177,33 @@ def _prioritized(storage) -> dict:
         _check_ids(batch, batch["index"])
         counts += _histogram(batch["shard"], batch["pos"])
         weights[batch["shard"] * CAPACITY + batch["pos"]] = batch["priority_weight"].to(torch.float64)
+    return {"counts": counts, "weights": weights}
+
+
+def _prioritized_windows(storage) -> dict:
+    """Windows keyed by their first step, drawn by that step's priority on its owner."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import GearPrioritizedSequenceSampler
+    from gear_torchrl.distributed import global_ids
+
+    sampler = GearPrioritizedSequenceSampler(CAPACITY, SEQ_LEN, alpha=ALPHA, beta=BETA, eps=EPS, reduction="start")
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=SEQ_LEN * 1024)
+    rb.sample()  # the owners start keeping these priorities
+    ids = torch.cat([global_ids.encode(s, torch.arange(n)) for s, n in enumerate(ROWS_PER_SHARD)])
+    shard, pos = global_ids.decode(ids)
+    rb.update_priority(ids, priority_of(shard, pos))  # one priority per step ("start": each step keys its window)
+    counts = torch.zeros(OWNERS * CAPACITY, dtype=torch.int64)
+    weights = torch.zeros(OWNERS * CAPACITY, dtype=torch.float64)
+    for _ in range(BATCHES // 2):
+        batch = rb.sample()
+        _check_ids(batch, batch["index"])
+        windows = batch.reshape(-1, SEQ_LEN)
+        assert bool((windows["ep"] == windows["ep"][:, :1]).all()), "a window crosses episodes"
+        assert bool((windows["priority_weight"] == windows["priority_weight"][:, :1]).all()), "one weight a window"
+        key = windows["shard"][:, 0] * CAPACITY + windows["pos"][:, 0]
+        counts += torch.bincount(key, minlength=OWNERS * CAPACITY)
+        weights[key] = windows["priority_weight"][:, 0].to(torch.float64)
     return {"counts": counts, "weights": weights}
 
 

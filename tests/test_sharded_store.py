@@ -142,6 +142,21 @@ def test_prioritized_sampling_and_weights_match_one_store(job):
     assert torch.allclose(got["weights"][seen], expected_weight, rtol=1e-5)
 
 
+def test_prioritized_windows_and_weights_match_one_store(job):
+    got = job["results"][LEARNER_SKIP]["prioritized_windows"]
+    shard, pos = _stored()
+    key = torch.zeros(w.OWNERS * w.CAPACITY, dtype=torch.bool)  # where a whole window may start
+    for s in range(w.OWNERS):
+        for data in w.shard_episodes(s):
+            first = s * w.CAPACITY + int(data["pos"][0])
+            key[first: first + max(0, data.shape[0] - w.SEQ_LEN + 1)] = True
+    mass = torch.where(key, (w.priority_of(shard, pos) + w.EPS) ** w.ALPHA, 0.0)
+    _assert_fits(got["counts"], mass)
+    seen = got["counts"] > 0
+    expected_weight = (mass[seen] / mass[key].min()) ** -w.BETA  # the minimum over every shard's windows
+    assert torch.allclose(got["weights"][seen], expected_weight, rtol=1e-5)
+
+
 def test_priority_updates_land_at_the_owner_of_each_row(job):
     for s, masses in job["owners"].items():
         pos = torch.arange(w.ROWS_PER_SHARD[s])

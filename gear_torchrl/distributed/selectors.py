@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from gear_torchrl.distributed.picked import Picked
-from gear_torchrl.samplers.prioritized import GearPrioritizedSampler
+from gear_torchrl.samplers.prioritized import GearPrioritizedSampler, _as_index, _as_priority
+from gear_torchrl.samplers.prioritized_sequence import GearPrioritizedSequenceSampler
 from gear_torchrl.samplers.sequence import GearSequenceSampler
 from gear_torchrl.storage import GearStorage
 
@@ -86,6 +87,38 @@ class SequenceSelector(Selector):
         return Picked(windows.starts % storage.max_size, windows.seq_len, windows.valid_begin, windows.valid_end, mass)
 
 
+class PrioritizedSequenceSelector(Selector):
+    """The shard's window priorities for one configuration: one sampler whichever learner asks.
+
+    Its window masses follow the episode index of the connection that last
+    picked: learners taking turns cost a rebuild of those masses (O(shard rows)) at each turn.
+    """
+
+    def __init__(self, capacity: int, seq_len: int, alpha: float, eps: float, reduction: str, eta: float,
+                 **window_options: Any) -> None:
+        self.sampler = GearPrioritizedSequenceSampler(capacity, seq_len, alpha=alpha, beta=0.0, eps=eps,
+                                                      reduction=reduction, eta=eta, **window_options)
+        self.lock = threading.Lock()
+
+    def pick(self, storage: GearStorage, count: int) -> Picked:
+        with self.lock, storage.shard.picking():
+            self.sampler.follow(storage)
+            mass = self.sampler.window_mass(storage)
+            scalars = {"min_mass": self.sampler.min_mass}
+            if count == 0 or not mass > 0:
+                return Picked(_NONE, self.sampler.window_len, _NONE, _NONE, mass, scalars=scalars)
+            windows = self.sampler.draw_windows(storage, count)
+            keys = (windows.starts + self.sampler.burn_in) % storage.max_size
+            return Picked(windows.starts % storage.max_size, windows.seq_len, windows.valid_begin, windows.valid_end,
+                          mass, extra={"mass": self.sampler.masses(keys)}, scalars=scalars)
+
+    def update(self, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None) -> None:
+        rows = _as_index(rows, self.sampler._max_capacity)
+        priority = _as_priority(priority, rows.numel())
+        with self.lock:
+            self.sampler.set_key_priorities(rows, priority)
+
+
 _SEQUENCE_OPTIONS = ("seq_len", "burn_in", "strict_length", "uniform_over", "include_open", "cross_ring_end")
 
 
@@ -107,13 +140,21 @@ class SelectorRegistry:
                 if key not in self._shared:
                     self._shared[key] = PrioritizedSelector(self.capacity, key[1], key[2])
                 return self._shared[key]
+        if kind == "prioritized_sequence":
+            options = {name: config[name] for name in (*_SEQUENCE_OPTIONS, "alpha", "eps", "reduction", "eta")}
+            key = ("prioritized_sequence", *sorted(options.items()))
+            with self._lock:
+                if key not in self._shared:
+                    self._shared[key] = PrioritizedSequenceSelector(self.capacity, **options)
+                return self._shared[key]
         if kind == "sequence":
             options = {name: config[name] for name in _SEQUENCE_OPTIONS}
             key = ("sequence", *sorted(options.items()))
             if key not in local:
                 local[key] = SequenceSelector(**options)
             return local[key]
-        raise ValueError(f"unknown selection kind {kind!r}: expected 'uniform', 'prioritized' or 'sequence'")
+        raise ValueError(f"unknown selection kind {kind!r}: expected 'uniform', 'prioritized', 'sequence' "
+                         "or 'prioritized_sequence'")
 
     def prioritized(self) -> list[PrioritizedSelector]:
         with self._lock:

@@ -23,6 +23,7 @@ from gear_torchrl.samplers.prioritized import (
     GearPrioritizedSampler,
     _as_index,
     _as_priority,
+    _seeds_defaults,
 )
 from gear_torchrl.samplers.sequence import GearSequenceSampler
 from gear_torchrl.storage import GearStorage
@@ -118,38 +119,77 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
 
     # -- sampling and priorities ----------------------------------------------------------
     def sample(self, storage: GearStorage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
-        if getattr(storage, "is_sharded", False):
-            raise NotImplementedError("GearPrioritizedSequenceSampler does not sample a ShardedGearStorage yet: "
-                                      "use GearSequenceSampler or GearPrioritizedSampler there")
-        if storage.max_size != self._max_capacity:
+        if not getattr(storage, "is_sharded", False) and storage.max_size != self._max_capacity:
             raise ValueError(f"sampler built for {self._max_capacity} rows, storage holds {storage.max_size}")
         index, info = GearSequenceSampler.sample(self, storage, batch_size)
-        keys = index.view(-1, self.window_len)[:, self.burn_in].cpu()
-        weight = self._importance_weights(self._trees.get(keys), self._trees.minimum)
-        info["priority_weight"] = weight.repeat_interleave(self.window_len)
         self._anneal_beta()
         return index, info
+
+    def _pick_local(self, storage: GearStorage, num_windows: int) -> tuple[torch.Tensor, Windows, dict[str, Any]]:
+        index, windows, _ = GearSequenceSampler._pick_local(self, storage, num_windows)
+        keys = index.view(-1, self.window_len)[:, self.burn_in].cpu()
+        return index, windows, self._weights_info(self._trees.get(keys), self._trees.minimum)
+
+    def _pick_shards(self, storage: Any, num_windows: int) -> tuple[torch.Tensor, Windows, dict[str, Any]]:
+        """Each owner draws windows by its own priorities; the weights use the global minimum mass."""
+        picked = storage.select(self.selection(), num_windows)
+        return picked.index, picked.windows, self._weights_info(picked.extra["mass"], picked.scalars["min_mass"])
+
+    def _weights_info(self, key_masses: torch.Tensor, min_mass: float) -> dict[str, Any]:
+        """Each window's importance weight, repeated over its steps."""
+        return {"priority_weight": self._importance_weights(key_masses, min_mass).repeat_interleave(self.window_len)}
+
+    def selection(self) -> dict[str, Any]:
+        """What a shard owner needs to keep these window priorities (``beta`` stays with the learner)."""
+        return {**GearSequenceSampler.selection(self), "kind": "prioritized_sequence", "alpha": self._alpha,
+                "eps": self._eps, "reduction": self.window_reduction, "eta": self.eta}
 
     @torch.no_grad()
     def update_priority(self, index: Any, priority: Any, *, storage: GearStorage | None = None) -> None:
         """Priorities for sampled windows: ``index`` is the batch's flat index (``[W * window_len]``)."""
-        rows = _as_index(index, self._max_capacity)
+        sharded = getattr(storage, "is_sharded", False)
+        if self._is_seeding(index, priority, storage):
+            # TorchRL's first-use seeding of stored rows (not windows): they become new rows, here or on their owners.
+            if not sharded:
+                self.mark_update(index)
+            return
+        if sharded:  # global row ids: the owners check them
+            rows = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
+        else:
+            rows = _as_index(index, self._max_capacity)
+        targets, priority = self._key_priorities(rows, priority)
+        if sharded:
+            storage.update_priority(self.selection(), targets, priority)
+        else:
+            self.set_key_priorities(targets, priority)
+
+    def _is_seeding(self, index: Any, priority: Any, storage: Any) -> bool:
+        """Whether TorchRL's buffer is giving every stored row the default priority (rows 0..len-1)."""
+        if storage is None or torch.as_tensor(index).numel() != len(storage):
+            return False
+        return _seeds_defaults(index, priority, self.default_priority)
+
+    def _key_priorities(self, rows: torch.Tensor, priority: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows whose priorities change (window keys, or every step) and their raw priorities."""
         if rows.numel() % self.window_len:
             raise ValueError(f"index of {rows.numel()} rows is not whole windows of {self.window_len} steps")
         windows = rows.view(-1, self.window_len)
         per_window = torch.as_tensor(priority).numel() == windows.shape[0] and windows.shape[0] != rows.numel()
         priority = _as_priority(priority, windows.shape[0] if per_window else rows.numel())
-        if per_window or self.window_reduction == "r2d2":
-            if not per_window:
-                steps = priority.view(-1, self.window_len)
-                priority = self.eta * steps.max(1).values + (1 - self.eta) * steps.mean(1)
-            targets = windows[:, self.burn_in]
-        else:
-            targets = rows
-        self._max_raw_priority = max(self._max_raw_priority, float(priority.max()))
-        self._row_mass[targets] = torch.pow(priority + self._eps, self._alpha)
+        if not per_window and self.window_reduction == "start":
+            return rows, priority
+        if not per_window:
+            steps = priority.view(-1, self.window_len)
+            priority = self.eta * steps.max(1).values + (1 - self.eta) * steps.mean(1)
+        return windows[:, self.burn_in], priority
+
+    def set_key_priorities(self, rows: torch.Tensor, priority: torch.Tensor) -> None:
+        """Raw priorities of rows (checked) as window keys: what an update lands as, here or on a shard's owner."""
+        if priority.numel():
+            self._max_raw_priority = max(self._max_raw_priority, float(priority.max()))
+        self._row_mass[rows] = torch.pow(priority + self._eps, self._alpha)
         if self._episodes is not None:  # else the first sample derives every mass
-            self._set_masses(self._episodes, targets)
+            self._set_masses(self._episodes, rows)
 
     def mark_update(self, index: Any, *, storage: GearStorage | None = None) -> None:
         """New rows get the largest priority seen; their windows count once the index says so."""

@@ -109,18 +109,27 @@ class GearSequenceSampler(Sampler):
     def sample(self, storage: GearStorage, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
         num_windows = self._num_windows(batch_size)
         if getattr(storage, "is_sharded", False):  # each shard's owner draws its share
-            index, windows = storage.select_windows(self.selection(), num_windows)
+            index, windows, info = self._pick_shards(storage, num_windows)
         else:
             if not isinstance(storage, GearStorage):
                 raise TypeError(f"GearSequenceSampler needs a GearStorage (its episode index), got {type(storage).__name__}")
-            with storage.shard.picking():  # a shared store catches up with other processes' commits here
-                windows = self.draw_windows(storage, num_windows)
-            # On the storage's device already: TorchRL would otherwise move it, and the
-            # moved copy would no longer be the tensor the storage's window plan names.
-            index = windows.rows(storage.shard.capacity).to(storage.device)
+            index, windows, info = self._pick_local(storage, num_windows)
         windows = dataclasses.replace(windows, markers=functools.partial(self._markers, windows))
         storage.plan_windows(index, windows)
-        return index, {}
+        return index, info
+
+    def _pick_local(self, storage: GearStorage, num_windows: int) -> tuple[torch.Tensor, Windows, dict[str, Any]]:
+        """TorchRL's flat row index of the windows, the windows, and the batch's info."""
+        with storage.shard.picking():  # a shared store catches up with other processes' commits here
+            windows = self.draw_windows(storage, num_windows)
+        # On the storage's device already: TorchRL would otherwise move it, and the
+        # moved copy would no longer be the tensor the storage's window plan names.
+        return windows.rows(storage.shard.capacity).to(storage.device), windows, {}
+
+    def _pick_shards(self, storage: Any, num_windows: int) -> tuple[torch.Tensor, Windows, dict[str, Any]]:
+        """The same across a ShardedGearStorage: global row ids."""
+        index, windows = storage.select_windows(self.selection(), num_windows)
+        return index, windows, {}
 
     def draw_windows(self, storage: GearStorage, num_windows: int) -> Windows:
         """``num_windows`` windows of the shard (call inside ``storage.shard.picking()``)."""
