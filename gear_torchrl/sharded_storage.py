@@ -68,6 +68,10 @@ class Selection:
     scalars: dict[str, float] = field(default_factory=dict)
 
 
+_NO_CHECKPOINT = ("a sharded store has no checkpoint of its own yet: on each owning rank, `storage.local.dumps(path)` "
+                  "saves that shard's rows (the owners' priorities are not saved)")
+
+
 class ShardedGearStorage(TensorStorage):
     """The union of one shard per owning rank, as one storage for ``ReplayBuffer``.
 
@@ -531,9 +535,16 @@ class ShardedGearStorage(TensorStorage):
         raise NotImplementedError("empty each shard on its owner (`storage.local`)")
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("checkpoint each shard on its owner (`storage.local`)")
+        raise NotImplementedError(_NO_CHECKPOINT)
 
-    load_state_dict = state_dict
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise NotImplementedError(_NO_CHECKPOINT)
+
+    def dumps(self, path: Any) -> None:
+        raise NotImplementedError(_NO_CHECKPOINT)
+
+    def loads(self, path: Any) -> None:
+        raise NotImplementedError(_NO_CHECKPOINT)
 
     # -- lifetime and pickling ---------------------------------------------------------------------
     def close(self) -> None:

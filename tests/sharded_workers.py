@@ -9,6 +9,7 @@ Results go to files in ``tmp`` (a killed peer leaves no collective to use).
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -240,6 +241,12 @@ def _refusals(storage) -> dict:
     client.read(ReadRequest.of_rows(torch.tensor([0, 7])), out)  # the connection still serves
     found["still_serves"] = out[spec.find("pos")].tolist()
     client.close()
+    from torchrl.data import TensorDictReplayBuffer
+
+    try:
+        TensorDictReplayBuffer(storage=storage, batch_size=8).dumps(tempfile.mkdtemp())
+    except NotImplementedError as exc:
+        found["dumps"] = str(exc)
     return found
 
 
