@@ -12,7 +12,8 @@ that one storage, ``ShardedGearStorage``:
   the others;
 * any rank samples all shards through an ordinary TorchRL
   ``TensorDictReplayBuffer(storage=sharded, sampler=...)``: RandomSampler (the
-  default), ``GearPrioritizedSampler`` or ``GearSequenceSampler``. The batch is
+  default), ``GearPrioritizedSampler``, ``GearSequenceSampler`` or
+  ``GearPrioritizedSequenceSampler`` (R2D2's prioritized windows). The batch is
   split across shards by how much each holds, each owner picks its share of
   the rows, and the rows travel to the learner by a *transport*.
 
@@ -239,7 +240,9 @@ def learn(storage: ShardedGearStorage, args: argparse.Namespace) -> None:
     # -- Uniform rows: an ordinary TorchRL replay buffer, the default RandomSampler.
     #    (For prioritized replay, pass sampler=GearPrioritizedSampler(args.capacity,
     #    alpha=0.6, beta=0.4): each owner keeps its own rows' priorities, and
-    #    rb.update_priority(batch["index"], td_error) sends each row's to its owner.)
+    #    rb.update_priority(batch["index"], td_error) sends each row's to its owner.
+    #    Windows work the same way with GearPrioritizedSequenceSampler: each owner keeps
+    #    its windows' priorities, and an update sends each window's to its owner.)
     rb = TensorDictReplayBuffer(storage=storage, batch_size=args.batch)
     rb.sample()  # warm up: connections, the first selection of each shard
     seconds, nbytes, per_shard = timed(rb, args.batches, lambda b: check_rows(b, args.frame))
