@@ -6,7 +6,7 @@ network namespace of its own, since a Reverb server binds all interfaces:
     unshare -n sh -c 'ip link set lo up && exec .reverb-venv/bin/python benchmarks/reverb_side.py --servers 2'
 
 Each server is a process of its own holding ``--rows`` steps: 1000-step
-episodes of obs f32[512], the same arrays reverb_windows.py gives our shards
+episodes of obs f32[512] (``--obs``), the same arrays reverb_windows.py gives our shards
 (numpy generator seeded with (server, episode)). They are written the way
 Reverb documents for sequences: ``client.trajectory_writer`` appends one step
 at a time and ``create_item`` makes an item of the last 64 steps at every step
@@ -41,19 +41,19 @@ EPISODE = 1000
 TABLE = "windows"
 
 
-def episode_obs(shard: int, episode: int) -> np.ndarray:
+def episode_obs(shard: int, episode: int, obs: int = OBS) -> np.ndarray:
     """Episode ``episode`` of shard/server ``shard``: the same array on both sides of the comparison."""
-    return np.random.default_rng([shard, episode]).standard_normal((EPISODE, OBS), dtype=np.float32)
+    return np.random.default_rng([shard, episode]).standard_normal((EPISODE, obs), dtype=np.float32)
 
 
-def _server(index: int, rows: int, seq_len: int, chunk: int | None, ports, done, stop) -> None:
+def _server(index: int, rows: int, seq_len: int, obs_floats: int, chunk: int | None, ports, done, stop) -> None:
     import reverb
     import tensorflow as tf
 
     items = (rows // EPISODE) * (EPISODE - seq_len + 1)
     table = reverb.Table(TABLE, sampler=reverb.selectors.Uniform(), remover=reverb.selectors.Fifo(),
                          max_size=items, rate_limiter=reverb.rate_limiters.MinSize(1),
-                         signature={"obs": tf.TensorSpec([seq_len, OBS], tf.float32)})
+                         signature={"obs": tf.TensorSpec([seq_len, obs_floats], tf.float32)})
     server = reverb.Server(tables=[table], port=None)
     ports.put((index, server.port))
     client = reverb.Client(f"127.0.0.1:{server.port}")
@@ -62,7 +62,7 @@ def _server(index: int, rows: int, seq_len: int, chunk: int | None, ports, done,
         if chunk is not None:
             writer.configure(("obs",), num_keep_alive_refs=seq_len, max_chunk_length=chunk)
         for e in range(rows // EPISODE):
-            obs = episode_obs(index, e)
+            obs = episode_obs(index, e, obs_floats)
             for t in range(EPISODE):
                 writer.append({"obs": obs[t]})
                 if t >= seq_len - 1:
@@ -77,12 +77,13 @@ def _server(index: int, rows: int, seq_len: int, chunk: int | None, ports, done,
     server.stop()
 
 
-def _dataset(addresses: list[str], seq_len: int, batch: int, in_flight: int, workers: int, mix: str):
+def _dataset(addresses: list[str], seq_len: int, obs_floats: int, batch: int, in_flight: int, workers: int,
+             mix: str):
     import reverb
     import tensorflow as tf
 
     dtypes = {"obs": tf.float32}
-    shapes = {"obs": tf.TensorShape([seq_len, OBS])}
+    shapes = {"obs": tf.TensorShape([seq_len, obs_floats])}
 
     def one(address):
         return reverb.TrajectoryDataset(address, TABLE, dtypes, shapes,
@@ -125,6 +126,7 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--rows", type=int, default=64_000, help="steps per server")
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--obs", type=int, default=OBS, help="floats per step")
     parser.add_argument("--batch", type=int, default=64, help="windows per learner batch")
     parser.add_argument("--in-flight", type=int, default=128, help="max_in_flight_samples_per_worker")
     parser.add_argument("--workers", type=int, default=-1, help="num_workers_per_iterator (-1: Reverb picks)")
@@ -139,7 +141,7 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     ports, done, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-    servers = [ctx.Process(target=_server, args=(i, args.rows, args.seq_len, args.chunk, ports, done, stop),
+    servers = [ctx.Process(target=_server, args=(i, args.rows, args.seq_len, args.obs, args.chunk, ports, done, stop),
                            daemon=True) for i in range(args.servers)]
     for p in servers:
         p.start()
@@ -147,7 +149,7 @@ def main() -> None:
     port = dict(ports.get(timeout=300) for _ in servers)
     filled = sorted(done.get(timeout=900) for _ in servers)
     insert_s = time.perf_counter() - start
-    dataset = _dataset([f"127.0.0.1:{port[i]}" for i in range(args.servers)], args.seq_len, args.batch,
+    dataset = _dataset([f"127.0.0.1:{port[i]}" for i in range(args.servers)], args.seq_len, args.obs, args.batch,
                        args.in_flight, args.workers, args.mix)
     print(json.dumps({"ready": True, "servers": args.servers, "items": [n for _, n, _ in filled],
                       "insert_s": round(insert_s, 1)}), flush=True)
