@@ -163,22 +163,11 @@ def _prioritized(storage) -> dict:
     from torchrl.data import TensorDictReplayBuffer
 
     from gear_torchrl import GearPrioritizedSampler
-    from gear_torchrl.distributed import global_ids
 
     sampler = GearPrioritizedSampler(CAPACITY, alpha=ALPHA, beta=BETA, eps=EPS)
     rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=4096)
-    rb.sample()  # the owners start keeping these priorities
-    ids = torch.cat([global_ids.encode(s, torch.arange(n)) for s, n in enumerate(ROWS_PER_SHARD)])
-    shard, pos = global_ids.decode(ids)
-    rb.update_priority(ids, priority_of(shard, pos))
-    counts = torch.zeros(OWNERS * CAPACITY, dtype=torch.int64)
-    weights = torch.zeros(OWNERS * CAPACITY, dtype=torch.float64)
-    for _ in range(BATCHES):
-        batch = rb.sample()
-        _check_ids(batch, batch["index"])
-        counts += _histogram(batch["shard"], batch["pos"])
-        weights[batch["shard"] * CAPACITY + batch["pos"]] = batch["priority_weight"].to(torch.float64)
-    return {"counts": counts, "weights": weights}
+    _set_priorities(rb)
+    return _drawn(rb, BATCHES, lambda batch: (batch["shard"] * CAPACITY + batch["pos"], batch["priority_weight"]))
 
 
 def _prioritized_windows(storage) -> dict:
@@ -186,25 +175,40 @@ def _prioritized_windows(storage) -> dict:
     from torchrl.data import TensorDictReplayBuffer
 
     from gear_torchrl import GearPrioritizedSequenceSampler
-    from gear_torchrl.distributed import global_ids
 
     sampler = GearPrioritizedSequenceSampler(CAPACITY, SEQ_LEN, alpha=ALPHA, beta=BETA, eps=EPS, reduction="start")
     rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=SEQ_LEN * 1024)
-    rb.sample()  # the owners start keeping these priorities
-    ids = torch.cat([global_ids.encode(s, torch.arange(n)) for s, n in enumerate(ROWS_PER_SHARD)])
-    shard, pos = global_ids.decode(ids)
-    rb.update_priority(ids, priority_of(shard, pos))  # one priority per step ("start": each step keys its window)
-    counts = torch.zeros(OWNERS * CAPACITY, dtype=torch.int64)
-    weights = torch.zeros(OWNERS * CAPACITY, dtype=torch.float64)
-    for _ in range(BATCHES // 2):
-        batch = rb.sample()
-        _check_ids(batch, batch["index"])
+    _set_priorities(rb)  # one priority per step ("start": each step keys its window)
+
+    def keys(batch):
         windows = batch.reshape(-1, SEQ_LEN)
         assert bool((windows["ep"] == windows["ep"][:, :1]).all()), "a window crosses episodes"
         assert bool((windows["priority_weight"] == windows["priority_weight"][:, :1]).all()), "one weight a window"
-        key = windows["shard"][:, 0] * CAPACITY + windows["pos"][:, 0]
+        return windows["shard"][:, 0] * CAPACITY + windows["pos"][:, 0], windows["priority_weight"][:, 0]
+
+    return _drawn(rb, BATCHES // 2, keys)
+
+
+def _set_priorities(rb) -> None:
+    """Every stored row gets ``priority_of`` its shard and position, sent to its owner."""
+    from gear_torchrl.distributed import global_ids
+
+    rb.sample()  # the owners start keeping these priorities
+    ids = torch.cat([global_ids.encode(s, torch.arange(n)) for s, n in enumerate(ROWS_PER_SHARD)])
+    shard, pos = global_ids.decode(ids)
+    rb.update_priority(ids, priority_of(shard, pos))
+
+
+def _drawn(rb, batches: int, keys) -> dict:
+    """How often each row was drawn (``keys(batch)``: rows as shard * CAPACITY + pos, and their weights)."""
+    counts = torch.zeros(OWNERS * CAPACITY, dtype=torch.int64)
+    weights = torch.zeros(OWNERS * CAPACITY, dtype=torch.float64)
+    for _ in range(batches):
+        batch = rb.sample()
+        _check_ids(batch, batch["index"])
+        key, weight = keys(batch)
         counts += torch.bincount(key, minlength=OWNERS * CAPACITY)
-        weights[key] = windows["priority_weight"][:, 0].to(torch.float64)
+        weights[key] = weight.to(torch.float64)
     return {"counts": counts, "weights": weights}
 
 
