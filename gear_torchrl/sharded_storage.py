@@ -258,10 +258,20 @@ class ShardedGearStorage(TensorStorage):
             if remaining == 0:
                 return got, scalars, batch if exact else None
             if not any(masses.get(s, 0.0) > 0 for s in self.live_shards) and self._rows_known():
+                self._give_back(selection, got)
                 raise EmptyStoreError(f"nothing to sample in any of the {len(self.live_shards)} live shards "
-                                      f"for {selection['kind']} selection (empty, or no eligible rows/windows)")
+                                      f"for {selection['kind']} selection (empty, or no eligible rows/windows): "
+                                      f"found {count - remaining} of {count}")
+        self._give_back(selection, got)
         raise RuntimeError(f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds: "
                            "the shards keep coming up short")
+
+    def _give_back(self, selection: dict[str, Any], got: list[tuple[int, Picked, list[torch.Tensor]]]) -> None:
+        """Hand an unfilled batch's picks back to their owners: a queue's rows are consumed only when delivered."""
+        picks = {shard: picked.starts for shard, picked, _ in got if shard not in self._failed}
+        if picks:
+            list(self._on_each(list(picks), lambda s, _: self._client(s).give_back(selection, picks[s]),
+                               [0] * len(picks)))
 
     def _batch_for(self, live: list[int], counts: list[int], selection: dict[str, Any],
                    count: int) -> tuple[list[torch.Tensor], int]:

@@ -104,6 +104,7 @@ def _learn(storage, rank: int, tmp: Path) -> dict:
     if rank == OWNERS:  # one learner sets priorities; several would overwrite each other
         results["prioritized"] = _prioritized(storage)
         results["prioritized_windows"] = _prioritized_windows(storage)
+        results["queue"] = _queue(storage)
     else:
         results["refusals"] = _refusals(storage)
         results["loader"] = _loader_batches(storage)
@@ -187,6 +188,30 @@ def _prioritized_windows(storage) -> dict:
         return windows["shard"][:, 0] * CAPACITY + windows["pos"][:, 0], windows["priority_weight"][:, 0]
 
     return _drawn(rb, BATCHES // 2, keys)
+
+
+def _queue(storage) -> dict:
+    """Drain every owner's queue in batches of 256: the last, short batch must come back, not get lost."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import QueueSampler
+    from gear_torchrl.store.shard import EmptyStoreError
+
+    rb = TensorDictReplayBuffer(storage=storage, sampler=QueueSampler(CAPACITY), batch_size=256)
+    served, short = [], None
+    while short is None:
+        try:
+            batch = rb.sample()
+        except EmptyStoreError as exc:
+            short = str(exc)
+            break
+        _check_ids(batch, batch["index"])
+        served.append(batch["shard"] * CAPACITY + batch["pos"])
+    left = sum(ROWS_PER_SHARD) - sum(len(b) for b in served)
+    batch = rb.sample(left)  # what the short batch took went back to its queues
+    _check_ids(batch, batch["index"])
+    served.append(batch["shard"] * CAPACITY + batch["pos"])
+    return {"served": torch.cat(served), "short": short}
 
 
 def _set_priorities(rb) -> None:

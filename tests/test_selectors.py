@@ -59,6 +59,33 @@ def test_queue_failed_sample_changes_nothing():
     assert rb.sample(3)["step"].tolist() == [0, 1, 2]
 
 
+@pytest.mark.parametrize("order", ["fifo", "lifo"])
+def test_rows_given_back_are_served_first_again(order):
+    rb = buffer(QueueSampler(8, order=order), capacity=8)
+    rb.extend(steps(0, 6))
+    taken = rb.sampler.take(3)  # what a shard owner hands out for a batch that is then left unfilled
+    rb.sampler.give_back(taken)
+    assert len(rb.sampler) == 6
+    assert rb.sample(6)["step"].tolist() == (list(range(6)) if order == "fifo" else list(range(5, -1, -1)))
+
+
+def test_rows_rewritten_since_they_were_taken_do_not_come_back():
+    rb = buffer(QueueSampler(8), capacity=8)
+    rb.extend(steps(0, 8))
+    rb.sample(6)  # rows 0..5 consumed
+    taken = rb.sampler.take(2)  # rows 6, 7
+    rb.extend(steps(8, 2))  # rewrites rows 0, 1
+    rb.sampler.give_back(taken)  # not rewritten: served first again
+    assert rb.sample(4)["step"].tolist() == [6, 7, 8, 9]
+    assert rb.sampler.take(0).numel() == 0
+    rb.extend(steps(10, 4))  # rows 2..5
+    taken = rb.sampler.take(2)  # rows 2, 3 (steps 10, 11)
+    rb.extend(steps(14, 4))  # rows 6, 7, 0, 1: not the taken ones
+    rb.extend(steps(18, 2))  # rows 2, 3 rewritten: queued as new, their taken rows are gone
+    rb.sampler.give_back(taken)
+    assert rb.sample(len(rb.sampler))["step"].tolist() == [12, 13, 14, 15, 16, 17, 18, 19]
+
+
 def test_topk_by_key_and_by_priority():
     rb = buffer(TopKSampler(50, key=("next", "reward")))
     rb.extend(steps(0, 20))

@@ -157,6 +157,13 @@ def test_prioritized_windows_and_weights_match_one_store(job):
     assert torch.allclose(got["weights"][seen], expected_weight, rtol=1e-5)
 
 
+def test_queues_across_shards_serve_every_row_exactly_once(job):
+    got = job["results"][LEARNER_SKIP]["queue"]
+    expected = _uniform_oracle().nonzero().squeeze(1)  # every stored row
+    assert torch.equal(got["served"].sort().values, expected)  # once each: none lost, none twice
+    assert f"found {sum(w.ROWS_PER_SHARD) % 256} of 256" in got["short"], got["short"]
+
+
 def test_priority_updates_land_at_the_owner_of_each_row(job):
     for s, masses in job["owners"].items():
         pos = torch.arange(w.ROWS_PER_SHARD[s])

@@ -22,6 +22,7 @@ import torch
 from gear_torchrl.distributed.picked import Picked
 from gear_torchrl.samplers.prioritized import GearPrioritizedSampler, _as_index, _as_priority
 from gear_torchrl.samplers.prioritized_sequence import GearPrioritizedSequenceSampler
+from gear_torchrl.samplers.queue import QueueSampler
 from gear_torchrl.samplers.sequence import GearSequenceSampler
 from gear_torchrl.storage import GearStorage
 
@@ -40,6 +41,9 @@ class Selector(ABC):
 
     def update(self, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None) -> None:
         raise ValueError(f"{type(self).__name__} keeps no priorities to update")
+
+    def give_back(self, rows: torch.Tensor) -> None:
+        """Rows of an earlier pick the learner did not use; only selectors that consume rows care."""
 
 
 class UniformSelector(Selector):
@@ -119,6 +123,25 @@ class PrioritizedSequenceSelector(Selector):
             self.sampler.set_key_priorities(rows, priority)
 
 
+class QueueSelector(Selector):
+    """The shard's queue for one order, shared by every learner: each row is consumed once, by one of them."""
+
+    def __init__(self, capacity: int, order: str) -> None:
+        self.sampler = QueueSampler(capacity, order)
+        self.lock = threading.Lock()
+
+    def pick(self, storage: GearStorage, count: int) -> Picked:
+        with self.lock, storage.shard.picking():
+            self.sampler.follow(storage)
+            take = min(count, len(self.sampler))
+            rows = self.sampler.take(take) if take else _NONE
+            return Picked.rows(rows, float(len(self.sampler)))  # mass: rows still waiting
+
+    def give_back(self, rows: torch.Tensor) -> None:
+        with self.lock:
+            self.sampler.give_back(_as_index(rows, self.sampler.max_capacity))
+
+
 _SEQUENCE_OPTIONS = ("seq_len", "burn_in", "strict_length", "uniform_over", "include_open", "cross_ring_end")
 
 
@@ -140,6 +163,12 @@ class SelectorRegistry:
                 if key not in self._shared:
                     self._shared[key] = PrioritizedSelector(self.capacity, key[1], key[2])
                 return self._shared[key]
+        if kind == "queue":
+            key = ("queue", config["order"])
+            with self._lock:
+                if key not in self._shared:
+                    self._shared[key] = QueueSelector(self.capacity, config["order"])
+                return self._shared[key]
         if kind == "prioritized_sequence":
             options = {name: config[name] for name in (*_SEQUENCE_OPTIONS, "alpha", "eps", "reduction", "eta")}
             key = ("prioritized_sequence", *sorted(options.items()))
@@ -153,8 +182,8 @@ class SelectorRegistry:
             if key not in local:
                 local[key] = SequenceSelector(**options)
             return local[key]
-        raise ValueError(f"unknown selection kind {kind!r}: expected 'uniform', 'prioritized', 'sequence' "
-                         "or 'prioritized_sequence'")
+        raise ValueError(f"unknown selection kind {kind!r}: expected 'uniform', 'prioritized', 'sequence', "
+                         "'prioritized_sequence' or 'queue'")
 
     def prioritized(self) -> list[PrioritizedSelector]:
         with self._lock:

@@ -96,6 +96,10 @@ class ShardClient:
         arrays = [rows.to(torch.int64).contiguous(), priority.to(torch.float64).contiguous(), generation.contiguous()]
         self.request(Message(Op.UPDATE, {"selection": selection}, arrays))
 
+    def give_back(self, selection: dict[str, Any], rows: torch.Tensor) -> None:
+        """Rows of an earlier pick the learner did not use (a queue serves them again)."""
+        self.request(Message(Op.GIVE_BACK, {"selection": selection}, [rows.to(torch.int64).contiguous()]))
+
     def describe(self) -> dict[str, Any]:
         return self.request(Message(Op.DESCRIBE)).meta
 

@@ -113,6 +113,8 @@ class _Session:
                 return self._update(request)
             if request.op == Op.DESCRIBE:
                 return self._describe()
+            if request.op == Op.GIVE_BACK:
+                return self._give_back(request)
             raise ValueError(f"unknown request code {request.op}")
         except Exception as exc:  # refused: the learner gets the reason, the shard is unchanged
             self.storage.shard.release()
@@ -167,6 +169,13 @@ class _Session:
         rows, priority, generation = (_viewed(a, t) for a, t in zip(request.arrays, _UPDATE_DTYPES))
         selector = self.selectors.for_connection(request.meta["selection"], self.local_selectors)
         selector.update(rows, priority, generation if generation.numel() else None)
+        return Message(Op.OK)
+
+    def _give_back(self, request: Message) -> Message:
+        if len(request.arrays) != 1:
+            raise ValueError("a GIVE_BACK carries the rows given back")
+        selector = self.selectors.for_connection(request.meta["selection"], self.local_selectors)
+        selector.give_back(_viewed(request.arrays[0], torch.int64))
         return Message(Op.OK)
 
     def _describe(self) -> Message:

@@ -44,6 +44,7 @@ class Op:
     RELEASE = 4  # end the read section SELECT opened (after a one-sided read)
     UPDATE = 5  # set priorities of rows
     DESCRIBE = 6  # the shard's table spec and layout
+    GIVE_BACK = 7  # picks a learner could not use (a batch left unfilled): consumed rows return to their queue
 
 
 class ProtocolError(ConnectionError):

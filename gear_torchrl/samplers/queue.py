@@ -30,7 +30,9 @@ class QueueSampler(FollowsCommits, StateDictFile, Sampler):
 
     Rows committed by TrajectoryWriters (in this process or, over a shared
     storage, in others) join the queue in commit order, and rows overwritten or
-    evicted before they were consumed leave it.
+    evicted before they were consumed leave it. Over a ShardedGearStorage each
+    owner keeps the queue of its shard (shared by every learner) and a batch is
+    split by the rows waiting in each.
     """
 
     def __init__(self, max_capacity: int, order: Literal["fifo", "lifo"] = "fifo") -> None:
@@ -43,6 +45,7 @@ class QueueSampler(FollowsCommits, StateDictFile, Sampler):
     def _init(self) -> None:
         self._generation = torch.zeros(self.max_capacity, dtype=torch.int64)
         self._queued = torch.zeros(self.max_capacity, dtype=torch.bool)  # row has a live entry
+        self._taken = torch.zeros(self.max_capacity, dtype=torch.bool)  # consumed, not rewritten or evicted since
         self._waiting = 0  # live entries
         self._rows = torch.empty(1024, dtype=torch.int64)  # entries [head, tail), oldest first
         self._gens = torch.empty(1024, dtype=torch.int64)
@@ -56,6 +59,7 @@ class QueueSampler(FollowsCommits, StateDictFile, Sampler):
         self._waiting -= int(self._queued[index].sum())  # their older entries go stale
         self._generation[index] += 1
         self._queued[index] = True
+        self._taken[index] = False
         self._waiting += int(self._queued[index].sum())
         self._push(index, self._generation[index])
 
@@ -63,6 +67,7 @@ class QueueSampler(FollowsCommits, StateDictFile, Sampler):
         """Rows evicted before they were consumed: their entries go stale."""
         self._waiting -= int(self._queued[rows].sum())
         self._queued[rows] = False
+        self._taken[rows] = False
         self._generation[rows] += 1
 
     def _push(self, rows: torch.Tensor, gens: torch.Tensor) -> None:
@@ -73,14 +78,15 @@ class QueueSampler(FollowsCommits, StateDictFile, Sampler):
         self._gens[self._tail:self._tail + n] = gens
         self._tail += n
 
-    def _compact(self, extra: int) -> None:
+    def _compact(self, extra: int, room_before: int = 0) -> None:
         live = slice(self._head, self._tail)
         keep = self._gens[live] == self._generation[self._rows[live]]
         rows, gens = self._rows[live][keep], self._gens[live][keep]
-        size = max(1024, 2 * (rows.numel() + extra))
+        size = max(1024, 2 * (rows.numel() + extra + room_before))
         self._rows, self._gens = torch.empty(size, dtype=torch.int64), torch.empty(size, dtype=torch.int64)
-        self._rows[: rows.numel()], self._gens[: rows.numel()] = rows, gens
-        self._head, self._tail = 0, rows.numel()
+        at = slice(room_before, room_before + rows.numel())
+        self._rows[at], self._gens[at] = rows, gens
+        self._head, self._tail = room_before, room_before + rows.numel()
 
     def __len__(self) -> int:
         """Rows written and not consumed yet."""
@@ -94,11 +100,47 @@ class QueueSampler(FollowsCommits, StateDictFile, Sampler):
     def ran_out(self, value: bool) -> None:
         """TorchRL's buffers reset this flag; the queue's content decides it."""
 
+    def give_back(self, rows: torch.Tensor) -> None:
+        """Rows ``take`` returned that were not used, in the order taken: they are served first again.
+
+        Rows rewritten or evicted since they were taken stay out (a rewritten one is queued as new).
+        """
+        rows = rows[self._taken[rows]]
+        if rows.numel() == 0:
+            return
+        rows = _last_writes(rows)
+        self._taken[rows] = False
+        self._queued[rows] = True
+        self._waiting += rows.numel()
+        if self.order == "lifo":
+            self._push(rows.flip(0), self._generation[rows.flip(0)])  # the tail is served first
+            return
+        n = rows.numel()
+        if self._head < n:
+            self._compact(extra=0, room_before=n)
+        self._head -= n
+        self._rows[self._head:self._head + n] = rows
+        self._gens[self._head:self._head + n] = self._generation[rows]
+
     # -- sampling ------------------------------------------------------------------------
+    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        if getattr(storage, "is_sharded", False):  # each owner's queue gives its share; short batches go back
+            return storage.select(self.selection(), batch_size).index, {}
+        return FollowsCommits.sample(self, storage, batch_size)
+
+    def selection(self) -> dict[str, Any]:
+        """What a shard owner needs to serve this queue."""
+        return {"kind": "queue", "order": self.order}
+
     def _pick(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
-        """Consume ``batch_size`` rows from the queue's end; O(batch + stale entries skipped)."""
         if self._waiting < batch_size:
             raise RuntimeError(f"QueueSampler: {self._waiting} rows wait to be consumed, asked for {batch_size}")
+        return self.take(batch_size), {}
+
+    def take(self, batch_size: int) -> torch.Tensor:
+        """Consume ``batch_size`` (at most ``len(self)``) rows from the queue's end; O(batch + stale entries skipped)."""
+        if batch_size == 0:
+            return torch.empty(0, dtype=torch.int64)
         fifo = self.order == "fifo"
         taken: list[torch.Tensor] = []
         need, pos = batch_size, self._head if fifo else self._tail
@@ -120,8 +162,9 @@ class QueueSampler(FollowsCommits, StateDictFile, Sampler):
             self._tail = pos
         index = torch.cat(taken)
         self._queued[index] = False
+        self._taken[index] = True
         self._waiting -= batch_size
-        return index, {}
+        return index
 
     # -- TorchRL contract -------------------------------------------------------------------
     def _empty(self) -> None:
@@ -138,6 +181,7 @@ class QueueSampler(FollowsCommits, StateDictFile, Sampler):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._generation = state_dict["generation"].clone()
         self._queued = state_dict["queued"].clone()
+        self._taken = torch.zeros_like(self._queued)  # picks before the checkpoint cannot come back
         self._waiting = int(state_dict["waiting"])
         self._head = self._tail = 0
         self._rows, self._gens = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
