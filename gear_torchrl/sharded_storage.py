@@ -266,6 +266,27 @@ class ShardedGearStorage(TensorStorage):
         raise RuntimeError(f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds: "
                            "the shards keep coming up short")
 
+    def select_top(self, selection: dict[str, Any], count: int) -> torch.Tensor:
+        """The ``count`` best-scoring rows of all live shards, best first: each owner's best ``count``, merged.
+
+        Only the ids travel here; ``get`` then reads the chosen rows, and shards
+        that hold none of them are released at once.
+        """
+        if count <= 0:
+            raise ValueError(f"select at least one row, got {count}")
+        live = self.live_shards
+        results = self._on_each(live, lambda s, k: self._client(s).select(selection, k)[0], [count] * len(live))
+        ids = torch.cat([global_ids.encode(s, p.starts) for s, p in results])
+        scores = torch.cat([p.extra["score"] for _, p in results])
+        best = ids[scores.argsort(descending=True, stable=True)[:count]]
+        chosen, _ = global_ids.decode(best)
+        idle = [s for s, _ in results if not bool((chosen == s).any())]
+        list(self._on_each(idle, lambda s, _: self._client(s).release(), [0] * len(idle)))
+        if best.numel() < count:
+            raise RuntimeError(f"TopKSampler: asked for the top {count} rows, only {best.numel()} are stored "
+                               f"in the {len(live)} live shards")
+        return best
+
     def _give_back(self, selection: dict[str, Any], got: list[tuple[int, Picked, list[torch.Tensor]]]) -> None:
         """Hand an unfilled batch's picks back to their owners: a queue's rows are consumed only when delivered."""
         picks = {shard: picked.starts for shard, picked, _ in got if shard not in self._failed}

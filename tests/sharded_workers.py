@@ -105,6 +105,7 @@ def _learn(storage, rank: int, tmp: Path) -> dict:
         results["prioritized"] = _prioritized(storage)
         results["prioritized_windows"] = _prioritized_windows(storage)
         results["queue"] = _queue(storage)
+        results["topk"] = _topk(storage)
     else:
         results["refusals"] = _refusals(storage)
         results["loader"] = _loader_batches(storage)
@@ -212,6 +213,27 @@ def _queue(storage) -> dict:
     _check_ids(batch, batch["index"])
     served.append(batch["shard"] * CAPACITY + batch["pos"])
     return {"served": torch.cat(served), "short": short}
+
+
+def top_scores() -> torch.Tensor:
+    """A distinct score for every stored row, in global-id order (shard by shard)."""
+    return torch.randperm(sum(ROWS_PER_SHARD), generator=torch.Generator().manual_seed(7)).to(torch.float64)
+
+
+def _topk(storage) -> dict:
+    """The 50 best rows of all shards by scores set with update_priority, best first."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import TopKSampler
+    from gear_torchrl.distributed import global_ids
+
+    rb = TensorDictReplayBuffer(storage=storage, sampler=TopKSampler(CAPACITY), batch_size=50)
+    rb.sample()  # the owners start ranking their rows
+    ids = torch.cat([global_ids.encode(s, torch.arange(n)) for s, n in enumerate(ROWS_PER_SHARD)])
+    rb.update_priority(ids, top_scores())
+    batch = rb.sample()
+    _check_ids(batch, batch["index"])
+    return {"best": batch["shard"] * CAPACITY + batch["pos"]}
 
 
 def _set_priorities(rb) -> None:

@@ -164,6 +164,13 @@ def test_queues_across_shards_serve_every_row_exactly_once(job):
     assert f"found {sum(w.ROWS_PER_SHARD) % 256} of 256" in got["short"], got["short"]
 
 
+def test_topk_across_shards_is_the_best_rows_of_all_of_them(job):
+    shard = torch.arange(w.OWNERS).repeat_interleave(torch.tensor(w.ROWS_PER_SHARD))
+    pos = torch.cat([torch.arange(n) for n in w.ROWS_PER_SHARD])
+    order = w.top_scores().argsort(descending=True)[:50]
+    assert torch.equal(job["results"][LEARNER_SKIP]["topk"]["best"], (shard * w.CAPACITY + pos)[order])
+
+
 def test_priority_updates_land_at_the_owner_of_each_row(job):
     for s, masses in job["owners"].items():
         pos = torch.arange(w.ROWS_PER_SHARD[s])

@@ -23,6 +23,7 @@ from gear_torchrl.distributed.picked import Picked
 from gear_torchrl.samplers.prioritized import GearPrioritizedSampler, _as_index, _as_priority
 from gear_torchrl.samplers.prioritized_sequence import GearPrioritizedSequenceSampler
 from gear_torchrl.samplers.queue import QueueSampler
+from gear_torchrl.samplers.topk import TopKSampler
 from gear_torchrl.samplers.sequence import GearSequenceSampler
 from gear_torchrl.storage import GearStorage
 
@@ -142,6 +143,24 @@ class QueueSelector(Selector):
             self.sampler.give_back(_as_index(rows, self.sampler.max_capacity))
 
 
+class TopKSelector(Selector):
+    """The shard's scores for one configuration, shared by every learner; a pick is its best rows and their scores."""
+
+    def __init__(self, capacity: int, key: list[str] | None, default_score: float) -> None:
+        self.sampler = TopKSampler(capacity, None if key is None else tuple(key), default_score)
+        self.lock = threading.Lock()
+
+    def pick(self, storage: GearStorage, count: int) -> Picked:
+        with self.lock, storage.shard.picking():
+            self.sampler.follow(storage)
+            rows, scores = self.sampler.top(count)
+            return Picked.rows(rows, float(rows.numel()), extra={"score": scores})
+
+    def update(self, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None) -> None:
+        with self.lock:
+            self.sampler.update_priority(rows, priority)
+
+
 _SEQUENCE_OPTIONS = ("seq_len", "burn_in", "strict_length", "uniform_over", "include_open", "cross_ring_end")
 
 
@@ -169,6 +188,12 @@ class SelectorRegistry:
                 if key not in self._shared:
                     self._shared[key] = QueueSelector(self.capacity, config["order"])
                 return self._shared[key]
+        if kind == "topk":
+            key = ("topk", None if config["key"] is None else tuple(config["key"]), float(config["default_score"]))
+            with self._lock:
+                if key not in self._shared:
+                    self._shared[key] = TopKSelector(self.capacity, config["key"], key[2])
+                return self._shared[key]
         if kind == "prioritized_sequence":
             options = {name: config[name] for name in (*_SEQUENCE_OPTIONS, "alpha", "eps", "reduction", "eta")}
             key = ("prioritized_sequence", *sorted(options.items()))
@@ -183,7 +208,7 @@ class SelectorRegistry:
                 local[key] = SequenceSelector(**options)
             return local[key]
         raise ValueError(f"unknown selection kind {kind!r}: expected 'uniform', 'prioritized', 'sequence', "
-                         "'prioritized_sequence' or 'queue'")
+                         "'prioritized_sequence', 'queue' or 'topk'")
 
     def prioritized(self) -> list[PrioritizedSelector]:
         with self._lock:

@@ -10,7 +10,7 @@ import torch
 
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.directory import ShardDescriptor
-from gear_torchrl.distributed.picked import Picked
+from gear_torchrl.distributed.picked import EXTRA_DTYPES, Picked
 from gear_torchrl.distributed.transports.base import (
     ReadRequest,
     RemoteShardError,
@@ -72,7 +72,10 @@ class ShardClient:
         reply = self.request(request, into=allocate)
         starts, valid_begin, valid_end, *rest = reply.arrays
         names = reply.meta["extra"]
-        values = {n: a.view(torch.float64 if n == "mass" else torch.int64) for n, a in zip(names, rest)}
+        unknown = set(names) - set(EXTRA_DTYPES)
+        if unknown:
+            raise RemoteShardError(f"{self.descriptor.where} sent per-pick values this learner does not know: {unknown}")
+        values = {n: a.view(EXTRA_DTYPES[n]) for n, a in zip(names, rest)}
         picked = Picked(starts.view(torch.int64), int(reply.meta["seq_len"]), valid_begin.view(torch.int64),
                         valid_end.view(torch.int64), float(reply.meta["mass"]), values, reply.meta["scalars"])
         return picked, rest[len(names):]

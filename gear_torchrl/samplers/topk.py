@@ -17,7 +17,7 @@ from gear_torchrl.samplers.prioritized import _as_index, _as_priority
 from gear_torchrl.samplers.state_file import StateDictFile
 from gear_torchrl.samplers.trees import ScoreTree
 from gear_torchrl.storage import GearStorage
-from gear_torchrl.store.spec import NestedKey
+from gear_torchrl.store.spec import NestedKey, as_path
 
 
 class TopKSampler(FollowsCommits, StateDictFile, Sampler):
@@ -25,7 +25,8 @@ class TopKSampler(FollowsCommits, StateDictFile, Sampler):
 
     Rows committed by TrajectoryWriters (in this process or, over a shared
     storage, in others) are scored as they are seen, and overwritten or evicted
-    rows leave the ranking.
+    rows leave the ranking. Over a ShardedGearStorage each owner ranks its own
+    rows and a batch is the best of all owners' best.
 
     Args:
         max_capacity: rows of the storage it samples.
@@ -63,6 +64,9 @@ class TopKSampler(FollowsCommits, StateDictFile, Sampler):
     def update_priority(self, index: Any, priority: Any, *, storage: Storage | None = None) -> None:
         if self.key is not None:
             raise RuntimeError(f"TopKSampler scores rows by {self.key!r}; update_priority does not apply")
+        if getattr(storage, "is_sharded", False):  # the owners keep their rows' scores
+            storage.update_priority(self.selection(), index, priority)
+            return
         index = _as_index(index, self.max_capacity)
         priority = _as_priority(priority, index.numel())
         keep = index >= 0
@@ -73,6 +77,21 @@ class TopKSampler(FollowsCommits, StateDictFile, Sampler):
         self._scores.remove(rows)
 
     exclude = forget
+
+    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        if getattr(storage, "is_sharded", False):  # every owner's best rows, merged
+            return storage.select_top(self.selection(), batch_size), {}
+        return FollowsCommits.sample(self, storage, batch_size)
+
+    def selection(self) -> dict[str, Any]:
+        """What a shard owner needs to rank its rows."""
+        key = None if self.key is None else list(as_path(self.key))
+        return {"kind": "topk", "key": key, "default_score": self.default_score}
+
+    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (at most) ``k`` best rows, best first, and their scores."""
+        index = self._scores.top(k)
+        return index, self._scores.get(index)
 
     def _pick(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
         if len(storage) == 0:

@@ -67,10 +67,14 @@ class ScoreTree:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.max, _ = _tree(capacity, float("-inf"))
+        self.max, leaf = _tree(capacity, float("-inf"))
+        self._scores = self.max[leaf: leaf + capacity]  # a view of the leaves
 
     def set(self, index: torch.Tensor, score: torch.Tensor) -> None:
         _C.max_tree_set(self.max, index, score)
+
+    def get(self, index: torch.Tensor) -> torch.Tensor:
+        return self._scores.index_select(0, index)
 
     def remove(self, index: torch.Tensor) -> None:
         self.set(index, torch.full((index.numel(),), float("-inf"), dtype=torch.float64))
