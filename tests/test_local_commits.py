@@ -10,6 +10,7 @@ from gear_torchrl import (
     GearPrioritizedSampler,
     GearPrioritizedSequenceSampler,
     GearStorage,
+    MaxTimesSampled,
     QueueSampler,
     TrajectoryWriter,
 )
@@ -87,3 +88,19 @@ def test_queue_sampler_serves_committed_rows_in_order():
     commit(writer, 6, 100)  # overwrites rows 6..9, 0, 1
     assert rb.sample()["obs"].flatten().tolist() == [4, 5, 100, 101]
     assert rb.sample()["obs"].flatten().tolist() == [102, 103, 104, 105]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_rewritten_rows_start_uncounted_under_max_times_sampled(shared):
+    storage = GearStorage(16, shared=shared)
+    sampler = MaxTimesSampled(GearPrioritizedSampler(16, alpha=0.0, beta=0.5), 1, 16)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=4)
+    writer = TrajectoryWriter(storage)
+    for first in (0, 100, 200):
+        commit(writer, 4, first)
+    first_round = torch.cat([rb.sample()["obs"].flatten() for _ in range(3)])
+    assert sorted(first_round.tolist()) == [0, 1, 2, 3, 100, 101, 102, 103, 200, 201, 202, 203]
+    for first in (300, 400):  # rows 12..15, then rows 0..3 again: new data, never sampled
+        commit(writer, 4, first)
+    second_round = torch.cat([rb.sample()["obs"].flatten() for _ in range(2)])
+    assert sorted(second_round.tolist()) == [300, 301, 302, 303, 400, 401, 402, 403]

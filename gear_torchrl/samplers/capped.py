@@ -43,6 +43,7 @@ class MaxTimesSampled(Sampler):
         self.max_times = max_times
         self.max_capacity = max_capacity
         self._count = torch.zeros(max_capacity, dtype=torch.int64)
+        self._followed = (0, 0)  # how far into the store's commits the counts have looked
 
     def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
         rows = _as_index(index, self.max_capacity)
@@ -50,6 +51,7 @@ class MaxTimesSampled(Sampler):
         self.sampler.mark_update(index, storage=storage)
 
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        self._follow(storage)
         parts: list[torch.Tensor] = []
         infos: list[dict] = []
         need = batch_size
@@ -67,6 +69,19 @@ class MaxTimesSampled(Sampler):
                 return torch.cat(parts), {k: torch.cat([i[k] for i in infos]) for k in infos[0]}
         raise RuntimeError(f"could not draw {batch_size} rows under max_times_sampled={self.max_times} "
                            f"in {_MAX_ROUNDS} rounds: too few rows remain sampleable")
+
+    def _follow(self, storage: Storage) -> None:
+        """Rows TrajectoryWriters (re)wrote since the last look hold new data: they start uncounted.
+
+        (TorchRL's writer reports its own writes through ``mark_update``; the inner
+        sampler follows the same commits to give those rows their mass again.)
+        """
+        shard = getattr(storage, "shard", None)
+        if shard is None:
+            return
+        with shard.picking():  # a shared store catches up with other processes' commits here
+            _, new, self._followed = shard.rows_changed_since(self._followed)
+        self._count[new] = 0
 
     def _accept(self, index: torch.Tensor) -> torch.Tensor:
         accepted = self._count[index] + _rank_among_equals(index) < self.max_times
@@ -88,6 +103,7 @@ class MaxTimesSampled(Sampler):
 
     def _empty(self) -> None:
         self._count.zero_()
+        self._followed = (0, 0)
         self.sampler._empty()
 
     def state_dict(self) -> dict[str, Any]:
