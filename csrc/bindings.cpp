@@ -84,6 +84,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("burn_in"), py::arg("strict_length"));
   m.def("window_rows", &gear::window_rows, "Flat ring rows of windows", py::arg("starts"), py::arg("seq_len"),
         py::arg("capacity"));
+  m.def("window_mask", &gear::window_mask, "Which positions of windows hold data", py::arg("valid_begin"),
+        py::arg("valid_end"), py::arg("seq_len"));
   m.def("check_windows", &gear::check_windows, "Bounds of a request's windows", py::arg("starts"),
         py::arg("valid_begin"), py::arg("valid_end"), py::arg("seq_len"), py::arg("capacity"));
   m.def("first_row_outside", &gear::first_row_outside, "First valid row outside a ring interval, or -1",

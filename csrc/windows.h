@@ -33,6 +33,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uniform_windows(const at::Tensor&
 // int64 [W * seq_len].
 at::Tensor window_rows(const at::Tensor& starts, int64_t seq_len, int64_t capacity);
 
+// Which positions of each window hold data: j in [valid_begin[i], valid_end[i]), bool [W * seq_len].
+at::Tensor window_mask(const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t seq_len);
+
 // A request's windows against a ring of `capacity` rows: same lengths, starts in
 // [0, capacity), 0 <= valid_begin <= valid_end <= seq_len. Throws IndexError or
 // ValueError naming the first bad window (a remote learner's request: nothing trusted).

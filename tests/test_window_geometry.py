@@ -75,6 +75,15 @@ def test_bad_arguments_are_refused():
         _C.window_rows(torch.tensor([0.5]), 4, 10)
 
 
+def test_window_mask_matches_the_tensor_formula():
+    begin, end = torch.tensor([0, 2, 3, 0, 5]), torch.tensor([5, 5, 3, 1, 5])
+    pos = torch.arange(5)
+    expected = ((pos >= begin[:, None]) & (pos < end[:, None])).reshape(-1)
+    assert torch.equal(_C.window_mask(begin, end, 5), expected)
+    with pytest.raises(RuntimeError, match="differ in length"):
+        _C.window_mask(begin, end[:2], 5)
+
+
 def test_check_windows_names_the_bad_window():
     starts, begin, end = torch.tensor([0, 9]), torch.tensor([0, 0]), torch.tensor([4, 4])
     _C.check_windows(starts, begin, end, 4, 10)  # in bounds: no error

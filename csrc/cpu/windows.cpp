@@ -106,6 +106,25 @@ at::Tensor window_rows(const at::Tensor& starts, int64_t seq_len, int64_t capaci
   return rows;
 }
 
+at::Tensor window_mask(const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t seq_len) {
+  TORCH_CHECK(seq_len >= 1, "window_mask: seq_len must be >= 1, got ", seq_len);
+  for (const at::Tensor* t : {&valid_begin, &valid_end}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1,
+                "window_mask: valid_begin and valid_end must be 1-D int64 CPU tensors");
+  }
+  TORCH_CHECK(valid_begin.numel() == valid_end.numel(), "window_mask: valid_begin and valid_end differ in length");
+  const at::Tensor b = valid_begin.contiguous(), e = valid_end.contiguous();
+  const int64_t n = b.numel();
+  at::Tensor mask = at::zeros({n * seq_len}, at::kBool);
+  bool* m = mask.data_ptr<bool>();
+  const int64_t *bp = b.data_ptr<int64_t>(), *ep = e.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t lo = std::min(std::max<int64_t>(bp[i], 0), seq_len), hi = std::min(std::max(ep[i], lo), seq_len);
+    std::fill(m + i * seq_len + lo, m + i * seq_len + hi, true);
+  }
+  return mask;
+}
+
 namespace {
 
 void check_window_tensors(const at::Tensor& starts, const at::Tensor& valid_begin, const at::Tensor& valid_end) {

@@ -55,8 +55,8 @@ class Windows:
         return _C.window_rows(self.starts, self.seq_len, capacity)
 
     def mask(self) -> torch.Tensor:
-        pos = torch.arange(self.seq_len)
-        return ((pos >= self.valid_begin[:, None]) & (pos < self.valid_end[:, None])).reshape(-1)
+        """Which positions hold data (not padding): bool [W * seq_len]."""
+        return _C.window_mask(self.valid_begin, self.valid_end, self.seq_len)
 
 
 def as_index_tensor(index: Index, bound: int, what: str, device: torch.device | None = None) -> torch.Tensor:
