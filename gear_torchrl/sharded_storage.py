@@ -68,6 +68,7 @@ class Selection:
     scalars: dict[str, float] = field(default_factory=dict)
 
 
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
 _NO_CHECKPOINT = ("a sharded store has no checkpoint of its own yet: on each owning rank, `storage.local.dumps(path)` "
                   "saves that shard's rows (the owners' priorities are not saved)")
 
@@ -289,7 +290,10 @@ class ShardedGearStorage(TensorStorage):
 
     def _give_back(self, selection: dict[str, Any], got: list[tuple[int, Picked, list[torch.Tensor]]]) -> None:
         """Hand an unfilled batch's picks back to their owners: a queue's rows are consumed only when delivered."""
-        picks = {shard: picked.starts for shard, picked, _ in got if shard not in self._failed}
+        picks: dict[int, torch.Tensor] = {}
+        for shard, picked, _ in got:  # a shard may have picked in several rounds
+            if shard not in self._failed:
+                picks[shard] = torch.cat([picks.get(shard, _NO_ROWS), picked.starts])
         if picks:
             list(self._on_each(list(picks), lambda s, _: self._client(s).give_back(selection, picks[s]),
                                [0] * len(picks)))

@@ -15,6 +15,7 @@ from gear_torchrl import (
     EmptyStoreError,
     GearPrioritizedSampler,
     GearSequenceSampler,
+    QueueSampler,
     ShardedGearStorage,
     TrajectoryWriter,
 )
@@ -88,3 +89,35 @@ def test_bad_row_ids_and_priorities_leave_the_owner_unchanged(storage):
     assert torch.allclose(owner.masses(torch.arange(first, first + 10)), expected)
     rows = storage.get(ids[[2, 7]])  # reads by id still work, in the order asked
     assert rows["obs"].tolist() == [2.0, 7.0]
+
+
+def test_a_queue_batch_the_shards_cannot_fill_takes_nothing(storage):
+    rb = TensorDictReplayBuffer(storage=storage, sampler=QueueSampler(100), batch_size=4)
+    waiting = len(storage.local)  # every row written so far waits in the owner's queue
+    with pytest.raises(EmptyStoreError, match=f"found {waiting} of {waiting + 1}"):
+        rb.sample(waiting + 1)
+    served = rb.sample(waiting)["index"]  # all of them went back
+    assert torch.equal(served.sort().values, global_ids.encode(0, torch.arange(waiting)))
+
+
+def test_give_back_returns_every_round_of_a_shards_picks():
+    """A shard that picked in several rounds of one batch gets all of them back, in order."""
+    from gear_torchrl.distributed.picked import Picked
+
+    sharded = ShardedGearStorage.__new__(ShardedGearStorage)  # only what _give_back touches
+    sharded._failed = {2: "gone"}
+    given: dict[int, list[int]] = {}
+
+    class Client:
+        def __init__(self, shard: int) -> None:
+            self.shard = shard
+
+        def give_back(self, selection, rows) -> None:
+            given.setdefault(self.shard, []).extend(rows.tolist())
+
+    sharded._client = Client
+    sharded._on_each = lambda shards, call, counts, allow_skip=True: [(s, call(s, 0)) for s in shards]
+    got = [(0, Picked.rows(torch.tensor([1, 2]), 0.0), []), (1, Picked.rows(torch.tensor([5]), 0.0), []),
+           (2, Picked.rows(torch.tensor([7]), 0.0), []), (0, Picked.rows(torch.tensor([3]), 0.0), [])]
+    sharded._give_back({"kind": "queue", "order": "fifo"}, got)
+    assert given == {0: [1, 2, 3], 1: [5]}  # the failed shard is not asked
