@@ -245,8 +245,21 @@ class ShardedGearStorage(TensorStorage):
             elif any(counts):
                 exact = False  # a later round: its picks go to buffers of their own
             asked = dict(zip(live, counts))
-            results = self._on_each(live, lambda s, k: self._select_and_read(s, selection, k, batch, slices.get(s)),
-                                    counts)
+            answered: list[tuple[int, tuple[Picked, list[torch.Tensor]]]] = []
+
+            def pick(shard: int, k: int, slot=slices.get) -> tuple[Picked, list[torch.Tensor]]:
+                answer = self._select_and_read(shard, selection, k, batch, slot(shard))
+                answered.append((shard, answer))
+                return answer
+
+            try:
+                results = self._on_each(live, pick, counts)
+            except BaseException:  # a shard failed (or refused): what the others took goes back
+                try:
+                    self._give_back(selection, got + [(s, p, c) for s, (p, c) in answered if p.starts.numel()])
+                except Exception as exc:  # the first failure is what the caller needs to see
+                    logger.warning("could not give back the picks of an unfilled batch: %s", exc)
+                raise
             for shard, (picked, columns) in results:
                 masses[shard] = picked.mass
                 self._rows[shard] = int(picked.scalars.get("rows", self._rows.get(shard, 0)))
