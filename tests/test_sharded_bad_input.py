@@ -92,7 +92,7 @@ def test_bad_row_ids_and_priorities_leave_the_owner_unchanged(storage):
 
 
 def test_a_queue_batch_the_shards_cannot_fill_takes_nothing(storage):
-    rb = TensorDictReplayBuffer(storage=storage, sampler=QueueSampler(100), batch_size=4)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=QueueSampler(100))
     waiting = len(storage.local)  # every row written so far waits in the owner's queue
     with pytest.raises(EmptyStoreError, match=f"found {waiting} of {waiting + 1}"):
         rb.sample(waiting + 1)
