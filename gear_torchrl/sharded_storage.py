@@ -245,21 +245,7 @@ class ShardedGearStorage(TensorStorage):
             elif any(counts):
                 exact = False  # a later round: its picks go to buffers of their own
             asked = dict(zip(live, counts))
-            answered: list[tuple[int, tuple[Picked, list[torch.Tensor]]]] = []
-
-            def pick(shard: int, k: int, slot=slices.get) -> tuple[Picked, list[torch.Tensor]]:
-                answer = self._select_and_read(shard, selection, k, batch, slot(shard))
-                answered.append((shard, answer))
-                return answer
-
-            try:
-                results = self._on_each(live, pick, counts)
-            except BaseException:  # a shard failed (or refused): what the others took goes back
-                try:
-                    self._give_back(selection, got + [(s, p, c) for s, (p, c) in answered if p.starts.numel()])
-                except Exception as exc:  # the first failure is what the caller needs to see
-                    logger.warning("could not give back the picks of an unfilled batch: %s", exc)
-                raise
+            results = self._pick_round(selection, live, counts, batch, slices, got)
             for shard, (picked, columns) in results:
                 masses[shard] = picked.mass
                 self._rows[shard] = int(picked.scalars.get("rows", self._rows.get(shard, 0)))
@@ -279,6 +265,26 @@ class ShardedGearStorage(TensorStorage):
         self._give_back(selection, got)
         raise RuntimeError(f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds: "
                            "the shards keep coming up short")
+
+    def _pick_round(self, selection: dict[str, Any], live: list[int], counts: list[int], batch: list | None,
+                    slices: dict[int, tuple[int, int]], got: list[tuple[int, Picked, list[torch.Tensor]]]
+                    ) -> list[tuple[int, tuple[Picked, list[torch.Tensor]]]]:
+        """Every live shard's picks for one round. If a shard fails or refuses, what the batch took goes back first."""
+        answered: list[tuple[int, tuple[Picked, list[torch.Tensor]]]] = []
+
+        def pick(shard: int, k: int) -> tuple[Picked, list[torch.Tensor]]:
+            answer = self._select_and_read(shard, selection, k, batch, slices.get(shard))
+            answered.append((shard, answer))
+            return answer
+
+        try:
+            return self._on_each(live, pick, counts)
+        except BaseException:
+            try:
+                self._give_back(selection, got + [(s, p, c) for s, (p, c) in answered if p.starts.numel()])
+            except Exception as exc:  # the first failure is what the caller needs to see
+                logger.warning("could not give back the picks of an unfilled batch: %s", exc)
+            raise
 
     def select_top(self, selection: dict[str, Any], count: int) -> torch.Tensor:
         """The ``count`` best-scoring rows of all live shards, best first: each owner's best ``count``, merged.
