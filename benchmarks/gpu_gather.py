@@ -304,7 +304,8 @@ def main(argv=None):
         trl = [r["x_torchrl"] for r in host if "x_torchrl" in r]
         if trl:
             summary["min_x_torchrl_rows_ge_1KiB"] = min(trl)
-            summary["min_x_torchrl_stream_rows_ge_1KiB"] = min(r["x_torchrl_stream"] for r in host if "x_torchrl_stream" in r)
+            summary["min_x_torchrl_stream_rows_ge_1KiB"] = min(r["x_torchrl_stream"] for r in host
+                                                               if "x_torchrl_stream" in r)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
     print(f"wrote {args.out}")

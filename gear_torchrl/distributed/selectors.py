@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,8 +24,8 @@ from gear_torchrl.distributed.picked import Picked
 from gear_torchrl.samplers.prioritized import GearPrioritizedSampler, _as_index, _as_priority
 from gear_torchrl.samplers.prioritized_sequence import GearPrioritizedSequenceSampler
 from gear_torchrl.samplers.queue import QueueSampler
-from gear_torchrl.samplers.topk import TopKSampler
 from gear_torchrl.samplers.sequence import GearSequenceSampler
+from gear_torchrl.samplers.topk import TopKSampler
 from gear_torchrl.storage import GearStorage
 
 _NONE = torch.empty(0, dtype=torch.int64)
@@ -176,39 +177,36 @@ class SelectorRegistry:
         kind = config.get("kind")
         if kind == "uniform":
             return local.setdefault(("uniform",), UniformSelector())
-        if kind == "prioritized":
-            key = ("prioritized", float(config["alpha"]), float(config["eps"]))
-            with self._lock:
-                if key not in self._shared:
-                    self._shared[key] = PrioritizedSelector(self.capacity, key[1], key[2])
-                return self._shared[key]
-        if kind == "queue":
-            key = ("queue", config["order"])
-            with self._lock:
-                if key not in self._shared:
-                    self._shared[key] = QueueSelector(self.capacity, config["order"])
-                return self._shared[key]
-        if kind == "topk":
-            key = ("topk", None if config["key"] is None else tuple(config["key"]), float(config["default_score"]))
-            with self._lock:
-                if key not in self._shared:
-                    self._shared[key] = TopKSelector(self.capacity, config["key"], key[2])
-                return self._shared[key]
-        if kind == "prioritized_sequence":
-            options = {name: config[name] for name in (*_SEQUENCE_OPTIONS, "alpha", "eps", "reduction", "eta")}
-            key = ("prioritized_sequence", *sorted(options.items()))
-            with self._lock:
-                if key not in self._shared:
-                    self._shared[key] = PrioritizedSequenceSelector(self.capacity, **options)
-                return self._shared[key]
         if kind == "sequence":
             options = {name: config[name] for name in _SEQUENCE_OPTIONS}
             key = ("sequence", *sorted(options.items()))
             if key not in local:
                 local[key] = SequenceSelector(**options)
             return local[key]
+        if kind == "prioritized":
+            alpha, eps = float(config["alpha"]), float(config["eps"])
+            return self._shared_selector(("prioritized", alpha, eps),
+                                         lambda: PrioritizedSelector(self.capacity, alpha, eps))
+        if kind == "prioritized_sequence":
+            options = {name: config[name] for name in (*_SEQUENCE_OPTIONS, "alpha", "eps", "reduction", "eta")}
+            return self._shared_selector(("prioritized_sequence", *sorted(options.items())),
+                                         lambda: PrioritizedSequenceSelector(self.capacity, **options))
+        if kind == "queue":
+            order = config["order"]
+            return self._shared_selector(("queue", order), lambda: QueueSelector(self.capacity, order))
+        if kind == "topk":
+            score_key, default = config["key"], float(config["default_score"])
+            return self._shared_selector(("topk", None if score_key is None else tuple(score_key), default),
+                                         lambda: TopKSelector(self.capacity, score_key, default))
         raise ValueError(f"unknown selection kind {kind!r}: expected 'uniform', 'prioritized', 'sequence', "
                          "'prioritized_sequence', 'queue' or 'topk'")
+
+    def _shared_selector(self, key: tuple, make: Callable[[], Selector]) -> Selector:
+        """The shard's one selector for ``key``, made at its first use: its state is every learner's."""
+        with self._lock:
+            if key not in self._shared:
+                self._shared[key] = make()
+            return self._shared[key]
 
     def prioritized(self) -> list[PrioritizedSelector]:
         with self._lock:

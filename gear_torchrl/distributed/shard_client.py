@@ -74,7 +74,8 @@ class ShardClient:
         names = reply.meta["extra"]
         unknown = set(names) - set(EXTRA_DTYPES)
         if unknown:
-            raise RemoteShardError(f"{self.descriptor.where} sent per-pick values this learner does not know: {unknown}")
+            raise RemoteShardError(f"{self.descriptor.where} sent per-pick values this learner does not know: "
+                                   f"{unknown}")
         values = {n: a.view(EXTRA_DTYPES[n]) for n, a in zip(names, rest)}
         picked = Picked(starts.view(torch.int64), int(reply.meta["seq_len"]), valid_begin.view(torch.int64),
                         valid_end.view(torch.int64), float(reply.meta["mass"]), values, reply.meta["scalars"])

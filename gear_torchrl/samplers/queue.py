@@ -138,7 +138,10 @@ class QueueSampler(FollowsCommits, StateDictFile, Sampler):
         return self.take(batch_size), {}
 
     def take(self, batch_size: int) -> torch.Tensor:
-        """Consume ``batch_size`` (at most ``len(self)``) rows from the queue's end; O(batch + stale entries skipped)."""
+        """Consume ``batch_size`` (at most ``len(self)``) rows from the queue's end.
+
+        O(batch + stale entries skipped).
+        """
         if batch_size == 0:
             return torch.empty(0, dtype=torch.int64)
         fifo = self.order == "fifo"
