@@ -10,15 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-try:
-    from gear_torchrl._ext import _C
-except ImportError as err:  # pragma: no cover - depends on the machine
-    pytest.skip(f"gear_torchrl._C cannot be imported: {err}", allow_module_level=True)
+from cuda_kernels import cuda_extension
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
-if not _C.built_with_cuda():
-    pytest.skip("gear_torchrl._C was built without its CUDA part", allow_module_level=True)
+_C = cuda_extension()
 
 DEVICE = torch.device("cuda")
 
