@@ -26,6 +26,7 @@ _EXPORTS = {
     "EmptyStoreError": "gear_torchrl.store.shard",
     "SpecMismatchError": "gear_torchrl.store.spec",
     "StoreClosedError": "gear_torchrl.store.commit_log",
+    "ReadRevokedError": "gear_torchrl.store.commit_log",
     "TrajectoryWriter": "gear_torchrl.trajectory_writer",
     "GearDataset": "gear_torchrl.dataset",
     "ShardedGearStorage": "gear_torchrl.sharded_storage",
@@ -67,7 +68,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads l
     )
     from gear_torchrl.sharded_storage import ShardedGearStorage  # noqa: F401
     from gear_torchrl.storage import GearStorage  # noqa: F401
-    from gear_torchrl.store.commit_log import StoreClosedError  # noqa: F401
+    from gear_torchrl.store.commit_log import ReadRevokedError, StoreClosedError  # noqa: F401
     from gear_torchrl.store.shard import EmptyStoreError  # noqa: F401
     from gear_torchrl.store.spec import SpecMismatchError  # noqa: F401
     from gear_torchrl.trajectory_writer import TrajectoryWriter  # noqa: F401

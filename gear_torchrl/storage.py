@@ -15,6 +15,7 @@ from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from gear_torchrl import gather
 from gear_torchrl.checkpointer import GearStorageCheckpointer
 from gear_torchrl.stats import Rates
+from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, Windows
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
 from gear_torchrl.store.spec import Data, NestedKey
@@ -46,6 +47,15 @@ class GearStorage(TensorStorage):
             :meth:`close` or when this process exits, however it exits.
         handle: attach to the shared store ``handle`` (from :attr:`handle`) instead
             of creating one; ``max_size``, ``end_keys`` and ``traj_key`` come from it.
+        reader_timeout: with ``shared``, the longest a writer waits for a reader of rows
+            it is about to overwrite (seconds, for every process of the store). A reader
+            that holds its rows longer (stopped, paused, debugged) loses them: its read
+            raises :class:`ReadRevokedError` rather than return rows written under it.
+
+    Over a shared store, an index from outside this library's samplers (TorchRL's
+    ``SamplerWithoutReplacement`` and ``SliceSampler``, ``rb[i]``) numbers the live
+    rows oldest first, ``[0, len)``: rows being rewritten, or left by a writer that
+    died, are neither counted nor read.
     """
 
     _default_checkpointer = GearStorageCheckpointer
@@ -62,6 +72,7 @@ class GearStorage(TensorStorage):
         checkpointer: GearStorageCheckpointer | None = None,
         shared: bool = False,
         handle: SharedStoreHandle | None = None,
+        reader_timeout: float = DEFAULT_READER_TIMEOUT_S,
     ) -> None:
         device = _resolve_device(device)
         if memory not in ("host", "device"):
@@ -81,7 +92,7 @@ class GearStorage(TensorStorage):
         on_gpu = device.type == "cuda"
         if shared:
             self._shard = SharedShard(self.max_size, handle=handle, register_host=on_gpu, out_device=device,
-                                      end_keys=end_keys, traj_key=traj_key)
+                                      end_keys=end_keys, traj_key=traj_key, reader_timeout_s=reader_timeout)
         else:
             self._shard = Shard(self.max_size, device=device if memory == "device" else "cpu",
                                 register_host=on_gpu and memory == "host", out_device=device,
@@ -123,6 +134,11 @@ class GearStorage(TensorStorage):
     def shape(self) -> torch.Size:
         return torch.Size([self._shard.readable_rows()])
 
+    @property
+    def _is_full(self) -> bool:
+        # A shared store's indices number its live rows oldest first: they never wrap.
+        return not self.shared and self._shard.size == self.max_size
+
     def flatten(self) -> GearStorage:
         return self
 
@@ -155,10 +171,37 @@ class GearStorage(TensorStorage):
     def set(self, cursor: Index, data: Data | list, *, set_cursor: bool = True) -> None:
         if isinstance(data, list):
             data = torch.stack(data)
-        self._shard.write(cursor, data, append=set_cursor)
+        try:
+            self._shard.write(cursor, data, append=set_cursor)
+        except BaseException:
+            if set_cursor:
+                self._rewind_writers(cursor)
+            raise
         if set_cursor:
             self._set_last_cursor(cursor)
         self._bump_mutation_revision()
+
+    def _rewind_writers(self, cursor: Index) -> None:
+        """Move back the cursors TorchRL's writers advanced for a write the store refused.
+
+        TorchRL's round-robin writers move their cursor before they call ``set``: left
+        there, the next good write would land past a gap of rows never written.
+        """
+        rows = torch.as_tensor(cursor).reshape(-1)
+        if rows.numel() == 0 or rows.is_floating_point():
+            return
+        first, n = int(rows[0]), rows.numel()
+        for buffer in self._attached_entities:
+            writer = getattr(buffer, "_writer", None)
+            if getattr(writer, "_storage", None) is not self or not hasattr(writer, "_write_count"):
+                continue
+            if int(writer._cursor) == (first + n) % self.max_size:
+                writer._cursor = first
+                writer._write_count -= n
+
+    def attach(self, buffer: Any) -> None:
+        _refuse_unfollowing_sampler(self, getattr(buffer, "_sampler", None))
+        super().attach(buffer)
 
     def get(self, index: Index) -> Data:
         plan = self._window_plan
@@ -236,6 +279,22 @@ class GearStorage(TensorStorage):
             f"{c.key}: {c.dtype} {tuple(c.row_shape)}" for c in spec.columns)
         return (f"{type(self).__name__}(len={len(self)}, max_size={self.max_size}, device={self.device}, memory={self.memory}, "
                 f"episodes={self._shard.episodes.num_episodes}, columns=[{keys}])")
+
+
+def _refuse_unfollowing_sampler(storage: GearStorage, sampler: Any) -> None:
+    """TorchRL's PrioritizedSampler only knows rows its own buffer wrote: wrong over a shared store."""
+    if not storage.shared or sampler is None:
+        return
+    from torchrl.data.replay_buffers.samplers import PrioritizedSampler
+
+    from gear_torchrl.samplers.following import FollowsCommits
+
+    if isinstance(sampler, PrioritizedSampler) and not isinstance(sampler, FollowsCommits):
+        raise TypeError(
+            f"{type(sampler).__name__} keeps priorities for the rows its own buffer's writer reports, at "
+            "the writer's cursor: over a shared GearStorage other processes write rows it never hears of, "
+            "and evictions move rows under it. Use gear_torchrl.GearPrioritizedSampler, which follows "
+            "every process's commits.")
 
 
 def _attach(handle: SharedStoreHandle, device: str) -> GearStorage:

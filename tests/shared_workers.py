@@ -126,3 +126,52 @@ def write_until_blocked(storage, limiter, barrier) -> None:
             writer.end_episode()
     except RateLimiterTimeout:
         pass
+
+
+def stop_mid_read(storage, ready, result_queue) -> None:
+    """Pick rows (a read section opens), stop as a debugger or a swapped-out process would, then read."""
+    from gear_torchrl import ReadRevokedError
+
+    with storage.shard.picking():
+        rows = storage.shard.uniform_rows(64, None, torch.device("cpu"))
+    ready.set()
+    os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        batch = storage.get(rows)  # inside the section picking opened
+        verify(batch)
+        result_queue.put("read")
+    except ReadRevokedError as exc:
+        result_queue.put(f"revoked: {exc}")
+
+
+def reserve_then_hang(storage, num_rows: int, ready) -> None:
+    """Hold a reservation of ``num_rows`` rows, as a writer killed in the middle of a large extend."""
+    storage.set(torch.arange(1), episode(-7, 1))  # attaches and maps the data segment
+    storage.shard.log.reserve(num_rows)
+    ready.set()
+    time.sleep(120)
+
+
+def attach_and_write(handle, result_queue) -> None:
+    """Attach to a store, wait for its owner to die, then be the first to write."""
+    from gear_torchrl import GearStorage, StoreClosedError
+
+    storage = GearStorage(0, handle=handle)
+    result_queue.put("attached")
+    while storage.shard.log.owner_pid and os.path.exists(f"/proc/{storage.shard.log.owner_pid}"):
+        time.sleep(0.01)
+    try:
+        storage.set(torch.arange(4), episode(1, 4))
+        result_queue.put("wrote")
+    except StoreClosedError as exc:
+        result_queue.put(f"closed: {exc}")
+
+
+def own_store_empty(capacity: int, handle_queue, stop) -> None:
+    """Create a shared store nobody has written to, hand out its handle, and live until killed."""
+    from gear_torchrl import GearStorage
+
+    storage = GearStorage(capacity, shared=True)
+    handle_queue.put(storage.handle)
+    stop.wait(120)
+    storage.close()

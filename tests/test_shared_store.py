@@ -38,12 +38,11 @@ def no_leaks():
     assert segments_left_by_dead_owners(before) == set(), "shared-memory segments leaked"
 
 
-def _readable_rows(storage: GearStorage) -> torch.Tensor:
-    """Every readable ring row, oldest first, as this process sees the store now."""
-    with storage.shard.picking():
-        rows = storage.shard.logical_order()
-    storage.shard.release()
-    return rows
+def _read_ring_rows(storage: GearStorage, rows: torch.Tensor):
+    """Ring rows (not live-row numbers) read as this library's samplers read them: inside a read section."""
+    with storage.shard.picking():  # the section stays open for the read, which ends it
+        pass
+    return storage.get(rows)
 
 
 def _join(processes) -> None:
@@ -119,14 +118,13 @@ def test_four_writers_and_a_sampling_reader_see_only_whole_rows():
         assert snapshot["inserts"] == sum(written.values()) and snapshot["samples"] == batches * (256 + 64)
         # The ring is full but for the block evicted ahead of the writers, and nothing else is missing.
         assert 2_000 - 2_000 // 64 <= len(storage) < 2_000
-        everything = storage.get(_readable_rows(storage))
+        everything = storage[:]  # every live row, oldest first
         assert everything.shape[0] == len(storage)
         w.verify(everything)
         # Whole episodes only, apart from the oldest one (the ring cut its head off).
-        storage.shard.refresh()
-        view = storage.shard.episodes.live()
-        storage.shard._end_read()
-        lengths = storage.get(view.start)["len"]
+        with storage.shard.picking():
+            view = storage.shard.episodes.live()
+        lengths = storage.get(view.start)["len"]  # ring rows, read in the section picking opened
         assert torch.equal(view.length[1:], lengths[1:])
         assert int(view.length.sum()) == len(storage)
     finally:
@@ -155,11 +153,12 @@ def test_a_writer_killed_mid_episode_leaves_nothing_sampleable():
         batch = TensorDictReplayBuffer(storage=storage, batch_size=500).sample()
         w.verify(batch)
         assert set(batch["ep"].tolist()) == {1, 2}
-        assert len(storage) == 21  # 10 + 5 dead + 6: the dead rows are spent ring space, reclaimed next lap
+        assert len(storage) == 16  # 10 + 6: the 5 dead rows are spent ring space, never counted nor read
+        assert storage[:]["ep"].tolist() == [1] * 10 + [2] * 6
         windows = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(seq_len=3), batch_size=300)
         assert set(windows.sample()["ep"].tolist()) == {1, 2}
         with pytest.raises(IndexError, match="half-written"):
-            storage.get(torch.tensor([12]))
+            _read_ring_rows(storage, torch.tensor([12]))
     finally:
         storage.close()
 
@@ -268,7 +267,7 @@ def test_prioritized_sampler_follows_commits_from_other_processes():
         writer = CTX.Process(target=w.write_episodes, args=(storage, 1, 80, 20, False, results))
         writer.start()
         _join([writer])
-        live = set(storage.get(_readable_rows(storage))["ep"].tolist())
+        live = set(storage[:]["ep"].tolist())
         batch = rb.sample()
         w.verify(batch)
         assert set(batch["ep"].tolist()) <= live
@@ -345,7 +344,7 @@ def _assert_whole_episodes(storage: GearStorage) -> int:
         slots = storage.shard.episodes.slots_of(view.serial)
     storage.shard.release()
     for i, (slot, length) in enumerate(zip(slots.tolist(), view.length.tolist())):
-        batch = storage.get(storage.shard.episodes.rows_of(torch.tensor([slot])))
+        batch = _read_ring_rows(storage, storage.shard.episodes.rows_of(torch.tensor([slot])))
         w.verify(batch)
         assert bool((batch["ep"] == batch["ep"][0]).all()), "an episode mixes rows of two written episodes"
         assert torch.equal(batch["step"], torch.arange(int(batch["step"][0]), int(batch["step"][0]) + length))
@@ -381,18 +380,18 @@ def test_a_shared_store_checkpoints_while_a_writer_runs_and_loads_local_or_share
             opened.append(shared)
             shared.loads(path)
             assert len(shared) == rows and _assert_whole_episodes(shared) == rows
-            assert torch.equal(shared.get(_readable_rows(shared))["check"], local.get(torch.arange(rows))["check"])
+            assert torch.equal(shared[:]["check"], local.get(torch.arange(rows))["check"])
             rb = TensorDictReplayBuffer(storage=shared, sampler=GearSequenceSampler(4, strict_length=False),
                                         batch_size=64)
             batch = rb.sample()
             w.verify(batch[batch["collector", "mask"]])  # padding is zeros, not rows
-            before = shared.get(_readable_rows(shared))
+            before = shared[:]
             with pytest.raises(ValueError, match="empty shared store only"):
                 shared.loads(path)
-            assert torch.equal(shared.get(_readable_rows(shared))["check"], before["check"])
+            assert torch.equal(shared[:]["check"], before["check"])
         final = GearStorage(500)
         final.loads(tmp_path / "final")
-        assert torch.equal(final.get(torch.arange(len(final)))["check"], owner.get(_readable_rows(owner))["check"])
+        assert torch.equal(final.get(torch.arange(len(final)))["check"], owner[:]["check"])
     finally:
         for storage in opened:
             storage.close()
@@ -416,14 +415,14 @@ def test_queue_and_topk_samplers_follow_other_processes_commits_and_evictions():
         fifo = TensorDictReplayBuffer(storage=owner, sampler=QueueSampler(200))
         best = TensorDictReplayBuffer(storage=owner, sampler=TopKSampler(200, key="step"), batch_size=5)
         assert _write_in(owner, 1, 6) > 40
-        committed = _ids(owner.get(_readable_rows(owner)))
+        committed = _ids(owner[:])
         first = _ids(fifo.sample(40))
         assert first == committed[:40]  # the oldest rows first, each once, in commit order
         top = best.sample()
         assert sorted(top["step"].tolist(), reverse=True) == top["step"].tolist()  # best first
         assert top["step"].tolist() == sorted((s for _, s in committed), reverse=True)[:5]
         _write_in(owner, 2, 12)  # about 200 more rows: the ring wraps, unconsumed rows are evicted
-        readable = _ids(owner.get(_readable_rows(owner)))
+        readable = _ids(owner[:])
         waiting = [r for r in readable if r not in set(first)]
         rest = _ids(fifo.sample(len(waiting)))
         assert rest == waiting  # evicted rows left the queue; the other writer's rows joined in order

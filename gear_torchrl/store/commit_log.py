@@ -16,7 +16,13 @@ Readers ``begin_read()`` under the lock: a snapshot of the reserved and
 published ends and the records published since their last look, and a
 reader slot stamped with the current epoch that holds back writers' grace
 periods until ``end_read()``. A reader therefore sees whole records only,
-never a row being written. A writer that dies holding a reservation is
+never a row being written.
+
+The grace period is bounded (``reader_timeout_s``, set by the owner for every
+process): a reader that overstays (stopped, debugged, paused) loses its claim.
+The writer bumps the slot's revocation count and goes on; the reader finds the
+count changed at ``end_read`` and raises :class:`ReadRevokedError` instead of
+returning rows that may have been overwritten under it. A writer that dies holding a reservation is
 found by the next publish (its pid is gone) and its record is marked dead:
 published, never sampled, overwritten on the next lap of the ring.
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import threading
 import time
@@ -37,6 +44,8 @@ import numpy as np
 from gear_torchrl.store import janitor
 from gear_torchrl.store.shared_memory import PAGE, map_segment, page_round
 
+logger = logging.getLogger(__name__)
+
 MAGIC = 0x47454152_54524C31  # "GEARTRL1"
 _H_MAGIC, _H_CAPACITY, _H_OWNER = 0, 2, 3
 _H_STATE = janitor.STATE_SLOT
@@ -44,6 +53,7 @@ _H_RESERVED, _H_PUBLISHED, _H_NEXT_SEQ, _H_PUBLISHED_SEQ, _H_EPOCH = 5, 6, 7, 8,
 _H_INSERTS, _H_SAMPLES, _H_SPEC_LEN, _H_RECORDS, _H_READERS, _H_FLOOR = 10, 11, 12, 13, 14, 15
 _H_ADMITTED = 16  # rows rate limiters let in that are not committed yet
 _H_EVICTED, _H_EVICT_EPOCH = 17, 18  # rows below EVICTED - capacity are gone, since that epoch
+_H_READER_TIMEOUT_US = 19  # how long a writer waits for a reader before revoking its read
 _EVICT_BLOCKS = 64  # the ring evicts 1/64 of itself at a time
 _HEADER_SLOTS = PAGE // 8
 _SPEC_BYTES = 1 << 16
@@ -54,10 +64,16 @@ RESERVED, COMMITTED, DEAD = 1, 2, 3
 _GRACE_POLL_S = 50e-6
 RECORDS = 1 << 16  # commits a reader may lag behind before it loses track of the oldest rows
 READER_SLOTS = 256  # processes reading one store at once
+_SLOT_PID, _SLOT_EPOCH, _SLOT_REVOKED = 0, 1, 2  # a reader slot's words
+DEFAULT_READER_TIMEOUT_S = 2.0
 
 
 class StoreClosedError(RuntimeError):
     """The shared store was closed by its owner, or its owner died."""
+
+
+class ReadRevokedError(RuntimeError):
+    """A read outlasted the store's reader timeout: writers went on, and its rows may be overwritten."""
 
 
 @dataclass(frozen=True)
@@ -80,15 +96,27 @@ class ReadSnapshot:
     lost: bool
 
 
+def eviction_block(capacity: int) -> int:
+    """Rows an eviction takes ahead of the writer that triggers it."""
+    return max(1, capacity // _EVICT_BLOCKS)
+
+
+def reader_timeout_us(seconds: float) -> int:
+    """The reader timeout as the control segment keeps it; raises ValueError unless positive."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"reader_timeout must be a positive number of seconds, got {seconds!r}")
+    return max(1, int(seconds * 1e6))
+
+
 def control_bytes(num_records: int = RECORDS, num_readers: int = READER_SLOTS) -> int:
-    return page_round(8 * (_HEADER_SLOTS + 4 * num_records + 2 * num_readers) + _SPEC_BYTES)
+    return page_round(8 * (_HEADER_SLOTS + 4 * num_records + 3 * num_readers) + _SPEC_BYTES)
 
 
 class CommitLog:
     """One process's view of a store's control segment."""
 
     def __init__(self, path, *, create_capacity: int | None = None, num_records: int = RECORDS,
-                 num_readers: int = READER_SLOTS) -> None:
+                 num_readers: int = READER_SLOTS, reader_timeout_s: float = DEFAULT_READER_TIMEOUT_S) -> None:
         self.path = path
         self._map = map_segment(path)
         words = np.frombuffer(self._map, dtype=np.int64)
@@ -99,6 +127,7 @@ class CommitLog:
             self._h[_H_RECORDS] = num_records
             self._h[_H_READERS] = num_readers
             self._h[_H_EPOCH] = 1
+            self._h[_H_READER_TIMEOUT_US] = reader_timeout_us(reader_timeout_s)
             self._h[_H_MAGIC] = MAGIC
         elif self._h[_H_MAGIC] != MAGIC:
             raise StoreClosedError(f"{path} is not a gear_torchrl control segment (or was not finished)")
@@ -106,12 +135,14 @@ class CommitLog:
         self.capacity = int(self._h[_H_CAPACITY])
         self.owner_pid = int(self._h[_H_OWNER])
         self._records = words[_HEADER_SLOTS: _HEADER_SLOTS + 4 * k].reshape(k, 4)
-        self._readers = words[_HEADER_SLOTS + 4 * k: _HEADER_SLOTS + 4 * k + 2 * s].reshape(s, 2)
-        spec_at = 8 * (_HEADER_SLOTS + 4 * k + 2 * s)
+        self._readers = words[_HEADER_SLOTS + 4 * k: _HEADER_SLOTS + 4 * k + 3 * s].reshape(s, 3)
+        spec_at = 8 * (_HEADER_SLOTS + 4 * k + 3 * s)
         self._spec = memoryview(self._map)[spec_at: spec_at + _SPEC_BYTES]
         self._fd = os.open(path, os.O_RDWR)
         self._thread_lock = threading.Lock()
         self._reader_slot: int | None = None
+        self._revocations = 0  # the slot's revocation count when this process's read began
+        self._reading = False  # a read section is open
         self._seen_seq = 0  # records before this one are in this reader's view
 
     # -- locking and liveness --------------------------------------------------------
@@ -136,13 +167,16 @@ class CommitLog:
         n = int(self._h[_H_SPEC_LEN])
         return None if n == 0 else json.loads(bytes(self._spec[:n]))
 
-    def publish_spec(self, spec: dict, create_data) -> dict:
+    def publish_spec(self, spec: dict, create_data, remove_data) -> dict:
         """Store ``spec`` unless another process already did; returns the store's spec.
 
         ``create_data`` runs under the lock, before the spec becomes visible, so
-        whoever sees a spec finds the data segment.
+        whoever sees a spec finds the data segment. It runs only while the store
+        is open, and ``remove_data`` undoes it if the owner ended meanwhile: its
+        janitor may have swept already, and nothing else would remove the segment.
         """
         with self._locked():
+            self.check_open()
             existing = self.read_spec()
             if existing is not None:
                 return existing
@@ -150,6 +184,11 @@ class CommitLog:
             if len(blob) > _SPEC_BYTES:
                 raise ValueError(f"the table spec takes {len(blob)} bytes; a shared store holds at most {_SPEC_BYTES}")
             create_data()
+            try:
+                self.check_open()
+            except StoreClosedError:
+                remove_data()
+                raise
             self._spec[: len(blob)] = blob
             self._h[_H_SPEC_LEN] = len(blob)
             return spec
@@ -183,26 +222,51 @@ class CommitLog:
         reservations inside the block find their rows evicted already, at an
         epoch whose older readers the first of them waited for.
         """
-        block = max(1, self.capacity // _EVICT_BLOCKS)
+        block = eviction_block(self.capacity)
         self._h[_H_EVICTED] = min(end + block, end + self.capacity - 1)
         self._h[_H_EPOCH] += 1
         self._h[_H_EVICT_EPOCH] = self._h[_H_EPOCH]
 
+    @property
+    def reader_timeout_s(self) -> float:
+        """How long a writer waits for a reader before it revokes the read (the owner sets it)."""
+        return int(self._h[_H_READER_TIMEOUT_US]) / 1e6
+
     def await_readers(self, reservation: Reservation) -> None:
-        """Wait until no reader that began before the reservation's eviction is still reading."""
+        """Wait until no reader that began before the reservation's eviction is still reading.
+
+        A reader still there after the reader timeout loses its claim (see ``end_read``):
+        no reader, stopped or slow, holds writers back for longer.
+        """
         if not reservation.evicts:
             return
+        deadline = time.monotonic() + self.reader_timeout_s
         while True:
-            epochs = self._readers[:, 1]
-            old = np.flatnonzero((epochs > 0) & (epochs < reservation.epoch))
+            old = self._old_readers(reservation.epoch)
             if old.size == 0:
                 return
             for slot in old:
-                pid = int(self._readers[slot, 0])
-                if not _alive(pid):
-                    self._readers[slot, 1] = 0
+                if not _alive(int(self._readers[slot, _SLOT_PID])):
+                    self._readers[slot, _SLOT_EPOCH] = 0
             self.check_open()
+            if time.monotonic() > deadline:
+                self._revoke(reservation.epoch)
+                return
             time.sleep(_GRACE_POLL_S)
+
+    def _old_readers(self, epoch: int) -> np.ndarray:
+        epochs = self._readers[:, _SLOT_EPOCH]
+        return np.flatnonzero((epochs > 0) & (epochs < epoch))
+
+    def _revoke(self, epoch: int) -> None:
+        """Take back the claims of readers that began before ``epoch`` (they overstayed)."""
+        with self._locked():
+            for slot in self._old_readers(epoch):
+                self._readers[slot, _SLOT_REVOKED] += 1
+                self._readers[slot, _SLOT_EPOCH] = 0
+                logger.warning("a reader (pid %d) held rows of the shared store for over %.3g s; its read was "
+                               "revoked so writers can go on", int(self._readers[slot, _SLOT_PID]),
+                               self.reader_timeout_s)
 
     def commit(self, reservation: Reservation, *, dead: bool = False, settles: int = 0) -> None:
         """Publish a reservation; its rows count as inserts, replacing ``settles`` admitted rows at once."""
@@ -237,8 +301,10 @@ class CommitLog:
             self.check_open()
             self._publish()  # also finds writers that died holding the head reservation
             slot = self._reader_slot if self._reader_slot is not None else self._claim_reader_slot()
-            if self._readers[slot, 1] == 0:  # an open section keeps its older epoch: its picks stay protected
-                self._readers[slot, 1] = self._h[_H_EPOCH]
+            if not self._reading:  # an open section keeps its older epoch: its picks stay protected
+                self._readers[slot, _SLOT_EPOCH] = self._h[_H_EPOCH]
+                self._revocations = int(self._readers[slot, _SLOT_REVOKED])
+                self._reading = True
             published_seq = int(self._h[_H_PUBLISHED_SEQ])
             k = self._records.shape[0]
             first = max(self._seen_seq, published_seq - k)
@@ -251,8 +317,31 @@ class CommitLog:
             return snapshot
 
     def end_read(self) -> None:
-        if self._reader_slot is not None:
-            self._readers[self._reader_slot, 1] = 0
+        """Close the read section; raises ReadRevokedError if a writer took it back meanwhile.
+
+        The count is read after the reader's copy and a writer bumps it before it
+        overwrites, so a read that finds it unchanged copied rows no writer touched.
+        """
+        slot = self._reader_slot
+        if slot is None or not self._reading:
+            return
+        self._reading = False
+        self._readers[slot, _SLOT_EPOCH] = 0
+        self.raise_if_revoked()
+
+    def revoked(self) -> bool:
+        """Whether a writer took back this process's open read section (its rows may be overwritten)."""
+        slot = self._reader_slot
+        return slot is not None and int(self._readers[slot, _SLOT_REVOKED]) != self._revocations
+
+    def raise_if_revoked(self) -> None:
+        """Raise ReadRevokedError if the read section was taken back (call after copying rows out)."""
+        if self.revoked():
+            self._revocations = int(self._readers[self._reader_slot, _SLOT_REVOKED])
+            raise ReadRevokedError(
+                f"this read held the shared store's rows for longer than its reader timeout "
+                f"({self.reader_timeout_s:g} s; was this process stopped or paused?): writers went on and "
+                "may have overwritten them, so they are not returned. Sample again.")
 
     def forget_reads(self) -> None:
         """Start this reader's view again from the oldest record still held."""
@@ -263,7 +352,8 @@ class CommitLog:
         for slot in range(pids.shape[0]):
             pid = int(pids[slot])
             if pid == 0 or not _alive(pid):
-                self._readers[slot] = (os.getpid(), 0)
+                self._readers[slot, _SLOT_PID] = os.getpid()
+                self._readers[slot, _SLOT_EPOCH] = 0
                 self._reader_slot = slot
                 return slot
         raise RuntimeError(f"all {pids.shape[0]} reader slots of the shared store are taken by live processes")
@@ -333,7 +423,8 @@ class CommitLog:
     def close(self) -> None:
         """Unmap; the segment itself belongs to the janitor."""
         if self._reader_slot is not None:
-            self._readers[self._reader_slot] = (0, 0)
+            self._readers[self._reader_slot, _SLOT_PID] = 0
+            self._readers[self._reader_slot, _SLOT_EPOCH] = 0
             self._reader_slot = None
         os.close(self._fd)
         del self._h, self._records, self._readers
@@ -366,11 +457,18 @@ def _exists(pid: int) -> bool:
 
 
 def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie counts as dead: it will never write again)."""
+    """Whether ``pid`` runs (a zombie counts as dead: it will never write again).
+
+    When ``/proc`` cannot be read for another reason (no file descriptor left, say),
+    a process that exists counts as alive: a transient OS error never declares a
+    live writer dead, nor kills the caller.
+    """
     if not _exists(pid):
         return False
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+    except OSError:
+        return True

@@ -224,6 +224,7 @@ class Shard:
                 ends = None if ends is None else ends[keep]
         else:
             rows, values = _last_write_wins(rows, values, self.capacity)
+            self._fill_to(int(rows.max()) + 1)
 
         self._copy_in(rows, values, contiguous=is_append)
         self.rows_inserted += n
@@ -263,10 +264,20 @@ class Shard:
         """Make rows ``[0, size)`` readable (TorchRL writers set ``_len`` after ``write_at``)."""
         if not 0 <= size <= self.capacity:
             raise ValueError(f"size {size} is outside [0, {self.capacity}]")
+        self._fill_to(size)
         if size != self.size:
             self.size = size
             if self.tracks_episodes:
                 self.rebuild_episodes()
+
+    def _fill_to(self, end: int) -> None:
+        """Zero rows ``[written, end)``: a write past them, or a length over them, must not expose
+        memory no write ever filled. Appends never leave such a gap, so they never pay for this."""
+        if end <= self.written or self.spec is None:
+            return
+        for column in self.columns:
+            column[self.written:end].zero_()
+        self.written = end
 
     def _copy_in(self, rows: torch.Tensor, values: list[torch.Tensor], contiguous: bool) -> None:
         n = rows.numel()

@@ -22,8 +22,17 @@ import numpy as np
 import torch
 
 from gear_torchrl._ext import _C
-from gear_torchrl.store.commit_log import CommitLog, ReadSnapshot, control_bytes
-from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard, Windows
+from gear_torchrl.store.commit_log import (
+    DEFAULT_READER_TIMEOUT_S,
+    CommitLog,
+    ReadRevokedError,
+    ReadSnapshot,
+    control_bytes,
+    eviction_block,
+    reader_timeout_us,
+)
+from gear_torchrl.store.live_rows import LiveRows, dead_runs_array
+from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard, Windows, as_index_tensor
 from gear_torchrl.store.shared_memory import (
     Janitor,
     create_segment,
@@ -63,6 +72,7 @@ class SharedShard(Shard):
         out_device: torch.device | str | None = None,
         end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
         traj_key: NestedKey | None = None,
+        reader_timeout_s: float = DEFAULT_READER_TIMEOUT_S,
     ) -> None:
         if handle is not None:
             capacity, end_keys, traj_key = handle.capacity, handle.end_keys, handle.traj_key
@@ -71,11 +81,12 @@ class SharedShard(Shard):
         self.is_owner = handle is None
         self._janitor: Janitor | None = None
         if handle is None:
+            reader_timeout_us(reader_timeout_s)  # refuse a bad value before any segment exists
             self.store_id = new_store_id()
             self._janitor = Janitor(self.store_id)
             path = segment_path(self.store_id, "control")
             create_segment(path, control_bytes())
-            self.log = CommitLog(path, create_capacity=self.capacity)
+            self.log = CommitLog(path, create_capacity=self.capacity, reader_timeout_s=reader_timeout_s)
         else:
             self.store_id = handle.store_id
             self.log = CommitLog(segment_path(self.store_id, "control"))
@@ -83,6 +94,11 @@ class SharedShard(Shard):
         self._lo = 0  # oldest position in this process's episode index
         self._hi = 0  # published end this process has replayed
         self._snapshot: ReadSnapshot | None = None  # set while a read section is open
+        self._dead_runs: list[tuple[int, int]] = []  # [first, end) positions crashed writers left, in [lo, hi)
+        self._evicted_end = 0  # positions below this less the capacity are gone (as of the last refresh)
+        self._numbered: int | None = None  # the last ``len``: indices from outside number the newest that many
+        self._scan: LiveRows | None = None  # a slice read's rows, its read section held for the indices it yields
+        self._hold_section = False
         self._closed = False
         self.segment: torch.Tensor | None = None  # the mapped data segment (bytes), once published
         self._map_data()
@@ -115,8 +131,9 @@ class SharedShard(Shard):
 
     def _allocate(self, spec: TableSpec) -> None:
         _, total = self._layout(spec)
-        published = self.log.publish_spec(spec.to_json(),
-                                          lambda: create_segment(segment_path(self.store_id, "data"), total))
+        path = segment_path(self.store_id, "data")
+        published = self.log.publish_spec(spec.to_json(), lambda: create_segment(path, total),
+                                          lambda: path.unlink(missing_ok=True))
         self._map_data()
         if TableSpec.from_json(published) != spec:
             raise SpecMismatchError("the data's keys, dtypes or shapes differ from the shared store's "
@@ -177,25 +194,104 @@ class SharedShard(Shard):
     def rows_inserted(self, value: int) -> None:  # Shard.__init__ sets it; the log decides
         pass
 
+    # -- indices from outside this library's samplers: live rows, oldest first --------------
     def readable_rows(self) -> int:
-        """Rows readable now in the whole store (for ``len``; no read section opened)."""
-        return self.log.readable_rows()
+        """``len``: the live rows that outlast the next eviction, other processes' commits caught up.
+
+        TorchRL's samplers draw in ``[0, len)`` and read a moment later; the rows the next
+        eviction takes are left out so they are still there. During a scan's sample
+        (see ``read``) the count is the scan's.
+        """
+        if self._scan is not None:
+            return len(self._scan)
+        if self._snapshot is None:  # catch up in a read section of its own
+            self.refresh()
+            self._end_read()
+        block = eviction_block(self.capacity)
+        self._numbered = len(self._live_rows().from_position(self._evicted_end + block - self.capacity))
+        return self._numbered
+
+    def _live_rows(self) -> LiveRows:
+        return LiveRows(self._lo, self._hi, dead_runs_array(self._dead_runs))
+
+    def read(self, index: Index, *, in_range: bool = False) -> Data:
+        """Ring rows picked in this read section (this library's samplers), or live rows oldest first.
+
+        An index from outside (TorchRL's samplers, ``rb[i]``) numbers the live rows, ``[0, len)``
+        (``store/live_rows.py``): never a row being rewritten or left by a crash. A slice
+        (SliceSampler's ``storage[:]``) holds its read section until the next index read, so
+        the windows computed from it read the very rows it saw. A row overwritten since it
+        was numbered is an IndexError, never another row's data.
+        """
+        if in_range or (self._snapshot is not None and self._scan is None):
+            return super().read(index, in_range=in_range)
+        if isinstance(index, slice) or (isinstance(index, tuple) and isinstance(index[0], slice)):
+            return self._read_scan(index)
+        return self._read_numbered(index)
+
+    def _read_scan(self, index: Index) -> Data:
+        self._drop_scan()
+        self.refresh()
+        self._scan = self._live_rows()
+        positions = self._scan.positions(as_index_tensor(index, len(self._scan), "read"))
+        self._hold_section = True
+        try:
+            batch = super().read(positions % self.capacity, in_range=True)
+            self.log.raise_if_revoked()
+        except BaseException:
+            self._drop_scan()
+            raise
+        finally:
+            self._hold_section = False
+        return batch
+
+    def _read_numbered(self, index: Index) -> Data:
+        scan, self._scan = self._scan, None
+        if scan is not None and self.log.revoked():  # held too long: rows may have moved, look again
+            self._end_read(quietly=True)
+        if self._snapshot is None:
+            self.refresh()
+        try:
+            offsets, positions = self._numbered_positions(index, scan)
+            gone = positions < self._lo
+            if bool(gone.any()):
+                raise IndexError(f"read index {int(offsets.reshape(-1)[gone][0])} names a row that was overwritten "
+                                 "since it was numbered (writers lapped the store meanwhile); sample again")
+        except BaseException:
+            self._end_read()
+            raise
+        rows = (positions % self.capacity).reshape(offsets.shape)
+        return super().read(rows.reshape(()) if isinstance(index, (int, np.integer)) else rows, in_range=True)
+
+    def _numbered_positions(self, index: Index, scan: LiveRows | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``index`` checked against the count it was drawn from, and the positions it names.
+
+        Without a scan, indices number the newest ``len`` live rows: evictions since
+        ``len`` took older ones only, and the newest stay where they were numbered.
+        """
+        if scan is not None:
+            offsets = as_index_tensor(index, len(scan), "read")
+            return offsets, scan.positions(offsets.reshape(-1))
+        live = self._live_rows()
+        count = len(live) if self._numbered is None else self._numbered
+        offsets = as_index_tensor(index, count, "read")
+        shifted = offsets.reshape(-1) + (len(live) - count)
+        gone = shifted < 0  # numbered by ``len``, evicted since, and more than the next eviction's worth
+        return offsets, torch.where(gone, self._lo - 1, live.positions(shifted.clamp_min(0)))
+
+    def _drop_scan(self) -> None:
+        """End the read section a scan held (nothing was read under it since)."""
+        if self._scan is not None:
+            self._scan = None
+            self._end_read(quietly=True)
 
     def uniform_rows(self, n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-        if self.size == 0:
+        """``n`` live rows, uniformly: rows crashed writers left are never drawn, whatever their share."""
+        live = self._live_rows()
+        if len(live) == 0:
             raise EmptyStoreError("cannot sample from an empty storage: no process has committed rows yet")
-        offsets = torch.randint(0, self.size, (n,), generator=generator)
-        rows = (offsets + self._lo) % self.capacity
-        if self.episodes.has_dead:  # redraw rows a crashed writer left behind (rare, and few)
-            for _ in range(64):
-                dead = self._dead(rows)
-                if not bool(dead.any()):
-                    break
-                redraw = torch.randint(0, self.size, (int(dead.sum()),), generator=generator)
-                rows[dead] = (redraw + self._lo) % self.capacity
-            else:
-                raise RuntimeError("could not draw live rows: almost every stored row was left by crashed writers")
-        return rows.to(device)
+        offsets = torch.randint(0, len(live), (n,), generator=generator)
+        return live.ring_rows(offsets, self.capacity).to(device)
 
     def _dead(self, rows: torch.Tensor) -> torch.Tensor:
         """Which of ``rows`` a writer that died left half-written."""
@@ -208,6 +304,7 @@ class SharedShard(Shard):
 
     @contextmanager
     def picking(self) -> Iterator[None]:
+        self._drop_scan()
         self.refresh()
         try:
             yield
@@ -224,7 +321,8 @@ class SharedShard(Shard):
             if self.out_device.type == "cuda":
                 torch.cuda.current_stream(self.out_device).synchronize()  # the kernel reads host rows
         finally:
-            self._end_read()
+            if not self._hold_section:
+                self._end_read()
 
     def release(self) -> None:
         self._end_read()
@@ -238,9 +336,14 @@ class SharedShard(Shard):
         self._map_data()
         return self.columns
 
-    def _end_read(self) -> None:
+    def _end_read(self, quietly: bool = False) -> None:
+        """Close the read section; ``quietly``: nothing was read under it, so a revocation does not matter."""
         self._snapshot = None
-        self.log.end_read()
+        try:
+            self.log.end_read()
+        except ReadRevokedError:
+            if not quietly:
+                raise
 
     def check_readable(self, rows: torch.Tensor) -> None:
         rows = rows.reshape(-1).cpu()
@@ -268,6 +371,7 @@ class SharedShard(Shard):
         """Open a read section and replay what was published since the last one."""
         snapshot = self.log.begin_read()
         self._snapshot = snapshot
+        self._evicted_end = snapshot.evicted_end
         self._map_data()
         if snapshot.lost:
             logger.warning("this process fell more than the control segment's record table behind; "
@@ -293,6 +397,7 @@ class SharedShard(Shard):
         rows = torch.arange(first, end, dtype=torch.int64) % self.capacity
         if dead:
             self.episodes.append(rows, None, evicted=0, dead=True)
+            self._dead_runs.append((first, end))
             return
         ends, traj = self._stored_ends(rows)
         if traj is None:  # the next commit in the ring may be another writer's
@@ -317,6 +422,7 @@ class SharedShard(Shard):
         if k > 0:
             self.episodes.evict(k)
             self._lo += k
+        self._dead_runs = [(max(a, self._lo), b) for a, b in self._dead_runs if b > self._lo]
 
     def logical_order(self) -> torch.Tensor:
         return torch.arange(self._lo, self._hi, dtype=torch.int64) % self.capacity
