@@ -200,7 +200,8 @@ class GearStorage(TensorStorage):
                 writer._write_count -= n
 
     def attach(self, buffer: Any) -> None:
-        _refuse_unfollowing_sampler(self, getattr(buffer, "_sampler", None))
+        # TorchRL attaches the storage before it sets the buffer's sampler: look at what it will be.
+        _refuse_unfollowing_sampler(self, getattr(buffer, "_sampler", None) or getattr(buffer, "_init_sampler", None))
         super().attach(buffer)
 
     def get(self, index: Index) -> Data:

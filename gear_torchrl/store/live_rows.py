@@ -38,14 +38,6 @@ class LiveRows:
         run = torch.searchsorted(before, offsets, right=True) - 1  # skips empty runs
         return starts[run] + offsets - before[run]
 
-    def from_position(self, lo: int) -> LiveRows:
-        """The same rows less those below position ``lo``."""
-        lo = max(self.lo, min(lo, self.hi))
-        dead = self.dead[self.dead[:, 1] > lo]
-        if len(dead):
-            dead[:, 0] = np.maximum(dead[:, 0], lo)
-        return LiveRows(lo, self.hi, dead)
-
 
 def dead_runs_array(runs: list[tuple[int, int]]) -> np.ndarray:
     return np.asarray(runs, dtype=np.int64).reshape(-1, 2)

@@ -28,7 +28,6 @@ from gear_torchrl.store.commit_log import (
     ReadRevokedError,
     ReadSnapshot,
     control_bytes,
-    eviction_block,
     reader_timeout_us,
 )
 from gear_torchrl.store.live_rows import LiveRows, dead_runs_array
@@ -44,6 +43,9 @@ from gear_torchrl.store.shared_memory import (
 from gear_torchrl.store.spec import Data, NestedKey, SpecMismatchError, TableSpec
 
 logger = logging.getLogger(__name__)
+
+# SliceSampler reads ``storage[index]`` for its markers, then the buffer reads the batch.
+_SCAN_INDEX_READS = 2
 
 
 @dataclass(frozen=True)
@@ -95,10 +97,11 @@ class SharedShard(Shard):
         self._hi = 0  # published end this process has replayed
         self._snapshot: ReadSnapshot | None = None  # set while a read section is open
         self._dead_runs: list[tuple[int, int]] = []  # [first, end) positions crashed writers left, in [lo, hi)
-        self._evicted_end = 0  # positions below this less the capacity are gone (as of the last refresh)
         self._numbered: int | None = None  # the last ``len``: indices from outside number the newest that many
-        self._scan: LiveRows | None = None  # a slice read's rows, its read section held for the indices it yields
-        self._hold_section = False
+        self._scan: LiveRows | None = None  # a slice read's rows: what indices number during its sample
+        self._scan_held = False  # the scan's read section is still open
+        self._scan_reads = 0  # index reads its sample still makes
+        self._hold_section = False  # the read in progress leaves its section open
         self._closed = False
         self.segment: torch.Tensor | None = None  # the mapped data segment (bytes), once published
         self._map_data()
@@ -196,19 +199,14 @@ class SharedShard(Shard):
 
     # -- indices from outside this library's samplers: live rows, oldest first --------------
     def readable_rows(self) -> int:
-        """``len``: the live rows that outlast the next eviction, other processes' commits caught up.
-
-        TorchRL's samplers draw in ``[0, len)`` and read a moment later; the rows the next
-        eviction takes are left out so they are still there. During a scan's sample
-        (see ``read``) the count is the scan's.
-        """
-        if self._scan is not None:
+        """``len``: the live rows, other processes' commits caught up (during a scan's sample, the scan's)."""
+        if self._scan is not None and self._scan_held and not self.log.revoked():
             return len(self._scan)
+        self._drop_scan()
         if self._snapshot is None:  # catch up in a read section of its own
             self.refresh()
             self._end_read()
-        block = eviction_block(self.capacity)
-        self._numbered = len(self._live_rows().from_position(self._evicted_end + block - self.capacity))
+        self._numbered = len(self._live_rows())
         return self._numbered
 
     def _live_rows(self) -> LiveRows:
@@ -219,70 +217,80 @@ class SharedShard(Shard):
 
         An index from outside (TorchRL's samplers, ``rb[i]``) numbers the live rows, ``[0, len)``
         (``store/live_rows.py``): never a row being rewritten or left by a crash. A slice
-        (SliceSampler's ``storage[:]``) holds its read section until the next index read, so
-        the windows computed from it read the very rows it saw. A row overwritten since it
-        was numbered is an IndexError, never another row's data.
+        (SliceSampler's ``storage[:]``, its scan) keeps that numbering, and its read section,
+        for the two index reads of SliceSampler's sample (its markers, then the batch), so
+        the windows computed from the scan read the very rows it saw and writers wait
+        (at most the reader timeout) rather than overwrite them. A row overwritten since
+        it was numbered is an IndexError, never another row's data.
         """
-        if in_range or (self._snapshot is not None and self._scan is None):
+        if in_range or (self._snapshot is not None and not self._scan_held):
             return super().read(index, in_range=in_range)
         if isinstance(index, slice) or (isinstance(index, tuple) and isinstance(index[0], slice)):
-            return self._read_scan(index)
+            self._drop_scan()
+            self.refresh()
+            self._scan, self._scan_reads = self._live_rows(), _SCAN_INDEX_READS
+            return self._read_held(index, self._scan)
         return self._read_numbered(index)
 
-    def _read_scan(self, index: Index) -> Data:
-        self._drop_scan()
-        self.refresh()
-        self._scan = self._live_rows()
-        positions = self._scan.positions(as_index_tensor(index, len(self._scan), "read"))
-        self._hold_section = True
-        try:
-            batch = super().read(positions % self.capacity, in_range=True)
-            self.log.raise_if_revoked()
-        except BaseException:
-            self._drop_scan()
-            raise
-        finally:
-            self._hold_section = False
-        return batch
-
     def _read_numbered(self, index: Index) -> Data:
-        scan, self._scan = self._scan, None
-        if scan is not None and self.log.revoked():  # held too long: rows may have moved, look again
+        scan = self._scan
+        if scan is None:
+            if self._snapshot is None:
+                self.refresh()
+            return self._read_held(index, None)
+        if self.log.revoked():  # held too long: rows may have moved, look again
             self._end_read(quietly=True)
-        if self._snapshot is None:
             self.refresh()
+        self._scan_reads -= 1
+        if self._scan_reads == 0:
+            self._scan = None
+        return self._read_held(index, scan)
+
+    def _read_held(self, index: Index, scan: LiveRows | None) -> Data:
+        """Read what ``index`` numbers; the section stays open while the scan ``scan`` expects reads."""
         try:
             offsets, positions = self._numbered_positions(index, scan)
             gone = positions < self._lo
             if bool(gone.any()):
                 raise IndexError(f"read index {int(offsets.reshape(-1)[gone][0])} names a row that was overwritten "
                                  "since it was numbered (writers lapped the store meanwhile); sample again")
+            rows = (positions % self.capacity).reshape(offsets.shape)
+            self._hold_section = self._scan_held = self._scan is not None
+            batch = super().read(rows.reshape(()) if isinstance(index, (int, np.integer)) else rows, in_range=True)
+            if self._scan_held:
+                self.log.raise_if_revoked()
+            return batch
         except BaseException:
-            self._end_read()
+            self._drop_scan()
+            if self._snapshot is not None:
+                self._end_read()
             raise
-        rows = (positions % self.capacity).reshape(offsets.shape)
-        return super().read(rows.reshape(()) if isinstance(index, (int, np.integer)) else rows, in_range=True)
+        finally:
+            self._hold_section = False
 
     def _numbered_positions(self, index: Index, scan: LiveRows | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``index`` checked against the count it was drawn from, and the positions it names.
 
-        Without a scan, indices number the newest ``len`` live rows: evictions since
-        ``len`` took older ones only, and the newest stay where they were numbered.
+        Without a scan, indices number the newest ``len`` live rows, now: a row evicted
+        since ``len`` was counted is never named, as evictions take the oldest. When more
+        were evicted than committed meanwhile, the oldest indices wrap to the newest rows:
+        under writers that lap the store, an index names a live row, not a fixed one.
         """
         if scan is not None:
             offsets = as_index_tensor(index, len(scan), "read")
-            return offsets, scan.positions(offsets.reshape(-1))
+            return offsets, scan.positions(offsets.reshape(-1).cpu())
         live = self._live_rows()
+        if len(live) == 0:
+            raise EmptyStoreError("cannot read from an empty storage: no process has committed rows yet")
         count = len(live) if self._numbered is None else self._numbered
         offsets = as_index_tensor(index, count, "read")
-        shifted = offsets.reshape(-1) + (len(live) - count)
-        gone = shifted < 0  # numbered by ``len``, evicted since, and more than the next eviction's worth
-        return offsets, torch.where(gone, self._lo - 1, live.positions(shifted.clamp_min(0)))
+        return offsets, live.positions(torch.remainder(offsets.reshape(-1) + (len(live) - count), len(live)))
 
     def _drop_scan(self) -> None:
-        """End the read section a scan held (nothing was read under it since)."""
-        if self._scan is not None:
-            self._scan = None
+        """Forget a scan's numbering, and end the read section it held (nothing was read under it since)."""
+        self._scan = None
+        if self._scan_held:
+            self._scan_held = False
             self._end_read(quietly=True)
 
     def uniform_rows(self, n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -291,7 +299,7 @@ class SharedShard(Shard):
         if len(live) == 0:
             raise EmptyStoreError("cannot sample from an empty storage: no process has committed rows yet")
         offsets = torch.randint(0, len(live), (n,), generator=generator)
-        return live.ring_rows(offsets, self.capacity).to(device)
+        return (live.positions(offsets) % self.capacity).to(device)
 
     def _dead(self, rows: torch.Tensor) -> torch.Tensor:
         """Which of ``rows`` a writer that died left half-written."""
@@ -371,7 +379,6 @@ class SharedShard(Shard):
         """Open a read section and replay what was published since the last one."""
         snapshot = self.log.begin_read()
         self._snapshot = snapshot
-        self._evicted_end = snapshot.evicted_end
         self._map_data()
         if snapshot.lost:
             logger.warning("this process fell more than the control segment's record table behind; "
