@@ -179,7 +179,7 @@ class GearStorage(TensorStorage):
             raise
         if set_cursor:
             self._set_last_cursor(cursor)
-        self._bump_mutation_revision()
+        self._note_mutation()
 
     def _rewind_writers(self, cursor: Index) -> None:
         """Move back the cursors TorchRL's writers advanced for a write the store refused.
@@ -210,7 +210,36 @@ class GearStorage(TensorStorage):
             self._window_plan = None
             return self._shard.read_windows(plan[1])
         drawn, self._drawn = self._drawn, None
+        if isinstance(index, tuple) and len(index) == 1:
+            index = index[0]
+        if isinstance(index, slice):  # like LazyTensorStorage: views, so in-place writes reach the rows
+            views = self._shard.slice_views(index)
+            if views is not None:
+                return views
         return self._shard.read(index, in_range=index is drawn)
+
+    def _bump_mutation_revision(self) -> None:
+        """TorchRL calls this after writing in place into ``storage[:]`` (``rb.set_``, ``set_at_``, ``update_``).
+
+        Over local CPU rows those writes went through the views ``get`` returned: the
+        episode index is re-derived from the flags they may have changed. Anywhere
+        else ``storage[:]`` was a copy, and the write is refused rather than lost.
+        """
+        if not self._shard.slice_views_possible:
+            raise NotImplementedError(
+                f"rb.set_ / set_at_ / update_ write in place into storage[:], which for this GearStorage "
+                f"({'shared' if self.shared else f'batches on {self.device}'}) is a copy: the write did not "
+                "reach the stored rows. Write rows with rb.extend / rb[index] = data instead"
+                + (" (a shared store takes appends only)." if self.shared else "."))
+        self._shard.after_inplace_write()
+        self._note_mutation()
+
+    def _note_mutation(self) -> None:
+        Storage._bump_mutation_revision(self)
+
+    def loads(self, path: Any) -> None:
+        self.checkpointer.loads(self, path)
+        self._note_mutation()
 
     def plan_windows(self, index: torch.Tensor, windows: Windows) -> None:
         """Announce that the next ``get(index)`` (this very tensor) reads ``windows``.
@@ -231,7 +260,7 @@ class GearStorage(TensorStorage):
     def _empty(self) -> None:
         self._shard.clear()
         self._set_last_cursor(None)
-        self._bump_mutation_revision()
+        self._note_mutation()
 
     def state_dict(self) -> dict[str, Any]:
         return self._shard.state()
@@ -239,7 +268,7 @@ class GearStorage(TensorStorage):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._shard.load_state(state_dict)
         self._sync_cursor_from_shard()
-        self._bump_mutation_revision()
+        self._note_mutation()
 
     def _sync_cursor_from_shard(self) -> None:
         shard = self._shard

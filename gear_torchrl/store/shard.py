@@ -450,6 +450,27 @@ class Shard:
             flat = [t.reshape((*lead, *t.shape[1:])) for t in flat]
         return self.spec.unflatten(flat, lead, device=self.out_device)
 
+    @property
+    def slice_views_possible(self) -> bool:
+        """Whether ``slice_views`` can hand out the rows themselves (CPU rows read on the CPU)."""
+        return self.out_device == self.device and self.hot is None
+
+    def slice_views(self, index: slice) -> Data | None:
+        """Rows ``[0, size)[index]`` as views of the columns, or None where a view cannot be had.
+
+        What TorchRL's ``rb.set_`` / ``update_`` write into reaches the rows, as with
+        ``LazyTensorStorage``; call ``after_inplace_write`` once written.
+        """
+        if not self.slice_views_possible or self.spec is None or (index.step or 1) < 1:
+            return None
+        views = [c[: self.size][index] for c in self.columns]
+        return self.spec.unflatten(views, torch.Size([views[0].shape[0]]), device=self.out_device)
+
+    def after_inplace_write(self) -> None:
+        """Rows changed through ``slice_views``: their episode ends may have changed too."""
+        if self.tracks_episodes:
+            self.rebuild_episodes()
+
     def read_windows(self, windows: Windows) -> Data:
         """Windows as a flat batch of ``W * seq_len`` rows on ``out_device``, padding zero-filled."""
         with self.reading():

@@ -209,6 +209,10 @@ class SharedShard(Shard):
         self._numbered = len(self._live_rows())
         return self._numbered
 
+    @property
+    def slice_views_possible(self) -> bool:
+        return False  # other processes read these rows: a slice is a copy, and writes in place are refused
+
     def _live_rows(self) -> LiveRows:
         return LiveRows(self._lo, self._hi, dead_runs_array(self._dead_runs))
 
