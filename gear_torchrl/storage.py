@@ -234,6 +234,24 @@ class GearStorage(TensorStorage):
         self._shard.after_inplace_write()
         self._note_mutation()
 
+    def _conditional_patch_leaf(self, key: NestedKey) -> torch.Tensor:
+        """The stored column ``key``, which TorchRL's ``rb.update_if_present`` patches in place."""
+        if self.shared:
+            raise NotImplementedError("rb.update_if_present writes rows in place; a shared GearStorage takes "
+                                      "appends only (another process could be reading the rows)")
+        column = self._shard.column(key)
+        if column is None:
+            raise KeyError(f"key {key!r} is not stored; conditional patches can only target stored keys "
+                           f"({'nothing is stored yet' if self._shard.spec is None else self._shard.spec.keys})")
+        return column
+
+    def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[NestedKey, torch.Tensor]) -> None:
+        rows = tuple(index.unbind(-1)) if index.ndim > 1 else (index,)
+        for key, value in patch.items():
+            self._conditional_patch_leaf(key)[rows] = value
+        self._shard.after_inplace_write()
+        self._note_mutation()
+
     def _note_mutation(self) -> None:
         Storage._bump_mutation_revision(self)
 

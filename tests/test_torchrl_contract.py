@@ -57,3 +57,23 @@ def test_in_place_writes_a_shared_store_cannot_take_are_refused_and_change_nothi
         assert torch.equal(rb[:]["a"], torch.zeros(10))
     finally:
         storage.close()
+
+
+@pytest.mark.parametrize("storage_cls", STORAGES)
+def test_update_if_present_patches_live_records_only(storage_cls):
+    from torchrl.data import TensorDictRoundRobinWriter
+
+    rb = TensorDictReplayBuffer(storage=storage_cls(10), writer=TensorDictRoundRobinWriter(track_generations=True),
+                                batch_size=4)
+    rb.extend(TensorDict({"obs": torch.zeros(10, 3), "v": torch.full((10,), 5)}, [10]))
+    sample = rb.sample()
+    rb.extend(TensorDict({"obs": torch.zeros(2, 3), "v": torch.full((2,), 5)}, [2]))  # slots 0, 1 reused
+    result = rb.update_if_present(index=sample["index"], generation=sample["index_generation"],
+                                  patch={"obs": torch.ones(4, 3)})
+    reused = sample["index"] < 2
+    assert result.updated.tolist() == (~reused).tolist()
+    stored = rb[:]["obs"][sample["index"]]
+    assert bool((stored[~reused] == 1).all()) and bool((stored[reused] == 0).all())
+    with pytest.raises(KeyError):
+        rb.update_if_present(index=sample["index"], generation=sample["index_generation"],
+                             patch={"missing": torch.ones(4)})

@@ -467,7 +467,9 @@ class Shard:
         return self.spec.unflatten(views, torch.Size([views[0].shape[0]]), device=self.out_device)
 
     def after_inplace_write(self) -> None:
-        """Rows changed through ``slice_views``: their episode ends may have changed too."""
+        """Rows changed in place (``slice_views``, a column): episode ends and hot copies may be stale."""
+        if self.hot is not None:
+            self.hot.forget()
         if self.tracks_episodes:
             self.rebuild_episodes()
 
