@@ -47,6 +47,12 @@ class GearStorage(TensorStorage):
             :meth:`close` or when this process exits, however it exits.
         handle: attach to the shared store ``handle`` (from :attr:`handle`) instead
             of creating one; ``max_size``, ``end_keys`` and ``traj_key`` come from it.
+        ndim, compilable, consolidated, shared_init, cleanup_memmap: ``LazyTensorStorage``'s
+            keywords, with its meanings: ``compilable`` keeps TorchRL's counters in
+            tensors, ``shared_init=True`` is ``shared=True`` (the rows live in shared
+            memory from the start, so other processes can write the first rows).
+            Columns are always contiguous (``consolidated``) and never memory-mapped
+            files (``cleanup_memmap``). Only ``ndim=1`` is supported so far.
         reader_timeout: with ``shared``, the longest a writer waits for a reader of rows
             it is about to overwrite (seconds, for every process of the store). A reader
             that holds its rows longer (stopped, paused, debugged) loses them: its read
@@ -73,19 +79,30 @@ class GearStorage(TensorStorage):
         shared: bool = False,
         handle: SharedStoreHandle | None = None,
         reader_timeout: float = DEFAULT_READER_TIMEOUT_S,
+        ndim: int = 1,
+        compilable: bool = False,
+        consolidated: bool = False,
+        shared_init: bool = False,
+        cleanup_memmap: bool = True,
     ) -> None:
+        if ndim != 1:
+            raise NotImplementedError(
+                f"GearStorage(ndim={ndim}): only ndim=1 ([steps] rows) is supported so far; flatten "
+                "[T, num_envs] batches with a trajectory key (e.g. traj_key=('collector', 'traj_ids'))")
+        if compilable and (shared or shared_init or handle is not None):
+            raise ValueError("a compilable storage cannot be shared between processes (as LazyTensorStorage)")
         device = _resolve_device(device)
         if memory not in ("host", "device"):
             raise ValueError(f"memory must be 'host' or 'device', got {memory!r}")
         if memory == "device" and device.type != "cuda":
             raise ValueError("memory='device' needs device='cuda'")
-        shared = shared or handle is not None
+        shared = shared or shared_init or handle is not None
         if shared and memory == "device":
             raise ValueError("a shared GearStorage lives in host shared memory; memory='device' cannot be shared")
         _check_hot_rows(hot_rows, device, memory, shared)
         if handle is not None:
             max_size = handle.capacity
-        Storage.__init__(self, max_size, checkpointer=checkpointer)
+        Storage.__init__(self, max_size, checkpointer=checkpointer, compilable=compilable)
         self.ndim = 1
         self.device = device
         self.memory = memory

@@ -77,3 +77,30 @@ def test_update_if_present_patches_live_records_only(storage_cls):
     with pytest.raises(KeyError):
         rb.update_if_present(index=sample["index"], generation=sample["index_generation"],
                              patch={"missing": torch.ones(4)})
+
+
+# -- LazyTensorStorage's keywords --------------------------------------------------------------
+@pytest.mark.parametrize("storage_cls", STORAGES)
+def test_lazy_tensor_storage_keywords_are_accepted(storage_cls):
+    for kwargs in ({"compilable": True}, {"ndim": 1}, {"consolidated": True}, {"cleanup_memmap": False}):
+        rb = _filled(lambda n, kw=kwargs: storage_cls(n, **kw))
+        assert len(rb) == 10 and rb.sample()["a"].shape == (4,)
+
+
+def test_shared_init_shares_the_rows_from_the_start():
+    storage = GearStorage(10, shared_init=True)
+    try:
+        assert storage.shared
+        attached = GearStorage(0, handle=storage.handle)  # what a worker process gets when it unpickles it
+        attached.set(torch.arange(3), TensorDict({"a": torch.ones(3)}, [3]))
+        assert torch.equal(storage[:]["a"], torch.ones(3))
+        attached.close()
+    finally:
+        storage.close()
+
+
+def test_unsupported_layouts_are_refused_clearly():
+    with pytest.raises(NotImplementedError, match="ndim=2"):
+        GearStorage(100, ndim=2)
+    with pytest.raises(ValueError, match="compilable"):
+        GearStorage(100, compilable=True, shared=True)
