@@ -23,11 +23,13 @@ _EXPORTS = {
     "SampleToInsertRatio": "gear_torchrl.rate_limiters",
     "RateLimiter": "gear_torchrl.rate_limiters",
     "RateLimiterTimeout": "gear_torchrl.rate_limiters",
+    "CheckpointError": "gear_torchrl.store.state_checks",
     "EmptyStoreError": "gear_torchrl.store.shard",
     "SpecMismatchError": "gear_torchrl.store.spec",
     "StoreClosedError": "gear_torchrl.store.commit_log",
     "ReadRevokedError": "gear_torchrl.store.commit_log",
     "TrajectoryWriter": "gear_torchrl.trajectory_writer",
+    "UnverifiedCheckpointWarning": "gear_torchrl.store.state_checks",
     "GearDataset": "gear_torchrl.dataset",
     "ShardedGearStorage": "gear_torchrl.sharded_storage",
     "ShardUnavailableError": "gear_torchrl.distributed.transports.base",
@@ -71,4 +73,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads l
     from gear_torchrl.store.commit_log import ReadRevokedError, StoreClosedError  # noqa: F401
     from gear_torchrl.store.shard import EmptyStoreError  # noqa: F401
     from gear_torchrl.store.spec import SpecMismatchError  # noqa: F401
+    from gear_torchrl.store.state_checks import CheckpointError, UnverifiedCheckpointWarning  # noqa: F401
     from gear_torchrl.trajectory_writer import TrajectoryWriter  # noqa: F401

@@ -15,8 +15,13 @@ from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.samplers.prioritized import _as_index
+from gear_torchrl.samplers.state_file import SAMPLER_FORMAT, StateDictFile, load_pickled
+from gear_torchrl.store.persistence import write_checkpoint
+from gear_torchrl.store.state_checks import CheckpointError, checked_tensor, field, require_nonnegative
 
 _MAX_ROUNDS = 32
+_INNER = "inner"  # where the wrapped sampler saves its state
+_PICKLED_COUNTS = "times_sampled.pt"  # the counts, before checkpoints carried checksums
 
 
 def _rank_among_equals(index: torch.Tensor) -> torch.Tensor:
@@ -32,7 +37,7 @@ def _rank_among_equals(index: torch.Tensor) -> torch.Tensor:
     return rank
 
 
-class MaxTimesSampled(Sampler):
+class MaxTimesSampled(StateDictFile, Sampler):
     def __init__(self, sampler: Sampler, max_times: int, max_capacity: int) -> None:
         if not callable(getattr(sampler, "exclude", None)):
             raise TypeError(f"{type(sampler).__name__} cannot exclude rows, so it cannot be capped; "
@@ -109,18 +114,30 @@ class MaxTimesSampled(Sampler):
     def state_dict(self) -> dict[str, Any]:
         return {"count": self._count.clone(), "sampler": self.sampler.state_dict()}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._count.copy_(state_dict["count"])
-        self.sampler.load_state_dict(state_dict["sampler"])
+    def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
+        """The counts (in ``[0, max_times]``) and the inner sampler's state, both checked."""
+        where = "the saved MaxTimesSampled state"
+        count = checked_tensor(field(state, "count", where), "count", torch.int64, (self.max_capacity,))
+        require_nonnegative(count, "count", at_most=self.max_times)
+        return {"count": count, "sampler": self.sampler.checked_state_dict(field(state, "sampler", where), rows)}
+
+    def _assign(self, state: dict[str, Any]) -> None:
+        self._count.copy_(state["count"])
+        self.sampler._assign(state["sampler"])
 
     def dumps(self, path: str | Path) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        torch.save(self._count, Path(path) / "times_sampled.pt")
-        self.sampler.dumps(Path(path) / "inner")
+        write_checkpoint(path, self._state_file, SAMPLER_FORMAT, {"kind": type(self).__name__}, {"count": self._count})
+        self.sampler.dumps(Path(path) / _INNER)
 
-    def loads(self, path: str | Path) -> None:
-        self._count.copy_(torch.load(Path(path) / "times_sampled.pt"))
-        self.sampler.loads(Path(path) / "inner")
+    def _with_inner(self, path: Path, saved: dict[str, Any], rows: int | None) -> dict[str, Any]:
+        return {**saved, "sampler": self.sampler.read_checkpoint(path / _INNER, rows)}
+
+    def _read_pickled(self, path: Path, rows: int | None) -> dict[str, Any]:
+        """Before checksums: the counts alone, ``torch.save``d."""
+        if not (path / _PICKLED_COUNTS).exists():
+            raise CheckpointError(f"no MaxTimesSampled state at {path} (missing {self._state_file})")
+        return self.checked_state_dict(self._with_inner(path, {"count": load_pickled(path / _PICKLED_COUNTS)}, rows),
+                                       rows)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.sampler!r}, max_times={self.max_times})"

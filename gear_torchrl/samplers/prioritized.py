@@ -1,9 +1,7 @@
 """GearPrioritizedSampler: proportional prioritized replay on float64 trees in the extension."""
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -13,7 +11,17 @@ from torchrl.data.replay_buffers.storages import Storage
 from gear_torchrl.samplers.block_sums import BlockPrefixSums
 from gear_torchrl.samplers.following import FollowsCommits
 from gear_torchrl.samplers.trees import PriorityTrees
-from gear_torchrl.store.persistence import read_raw, write_raw
+from gear_torchrl.samplers.state_file import StateDictFile
+from gear_torchrl.store.state_checks import (
+    CheckpointError,
+    checked_float,
+    checked_int,
+    checked_tensor,
+    field,
+    require_masses,
+    require_nonnegative,
+    require_nothing_past,
+)
 
 
 def _shaped_priority(priority: Any, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -43,13 +51,27 @@ class _Checked(NamedTuple):
     max_priority: float  # 0.0 without priorities
 
 
-def _validated(index: Any, priority: Any, capacity: int, device: torch.device | str = "cpu") -> _Checked:
+class IndexDtypeError(IndexError, TypeError):
+    """Indices that are not integers: a float would be truncated to another row, a bool read as row 0 or 1."""
+
+
+def _integer_rows(index: Any) -> torch.Tensor:
+    rows = torch.as_tensor(index)
+    if rows.dtype == torch.bool or rows.is_floating_point() or rows.is_complex():
+        raise IndexDtypeError(f"priority indices must be integers, got {rows.dtype}")
+    return rows.to(torch.int64)
+
+
+def _validated(index: Any, priority: Any, capacity: int, device: torch.device | str = "cpu",
+               stored: int | None = None) -> _Checked:
     """Indices (and priorities) on ``device``, checked with a single wait for it.
 
-    Index -1 means "skip", as TorchRL's ``MaxValueWriter`` uses it. A NaN, an
+    Index -1 means "skip", as TorchRL's ``MaxValueWriter`` uses it. Indices must
+    be below ``capacity`` and, when the storage is known, below its ``stored``
+    rows: a priority there would be drawn, and the read would fail. A NaN, an
     infinity or a negative value shows in the priorities' minimum or maximum.
     """
-    index = torch.as_tensor(index, dtype=torch.int64).reshape(-1).to(device)
+    index = _integer_rows(index).reshape(-1).to(device)
     if priority is not None:
         priority = _shaped_priority(priority, index.numel(), device)
     if index.numel() == 0:
@@ -58,11 +80,18 @@ def _validated(index: Any, priority: Any, capacity: int, device: torch.device | 
     if priority is not None:
         facts = torch.cat([facts, torch.stack(torch.aminmax(priority))])
     lo, hi, *extremes = facts.tolist()
-    if lo < -1 or hi >= capacity:
-        raise IndexError(f"priority index {int(lo) if lo < -1 else int(hi)} is out of range for {capacity} rows")
+    bound, rows = (capacity, "rows") if stored is None or stored >= capacity else (stored, "stored rows")
+    if lo < -1 or hi >= bound:
+        raise IndexError(f"priority index {int(lo) if lo < -1 else int(hi)} is out of range for {bound} {rows}")
     if extremes and not (extremes[0] >= 0 and extremes[1] < math.inf):
         _refuse_bad_priority(priority, _bad_priorities(priority))
     return _Checked(index, priority, lo < 0, extremes[1] if extremes else 0.0)
+
+
+def _stored_rows(storage: Storage | None) -> int | None:
+    """Rows of a gear storage a sampler may draw (None: not known, the capacity bounds indices)."""
+    shard = getattr(storage, "shard", None)
+    return None if shard is None else shard.ring_rows
 
 
 def _as_index(index: Any, capacity: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -84,7 +113,7 @@ def _seeds_defaults(index: Any, priority: Any, default: float) -> bool:
             and bool((priority == default).all()))
 
 
-class GearPrioritizedSampler(FollowsCommits, PrioritizedSampler):
+class GearPrioritizedSampler(FollowsCommits, StateDictFile, PrioritizedSampler):
     """Proportional PER (Schaul et al.): P(i) = p_i^alpha / sum_j p_j^alpha, weights (p_i / p_min)^-beta.
 
     A drop-in for TorchRL's ``PrioritizedSampler`` (it is one, so
@@ -239,7 +268,8 @@ class GearPrioritizedSampler(FollowsCommits, PrioritizedSampler):
                 return  # TorchRL's first-use seeding of stored rows: owners give new rows this priority already
             storage.update_priority(self.selection(), index, priority, generation)
             return
-        index, priority, skips, max_priority = _validated(index, priority, self._max_capacity, self._device)
+        index, priority, skips, max_priority = _validated(index, priority, self._max_capacity, self._device,
+                                                          stored=_stored_rows(storage))
         if index.numel() == 0:
             return
         # Masks, not filters: filtering would wait for the GPU.
@@ -266,6 +296,16 @@ class GearPrioritizedSampler(FollowsCommits, PrioritizedSampler):
 
     exclude = forget  # MaxTimesSampled: unsampleable until written again
 
+    def check_storage(self, storage: Storage) -> None:
+        """Raise if ``storage`` holds more rows than this sampler keeps priorities for.
+
+        TorchRL tells a sampler of rows only once they are written, so a storage
+        calls this before its writes: a mismatch then changes nothing.
+        """
+        if not getattr(storage, "is_sharded", False) and storage.max_size > self._max_capacity:
+            raise ValueError(f"{type(self).__name__} keeps priorities for {self._max_capacity} rows, but its storage "
+                             f"holds {storage.max_size}: build it with max_capacity={storage.max_size}")
+
     def add(self, index: int) -> None:
         """Nothing to do: ``mark_update`` already gave the new row its priority."""
 
@@ -276,21 +316,13 @@ class GearPrioritizedSampler(FollowsCommits, PrioritizedSampler):
         self._init()
 
     # -- state -----------------------------------------------------------------------
+    _state_file = "sampler.json"
+    _mass_key = "mass"  # the saved per-row masses
+    _masses_draw_rows = True  # a positive mass makes its row drawable (the storage must restore it)
+
     def _scalars(self) -> dict:
         return {"capacity": self._max_capacity, "alpha": self._alpha, "beta": self._beta, "eps": self._eps,
                 "max_raw_priority": float(self._max_raw_priority), "sample_calls": self._sample_calls}
-
-    def _restore(self, scalars: dict, tensors: dict[str, torch.Tensor]) -> None:
-        if int(scalars["capacity"]) != self._max_capacity:
-            raise ValueError(f"state is for capacity {scalars['capacity']}, this sampler has {self._max_capacity}")
-        for name, t in tensors.items():
-            if t.shape != self._state_tensors()[name].shape:
-                raise ValueError(f"state tensor {name} has shape {tuple(t.shape)}")
-        self._trees.load_tensors(tensors)
-        self._generation.copy_(tensors["generation"])
-        self._alpha, self._beta, self._eps = scalars["alpha"], scalars["beta"], scalars["eps"]
-        self._max_raw_priority = torch.tensor(scalars["max_raw_priority"], dtype=torch.float64, device=self._device)
-        self._sample_calls = scalars["sample_calls"]
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:
         return {**self._trees.tensors(), "generation": self._generation}
@@ -298,22 +330,36 @@ class GearPrioritizedSampler(FollowsCommits, PrioritizedSampler):
     def state_dict(self) -> dict[str, Any]:
         return {**self._scalars(), **{k: v.clone() for k, v in self._state_tensors().items()}}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restore(state_dict, {k: state_dict[k] for k in self._state_tensors()})
+    def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
+        """``state`` checked in full: scalars in range, tensors of this sampler's shapes, masses finite and
+        non-negative, none on a row past the ``rows`` a storage restores with it."""
+        where = f"the saved {type(self).__name__} state"
+        capacity = checked_int(field(state, "capacity", where), "capacity", lo=1)
+        if capacity != self._max_capacity:
+            raise CheckpointError(f"state is for capacity {capacity}, this sampler has {self._max_capacity}")
+        checked = {"capacity": capacity, "sample_calls": checked_int(field(state, "sample_calls", where),
+                                                                     "sample_calls")}
+        for name in ("alpha", "beta", "eps", "max_raw_priority"):
+            checked[name] = checked_float(field(state, name, where), name)
+        for name, own in self._state_tensors().items():
+            checked[name] = checked_tensor(field(state, name, where), name, own.dtype, tuple(own.shape))
+        mass = checked[self._mass_key]
+        require_masses(mass, self._mass_key)
+        if self._masses_draw_rows:
+            require_nothing_past(mass > 0, rows, self._mass_key)
+        require_nonnegative(checked["generation"], "generation")
+        return checked
 
-    def dumps(self, path: str | Path) -> None:
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        for name, t in self._state_tensors().items():
-            write_raw(path / f"{name}.bin", t)
-        (path / "sampler.json").write_text(json.dumps(self._scalars()))
+    def _assign(self, state: dict[str, Any]) -> None:
+        self._trees.load_tensors({k: state[k] for k in self._trees.tensors()})
+        self._generation.copy_(state["generation"])
+        self._alpha, self._beta, self._eps = state["alpha"], state["beta"], state["eps"]
+        self._max_raw_priority = torch.tensor(state["max_raw_priority"], dtype=torch.float64, device=self._device)
+        self._sample_calls = state["sample_calls"]
 
-    def loads(self, path: str | Path) -> None:
-        path = Path(path)
-        scalars = json.loads((path / "sampler.json").read_text())
-        tensors = {name: read_raw(path / f"{name}.bin", t.dtype, list(t.shape))
-                   for name, t in self._state_tensors().items()}
-        self._restore(scalars, tensors)
+    def _unlisted_layout(self) -> dict[str, tuple[torch.dtype, list[int]]]:
+        """Before checksums, ``sampler.json`` held the scalars alone, next to these files."""
+        return {name: (t.dtype, list(t.shape)) for name, t in self._state_tensors().items()}
 
     def __getstate__(self) -> dict:
         return dict(self.__dict__)

@@ -203,17 +203,18 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
         GearSequenceSampler._empty(self)
         self._init()
 
+    _mass_key = "row_mass"
+    _masses_draw_rows = False  # a row's mass counts once the episode index says a window starts there
+
     def _state_tensors(self) -> dict[str, torch.Tensor]:
         return {"row_mass": self._row_mass, "generation": self._generation}
 
-    def _restore(self, scalars: dict, tensors: dict[str, torch.Tensor]) -> None:
-        if int(scalars["capacity"]) != self._max_capacity:
-            raise ValueError(f"state is for capacity {scalars['capacity']}, this sampler has {self._max_capacity}")
-        self._row_mass.copy_(tensors["row_mass"])
-        self._generation.copy_(tensors["generation"])
-        self._alpha, self._beta, self._eps = scalars["alpha"], scalars["beta"], scalars["eps"]
-        self._max_raw_priority = scalars["max_raw_priority"]
-        self._sample_calls = scalars["sample_calls"]
+    def _assign(self, state: dict[str, Any]) -> None:
+        self._row_mass.copy_(state["row_mass"])
+        self._generation.copy_(state["generation"])
+        self._alpha, self._beta, self._eps = state["alpha"], state["beta"], state["eps"]
+        self._max_raw_priority = state["max_raw_priority"]
+        self._sample_calls = state["sample_calls"]
         GearSequenceSampler._empty(self)  # the tree is re-derived at the next sample
 
     def state_dict(self) -> dict[str, Any]:

@@ -16,6 +16,14 @@ from gear_torchrl.samplers.following import FollowsCommits
 from gear_torchrl.samplers.prioritized import _as_index
 from gear_torchrl.samplers.state_file import StateDictFile
 from gear_torchrl.store.last_writes import last_write_positions
+from gear_torchrl.store.state_checks import (
+    CheckpointError,
+    checked_int,
+    checked_tensor,
+    field,
+    require_nonnegative,
+    require_nothing_past,
+)
 
 
 def _last_writes(index: torch.Tensor) -> torch.Tensor:
@@ -181,14 +189,33 @@ class QueueSampler(FollowsCommits, StateDictFile, Sampler):
         return {"generation": self._generation.clone(), "queued": self._queued.clone(), "waiting": self._waiting,
                 "rows": self._rows[live].clone(), "gens": self._gens[live].clone()}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._generation = state_dict["generation"].clone()
-        self._queued = state_dict["queued"].clone()
+    def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
+        """``state`` checked in full: every queued row has one live entry, none past the ``rows`` restored."""
+        where = "the saved QueueSampler state"
+        cap = self.max_capacity
+        generation = checked_tensor(field(state, "generation", where), "generation", torch.int64, (cap,))
+        queued = checked_tensor(field(state, "queued", where), "queued", torch.bool, (cap,))
+        entries = checked_tensor(field(state, "rows", where), "rows", torch.int64)
+        gens = checked_tensor(field(state, "gens", where), "gens", torch.int64, tuple(entries.shape))
+        waiting = checked_int(field(state, "waiting", where), "waiting", hi=cap)
+        require_nonnegative(generation, "generation")
+        require_nonnegative(entries, "rows", at_most=cap - 1)
+        require_nonnegative(gens, "gens")
+        require_nothing_past(queued, rows, "queued")
+        live = gens == generation[entries]
+        if int(queued.sum()) != waiting or int(live.sum()) != waiting or not bool(queued[entries[live]].all()):
+            raise CheckpointError(f"the saved queue is inconsistent: {waiting} rows wait, {int(queued.sum())} are "
+                                  f"marked queued and {int(live.sum())} entries are live")
+        return {"generation": generation, "queued": queued, "waiting": waiting, "rows": entries, "gens": gens}
+
+    def _assign(self, state: dict[str, Any]) -> None:
+        self._generation = state["generation"].clone()
+        self._queued = state["queued"].clone()
         self._taken = torch.zeros_like(self._queued)  # picks before the checkpoint cannot come back
-        self._waiting = int(state_dict["waiting"])
+        self._waiting = state["waiting"]
         self._head = self._tail = 0
         self._rows, self._gens = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
-        self._push(state_dict["rows"], state_dict["gens"])
+        self._push(state["rows"], state["gens"])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(order={self.order!r}, waiting={len(self)})"

@@ -1,19 +1,100 @@
-"""Checkpointing for samplers whose whole state is a small ``state_dict``."""
+"""Sampler checkpoints: a state dict's tensors as raw files with checksums, the rest in a JSON manifest.
+
+Loading is two steps, so nothing changes until everything is known good:
+``read_checkpoint`` reads and checks (``checked_state_dict``), ``_assign``
+takes the checked state. ``GearStorageCheckpointer`` calls
+``check_checkpoint`` on the buffer's sampler before it restores the storage:
+TorchRL's ``rb.loads`` restores the storage first, and a sampler state found
+damaged afterwards would leave new rows behind old priorities.
+"""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from gear_torchrl.store.persistence import read_checkpoint, write_checkpoint
+from gear_torchrl.store.state_checks import CheckpointError, UnverifiedCheckpointWarning
+
+SAMPLER_FORMAT = "gear_torchrl.sampler/1"
+_PICKLED_STATE = "sampler_state.pt"  # before checksums, samplers with small states saved this
+
 
 class StateDictFile:
-    """``dumps``/``loads`` as one file holding ``state_dict()`` (TorchRL calls these from ``rb.dumps``)."""
+    """``dumps``/``loads``/``load_state_dict``/``check_checkpoint`` over ``state_dict()``.
 
-    _state_file = "sampler_state.pt"
+    A subclass gives ``state_dict()`` (tensors and JSON scalars),
+    ``checked_state_dict(state, rows)`` (raises CheckpointError naming the
+    problem, changes nothing) and ``_assign(state)`` (takes a checked state).
+    """
+
+    _state_file = "sampler_state.json"
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
+        """``state`` checked against this sampler; ``rows``: how many rows the storage restores with it."""
+        raise NotImplementedError
+
+    def _assign(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._assign(self.checked_state_dict(state_dict))
 
     def dumps(self, path: str | Path) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        torch.save(self.state_dict(), Path(path) / self._state_file)
+        state = self.state_dict()
+        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        fields = {"kind": type(self).__name__, **{k: v for k, v in state.items() if k not in tensors}}
+        write_checkpoint(path, self._state_file, SAMPLER_FORMAT, fields, tensors)
 
     def loads(self, path: str | Path) -> None:
-        self.load_state_dict(torch.load(Path(path) / self._state_file))
+        self._assign(self.read_checkpoint(path))
+
+    def check_checkpoint(self, path: str | Path, rows: int | None = None) -> None:
+        """Raise CheckpointError unless ``loads(path)`` would succeed next to ``rows`` restored rows."""
+        self.read_checkpoint(path, rows)
+
+    def read_checkpoint(self, path: str | Path, rows: int | None = None) -> dict[str, Any]:
+        """The state saved at ``path``, read in full and checked; this sampler does not change."""
+        path = Path(path)
+        if not (path / self._state_file).exists():
+            return self._read_pickled(path, rows)
+
+        def checked(fields: dict, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+            kind = fields.get("kind")
+            if kind is not None and kind != type(self).__name__:
+                raise CheckpointError(f"{path} holds the state of a {kind}, this sampler is a {type(self).__name__}")
+            saved = {k: v for k, v in fields.items() if k != "kind"}
+            return self.checked_state_dict(self._with_inner(path, {**saved, **tensors}, rows), rows)
+
+        layout = self._unlisted_layout()
+        return read_checkpoint(path, self._state_file, SAMPLER_FORMAT, checked,
+                               unverified_formats=() if layout is None else (None,), unlisted=layout)
+
+    def _with_inner(self, path: Path, saved: dict[str, Any], rows: int | None) -> dict[str, Any]:
+        """``saved`` plus the states of samplers this one wraps (saved in subdirectories of ``path``)."""
+        return saved
+
+    def _unlisted_layout(self) -> dict[str, tuple[torch.dtype, list[int]]] | None:
+        """The tensor files of a manifest written before checksums, which listed none (None: there were none)."""
+        return None
+
+    def _read_pickled(self, path: Path, rows: int | None) -> dict[str, Any]:
+        """A state saved before checksums (``torch.save``): loaded with a warning, checked all the same."""
+        if not (path / _PICKLED_STATE).exists():
+            raise CheckpointError(f"no {type(self).__name__} state at {path} (missing {self._state_file})")
+        return self.checked_state_dict(load_pickled(path / _PICKLED_STATE), rows)
+
+
+def load_pickled(path: Path) -> Any:
+    """What ``torch.save`` wrote at ``path`` before checkpoints carried checksums, with a warning saying so."""
+    warnings.warn(f"{path} was written before checkpoints carried checksums: its values are checked, but damaged "
+                  "bytes cannot be detected. Save it again to add them.", UnverifiedCheckpointWarning, stacklevel=4)
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as err:  # whatever unpickling raises, the file is damaged
+        raise CheckpointError(f"{path} does not load ({err}): it is damaged") from None

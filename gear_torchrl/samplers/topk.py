@@ -12,12 +12,14 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
+from gear_torchrl._ext import _C
 from gear_torchrl.samplers.following import FollowsCommits
 from gear_torchrl.samplers.prioritized import _as_index, _as_priority
 from gear_torchrl.samplers.state_file import StateDictFile
 from gear_torchrl.samplers.trees import ScoreTree
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.spec import NestedKey, as_path
+from gear_torchrl.store.state_checks import CheckpointError, checked_tensor, field, require_nothing_past
 
 
 class TopKSampler(FollowsCommits, StateDictFile, Sampler):
@@ -108,8 +110,25 @@ class TopKSampler(FollowsCommits, StateDictFile, Sampler):
     def state_dict(self) -> dict[str, Any]:
         return {"scores": self._scores.max.clone()}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._scores.max.copy_(state_dict["scores"])
+    def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
+        """``state`` checked: a tree of this capacity, no NaN, no scored row past the ``rows`` restored."""
+        scores = checked_tensor(field(state, "scores", "the saved TopKSampler state"), "scores", torch.float64,
+                                tuple(self._scores.max.shape))
+        if bool(scores.isnan().any()):
+            at = int(scores.isnan().nonzero()[0, 0])
+            raise CheckpointError(f"scores hold NaN at entry {at}: the state is damaged")
+        leaves = self._leaves(scores)
+        require_nothing_past(leaves > float("-inf"), rows, "scores")
+        return {"scores": scores}
+
+    def _assign(self, state: dict[str, Any]) -> None:
+        """Rebuild the tree from the saved leaves: its inner nodes are derived, never trusted."""
+        self._scores.clear()
+        self._scores.set(torch.arange(self.max_capacity), self._leaves(state["scores"]).clone())
+
+    def _leaves(self, tree: torch.Tensor) -> torch.Tensor:
+        first = _C.tree_leaf_offset(tree.numel())
+        return tree[first: first + self.max_capacity]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(key={self.key!r})"

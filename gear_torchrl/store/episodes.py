@@ -22,8 +22,11 @@ import itertools
 import os
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from gear_torchrl.store.state_checks import CheckpointError, checked_int, checked_tensor, field
 
 _MIN_SLOTS = 64
 _UIDS = itertools.count()
@@ -280,6 +283,7 @@ class EpisodeIndex:
         }
 
     def load(self, state: dict) -> None:
+        """Restore from ``state()`` (checked with ``check_state`` first)."""
         self.first_serial = int(state["first_serial"])
         self.next_serial = int(state["next_serial"])
         self.open_traj = None if state["open_traj"] is None else int(state["open_traj"])
@@ -292,3 +296,59 @@ class EpisodeIndex:
         self.length[slot] = torch.as_tensor(state["length"], dtype=torch.int64)
         self.closed[slot] = torch.as_tensor(state["closed"], dtype=torch.bool)
         self._changed(None)
+
+
+def check_state(state: Any, capacity: int, rows: int, oldest_row: int, tracked: bool) -> None:
+    """Raise CheckpointError unless ``state`` (``EpisodeIndex.state()``) indexes ``rows`` stored rows.
+
+    Live episodes tile the stored rows in ring order from ``oldest_row``: each
+    starts where the previous one ends, lengths are non-negative and add up to
+    ``rows``, and only the newest may still be open. Rows that are not single
+    steps (``tracked`` False) may have no episodes at all.
+    """
+    where = "the saved episode index"
+    first = checked_int(field(state, "first_serial", where), "the episode index's first_serial")
+    nxt = checked_int(field(state, "next_serial", where), "the episode index's next_serial", lo=first)
+    count = nxt - first
+    start = checked_tensor(field(state, "start", where), "episode starts", torch.int64)
+    length = checked_tensor(field(state, "length", where), "episode lengths", torch.int64, tuple(start.shape))
+    closed = checked_tensor(field(state, "closed", where), "episode closed flags", torch.bool, tuple(start.shape))
+    if start.shape != (count,):
+        raise CheckpointError(f"the episode index's serials [{first}, {nxt}) number {count} episodes, "
+                              f"but it saves {tuple(start.shape)}")
+    open_traj = field(state, "open_traj", where)
+    if open_traj is not None:
+        checked_int(open_traj, "the episode index's open_traj", lo=-(1 << 63))
+    _check_lengths(length, rows, tracked)
+    _check_tiling(start, length, capacity, oldest_row)
+    if count > 1 and not bool(closed[:-1].all()):
+        at = int((~closed[:-1]).nonzero()[0, 0])
+        raise CheckpointError(f"episode {at} of {count} is open: only the newest episode can be")
+
+
+def _check_lengths(length: torch.Tensor, rows: int, tracked: bool) -> None:
+    if bool((length < 0).any()):
+        at = int((length < 0).nonzero()[0, 0])
+        raise CheckpointError(f"episode {at} has negative length {int(length[at])}")
+    total = int(length.sum())
+    if total != rows and (tracked or length.numel()):
+        raise CheckpointError(f"episode lengths add up to {total} rows, but {rows} rows are stored")
+
+
+def _check_tiling(start: torch.Tensor, length: torch.Tensor, capacity: int, oldest_row: int) -> None:
+    """Non-empty episodes follow each other from ``oldest_row`` on, with no gap and no overlap."""
+    outside = (start < 0) | (start >= capacity)
+    if bool(outside.any()):
+        at = int(outside.nonzero()[0, 0])
+        raise CheckpointError(f"episode {at} starts at row {int(start[at])}, outside [0, {capacity})")
+    held = (length > 0).nonzero().squeeze(1)
+    if held.numel() == 0:
+        return
+    expected = torch.empty_like(held)
+    expected[0] = oldest_row
+    expected[1:] = (start[held[:-1]] + length[held[:-1]]) % capacity
+    wrong = start[held] != expected
+    if bool(wrong.any()):
+        at = int(wrong.nonzero()[0, 0])
+        raise CheckpointError(f"episode {int(held[at])} starts at row {int(start[held[at]])}, expected row "
+                              f"{int(expected[at])}: episodes overlap, leave a gap or are out of order")

@@ -19,11 +19,13 @@ import torch
 from gear_torchrl import gather
 from gear_torchrl._ext import _C
 from gear_torchrl.store.episodes import EpisodeIndex, episode_ends
+from gear_torchrl.store.episodes import check_state as check_episode_state
 from gear_torchrl.store.hot_tier import HotTier
 from gear_torchrl.store.huge_pages import empty_huge
 from gear_torchrl.store.last_writes import last_write_positions
 from gear_torchrl.store.local_commits import CommitRecord
-from gear_torchrl.store.spec import Data, NestedKey, SpecMismatchError, TableSpec
+from gear_torchrl.store.spec import Data, NestedKey, SpecMismatchError, TableSpec, key_name
+from gear_torchrl.store.state_checks import CheckpointError, checked_int, field
 
 logger = logging.getLogger(__name__)
 
@@ -340,34 +342,46 @@ class Shard:
 
     # -- state -------------------------------------------------------------------------
     def checked_state(self, state: dict) -> tuple[TableSpec | None, list[torch.Tensor]]:
-        """The spec and columns of a ``state()``, checked against this shard."""
-        if int(state["capacity"]) != self.capacity:
-            raise ValueError(f"state holds a storage of capacity {state['capacity']}, this one has {self.capacity}")
-        spec = None if state["spec"] is None else TableSpec.from_json(state["spec"])
+        """The spec and columns of a ``state()``, every field checked against the others, the data and this shard.
+
+        Raises CheckpointError naming the first problem. Nothing changes here, so
+        whoever loads (``load_state``, a shared shard's too) checks first, then writes.
+        """
+        where = "the saved state"
+        capacity = checked_int(field(state, "capacity", where), "capacity", lo=1)
+        if capacity != self.capacity:
+            raise CheckpointError(f"state holds a storage of capacity {capacity}, this one has {self.capacity}")
+        spec = _saved_spec(field(state, "spec", where))
+        columns = _saved_columns(spec, field(state, "columns", where), capacity)
         if self.spec is not None and spec is not None and spec != self.spec:
-            raise ValueError("state's columns (keys, dtypes or shapes) differ from this storage's")
-        columns = state["columns"]
-        if spec is not None:
-            if len(columns) != len(spec.columns):
-                raise ValueError(f"state has {len(columns)} columns, its spec {len(spec.columns)}")
-            for c, t in zip(spec.columns, columns):
-                if t.dtype != c.dtype or t.shape[1:] != c.row_shape or t.shape[0] > self.capacity:
-                    raise ValueError(f"state column {c.key!r} has shape {tuple(t.shape)} and dtype {t.dtype}")
+            raise CheckpointError("state's columns (keys, dtypes or shapes) differ from this storage's")
+        saved = columns[0].shape[0] if columns else 0
+        why = f" (the state saves {saved} rows of a {capacity}-row storage)"
+        size = checked_int(field(state, "size", where), "size", hi=saved, why=why)
+        head = checked_int(field(state, "head", where), "head", hi=min(saved, capacity - 1), why=why)
+        check_episode_state(field(state, "episodes", where), capacity, size,
+                            oldest_row=head if size == capacity else 0,
+                            tracked=spec is not None and len(spec.row_batch_shape) == 0)
         return spec, columns
 
     def state(self) -> dict:
-        """Everything needed to restore the shard exactly; tensors are views, not copies."""
+        """Everything needed to restore the shard exactly; tensors are views, not copies.
+
+        The columns hold every row ever written and every readable row, so a
+        loader can require ``size`` to be within the rows saved.
+        """
+        saved = max(self.written, self.size) if self.spec is not None else 0
         return {
             "capacity": self.capacity,
             "spec": None if self.spec is None else self.spec.to_json(),
-            "size": self.size,
-            "head": self.head,
-            "columns": [c[: self.written] for c in self.columns],
+            "size": self.size if self.spec is not None else 0,
+            "head": self.head if self.spec is not None else 0,
+            "columns": [c[:saved] for c in self.columns],
             "episodes": self.episodes.state(),
         }
 
     def load_state(self, state: dict) -> None:
-        """Restore from ``state()``; checks everything before changing anything."""
+        """Restore from ``state()``; checks everything (``checked_state``) before changing anything."""
         spec, columns = self.checked_state(state)
         if self.spec is None and spec is not None:
             self._allocate(spec)
@@ -491,6 +505,39 @@ class Shard:
         """The buffer of one column, or None if the data has no such key."""
         i = None if self.spec is None else self.spec.find(key)
         return None if i is None else self.columns[i]
+
+
+def _saved_spec(blob: dict | None) -> TableSpec | None:
+    """The spec a state saved (None: an empty store), every dtype a dtype."""
+    if blob is None:
+        return None
+    try:
+        spec = TableSpec.from_json(blob)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        raise CheckpointError(f"the saved spec is damaged: {err!r}") from None
+    for c in spec.columns:
+        if not isinstance(c.dtype, torch.dtype) or any(d < 0 for d in c.row_shape):
+            raise CheckpointError(f"the saved spec gives column {key_name(c.key)!r} dtype {c.dtype!r} and row "
+                                  f"shape {tuple(c.row_shape)}: it is damaged")
+    return spec
+
+
+def _saved_columns(spec: TableSpec | None, columns: Sequence, capacity: int) -> list[torch.Tensor]:
+    """The saved columns, as the spec describes them, all holding the same rows (at most ``capacity``)."""
+    expected = () if spec is None else spec.columns
+    if not isinstance(columns, (list, tuple)) or len(columns) != len(expected):
+        count = len(columns) if isinstance(columns, (list, tuple)) else type(columns).__name__
+        raise CheckpointError(f"state has {count} columns, its spec {len(expected)}")
+    for c, t in zip(expected, columns):
+        if not isinstance(t, torch.Tensor) or t.ndim == 0 or t.dtype != c.dtype or t.shape[1:] != c.row_shape:
+            found = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CheckpointError(f"state column {key_name(c.key)!r} is {found}, its spec says {c.dtype} "
+                                  f"(rows, *{tuple(c.row_shape)})")
+    rows = sorted({t.shape[0] for t in columns})
+    if len(rows) > 1 or (rows and rows[0] > capacity):
+        raise CheckpointError(f"state columns hold {rows} rows: they must all hold the same number, "
+                              f"at most the capacity {capacity}")
+    return list(columns)
 
 
 def _num_rows(data: Data) -> int:
