@@ -104,3 +104,56 @@ def test_unsupported_layouts_are_refused_clearly():
         GearStorage(100, ndim=2)
     with pytest.raises(ValueError, match="compilable"):
         GearStorage(100, compilable=True, shared=True)
+
+
+# -- SliceSampler's names and its refusal of data without episode markers -----------------------
+def _episodes_td(n_episodes: int = 20, length: int = 10, done_key=("next", "done")) -> TensorDict:
+    done = torch.zeros(n_episodes, length, 1, dtype=torch.bool)
+    done[:, -1] = True
+    return TensorDict({"ep": torch.arange(n_episodes).repeat_interleave(length), done_key: done.reshape(-1, 1)},
+                      [n_episodes * length])
+
+
+def test_sequence_sampler_takes_slice_samplers_names():
+    from torchrl.data import SliceSampler
+
+    from gear_torchrl import GearSequenceSampler
+
+    for sampler in (SliceSampler(slice_len=4, traj_key="ep"),
+                    GearSequenceSampler(slice_len=4, traj_key="ep"),
+                    GearSequenceSampler(num_slices=8, slice_len=4, strict_length=True, end_key=("next", "done"))):
+        storage = GearStorage(400, traj_key="ep") if isinstance(sampler, GearSequenceSampler) else LazyTensorStorage(400)
+        rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=32)
+        rb.extend(_episodes_td())
+        ep = rb.sample()["ep"].view(8, 4)
+        assert bool((ep == ep[:, :1]).all())
+    with pytest.raises(TypeError, match="one of seq_len"):
+        GearSequenceSampler(seq_len=4, slice_len=4)
+
+
+def test_sequence_sampler_refuses_keys_the_storage_does_not_delimit_episodes_with():
+    from gear_torchrl import GearSequenceSampler
+
+    rb = TensorDictReplayBuffer(storage=GearStorage(400), sampler=GearSequenceSampler(slice_len=4, traj_key="ep"),
+                                batch_size=32)
+    rb.extend(_episodes_td())
+    with pytest.raises(ValueError, match="traj_key='ep'"):
+        rb.sample()
+    typo = TensorDictReplayBuffer(storage=GearStorage(400, end_keys=[("next", "dnoe")]),
+                                  sampler=GearSequenceSampler(4), batch_size=32)
+    typo.extend(_episodes_td())
+    with pytest.raises(KeyError, match="windows would cross episodes"):
+        typo.sample()
+
+
+def test_collector_trajectory_ids_delimit_episodes_by_default():
+    from gear_torchrl import GearSequenceSampler
+
+    td = _episodes_td()
+    del td["next"]
+    td["collector", "traj_ids"] = td["ep"]  # no done flags: a batched collector's rows, env after env
+    rb = TensorDictReplayBuffer(storage=GearStorage(400), sampler=GearSequenceSampler(4), batch_size=64)
+    rb.extend(td)
+    assert rb.storage.shard.episodes.num_episodes == 20
+    ep = rb.sample()["ep"].view(16, 4)
+    assert bool((ep == ep[:, :1]).all())

@@ -48,7 +48,7 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
     def __init__(
         self,
         max_capacity: int,
-        seq_len: int,
+        seq_len: int | None = None,
         *,
         alpha: float = 0.9,
         beta: float = 0.6,

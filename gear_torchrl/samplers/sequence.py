@@ -37,6 +37,12 @@ class GearSequenceSampler(Sampler):
         seq_len: training steps per window.
         num_windows: windows per batch; the batch size must be a multiple of
             ``burn_in + seq_len`` when it is None (like ``SliceSampler``'s ``slice_len``).
+        slice_len, num_slices: ``SliceSampler``'s names: ``slice_len`` is the whole window
+            (``burn_in + seq_len``), ``num_slices`` is ``num_windows``. Give one of
+            ``seq_len`` / ``slice_len``.
+        traj_key, end_key: ``SliceSampler``'s names for what delimits episodes. Here the
+            storage's episode index does (``GearStorage(traj_key=..., end_keys=...)``): when
+            given, they are checked against the storage's at the first sample.
         burn_in: steps before the training steps (R2D2's burn-in). With padding
             they may reach before the episode start (head padding).
         strict_length: only windows fully inside an episode; otherwise windows
@@ -50,9 +56,13 @@ class GearSequenceSampler(Sampler):
 
     def __init__(
         self,
-        seq_len: int,
+        seq_len: int | None = None,
         *,
         num_windows: int | None = None,
+        slice_len: int | None = None,
+        num_slices: int | None = None,
+        traj_key: NestedKey | None = None,
+        end_key: NestedKey | None = None,
         burn_in: int = 0,
         strict_length: bool = True,
         uniform_over: Literal["windows", "episodes"] = "windows",
@@ -63,6 +73,7 @@ class GearSequenceSampler(Sampler):
         truncated_key: NestedKey = ("next", "truncated"),
         terminated_key: NestedKey = ("next", "terminated"),
     ) -> None:
+        seq_len, num_windows = _torchrl_names(seq_len, slice_len, num_windows, num_slices, burn_in)
         if seq_len < 1 or burn_in < 0:
             raise ValueError(f"seq_len must be >= 1 and burn_in >= 0, got seq_len={seq_len}, burn_in={burn_in}")
         if uniform_over not in ("windows", "episodes"):
@@ -77,6 +88,7 @@ class GearSequenceSampler(Sampler):
         self.cross_ring_end = cross_ring_end
         self.mask_key, self.done_key = mask_key, done_key
         self.truncated_key, self.terminated_key = truncated_key, terminated_key
+        self.traj_key, self.end_key = traj_key, end_key
         self._tree: PriorityTrees | None = None
         self._seen: tuple[int, int] | None = None  # the episode index's position when last refreshed
 
@@ -138,10 +150,24 @@ class GearSequenceSampler(Sampler):
             raise RuntimeError("cannot sample from an empty storage: write some data first")
         if not shard.tracks_episodes:
             raise RuntimeError("GearSequenceSampler needs rows that are single steps (batch_size [] per row)")
+        self._check_episode_keys(shard)
         self._refresh(shard.episodes)
         if not self._tree.total > 0:
             raise RuntimeError(self._nothing_to_sample(shard.episodes))
         return self._draw(shard.episodes, num_windows, shard.capacity)
+
+    def _check_episode_keys(self, shard: Any) -> None:
+        """Windows must not cross episodes: refuse when nothing in the data delimits them."""
+        if self.traj_key is not None and as_path(self.traj_key) != as_path(shard.traj_key or ()):
+            raise ValueError(f"traj_key={self.traj_key!r}: episodes come from the storage's index, whose "
+                             f"trajectory key is {shard.traj_key!r}; build GearStorage(traj_key={self.traj_key!r})")
+        if self.end_key is not None and as_path(self.end_key) not in {as_path(k) for k in shard.end_keys}:
+            raise ValueError(f"end_key={self.end_key!r}: episodes come from the storage's index, whose end keys "
+                             f"are {shard.end_keys!r}; build GearStorage(end_keys=[{self.end_key!r}])")
+        if not shard.has_episode_markers:
+            raise KeyError(f"none of the storage's end keys {shard.end_keys!r} nor a trajectory key is in the "
+                           "data, so every stored step would count as one episode and windows would cross "
+                           "episodes; pass GearStorage(end_keys=..., traj_key=...) naming keys the data has")
 
     def window_mass(self, storage: GearStorage) -> float:
         """How many windows (or eligible episodes) the shard holds: its weight among shards."""
@@ -246,3 +272,17 @@ class GearSequenceSampler(Sampler):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(seq_len={self.seq_len}, burn_in={self.burn_in}, "
                 f"strict_length={self.strict_length}, uniform_over={self.uniform_over!r})")
+
+
+def _torchrl_names(seq_len: int | None, slice_len: int | None, num_windows: int | None,
+                   num_slices: int | None, burn_in: int) -> tuple[int, int | None]:
+    """``seq_len`` and ``num_windows`` from ours or SliceSampler's names (one of each pair at most)."""
+    if (seq_len is None) == (slice_len is None):
+        raise TypeError("GearSequenceSampler takes one of seq_len (training steps per window) or slice_len "
+                        f"(SliceSampler's: the whole window, burn_in included); got seq_len={seq_len}, "
+                        f"slice_len={slice_len}")
+    if num_windows is not None and num_slices is not None:
+        raise TypeError(f"num_windows and num_slices name the same thing; got both ({num_windows}, {num_slices})")
+    if slice_len is not None:
+        seq_len = slice_len - burn_in
+    return seq_len, num_windows if num_slices is None else num_slices

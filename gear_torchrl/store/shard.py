@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor | range
 
 DEFAULT_END_KEYS: tuple[NestedKey, ...] = (("next", "done"), ("next", "truncated"))
+COLLECTOR_TRAJ_KEY: NestedKey = ("collector", "traj_ids")
 
 
 class EmptyStoreError(RuntimeError):
@@ -161,10 +162,20 @@ class Shard:
                 gather.host_register(column)
             weakref.finalize(self, _unregister, list(self.columns))
         self.spec = spec
+        if self.traj_key is None and spec.find(COLLECTOR_TRAJ_KEY) is not None:
+            self.traj_key = COLLECTOR_TRAJ_KEY  # what TorchRL's collectors mark trajectories with
         self._end_columns = [i for k in self.end_keys if (i := spec.find(k)) is not None]
         self._traj_column = spec.find(self.traj_key) if self.traj_key is not None else None
         if self.traj_key is not None and self._traj_column is None:
             logger.warning("traj_key %r is not in the data; episodes come from end flags only", self.traj_key)
+        if self.tracks_episodes and not self.has_episode_markers:
+            logger.warning("none of the end keys %r nor a trajectory key is in the data: the episode index "
+                           "sees one episode; sequence samplers will refuse to sample", self.end_keys)
+
+    @property
+    def has_episode_markers(self) -> bool:
+        """Whether the data holds an end flag or a trajectory id that delimits episodes."""
+        return bool(self._end_columns) or self._traj_column is not None
 
     @property
     def tracks_episodes(self) -> bool:
