@@ -28,11 +28,14 @@ from gear_torchrl.distributed.directory import (
     Directory,
     Heartbeat,
     ShardDescriptor,
+    advertised_address,
     exchange_descriptors,
     host_id,
     serving_address,
 )
 from gear_torchrl.distributed.picked import Picked
+from gear_torchrl.distributed.sealed_store import SealedStore
+from gear_torchrl.distributed.secret import job_secret
 from gear_torchrl.distributed.shard_client import ShardClient
 from gear_torchrl.distributed.shard_server import ShardServer
 from gear_torchrl.distributed.transports.base import (
@@ -85,14 +88,23 @@ class ShardedGearStorage(TensorStorage):
         on_shard_failure: a shard that dies or stops answering makes sampling
             ``"raise"`` :class:`ShardUnavailableError`, or ``"skip"`` it: sampling goes
             on over the other shards, without its mass, and a warning is logged.
-        timeout: seconds a shard may take to answer before it counts as failed.
+        timeout: seconds a shard may take to answer before it counts as failed;
+            on an owner, also how long its server waits for a learner (to answer
+            its challenge, take a reply, release a selection) before dropping it.
         name: keeps several sharded stores of one job apart.
-        serve_on: address this rank's shard server binds (default: the interface
-            that reaches ``MASTER_ADDR``).
+        serve_on: the address this rank's shard server binds (default: the
+            interface that routes to ``MASTER_ADDR``, never every interface). A
+            wildcard (``"0.0.0.0"``) binds all of them and advertises the default.
         pin_memory: return batches in pinned memory (fast, asynchronous copies to a GPU).
         heartbeat_s: how often an owner publishes its shard's statistics.
         group: the process group to build over (default: the default group,
             initialized from torchrun's environment if needed).
+
+    Owners serve only processes that prove they hold the job's secret: the
+    operator's (``GEAR_TORCHRL_SECRET``, or a file named by
+    ``GEAR_TORCHRL_SECRET_FILE``, the same on every rank), else one rank 0
+    draws and broadcasts over the process group. It never goes through the
+    rendezvous store.
     """
 
     is_sharded = True
@@ -117,9 +129,10 @@ class ShardedGearStorage(TensorStorage):
         if not dist.is_initialized():
             dist.init_process_group("gloo")
         directory = Directory(_store_of(group), name)
-        secret = directory.secret(create=dist.get_rank(group) == 0)
+        secret = job_secret(group)
         local = GearStorage(max_size, shared=True, end_keys=end_keys, traj_key=traj_key) if owns_shard else None
-        server = None if local is None else ShardServer(local, secret, host=serve_on or serving_address())
+        server = None if local is None else ShardServer(local, secret, host=serve_on or serving_address(),
+                                                        timeout=timeout)
         exports_rdma = local is not None and _rdma_reason() is None
         rdma = {"prefix": f"{directory.prefix}/rdma/{dist.get_rank()}"} if exports_rdma else None
         mine = None if local is None else _describe(local, server, dist.get_rank(), rdma)
@@ -179,11 +192,19 @@ class ShardedGearStorage(TensorStorage):
         """Shards skipped after a failure, and why."""
         return dict(self._failed)
 
+    def _live(self) -> list[int]:
+        """The live shards; when skipping has left none, an error that names each failed shard and why."""
+        live = self.live_shards
+        if not live:
+            raise ShardUnavailableError(f"no shard is left: every shard failed and is skipped "
+                                        f"(on_shard_failure='skip'): {'; '.join(self._failed.values())}")
+        return live
+
     # -- size -------------------------------------------------------------------------
     def __len__(self) -> int:
         if not self._rows_known():
             self._pick_across({"kind": "uniform"}, 0)
-        return sum(n for s, n in self._rows.items() if s not in self._failed)
+        return sum(self._rows.get(s, 0) for s in self._live())
 
     @property
     def _len(self) -> int:
@@ -233,9 +254,7 @@ class ShardedGearStorage(TensorStorage):
         scalars: dict[str, float] = {}
         batch, exact, remaining = None, True, count
         for _ in range(_MAX_ROUNDS):
-            live = self.live_shards
-            if not live:
-                raise ShardUnavailableError(f"every shard has failed: {self._failed}")
+            live = self._live()
             counts = _split(remaining, [masses.get(s, 0.0) for s in live])
             slices = {}
             if batch is None and remaining == count and any(counts):
@@ -257,7 +276,7 @@ class ShardedGearStorage(TensorStorage):
             remaining = count - sum(p.starts.numel() for _, p, _ in got)
             if remaining == 0:
                 return got, scalars, batch if exact else None
-            if not any(masses.get(s, 0.0) > 0 for s in self.live_shards) and self._rows_known():
+            if not any(masses.get(s, 0.0) > 0 for s in self._live()) and self._rows_known():
                 self._give_back(selection, got)
                 raise EmptyStoreError(f"nothing to sample in any of the {len(self.live_shards)} live shards "
                                       f"for {selection['kind']} selection (empty, or no eligible rows/windows): "
@@ -294,7 +313,7 @@ class ShardedGearStorage(TensorStorage):
         """
         if count <= 0:
             raise ValueError(f"select at least one row, got {count}")
-        live = self.live_shards
+        live = self._live()
         results = self._on_each(live, lambda s, k: self._client(s).select(selection, k)[0], [count] * len(live))
         ids = torch.cat([global_ids.encode(s, p.starts) for s, p in results])
         scores = torch.cat([p.extra["score"] for _, p in results])
@@ -396,6 +415,8 @@ class ShardedGearStorage(TensorStorage):
             if s >= self.num_shards:
                 raise IndexError(f"row id {int(ids.reshape(-1)[shards == s][0])} names shard {s}, "
                                  f"but the store has {self.num_shards} shards")
+            if s in self._failed:
+                raise ShardUnavailableError(f"cannot read rows of a shard skipped since it failed: {self._failed[s]}")
         spec = self._spec(owners[0]) if owners else None
         if spec is None:
             raise EmptyStoreError("cannot read an empty index from a sharded store")
@@ -423,7 +444,8 @@ class ShardedGearStorage(TensorStorage):
             generation = torch.as_tensor(generation, dtype=torch.int64).reshape(-1)
             if generation.numel() != rows.numel():
                 raise ValueError(f"got {generation.numel()} generations for {rows.numel()} indices")
-        owners = [s for s in torch.unique(shards).tolist() if s not in self._failed]
+        live = self._live()  # rows of skipped shards are dropped with them
+        owners = [s for s in torch.unique(shards).tolist() if s in live or s >= self.num_shards]
         for s in owners:
             if s >= self.num_shards:
                 raise IndexError(f"a row id names shard {s}, but the store has {self.num_shards} shards")
@@ -451,6 +473,7 @@ class ShardedGearStorage(TensorStorage):
             try:
                 results.append((shard, future.result()))
             except ShardUnavailableError as exc:
+                self._disconnect(shard)  # never reused: the next request dials again
                 if self.on_shard_failure == "skip" and allow_skip:
                     self._fail(shard, str(exc))
                 elif first_error is None:
@@ -464,16 +487,19 @@ class ShardedGearStorage(TensorStorage):
 
     def _fail(self, shard: int, why: str) -> None:
         self._failed[shard] = why
+        logger.warning("skipping %s from now on: %s; sampling goes on over %d shards without its mass",
+                       self.descriptors[shard].where, why, len(self.live_shards))
+
+    # -- connections -------------------------------------------------------------------------------
+    def _disconnect(self, shard: int) -> None:
+        """Close the shard's connection and transport; the next use opens new ones."""
         client = self._clients.pop(shard, None)
         if client is not None:
             client.close()
         transport = self._transports.pop(shard, None)
         if transport is not None:
             transport.close()
-        logger.warning("skipping %s from now on: %s; sampling goes on over %d shards without its mass",
-                       self.descriptors[shard].where, why, len(self.live_shards))
 
-    # -- connections -------------------------------------------------------------------------------
     def _forget_parent_connections(self) -> None:
         """In a forked child (a DataLoader worker), the parent's sockets and threads are not ours."""
         if os.getpid() != self._pid:
@@ -520,7 +546,7 @@ class ShardedGearStorage(TensorStorage):
         meta = self._client(d.shard).describe()
         spec = self._spec(d.shard)
         layout = ColumnLayout(tuple(meta["offsets"]), tuple(c.row_bytes for c in spec.columns), d.capacity)
-        store, prefix = self._directory.store, d.rdma["prefix"]
+        store, prefix = SealedStore(self._directory.store, self._secret), d.rdma["prefix"]
         region = RegionInfo.from_bytes(store.get(region_key(prefix)))
         learner = f"rank{dist.get_rank()}-pid{os.getpid()}-{id(self)}"
         return RdmaTransport(store, prefix, learner, region, layout)
@@ -554,7 +580,8 @@ class ShardedGearStorage(TensorStorage):
         mine = self.descriptors[self.shard_id]
         if mine.rdma is not None and shard.mapped_columns():
             if self._exporter is None:
-                self._exporter = _rdma_exporter(self._directory.store, mine.rdma["prefix"], shard.segment)
+                store = SealedStore(self._directory.store, self._secret)
+                self._exporter = _rdma_exporter(store, mine.rdma["prefix"], shard.segment)
             self._exporter.accept_pending()
         return {"rows": shard.readable_rows(), "capacity": shard.capacity, "inserts": shard.log.inserts}
 
@@ -669,10 +696,10 @@ def _merge_min(into: dict[str, float], scalars: dict[str, float]) -> None:
 
 def _describe(local: GearStorage, server: ShardServer, rank: int, rdma: dict | None) -> ShardDescriptor:
     handle = local.handle
-    addr, port = server.address
-    return ShardDescriptor(shard=-1, rank=rank, host=host_id(), addr=addr, port=port, store_id=handle.store_id,
-                           capacity=handle.capacity, end_keys=list(handle.end_keys), traj_key=handle.traj_key,
-                           rdma=rdma)
+    bound, port = server.address
+    return ShardDescriptor(shard=-1, rank=rank, host=host_id(), addr=advertised_address(bound), port=port,
+                           store_id=handle.store_id, capacity=handle.capacity, end_keys=list(handle.end_keys),
+                           traj_key=handle.traj_key, rdma=rdma)
 
 
 def _key(key: Any) -> NestedKey | None:
@@ -703,7 +730,7 @@ def _rdma_reason() -> str | None:
     return rdma_unavailable_reason()
 
 
-def _rdma_exporter(store: dist.Store, prefix: str, segment: torch.Tensor):
+def _rdma_exporter(store: SealedStore, prefix: str, segment: torch.Tensor):
     """Register the shard's data segment for one-sided reads and publish where it is."""
     from gear_torchrl.distributed.transports.rdma import RdmaExporter
 

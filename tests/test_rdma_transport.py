@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from gear_torchrl.distributed.sealed_store import SealedStore
 from gear_torchrl.distributed.transports import rdma
 from gear_torchrl.distributed.transports.base import (
     ColumnLayout,
@@ -334,6 +335,28 @@ def test_handshake_keys_and_pending_learners():
     assert await_endpoint(store, prefix, "rank1", "owner") == other
     with pytest.raises(ValueError):
         endpoint_key(prefix, "a/b", "owner")
+
+
+def test_a_sealed_store_believes_only_records_the_job_wrote():
+    """Outsiders reach the rendezvous store: their announcements, endpoints and regions are refused."""
+    raw, prefix = DictStore(), "gear/rdma/shard0"
+    job, outsider = SealedStore(raw, b"s" * 32), SealedStore(raw, b"not the job's secret")
+    announce_learner(job, prefix, "rank1", ENDPOINT)
+    announce_learner(outsider, prefix, "intruder", ENDPOINT)
+    announce_learner(raw, prefix, "plain", ENDPOINT)  # written straight into the store
+    assert pending_learners(job, prefix, 0) == ["rank1", None, None]
+    assert await_endpoint(job, prefix, "rank1", "learner") == ENDPOINT
+    for intruder in ("intruder", "plain"):
+        with pytest.raises(PermissionError, match="job's secret"):
+            await_endpoint(job, prefix, intruder, "learner")
+    region = RegionInfo(addr=4096, rkey=7, length=1 << 20)
+    job.set(region_key(prefix), region.to_bytes())
+    assert RegionInfo.from_bytes(job.get(region_key(prefix))) == region
+    record = json.loads(raw.get(region_key(prefix)))
+    record["data"] = RegionInfo(addr=8192, rkey=7, length=1 << 20).to_bytes().hex()  # moved by an outsider
+    raw.set(region_key(prefix), json.dumps(record))
+    with pytest.raises(PermissionError):
+        job.get(region_key(prefix))
 
 
 def test_handshake_over_a_blocking_torch_store():

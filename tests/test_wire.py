@@ -85,7 +85,7 @@ def test_native_receive_reports_a_closed_peer_and_a_timeout_as_socket_errors():
 def test_oversized_or_foreign_messages_are_protocol_errors():
     a, b = socket.socketpair()
     with a, b:
-        wire.send_header(a, Op.READ, {}, [wire.MAX_ARRAY_BYTES + 1])
+        a.sendall(wire.header(Op.READ, {}, [wire.MAX_ARRAY_BYTES + 1]))
         with pytest.raises(wire.ProtocolError, match="too large"):
             wire.receive(b)
     a, b = socket.socketpair()

@@ -1,16 +1,16 @@
-"""The control plane: who holds which shard, the job's secret, and shard health.
+"""The control plane: who holds which shard, where it listens, and shard health.
 
 All of it rides on ``torch.distributed``: descriptors are exchanged with one
-``all_gather_object`` when the store is built, and the secret and each
-shard's periodic statistics (its heartbeat) live in the process group's
-key-value store. No membership protocol of our own.
+``all_gather_object`` when the store is built, and each shard's periodic
+statistics (its heartbeat) live in the process group's key-value store. No
+membership protocol of our own. Nothing here authenticates: the store is
+readable by whoever reaches it (the job's secret is ``secret.py``'s).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import secrets
 import socket
 import threading
 import time
@@ -69,13 +69,6 @@ class Directory:
         self.store = store
         self.prefix = f"gear_torchrl/{name}"
 
-    def secret(self, *, create: bool) -> bytes:
-        """The job's shared secret: created by one rank, read (blocking) by the others."""
-        key = f"{self.prefix}/secret"
-        if create:
-            self.store.set(key, secrets.token_hex(32))
-        return bytes.fromhex(self.store.get(key).decode())
-
     def publish_stats(self, shard: int, stats: dict[str, Any]) -> None:
         self.store.set(f"{self.prefix}/stats/{shard}", json.dumps({**stats, "time": time.time()}))
 
@@ -108,12 +101,14 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self, directory: Directory, shard: int, stats: Callable[[], dict[str, Any]], period: float) -> None:
+        failing = False
         while not self._stop.is_set():
             try:
                 directory.publish_stats(shard, stats())
-            except Exception as exc:  # the store's host is gone: nobody is left to read the heartbeat
-                logger.warning("shard %d stops its heartbeat: %s", shard, exc)
-                return
+                failing = False
+            except Exception as exc:  # the store's host is gone, or the OS is short of something: try again
+                (logger.debug if failing else logger.warning)("shard %d missed a heartbeat: %s", shard, exc)
+                failing = True
             self._stop.wait(period)
 
     def stop(self) -> None:
@@ -122,11 +117,27 @@ class Heartbeat:
 
 
 def serving_address() -> str:
-    """The address other hosts reach this one at: the interface that routes to the rendezvous host."""
+    """The address other hosts reach this one at: the interface that routes to the rendezvous host.
+
+    Without a route there (no network yet), the address this host's name
+    resolves to; loopback as a last resort.
+    """
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect((master, 9))  # no packet is sent: this only picks the route
             return probe.getsockname()[0]
         except OSError:
-            return "127.0.0.1"
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def advertised_address(bound: str) -> str:
+    """Where other ranks reach a server bound to ``bound``: that address, or for a wildcard, ``serving_address()``."""
+    return serving_address() if bound in _WILDCARDS else bound
+
+
+_WILDCARDS = ("", "0.0.0.0", "::")

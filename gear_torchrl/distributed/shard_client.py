@@ -1,6 +1,7 @@
 """A learner's connection to one shard owner: selection, priority updates, TCP reads."""
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 from collections.abc import Callable
@@ -19,6 +20,9 @@ from gear_torchrl.distributed.transports.base import (
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.store.shard import EmptyStoreError
 
+# What a socket cannot be made without; they say nothing about the shard.
+_SHORTAGES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
 # Errors an owner reports that keep their type on the learner's side.
 _REMOTE_TYPES: dict[str, type[Exception]] = {
     "IndexError": IndexError, "ValueError": ValueError, "EmptyStoreError": EmptyStoreError,
@@ -27,28 +31,69 @@ _REMOTE_TYPES: dict[str, type[Exception]] = {
 
 
 class ShardClient:
-    """Requests to one shard, one at a time (a lock serializes threads of one learner)."""
+    """Requests to one shard, one at a time (a lock serializes threads of one learner).
+
+    A connection that failed is closed and never used again: the next request
+    dials anew, so a shard that answers again is served again.
+    """
 
     def __init__(self, descriptor: ShardDescriptor, secret: bytes, timeout: float) -> None:
         self.descriptor = descriptor
+        self._secret = secret
+        self._timeout = timeout
         self._lock = threading.Lock()
+        self._sock: socket.socket | None = self._dial()
+
+    def _dial(self) -> socket.socket:
+        """A connection to the owner that passed its challenge."""
+        where = self.descriptor.where
         try:
-            self._sock = socket.create_connection((descriptor.addr, descriptor.port), timeout=timeout)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            wire.answer_challenge(self._sock, secret)
+            sock = socket.create_connection((self.descriptor.addr, self.descriptor.port), timeout=self._timeout)
+        except OSError as exc:
+            if exc.errno in _SHORTAGES:
+                raise  # this process is short of descriptors or memory: no fault of the shard's
+            raise ShardUnavailableError(f"cannot reach {where}: {self._why(exc)}") from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire.answer_challenge(sock, self._secret)
+            return sock
         except PermissionError as exc:
-            raise PermissionError(f"{descriptor.where}: {exc}") from None
+            sock.close()
+            raise PermissionError(f"{where}: {exc}") from None
         except (OSError, wire.ProtocolError) as exc:
-            raise ShardUnavailableError(f"cannot reach {descriptor.where}: {exc}") from exc
+            sock.close()
+            raise ShardUnavailableError(f"cannot reach {where}: {self._why(exc)}") from exc
+
+    def _connection(self) -> socket.socket:
+        if self._sock is None:
+            self._sock = self._dial()
+        return self._sock
+
+    def _broken(self, exc: BaseException) -> ShardUnavailableError:
+        """Drop the connection ``exc`` broke; the error that says so."""
+        self.close()
+        return ShardUnavailableError(f"{self.descriptor.where} stopped answering: {self._why(exc)}")
+
+    def _why(self, exc: BaseException) -> str:
+        """A failure in the words an operator needs: timed out, refused, closed, or the OS's own."""
+        if isinstance(exc, TimeoutError):
+            return f"timed out after {self._timeout:g} s"
+        if isinstance(exc, wire.ProtocolError):
+            return f"broke the protocol ({exc})"
+        if isinstance(exc, ConnectionRefusedError):
+            return "refused the connection (nothing listens there)"
+        if isinstance(exc, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):
+            return "closed the connection"
+        return f"{type(exc).__name__}: {exc}"
 
     def request(self, message: Message, into: list[torch.Tensor] | wire.Allocator | None = None) -> Message:
         with self._lock:
+            sock = self._connection()
             try:
-                wire.send(self._sock, message)
-                reply = wire.receive(self._sock, into)
+                wire.send(sock, message)
+                reply = wire.receive(sock, into)
             except (OSError, wire.ProtocolError) as exc:
-                self.close()
-                raise ShardUnavailableError(f"{self.descriptor.where} stopped answering: {exc!r}") from exc
+                raise self._broken(exc) from exc
         if reply.op == Op.ERROR:
             kind = _REMOTE_TYPES.get(reply.meta.get("type"), RemoteShardError)
             raise kind(f"{self.descriptor.where}: {reply.meta.get('message')}")
@@ -89,10 +134,12 @@ class ShardClient:
     def release(self) -> None:
         """Let the owner's writers reuse the rows of our last selection (no reply comes back)."""
         with self._lock:
+            if self._sock is None:
+                return  # the connection that held them is gone, and its selection with it
             try:
                 wire.send(self._sock, Message(Op.RELEASE))
             except OSError as exc:
-                raise ShardUnavailableError(f"{self.descriptor.where} stopped answering: {exc!r}") from exc
+                raise self._broken(exc) from exc
 
     def update(self, selection: dict[str, Any], rows: torch.Tensor, priority: torch.Tensor,
                generation: torch.Tensor | None) -> None:
@@ -108,7 +155,6 @@ class ShardClient:
         return self.request(Message(Op.DESCRIBE)).meta
 
     def close(self) -> None:
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()

@@ -5,11 +5,19 @@ Each accepted connection is one learner. It gets its own view of the shard
 selection can hold its rows readable until the learner has read them: SELECT
 opens the view's read section, and READ (bytes sent back over this socket) or
 RELEASE (after a one-sided or same-host read) closes it. Writers waiting to
-overwrite those rows wait for exactly that.
+overwrite those rows wait for exactly that, and never for a learner that
+stalls: rows it does not take are copied out of the ring (``row_sender``), and
+a selection it does not release within ``timeout`` is released for it.
+
+Whatever peers and the OS do, the server keeps serving: a failed ``accept``
+(out of descriptors, memory or buffers, an aborted connection) is retried
+after a pause, and connections that have not proved they hold the secret are
+few and timed out.
 """
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 from typing import Any
@@ -18,6 +26,7 @@ import torch
 
 from gear_torchrl._ext import _C
 from gear_torchrl.distributed import wire
+from gear_torchrl.distributed.row_sender import ReplyCutShort, RowSender
 from gear_torchrl.distributed.selectors import Selector, SelectorRegistry
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.storage import GearStorage
@@ -27,81 +36,151 @@ from gear_torchrl.store.shared_shard import SharedStoreHandle
 logger = logging.getLogger(__name__)
 
 MAX_READ_POSITIONS = 1 << 24  # rows in one READ
-_HANDSHAKE_TIMEOUT_S = 10.0
+MAX_HANDSHAKES = 64  # connections that have not answered the challenge yet, at once
+_PAUSES_S = (0.01, 1.0)  # after a failed accept: the first pause, and the longest
 
 
 class ShardServer:
-    """Serves ``storage`` (a shared GearStorage) on ``host:port`` (0: any free port)."""
+    """Serves ``storage`` (a shared GearStorage) on ``host:port`` (0: any free port).
 
-    def __init__(self, storage: GearStorage, secret: bytes, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    ``timeout`` bounds each wait for a learner: its answer to the challenge,
+    taking a reply's bytes, and reading a selection it holds.
+    """
+
+    def __init__(self, storage: GearStorage, secret: bytes, *, host: str = "127.0.0.1", port: int = 0,
+                 timeout: float = 10.0) -> None:
         if not storage.shared:
             raise ValueError("a shard server serves a shared GearStorage (shared=True)")
         self.handle: SharedStoreHandle = storage.handle
         self.selectors = SelectorRegistry(storage.max_size)
         self._secret = secret
-        self._listener = socket.create_server((host, port))
+        self._timeout = timeout
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family)
         self.address = self._listener.getsockname()[:2]
         self._closed = threading.Event()
         self._connections: set[socket.socket] = set()
+        self._handshakes = 0
         self._lock = threading.Lock()
         threading.Thread(target=self._accept_loop, name="gear-shard-server", daemon=True).start()
 
     def _accept_loop(self) -> None:
+        """Accept until closed; a failure (EMFILE, ENOBUFS, ECONNABORTED...) pauses, doubling, then retries."""
+        pause = _PAUSES_S[0]
         while not self._closed.is_set():
             try:
                 conn, peer = self._listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(conn, peer), name=f"gear-shard-conn-{peer}", daemon=True).start()
+                self._start(conn, peer)
+                pause = _PAUSES_S[0]
+            except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
+                if self._closed.is_set():
+                    return
+                log = logger.warning if pause == _PAUSES_S[0] else logger.debug
+                log("shard server %s:%d cannot accept now (%s); retrying in %.2f s", *self.address[:2], exc, pause)
+                self._closed.wait(pause)
+                pause = min(2 * pause, _PAUSES_S[1])
+
+    def _start(self, conn: socket.socket, peer: Any) -> None:
+        """Serve ``conn`` on a thread of its own, unless too many connections are still unauthenticated."""
+        with self._lock:
+            if self._handshakes >= MAX_HANDSHAKES:
+                conn.close()
+                logger.warning("refused a connection from %s: %d others have not answered the challenge yet",
+                               peer, MAX_HANDSHAKES)
+                return
+            self._handshakes += 1
+            self._connections.add(conn)
+        try:
+            threading.Thread(target=self._serve, args=(conn, peer), name=f"gear-shard-conn-{peer}",
+                             daemon=True).start()
+        except BaseException:
+            self._handshake_done()
+            self._forget(conn)
+            raise
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
-        with self._lock:
-            self._connections.add(conn)
         session: _Session | None = None
         try:
-            conn.settimeout(_HANDSHAKE_TIMEOUT_S)
-            if not wire.challenge(conn, self._secret):
-                logger.warning("rejected a connection from %s: it does not hold the job's secret", peer)
+            if not self._authenticate(conn, peer):
                 return
-            conn.settimeout(None)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session = _Session(GearStorage(0, handle=self.handle), self.selectors, conn)
+            session = _Session(GearStorage(0, handle=self.handle), self.selectors, conn, self._timeout)
             while not self._closed.is_set():
-                reply = session.handle(wire.receive(conn))
-                if reply is not None:
-                    wire.send(conn, reply)
-        except (OSError, wire.ProtocolError) as exc:  # the learner left, or spoke nonsense: drop it
+                session.respond(session.next_request())
+        except (OSError, wire.ProtocolError) as exc:  # the learner left, stalled or spoke nonsense: drop it
             logger.debug("connection from %s ends: %s", peer, exc)
+        except Exception:  # nothing a learner sends may take the owner down
+            logger.exception("connection from %s ends on an unexpected error", peer)
         finally:
             if session is not None:
                 session.close()
-            with self._lock:
-                self._connections.discard(conn)
-            conn.close()
+            self._forget(conn)
+
+    def _authenticate(self, conn: socket.socket, peer: Any) -> bool:
+        """Whether the peer proves it holds the secret within the timeout; until then it is a handshake."""
+        try:
+            conn.settimeout(self._timeout)
+            if not wire.challenge(conn, self._secret):
+                logger.warning("rejected a connection from %s: it does not hold the job's secret", peer)
+                return False
+            conn.settimeout(None)
+            wire.set_send_timeout(conn, self._timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return True
+        finally:
+            self._handshake_done()
+
+    def _handshake_done(self) -> None:
+        with self._lock:
+            self._handshakes -= 1
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(conn)
+        conn.close()
 
     def close(self) -> None:
         self._closed.set()
+        for sock in (self._listener, *self._connections_now()):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the threads blocked on it (close alone would not)
+            except OSError:
+                pass
         self._listener.close()
+
+    def _connections_now(self) -> list[socket.socket]:
         with self._lock:
-            for conn in list(self._connections):
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            return list(self._connections)
 
 
 class _Session:
     """One learner's requests, against its own view of the shard."""
 
-    def __init__(self, storage: GearStorage, selectors: SelectorRegistry, conn: socket.socket) -> None:
+    def __init__(self, storage: GearStorage, selectors: SelectorRegistry, conn: socket.socket,
+                 timeout: float) -> None:
         self.conn = conn
         self.storage = storage
         self.selectors = selectors
         self.local_selectors: dict[tuple, Selector] = {}
+        self.timeout = timeout
+        self.rows = RowSender(conn)
+        self.holding = False  # a selection's rows stay readable for a one-sided read, until RELEASE
+
+    def next_request(self) -> Message:
+        """The learner's next request; a selection it holds longer than the timeout is released meanwhile."""
+        if self.holding and not _request_within(self.conn, self.timeout):
+            logger.warning("a learner held a selection for %g s without releasing it: released for it", self.timeout)
+            self._release()
+        return wire.receive(self.conn)
+
+    def respond(self, request: Message) -> None:
+        reply = self.handle(request)
+        if reply is not None:
+            wire.send(self.conn, reply)
 
     def handle(self, request: Message) -> Message | None:
+        """The reply to ``request``, or None when there is none or it went out already (rows)."""
         if request.op in (Op.SELECT, Op.RELEASE):
-            self.storage.shard.release()  # a connection holds at most one selection's rows
+            self._release()  # a connection holds at most one selection's rows
         try:
             if request.op == Op.SELECT:
                 return self._select(request)
@@ -116,11 +195,13 @@ class _Session:
             if request.op == Op.GIVE_BACK:
                 return self._give_back(request)
             raise ValueError(f"unknown request code {request.op}")
+        except ReplyCutShort:
+            raise  # part of a reply left: no error reply can follow it
         except Exception as exc:  # refused: the learner gets the reason, the shard is unchanged
-            self.storage.shard.release()
+            self._release()
             return wire.error(exc)
 
-    def _select(self, request: Message) -> Message:
+    def _select(self, request: Message) -> Message | None:
         count = int(request.meta["count"])
         if not 0 <= count <= MAX_READ_POSITIONS:
             raise ValueError(f"cannot select {count} rows in one request")
@@ -131,14 +212,17 @@ class _Session:
         meta = {"seq_len": picked.seq_len, "mass": picked.mass, "scalars": scalars, "extra": names}
         arrays = [a.contiguous() for a in (picked.starts, picked.valid_begin, picked.valid_end,
                                              *(picked.extra[n].cpu() for n in names))]
-        if not request.meta.get("read") or not picked.starts.numel():
+        if not picked.starts.numel():
+            self._release()  # nothing to keep readable
             return Message(Op.OK, meta, arrays)
-        with self.storage.shard.reading():  # the section the pick opened ends once the rows are sent
-            self._send_rows(meta, arrays, picked.seq_len)
+        if not request.meta.get("read"):
+            self.holding = True  # until the learner's one-sided read is done (RELEASE), or the timeout
+            return Message(Op.OK, meta, arrays)
+        self._send_rows(meta, arrays, Windows(arrays[0], picked.seq_len, arrays[1], arrays[2]))
         return None
 
     def _read(self, request: Message) -> None:
-        """Reply with the windows' rows, sent from the ring itself (no gather into a batch first)."""
+        """Reply with the windows' rows."""
         seq_len = int(request.meta["seq_len"])
         if len(request.arrays) != 3:
             raise ValueError("a READ carries starts, valid_begin and valid_end")
@@ -150,18 +234,21 @@ class _Session:
             if starts.numel() * seq_len > MAX_READ_POSITIONS:
                 raise ValueError(f"a READ covers at most {MAX_READ_POSITIONS} rows")
             _C.check_windows(starts, valid_begin, valid_end, seq_len, shard.capacity)
-            shard.check_readable_windows(Windows(starts, seq_len, valid_begin, valid_end))
-            self._send_rows({}, [starts, valid_begin, valid_end], seq_len, echo=False)
+            windows = Windows(starts, seq_len, valid_begin, valid_end)
+            shard.check_readable_windows(windows)
+            self._send_rows({}, [], windows)
 
-    def _send_rows(self, meta: dict[str, Any], arrays: list[torch.Tensor], seq_len: int, echo: bool = True) -> None:
-        """Reply with ``arrays`` (if ``echo``), then the rows of the windows they start with, straight from the ring."""
-        starts, valid_begin, valid_end = arrays[:3]
+    def _send_rows(self, meta: dict[str, Any], arrays: list[torch.Tensor], windows: Windows) -> None:
+        """Reply with ``arrays``, then the rows of ``windows``; the read section ends once they left the ring."""
         shard = self.storage.shard
-        views = [wire.as_bytes(a) for a in arrays] if echo else []
-        positions = starts.numel() * seq_len
-        wire.send_header(self.conn, Op.OK, meta,
-                         [v.nbytes for v in views] + [positions * c.row_bytes for c in shard.spec.columns], then=views)
-        _C.send_windows(self.conn.fileno(), shard.columns, starts, valid_begin, valid_end, seq_len)
+        views = [wire.as_bytes(a) for a in arrays]
+        positions = windows.starts.numel() * windows.seq_len
+        sizes = [v.nbytes for v in views] + [positions * c.row_bytes for c in shard.spec.columns]
+        self.rows.send([wire.header(Op.OK, meta, sizes), *views], shard.columns, windows, release=self._release)
+
+    def _release(self) -> None:
+        self.storage.shard.release()
+        self.holding = False
 
     def _update(self, request: Message) -> Message:
         if len(request.arrays) != 3:
@@ -186,11 +273,18 @@ class _Session:
                                "offsets": shard.column_offsets() if published else None})
 
     def close(self) -> None:
-        self.storage.shard.release()
+        self._release()
         self.storage.close()
 
 
 _UPDATE_DTYPES = (torch.int64, torch.float64, torch.int64)
+
+
+def _request_within(conn: socket.socket, seconds: float) -> bool:
+    """Whether the learner sends something (or hangs up) within ``seconds``."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return bool(poller.poll(seconds * 1000))
 
 
 def _viewed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

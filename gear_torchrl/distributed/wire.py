@@ -72,15 +72,14 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 def send(sock: socket.socket, message: Message) -> None:
     views = [as_bytes(a) for a in message.arrays]
-    send_header(sock, message.op, message.meta, [v.nbytes for v in views], then=views)
+    send_buffers(sock, [header(message.op, message.meta, [v.nbytes for v in views]), *views])
 
 
-def send_header(sock: socket.socket, op: int, meta: dict[str, Any], sizes: Sequence[int],
-                then: Sequence[memoryview] = ()) -> None:
-    """Everything before the arrays' bytes, and the first arrays ``then``; the caller sends the rest in order."""
+def header(op: int, meta: dict[str, Any], sizes: Sequence[int]) -> bytes:
+    """A message's bytes before its arrays: the fixed header, the JSON metadata and the arrays' lengths."""
     blob = json.dumps(meta, separators=(",", ":")).encode()
     lengths = b"".join(_LENGTH.pack(n) for n in sizes)
-    send_buffers(sock, [_HEADER.pack(MAGIC, op, len(sizes), len(blob), sum(sizes)) + blob + lengths, *then])
+    return _HEADER.pack(MAGIC, op, len(sizes), len(blob), sum(sizes)) + blob + lengths
 
 
 _MAX_IOV = 1024
@@ -174,7 +173,17 @@ def error(exc: BaseException) -> Message:
     return Message(Op.ERROR, {"type": type(exc).__name__, "message": str(exc)})
 
 
-# -- authentication: HMAC of a server nonce with the secret from the rendezvous store ---------------
+def set_send_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make a send on this blocking socket fail once the peer has taken nothing for ``seconds``.
+
+    ``SO_SNDTIMEO`` bounds native sends too (``writev`` from the ring); receives
+    keep waiting, as a blocking socket's do.
+    """
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+
+
+# -- authentication: HMAC of a server nonce with the job's secret ----------------------------------
 def challenge(sock: socket.socket, secret: bytes) -> bool:
     """Server side: True if the peer proved it holds ``secret``."""
     nonce = os.urandom(16)

@@ -12,6 +12,10 @@ interface (``set``, blocking ``get``, ``add``):
   (RC) queue pair, announces its endpoint, waits for the owner's endpoint and
   then posts RDMA READs planned by ``rdma_plan``.
 
+The store is readable and writable by whoever reaches it: ``ShardedGearStorage``
+hands both sides a ``SealedStore``, so that only records written by holders of
+the job's secret are believed (an outsider's announcement is never accepted).
+
 Store keys under ``prefix``::
 
     {prefix}/region                      RegionInfo of the segment (owner sets)
@@ -230,10 +234,22 @@ def announce_learner(store: KeyValueStore, prefix: str, learner_id: str, info: R
     store.set(_request_key(prefix, slot), _check_learner_id(learner_id))
 
 
-def pending_learners(store: KeyValueStore, prefix: str, seen: int) -> list[str]:
-    """Owner side: learner ids announced after the first ``seen`` announcements, in order."""
+def pending_learners(store: KeyValueStore, prefix: str, seen: int) -> list[str | None]:
+    """Owner side: learner ids announced after the first ``seen`` announcements, in order.
+
+    An announcement the store refuses to vouch for (not sealed by the job, see
+    ``SealedStore``) is None: counted, never accepted.
+    """
     count = store.add(_requests_key(prefix), 0)
-    return [bytes(store.get(_request_key(prefix, n))).decode() for n in range(seen, count)]
+    return [_announced(store, prefix, n) for n in range(seen, count)]
+
+
+def _announced(store: KeyValueStore, prefix: str, n: int) -> str | None:
+    try:
+        return bytes(store.get(_request_key(prefix, n))).decode()
+    except (PermissionError, UnicodeDecodeError) as exc:
+        logger.warning("RDMA announcement %d under %s is ignored: %s", n, prefix, exc)
+        return None
 
 
 def await_endpoint(store: KeyValueStore, prefix: str, learner_id: str, side: str) -> RdmaEndpointInfo:
@@ -241,6 +257,8 @@ def await_endpoint(store: KeyValueStore, prefix: str, learner_id: str, side: str
     key = endpoint_key(prefix, learner_id, side)
     try:
         data = store.get(key)
+    except PermissionError:
+        raise  # there, but not written by the job (see SealedStore)
     except Exception as exc:  # torch stores raise a timeout error (DistStoreError/RuntimeError)
         raise ShardUnavailableError(f"no {side} endpoint under {key!r} within the store timeout: {exc}") from exc
     return RdmaEndpointInfo.from_bytes(bytes(data))
@@ -688,6 +706,8 @@ class RdmaExporter:
         accepted = []
         for learner_id in pending_learners(self._store, self._prefix, self._seen):
             self._seen += 1
+            if learner_id is None:
+                continue
             try:
                 self.accept(learner_id)
                 accepted.append(learner_id)
