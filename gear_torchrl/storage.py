@@ -218,7 +218,9 @@ class GearStorage(TensorStorage):
 
     def attach(self, buffer: Any) -> None:
         # TorchRL attaches the storage before it sets the buffer's sampler: look at what it will be.
-        _refuse_unfollowing_sampler(self, getattr(buffer, "_sampler", None) or getattr(buffer, "_init_sampler", None))
+        sampler = getattr(buffer, "_sampler", None) or getattr(buffer, "_init_sampler", None)
+        _check_sampler_capacity(self, sampler)
+        _refuse_unfollowing_sampler(self, sampler)
         super().attach(buffer)
 
     def get(self, index: Index) -> Data:
@@ -344,6 +346,15 @@ class GearStorage(TensorStorage):
             f"{c.key}: {c.dtype} {tuple(c.row_shape)}" for c in spec.columns)
         return (f"{type(self).__name__}(len={len(self)}, max_size={self.max_size}, device={self.device}, memory={self.memory}, "
                 f"episodes={self._shard.episodes.num_episodes}, columns=[{keys}])")
+
+
+def _check_sampler_capacity(storage: GearStorage, sampler: Any) -> None:
+    """A sampler with per-row state for fewer rows than the storage holds fails only after rows were
+    written (TorchRL tells samplers of rows once written): refuse it when the buffer is built."""
+    capacity = getattr(sampler, "max_capacity", None) or getattr(sampler, "_max_capacity", None)
+    if isinstance(capacity, int) and capacity < storage.max_size:
+        raise ValueError(f"{type(sampler).__name__} keeps per-row state (priorities, counts) for {capacity} rows, "
+                         f"but its storage holds {storage.max_size}: build it with max_capacity={storage.max_size}")
 
 
 def _refuse_unfollowing_sampler(storage: GearStorage, sampler: Any) -> None:

@@ -56,3 +56,24 @@ def test_rows_no_write_reached_read_as_zeros_never_as_leftover_memory():
     assert len(rb) == 41
     obs = storage[:]["obs"][:, 0]
     assert torch.equal(obs[4:40], torch.zeros(36)) and obs[40] == 7
+
+
+def test_a_cursor_write_over_stored_rows_does_not_grow_the_length():
+    from gear_torchrl import TrajectoryWriter
+
+    storage = GearStorage(64)
+    rb = ReplayBuffer(storage=storage, batch_size=4)
+    rb.extend(_rows(10, 0))
+    writer = TrajectoryWriter(storage)  # moves the store's head, not TorchRL's writer cursor
+    writer.extend(_rows(5, 10))
+    writer.end_episode()
+    rb.extend(_rows(3, 100))  # TorchRL's cursor is still at 10: rows 10-12 are overwritten
+    assert len(rb) == 15
+    assert storage[:]["obs"][:, 0].tolist() == [*range(10), 100, 101, 102, 13, 14]
+
+
+def test_a_length_over_a_store_never_written_is_refused():
+    storage = GearStorage(8)
+    with pytest.raises(ValueError, match="nothing was written yet"):
+        storage._len = 3
+    assert len(storage) == 0

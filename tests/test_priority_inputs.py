@@ -12,6 +12,7 @@ from gear_torchrl import (
     GearPrioritizedSequenceSampler,
     GearStorage,
     MaxTimesSampled,
+    QueueSampler,
     TopKSampler,
 )
 
@@ -73,19 +74,15 @@ def test_other_samplers_refuse_a_float_index(make):
 
 # -- capacities -----------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="needs GearStorage.attach/set to call sampler.check_storage (storage.py)")
-def test_a_sampler_smaller_than_its_storage_is_refused_before_any_write():
+@pytest.mark.parametrize("make", [lambda n: GearPrioritizedSampler(n, 0.6, 0.4), lambda n: QueueSampler(n),
+                                  lambda n: TopKSampler(n), lambda n: MaxTimesSampled(GearPrioritizedSampler(n, 0.6, 0.4),
+                                                                                       max_times=2, max_capacity=n)])
+def test_a_sampler_smaller_than_its_storage_is_refused_when_the_buffer_is_built(make):
     storage = GearStorage(CAPACITY)
-    with pytest.raises(ValueError, match=rf"8 rows.*{CAPACITY}"):  # at construction, or at the first write
-        rb = TensorDictReplayBuffer(storage=storage, sampler=GearPrioritizedSampler(8, 0.6, 0.4), batch_size=4)
-        rb.extend(make_steps(STORED, seed=0))
+    with pytest.raises(ValueError, match=rf"for 8 rows, but its storage holds {CAPACITY}"):
+        TensorDictReplayBuffer(storage=storage, sampler=make(8), batch_size=4)
     assert len(storage) == 0 and not storage.initialized
-
-
-def test_a_sampler_names_the_storage_it_cannot_cover():
-    with pytest.raises(ValueError, match=rf"priorities for 8 rows, but its storage holds {CAPACITY}"):
-        GearPrioritizedSampler(8, 0.6, 0.4).check_storage(GearStorage(CAPACITY))
-    GearPrioritizedSampler(CAPACITY, 0.6, 0.4).check_storage(GearStorage(CAPACITY))
+    TensorDictReplayBuffer(storage=storage, sampler=make(CAPACITY), batch_size=4).extend(make_steps(STORED, seed=0))
 
 
 # -- priorities -----------------------------------------------------------------------------------

@@ -296,16 +296,6 @@ class GearPrioritizedSampler(FollowsCommits, StateDictFile, PrioritizedSampler):
 
     exclude = forget  # MaxTimesSampled: unsampleable until written again
 
-    def check_storage(self, storage: Storage) -> None:
-        """Raise if ``storage`` holds more rows than this sampler keeps priorities for.
-
-        TorchRL tells a sampler of rows only once they are written, so a storage
-        calls this before its writes: a mismatch then changes nothing.
-        """
-        if not getattr(storage, "is_sharded", False) and storage.max_size > self._max_capacity:
-            raise ValueError(f"{type(self).__name__} keeps priorities for {self._max_capacity} rows, but its storage "
-                             f"holds {storage.max_size}: build it with max_capacity={storage.max_size}")
-
     def add(self, index: int) -> None:
         """Nothing to do: ``mark_update`` already gave the new row its priority."""
 

@@ -242,8 +242,9 @@ class Shard:
         self._copy_in(rows, values, contiguous=is_append)
         self.rows_inserted += n
         self.written = max(self.written, int(rows.max()) + 1)
-        if append:
-            self.size = min(self.size + n, self.capacity)
+        if append:  # a cursor away from the head overwrites rows: only rows past the end add to the size
+            grown = self.size + n if is_append else max(self.size, int(rows.max()) + 1)
+            self.size = min(grown, self.capacity)
             self.head = (int(rows[-1]) + 1) % self.capacity
         if not self.tracks_episodes:
             return rows
@@ -277,6 +278,8 @@ class Shard:
         """Make rows ``[0, size)`` readable (TorchRL writers set ``_len`` after ``write_at``)."""
         if not 0 <= size <= self.capacity:
             raise ValueError(f"size {size} is outside [0, {self.capacity}]")
+        if size and self.spec is None:
+            raise ValueError(f"cannot make {size} rows readable: nothing was written yet (no columns exist)")
         self._fill_to(size)
         if size != self.size:
             self.size = size
