@@ -50,6 +50,14 @@ class MaxTimesSampled(StateDictFile, Sampler):
         self._count = torch.zeros(max_capacity, dtype=torch.int64)
         self._followed = (0, 0)  # how far into the store's commits the counts have looked
 
+    @property
+    def _rng(self) -> torch.Generator | None:  # the buffer's generator (rb.set_rng) is the inner sampler's
+        return self.sampler._rng
+
+    @_rng.setter
+    def _rng(self, generator: torch.Generator | None) -> None:
+        self.sampler._rng = generator
+
     def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
         rows = _as_index(index, self.max_capacity)
         self._count[rows[rows >= 0]] = 0

@@ -10,6 +10,7 @@ from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.samplers.block_sums import BlockPrefixSums
 from gear_torchrl.samplers.following import FollowsCommits
+from gear_torchrl.samplers.random_draws import uniform
 from gear_torchrl.samplers.trees import PriorityTrees
 from gear_torchrl.samplers.state_file import StateDictFile
 from gear_torchrl.store.state_checks import (
@@ -221,7 +222,7 @@ class GearPrioritizedSampler(FollowsCommits, StateDictFile, PrioritizedSampler):
 
     def draw(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``count`` rows drawn in proportion to their masses, and their write generations."""
-        mass = torch.rand(count, dtype=torch.float64, device=self._device) * self._trees.total
+        mass = uniform(count, self._rng, self._device) * self._trees.total
         index = self._trees.find(mass)
         return index, self._generation.index_select(0, index)
 

@@ -25,6 +25,7 @@ from gear_torchrl.samplers.prioritized import (
     _as_priority,
     _seeds_defaults,
 )
+from gear_torchrl.samplers.random_draws import uniform
 from gear_torchrl.samplers.sequence import GearSequenceSampler
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.episodes import EpisodeIndex
@@ -112,7 +113,7 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
 
     def _draw_once(self, episodes: EpisodeIndex, count: int) -> Windows:
         """Windows by their key steps' priorities: the key step sits ``burn_in`` steps into its window."""
-        keys = self._trees.find(torch.rand(count, dtype=torch.float64) * self._trees.total)
+        keys = self._trees.find(uniform(count, self._rng) * self._trees.total)
         slots, key_offset, _ = episodes.locate(keys)
         placed = _C.place_windows(episodes.start, episodes.length, slots, key_offset - self.burn_in, self.window_len)
         return Windows(placed[0], self.window_len, *placed[1:])

@@ -21,6 +21,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
 from gear_torchrl._ext import _C
+from gear_torchrl.samplers.random_draws import uniform
 from gear_torchrl.samplers.trees import PriorityTrees
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.episodes import EpisodeIndex
@@ -213,7 +214,7 @@ class GearSequenceSampler(Sampler):
 
     def _draw_once(self, episodes: EpisodeIndex, count: int) -> Windows:
         """Episodes by their window counts, then a uniform window inside each."""
-        u = torch.rand(2, count, dtype=torch.float64)
+        u = uniform((2, count), self._rng)
         slots = self._tree.find(u[0] * self._tree.total)
         placed = _C.uniform_windows(episodes.start, episodes.length, slots, u[1], self.window_len, self.burn_in,
                                     self.strict_length)
