@@ -315,6 +315,7 @@ class ShardedGearStorage(TensorStorage):
             raise ValueError(f"select at least one row, got {count}")
         live = self._live()
         results = self._on_each(live, lambda s, k: self._client(s).select(selection, k)[0], [count] * len(live))
+        self._live()  # skipping may have left none
         ids = torch.cat([global_ids.encode(s, p.starts) for s, p in results])
         scores = torch.cat([p.extra["score"] for _, p in results])
         best = ids[scores.argsort(descending=True, stable=True)[:count]]
@@ -456,6 +457,7 @@ class ShardedGearStorage(TensorStorage):
                                        None if generation is None else generation[mine])
 
         list(self._on_each(owners, update, [0] * len(owners)))
+        self._live()  # skipping may have left none
 
     # -- fan-out with failure handling ---------------------------------------------------------------
     def _on_each(self, shards: list[int], call: Callable[[int, int], Any], counts: list[int],

@@ -128,13 +128,15 @@ def _learn(storage, tmp: Path, rank: int) -> dict:
     """Sample; then, after the test stops the owner and continues it, try every path again."""
     from torchrl.data import TensorDictReplayBuffer
 
-    from gear_torchrl import GearPrioritizedSampler
+    from gear_torchrl import GearPrioritizedSampler, TopKSampler
 
     rb = TensorDictReplayBuffer(storage=storage, batch_size=32)
     prioritized = TensorDictReplayBuffer(storage=storage, sampler=GearPrioritizedSampler(256, alpha=0.6, beta=0.4),
                                          batch_size=32)
+    top = TensorDictReplayBuffer(storage=storage, sampler=TopKSampler(256), batch_size=8)
     index = rb.sample()["index"]
     prioritized.sample()
+    top.sample()
     results = {"before": "served"}
     if not (tmp / "stop").exists():  # a job that only checks the secret
         return results
@@ -142,7 +144,7 @@ def _learn(storage, tmp: Path, rank: int) -> dict:
     wait_for(tmp / "stopped")
     paths = {"sample": rb.sample, "get": lambda: storage.get(index), "len": lambda: len(storage),
              "update_priority": lambda: prioritized.update_priority(index, torch.ones(index.numel())),
-             "sample_prioritized": prioritized.sample}
+             "sample_prioritized": prioritized.sample, "top_k": top.sample}
     results["stopped"] = {name: _outcome(call) for name, call in paths.items()}
     (tmp / f"tried_{rank}").touch()
     wait_for(tmp / "continued")

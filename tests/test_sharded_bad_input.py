@@ -121,3 +121,23 @@ def test_give_back_returns_every_round_of_a_shards_picks():
            (2, Picked.rows(torch.tensor([7]), 0.0), []), (0, Picked.rows(torch.tensor([3]), 0.0), [])]
     sharded._give_back({"kind": "queue", "order": "fifo"}, got)
     assert given == {0: [1, 2, 3], 1: [5]}  # the failed shard is not asked
+
+
+def test_an_operator_secret_comes_from_the_environment_or_a_file_and_is_long_enough(tmp_path, monkeypatch):
+    from gear_torchrl.distributed.secret import SECRET_ENV, SECRET_FILE_ENV, operator_secret
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    assert operator_secret() is None  # rank 0 draws one
+    monkeypatch.setenv(SECRET_ENV, "x" * 16)
+    assert operator_secret() == b"x" * 16
+    path = tmp_path / "secret"
+    path.write_text("y" * 64 + "\n")
+    monkeypatch.setenv(SECRET_FILE_ENV, str(path))
+    with pytest.raises(ValueError, match="not both"):
+        operator_secret()
+    monkeypatch.delenv(SECRET_ENV)
+    assert operator_secret() == b"y" * 64  # the file's line, without its newline
+    path.write_text("too short")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        operator_secret()

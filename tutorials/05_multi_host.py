@@ -40,6 +40,14 @@ shard server listens on the interface that routes to ``MASTER_ADDR`` (on
 loopback that is 127.0.0.1; pass ``serve_on=`` to choose another), so the
 hosts must reach each other on that network.
 
+Owners serve only processes that hold the job's secret. Unless you give one,
+rank 0 draws it at start and hands it to the other ranks over the process
+group's own connections (never through the rendezvous store, which anyone who
+reaches its port can read). On a network others share, give every rank the
+same secret in a file only you can read (``openssl rand -hex 32 > secret;
+chmod 600 secret``, then ``GEAR_TORCHRL_SECRET_FILE=secret torchrun ...``); what
+that protects and what it does not is in docs/decisions.md ("Many hosts: security").
+
 Roles follow the local rank: on every host the last ``--learners-per-node``
 processes are learners, the others own a shard and run an actor. With
 ``--nproc-per-node 4`` on two hosts that is 6 shards and 2 learners, and each

@@ -76,7 +76,7 @@ class RowSender:
             _C.send_windows(self._fd, columns, w.starts, w.valid_begin, w.valid_end, w.seq_len)
             return True, len(columns), 0
         for c, (column, per_window) in enumerate(zip(columns, window_bytes)):
-            first = 0
+            first = 0 if per_window else count  # a column of empty steps sends nothing
             while first < count:
                 n = min(count - first, self._room() // per_window)
                 if n == 0 and self._wait_for_room():
@@ -95,8 +95,12 @@ class RowSender:
         The kernel charges a send buffer for its packets' memory, not only their
         bytes: up to 1.6x the bytes for 1.5 KiB packets (measured), more for tiny
         ones. Half the free space, less one large packet, stays clear of that.
+        Where the kernel does not tell (not Linux), nothing is sure: every row is copied.
         """
-        info = _MEMINFO.unpack(self._conn.getsockopt(socket.SOL_SOCKET, _SO_MEMINFO, _MEMINFO.size))
+        try:
+            info = _MEMINFO.unpack(self._conn.getsockopt(socket.SOL_SOCKET, _SO_MEMINFO, _MEMINFO.size))
+        except OSError:
+            return 0
         return max(0, info[_SNDBUF] - info[_WMEM_QUEUED] - _PACKET) // 2
 
     def _wait_for_room(self) -> bool:
@@ -109,12 +113,13 @@ class RowSender:
         """The rows not sent yet, gathered into the connection's buffer: the first column's from window
         ``first`` on, every window of the others'."""
         parts = [(column, first if i == 0 else 0) for i, column in enumerate(columns)]
-        sizes = [(w.starts.numel() - f) * w.seq_len * _row_bytes(column) for column, f in parts]
+        positions = [(w.starts.numel() - f) * w.seq_len for _, f in parts]
+        sizes = [n * _row_bytes(column) for (column, _), n in zip(parts, positions)]
         offsets = list(itertools.accumulate((-(-size // _ALIGN) * _ALIGN for size in sizes), initial=0))
         buffer = self._buffer_of(offsets[-1])
         views = []
-        for (column, f), size, offset in zip(parts, sizes, offsets):
-            rows = buffer[offset: offset + size].view(column.dtype).view(-1, *column.shape[1:])
+        for (column, f), n, size, offset in zip(parts, positions, sizes, offsets):
+            rows = buffer[offset: offset + size].view(column.dtype).view(n, *column.shape[1:])
             gather.gather_windows([column], w.starts[f:], w.seq_len, _CPU, w.valid_begin[f:], w.valid_end[f:],
                                   out=[rows])
             views.append(wire.as_bytes(rows))

@@ -65,6 +65,7 @@ class ShardClient:
             raise ShardUnavailableError(f"cannot reach {where}: {self._why(exc)}") from exc
 
     def _connection(self) -> socket.socket:
+        """The open connection; after a failure, a new one."""
         if self._sock is None:
             self._sock = self._dial()
         return self._sock

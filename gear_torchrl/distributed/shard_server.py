@@ -99,6 +99,7 @@ class ShardServer:
             raise
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
+        """One learner's connection, from the challenge on; whatever happens ends this connection only."""
         session: _Session | None = None
         try:
             if not self._authenticate(conn, peer):
@@ -111,9 +112,11 @@ class ShardServer:
         except Exception:  # nothing a learner sends may take the owner down
             logger.exception("connection from %s ends on an unexpected error", peer)
         finally:
-            if session is not None:
-                session.close()
-            self._forget(conn)
+            try:
+                if session is not None:
+                    session.close()
+            finally:
+                self._forget(conn)
 
     def _authenticate(self, conn: socket.socket, peer: Any) -> bool:
         """Whether the peer proves it holds the secret within the timeout; until then it is a handshake."""
