@@ -9,7 +9,8 @@ nothing can move the same bytes over the same sockets faster. The learner measur
 
 - ``raw``: the bytes of a batch of 4096 steps, split over the shards, in parallel;
 - ``read rows`` / ``read windows``: the tcp transport alone reading 4096 random
-  rows / 64 windows of 64 steps (the owner sends them from its ring, no gather);
+  rows / 64 windows of 64 steps (the owner sends them from its ring while the learner
+  keeps up; what is left is copied out if it stops reading);
 - ``sample rows``: ``rb.sample()`` of 4096 steps (selection on the owners, read, batch);
 - ``sample windows``: ``rb.sample()`` of 64 windows of 64 steps (GearSequenceSampler).
 
