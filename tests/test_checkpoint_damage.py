@@ -271,7 +271,7 @@ def test_every_state_appends_reach_round_trips(tmp_path, traj):
 
 def test_every_file_and_the_manifest_carry_a_checksum(saved):
     manifest = json.loads((saved / "storage" / "shard.json").read_text())
-    assert all(meta["checksum"].startswith("crc32:") for meta in manifest["tensors"].values())
+    assert all(meta["checksum"].startswith("xxh3:") for meta in manifest["tensors"].values())
     assert isinstance(manifest["checksum"], str)
 
 

@@ -17,7 +17,6 @@ import time
 import pytest
 import shared_workers as w
 import torch
-from helpers import segments_left_by_dead_owners, shm_segments
 from torchrl.data import (
     PrioritizedSampler,
     RandomSampler,
@@ -31,19 +30,9 @@ from gear_torchrl import GearPrioritizedSampler, GearStorage, ReadRevokedError, 
 from gear_torchrl.store import commit_log
 from gear_torchrl.store.shared_memory import segment_path
 
-pytestmark = pytest.mark.fault
+pytestmark = [pytest.mark.fault, pytest.mark.usefixtures("no_shm_leaks")]
 CTX = mp.get_context("spawn")
 JOIN_S = 120
-
-
-@pytest.fixture(autouse=True)
-def no_leaks():
-    before = shm_segments()
-    yield
-    for child in mp.active_children():
-        child.kill()
-        child.join(10)
-    assert segments_left_by_dead_owners(before) == set(), "shared-memory segments leaked"
 
 
 def _write_for(storage: GearStorage, seconds: float, first_id: int = 0) -> int:

@@ -18,6 +18,12 @@ from gear_torchrl import (
 
 CAPACITY = 64
 STORED = 20
+OTHER_SAMPLERS = [
+    lambda: GearPrioritizedSequenceSampler(CAPACITY, seq_len=2, strict_length=False),
+    lambda: TopKSampler(CAPACITY),
+    lambda: MaxTimesSampled(GearPrioritizedSampler(CAPACITY, 0.6, 0.4), 3, CAPACITY),
+]
+OTHER_SAMPLER_IDS = ["prioritized sequence", "top-k", "max times sampled"]
 
 
 def buffer(sampler=None) -> TensorDictReplayBuffer:
@@ -59,11 +65,7 @@ def test_a_non_integer_index_is_refused(index):
     assert_unchanged(rb, before)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: GearPrioritizedSequenceSampler(CAPACITY, seq_len=2, strict_length=False),
-    lambda: TopKSampler(CAPACITY),
-    lambda: MaxTimesSampled(GearPrioritizedSampler(CAPACITY, 0.6, 0.4), 3, CAPACITY),
-], ids=["prioritized sequence", "top-k", "max times sampled"])
+@pytest.mark.parametrize("make", OTHER_SAMPLERS, ids=OTHER_SAMPLER_IDS)
 def test_other_samplers_refuse_a_float_index(make):
     rb = buffer(make())
     before = snapshot(rb)
@@ -126,11 +128,7 @@ def test_priorities_and_generations_of_another_count_change_nothing():
     assert_unchanged(rb, before)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: GearPrioritizedSequenceSampler(CAPACITY, seq_len=2, strict_length=False),
-    lambda: TopKSampler(CAPACITY),
-    lambda: MaxTimesSampled(GearPrioritizedSampler(CAPACITY, 0.6, 0.4), 3, CAPACITY),
-], ids=["prioritized sequence", "top-k", "max times sampled"])
+@pytest.mark.parametrize("make", OTHER_SAMPLERS, ids=OTHER_SAMPLER_IDS)
 @pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf")])
 def test_other_samplers_refuse_bad_priorities(make, bad):
     rb = buffer(make())

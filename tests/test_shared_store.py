@@ -8,7 +8,6 @@ import time
 import pytest
 import shared_workers as w
 import torch
-from helpers import segments_left_by_dead_owners, shm_segments
 from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
 from gear_torchrl import (
@@ -23,19 +22,9 @@ from gear_torchrl import (
 )
 from gear_torchrl.store.shared_memory import store_segments
 
+pytestmark = pytest.mark.usefixtures("no_shm_leaks")
 CTX = mp.get_context("spawn")
 JOIN_S = 120
-
-
-@pytest.fixture(autouse=True)
-def no_leaks():
-    """Every test ends with its processes gone and no segment of its stores left in /dev/shm."""
-    before = shm_segments()
-    yield
-    for child in mp.active_children():
-        child.kill()
-        child.join(10)
-    assert segments_left_by_dead_owners(before) == set(), "shared-memory segments leaked"
 
 
 def _read_ring_rows(storage: GearStorage, rows: torch.Tensor):
