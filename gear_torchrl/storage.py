@@ -6,6 +6,8 @@ state lives in the shard, not in TensorStorage's fields.
 """
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -19,6 +21,8 @@ from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, Windows
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
 from gear_torchrl.store.spec import Data, NestedKey
+
+logger = logging.getLogger(__name__)
 
 
 class GearStorage(TensorStorage):
@@ -115,6 +119,8 @@ class GearStorage(TensorStorage):
                                 register_host=on_gpu and memory == "host", out_device=device,
                                 end_keys=end_keys, traj_key=traj_key, hot_rows=hot_rows)
         self._last_cursor = None
+        self._home_pid = os.getpid()  # a copy in another process (pickled, forked) is not these rows
+        self._warned_copy = False
         self._rates = Rates()
         self._window_plan: tuple[torch.Tensor, Windows] | None = None
         self._drawn: torch.Tensor | None = None
@@ -186,6 +192,7 @@ class GearStorage(TensorStorage):
 
     # -- TorchRL contract -----------------------------------------------------------
     def set(self, cursor: Index, data: Data | list, *, set_cursor: bool = True) -> None:
+        self.check_writable_here()
         if isinstance(data, list):
             data = torch.stack(data)
         try:
@@ -224,6 +231,7 @@ class GearStorage(TensorStorage):
         super().attach(buffer)
 
     def get(self, index: Index) -> Data:
+        self._warn_if_a_copy()
         plan = self._window_plan
         if plan is not None and plan[0] is index:
             self._window_plan = None
@@ -255,6 +263,7 @@ class GearStorage(TensorStorage):
 
     def _conditional_patch_leaf(self, key: NestedKey) -> torch.Tensor:
         """The stored column ``key``, which TorchRL's ``rb.update_if_present`` patches in place."""
+        self.check_writable_here()
         if self.shared:
             raise NotImplementedError("rb.update_if_present writes rows in place; a shared GearStorage takes "
                                       "appends only (another process could be reading the rows)")
@@ -312,6 +321,26 @@ class GearStorage(TensorStorage):
         self._set_last_cursor((shard.head - 1) % shard.capacity if shard.size else None)
 
     # -- sharing across processes ------------------------------------------------------
+    def check_writable_here(self) -> None:
+        """Refuse a write into a copy of a local store in another process: it would never reach the rows.
+
+        TorchRL collector workers and DataLoader workers get such copies when a
+        buffer is pickled (spawn) or inherited (fork); ``shared=True`` makes them
+        attach to the same rows instead.
+        """
+        if not self.shared and os.getpid() != self._home_pid:
+            raise RuntimeError(
+                f"this GearStorage was created in process {self._home_pid}; process {os.getpid()} holds a copy "
+                "(pickled or forked), so rows written here would never reach the buffer. Build it with "
+                "GearStorage(..., shared=True) to write from other processes (collector workers, actors).")
+
+    def _warn_if_a_copy(self) -> None:
+        if not self.shared and not self._warned_copy and os.getpid() != self._home_pid:
+            self._warned_copy = True
+            logger.warning("process %d reads a copy of a GearStorage created in process %d: rows written there "
+                           "after the copy are not seen here; use GearStorage(..., shared=True) to share them",
+                           os.getpid(), self._home_pid)
+
     @property
     def shared(self) -> bool:
         return isinstance(self._shard, SharedShard)

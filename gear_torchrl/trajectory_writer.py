@@ -73,6 +73,7 @@ class TrajectoryWriter:
 
     # -- internals -------------------------------------------------------------------
     def _stage(self, data: TensorDictBase, single: bool) -> None:
+        self.storage.check_writable_here()
         shard = self.storage.shard
         spec = shard.spec or self._spec or TableSpec.from_data(data, batched=not single)
         spec, values, n = shard.validated(data, single, spec=spec)  # raises before anything is staged

@@ -77,3 +77,26 @@ def test_a_length_over_a_store_never_written_is_refused():
     with pytest.raises(ValueError, match="nothing was written yet"):
         storage._len = 3
     assert len(storage) == 0
+
+
+def _write_into(storage, results) -> None:
+    try:
+        storage.set(torch.arange(2), _rows(2, 0))
+        results.put("wrote")
+    except RuntimeError as exc:
+        results.put(str(exc))
+
+
+def test_a_copy_of_a_local_store_in_another_process_refuses_writes_instead_of_losing_them():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    storage = GearStorage(16)
+    storage.set(torch.arange(4), _rows(4, 0))
+    results = ctx.Queue()
+    child = ctx.Process(target=_write_into, args=(storage, results))  # pickled into the child, as a collector's
+    child.start()
+    outcome = results.get(timeout=120)
+    child.join(60)
+    assert "shared=True" in outcome and "never reach" in outcome, outcome
+    assert len(storage) == 4

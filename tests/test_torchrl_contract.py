@@ -157,3 +157,24 @@ def test_collector_trajectory_ids_delimit_episodes_by_default():
     assert rb.storage.shard.episodes.num_episodes == 20
     ep = rb.sample()["ep"].view(16, 4)
     assert bool((ep == ep[:, :1]).all())
+
+
+# -- stale priorities: TorchRL's standard update path carries the draw's generations -------------
+def test_update_tensordict_priority_skips_rows_rewritten_since_they_were_drawn():
+    from gear_torchrl import GearPrioritizedSampler
+
+    rb = TensorDictReplayBuffer(storage=GearStorage(8), sampler=GearPrioritizedSampler(8, alpha=1.0, beta=1.0),
+                                batch_size=8, priority_key="td_error")
+    rb.extend(TensorDict({"a": torch.arange(8.0)}, [8]))
+    batch = rb.sample()
+    rb.extend(TensorDict({"a": torch.full((4,), -1.0)}, [4]))  # rows 0-3 now hold new data
+    batch["td_error"] = torch.full((8,), 50.0)
+    rb.update_tensordict_priority(batch)
+    masses = rb.sampler.masses(torch.arange(8))
+    rewritten = batch["index"] < 4
+    assert bool((masses[batch["index"][~rewritten]] > 40).all())  # kept rows took the update
+    assert bool((masses[torch.arange(4)] < 40).all())  # rewritten rows kept their new default priority
+    again = rb.sample()  # a fresh draw: its update lands on every row
+    again["td_error"] = torch.full((8,), 60.0)
+    rb.update_tensordict_priority(again)
+    assert bool((rb.sampler.masses(again["index"]) > 55).all())

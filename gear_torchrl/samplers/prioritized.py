@@ -166,6 +166,9 @@ class GearPrioritizedSampler(FollowsCommits, StateDictFile, PrioritizedSampler):
         else:
             self._trees = BlockPrefixSums(self._max_capacity, self._device)
         self._generation = torch.zeros(self._max_capacity, dtype=torch.int64, device=self._device)
+        # Each row's generation when it was last drawn (-1: never): TorchRL's update_tensordict_priority
+        # passes no generation, and a row rewritten since its draw must not take the update.
+        self._drawn_generation = torch.full((self._max_capacity,), -1, dtype=torch.int64, device=self._device)
         # A device tensor, so updates never wait for the GPU to learn the new maximum.
         self._max_raw_priority = torch.tensor(1.0, dtype=torch.float64, device=self._device)
         self._sample_calls = 0
@@ -209,6 +212,7 @@ class GearPrioritizedSampler(FollowsCommits, StateDictFile, PrioritizedSampler):
         if not self._trees.total > 0:  # on a GPU, the one wait for the device in a draw
             raise RuntimeError("every stored row has priority 0: nothing can be sampled")
         index, generation = self.draw(batch_size)
+        self._drawn_generation.index_copy_(0, index, generation)
         weight = self._importance_weights(self._trees.get(index), self._trees.minimum)
         self._anneal_beta()
         return index, {"priority_weight": weight, "generation": generation}
@@ -275,17 +279,18 @@ class GearPrioritizedSampler(FollowsCommits, StateDictFile, PrioritizedSampler):
             return
         # Masks, not filters: filtering would wait for the GPU.
         keep = (index >= 0) if skips else None
-        if generation is not None:
+        rows = index.clamp_min(0) if skips else index
+        if generation is None:  # the generations the rows had when drawn (TorchRL's standard path)
+            generation = self._drawn_generation.index_select(0, rows)
+            current = (generation < 0) | (self._generation.index_select(0, rows) == generation)
+        else:
             generation = torch.as_tensor(generation, dtype=torch.int64).reshape(-1).to(self._device)
             if generation.numel() != index.numel():
                 raise ValueError(f"got {generation.numel()} generations for {index.numel()} indices")
-            current = self._generation.index_select(0, index.clamp_min(0)) == generation
-            keep = current if keep is None else keep & current
-        if keep is None:  # every entry lands: the checked maximum is the batch's
-            self._max_raw_priority.clamp_(min=max_priority)
-        else:
-            self._max_raw_priority = torch.maximum(self._max_raw_priority, torch.where(keep, priority, 0.0).max())
-        self._trees.set(index.clamp_min(0) if skips else index, torch.pow(priority + self._eps, self._alpha), keep)
+            current = self._generation.index_select(0, rows) == generation
+        keep = current if keep is None else keep & current
+        self._max_raw_priority = torch.maximum(self._max_raw_priority, torch.where(keep, priority, 0.0).max())
+        self._trees.set(rows, torch.pow(priority + self._eps, self._alpha), keep)
 
     def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
         """Rows were (over)written: new generation, default priority."""
@@ -344,6 +349,7 @@ class GearPrioritizedSampler(FollowsCommits, StateDictFile, PrioritizedSampler):
     def _assign(self, state: dict[str, Any]) -> None:
         self._trees.load_tensors({k: state[k] for k in self._trees.tensors()})
         self._generation.copy_(state["generation"])
+        self._drawn_generation.fill_(-1)  # draws before the load say nothing of the loaded rows
         self._alpha, self._beta, self._eps = state["alpha"], state["beta"], state["eps"]
         self._max_raw_priority = torch.tensor(state["max_raw_priority"], dtype=torch.float64, device=self._device)
         self._sample_calls = state["sample_calls"]
