@@ -166,9 +166,10 @@ class GearPrioritizedSampler(FollowsCommits, StateDictFile, PrioritizedSampler):
         else:
             self._trees = BlockPrefixSums(self._max_capacity, self._device)
         self._generation = torch.zeros(self._max_capacity, dtype=torch.int64, device=self._device)
-        # Each row's generation when it was last drawn (-1: never): TorchRL's update_tensordict_priority
+        # The last draw (rows, their generations, writes seen by then): TorchRL's update_tensordict_priority
         # passes no generation, and a row rewritten since its draw must not take the update.
-        self._drawn_generation = torch.full((self._max_capacity,), -1, dtype=torch.int64, device=self._device)
+        self._last_draw: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._writes = 0  # mark_update calls: none since a draw means none of its rows was rewritten
         # A device tensor, so updates never wait for the GPU to learn the new maximum.
         self._max_raw_priority = torch.tensor(1.0, dtype=torch.float64, device=self._device)
         self._sample_calls = 0
@@ -212,7 +213,7 @@ class GearPrioritizedSampler(FollowsCommits, StateDictFile, PrioritizedSampler):
         if not self._trees.total > 0:  # on a GPU, the one wait for the device in a draw
             raise RuntimeError("every stored row has priority 0: nothing can be sampled")
         index, generation = self.draw(batch_size)
-        self._drawn_generation.index_copy_(0, index, generation)
+        self._last_draw = (index, generation, self._writes)
         weight = self._importance_weights(self._trees.get(index), self._trees.minimum)
         self._anneal_beta()
         return index, {"priority_weight": weight, "generation": generation}
@@ -280,22 +281,39 @@ class GearPrioritizedSampler(FollowsCommits, StateDictFile, PrioritizedSampler):
         # Masks, not filters: filtering would wait for the GPU.
         keep = (index >= 0) if skips else None
         rows = index.clamp_min(0) if skips else index
-        if generation is None:  # the generations the rows had when drawn (TorchRL's standard path)
-            generation = self._drawn_generation.index_select(0, rows)
-            current = (generation < 0) | (self._generation.index_select(0, rows) == generation)
-        else:
+        if generation is None:
+            generation = self._generations_if_rewritten_since_drawn(index)
+        if generation is not None:
             generation = torch.as_tensor(generation, dtype=torch.int64).reshape(-1).to(self._device)
             if generation.numel() != index.numel():
                 raise ValueError(f"got {generation.numel()} generations for {index.numel()} indices")
             current = self._generation.index_select(0, rows) == generation
-        keep = current if keep is None else keep & current
-        self._max_raw_priority = torch.maximum(self._max_raw_priority, torch.where(keep, priority, 0.0).max())
+            keep = current if keep is None else keep & current
+        if keep is None:  # every entry lands: the checked maximum is the batch's
+            self._max_raw_priority.clamp_(min=max_priority)
+        else:
+            self._max_raw_priority = torch.maximum(self._max_raw_priority, torch.where(keep, priority, 0.0).max())
         self._trees.set(rows, torch.pow(priority + self._eps, self._alpha), keep)
+
+    def _generations_if_rewritten_since_drawn(self, index: torch.Tensor) -> torch.Tensor | None:
+        """The last draw's generations when ``index`` is its rows and some write came since, else None.
+
+        TorchRL's ``update_tensordict_priority`` brings the drawn rows back without
+        their generations; with no write since the draw, none can be stale and the
+        update costs no check at all.
+        """
+        last = self._last_draw
+        if last is None or last[2] == self._writes:
+            return None
+        drawn, generation, _ = last
+        same = index is drawn or (index.shape == drawn.shape and torch.equal(index, drawn))
+        return generation if same else None
 
     def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
         """Rows were (over)written: new generation, default priority."""
         index = _as_index(index, self._max_capacity, self._device)
         index = index[index >= 0]
+        self._writes += 1
         self._generation[index] += 1
         mass = torch.pow(self._max_raw_priority + self._eps, self._alpha)
         self._trees.set(index, mass.repeat(index.numel()))
@@ -349,7 +367,7 @@ class GearPrioritizedSampler(FollowsCommits, StateDictFile, PrioritizedSampler):
     def _assign(self, state: dict[str, Any]) -> None:
         self._trees.load_tensors({k: state[k] for k in self._trees.tensors()})
         self._generation.copy_(state["generation"])
-        self._drawn_generation.fill_(-1)  # draws before the load say nothing of the loaded rows
+        self._last_draw = None  # draws before the load say nothing of the loaded rows
         self._alpha, self._beta, self._eps = state["alpha"], state["beta"], state["eps"]
         self._max_raw_priority = torch.tensor(state["max_raw_priority"], dtype=torch.float64, device=self._device)
         self._sample_calls = state["sample_calls"]

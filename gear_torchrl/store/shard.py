@@ -168,9 +168,9 @@ class Shard:
         self._traj_column = spec.find(self.traj_key) if self.traj_key is not None else None
         if self.traj_key is not None and self._traj_column is None:
             logger.warning("traj_key %r is not in the data; episodes come from end flags only", self.traj_key)
-        if self.tracks_episodes and not self.has_episode_markers:
-            logger.warning("none of the end keys %r nor a trajectory key is in the data: the episode index "
-                           "sees one episode; sequence samplers will refuse to sample", self.end_keys)
+        if self.tracks_episodes and not self.has_episode_markers and self.end_keys != DEFAULT_END_KEYS:
+            logger.warning("none of the configured end keys %r nor a trajectory key is in the data: the episode "
+                           "index sees one episode; sequence samplers will refuse to sample", self.end_keys)
 
     @property
     def has_episode_markers(self) -> bool:
