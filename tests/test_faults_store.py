@@ -82,6 +82,30 @@ def test_an_overstaying_read_in_this_process_raises_instead_of_returning_rewritt
         storage.close()
 
 
+def test_a_read_that_claims_longer_is_waited_for_that_long_and_no_longer():
+    storage = GearStorage(100, shared=True, reader_timeout=0.1)
+    try:
+        _write_for(storage, 0.1)
+        with storage.shard.picking():
+            rows = storage.shard.uniform_rows(32, None, torch.device("cpu"))
+            storage.shard.log.claim_longer(0.6)  # as a checkpoint of a large store does
+        writer = threading.Thread(target=_write_for, args=(storage, 0.2, 500))
+        writer.start()
+        time.sleep(0.4)  # past the reader timeout, within the claim
+        w.verify(storage.get(rows))  # not revoked: the writer waited
+        writer.join(JOIN_S)
+        with storage.shard.picking():
+            rows = storage.shard.uniform_rows(32, None, torch.device("cpu"))
+            storage.shard.log.claim_longer(0.2)
+        writer = threading.Thread(target=_write_for, args=(storage, 0.6, 900))
+        writer.start()
+        writer.join(JOIN_S)  # waited 0.1 + 0.2 s, then revoked the read
+        with pytest.raises(ReadRevokedError):
+            storage.get(rows)
+    finally:
+        storage.close()
+
+
 def test_a_transient_os_error_reading_proc_counts_a_process_as_alive(monkeypatch):
     def no_file_descriptors(*args, **kwargs):
         raise OSError(errno.EMFILE, "Too many open files")

@@ -64,7 +64,8 @@ RESERVED, COMMITTED, DEAD = 1, 2, 3
 _GRACE_POLL_S = 50e-6
 RECORDS = 1 << 16  # commits a reader may lag behind before it loses track of the oldest rows
 READER_SLOTS = 256  # processes reading one store at once
-_SLOT_PID, _SLOT_EPOCH, _SLOT_REVOKED = 0, 1, 2  # a reader slot's words
+_SLOT_PID, _SLOT_EPOCH, _SLOT_REVOKED, _SLOT_LONGER_US = 0, 1, 2, 3  # a reader slot's words
+_SLOT_WORDS = 4
 DEFAULT_READER_TIMEOUT_S = 2.0
 
 
@@ -109,7 +110,7 @@ def reader_timeout_us(seconds: float) -> int:
 
 
 def control_bytes(num_records: int = RECORDS, num_readers: int = READER_SLOTS) -> int:
-    return page_round(8 * (_HEADER_SLOTS + 4 * num_records + 3 * num_readers) + _SPEC_BYTES)
+    return page_round(8 * (_HEADER_SLOTS + 4 * num_records + _SLOT_WORDS * num_readers) + _SPEC_BYTES)
 
 
 class CommitLog:
@@ -135,8 +136,8 @@ class CommitLog:
         self.capacity = int(self._h[_H_CAPACITY])
         self.owner_pid = int(self._h[_H_OWNER])
         self._records = words[_HEADER_SLOTS: _HEADER_SLOTS + 4 * k].reshape(k, 4)
-        self._readers = words[_HEADER_SLOTS + 4 * k: _HEADER_SLOTS + 4 * k + 3 * s].reshape(s, 3)
-        spec_at = 8 * (_HEADER_SLOTS + 4 * k + 3 * s)
+        self._readers = words[_HEADER_SLOTS + 4 * k: _HEADER_SLOTS + 4 * k + _SLOT_WORDS * s].reshape(s, _SLOT_WORDS)
+        spec_at = 8 * (_HEADER_SLOTS + 4 * k + _SLOT_WORDS * s)
         self._spec = memoryview(self._map)[spec_at: spec_at + _SPEC_BYTES]
         self._fd = os.open(path, os.O_RDWR)
         self._thread_lock = threading.Lock()
@@ -240,7 +241,7 @@ class CommitLog:
         """
         if not reservation.evicts:
             return
-        deadline = time.monotonic() + self.reader_timeout_s
+        start = time.monotonic()
         while True:
             old = self._old_readers(reservation.epoch)
             if old.size == 0:
@@ -249,7 +250,8 @@ class CommitLog:
                 if not _alive(int(self._readers[slot, _SLOT_PID])):
                     self._readers[slot, _SLOT_EPOCH] = 0
             self.check_open()
-            if time.monotonic() > deadline:
+            longer = int(self._readers[old, _SLOT_LONGER_US].max()) / 1e6
+            if time.monotonic() - start > self.reader_timeout_s + longer:
                 self._revoke(reservation.epoch)
                 return
             time.sleep(_GRACE_POLL_S)
@@ -264,6 +266,7 @@ class CommitLog:
             for slot in self._old_readers(epoch):
                 self._readers[slot, _SLOT_REVOKED] += 1
                 self._readers[slot, _SLOT_EPOCH] = 0
+                self._readers[slot, _SLOT_LONGER_US] = 0
                 logger.warning("a reader (pid %d) held rows of the shared store for over %.3g s; its read was "
                                "revoked so writers can go on", int(self._readers[slot, _SLOT_PID]),
                                self.reader_timeout_s)
@@ -326,8 +329,18 @@ class CommitLog:
         if slot is None or not self._reading:
             return
         self._reading = False
+        self._readers[slot, _SLOT_LONGER_US] = 0
         self._readers[slot, _SLOT_EPOCH] = 0
         self.raise_if_revoked()
+
+    def claim_longer(self, seconds: float) -> None:
+        """Let writers wait ``seconds`` more than the reader timeout for the open read section.
+
+        For a read that is long by nature (a checkpoint copying the whole store) and
+        says so up front: still bounded, so a stalled one is revoked too.
+        """
+        if self._reader_slot is not None and self._reading:
+            self._readers[self._reader_slot, _SLOT_LONGER_US] = max(0, int(seconds * 1e6))
 
     def revoked(self) -> bool:
         """Whether a writer took back this process's open read section (its rows may be overwritten)."""
@@ -354,6 +367,7 @@ class CommitLog:
             if pid == 0 or not _alive(pid):
                 self._readers[slot, _SLOT_PID] = os.getpid()
                 self._readers[slot, _SLOT_EPOCH] = 0
+                self._readers[slot, _SLOT_LONGER_US] = 0
                 self._reader_slot = slot
                 return slot
         raise RuntimeError(f"all {pids.shape[0]} reader slots of the shared store are taken by live processes")

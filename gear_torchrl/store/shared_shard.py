@@ -449,6 +449,9 @@ class SharedShard(Shard):
         writer left are not saved. A local or a new shared storage loads it.
         """
         with self.picking():  # ends the read section itself if anything here raises
+            # Copying the whole store outlasts the reader timeout: writers may wait about that
+            # long on top (at a pessimistic 0.5 GB/s), and no longer.
+            self.log.claim_longer(self.capacity * (self.spec.row_bytes if self.spec else 0) / 0.5e9)
             view = self.episodes.live()
             keep = ~view.dead
             rows = self.episodes.rows_of(self.episodes.slots_of(view.serial[keep]))
