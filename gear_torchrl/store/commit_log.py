@@ -334,13 +334,14 @@ class CommitLog:
         self.raise_if_revoked()
 
     def claim_longer(self, seconds: float) -> None:
-        """Let writers wait ``seconds`` more than the reader timeout for the open read section.
+        """Let writers wait ``seconds`` more than the reader timeout for the open read section (claims add up to the largest).
 
         For a read that is long by nature (a checkpoint copying the whole store) and
         says so up front: still bounded, so a stalled one is revoked too.
         """
         if self._reader_slot is not None and self._reading:
-            self._readers[self._reader_slot, _SLOT_LONGER_US] = max(0, int(seconds * 1e6))
+            slot = self._reader_slot
+            self._readers[slot, _SLOT_LONGER_US] = max(int(self._readers[slot, _SLOT_LONGER_US]), int(seconds * 1e6))
 
     def revoked(self) -> bool:
         """Whether a writer took back this process's open read section (its rows may be overwritten)."""

@@ -453,6 +453,9 @@ class Shard:
         """Read indices are ring rows in ``[0, ring_rows)``."""
         return self.size
 
+    def claim_gather(self, num_rows: int) -> None:
+        """About to gather ``num_rows`` rows in the open read section (a shared shard tells its writers)."""
+
     def check_readable(self, rows: torch.Tensor) -> None:
         """Raise if any of ``rows`` (in range) holds no readable data."""
 
@@ -471,6 +474,7 @@ class Shard:
             index_device = self.out_device if self.out_device.type == "cuda" else None
             rows = index if in_range else as_index_tensor(index, self.ring_rows, "read", device=index_device)
             self.check_readable(rows)
+            self.claim_gather(rows.numel())
             lead = torch.Size([]) if scalar else rows.shape
             flat = gather.gather_rows(self.columns, rows.reshape(-1), self.out_device, self._hot_rows())
             self.rows_read += rows.numel()
@@ -506,6 +510,7 @@ class Shard:
         with self.reading():
             if self.spec is None or self.size == 0:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")
+            self.claim_gather(windows.starts.numel() * windows.seq_len)
             flat, mask = gather.gather_windows(self.columns, windows.starts, windows.seq_len, self.out_device,
                                                windows.valid_begin, windows.valid_end, hot=self._hot_rows())
             self.rows_read += flat[0].shape[0]

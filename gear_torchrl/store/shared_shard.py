@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 # SliceSampler reads ``storage[index]`` for its markers, then the buffer reads the batch.
 _SCAN_INDEX_READS = 2
+_SLOW_GATHER_BYTES_PER_S = 0.5e9  # what a read may claim to need, per byte, on top of the reader timeout
 
 
 @dataclass(frozen=True)
@@ -357,6 +358,14 @@ class SharedShard(Shard):
             if not quietly:
                 raise
 
+    def claim_gather(self, num_rows: int) -> None:
+        """Writers wait for this read the reader timeout plus what gathering ``num_rows`` takes.
+
+        Counted at a pessimistic 0.5 GB/s: a large read (a scan of the whole store)
+        is not revoked for being large, and a small one adds next to nothing.
+        """
+        self.log.claim_longer(num_rows * self.spec.row_bytes / _SLOW_GATHER_BYTES_PER_S)
+
     def check_readable(self, rows: torch.Tensor) -> None:
         rows = rows.reshape(-1).cpu()
         if rows.numel() == 0:
@@ -449,13 +458,12 @@ class SharedShard(Shard):
         writer left are not saved. A local or a new shared storage loads it.
         """
         with self.picking():  # ends the read section itself if anything here raises
-            # Copying the whole store outlasts the reader timeout: writers may wait about that
-            # long on top (at a pessimistic 0.5 GB/s), and no longer.
-            self.log.claim_longer(self.capacity * (self.spec.row_bytes if self.spec else 0) / 0.5e9)
             view = self.episodes.live()
             keep = ~view.dead
             rows = self.episodes.rows_of(self.episodes.slots_of(view.serial[keep]))
             mapped = self.mapped_columns()  # another process may have laid the columns out since we attached
+            if self.spec is not None:
+                self.claim_gather(rows.numel())  # the whole store: writers wait that long on top, no longer
             columns = [c[rows] for c in mapped] if self.spec is not None else []
         self.release()
         length = view.length[keep]
