@@ -21,6 +21,7 @@ from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, Windows
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
 from gear_torchrl.store.spec import Data, NestedKey
+from gear_torchrl.torchrl_state import state_from_torchrl, torchrl_fields
 
 logger = logging.getLogger(__name__)
 
@@ -309,9 +310,16 @@ class GearStorage(TensorStorage):
         self._note_mutation()
 
     def state_dict(self) -> dict[str, Any]:
-        return self._shard.state()
+        """Our state, plus ``LazyTensorStorage``'s fields over the same tensors, so either loads it."""
+        state = self._shard.state()
+        if not self.shared:
+            state.update(torchrl_fields(self._shard))
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load our state, or a ``LazyTensorStorage``'s (a buffer saved before moving to us)."""
+        if "capacity" not in state_dict and "_storage" in state_dict:
+            state_dict = state_from_torchrl(state_dict, self._shard)
         self._shard.load_state(state_dict)
         self._sync_cursor_from_shard()
         self._note_mutation()

@@ -178,3 +178,30 @@ def test_update_tensordict_priority_skips_rows_rewritten_since_they_were_drawn()
     again["td_error"] = torch.full((8,), 60.0)
     rb.update_tensordict_priority(again)
     assert bool((rb.sampler.masses(again["index"]) > 55).all())
+
+
+# -- moving a saved buffer between LazyTensorStorage and GearStorage, both ways ---------------------
+@pytest.mark.parametrize("source_cls,target_cls", [(LazyTensorStorage, GearStorage), (GearStorage, LazyTensorStorage),
+                                                   (GearStorage, GearStorage)])
+def test_a_state_dict_moves_between_the_two_storages(source_cls, target_cls):
+    source = ReplayBuffer(storage=source_cls(10), batch_size=4)
+    done = (torch.arange(16) % 4 == 3).unsqueeze(-1)
+    source.extend(TensorDict({"a": torch.arange(16.0), ("next", "done"): done}, [16]))  # the ring wraps
+    target = ReplayBuffer(storage=target_cls(10), batch_size=4)
+    target.storage.load_state_dict(source.storage.state_dict())
+    assert len(target) == 10
+    assert torch.equal(target.storage[:]["a"], source.storage[:]["a"])
+    assert torch.equal(target.storage[:]["next", "done"], source.storage[:]["next", "done"])
+    target.extend(TensorDict({"a": torch.full((2,), -1.0), ("next", "done"): torch.ones(2, 1, dtype=torch.bool)}, [2]))
+    assert target.sample()["a"].shape == (4,)
+
+
+def test_a_torchrl_state_that_does_not_fit_is_refused_and_changes_nothing():
+    from gear_torchrl import CheckpointError
+
+    big = LazyTensorStorage(20)
+    big.set(torch.arange(15), TensorDict({"a": torch.arange(15.0)}, [15]))
+    small = _filled(GearStorage)
+    with pytest.raises(CheckpointError, match="15 rows"):
+        small.storage.load_state_dict(big.state_dict())
+    assert torch.equal(small[:]["a"], torch.zeros(10))

@@ -1,0 +1,46 @@
+"""State dicts that move between ``LazyTensorStorage`` and ``GearStorage``, both ways.
+
+A user with a buffer saved by TorchRL's storage must be able to load it into
+ours, and back. TorchRL's tensor storages save ``{"_storage": <TensorDict
+state dict, [max_size] rows>, "initialized", "_len"}``; ours saves columns, an
+episode index and a cursor. Ours carries TorchRL's fields as well (views of the
+same columns: nothing is saved twice), and reads TorchRL's into a shard state.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from gear_torchrl.store.shard import Shard
+from gear_torchrl.store.state_checks import CheckpointError
+
+
+def torchrl_fields(shard: Shard) -> dict[str, Any]:
+    """``LazyTensorStorage.state_dict()``'s fields for ``shard``'s rows (in slot order, as TorchRL keeps them)."""
+    if shard.spec is None or not shard.spec.is_tensordict:
+        return {"_storage": {} if shard.spec is None else shard.columns[0], "initialized": shard.spec is not None,
+                "_len": shard.size}
+    rows = shard.spec.unflatten(shard.columns, torch.Size([shard.capacity]), device=None)
+    return {"_storage": rows.state_dict(), "initialized": True, "_len": shard.size}
+
+
+def state_from_torchrl(state: dict[str, Any], shard: Shard) -> dict[str, Any]:
+    """A shard state (``Shard.state()``'s layout) holding a ``LazyTensorStorage`` state dict's rows.
+
+    Its rows ``[0, _len)`` are written, in slot order, through a scratch shard
+    configured as ``shard`` (the same checks, the episode index derived from
+    their flags). Raises CheckpointError when the state does not fit ``shard``.
+    """
+    scratch = Shard(shard.capacity, end_keys=shard.end_keys, traj_key=shard.traj_key)
+    length = int(state.get("_len", 0))
+    if not state.get("initialized", False) or length == 0:
+        return scratch.state()
+    saved = state["_storage"]
+    data = saved if isinstance(saved, torch.Tensor) else TensorDict().load_state_dict(saved, strict=False)
+    if not 0 < length <= min(shard.capacity, data.shape[0]):
+        raise CheckpointError(f"the TorchRL state holds {length} rows of {data.shape[0]}; this storage holds "
+                              f"{shard.capacity}")
+    scratch.write(torch.arange(length), data[:length], append=True)
+    return scratch.state()
