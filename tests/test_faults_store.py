@@ -46,6 +46,14 @@ def _write_for(storage: GearStorage, seconds: float, first_id: int = 0) -> int:
     return done
 
 
+def _pick_and_hold(storage: GearStorage, claim_s: float = 0.0) -> torch.Tensor:
+    """32 rows picked as a sampler picks them: their read section stays open until they are read."""
+    with storage.shard.picking():
+        rows = storage.shard.uniform_rows(32, None, torch.device("cpu"))
+        storage.shard.log.claim_longer(claim_s)
+    return rows
+
+
 # -- a reader that stops must not stop the writers ----------------------------------------
 def test_a_stopped_reader_does_not_freeze_writers_and_its_read_is_revoked():
     storage = GearStorage(400, shared=True, reader_timeout=0.3)
@@ -70,8 +78,7 @@ def test_an_overstaying_read_in_this_process_raises_instead_of_returning_rewritt
     storage = GearStorage(100, shared=True, reader_timeout=0.1)
     try:
         _write_for(storage, 0.1)
-        with storage.shard.picking():
-            rows = storage.shard.uniform_rows(32, None, torch.device("cpu"))
+        rows = _pick_and_hold(storage)
         writer = threading.Thread(target=_write_for, args=(storage, 0.5, 500))
         writer.start()
         writer.join(JOIN_S)  # it waited 0.1 s for this open read, then revoked it
@@ -86,17 +93,13 @@ def test_a_read_that_claims_longer_is_waited_for_that_long_and_no_longer():
     storage = GearStorage(100, shared=True, reader_timeout=0.1)
     try:
         _write_for(storage, 0.1)
-        with storage.shard.picking():
-            rows = storage.shard.uniform_rows(32, None, torch.device("cpu"))
-            storage.shard.log.claim_longer(0.6)  # as a checkpoint of a large store does
+        rows = _pick_and_hold(storage, claim_s=0.6)  # as a checkpoint of a large store claims
         writer = threading.Thread(target=_write_for, args=(storage, 0.2, 500))
         writer.start()
         time.sleep(0.4)  # past the reader timeout, within the claim
         w.verify(storage.get(rows))  # not revoked: the writer waited
         writer.join(JOIN_S)
-        with storage.shard.picking():
-            rows = storage.shard.uniform_rows(32, None, torch.device("cpu"))
-            storage.shard.log.claim_longer(0.2)
+        rows = _pick_and_hold(storage, claim_s=0.2)
         writer = threading.Thread(target=_write_for, args=(storage, 0.6, 900))
         writer.start()
         writer.join(JOIN_S)  # waited 0.1 + 0.2 s, then revoked the read
