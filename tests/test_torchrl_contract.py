@@ -205,3 +205,11 @@ def test_a_torchrl_state_that_does_not_fit_is_refused_and_changes_nothing():
     with pytest.raises(CheckpointError, match="15 rows"):
         small.storage.load_state_dict(big.state_dict())
     assert torch.equal(small[:]["a"], torch.zeros(10))
+
+
+@pytest.mark.parametrize("storage_cls", STORAGES)
+def test_an_emptied_buffer_takes_new_keys(storage_cls):
+    rb = _filled(storage_cls)
+    rb.empty()
+    rb.extend(TensorDict({"b": torch.ones(4, 2)}, [4]))
+    assert len(rb) == 4 and torch.equal(rb[:]["b"], torch.ones(4, 2))

@@ -173,6 +173,11 @@ class Shard:
                            "index sees one episode; sequence samplers will refuse to sample", self.end_keys)
 
     @property
+    def _takes_any_layout(self) -> bool:
+        """Emptied (``clear``): like LazyTensorStorage, the next write may bring other keys."""
+        return self.written == 0
+
+    @property
     def has_episode_markers(self) -> bool:
         """Whether the data holds an end flag or a trajectory id that delimits episodes."""
         return bool(self._end_columns) or self._traj_column is not None
@@ -220,7 +225,7 @@ class Shard:
     def _write_columns(self, spec: TableSpec, rows: torch.Tensor, values: list[torch.Tensor], append: bool):
         # -- everything is checked: from here on the write happens --
         n = rows.numel()
-        if self.spec is None:
+        if self.spec is None or (spec != self.spec and self._takes_any_layout):
             self._allocate(spec)
         elif spec != self.spec:
             raise SpecMismatchError(f"the data's keys, dtypes or shapes differ from the store's: {self.spec}")
@@ -265,9 +270,9 @@ class Shard:
                   ) -> tuple[TableSpec, list[torch.Tensor], int]:
         """The spec, the data as columns of ``n`` rows, and ``n``; raises before any change.
 
-        The spec is ``spec``, else the shard's, else the data's own.
+        The spec is ``spec``, else the shard's (unless emptied: it takes any layout then), else the data's own.
         """
-        spec = spec or self.spec or TableSpec.from_data(data, batched=not single)
+        spec = spec or (None if self._takes_any_layout else self.spec) or TableSpec.from_data(data, batched=not single)
         n = 1 if single else _num_rows(data)
         values = spec.flatten(data, None if single else n)
         if single:

@@ -211,6 +211,10 @@ class SharedShard(Shard):
         return self._numbered
 
     @property
+    def _takes_any_layout(self) -> bool:
+        return False  # the layout lives in the control segment, fixed by the first write of any process
+
+    @property
     def slice_views_possible(self) -> bool:
         return False  # other processes read these rows: a slice is a copy, and writes in place are refused
 
