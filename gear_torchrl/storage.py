@@ -238,6 +238,8 @@ class GearStorage(TensorStorage):
             self._window_plan = None
             return self._shard.read_windows(plan[1])
         drawn, self._drawn = self._drawn, None
+        if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(k, str) for k in index)):
+            return self.get(slice(None))[index]  # a key: that column of every row (TorchRL's Sequence unit)
         if isinstance(index, tuple) and len(index) == 1:
             index = index[0]
         if isinstance(index, slice):  # like LazyTensorStorage: views, so in-place writes reach the rows

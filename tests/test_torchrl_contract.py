@@ -213,3 +213,19 @@ def test_an_emptied_buffer_takes_new_keys(storage_cls):
     rb.empty()
     rb.extend(TensorDict({"b": torch.ones(4, 2)}, [4]))
     assert len(rb) == 4 and torch.equal(rb[:]["b"], torch.ones(4, 2))
+
+
+@pytest.mark.parametrize("storage_cls", STORAGES)
+def test_torchrl_sequence_sample_unit_reads_episode_ends(storage_cls):
+    from torchrl.data.replay_buffers.sample_units import Sequence
+
+    rb = TensorDictReplayBuffer(storage=storage_cls(200), batch_size=8,
+                                sample_unit=Sequence(length=4, episode_boundary="pad"))
+    rb.extend(_episodes_td(20, 10))
+    batch, info = rb.sample(return_info=True)
+    assert batch.shape == (32,)
+    ep = batch["ep"].view(8, 4)
+    valid = info["validity_mask"].view(8, 4)
+    assert bool(((ep == ep[:, :1]) | ~valid).all())  # padding repeats the last valid step; no window crosses
+    assert storage_cls is not GearStorage or torch.equal(rb.storage.get(("next", "done")),
+                                                         rb.storage[:]["next", "done"])
