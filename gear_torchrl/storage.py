@@ -288,7 +288,28 @@ class GearStorage(TensorStorage):
 
     def loads(self, path: Any) -> None:
         self.checkpointer.loads(self, path)
+        if not isinstance(self.checkpointer, GearStorageCheckpointer):  # TorchRL's wrote into ``_storage``
+            self._shard.after_inplace_write()
         self._note_mutation()
+
+    @property
+    def _storage(self) -> Data:
+        """Every row slot as views of the columns (``[max_size]``), where TorchRL's checkpointers look.
+
+        Only a local store on the CPU has such views; elsewhere this is an AttributeError
+        that says why (TorchRL's ``FlatStorageCheckpointer`` and its kin need them).
+        """
+        if not self._shard.slice_views_possible or self._shard.spec is None:
+            raise AttributeError(
+                "GearStorage._storage (what TorchRL's own checkpointers read and write) exists only for a "
+                "local CPU store that holds data; use the default GearStorageCheckpointer "
+                f"({'shared' if self.shared else 'batches on ' + str(self.device) if self._shard.spec else 'empty'})")
+        return self._shard.slice_views(slice(None), all_slots=True)
+
+    def _init(self, row: Data) -> None:
+        """Lay the columns out for rows like ``row`` (TorchRL's checkpointers restore into a new storage so)."""
+        self._shard.write(0, row, append=False)
+        self._shard.clear()
 
     def plan_windows(self, index: torch.Tensor, windows: Windows) -> None:
         """Announce that the next ``get(index)`` (this very tensor) reads ``windows``.

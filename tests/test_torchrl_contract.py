@@ -229,3 +229,34 @@ def test_torchrl_sequence_sample_unit_reads_episode_ends(storage_cls):
     assert bool(((ep == ep[:, :1]) | ~valid).all())  # padding repeats the last valid step; no window crosses
     assert storage_cls is not GearStorage or torch.equal(rb.storage.get(("next", "done")),
                                                          rb.storage[:]["next", "done"])
+
+
+# -- TorchRL's own checkpointers ------------------------------------------------------------------
+def _ted(n: int) -> TensorDict:
+    done = (torch.arange(n) % 5 == 4).unsqueeze(-1)
+    obs = torch.arange(n, dtype=torch.float32).unsqueeze(-1)
+    return TensorDict({"obs": obs, "action": torch.arange(n) % 3, "done": torch.zeros(n, 1, dtype=torch.bool),
+                       "terminated": torch.zeros(n, 1, dtype=torch.bool),
+                       "next": {"obs": obs + 1, "reward": torch.ones(n, 1), "done": done, "terminated": done}},
+                      [n])
+
+
+@pytest.mark.parametrize("checkpointer", ["FlatStorageCheckpointer", "NestedStorageCheckpointer",
+                                          "TensorStorageCheckpointer"])
+@pytest.mark.parametrize("storage_cls", STORAGES)
+def test_torchrl_checkpointers_round_trip(storage_cls, checkpointer, tmp_path):
+    import torchrl.data.replay_buffers.checkpointers as checkpointers
+
+    def buffer():
+        storage = storage_cls(30)
+        storage.checkpointer = getattr(checkpointers, checkpointer)()
+        return ReplayBuffer(storage=storage, batch_size=4)
+
+    rb = buffer()
+    rb.extend(_ted(20))
+    rb.dumps(tmp_path)
+    restored = buffer()
+    restored.loads(tmp_path)
+    assert len(restored) == 20
+    assert torch.equal(restored[:]["next", "obs"], rb[:]["next", "obs"])
+    assert torch.equal(restored[:]["obs"], rb[:]["obs"])

@@ -492,15 +492,18 @@ class Shard:
         """Whether ``slice_views`` can hand out the rows themselves (CPU rows read on the CPU)."""
         return self.out_device == self.device and self.hot is None
 
-    def slice_views(self, index: slice) -> Data | None:
-        """Rows ``[0, size)[index]`` as views of the columns, or None where a view cannot be had.
+    def slice_views(self, index: slice, all_slots: bool = False) -> Data | None:
+        """Rows ``[0, size)[index]`` (every slot, with ``all_slots``) as views of the columns, or None
+        where a view cannot be had.
 
         What TorchRL's ``rb.set_`` / ``update_`` write into reaches the rows, as with
         ``LazyTensorStorage``; call ``after_inplace_write`` once written.
         """
         if not self.slice_views_possible or self.spec is None or (index.step or 1) < 1:
             return None
-        views = [c[: self.size][index] for c in self.columns]
+        if all_slots:  # writes may land anywhere: no slot may hold memory no write filled
+            self._fill_to(self.capacity)
+        views = [(c if all_slots else c[: self.size])[index] for c in self.columns]
         return self.spec.unflatten(views, torch.Size([views[0].shape[0]]), device=self.out_device)
 
     def after_inplace_write(self) -> None:
