@@ -287,8 +287,11 @@ class GearStorage(TensorStorage):
         Storage._bump_mutation_revision(self)
 
     def loads(self, path: Any) -> None:
+        foreign = not isinstance(self.checkpointer, GearStorageCheckpointer)
+        if foreign and self.initialized:  # TorchRL's copy every slot in through ``_storage``
+            self._shard.fill_unwritten()
         self.checkpointer.loads(self, path)
-        if not isinstance(self.checkpointer, GearStorageCheckpointer):  # TorchRL's wrote into ``_storage``
+        if foreign:
             self._shard.after_inplace_write()
         self._note_mutation()
 
@@ -307,9 +310,11 @@ class GearStorage(TensorStorage):
         return self._shard.slice_views(slice(None), all_slots=True)
 
     def _init(self, row: Data) -> None:
-        """Lay the columns out for rows like ``row`` (TorchRL's checkpointers restore into a new storage so)."""
+        """Lay the columns out for rows like ``row``: TorchRL's checkpointers restore into a new storage so,
+        then write every slot through ``_storage``."""
         self._shard.write(0, row, append=False)
         self._shard.clear()
+        self._shard.fill_unwritten()
 
     def plan_windows(self, index: torch.Tensor, windows: Windows) -> None:
         """Announce that the next ``get(index)`` (this very tensor) reads ``windows``.

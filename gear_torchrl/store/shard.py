@@ -291,6 +291,10 @@ class Shard:
             if self.tracks_episodes:
                 self.rebuild_episodes()
 
+    def fill_unwritten(self) -> None:
+        """Zero every slot no write reached: a write through ``slice_views(all_slots=True)`` may land anywhere."""
+        self._fill_to(self.capacity)
+
     def _fill_to(self, end: int) -> None:
         """Zero rows ``[written, end)``: a write past them, or a length over them, must not expose
         memory no write ever filled. Appends never leave such a gap, so they never pay for this."""
@@ -501,8 +505,6 @@ class Shard:
         """
         if not self.slice_views_possible or self.spec is None or (index.step or 1) < 1:
             return None
-        if all_slots:  # writes may land anywhere: no slot may hold memory no write filled
-            self._fill_to(self.capacity)
         views = [(c if all_slots else c[: self.size])[index] for c in self.columns]
         return self.spec.unflatten(views, torch.Size([views[0].shape[0]]), device=self.out_device)
 
