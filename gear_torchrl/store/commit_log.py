@@ -66,7 +66,7 @@ RECORDS = 1 << 16  # commits a reader may lag behind before it loses track of th
 READER_SLOTS = 256  # processes reading one store at once
 _SLOT_PID, _SLOT_EPOCH, _SLOT_REVOKED, _SLOT_LONGER_US = 0, 1, 2, 3  # a reader slot's words
 _SLOT_WORDS = 4
-DEFAULT_READER_TIMEOUT_S = 2.0
+DEFAULT_READER_TIMEOUT_S = 1.0  # on top of what each read claims for its size (claim_gather)
 
 
 class StoreClosedError(RuntimeError):
