@@ -92,6 +92,10 @@ class _StoreCounters:
         return self._log.inserts + self._log.admitted
 
     @property
+    def committed(self) -> int:
+        return self._log.inserts
+
+    @property
     def samples(self) -> int:
         return self._log.samples
 
@@ -137,7 +141,13 @@ class RateLimiter(ABC):
 
     @property
     def inserts(self) -> int:
+        """Rows inserted, counting those admitted whose commit is on its way (what inserting is checked by)."""
         return self._counters.inserts
+
+    @property
+    def committed(self) -> int:
+        """Rows committed: what sampling is checked by, since only they can be sampled."""
+        return self._counters.committed
 
     @property
     def samples(self) -> int:
@@ -279,7 +289,7 @@ class MinSize(RateLimiter):
         return True
 
     def can_sample(self, num_rows: int) -> bool:
-        return self.inserts >= self.min_size
+        return self.committed >= self.min_size
 
     def _why_blocked(self, what: str) -> str:
         return f"sampling needs {self.min_size} inserted rows"
@@ -316,12 +326,13 @@ class SampleToInsertRatio(RateLimiter):
         return (self.inserts + num_rows) * self.samples_per_insert - self.samples <= self.max_diff
 
     def can_sample(self, num_rows: int) -> bool:
-        if self.inserts < self.min_size_to_sample:
+        # Committed rows only: counting admitted ones let learners run ahead of rows that did not exist yet.
+        if self.committed < self.min_size_to_sample:
             return False
-        return self.inserts * self.samples_per_insert - (self.samples + num_rows) >= self.min_diff
+        return self.committed * self.samples_per_insert - (self.samples + num_rows) >= self.min_diff
 
     def _why_blocked(self, what: str) -> str:
-        if what == "sample" and self.inserts < self.min_size_to_sample:
+        if what == "sample" and self.committed < self.min_size_to_sample:
             return f"sampling needs {self.min_size_to_sample} inserted rows"
         return (f"the sample/insert ratio must stay within {self.samples_per_insert} "
                 f"± error buffer ({self.min_diff}..{self.max_diff} in samples)")
