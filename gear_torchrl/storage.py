@@ -261,8 +261,7 @@ class GearStorage(TensorStorage):
                 f"({'shared' if self.shared else f'batches on {self.device}'}) is a copy: the write did not "
                 "reach the stored rows. Write rows with rb.extend / rb[index] = data instead"
                 + (" (a shared store takes appends only)." if self.shared else "."))
-        self._shard.after_inplace_write()
-        self._note_mutation()
+        self._rows_changed_in_place()
 
     def _conditional_patch_leaf(self, key: NestedKey) -> torch.Tensor:
         """The stored column ``key``, which TorchRL's ``rb.update_if_present`` patches in place."""
@@ -280,6 +279,9 @@ class GearStorage(TensorStorage):
         rows = tuple(index.unbind(-1)) if index.ndim > 1 else (index,)
         for key, value in patch.items():
             self._conditional_patch_leaf(key)[rows] = value
+        self._rows_changed_in_place()
+
+    def _rows_changed_in_place(self) -> None:
         self._shard.after_inplace_write()
         self._note_mutation()
 
@@ -292,8 +294,9 @@ class GearStorage(TensorStorage):
             self._shard.fill_unwritten()
         self.checkpointer.loads(self, path)
         if foreign:
-            self._shard.after_inplace_write()
-        self._note_mutation()
+            self._rows_changed_in_place()
+        else:
+            self._note_mutation()
 
     @property
     def _storage(self) -> Data:
@@ -305,8 +308,7 @@ class GearStorage(TensorStorage):
         if not self._shard.slice_views_possible or self._shard.spec is None:
             raise AttributeError(
                 "GearStorage._storage (what TorchRL's own checkpointers read and write) exists only for a "
-                "local CPU store that holds data; use the default GearStorageCheckpointer "
-                f"({'shared' if self.shared else 'batches on ' + str(self.device) if self._shard.spec else 'empty'})")
+                "local store with rows on the CPU that holds data; use the default GearStorageCheckpointer")
         return self._shard.slice_views(slice(None), all_slots=True)
 
     def _init(self, row: Data) -> None:
