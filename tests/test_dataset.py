@@ -182,3 +182,31 @@ def test_the_owner_closes_its_store_while_forked_workers_still_run(no_shm_leaks)
     rb.storage.close()  # the workers' copies of the janitor's pipe must not keep it waiting
     assert store_segments(store_id) == []
     del batches
+
+
+# -- The storage itself as a map-style Dataset (TorchRL's proposal: one get per batch) --------
+
+def test_a_dataloader_over_the_storage_gets_each_batch_in_one_call():
+    from torch.utils.data import DataLoader
+    from torchrl.data import LazyTensorStorage
+
+    data = make_steps(100, seed=3)
+    ours, theirs = GearStorage(100), LazyTensorStorage(100)
+    for storage in (ours, theirs):
+        TensorDictReplayBuffer(storage=storage).extend(data)
+    calls = []
+    get = ours.get
+    ours.get = lambda index: calls.append(index) or get(index)  # count the reads the loader makes
+
+    epoch = list(DataLoader(ours, batch_size=16, shuffle=True, collate_fn=lambda batch: batch,
+                            generator=torch.Generator().manual_seed(0)))
+    assert len(calls) == len(epoch) == 7  # one get per batch, not one per row
+    rows = torch.cat([batch["info", "step"] for batch in epoch])
+    assert sorted(rows.tolist()) == data["info", "step"].tolist()  # an epoch: every row once
+    for batch in epoch:
+        assert_same_td(batch.exclude("index"), data[batch["info", "step"] - 30_000])
+    # TorchRL's own storage, read one row at a time, gives the same batches in the same order.
+    same = DataLoader(theirs, batch_size=16, shuffle=True, collate_fn=torch.stack,
+                      generator=torch.Generator().manual_seed(0))
+    for mine, reference in zip(epoch, same):
+        assert_same_td(mine, reference)
