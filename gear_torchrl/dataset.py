@@ -161,7 +161,9 @@ class GearLoader(DataLoader):
         reader = SlotReader(self._plan)
         self._readers.append(reader)
         try:
-            for item in super().__iter__():
+            items = super().__iter__()  # starts the workers, which take the plan with them
+            self.dataset._slot_plan = None  # a plain DataLoader over this dataset later must get batches
+            for item in items:
                 yield batch_of(item)
         finally:
             reader.close()

@@ -121,8 +121,7 @@ class SlotWriter:
     def _refill(self) -> None:
         """Mark every slot free. A new pass of persistent workers starts after the DataLoader dropped
         the last pass's unread tickets, whose slots nobody will free."""
-        while self.free.get_value() < self.plan.slots:
-            self.free.release()
+        _fill(self.free, self.plan.slots)
 
     def ticket(self, batch: Any) -> Ticket:
         leaves, spec = tree_flatten(batch)
@@ -189,11 +188,11 @@ class SlotReader:
 
     def close(self) -> None:
         """Drop the workers' buffers and wake any worker waiting for a slot, so it can see it must stop."""
-        _READERS.pop(self.plan.token, None)
-        self.buffers.clear()
+        with self._lock:
+            _READERS.pop(self.plan.token, None)
+            self.buffers.clear()
         for free in self.plan.free:
-            while free.get_value() < self.plan.slots:
-                free.release()
+            _fill(free, self.plan.slots)
 
 
 def new_plan(context: Any, workers: int, slots: int) -> SlotPlan:
@@ -213,6 +212,15 @@ def batch_of(item: Any) -> Any:
 
 _READERS: dict[int, SlotReader] = {}
 _TOKENS = itertools.count(1)
+
+
+def _fill(semaphore: Any, count: int) -> None:
+    """Release ``semaphore`` up to ``count``. Where its value cannot be read (macOS), leave it."""
+    try:
+        while semaphore.get_value() < count:
+            semaphore.release()
+    except NotImplementedError:
+        pass
 
 
 def _slottable(leaf: Any) -> bool:

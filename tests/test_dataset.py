@@ -36,8 +36,12 @@ def test_loader_hands_over_pinned_batches_for_the_gpu():
         pytest.skip("pinned memory needs CUDA (torch.cuda.is_available() is False)")
     rb = TensorDictReplayBuffer(storage=GearStorage(100), batch_size=8)
     rb.extend(make_steps(50, seed=0))
-    batches = list(GearDataset(rb, num_batches=2, prefetch=1).loader(pin_memory=True))
-    assert len(batches) == 2 and all(b["obs"].is_pinned() for b in batches)
+    for workers in (0, 1):  # with a worker, the pin thread copies the slot into pinned memory
+        loader = GearDataset(rb, num_batches=2, prefetch=1).loader(pin_memory=True, num_workers=workers, timeout=60)
+        batches = list(loader)
+        assert len(batches) == 2 and all(b["obs"].is_pinned() for b in batches)
+        assert all(torch.equal(b["obs"], rb.storage.get(b["index"])["obs"]) for b in batches)
+    assert loader.batches_from_slots == 2
 
 
 # -- DataLoader workers: batches through shared-memory slots ---------------------------------
@@ -210,3 +214,16 @@ def test_a_dataloader_over_the_storage_gets_each_batch_in_one_call():
                       generator=torch.Generator().manual_seed(0))
     for mine, reference in zip(epoch, same):
         assert_same_td(mine, reference)
+
+
+def test_a_plain_dataloader_after_a_loader_gets_batches_not_tickets():
+    from torch.utils.data import DataLoader
+
+    from gear_torchrl.dataset import as_is
+
+    rb = TensorDictReplayBuffer(storage=GearStorage(100), batch_size=8)
+    rb.extend(make_steps(50, seed=0))
+    dataset = GearDataset(rb, num_batches=2)
+    assert len(list(dataset.loader(num_workers=1, timeout=60))) == 2
+    plain = list(DataLoader(dataset, batch_size=None, collate_fn=as_is, num_workers=1, timeout=60))
+    assert len(plain) == 2 and all(isinstance(b, TensorDict) for b in plain)
