@@ -8,9 +8,9 @@ seed the DataLoader gave it. ``prefetch`` overlaps sampling (for a sharded
 store: the transfer) of the next batches with the training step.
 
 ``loader()`` workers hand their batches over through shared-memory slots
-(``dataset_slots``) rather than pickled tensors, and start by ``fork`` where
-that is safe rather than by importing torch and torchrl again (``spawn``,
-which TorchRL makes the default).
+(``dataset_slots``) rather than pickled tensors, and are forked (where that is
+safe, else from a forkserver) rather than spawned: a spawned worker imports
+torch and torchrl again before its first batch (spawn is TorchRL's default).
 """
 from __future__ import annotations
 

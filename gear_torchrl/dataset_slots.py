@@ -140,11 +140,12 @@ class SlotWriter:
         self.count += 1
         base = slot * layout.slot_bytes
         inline = {}
-        for i, (leaf, place) in enumerate(zip(leaves, layout.leaves)):
-            if place is None:
-                inline[i] = leaf
-            else:
-                _view(self.buffer, base, place).copy_(leaf)
+        with torch.no_grad():  # the slot holds values; a batch that carries a graph must not graft it on
+            for i, (leaf, place) in enumerate(zip(leaves, layout.leaves)):
+                if place is None:
+                    inline[i] = leaf
+                else:
+                    _view(self.buffer, base, place).copy_(leaf)
         return Ticket(self.plan.token, self.worker, self.generation, slot, inline,
                       self.buffer if fresh else None, layout if fresh else None)
 
