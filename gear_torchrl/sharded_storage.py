@@ -33,7 +33,7 @@ from gear_torchrl.distributed.directory import (
     host_id,
     serving_address,
 )
-from gear_torchrl.distributed.picked import Picked
+from gear_torchrl.selection.picked import Picked
 from gear_torchrl.distributed.sealed_store import SealedStore
 from gear_torchrl.distributed.secret import job_secret
 from gear_torchrl.distributed.shard_client import ShardClient

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from gear_torchrl.distributed.picked import Picked
+from gear_torchrl.selection.picked import Picked
 from gear_torchrl.samplers.prioritized import GearPrioritizedSampler, _as_index, _as_priority
 from gear_torchrl.samplers.prioritized_sequence import GearPrioritizedSequenceSampler
 from gear_torchrl.samplers.queue import QueueSampler

@@ -11,7 +11,7 @@ import torch
 
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.directory import ShardDescriptor
-from gear_torchrl.distributed.picked import EXTRA_DTYPES, Picked
+from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
 from gear_torchrl.distributed.transports.base import (
     ReadRequest,
     RemoteShardError,

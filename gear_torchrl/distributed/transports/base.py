@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from gear_torchrl.distributed.picked import Picked
+from gear_torchrl.selection.picked import Picked
 
 
 class ShardUnavailableError(ConnectionError):

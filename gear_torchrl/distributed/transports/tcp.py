@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from gear_torchrl.distributed.picked import Picked
+from gear_torchrl.selection.picked import Picked
 from gear_torchrl.distributed.transports.base import ReadRequest, Transport
 
 
