@@ -16,7 +16,7 @@ import torch
 
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.store.shard import Windows
-from gear_torchrl.store.spec import NestedKey, as_path
+from gear_torchrl.store.spec import NestedKey, TableSpec, as_path
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class ReadPlan:
     windows: Windows | None = None
     markers: WindowMarkers | None = None
     columns: list[torch.Tensor] | None = None  # a sharded store's batch, read with the selection
+    table: TableSpec | None = None  # what the columns are
 
 
 # Copies of an index: they keep its plan. Everything else (slicing, arithmetic...) gives plain rows.

@@ -82,9 +82,10 @@ def _write_shard(local, shard: int) -> None:
 def _serve_until_done(storage, shard: int, tmp: Path) -> None:
     _wait_for(tmp / "finish")
     masses = {}
-    for selector in storage._server.selectors.prioritized():
-        rows = torch.arange(ROWS_PER_SHARD[shard])
-        masses[(selector.sampler.alpha, selector.sampler._eps)] = selector.sampler.masses(rows)
+    for spec, selector, _ in storage._membership.server.selectors.shared():
+        if spec.kind == "priorities":
+            rows = torch.arange(ROWS_PER_SHARD[shard])
+            masses[(selector.alpha, selector.eps)] = selector.masses(rows)
     torch.save(masses, tmp / f"owner_{shard}.pt")
 
 
@@ -281,14 +282,14 @@ def _refusals(storage) -> dict:
         ShardClient(storage.descriptors[0], b"not the secret", TIMEOUT_S)
     except PermissionError as exc:
         found["wrong_secret"] = str(exc)
-    client = ShardClient(storage.descriptors[0], storage._secret, TIMEOUT_S)
-    spec = storage._spec(0)
+    client = ShardClient(storage.descriptors[0], storage._shards._secret, TIMEOUT_S)
+    spec = storage._shards.table(0)
     for name, rows in (("past_capacity", [CAPACITY + 5]), ("negative", [-1]), ("never_written", [CAPACITY - 1])):
         try:
-            client.read(ReadRequest.of_rows(torch.tensor(rows)), storage._empty_columns(spec, 1))
+            client.read(ReadRequest.of_rows(torch.tensor(rows)), storage._shards._empty_columns(spec, 1))
         except IndexError as exc:
             found[name] = str(exc)
-    out = storage._empty_columns(spec, 2)
+    out = storage._shards._empty_columns(spec, 2)
     client.read(ReadRequest.of_rows(torch.tensor([0, 7])), out)  # the connection still serves
     found["still_serves"] = out[spec.find("pos")].tolist()
     client.close()

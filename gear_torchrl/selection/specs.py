@@ -30,6 +30,7 @@ class SelectionSpec:
 
     kind: ClassVar[str] = ""
     per_reader: ClassVar[bool] = False
+    merges_best: ClassVar[bool] = False  # across shards: every owner picks ``n``, the best ``n`` are kept
 
     @property
     def rows_per_pick(self) -> int:
@@ -228,6 +229,7 @@ class TopKSpec(SelectionSpec):
     """The best-scoring rows, scored by a stored key or by updates (new rows: ``default_score``)."""
 
     kind: ClassVar[str] = "top_k"
+    merges_best: ClassVar[bool] = True
     key: Path | None = None
     default_score: float = 0.0
 
@@ -244,6 +246,10 @@ class CappedSpec(SelectionSpec):
     kind: ClassVar[str] = "capped"
     inner: SelectionSpec
     max_times: int
+
+    @property
+    def merges_best(self) -> bool:  # type: ignore[override]
+        return self.inner.merges_best
 
     def check(self) -> None:
         if self.max_times < 1:
