@@ -103,10 +103,13 @@ def _learn(storage, rank: int, tmp: Path) -> dict:
     results["uniform"] = _uniform_counts(storage)
     results["windows"] = _window_counts(storage)
     if rank == OWNERS:  # one learner sets priorities; several would overwrite each other
+        results["seeded"] = _seeded_draws(storage)
+        results["copied_index"] = _copied_index_reads(storage)
         results["prioritized"] = _prioritized(storage)
         results["prioritized_windows"] = _prioritized_windows(storage)
         results["queue"] = _queue(storage)
         results["topk"] = _topk(storage)
+        results["capped"] = _capped(storage)
     else:
         results["refusals"] = _refusals(storage)
         results["loader"] = _loader_batches(storage)
@@ -235,6 +238,99 @@ def _topk(storage) -> dict:
     batch = rb.sample()
     _check_ids(batch, batch["index"])
     return {"best": batch["shard"] * CAPACITY + batch["pos"]}
+
+
+SEEDED_SAMPLERS = ("uniform", "prioritized", "windows", "prioritized windows", "capped")
+
+
+def _seeded_sampler(name: str):
+    from gear_torchrl import GearPrioritizedSampler, GearPrioritizedSequenceSampler, GearSequenceSampler, MaxTimesSampled
+
+    return {"uniform": lambda: None,
+            "prioritized": lambda: GearPrioritizedSampler(CAPACITY, alpha=0.5, beta=BETA),
+            "windows": lambda: GearSequenceSampler(SEQ_LEN, strict_length=False, burn_in=1),
+            "prioritized windows": lambda: GearPrioritizedSequenceSampler(CAPACITY, SEQ_LEN, alpha=0.5),
+            "capped": lambda: MaxTimesSampled(GearPrioritizedSampler(CAPACITY, alpha=0.3, beta=BETA), 1000,
+                                              CAPACITY)}[name]()
+
+
+def _seeded_draws(storage) -> dict:
+    """Each sampler twice over a fresh copy of the store, under two global seeds, with the same buffer seed."""
+    import pickle
+
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl.distributed import global_ids
+
+    draws = {}
+    for name in SEEDED_SAMPLERS:
+        runs = []
+        for global_seed in (1, 2):
+            torch.manual_seed(global_seed)
+            copy = pickle.loads(pickle.dumps(storage))  # fresh masses and connections, as a new learner has
+            sampler = _seeded_sampler(name)
+            rb = TensorDictReplayBuffer(storage=copy, batch_size=SEQ_LEN * 64,
+                                        **({} if sampler is None else {"sampler": sampler}))
+            if name == "prioritized":  # distinct priorities, on a core of their own (alpha 0.5)
+                ids = torch.cat([global_ids.encode(s, torch.arange(n)) for s, n in enumerate(ROWS_PER_SHARD)])
+                rb.update_priority(ids, priority_of(*global_ids.decode(ids)))
+            rb.set_rng(torch.Generator().manual_seed(0))
+            runs.append([rb.sample()["index"].as_subclass(torch.Tensor).clone() for _ in range(3)])
+            copy.close()
+        draws[name] = runs
+    return draws
+
+
+def _copied_index_reads(storage) -> dict:
+    """``get`` of a copy of a sampled index gives the batch the index gave; a plain index reads rows."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import GearPrioritizedSampler, GearSequenceSampler
+
+    found = {}
+    for name, sampler in (("uniform", None), ("prioritized", GearPrioritizedSampler(CAPACITY, 0.5, BETA)),
+                          ("windows", GearSequenceSampler(SEQ_LEN, strict_length=False, burn_in=2))):
+        rb = TensorDictReplayBuffer(storage=storage, batch_size=SEQ_LEN * 32,
+                                    **({} if sampler is None else {"sampler": sampler}))
+        batch, info = rb.sample(return_info=True)
+        index = info["index"]
+        again = storage.get(index.clone())
+        plain = storage.get(index.as_subclass(torch.Tensor).clone())
+        found[name] = {"same": all(torch.equal(again.get(k), batch.exclude("index").get(k))
+                                   for k in batch.exclude("index").keys(True, True)),
+                       "same_keys": set(again.keys(True, True)) == set(batch.exclude("index").keys(True, True)),
+                       "plain_rows_verified": _verified(plain, index),
+                       "plain_has_mask": ("collector", "mask") in plain.keys(True, True)}
+    return found
+
+
+def _verified(batch, index) -> bool:
+    try:
+        _check_ids(batch, index.as_subclass(torch.Tensor))
+        return True
+    except AssertionError:
+        return False
+
+
+def _capped(storage) -> dict:
+    """Draw under MaxTimesSampled(max_times=2) until the sampler runs out: counts per row, as the owners keep them."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import GearPrioritizedSampler, MaxTimesSampled
+
+    sampler = MaxTimesSampled(GearPrioritizedSampler(CAPACITY, alpha=0.0, beta=0.0), 2, CAPACITY)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=100)
+    counts = torch.zeros(OWNERS * CAPACITY, dtype=torch.int64)
+    error = None
+    for _ in range(2 * sum(ROWS_PER_SHARD) // 100 + 5):
+        try:
+            batch = rb.sample()
+        except RuntimeError as exc:
+            error = str(exc)
+            break
+        _check_ids(batch, batch["index"])
+        counts += _histogram(batch["shard"], batch["pos"])
+    return {"counts": counts, "error": error}
 
 
 def _set_priorities(rb) -> None:

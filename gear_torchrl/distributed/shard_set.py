@@ -142,11 +142,11 @@ class ShardSet:
             if not any(masses.get(s, 0.0) > 0 for s in self.live()) and self.rows_known():
                 self.give_back(spec, got)
                 raise EmptyStoreError(f"nothing to sample in any of the {len(self.live_shards)} live shards "
-                                      f"for {spec.kind} selection (empty, or no eligible rows/windows): "
+                                      f"for {spec.describe()} selection (empty, or no eligible rows/windows): "
                                       f"found {count - remaining} of {count}")
         self.give_back(spec, got)
-        raise RuntimeError(f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds: "
-                           "the shards keep coming up short")
+        raise RuntimeError(f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds of {spec.describe()} "
+                           "selection: the shards keep coming up short")
 
     def _pick_round(self, spec: SelectionSpec, live: list[int], counts: list[int], seeds: list[int | None],
                     batch: list | None, slices: dict[int, tuple[int, int]],

@@ -40,6 +40,10 @@ class SelectionSpec:
     def build(self, capacity: int) -> Selector:
         raise NotImplementedError
 
+    def describe(self) -> str:
+        """The rule in a few words, for messages."""
+        return self.kind
+
     def to_json(self) -> dict[str, Any]:
         fields = {}
         for f in dataclasses.fields(self):
@@ -250,6 +254,9 @@ class CappedSpec(SelectionSpec):
     @property
     def merges_best(self) -> bool:  # type: ignore[override]
         return self.inner.merges_best
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()} capped at max_times_sampled={self.max_times}"
 
     def check(self) -> None:
         if self.max_times < 1:
