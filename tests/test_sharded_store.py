@@ -189,13 +189,13 @@ def test_a_copy_of_a_sampled_index_reads_the_same_batch(job, name):
 
 def _capped_oracle() -> torch.Tensor:
     """What MaxTimesSampled(max_times=2) delivers from one store holding every shard's rows."""
-    from torchrl.data import TensorDictReplayBuffer
+    from torchrl.data import ReplayBuffer
 
     from gear_torchrl import GearPrioritizedSampler, GearStorage, MaxTimesSampled
 
     rows = sum(w.ROWS_PER_SHARD)
     storage = GearStorage(rows)
-    rb = TensorDictReplayBuffer(storage=storage, batch_size=100,
+    rb = ReplayBuffer(storage=storage, batch_size=100,
                                 sampler=MaxTimesSampled(GearPrioritizedSampler(rows, 0.0, 0.0), 2, rows))
     rb.extend(torch.cat([torch.arange(n) + s * w.CAPACITY for s, n in enumerate(w.ROWS_PER_SHARD)]))
     counts = torch.zeros(w.OWNERS * w.CAPACITY, dtype=torch.int64)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,7 @@ class ShardSet:
         self._clients: dict[int, ShardClient] = {}
         self._transports: dict[int, Transport] = {}
         self._specs: dict[int, TableSpec] = {}
+        self._specs_lock = threading.Lock()
         self._masses: dict[SelectionSpec, dict[int, float]] = {}
         self.rows: dict[int, int] = {}  # each shard's rows, as of its last answer
         self._pid = os.getpid()
@@ -338,11 +340,13 @@ class ShardSet:
             if blob is None:
                 raise EmptyStoreError(f"{self.descriptors[shard].where} holds no rows yet")
             table = TableSpec.from_json(blob)
-            for other in self._specs.values():
-                if other.to_json() != table.to_json():
-                    raise SpecMismatchError(f"{self.descriptors[shard].where} stores other keys, dtypes or shapes "
-                                            f"than the shards read before: every shard must hold the same table")
-            self._specs[shard] = table
+            with self._specs_lock:  # shards answer on threads of their own
+                for other in self._specs.values():
+                    if other.to_json() != table.to_json():
+                        raise SpecMismatchError(f"{self.descriptors[shard].where} stores other keys, dtypes or "
+                                                "shapes than the shards read before: every shard must hold the same "
+                                                "table")
+                self._specs[shard] = table
         return table
 
     def _empty_columns(self, table: TableSpec, num_rows: int, zeroed: bool = False) -> list[torch.Tensor]:
