@@ -278,6 +278,11 @@ class GearStorage(TensorStorage):
                 return views
         return self._shard.read(index, in_range=index is drawn)
 
+    def __getitems__(self, indices: list[int]) -> Data:
+        """Rows ``indices`` in one ``get``: ``DataLoader(storage, batch_size=..., collate_fn=...)`` calls
+        this once per batch, where it would call ``storage[i]`` once per row."""
+        return self.get(torch.as_tensor(indices, dtype=torch.long))
+
     def _bump_mutation_revision(self) -> None:
         """TorchRL calls this after writing in place into ``storage[:]`` (``rb.set_``, ``set_at_``, ``update_``).
 

@@ -18,7 +18,12 @@ from gear_torchrl.store.state_checks import CheckpointError
 
 
 def torchrl_fields(shard: Shard) -> dict[str, Any]:
-    """``LazyTensorStorage.state_dict()``'s fields for ``shard``'s rows (in slot order, as TorchRL keeps them)."""
+    """``LazyTensorStorage.state_dict()``'s fields for ``shard``'s rows (in slot order, as TorchRL keeps them).
+
+    None for pytrees, which TorchRL's state dicts cannot hold either.
+    """
+    if shard.spec is not None and shard.spec.tree is not None:
+        return {}
     if shard.spec is None or not shard.spec.is_tensordict:
         return {"_storage": {} if shard.spec is None else shard.columns[0], "initialized": shard.spec is not None,
                 "_len": shard.size}

@@ -7,12 +7,15 @@ mid-episode leaves nothing in the store: its staged steps die with it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 
 from gear_torchrl.rate_limiters import RateLimiter
 from gear_torchrl.storage import GearStorage
-from gear_torchrl.store.spec import TableSpec
+from gear_torchrl.store.spec import Leaves, SpecMismatchError, TableSpec
 
 _TRUNCATED = ("next", "truncated")
 
@@ -38,7 +41,7 @@ class TrajectoryWriter:
         self.max_chunk = max_chunk
         self.limiter = limiter
         self._spec: TableSpec | None = None
-        self._staged: list[list[torch.Tensor]] = []
+        self._staged: list[Leaves] = []
         self._pending = 0
         self.episodes_written = 0
         self.rows_written = 0
@@ -76,12 +79,15 @@ class TrajectoryWriter:
         self.storage.check_writable_here()
         shard = self.storage.shard
         spec = shard.spec or self._spec or TableSpec.from_data(data, batched=not single)
-        spec, values, n = shard.validated(data, single, spec=spec)  # raises before anything is staged
-        self._spec = spec
-        if n == 0:
+        leaves = shard.validated(data, single, spec=spec)  # raises before anything is staged
+        if self._staged and (leaves.spec != self._spec or leaves.columns != self._staged[0].columns):
+            raise SpecMismatchError("every step of an episode must carry the same keys as its first steps "
+                                    f"({sorted(map(str, self._spec.keys))}); this one brings others")
+        self._spec = leaves.spec
+        if leaves.n == 0:
             return
-        self._staged.append(values)
-        self._pending += n
+        self._staged.append(leaves)
+        self._pending += leaves.n
         if self.max_chunk is not None and self._pending >= self.max_chunk:
             self._commit()
 
@@ -90,21 +96,25 @@ class TrajectoryWriter:
         if column is None:
             return
         last = self._staged[-1]
-        flag = last[column].clone()
+        at = last.columns.index(column)
+        flag = last.values[at].clone()
         flag[-1] = True
-        last[column] = flag
+        last.values[at] = flag
 
     def _commit(self) -> int:
         if self._pending == 0:
             return 0
         n = self._pending
-        values = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*self._staged)]
+        staged = self._staged
+        values = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*(s.values for s in staged))]
+        objects = [np.concatenate(parts) for parts in zip(*(s.objects for s in staged))]
+        leaves = replace(staged[0], values=values, objects=objects, n=n)
         settles = 0
         if self.limiter is not None:
             self.limiter.await_insert(n)
             settles = n if self.limiter.settles_in(self.storage) else 0  # count them once, in the commit
         try:
-            self.storage.shard.commit(self._spec, values, settles=settles)
+            self.storage.shard.commit(leaves, settles=settles)
         except BaseException:
             if self.limiter is not None:
                 self.limiter.insert_failed(n)

@@ -26,6 +26,7 @@ def assert_unchanged(storage: GearStorage, snap) -> None:
     meta, columns, cursor, revision = snap
     now = snapshot(storage)
     assert now[0]["size"] == meta["size"] and now[0]["head"] == meta["head"]
+    assert now[0]["spec"] == meta["spec"] and len(now[1]) == len(columns)  # no column added
     for name in ("start", "length", "closed"):
         assert torch.equal(now[0]["episodes"][name], meta["episodes"][name])
     assert now[0]["episodes"]["next_serial"] == meta["episodes"]["next_serial"]
@@ -45,8 +46,13 @@ def storage():
 def bad_writes():
     good = make_steps(4, seed=2)
     missing = good.exclude("obs")
-    extra = good.clone()
-    extra["surprise"] = torch.zeros(4)
+    new_and_bad = good.clone()  # a new key is a new column, but not when another key is wrong
+    new_and_bad["surprise"] = torch.zeros(4)
+    new_and_bad["action"] = new_and_bad["action"].int()
+    nesting = good.exclude("next")
+    nesting["next"] = torch.zeros(4)
+    as_string = good.clone()
+    as_string["obs"] = "not a tensor"
     wrong_dtype = good.clone()
     wrong_dtype["obs"] = wrong_dtype["obs"].double()
     wrong_shape = good.clone()
@@ -55,8 +61,10 @@ def bad_writes():
     nested_dtype = good.clone()
     nested_dtype["next", "done"] = nested_dtype["next", "done"].to(torch.uint8)
     return [
-        (missing, "missing ['obs']"),
-        (extra, "unexpected ['surprise']"),
+        (missing, "an append must carry every stored key: missing ['obs']"),
+        (new_and_bad, "key 'action' has dtype torch.int32, the store holds torch.int64"),
+        (nesting, "key 'next' is a leaf in this write, but the store holds 'next.obs' below it"),
+        (as_string, "key 'obs' holds a NonTensorData; the store holds a tensor there"),
         (wrong_dtype, "key 'obs' has dtype torch.float64"),
         (wrong_shape, "key 'obs' has shape (4, 5), expected (4, 4)"),
         (nested_dtype, "key 'next.done' has dtype torch.uint8"),
@@ -100,13 +108,16 @@ def test_out_of_range_write_index(storage):
     assert_unchanged(storage, snap)
 
 
-def test_non_tensor_leaf_is_rejected_on_first_write():
-    storage = GearStorage(10)
-    td = TensorDict({"obs": torch.zeros(2, 3)}, [2])
-    td["name"] = "hello"
-    with pytest.raises(TypeError, match="key 'name' holds a"):
-        storage.set(torch.arange(2), td)
-    assert not storage.initialized and len(storage) == 0
+def test_non_tensor_leaf_is_refused_by_a_shared_store_on_first_write():
+    storage = GearStorage(10, shared=True)  # a local store keeps them beside the columns
+    try:
+        td = TensorDict({"obs": torch.zeros(2, 3)}, [2])
+        td["name"] = "hello"
+        with pytest.raises(SpecMismatchError, match=r"non-tensor leaves \['name'\] cannot live in a shared"):
+            storage.set(torch.arange(2), td)
+        assert not storage.initialized and len(storage) == 0
+    finally:
+        storage.close()
 
 
 def test_reading_or_sampling_an_empty_storage():

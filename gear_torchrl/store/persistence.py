@@ -207,7 +207,16 @@ def _tensor_metas(path: Path, listed: Any, unlisted: dict | None) -> dict[str, t
 # -- a shard ----------------------------------------------------------------------------------
 
 def save_shard(shard: Shard, directory: str | Path) -> None:
-    """Write ``shard.state()``: its columns and episode index as raw files, the rest in ``shard.json``."""
+    """Write ``shard.state()``: its columns and episode index as raw files, the rest in ``shard.json``.
+
+    Non-tensor leaves are Python objects, which raw files cannot hold: such a store is refused
+    before anything is written (``state_dict`` keeps them).
+    """
+    if shard.spec is not None and shard.spec.objects:
+        keys = sorted(".".join(k) if isinstance(k, tuple) else k for k in shard.spec.objects)
+        raise NotImplementedError(
+            f"this store holds non-tensor leaves {keys}: its checkpoints (rb.dumps) save tensor columns only. "
+            "Save storage.state_dict() with torch.save instead, or encode the leaves as tensors")
     state = shard.state()
     tensors = {f"column_{i}": t for i, t in enumerate(state.pop("columns"))}
     episodes = state.pop("episodes")

@@ -11,10 +11,11 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves
 
 from gear_torchrl import gather
 from gear_torchrl._ext import _C
@@ -24,7 +25,7 @@ from gear_torchrl.store.hot_tier import HotTier
 from gear_torchrl.store.huge_pages import empty_huge
 from gear_torchrl.store.last_writes import last_write_positions
 from gear_torchrl.store.local_commits import CommitRecord
-from gear_torchrl.store.spec import Data, NestedKey, SpecMismatchError, TableSpec, key_name
+from gear_torchrl.store.spec import Data, Leaves, NestedKey, SpecMismatchError, TableSpec, as_path, key_name
 from gear_torchrl.store.state_checks import CheckpointError, checked_int, field
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor | range
 
 DEFAULT_END_KEYS: tuple[NestedKey, ...] = (("next", "done"), ("next", "truncated"))
 COLLECTOR_TRAJ_KEY: NestedKey = ("collector", "traj_ids")
+_TORCHRL_INDEX = "index"  # TorchRL's TensorDict writers store each row's position there
 
 
 class EmptyStoreError(RuntimeError):
@@ -128,6 +130,7 @@ class Shard:
         self.traj_key = traj_key
         self.spec: TableSpec | None = None
         self.columns: list[torch.Tensor] = []
+        self.objects: list[np.ndarray] = []  # one per non-tensor leaf: an object per row (None: never written)
         self.size = 0  # rows [0, size) are readable
         self.head = 0  # next row an append writes
         self.written = 0  # rows [0, written) have ever been written
@@ -140,36 +143,66 @@ class Shard:
 
     # -- layout ------------------------------------------------------------------
     def _allocate(self, spec: TableSpec) -> None:
+        self._adopt(spec, [self._new_column(c.row_shape, c.dtype) for c in spec.columns])
+
+    def _new_column(self, row_shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An unfilled buffer of ``capacity`` rows, in this shard's memory tier."""
+        shape = (self.capacity, *row_shape)
         if self.register_host:
             # CUDA pins whole pages, so each column gets pages of its own (pin_memory()
             # would instead round every column up to a power of two).
-            self._adopt(spec, [_page_aligned_empty((self.capacity, *c.row_shape), c.dtype) for c in spec.columns])
-        elif self.device.type == "cpu":
-            self._adopt(spec, [empty_huge((self.capacity, *c.row_shape), c.dtype) for c in spec.columns])
-        else:
-            self._adopt(spec, [torch.empty((self.capacity, *c.row_shape), dtype=c.dtype, device=self.device)
-                               for c in spec.columns])
+            return _page_aligned_empty(shape, dtype)
+        if self.device.type == "cpu":
+            return empty_huge(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _adopt(self, spec: TableSpec, columns: list[torch.Tensor]) -> None:
         """Take ``columns`` as the table's buffers (page-aligned when ``register_host``)."""
         if self.hot is not None:  # first: running out of GPU memory leaves the shard as it was
             self.hot.allocate(spec)
         self.columns = columns
-        if self.register_host:
-            # Registered in place so the CUDA gather reads rows with zero copy.
-            for column in self.columns:
-                gather.host_register(column)
-            weakref.finalize(self, _unregister, list(self.columns))
-        self.spec = spec
-        if self.traj_key is None and spec.find(COLLECTOR_TRAJ_KEY) is not None:
-            self.traj_key = COLLECTOR_TRAJ_KEY  # what TorchRL's collectors mark trajectories with
-        self._end_columns = [i for k in self.end_keys if (i := spec.find(k)) is not None]
-        self._traj_column = spec.find(self.traj_key) if self.traj_key is not None else None
+        self.objects = [np.full(self.capacity, None, dtype=object) for _ in spec.objects]
+        self._register(self.columns)
+        self._take_spec(spec)
         if self.traj_key is not None and self._traj_column is None:
             logger.warning("traj_key %r is not in the data; episodes come from end flags only", self.traj_key)
         if self.tracks_episodes and not self.has_episode_markers and self.end_keys != DEFAULT_END_KEYS:
             logger.warning("none of the configured end keys %r nor a trajectory key is in the data: the episode "
                            "index sees one episode; sequence samplers will refuse to sample", self.end_keys)
+
+    def _register(self, columns: list[torch.Tensor]) -> None:
+        """Register host columns in place, so the CUDA gather reads their rows with zero copy."""
+        if self.register_host:
+            for column in columns:
+                gather.host_register(column)
+            weakref.finalize(self, _unregister, list(columns))
+
+    def _take_spec(self, spec: TableSpec) -> None:
+        """Make ``spec`` the layout, and find the end-flag and trajectory columns in it."""
+        self.spec = spec
+        if self.traj_key is None and spec.find(COLLECTOR_TRAJ_KEY) is not None:
+            self.traj_key = COLLECTOR_TRAJ_KEY  # what TorchRL's collectors mark trajectories with
+        self._end_columns = [i for k in self.end_keys if (i := spec.find(k)) is not None]
+        self._traj_column = spec.find(self.traj_key) if self.traj_key is not None else None
+
+    def _grow(self, spec: TableSpec) -> None:
+        """Add the columns ``spec`` has beyond the store's: rows written so far read zeros (None if non-tensor).
+
+        ``spec`` must be the store's spec plus new keys (``TableSpec.leaves`` builds it so).
+        """
+        old = self.spec
+        k, j = len(old.columns), len(old.objects)
+        if spec.columns[:k] != old.columns or spec.objects[:j] != old.objects:
+            raise SpecMismatchError(f"the data's keys, dtypes or shapes differ from the store's: {old}")
+        new = [self._new_column(c.row_shape, c.dtype) for c in spec.columns[k:]]
+        if self.hot is not None:  # GPU memory first: if it runs out, the shard is as it was
+            self.hot.allocate(spec)
+        for column in new:
+            column[: self.written].zero_()
+        self._register(new)
+        self.columns = self.columns + new
+        self.objects = self.objects + [np.full(self.capacity, None, dtype=object) for _ in spec.objects[j:]]
+        self._take_spec(spec)
 
     @property
     def _takes_any_layout(self) -> bool:
@@ -192,58 +225,76 @@ class Shard:
         return sum(c.numel() * c.element_size() for c in self.columns)
 
     # -- writes --------------------------------------------------------------------
+    # The rule for keys (docs/decisions.md, "Columns"): an append at the cursor (TorchRL's
+    # writers, TrajectoryWriter) replaces whole rows, so it must carry every stored key;
+    # any other write (``storage[i] = ...``, ``write_at``, ``rb.write_all``) changes only the
+    # keys it carries in the rows it names. Either may bring keys the store lacks: they
+    # become new columns, which read zeros (None for non-tensor leaves) in rows written before.
     def write(self, index: Index, data: Data, *, append: bool) -> torch.Tensor:
         """Write rows; ``append`` moves the ring's cursor and length like TorchRL's writers.
 
         Returns the rows written.
         """
         single = isinstance(index, (int, np.integer))
-        spec, values, n = self.validated(data, single)
         rows = as_index_tensor([index] if single else index, self.capacity, "write")
-        if rows.numel() != n:
-            raise IndexError(f"{rows.numel()} write indices for {n} rows of data")
-        if n == 0:
+        leaves = self.validated(data, single, complete=append and self._continues_ring(rows))
+        if rows.numel() != leaves.n:
+            raise IndexError(f"{rows.numel()} write indices for {leaves.n} rows of data")
+        if leaves.n == 0:
             return rows
-        return self._write_columns(spec, rows, values, append)
+        return self._write_columns(leaves, rows, append)
 
-    def commit(self, spec: TableSpec, values: list[torch.Tensor], settles: int = 0) -> torch.Tensor:
-        """Append checked columns (``validated``) as one unit whose last row ends an episode.
+    def commit(self, leaves: Leaves, settles: int = 0) -> torch.Tensor:
+        """Append checked rows (``validated``) as one unit whose last row ends an episode.
 
         This is how a :class:`TrajectoryWriter` hands over an episode or a chunk of one.
         ``settles``: rows a rate limiter admitted into a shared store's counters,
         which the commit replaces with its own (nothing to do here).
         """
-        rows = (torch.arange(values[0].shape[0], dtype=torch.int64) + self.head) % self.capacity
+        rows = (torch.arange(leaves.n, dtype=torch.int64) + self.head) % self.capacity
         size_before = self.size
-        rows = self._write_columns(spec, rows, values, append=True)
+        rows = self._write_columns(leaves, rows, append=True)
         if self.tracks_episodes:
             self.episodes.close_open()
         self.commits.add(rows, size_before)
         return rows
 
-    def _write_columns(self, spec: TableSpec, rows: torch.Tensor, values: list[torch.Tensor], append: bool):
+    def _continues_ring(self, rows: torch.Tensor) -> bool:
+        """Whether writing ``rows`` appends at the cursor: the ring's next rows, in order."""
+        consistent = self.size == self.capacity or self.head == self.size
+        return rows.numel() > 0 and consistent and _is_ring_run(rows, self.head, self.capacity)
+
+    def _write_columns(self, leaves: Leaves, rows: torch.Tensor, append: bool) -> torch.Tensor:
         # -- everything is checked: from here on the write happens --
         n = rows.numel()
-        if self.spec is None or (spec != self.spec and self._takes_any_layout):
-            self._allocate(spec)
-        elif spec != self.spec:
-            raise SpecMismatchError(f"the data's keys, dtypes or shapes differ from the store's: {self.spec}")
-        consistent = self.size == self.capacity or self.head == self.size
-        is_append = append and consistent and _is_ring_run(rows, self.head, self.capacity)
+        if self.spec is None or (leaves.spec != self.spec and self._takes_any_layout):
+            self._allocate(leaves.spec)
+        elif leaves.spec != self.spec:
+            self._grow(leaves.spec)
+        is_append = append and self._continues_ring(rows)
+        values, columns, objects = leaves.values, leaves.columns, leaves.objects
+        if is_append and leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
+            values, columns = [*values, rows.clone()], (*columns, self.spec.find(_TORCHRL_INDEX))
+        by_column = self._by_column(values, columns)
         size_before = self.size
         if is_append:
-            ends = self._ends(values, n) if self.tracks_episodes else None
+            ends = self._ends(by_column, n) if self.tracks_episodes else None
             starts_fresh = False
             if n > self.capacity:  # only the last `capacity` rows survive
                 keep = slice(n - self.capacity, n)
                 starts_fresh = ends is not None and bool(ends[: n - self.capacity].any())
-                rows, values = rows[keep], [v[keep] for v in values]
+                rows, values, objects = rows[keep], [v[keep] for v in values], [o[keep] for o in objects]
+                by_column = self._by_column(values, columns)
                 ends = None if ends is None else ends[keep]
         else:
-            rows, values = _last_write_wins(rows, values, self.capacity)
+            keep = _last_writes(rows, self.capacity)
+            if keep is not None:
+                rows, values = rows[keep], [v[keep.to(v.device)] for v in values]
+                objects = [o[keep.numpy()] for o in objects]
             self._fill_to(int(rows.max()) + 1)
 
-        self._copy_in(rows, values, contiguous=is_append)
+        self._copy_in(rows, values, columns, contiguous=is_append)
+        self._copy_objects(rows, objects, leaves.object_columns)
         self.rows_inserted += n
         self.written = max(self.written, int(rows.max()) + 1)
         if append:  # a cursor away from the head overwrites rows: only rows past the end add to the size
@@ -255,7 +306,7 @@ class Shard:
         if is_append:
             if starts_fresh:
                 self.episodes.close_open()
-            traj = self._traj_ids(values)
+            traj = self._traj_ids(by_column)
             self.episodes.append(
                 rows, ends, evicted=max(0, size_before + rows.numel() - self.capacity),
                 traj_first=None if traj is None else int(traj[0]),
@@ -265,18 +316,29 @@ class Shard:
             self.rebuild_episodes()
         return rows
 
-    def validated(self, data: Data, single: bool, spec: TableSpec | None = None,
-                  ) -> tuple[TableSpec, list[torch.Tensor], int]:
-        """The spec, the data as columns of ``n`` rows, and ``n``; raises before any change.
+    def _by_column(self, values: list[torch.Tensor], columns: tuple[int, ...]) -> list[torch.Tensor | None]:
+        """``values`` at their column positions (None where a column is not written)."""
+        out: list[torch.Tensor | None] = [None] * len(self.columns)
+        for position, value in zip(columns, values):
+            out[position] = value
+        return out
 
-        The spec is ``spec``, else the shard's (unless emptied: it takes any layout then), else the data's own.
+    def validated(self, data: Data, single: bool, spec: TableSpec | None = None, *, complete: bool = True) -> Leaves:
+        """``data`` as checked rows (``Leaves``, with a row dim even when ``single``); raises before any change.
+
+        The spec is ``spec``, else the shard's (unless emptied: it takes any layout then), else
+        the data's own. ``complete``: the write appends whole rows, so it must carry every stored
+        key (one left out would leave the new rows holding an older step's values), except
+        TorchRL's ``"index"``, which its writers store only sometimes: that one is filled
+        with the rows' own positions, what TorchRL stores there.
         """
         spec = spec or (None if self._takes_any_layout else self.spec) or TableSpec.from_data(data, batched=not single)
-        n = 1 if single else _num_rows(data)
-        values = spec.flatten(data, None if single else n)
+        leaves = spec.leaves(data, None if single else _num_rows(data))
+        if complete and leaves.missing:
+            _refuse_missing(leaves)
         if single:
-            values = [v.unsqueeze(0) for v in values]
-        return spec, values, n
+            leaves = replace(leaves, values=[v.unsqueeze(0) for v in leaves.values])
+        return leaves
 
     def set_size(self, size: int) -> None:
         """Make rows ``[0, size)`` readable (TorchRL writers set ``_len`` after ``write_at``)."""
@@ -301,13 +363,20 @@ class Shard:
             return
         for column in self.columns:
             column[self.written:end].zero_()
+        for objects in self.objects:
+            objects[self.written:end] = None
         self.written = end
 
-    def _copy_in(self, rows: torch.Tensor, values: list[torch.Tensor], contiguous: bool) -> None:
+    def _copy_in(self, rows: torch.Tensor, values: list[torch.Tensor], columns: Sequence[int],
+                 contiguous: bool) -> None:
+        """Copy ``values`` into the columns at positions ``columns``, rows ``rows``."""
         n = rows.numel()
         first = int(rows[0])
-        for column, value in zip(self.columns, values):
+        for position, value in zip(columns, values):
+            column = self.columns[position]
             value = value.to(column.device, non_blocking=True)
+            if value.untyped_storage().data_ptr() == column.untyped_storage().data_ptr():
+                value = value.clone()  # rows read as views of this column (``rb[:]``), written back
             if contiguous and first + n <= self.capacity:
                 column[first:first + n].copy_(value)
             elif contiguous:
@@ -316,8 +385,19 @@ class Shard:
                 column[: n - split].copy_(value[split:])
             else:
                 column.index_copy_(0, rows.to(column.device), value)
-        if self.hot is not None:
-            self.hot.admit(rows, values, run=contiguous)
+        if self.hot is None:
+            return
+        if len(values) == len(self.columns):
+            self.hot.admit(rows, self._by_column(values, columns), run=contiguous)
+        else:  # some columns only: the hot copies of these rows are stale (rare: not an append)
+            self.hot.forget()
+
+    def _copy_objects(self, rows: torch.Tensor, objects: list[np.ndarray], columns: Sequence[int]) -> None:
+        """Put the rows' non-tensor objects in place (kept in this process, beside the columns)."""
+        if objects:
+            at = rows.cpu().numpy()
+            for position, values in zip(columns, objects):
+                self.objects[position][at] = values
 
     def _ends(self, values: Sequence[torch.Tensor | None], n: int) -> torch.Tensor:
         """Which of ``n`` rows end an episode; ``values`` holds at least the flag and trajectory columns."""
@@ -361,10 +441,13 @@ class Shard:
         self.written = 0
         self.episodes.clear()
         self.commits.clear()
+        for objects in self.objects:  # let go of the rows' objects (tensor columns keep their bytes)
+            objects.fill(None)
 
     # -- state -------------------------------------------------------------------------
-    def checked_state(self, state: dict) -> tuple[TableSpec | None, list[torch.Tensor]]:
-        """The spec and columns of a ``state()``, every field checked against the others, the data and this shard.
+    def checked_state(self, state: dict) -> tuple[TableSpec | None, list[torch.Tensor], list[list]]:
+        """The spec, columns and non-tensor rows of a ``state()``, every field checked against the others,
+        the data and this shard.
 
         Raises CheckpointError naming the first problem. Nothing changes here, so
         whoever loads (``load_state``, a shared shard's too) checks first, then writes.
@@ -378,13 +461,14 @@ class Shard:
         if self.spec is not None and spec is not None and spec != self.spec:
             raise CheckpointError("state's columns (keys, dtypes or shapes) differ from this storage's")
         saved = columns[0].shape[0] if columns else 0
+        objects = _saved_objects(spec, state.get("objects", []), saved)
         why = f" (the state saves {saved} rows of a {capacity}-row storage)"
         size = checked_int(field(state, "size", where), "size", hi=saved, why=why)
         head = checked_int(field(state, "head", where), "head", hi=min(saved, capacity - 1), why=why)
         check_episode_state(field(state, "episodes", where), capacity, size,
                             oldest_row=head if size == capacity else 0,
                             tracked=spec is not None and len(spec.row_batch_shape) == 0)
-        return spec, columns
+        return spec, columns, objects
 
     def state(self) -> dict:
         """Everything needed to restore the shard exactly; tensors are views, not copies.
@@ -393,7 +477,7 @@ class Shard:
         loader can require ``size`` to be within the rows saved.
         """
         saved = max(self.written, self.size) if self.spec is not None else 0
-        return {
+        state = {
             "capacity": self.capacity,
             "spec": None if self.spec is None else self.spec.to_json(),
             "size": self.size if self.spec is not None else 0,
@@ -401,14 +485,20 @@ class Shard:
             "columns": [c[:saved] for c in self.columns],
             "episodes": self.episodes.state(),
         }
+        if self.objects:  # non-tensor leaves: the rows' objects themselves
+            state["objects"] = [o[:saved].tolist() for o in self.objects]
+        return state
 
     def load_state(self, state: dict) -> None:
         """Restore from ``state()``; checks everything (``checked_state``) before changing anything."""
-        spec, columns = self.checked_state(state)
+        spec, columns, objects = self.checked_state(state)
         if self.spec is None and spec is not None:
             self._allocate(spec)
         for column, saved in zip(self.columns, columns):
             column[: saved.shape[0]].copy_(saved)
+        for column, saved in zip(self.objects, objects):
+            column.fill(None)
+            column[: len(saved)] = _object_array(saved)
         if self.hot is not None:
             self.hot.forget()
         self.size = int(state["size"])
@@ -488,7 +578,7 @@ class Shard:
             self.rows_read += rows.numel()
         if scalar or rows.ndim != 1:
             flat = [t.reshape((*lead, *t.shape[1:])) for t in flat]
-        return self.spec.unflatten(flat, lead, device=self.out_device)
+        return self.spec.unflatten(flat, lead, device=self.out_device, objects=self._objects_at(rows.reshape(lead)))
 
     @property
     def slice_views_possible(self) -> bool:
@@ -505,7 +595,8 @@ class Shard:
         if not self.slice_views_possible or self.spec is None or (index.step or 1) < 1:
             return None
         views = [(c if all_slots else c[: self.size])[index] for c in self.columns]
-        return self.spec.unflatten(views, torch.Size([views[0].shape[0]]), device=self.out_device)
+        objects = [(o if all_slots else o[: self.size])[index] for o in self.objects]
+        return self.spec.unflatten(views, torch.Size([views[0].shape[0]]), device=self.out_device, objects=objects)
 
     def after_inplace_write(self) -> None:
         """Rows changed in place (``slice_views``, a column): episode ends and hot copies may be stale."""
@@ -527,7 +618,24 @@ class Shard:
                                                windows.valid_begin, windows.valid_end, hot=self._hot_rows())
             self.rows_read += flat[0].shape[0]
         extra = None if markers is None else markers(windows, dict(zip(self.spec.keys, flat)), mask)
-        return self.spec.unflatten(flat, torch.Size([flat[0].shape[0]]), device=self.out_device, extra=extra)
+        objects = None
+        if self.objects:  # padding positions hold no row: None, as a row never written
+            objects = self._objects_at(torch.where(mask.cpu(), windows.rows(self.capacity), -1))
+        return self.spec.unflatten(flat, torch.Size([flat[0].shape[0]]), device=self.out_device, extra=extra,
+                                   objects=objects)
+
+    def _objects_at(self, rows: torch.Tensor) -> list[np.ndarray] | None:
+        """Every non-tensor leaf's objects at ``rows`` (any shape; -1: none), or None when there are none."""
+        if not self.objects:
+            return None
+        at = rows.cpu().numpy()
+        flat = at.reshape(-1)
+        picked = []
+        for objects in self.objects:
+            rows_objects = objects[np.maximum(flat, 0)]
+            rows_objects[flat < 0] = None
+            picked.append(rows_objects.reshape(at.shape))
+        return picked
 
     def _hot_rows(self) -> gather.HotRows | None:
         return None if self.hot is None else self.hot.rows
@@ -571,14 +679,40 @@ def _saved_columns(spec: TableSpec | None, columns: Sequence, capacity: int) -> 
     return list(columns)
 
 
+def _saved_objects(spec: TableSpec | None, objects: Sequence, rows: int) -> list[list]:
+    """A state's non-tensor rows: one list of ``rows`` objects per non-tensor leaf of the spec."""
+    expected = 0 if spec is None else len(spec.objects)
+    if not isinstance(objects, (list, tuple)) or len(objects) != expected:
+        count = len(objects) if isinstance(objects, (list, tuple)) else type(objects).__name__
+        raise CheckpointError(f"state has {count} non-tensor columns, its spec {expected}")
+    for key, column in zip(() if spec is None else spec.objects, objects):
+        if not isinstance(column, (list, tuple)) or len(column) != rows:
+            raise CheckpointError(f"state's non-tensor column {key_name(key)!r} does not hold {rows} rows")
+    return list(objects)
+
+
+def _object_array(objects: Sequence) -> np.ndarray:
+    """``objects`` in a 1-D object array (numpy would otherwise look inside sequences)."""
+    out = np.empty(len(objects), dtype=object)
+    for i, o in enumerate(objects):
+        out[i] = o
+    return out
+
+
 def _num_rows(data: Data) -> int:
     if isinstance(data, torch.Tensor):
         if data.ndim == 0:
             raise ValueError("a batched write needs a leading row dimension, got a 0-d tensor")
         return data.shape[0]
-    if len(data.batch_size) == 0:
+    batch_size = getattr(data, "batch_size", None)
+    if batch_size is None:  # a pytree: its leaves' leading dim
+        leaves = [leaf for leaf in tree_leaves(data) if isinstance(leaf, torch.Tensor)]
+        if not leaves or leaves[0].ndim == 0:
+            raise ValueError(f"a batched write needs tensor leaves with a leading row dimension, got {data!r}")
+        return leaves[0].shape[0]
+    if len(batch_size) == 0:
         raise ValueError("a batched write needs a TensorDict with a batch dimension, got batch_size=[]")
-    return data.batch_size[0]
+    return batch_size[0]
 
 
 def _is_ring_run(rows: torch.Tensor, head: int, capacity: int) -> bool:
@@ -591,13 +725,29 @@ def _is_ring_run(rows: torch.Tensor, head: int, capacity: int) -> bool:
     return torch.equal(rows, expected)
 
 
-def _last_write_wins(rows: torch.Tensor, values: list[torch.Tensor], capacity: int):
-    """Drop rows written twice in one call, keeping the last value (a write bigger than the ring)."""
+def _last_writes(rows: torch.Tensor, capacity: int) -> torch.Tensor | None:
+    """Positions to keep when rows are written twice in one call (the last write wins), or None."""
     n = rows.numel()
     if n <= capacity and (n < 2 or torch.unique(rows).numel() == n):
-        return rows, values
-    keep = last_write_positions(rows, capacity)
-    return rows[keep], [v[keep.to(v.device)] for v in values]
+        return None
+    return last_write_positions(rows, capacity)
+
+
+def _refuse_missing(leaves: Leaves) -> None:
+    """An append that leaves out stored keys (TorchRL's ``"index"`` aside) would keep stale values."""
+    missing = [key_name(k) for k in leaves.missing if not _is_torchrl_index(leaves.spec, k)]
+    if missing:
+        raise SpecMismatchError(
+            f"an append must carry every stored key: missing {sorted(missing)} (new rows would keep an older "
+            "step's values there). To change only some keys of stored rows, write them in place: "
+            "storage[index] = data, rb[index] = data or rb.write_all(data)")
+
+
+def _is_torchrl_index(spec: TableSpec, key: NestedKey) -> bool:
+    """Whether ``key`` is TorchRL's ``"index"`` column: each row's own position, one int64."""
+    i = spec.find(_TORCHRL_INDEX)
+    return i is not None and as_path(key) == (_TORCHRL_INDEX,) and spec.columns[i].dtype == torch.int64 \
+        and spec.columns[i].row_shape == torch.Size([])
 
 
 def _unregister(columns: list[torch.Tensor]) -> None:

@@ -15,6 +15,7 @@ import os
 import secrets
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -82,10 +83,32 @@ class Janitor:
         ready = self._proc.stdout.readline()  # the janitor is watching before any segment exists
         if ready.strip() != b"ready":
             raise RuntimeError(f"the shared-memory janitor failed to start (said {ready!r})")
+        self._inherited = False
+        _JANITORS.add(self)
+
+    def drop_inherited_pipe(self) -> None:
+        """In a forked child (a DataLoader worker): close this copy of the pipe. Held open here, it would
+        keep the janitor waiting after the owner closed the store or died, until the child ended."""
+        self._inherited = True
+        self._proc.stdin.close()
+        self._proc.stdout.close()
 
     def release(self) -> None:
         """Remove the segments now (the owner closes the store)."""
+        if self._inherited:  # the owner's janitor, not this process's
+            return
         if self._proc.poll() is None:
             self._proc.stdin.close()
             self._proc.wait(timeout=30)
         self._proc.stdout.close()
+
+
+_JANITORS: weakref.WeakSet[Janitor] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for janitor in list(_JANITORS):
+        janitor.drop_inherited_pipe()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -40,7 +40,7 @@ from gear_torchrl.store.shared_memory import (
     page_round,
     segment_path,
 )
-from gear_torchrl.store.spec import Data, NestedKey, SpecMismatchError, TableSpec
+from gear_torchrl.store.spec import Data, Leaves, NestedKey, SpecMismatchError, TableSpec, key_name
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,11 @@ class SharedShard(Shard):
         self._adopt(spec, columns)
 
     def _allocate(self, spec: TableSpec) -> None:
+        if spec.objects:
+            raise SpecMismatchError(
+                f"non-tensor leaves {sorted(key_name(k) for k in spec.objects)} cannot live in a shared GearStorage: "
+                "other processes map its rows as raw bytes, and Python objects have none. Keep them in a local "
+                "store, or encode them as tensors (ids, fixed-length bytes)")
         _, total = self._layout(spec)
         path = segment_path(self.store_id, "data")
         published = self.log.publish_spec(spec.to_json(), lambda: create_segment(path, total),
@@ -150,29 +155,43 @@ class SharedShard(Shard):
             raise NotImplementedError(
                 "a shared GearStorage takes appends only (extend, add, TrajectoryWriter): an in-place "
                 "write (write_at, storage[i] = ...) could change rows another process is reading")
-        spec, values, _ = self.validated(data, isinstance(index, (int, np.integer)))
-        return self.commit(spec, values)  # checks the spec against the store's
+        leaves = self.validated(data, isinstance(index, (int, np.integer)))
+        return self.commit(leaves)  # checks the spec against the store's
 
-    def commit(self, spec: TableSpec, values: list[torch.Tensor], settles: int = 0) -> torch.Tensor:
-        """Write checked columns (``validated``) as one unit, readable all at once."""
+    def commit(self, leaves: Leaves, settles: int = 0) -> torch.Tensor:
+        """Write checked rows (``validated``) as one unit, readable all at once."""
         self._map_data()
         if self.spec is None:
-            self._allocate(spec)
-        elif spec != self.spec:
-            raise SpecMismatchError(f"the data's keys, dtypes or shapes differ from the shared store's: {self.spec}")
-        n = values[0].shape[0]
+            self._allocate(leaves.spec)
+        elif leaves.spec != self.spec:
+            raise self._fixed_layout_error(leaves.spec)
+        values, columns, n = leaves.values, leaves.columns, leaves.n
         if n > self.capacity:  # only the newest `capacity` rows would survive
             values, n = [v[n - self.capacity:] for v in values], self.capacity
         reservation = self.log.reserve(n)
         rows = (torch.arange(n, dtype=torch.int64) + reservation.position) % self.capacity
+        if leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
+            values, columns = [*values, rows.clone()], (*columns, self.spec.find("index"))
         try:
             self.log.await_readers(reservation)
-            self._copy_in(rows, values, contiguous=True)
+            self._copy_in(rows, values, columns, contiguous=True)
         except BaseException:
             self.log.commit(reservation, dead=True)
             raise
         self.log.commit(reservation, settles=settles)
         return rows
+
+    def _fixed_layout_error(self, spec: TableSpec) -> SpecMismatchError:
+        """Why a write whose layout differs from the shared store's is refused (new keys included)."""
+        stored = set(self.spec.keys)
+        new = [key_name(c.key) for c in spec.columns if c.key not in stored]
+        new += [key_name(k) for k in spec.objects]
+        if new and spec.columns[: len(self.spec.columns)] == self.spec.columns:
+            return SpecMismatchError(
+                f"a shared GearStorage keeps the keys of its first write: every process has mapped that layout, so "
+                f"new keys {sorted(new)} cannot be added to it. Put them in the first write (zeros until known), "
+                "or use a local store (shared=False), which takes new keys")
+        return SpecMismatchError(f"the data's keys, dtypes or shapes differ from the shared store's: {self.spec}")
 
     def set_size(self, size: int) -> None:
         raise NotImplementedError("a shared GearStorage's length follows its commits; it cannot be set")
@@ -489,9 +508,11 @@ class SharedShard(Shard):
         """
         if self.rows_inserted or self.readable_rows():
             raise ValueError("a checkpoint loads into an empty shared store only: this one already holds rows")
-        spec, columns = self.checked_state(state)
+        spec, columns, _ = self.checked_state(state)
         if spec is None or not columns:
             return
+        if spec.objects:
+            self._allocate(spec)  # refuses non-tensor leaves, saying why
         episodes = state["episodes"]
         starts = torch.as_tensor(episodes["start"], dtype=torch.int64)
         lengths = torch.as_tensor(episodes["length"], dtype=torch.int64)
@@ -502,7 +523,7 @@ class SharedShard(Shard):
         if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < columns[0].shape[0]:
             raise ValueError("the checkpoint's episode index names rows its columns do not hold: it is damaged")
         for episode_rows in torch.split(rows, lengths.tolist()):
-            self.commit(spec, [c[episode_rows] for c in columns])
+            self.commit(Leaves.whole(spec, [c[episode_rows] for c in columns]))
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:

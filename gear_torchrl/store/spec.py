@@ -1,19 +1,41 @@
-"""Table spec: the columns of a store, taken from the first write.
+"""Table spec: the columns of a store, taken from the first write and grown by later ones.
 
-A TensorDict is flattened to one column per leaf (nested keys kept as
-tuples); a plain tensor is a table of one unnamed column. Every later write
-is checked against the spec before anything is written, so a bad write
-leaves the store untouched.
+A TensorDict is flattened to one column per tensor leaf (nested keys kept as
+tuples); a plain tensor is a table of one unnamed column; a pytree of tensors
+(dicts, lists, tuples) is a column per leaf plus its structure; a tensorclass
+is its TensorDict plus its class. What LazyTensorStorage stores beyond tensors
+is kept beside the columns, off the fast path:
+
+- non-tensor leaves (strings, ``NonTensorData``): one Python object per row
+  (``objects``), never in shared memory;
+- heterogeneous lazy stacks (members whose leaves differ in shape or keys, as
+  multi-agent data has): each member's leaves are columns of their own, under
+  the key part ``"[i]"`` (``("agents", "[1]", "obs")``), stacked again on read.
+
+Every write is checked against the spec before anything is written
+(``TableSpec.leaves``): a stored key with another dtype or shape is an error
+naming it, and so is a key whose nesting contradicts the store's. Keys the
+store does not hold become new columns (``Leaves.spec`` is the grown spec);
+whether a write may leave stored keys out is the store's rule (see
+``Shard.validated``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import importlib
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
+from torch.utils import _pytree as pytree
 
 NestedKey = str | tuple[str, ...]
-Data = TensorDictBase | torch.Tensor
+# What a store holds and returns: a TensorDict, a tensor, a tensorclass instance or a pytree of tensors.
+Data = TensorDictBase | torch.Tensor | Any
+Path = tuple[str, ...]
+
+_NON_TENSOR = (NonTensorData, NonTensorStack)
 
 
 class SpecMismatchError(ValueError):
@@ -26,9 +48,19 @@ def key_name(key: NestedKey | None) -> str:
     return key if isinstance(key, str) else ".".join(key)
 
 
-def as_path(key: NestedKey) -> tuple[str, ...]:
+def as_path(key: NestedKey) -> Path:
     """A key as a tuple path: ``"obs"`` and ``("obs",)`` name the same column."""
     return (key,) if isinstance(key, str) else tuple(key)
+
+
+def as_key(path: Path) -> NestedKey:
+    """The key TensorDict itself uses for ``path``: a string at the top level, a tuple below."""
+    return path[0] if len(path) == 1 else path
+
+
+def member_part(i: int) -> str:
+    """The key part naming member ``i`` of a heterogeneous lazy stack: ``("agents", "[1]", "obs")``."""
+    return f"[{i}]"
 
 
 @dataclass(frozen=True)
@@ -45,20 +77,55 @@ class ColumnSpec:
 
 
 @dataclass(frozen=True)
+class StackSpec:
+    """A heterogeneous lazy stack: ``count`` members stacked along ``dim`` of its batch after the row dims."""
+
+    dim: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Leaves:
+    """One write in the store's terms, checked (``TableSpec.leaves``); nothing is written yet."""
+
+    spec: TableSpec  # the store's spec after this write: keys it did not hold are new columns at the end
+    values: list[torch.Tensor]  # the written tensor leaves, one per entry of ``columns``
+    columns: tuple[int, ...]  # their positions in ``spec.columns``
+    objects: list[np.ndarray]  # the written non-tensor leaves: one object per row each
+    object_columns: tuple[int, ...]  # their positions in ``spec.objects``
+    missing: tuple[NestedKey, ...]  # stored keys the write does not carry
+    n: int  # rows written
+
+    @classmethod
+    def whole(cls, spec: TableSpec, values: list[torch.Tensor], objects: list[np.ndarray] | None = None) -> Leaves:
+        """Every column of ``spec``, in order (a shard's own rows, e.g. from a checkpoint)."""
+        objects = objects or []
+        return cls(spec, values, tuple(range(len(values))), objects, tuple(range(len(objects))), (),
+                   values[0].shape[0] if values else len(objects[0]))
+
+
+@dataclass(frozen=True)
 class TableSpec:
-    """Columns of a table plus the batch layout needed to rebuild TensorDicts.
+    """Columns of a table plus what is needed to rebuild what was written.
 
     ``node_batch`` maps every TensorDict node (root is ``()``) to its batch
     dims after the row dim, so nested TensorDicts come back with the batch
-    sizes they were written with.
+    sizes they were written with. ``objects`` are the non-tensor leaves,
+    ``stacks`` the heterogeneous lazy stacks, ``classes`` the tensorclass
+    nodes, ``tree`` the pytree structure when rows are pytrees.
     """
 
     columns: tuple[ColumnSpec, ...]
     is_tensordict: bool
-    node_batch: dict[tuple[str, ...], torch.Size] = field(default_factory=dict)
+    node_batch: dict[Path, torch.Size] = field(default_factory=dict)
+    objects: tuple[NestedKey, ...] = ()
+    stacks: dict[Path, StackSpec] = field(default_factory=dict)
+    classes: dict[Path, type] = field(default_factory=dict)
+    tree: pytree.TreeSpec | None = None
 
     @property
     def keys(self) -> list[NestedKey | None]:
+        """Keys of the tensor columns, in column order."""
         return [c.key for c in self.columns]
 
     @property
@@ -71,11 +138,16 @@ class TableSpec:
         return self.node_batch.get((), torch.Size([]))
 
     def find(self, key: NestedKey) -> int | None:
+        """Position of the tensor column ``key``, or None."""
         want = as_path(key)
         for i, c in enumerate(self.columns):
             if c.key is not None and as_path(c.key) == want:
                 return i
         return None
+
+    def object_batch(self, key: NestedKey) -> torch.Size:
+        """Batch dims of one row of the non-tensor leaf ``key`` (its node's)."""
+        return self.node_batch.get(as_path(key)[:-1], torch.Size([]))
 
     # -- construction -------------------------------------------------------
     @classmethod
@@ -84,73 +156,132 @@ class TableSpec:
         lead = 1 if batched else 0
         if isinstance(data, torch.Tensor):
             return cls((ColumnSpec(None, data.dtype, data.shape[lead:]),), False, {(): torch.Size([])})
-        if not isinstance(data, TensorDictBase):
-            raise TypeError(
-                f"gear_torchrl stores TensorDicts or tensors, got {type(data).__name__}"
-            )
-        columns = []
-        node_batch: dict[tuple[str, ...], torch.Size] = {(): data.batch_size[lead:]}
-        for key, value in _leaves(data):
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"key '{key_name(key)}' holds a {type(value).__name__}; only tensor leaves can be stored"
-                )
-            columns.append(ColumnSpec(key, value.dtype, value.shape[lead:]))
-        for prefix, node in _nodes(data):
-            node_batch[prefix] = node.batch_size[lead:]
-        if not columns:
-            raise ValueError("cannot store a TensorDict with no tensor leaves")
-        return cls(tuple(columns), True, node_batch)
+        if isinstance(data, _NON_TENSOR):
+            raise TypeError(f"a {type(data).__name__} alone cannot be stored: put it in a TensorDict beside tensors")
+        if isinstance(data, TensorDictBase) or is_tensorclass(data):
+            walk = _Walk(lead, None)
+            walk.visit(data, ())
+            if not walk.tensors:
+                raise ValueError("cannot store a TensorDict with no tensor leaves (non-tensor leaves are kept "
+                                 "beside tensor columns)")
+            columns = tuple(ColumnSpec(k, v.dtype, v.shape[lead:]) for k, v in walk.tensors.items())
+            return cls(columns, True, walk.nodes, tuple(walk.objects), walk.stacks, walk.classes)
+        leaves, tree = _tree_leaves(data)
+        columns = tuple(ColumnSpec(k, v.dtype, v.shape[lead:]) for k, v in leaves.items())
+        return cls(columns, False, {(): torch.Size([])}, tree=tree)
 
-    # -- validation and flattening -------------------------------------------
-    def flatten(self, data: Data, num_rows: int | None) -> list[torch.Tensor]:
-        """Column tensors of ``data`` in spec order, checked against the spec.
+    # -- checking a write -----------------------------------------------------
+    def leaves(self, data: Data, num_rows: int | None) -> Leaves:
+        """``data`` as the columns it writes, checked against this spec; raises before any change.
 
-        ``num_rows`` is the number of rows written (None: one row, no row dim).
-        Raises SpecMismatchError naming the first problem found.
+        ``num_rows``: rows written (None: one row, no row dim). A stored key with
+        another dtype, shape or nesting raises SpecMismatchError naming it; keys the
+        store lacks become new columns of ``Leaves.spec``; stored keys the data lacks
+        are listed in ``Leaves.missing``.
         """
-        if isinstance(data, torch.Tensor) and not self.is_tensordict:
-            leaves = {None: data}
-        elif isinstance(data, TensorDictBase) and self.is_tensordict:
-            leaves = dict(_leaves(data))
-        else:
-            expected = "a TensorDict" if self.is_tensordict else "a tensor"
-            raise SpecMismatchError(f"this store holds {expected}, got {type(data).__name__}")
-        spec_keys = {c.key: c for c in self.columns}
-        missing = [key_name(k) for k in spec_keys if k not in leaves]
-        extra = [key_name(k) for k in leaves if k not in spec_keys]
-        if missing or extra:
-            raise SpecMismatchError(
-                f"write keys differ from the store's: missing {sorted(missing)}, unexpected {sorted(extra)}"
-            )
-        out = []
-        for c in self.columns:
-            value = leaves[c.key]
-            if not isinstance(value, torch.Tensor):
-                raise SpecMismatchError(f"key '{key_name(c.key)}' holds a {type(value).__name__}, not a tensor")
-            if value.dtype != c.dtype:
-                raise SpecMismatchError(
-                    f"key '{key_name(c.key)}' has dtype {value.dtype}, the store holds {c.dtype}"
-                )
-            expected = c.row_shape if num_rows is None else torch.Size([num_rows, *c.row_shape])
-            if value.shape != expected:
-                raise SpecMismatchError(
-                    f"key '{key_name(c.key)}' has shape {tuple(value.shape)}, expected {tuple(expected)}"
-                )
-            out.append(value)
-        return out
+        n = 1 if num_rows is None else num_rows
+        if self.tree is not None:
+            return self._tree_write(data, num_rows)
+        if not self.is_tensordict:
+            if not isinstance(data, torch.Tensor):
+                raise SpecMismatchError(f"this store holds a tensor, got {type(data).__name__}")
+            _check_leaf(self.columns[0], data, num_rows)
+            return Leaves(self, [data], (0,), [], (), (), n)
+        if not (isinstance(data, TensorDictBase) or is_tensorclass(data)) or isinstance(data, _NON_TENSOR):
+            raise SpecMismatchError(f"this store holds a TensorDict, got {type(data).__name__}")
+        stored_class = self.classes.get(())
+        if stored_class is not None and is_tensorclass(data) and type(data) is not stored_class:
+            raise SpecMismatchError(f"this store holds {stored_class.__name__} rows, got {type(data).__name__}")
+        walk = _Walk(0 if num_rows is None else 1, self)
+        walk.visit(data, ())
+        tensors, objects = walk.tensors, walk.objects
+        values, positions, missing = [], [], []
+        for i, c in enumerate(self.columns):
+            value = tensors.pop(c.key, None)
+            if value is None:
+                if c.key in objects:
+                    raise SpecMismatchError(f"key '{key_name(c.key)}' holds a {type(objects[c.key]).__name__}; "
+                                            "the store holds a tensor there")
+                missing.append(c.key)
+                continue
+            _check_leaf(c, value, num_rows)
+            values.append(value)
+            positions.append(i)
+        rows, object_positions = [], []
+        for j, key in enumerate(self.objects):
+            value = objects.pop(key, None)
+            if value is None:
+                missing.append(key)
+                continue
+            rows.append(_row_objects(value, num_rows, self.object_batch(key)))
+            object_positions.append(j)
+        spec = self
+        if tensors or objects:  # keys the store does not hold: new columns
+            spec = self._grown(walk, tensors, objects, num_rows)
+            for key, value in tensors.items():
+                values.append(value)
+                positions.append(spec.find(key))
+            for key, value in objects.items():
+                rows.append(_row_objects(value, num_rows, spec.object_batch(key)))
+                object_positions.append(spec.objects.index(key))
+        return Leaves(spec, values, tuple(positions), rows, tuple(object_positions), tuple(missing), n)
 
+    def _grown(self, walk: _Walk, tensors: dict, objects: dict, num_rows: int | None) -> TableSpec:
+        """This spec plus the new keys ``tensors`` and ``objects`` (checked against the stored nesting)."""
+        stored = [as_path(c.key) for c in self.columns] + [as_path(k) for k in self.objects]
+        for key in [*tensors, *objects]:
+            path = as_path(key)
+            for other in stored:
+                shorter, longer = (path, other) if len(path) < len(other) else (other, path)
+                if longer[: len(shorter)] == shorter:
+                    what = "a leaf" if shorter == path else "a TensorDict"
+                    raise SpecMismatchError(
+                        f"key '{key_name(key)}' is {what} in this write, but the store holds "
+                        f"'{key_name(as_key(other))}' {'below' if shorter == path else 'above'} it")
+        lead = 0 if num_rows is None else 1
+        new_columns = tuple(ColumnSpec(k, v.dtype, v.shape[lead:]) for k, v in tensors.items())
+        return replace(
+            self,
+            columns=self.columns + new_columns,
+            objects=self.objects + tuple(objects),
+            node_batch={**walk.nodes, **self.node_batch},
+            stacks={**walk.stacks, **self.stacks},
+            classes={**walk.classes, **self.classes},
+        )
+
+    def _tree_write(self, data: Data, num_rows: int | None) -> Leaves:
+        if isinstance(data, (torch.Tensor, TensorDictBase)) or is_tensorclass(data):
+            raise SpecMismatchError(f"this store holds pytrees of tensors, got {type(data).__name__}")
+        leaves, tree = _tree_leaves(data)
+        if tree != self.tree:
+            stored = {key_name(c.key) for c in self.columns}
+            given = {key_name(k) for k in leaves}
+            raise SpecMismatchError(f"the pytree's structure differs from the store's: missing "
+                                    f"{sorted(stored - given)}, unexpected {sorted(given - stored)} (a store of "
+                                    "pytrees keeps the structure of its first write)")
+        values = list(leaves.values())
+        for c, value in zip(self.columns, values):
+            _check_leaf(c, value, num_rows)
+        return Leaves(self, values, tuple(range(len(values))), [], (), (), 1 if num_rows is None else num_rows)
+
+    # -- rebuilding what was written ------------------------------------------------
     def unflatten(self, tensors: list[torch.Tensor], lead: torch.Size, device: torch.device | None,
-                  extra: dict[NestedKey, torch.Tensor] | None = None) -> Data:
+                  extra: dict[NestedKey, torch.Tensor] | None = None,
+                  objects: list[np.ndarray] | None = None) -> Data:
         """Rebuild what was written from column tensors whose leading dims are ``lead``.
 
         ``extra`` adds keys or replaces columns (a sampler's trajectory markers),
-        built into the same TensorDict at no extra cost.
+        built into the same TensorDict at no extra cost. ``objects``: the rows'
+        objects of every non-tensor leaf (arrays shaped ``lead``).
         """
+        if self.tree is not None:
+            return pytree.tree_unflatten(list(tensors), self.tree)
         if not self.is_tensordict:
             return tensors[0]
         root: dict = {}
         pairs = [*zip(self.keys, tensors), *(extra or {}).items()]
+        if objects:
+            pairs += [(k, _non_tensor(o, self.object_batch(k))) for k, o in zip(self.objects, objects)]
         for key, t in pairs:
             node = root
             path = as_path(key)
@@ -159,17 +290,27 @@ class TableSpec:
             node[path[-1]] = t
         return self._build(root, (), lead, device)
 
-    def _build(self, node: dict, prefix: tuple[str, ...], lead: torch.Size, device) -> TensorDict:
-        source = {
-            k: (self._build(v, (*prefix, k), lead, device) if isinstance(v, dict) else v) for k, v in node.items()
-        }
-        batch = torch.Size([*lead, *self.node_batch.get(prefix, torch.Size([]))])
-        # The spec already checked every leaf at write time: skip TensorDict's checks.
-        return TensorDict._new_unsafe(source=source, batch_size=batch, device=device)
+    def _build(self, node: dict, prefix: Path, lead: torch.Size, device) -> TensorDictBase:
+        stack = self.stacks.get(prefix) if self.stacks else None
+        if stack is not None:
+            members = [self._build(node.get(member_part(i), {}), (*prefix, member_part(i)), lead, device)
+                       for i in range(stack.count)]
+            out = LazyStackedTensorDict(*members, stack_dim=len(lead) + stack.dim)
+        else:
+            source = {
+                k: (self._build(v, (*prefix, k), lead, device) if isinstance(v, dict) else v)
+                for k, v in node.items()
+            }
+            batch = torch.Size([*lead, *self.node_batch.get(prefix, torch.Size([]))])
+            # The spec already checked every leaf at write time: skip TensorDict's checks.
+            out = TensorDict._new_unsafe(source=source, batch_size=batch, device=device)
+        cls = self.classes.get(prefix) if self.classes else None
+        return out if cls is None else cls._from_tensordict(out)
 
     # -- persistence ----------------------------------------------------------
     def to_json(self) -> dict:
-        return {
+        """The spec as JSON (checkpoints, and the layout every process of a shared store maps)."""
+        blob: dict[str, Any] = {
             "is_tensordict": self.is_tensordict,
             "columns": [
                 {"key": None if c.key is None else list(as_path(c.key)), "dtype": str(c.dtype).removeprefix("torch."),
@@ -178,34 +319,205 @@ class TableSpec:
             ],
             "node_batch": [[list(k), list(v)] for k, v in self.node_batch.items()],
         }
+        if self.objects:
+            blob["objects"] = [list(as_path(k)) for k in self.objects]
+        if self.stacks:
+            blob["stacks"] = [[list(k), s.dim, s.count] for k, s in self.stacks.items()]
+        if self.classes:
+            blob["classes"] = [[list(k), f"{c.__module__}:{c.__qualname__}"] for k, c in self.classes.items()]
+        if self.tree is not None:
+            try:
+                blob["tree"] = pytree.treespec_dumps(self.tree)
+            except (NotImplementedError, TypeError) as err:
+                raise TypeError(f"this store's pytree structure cannot be saved or shared: {err}") from None
+        return blob
 
     @classmethod
     def from_json(cls, blob: dict) -> TableSpec:
         columns = tuple(
             ColumnSpec(
-                None if c["key"] is None else (c["key"][0] if len(c["key"]) == 1 else tuple(c["key"])),
+                None if c["key"] is None else as_key(tuple(c["key"])),
                 getattr(torch, c["dtype"]),
                 torch.Size(c["row_shape"]),
             )
             for c in blob["columns"]
         )
         node_batch = {tuple(k): torch.Size(v) for k, v in blob["node_batch"]}
-        return cls(columns, blob["is_tensordict"], node_batch)
+        return cls(
+            columns, blob["is_tensordict"], node_batch,
+            objects=tuple(as_key(tuple(k)) for k in blob.get("objects", ())),
+            stacks={tuple(k): StackSpec(int(d), int(n)) for k, d, n in blob.get("stacks", ())},
+            classes={tuple(k): _import_class(name) for k, name in blob.get("classes", ())},
+            tree=pytree.treespec_loads(blob["tree"]) if "tree" in blob else None,
+        )
 
 
-def _is_leaf(cls: type) -> bool:
-    # Non-tensor data (strings, objects) counts as a leaf so the spec sees and rejects it.
-    return not issubclass(cls, TensorDictBase) or issubclass(cls, (NonTensorData, NonTensorStack))
+class _Walk:
+    """The leaves of a TensorDict or tensorclass by key (tensors and non-tensor data apart), and its nodes.
+
+    Heterogeneous lazy stacks are walked member by member (``member_part``);
+    with a spec, a node is a stack exactly where the spec has one.
+    """
+
+    def __init__(self, lead: int, spec: TableSpec | None) -> None:
+        self.lead = lead
+        self.spec = spec
+        self.tensors: dict[NestedKey, torch.Tensor] = {}
+        self.objects: dict[NestedKey, TensorDictBase] = {}
+        self.nodes: dict[Path, torch.Size] = {}
+        self.stacks: dict[Path, StackSpec] = {}
+        self.classes: dict[Path, type] = {}
+
+    def visit(self, node: Any, path: Path) -> None:
+        if is_tensorclass(node):
+            self.classes[path] = type(node)
+            node = node._tensordict
+        self.nodes[path] = node.batch_size[self.lead:]
+        known = self.spec.stacks.get(path) if self.spec is not None and self.spec.stacks else None
+        if known is not None or isinstance(node, LazyStackedTensorDict):
+            members = self._members(node, path, known)
+            if members is not None:
+                for i, member in enumerate(members):
+                    self.visit(member, (*path, member_part(i)))
+                return
+        for key, value in node.items():
+            child = (*path, key)
+            if isinstance(value, torch.Tensor):
+                self.tensors[as_key(child)] = value
+            elif isinstance(value, _NON_TENSOR):
+                self.objects[as_key(child)] = value
+            else:
+                self.visit(value, child)
+
+    def _members(self, node: TensorDictBase, path: Path, known: StackSpec | None) -> list | None:
+        """The members to walk one by one, or None where the stack is walked as one TensorDict.
+
+        ``known``: the store holds a heterogeneous stack at ``path`` (then ``node`` is split
+        along its dim, whatever it is); else ``node`` is a lazy stack, kept as one where its
+        members have the same layout (as LazyTensorStorage does).
+        """
+        if known is not None:
+            members = node.unbind(self.lead + known.dim)
+            if len(members) != known.count:
+                raise SpecMismatchError(f"key '{key_name(as_key(path)) if path else '<root>'}' stacks "
+                                        f"{len(members)} members, the store holds {known.count}")
+            self.stacks[path] = known
+            return list(members)
+        dim = node.stack_dim - self.lead
+        if _same_layout(node.tensordicts, self.lead):
+            return None
+        where = f"key '{key_name(as_key(path))}'" if path else "the rows"
+        if dim < 0:
+            raise SpecMismatchError(f"{where} differ in keys or shapes from one row to the next (a lazy stack "
+                                    "along the row dim): every row must have the same layout")
+        if self.spec is not None and any(as_path(c.key)[: len(path)] == path for c in self.spec.columns if c.key):
+            raise SpecMismatchError(f"{where} is a lazy stack whose members differ in keys or shapes; the store "
+                                    "holds it as one TensorDict of equal members")
+        self.stacks[path] = StackSpec(dim, len(node.tensordicts))
+        return list(node.tensordicts)
 
 
-def _leaves(td: TensorDictBase):
-    for key in td.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf):
-        yield key, td.get(key)
+def _same_layout(members: list, lead: int) -> bool:
+    """Whether lazily stacked ``members`` have the same keys, dtypes and shapes (a plain stack)."""
+    first = None
+    for member in members:
+        walk = _Walk(lead, None)
+        walk.visit(member, ())
+        layout = ({k: (v.dtype, v.shape) for k, v in walk.tensors.items()}, set(walk.objects), walk.stacks)
+        if first is None:
+            first = layout
+        elif layout != first:
+            return False
+    return True
 
 
-def _nodes(td: TensorDictBase, prefix: tuple[str, ...] = ()):
-    for key in td.keys():
-        value = td.get(key)
-        if isinstance(value, TensorDictBase) and not _is_leaf(type(value)):
-            yield (*prefix, key), value
-            yield from _nodes(value, (*prefix, key))
+def _tree_leaves(data: Any) -> tuple[dict[NestedKey, torch.Tensor], pytree.TreeSpec]:
+    """The leaves of a pytree of tensors by key (``"a"``, ``("b", "0")``), and its structure."""
+    pairs, tree = pytree.tree_flatten_with_path(data)
+    if tree.is_leaf():
+        raise TypeError(f"gear_torchrl stores TensorDicts, tensorclasses, tensors or pytrees of tensors (dicts, "
+                        f"lists, tuples), got {type(data).__name__}")
+    leaves = {}
+    for path, leaf in pairs:
+        key = as_key(tuple(_path_part(p) for p in path))
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"pytree leaf '{key_name(key)}' is a {type(leaf).__name__}; only tensor leaves "
+                            "can be stored in a pytree")
+        leaves[key] = leaf
+    return leaves, tree
+
+
+def _path_part(entry: Any) -> str:
+    for name in ("key", "idx", "name"):
+        if hasattr(entry, name):
+            return str(getattr(entry, name))
+    return str(entry)
+
+
+def _check_leaf(c: ColumnSpec, value: torch.Tensor, num_rows: int | None) -> None:
+    if value.dtype != c.dtype:
+        raise SpecMismatchError(f"key '{key_name(c.key)}' has dtype {value.dtype}, the store holds {c.dtype}")
+    expected = c.row_shape if num_rows is None else torch.Size([num_rows, *c.row_shape])
+    if value.shape != expected:
+        raise SpecMismatchError(f"key '{key_name(c.key)}' has shape {tuple(value.shape)}, expected {tuple(expected)}")
+
+
+# -- non-tensor leaves: one object per row ----------------------------------------------
+
+def _row_objects(value: TensorDictBase, num_rows: int | None, row_batch: torch.Size) -> np.ndarray:
+    """A non-tensor leaf as one object per row (``NonTensorData``, or a stack for rows with batch dims).
+
+    Each row gets an object of its own, so an in-place change to one row's never reaches another's.
+    """
+    if num_rows is None:
+        rows = [value]
+    elif isinstance(value, NonTensorStack) and value.stack_dim == 0:
+        rows = value.tensordicts
+    elif isinstance(value, NonTensorData):
+        rows = [value] * num_rows
+    else:
+        rows = value.unbind(0)
+    if len(rows) != (1 if num_rows is None else num_rows):
+        raise SpecMismatchError(f"a non-tensor leaf holds {len(rows)} rows, expected {num_rows}")
+    out = np.empty(len(rows), dtype=object)
+    for i, row in enumerate(rows):
+        out[i] = _own_copy(row, row_batch)
+    return out
+
+
+def _own_copy(row: TensorDictBase, row_batch: torch.Size) -> TensorDictBase:
+    if isinstance(row, NonTensorData) and len(row_batch) == 0:
+        return NonTensorData(data=row.data)
+    return row.clone()
+
+
+def _unset(row_batch: torch.Size) -> TensorDictBase:
+    """What a row no write reached holds in a non-tensor leaf (tensor columns hold zeros there)."""
+    return NonTensorData(data=None) if len(row_batch) == 0 else NonTensorData(data=None, batch_size=row_batch)
+
+
+def _non_tensor(objects: np.ndarray, row_batch: torch.Size) -> TensorDictBase:
+    """Rows' objects (an array shaped like the read's index) as one non-tensor entry."""
+    if objects.ndim == 0:
+        row = objects.item()
+        return _unset(row_batch) if row is None else row
+    if objects.shape[0] == 0:
+        return NonTensorData(data=None, batch_size=[*objects.shape, *row_batch])
+    if objects.ndim > 1:
+        return NonTensorStack._new_lazy_unsafe(*(_non_tensor(o, row_batch) for o in objects), stack_dim=0)
+    rows = [_unset(row_batch) if o is None else o for o in objects]
+    return NonTensorStack._new_lazy_unsafe(*rows, stack_dim=0)
+
+
+def _import_class(name: str) -> type:
+    """A tensorclass from its ``module:qualname`` (what ``to_json`` saves)."""
+    module, _, qualname = name.partition(":")
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        raise ValueError(f"the stored rows are tensorclass {name}, which cannot be imported in this process: "
+                         "define it in an importable module") from None
+    return found
+
