@@ -31,8 +31,8 @@ from gear_torchrl.store.spec import Data, NestedKey
 
 TransportName = Literal["auto", "tcp", "local", "rdma"]
 _UNIFORM = UniformSpec().build(0)  # what TorchRL's RandomSampler asks for
-_NO_CHECKPOINT = ("a sharded store has no checkpoint of its own yet: on each owning rank, `storage.local.dumps(path)` "
-                  "saves that shard's rows (the owners' priorities are not saved)")
+_NO_STATE_DICT = ("a sharded store's rows stay on their owners: save it with rb.dumps(path), which every owner "
+                  "writes its shard to, not with a state dict")
 
 
 class ShardedGearStorage(TensorStorage):
@@ -241,16 +241,22 @@ class ShardedGearStorage(TensorStorage):
         raise NotImplementedError("empty each shard on its owner (`storage.local`)")
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(_NO_CHECKPOINT)
+        raise NotImplementedError(_NO_STATE_DICT)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise NotImplementedError(_NO_CHECKPOINT)
+        raise NotImplementedError(_NO_STATE_DICT)
 
     def dumps(self, path: Any) -> None:
-        raise NotImplementedError(_NO_CHECKPOINT)
+        """Every owner saves its shard, with its priorities, queues, scores and counts, under ``path``.
+
+        ``path`` names a directory on each owner's host (a shared filesystem puts them
+        in one place); ``rb.dumps(path)`` on any rank calls this.
+        """
+        self._shards.dump(str(path))
 
     def loads(self, path: Any) -> None:
-        raise NotImplementedError(_NO_CHECKPOINT)
+        """Restore a checkpoint into these (empty) shards: as many owners as saved it, each as large."""
+        self._shards.load(str(path))
 
     # -- lifetime and pickling ---------------------------------------------------------------------
     def close(self) -> None:

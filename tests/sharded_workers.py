@@ -9,7 +9,6 @@ Results go to files in ``tmp`` (a killed peer leaves no collective to use).
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -391,12 +390,10 @@ def _refusals(storage) -> dict:
     client.read(ReadRequest.of_rows(torch.tensor([0, 7])), out)  # the connection still serves
     found["still_serves"] = out[spec.find("pos")].tolist()
     client.close()
-    from torchrl.data import TensorDictReplayBuffer
-
     try:
-        TensorDictReplayBuffer(storage=storage, batch_size=8).dumps(tempfile.mkdtemp())
+        storage.state_dict()
     except NotImplementedError as exc:
-        found["dumps"] = str(exc)
+        found["state_dict"] = str(exc)
     return found
 
 

@@ -182,3 +182,49 @@ def test_sampled_indices_in_tensordicts_survive_what_users_do_with_them():
     windows = batch.reshape(-1, 9)  # views of the index are plain row numbers
     assert type(windows["index"]) is torch.Tensor
     assert torch.equal(batch["index"] + 0, batch["index"].as_subclass(torch.Tensor))
+
+
+def _owner_with_priorities(rows: int):
+    from gear_torchrl.selection.registry import SelectorRegistry
+
+    storage = GearStorage(rows, shared=True)
+    storage.set(range(rows), make_steps(rows, seed=9))
+    registry = SelectorRegistry(rows)
+    with registry.using(PrioritySpec(0.5), {}) as core, storage.shard.picking():
+        core.follow(storage.shard)
+        core.update(torch.arange(rows), torch.arange(rows, dtype=torch.float64) + 1)
+    storage.shard.release()
+    return storage, registry
+
+
+def test_a_shards_checkpoint_restores_its_cores_and_refuses_damage(tmp_path):
+    """In one process: what an owner saves for ``rb.dumps`` of a sharded store, and what it refuses to load."""
+    from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
+    from gear_torchrl.selection.registry import SelectorRegistry
+    from gear_torchrl.store.state_checks import CheckpointError
+
+    source, registry = _owner_with_priorities(64)
+    target = damaged = None
+    try:
+        dump_shard(source.shard, registry, tmp_path / "ok")
+        target, restored = GearStorage(64, shared=True), SelectorRegistry(64)
+        load_shard(target.shard, restored, tmp_path / "ok")
+        [(spec, core, _)] = restored.shared()
+        assert spec == PrioritySpec(0.5) and len(target) == 64
+        assert torch.allclose(core.masses(torch.arange(64)), (torch.arange(64, dtype=torch.float64) + 1 + 1e-8) ** 0.5)
+        with pytest.raises(ValueError, match="empty"):  # the rows are there already: nothing is loaded twice
+            load_shard(target.shard, restored, tmp_path / "ok")
+
+        dump_shard(source.shard, registry, tmp_path / "bad")
+        mass = tmp_path / "bad" / "selectors" / "0" / "mass.bin"
+        raw = bytearray(mass.read_bytes())
+        raw[8] ^= 0xFF
+        mass.write_bytes(bytes(raw))
+        damaged = GearStorage(64, shared=True)
+        with pytest.raises(CheckpointError, match="mass"):
+            load_shard(damaged.shard, SelectorRegistry(64), tmp_path / "bad")
+        assert len(damaged) == 0  # refused before any row was restored
+    finally:
+        for storage in (source, target, damaged):
+            if storage is not None:
+                storage.close()

@@ -230,7 +230,7 @@ def test_wrong_secret_and_out_of_bounds_reads_are_refused(job):
     assert "out of range" in found["past_capacity"] and "out of range" in found["negative"]
     assert "not readable" in found["never_written"]
     assert found["still_serves"] == [0, 7]
-    assert "storage.local.dumps(path)" in found["dumps"]  # a clear refusal, not a half-written checkpoint
+    assert "rb.dumps(path)" in found["state_dict"]  # rows stay on their owners: a clear refusal, not a copy
 
 
 def test_dataloader_workers_sample_the_shards_with_their_own_connections_and_seeds(job):

@@ -20,6 +20,7 @@ from gear_torchrl.distributed.transports.base import (
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shard import EmptyStoreError
+from gear_torchrl.store.state_checks import CheckpointError
 
 # What a socket cannot be made without; they say nothing about the shard.
 _SHORTAGES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
@@ -27,7 +28,7 @@ _SHORTAGES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 # Errors an owner reports that keep their type on the learner's side.
 _REMOTE_TYPES: dict[str, type[Exception]] = {
     "IndexError": IndexError, "ValueError": ValueError, "EmptyStoreError": EmptyStoreError,
-    "NotImplementedError": NotImplementedError,
+    "NotImplementedError": NotImplementedError, "CheckpointError": CheckpointError,
 }
 
 
@@ -153,6 +154,14 @@ class ShardClient:
     def give_back(self, spec: SelectionSpec, rows: torch.Tensor) -> None:
         """Rows of an earlier pick the learner did not use (a queue serves them again)."""
         self.request(Message(Op.GIVE_BACK, {"selection": spec.to_json()}, [rows.to(torch.int64).contiguous()]))
+
+    def dump(self, directory: str) -> None:
+        """The owner saves its shard and shared selection state under ``directory`` (on its host)."""
+        self.request(Message(Op.DUMP, {"path": directory}))
+
+    def load(self, directory: str) -> None:
+        """The owner restores them from ``directory`` into its empty shard."""
+        self.request(Message(Op.LOAD, {"path": directory}))
 
     def describe(self) -> dict[str, Any]:
         return self.request(Message(Op.DESCRIBE)).meta

@@ -27,6 +27,7 @@ import torch
 from gear_torchrl._ext import _C
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.row_sender import ReplyCutShort, RowSender
+from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.registry import SelectorRegistry
@@ -197,6 +198,12 @@ class _Session:
                 return self._describe()
             if request.op == Op.GIVE_BACK:
                 return self._give_back(request)
+            if request.op == Op.DUMP:
+                dump_shard(self.shard, self.selectors, _directory(request))
+                return Message(Op.OK)
+            if request.op == Op.LOAD:
+                load_shard(self.shard, self.selectors, _directory(request))
+                return Message(Op.OK)
             raise ValueError(f"unknown request code {request.op}")
         except ReplyCutShort:
             raise  # part of a reply left: no error reply can follow it
@@ -293,6 +300,14 @@ def _request_within(conn: socket.socket, seconds: float) -> bool:
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLIN)
     return bool(poller.poll(seconds * 1000))
+
+
+def _directory(request: Message) -> str:
+    """Where a checkpoint goes: a path on the owner's host (any a process holding the secret names)."""
+    path = request.meta.get("path")
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"a checkpoint request names a directory, got {path!r}")
+    return path
 
 
 def _seeded(seed: object) -> torch.Generator | None:

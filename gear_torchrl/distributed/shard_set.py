@@ -21,6 +21,7 @@ import torch
 from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.fan_out import FailurePolicy, FanOut
+from gear_torchrl.distributed.shard_checkpoint import check_layout, shard_directory, write_layout
 from gear_torchrl.distributed.shard_client import ShardClient
 from gear_torchrl.distributed.transports.base import ColumnLayout, ReadRequest, ShardUnavailableError, Transport
 from gear_torchrl.distributed.transports.registry import Reach, open_transport
@@ -288,6 +289,26 @@ class ShardSet:
 
         self.on_each(owners, update, [0] * len(owners))
         self.live()  # skipping may have left none
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def dump(self, root: str) -> None:
+        """Every shard's owner saves its shard and selection state under ``root`` (a path on each owner's host)."""
+        shards = [d.shard for d in self.descriptors]
+        if self.failed:
+            raise ShardUnavailableError(f"cannot save a checkpoint without shards {sorted(self.failed)}: "
+                                        f"{'; '.join(self.failed.values())}")
+        write_layout(root, [d.capacity for d in self.descriptors])
+        self.on_each(shards, lambda s, _: self.client(s).dump(shard_directory(root, s)), [0] * len(shards),
+                     allow_skip=False)
+
+    def load(self, root: str) -> None:
+        """Every owner restores its shard from ``root``: same number of shards, same capacities, or nothing changes."""
+        check_layout(root, [d.capacity for d in self.descriptors])
+        shards = [d.shard for d in self.descriptors]
+        self.on_each(shards, lambda s, _: self.client(s).load(shard_directory(root, s)), [0] * len(shards),
+                     allow_skip=False)
+        self.rows.clear()
+        self._masses.clear()
 
     # -- connections -------------------------------------------------------------------------
     def on_each(self, shards: list[int], call: Any, counts: list[int], allow_skip: bool = True) -> list:

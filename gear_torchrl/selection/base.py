@@ -71,6 +71,21 @@ class Selector(ABC):
         return ()
 
     # -- state -----------------------------------------------------------------------
+    def export_rows(self, rows: torch.Tensor) -> dict[str, Any]:
+        """The state of ``rows`` (ring rows), in their order: what a store restored as rows ``0..n-1`` needs.
+
+        A shared store's checkpoint compacts its rows; this is the state that follows them.
+        """
+        raise NotImplementedError(f"a {self.spec.kind} selection keeps no state to save")
+
+    def import_rows(self, state: dict[str, Any]) -> None:
+        """Take ``export_rows``'s state for rows ``0..n-1`` (this core is new)."""
+        raise NotImplementedError(f"a {self.spec.kind} selection keeps no state to restore")
+
+    def caught_up(self, shard: Shard) -> None:
+        """Count every commit of ``shard`` so far as seen (its rows' state was just restored)."""
+        _, _, self._followed = shard.rows_changed_since(self._followed)
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

@@ -102,6 +102,17 @@ class CappedSelector(Selector):
         """Picks not used do not count against the cap (rows excluded by them come back only when rewritten)."""
 
     # -- state -----------------------------------------------------------------------
+    def export_rows(self, rows: torch.Tensor) -> dict[str, Any]:
+        return {"count": self.count[rows].clone(), "inner": self.inner.export_rows(rows)}
+
+    def import_rows(self, state: dict[str, Any]) -> None:
+        self.count[: state["count"].numel()] = state["count"]
+        self.inner.import_rows(state["inner"])
+
+    def caught_up(self, shard: Shard) -> None:
+        super().caught_up(shard)
+        self.inner.caught_up(shard)
+
     def state_dict(self) -> dict[str, Any]:
         return {"count": self.count.clone(), "sampler": self.inner.state_dict()}
 

@@ -119,6 +119,18 @@ class PrioritySelector(Selector):
         self.trees.set(rows, torch.pow(priority + self.eps, self.alpha), keep)
 
     # -- state -----------------------------------------------------------------------
+    def export_rows(self, rows: torch.Tensor) -> dict[str, Any]:
+        return {"alpha": self.alpha, "eps": self.eps, "max_raw_priority": float(self.max_raw_priority),
+                "mass": self.trees.get(rows.to(self.device)).cpu(), "generation": self.generation[rows].cpu()}
+
+    def import_rows(self, state: dict[str, Any]) -> None:
+        mass, generation = state["mass"].to(self.device), state["generation"].to(self.device)
+        rows = torch.arange(mass.numel(), device=self.device)
+        self.alpha, self.eps = state["alpha"], state["eps"]
+        self.max_raw_priority = torch.tensor(state["max_raw_priority"], dtype=torch.float64, device=self.device)
+        self.trees.set(rows, mass, mass > 0)
+        self.generation[rows] = generation
+
     mass_key = "mass"  # the saved per-row masses
     masses_draw_rows = True  # a positive mass makes its row drawable (the storage must restore it)
 

@@ -143,6 +143,16 @@ class PriorityWindowSelector(PrioritySelector):
             self._set_masses(self._episodes, rows)
 
     # -- state -----------------------------------------------------------------------
+    def export_rows(self, rows: torch.Tensor) -> dict[str, Any]:
+        return {"alpha": self.alpha, "eps": self.eps, "max_raw_priority": float(self.max_raw_priority),
+                "row_mass": self.row_mass[rows].clone(), "generation": self.generation[rows].clone()}
+
+    def import_rows(self, state: dict[str, Any]) -> None:
+        n = state["row_mass"].numel()
+        self.alpha, self.eps, self.max_raw_priority = state["alpha"], state["eps"], state["max_raw_priority"]
+        self.row_mass[:n] = state["row_mass"]
+        self.generation[:n] = state["generation"]  # window masses are derived from the index at the next pick
+
     mass_key = "row_mass"
     masses_draw_rows = False  # a row's mass counts once the episode index says a window starts there
 

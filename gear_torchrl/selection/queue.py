@@ -166,6 +166,19 @@ class QueueSelector(Selector):
         self._waiting -= batch_size
         return index
 
+    def export_rows(self, rows: torch.Tensor) -> dict[str, Any]:
+        """The waiting rows among ``rows``, in the order they will be served, as positions in ``rows``."""
+        position = torch.full((self.max_capacity,), -1, dtype=torch.int64)
+        position[rows] = torch.arange(rows.numel())
+        live = slice(self._head, self._tail)
+        entries, gens = self._rows[live], self._gens[live]
+        waiting = entries[gens == self._generation[entries]]
+        waiting = position[waiting]
+        return {"waiting": waiting[waiting >= 0].clone()}
+
+    def import_rows(self, state: dict[str, Any]) -> None:
+        self.written(state["waiting"], None)
+
     def state_dict(self) -> dict[str, Any]:
         live = slice(self._head, self._tail)
         return {"generation": self._generation.clone(), "queued": self._queued.clone(), "waiting": self._waiting,

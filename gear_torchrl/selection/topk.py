@@ -76,6 +76,14 @@ class TopKSelector(Selector):
         return f"top-k: asked for the top {count} rows, only {got} are stored"
 
     # -- state -----------------------------------------------------------------------
+    def export_rows(self, rows: torch.Tensor) -> dict[str, Any]:
+        return {"score": self.scores.get(rows).clone()}
+
+    def import_rows(self, state: dict[str, Any]) -> None:
+        score = state["score"]
+        ranked = score > float("-inf")  # rows out of the ranking stay out
+        self.scores.set(torch.arange(score.numel())[ranked], score[ranked])
+
     def state_dict(self) -> dict[str, Any]:
         return {"scores": self.scores.max.clone()}
 
