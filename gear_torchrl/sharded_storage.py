@@ -23,7 +23,7 @@ from gear_torchrl.distributed.shard_set import Options, ShardSet
 from gear_torchrl.distributed.transports.registry import CHOICES
 from gear_torchrl.sampled_index import ReadPlan, SampledIndex, Selection, WindowMarkers, plan_of
 from gear_torchrl.selection.base import Selector
-from gear_torchrl.selection.specs import UniformSpec
+from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.stats import Rates
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.shard import DEFAULT_END_KEYS

@@ -26,16 +26,14 @@ from gear_torchrl import (
     QueueSampler,
     TopKSampler,
 )
-from gear_torchrl.selection.specs import (
-    CappedSpec,
-    PrioritySpec,
-    PriorityWindowSpec,
-    QueueSpec,
-    SelectionSpec,
-    TopKSpec,
-    UniformSpec,
-    WindowSpec,
-)
+from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.selection.capped import CappedSpec
+from gear_torchrl.selection.priorities import PrioritySpec
+from gear_torchrl.selection.priority_windows import PriorityWindowSpec
+from gear_torchrl.selection.queue import QueueSpec
+from gear_torchrl.selection.topk import TopKSpec
+from gear_torchrl.selection.uniform import UniformSpec
+from gear_torchrl.selection.windows import WindowSpec
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gear_torchrl"
 LOWER_LAYERS = ("selection", "distributed")

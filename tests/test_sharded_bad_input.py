@@ -106,7 +106,7 @@ def test_give_back_returns_every_round_of_a_shards_picks():
 
     from gear_torchrl.distributed.fan_out import FanOut
     from gear_torchrl.distributed.shard_set import ShardSet
-    from gear_torchrl.selection.specs import QueueSpec
+    from gear_torchrl.selection.queue import QueueSpec
 
     sharded = ShardSet.__new__(ShardSet)  # only what give_back touches
     sharded._fan_out = FanOut("skip", 3)

@@ -27,7 +27,8 @@ from gear_torchrl.distributed.transports.base import ColumnLayout, ReadRequest, 
 from gear_torchrl.distributed.transports.registry import Reach, open_transport
 from gear_torchrl.selection.checked_inputs import as_generation, as_priority
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import SelectionSpec, UniformSpec
+from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store.shard import EmptyStoreError, Windows
 from gear_torchrl.store.spec import SpecMismatchError, TableSpec
 

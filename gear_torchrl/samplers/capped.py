@@ -15,8 +15,7 @@ from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.samplers.selecting import SelectsThroughStorage
-from gear_torchrl.selection.capped import CappedSelector
-from gear_torchrl.selection.specs import CappedSpec
+from gear_torchrl.selection.capped import CappedSelector, CappedSpec
 from gear_torchrl.selection.state_file import SAMPLER_FORMAT, StateDictFile, load_pickled
 from gear_torchrl.store.persistence import write_checkpoint
 from gear_torchrl.store.state_checks import CheckpointError, checked_tensor, field, require_nonnegative

@@ -15,8 +15,7 @@ from gear_torchrl.sampled_index import Selection
 from gear_torchrl.samplers.prioritized import GearPrioritizedSampler
 from gear_torchrl.samplers.sequence import GearSequenceSampler
 from gear_torchrl.selection.checked_inputs import as_rows, integer_rows, seeds_defaults
-from gear_torchrl.selection.priority_windows import PriorityWindowSelector, key_priorities
-from gear_torchrl.selection.specs import PriorityWindowSpec
+from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec, key_priorities
 
 
 class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler):

@@ -18,8 +18,8 @@ from torchrl.data.replay_buffers.samplers import Sampler
 
 from gear_torchrl.sampled_index import WindowMarkers
 from gear_torchrl.samplers.selecting import SelectsThroughStorage
-from gear_torchrl.selection.specs import WindowSpec, as_path
-from gear_torchrl.selection.windows import WindowSelector
+from gear_torchrl.selection.specs import as_path
+from gear_torchrl.selection.windows import WindowSelector, WindowSpec
 from gear_torchrl.store.spec import NestedKey
 
 

@@ -6,14 +6,15 @@ are drawn again. Over many shards each owner counts its own rows.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import CappedSpec
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.state_checks import checked_tensor, field, require_nonnegative
 
@@ -31,6 +32,32 @@ def rank_among_equals(index: torch.Tensor) -> torch.Tensor:
     rank = torch.empty_like(index)
     rank[order] = position - group_start
     return rank
+
+
+@dataclass(frozen=True)
+class CappedSpec(SelectionSpec):
+    """Another rule whose rows leave the draw after ``max_times`` picks, until written again."""
+
+    kind: ClassVar[str] = "capped"
+    inner: SelectionSpec
+    max_times: int
+
+    @property
+    def merges_best(self) -> bool:  # type: ignore[override]
+        return self.inner.merges_best
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()} capped at max_times_sampled={self.max_times}"
+
+    def check(self) -> None:
+        if self.max_times < 1:
+            raise ValueError(f"max_times must be >= 1, got {self.max_times}")
+        if not self.inner.can_exclude:
+            raise TypeError(f"a {type(self.inner).__name__} cannot leave rows out of its draws, so it cannot be "
+                            "capped; cap priorities (alpha=0 draws uniformly) or top-k")
+
+    def build(self, capacity: int) -> CappedSelector:
+        return CappedSelector(self, capacity)
 
 
 class CappedSelector(Selector):

@@ -6,7 +6,8 @@ lets an update for a row rewritten since it was drawn be dropped.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -15,7 +16,7 @@ from gear_torchrl.selection.block_sums import BlockPrefixSums
 from gear_torchrl.selection.checked_inputs import as_generation, validated
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.random_draws import uniform
-from gear_torchrl.selection.specs import PrioritySpec
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.trees import PriorityTrees
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.state_checks import (
@@ -30,6 +31,23 @@ from gear_torchrl.store.state_checks import (
 )
 
 _NONE = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class PrioritySpec(SelectionSpec):
+    """Proportional prioritized rows: P(i) ~ (p_i + eps)^alpha."""
+
+    kind: ClassVar[str] = "priorities"
+    can_exclude: ClassVar[bool] = True
+    alpha: float
+    eps: float = 1e-8
+
+    def check(self) -> None:
+        if not self.alpha >= 0:
+            raise ValueError(f"alpha must be non-negative, got {self.alpha}")
+
+    def build(self, capacity: int) -> PrioritySelector:
+        return PrioritySelector(self, capacity)
 
 
 class PrioritySelector(Selector):

@@ -7,17 +7,25 @@ follows the episode index's change log, so a pick costs O(count · log N).
 """
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from gear_torchrl._ext import _C
 from gear_torchrl.selection.checked_inputs import as_priority, as_rows
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.priorities import PrioritySelector
+from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
 from gear_torchrl.selection.random_draws import uniform
-from gear_torchrl.selection.specs import PriorityWindowSpec, PrioritySpec
-from gear_torchrl.selection.windows import check_episode_markers, no_window_reason, picked_windows, redraw_wrapping
+from gear_torchrl.selection.specs import Path, SelectionSpec
+from gear_torchrl.selection.windows import (
+    WindowSpec,
+    check_episode_markers,
+    no_window_reason,
+    picked_windows,
+    redraw_wrapping,
+)
 from gear_torchrl.store.episodes import EpisodeIndex
 from gear_torchrl.store.shard import Shard, Windows
 
@@ -42,6 +50,45 @@ def key_priorities(spec: PriorityWindowSpec, rows: torch.Tensor, priority: Any) 
         steps = priority.view(-1, spec.window_len)
         priority = spec.eta * steps.max(1).values + (1 - spec.eta) * steps.mean(1)
     return windows[:, spec.burn_in], priority
+
+
+@dataclass(frozen=True)
+class PriorityWindowSpec(SelectionSpec):
+    """Windows in proportion to their key step's priority (R2D2's sequence priorities)."""
+
+    kind: ClassVar[str] = "priority_windows"
+    seq_len: int
+    burn_in: int = 0
+    strict_length: bool = True
+    include_open: bool = True
+    cross_ring_end: bool = True
+    traj_key: Path | None = None
+    end_key: Path | None = None
+    alpha: float = 0.9
+    eps: float = 1e-6
+    reduction: str = "r2d2"
+    eta: float = 0.9
+
+    def check(self) -> None:
+        WindowSpec.check(self)  # type: ignore[arg-type]
+        PrioritySpec.check(self)  # type: ignore[arg-type]
+        if self.reduction not in ("r2d2", "start"):
+            raise ValueError(f"reduction must be 'r2d2' or 'start', got {self.reduction!r}")
+        if not 0.0 <= self.eta <= 1.0:
+            raise ValueError(f"eta must be in [0, 1], got {self.eta}")
+
+    uniform_over: ClassVar[str] = "windows"
+    window_len = WindowSpec.window_len
+    rows_per_pick = WindowSpec.rows_per_pick
+
+    @classmethod
+    def over(cls, windows: WindowSpec, alpha: float, eps: float, reduction: str, eta: float) -> PriorityWindowSpec:
+        """``windows``' geometry, drawn by priority."""
+        geometry = {f.name: getattr(windows, f.name) for f in dataclasses.fields(windows) if f.name != "uniform_over"}
+        return cls(**geometry, alpha=alpha, eps=eps, reduction=reduction, eta=eta)
+
+    def build(self, capacity: int) -> PriorityWindowSelector:
+        return PriorityWindowSelector(self, capacity)
 
 
 class PriorityWindowSelector(PrioritySelector):

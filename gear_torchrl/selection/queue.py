@@ -6,14 +6,15 @@ nothing is picked twice and no stale row is served.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import QueueSpec
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.last_writes import last_write_positions
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.state_checks import (
@@ -31,6 +32,21 @@ def _last_writes(index: torch.Tensor) -> torch.Tensor:
     if index.numel() < 2:
         return index
     return index[last_write_positions(index, int(index.max()) + 1)]
+
+
+@dataclass(frozen=True)
+class QueueSpec(SelectionSpec):
+    """Each written row once, oldest first (``"fifo"``) or newest first (``"lifo"``)."""
+
+    kind: ClassVar[str] = "queue"
+    order: Literal["fifo", "lifo"] = "fifo"
+
+    def check(self) -> None:
+        if self.order not in ("fifo", "lifo"):
+            raise ValueError(f"order must be 'fifo' or 'lifo', got {self.order!r}")
+
+    def build(self, capacity: int) -> QueueSelector:
+        return QueueSelector(self, capacity)
 
 
 class QueueSelector(Selector):

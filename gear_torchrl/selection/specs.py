@@ -3,13 +3,17 @@
 A spec is frozen and hashable: a shard owner keeps one selector per spec, and
 the same spec travels to every owner of a sharded store (``to_json`` /
 ``from_json``, checked field by field: an owner trusts no learner's types).
-``build`` makes the selection core that runs the rule over one shard.
+``build`` makes the selection core that runs the rule over one shard. Each
+rule's spec lives in its core's file; ``from_json`` finds it by its ``kind``.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from functools import cache
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from gear_torchrl.selection.base import Selector
@@ -31,6 +35,7 @@ class SelectionSpec:
     kind: ClassVar[str] = ""
     per_reader: ClassVar[bool] = False
     merges_best: ClassVar[bool] = False  # across shards: every owner picks ``n``, the best ``n`` are kept
+    can_exclude: ClassVar[bool] = False  # its core can leave rows out of its draws (what a cap needs)
 
     @property
     def rows_per_pick(self) -> int:
@@ -54,10 +59,11 @@ class SelectionSpec:
     @staticmethod
     def from_json(blob: Any) -> SelectionSpec:
         """The spec ``to_json`` wrote; a wrong kind, a missing or extra field, or a wrong type is a ValueError."""
-        if not isinstance(blob, dict) or blob.get("kind") not in _KINDS:
+        kinds = _kinds()
+        if not isinstance(blob, dict) or blob.get("kind") not in kinds:
             kind = blob.get("kind") if isinstance(blob, dict) else type(blob).__name__
-            raise ValueError(f"unknown selection kind {kind!r}: expected one of {sorted(_KINDS)}")
-        cls = _KINDS[blob["kind"]]
+            raise ValueError(f"unknown selection kind {kind!r}: expected one of {sorted(kinds)}")
+        cls = kinds[blob["kind"]]
         names = {f.name for f in dataclasses.fields(cls)}
         given = set(blob) - {"kind"}
         if given != names:
@@ -99,179 +105,16 @@ def _typed(cls: type, name: str, value: Any) -> Any:
     return value
 
 
-@dataclass(frozen=True)
-class UniformSpec(SelectionSpec):
-    """Rows uniformly, with replacement."""
-
-    kind: ClassVar[str] = "uniform"
-    per_reader: ClassVar[bool] = True
-
-    def build(self, capacity: int) -> Selector:
-        from gear_torchrl.selection.uniform import UniformSelector
-
-        return UniformSelector(self)
-
-
-@dataclass(frozen=True)
-class WindowSpec(SelectionSpec):
-    """Windows of ``burn_in + seq_len`` steps inside one episode each (see ``selection/windows.py``).
-
-    ``traj_key`` / ``end_key``: what the reader expects to delimit episodes; checked
-    against the store's own keys at the first pick (None: not checked).
-    """
-
-    kind: ClassVar[str] = "windows"
-    per_reader: ClassVar[bool] = True
-    seq_len: int
-    burn_in: int = 0
-    strict_length: bool = True
-    uniform_over: str = "windows"
-    include_open: bool = True
-    cross_ring_end: bool = True
-    traj_key: Path | None = None
-    end_key: Path | None = None
-
-    def check(self) -> None:
-        if self.seq_len < 1 or self.burn_in < 0:
-            raise ValueError(f"seq_len must be >= 1 and burn_in >= 0, got seq_len={self.seq_len}, "
-                             f"burn_in={self.burn_in}")
-        if self.uniform_over not in ("windows", "episodes"):
-            raise ValueError(f"uniform_over must be 'windows' or 'episodes', got {self.uniform_over!r}")
-
-    @property
-    def window_len(self) -> int:
-        return self.burn_in + self.seq_len
-
-    @property
-    def rows_per_pick(self) -> int:
-        return self.window_len
-
-    def build(self, capacity: int) -> Selector:
-        from gear_torchrl.selection.windows import WindowSelector
-
-        return WindowSelector(self)
-
-
-@dataclass(frozen=True)
-class PrioritySpec(SelectionSpec):
-    """Proportional prioritized rows: P(i) ~ (p_i + eps)^alpha."""
-
-    kind: ClassVar[str] = "priorities"
-    alpha: float
-    eps: float = 1e-8
-
-    def check(self) -> None:
-        if not self.alpha >= 0:
-            raise ValueError(f"alpha must be non-negative, got {self.alpha}")
-
-    def build(self, capacity: int) -> Selector:
-        from gear_torchrl.selection.priorities import PrioritySelector
-
-        return PrioritySelector(self, capacity)
-
-
-@dataclass(frozen=True)
-class PriorityWindowSpec(SelectionSpec):
-    """Windows in proportion to their key step's priority (R2D2's sequence priorities)."""
-
-    kind: ClassVar[str] = "priority_windows"
-    seq_len: int
-    burn_in: int = 0
-    strict_length: bool = True
-    include_open: bool = True
-    cross_ring_end: bool = True
-    traj_key: Path | None = None
-    end_key: Path | None = None
-    alpha: float = 0.9
-    eps: float = 1e-6
-    reduction: str = "r2d2"
-    eta: float = 0.9
-
-    def check(self) -> None:
-        WindowSpec.check(self)  # type: ignore[arg-type]
-        PrioritySpec.check(self)  # type: ignore[arg-type]
-        if self.reduction not in ("r2d2", "start"):
-            raise ValueError(f"reduction must be 'r2d2' or 'start', got {self.reduction!r}")
-        if not 0.0 <= self.eta <= 1.0:
-            raise ValueError(f"eta must be in [0, 1], got {self.eta}")
-
-    uniform_over: ClassVar[str] = "windows"
-    window_len = WindowSpec.window_len
-    rows_per_pick = WindowSpec.rows_per_pick
-
-    @classmethod
-    def over(cls, windows: WindowSpec, alpha: float, eps: float, reduction: str, eta: float) -> PriorityWindowSpec:
-        """``windows``' geometry, drawn by priority."""
-        geometry = {f.name: getattr(windows, f.name) for f in dataclasses.fields(windows) if f.name != "uniform_over"}
-        return cls(**geometry, alpha=alpha, eps=eps, reduction=reduction, eta=eta)
-
-    def build(self, capacity: int) -> Selector:
-        from gear_torchrl.selection.priority_windows import PriorityWindowSelector
-
-        return PriorityWindowSelector(self, capacity)
-
-
-@dataclass(frozen=True)
-class QueueSpec(SelectionSpec):
-    """Each written row once, oldest first (``"fifo"``) or newest first (``"lifo"``)."""
-
-    kind: ClassVar[str] = "queue"
-    order: Literal["fifo", "lifo"] = "fifo"
-
-    def check(self) -> None:
-        if self.order not in ("fifo", "lifo"):
-            raise ValueError(f"order must be 'fifo' or 'lifo', got {self.order!r}")
-
-    def build(self, capacity: int) -> Selector:
-        from gear_torchrl.selection.queue import QueueSelector
-
-        return QueueSelector(self, capacity)
-
-
-@dataclass(frozen=True)
-class TopKSpec(SelectionSpec):
-    """The best-scoring rows, scored by a stored key or by updates (new rows: ``default_score``)."""
-
-    kind: ClassVar[str] = "top_k"
-    merges_best: ClassVar[bool] = True
-    key: Path | None = None
-    default_score: float = 0.0
-
-    def build(self, capacity: int) -> Selector:
-        from gear_torchrl.selection.topk import TopKSelector
-
-        return TopKSelector(self, capacity)
-
-
-@dataclass(frozen=True)
-class CappedSpec(SelectionSpec):
-    """Another rule whose rows leave the draw after ``max_times`` picks, until written again."""
-
-    kind: ClassVar[str] = "capped"
-    inner: SelectionSpec
-    max_times: int
-
-    @property
-    def merges_best(self) -> bool:  # type: ignore[override]
-        return self.inner.merges_best
-
-    def describe(self) -> str:
-        return f"{self.inner.describe()} capped at max_times_sampled={self.max_times}"
-
-    def check(self) -> None:
-        if self.max_times < 1:
-            raise ValueError(f"max_times must be >= 1, got {self.max_times}")
-        if not isinstance(self.inner, (PrioritySpec, TopKSpec)):
-            raise TypeError(f"a {type(self.inner).__name__} cannot leave rows out of its draws, so it cannot be "
-                            "capped; cap priorities (alpha=0 draws uniformly) or top-k")
-
-    def build(self, capacity: int) -> Selector:
-        from gear_torchrl.selection.capped import CappedSelector
-
-        return CappedSelector(self, capacity)
-
-
-_KINDS: dict[str, type[SelectionSpec]] = {
-    cls.kind: cls for cls in (UniformSpec, WindowSpec, PrioritySpec, PriorityWindowSpec, QueueSpec, TopKSpec,
-                              CappedSpec)
-}
+@cache
+def _kinds() -> dict[str, type[SelectionSpec]]:
+    """Every rule's spec by kind: the selection package's modules, each imported once."""
+    package = importlib.import_module("gear_torchrl.selection")
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{module.name}")
+    found, todo = {}, list(SelectionSpec.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.kind:
+            found[cls.kind] = cls
+    return found

@@ -6,7 +6,8 @@ O(count · log N): no scan of the store.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -14,10 +15,24 @@ from gear_torchrl._ext import _C
 from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.checked_inputs import as_priority, as_rows
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import TopKSpec
+from gear_torchrl.selection.specs import Path, SelectionSpec
 from gear_torchrl.selection.trees import ScoreTree
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.state_checks import CheckpointError, checked_tensor, field, require_nothing_past
+
+
+@dataclass(frozen=True)
+class TopKSpec(SelectionSpec):
+    """The best-scoring rows, scored by a stored key or by updates (new rows: ``default_score``)."""
+
+    kind: ClassVar[str] = "top_k"
+    can_exclude: ClassVar[bool] = True
+    merges_best: ClassVar[bool] = True
+    key: Path | None = None
+    default_score: float = 0.0
+
+    def build(self, capacity: int) -> TopKSelector:
+        return TopKSelector(self, capacity)
 
 
 class TopKSelector(Selector):

@@ -7,16 +7,22 @@ then an offset inside each.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
 import torch
 
 from gear_torchrl._ext import _C
 from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.random_draws import uniform
-from gear_torchrl.selection.specs import PriorityWindowSpec, WindowSpec, as_path
+from gear_torchrl.selection.specs import Path, SelectionSpec, as_path
 from gear_torchrl.selection.trees import PriorityTrees
 from gear_torchrl.store.episodes import EpisodeIndex
 from gear_torchrl.store.shard import Shard, Windows
+
+if TYPE_CHECKING:
+    from gear_torchrl.selection.priority_windows import PriorityWindowSpec
 
 _MAX_REJECTION_ROUNDS = 16
 _NONE = torch.empty(0, dtype=torch.int64)
@@ -74,6 +80,44 @@ def redraw_wrapping(draw, windows: Windows, capacity: int) -> Windows:
             getattr(windows, name)[wrapping] = getattr(redraw, name)
     raise RuntimeError("could not draw windows that stay off the ring end: almost every window wraps; "
                        "use cross_ring_end=True")
+
+
+@dataclass(frozen=True)
+class WindowSpec(SelectionSpec):
+    """Windows of ``burn_in + seq_len`` steps inside one episode each (see ``selection/windows.py``).
+
+    ``traj_key`` / ``end_key``: what the reader expects to delimit episodes; checked
+    against the store's own keys at the first pick (None: not checked).
+    """
+
+    kind: ClassVar[str] = "windows"
+    per_reader: ClassVar[bool] = True
+    seq_len: int
+    burn_in: int = 0
+    strict_length: bool = True
+    uniform_over: str = "windows"
+    include_open: bool = True
+    cross_ring_end: bool = True
+    traj_key: Path | None = None
+    end_key: Path | None = None
+
+    def check(self) -> None:
+        if self.seq_len < 1 or self.burn_in < 0:
+            raise ValueError(f"seq_len must be >= 1 and burn_in >= 0, got seq_len={self.seq_len}, "
+                             f"burn_in={self.burn_in}")
+        if self.uniform_over not in ("windows", "episodes"):
+            raise ValueError(f"uniform_over must be 'windows' or 'episodes', got {self.uniform_over!r}")
+
+    @property
+    def window_len(self) -> int:
+        return self.burn_in + self.seq_len
+
+    @property
+    def rows_per_pick(self) -> int:
+        return self.window_len
+
+    def build(self, capacity: int) -> WindowSelector:
+        return WindowSelector(self)
 
 
 class WindowSelector(Selector):
