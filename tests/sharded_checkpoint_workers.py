@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from shared_workers import episode
-from sharded_workers import CAPACITY, ROWS_PER_SHARD, _write_shard, priority_of, top_scores
+from sharded_workers import CAPACITY, ROWS_PER_SHARD, _write_shard, priority_of, sample_until_refused, top_scores
 
 ALPHA, BETA, EPS = 0.7, 0.5, 1e-8
 QUEUE_BATCHES = 3  # of 100 rows, served before the checkpoint
@@ -116,25 +116,18 @@ def _restore(storage, tmp: Path) -> dict:
     buffers = _buffers(storage)
     buffers["prioritized"].loads(tmp / "checkpoint")
     state = _state(storage, buffers)
-    served = []
-    while True:
-        try:
-            served.append(buffers["queue"].sample()["index"].as_subclass(torch.Tensor))
-        except RuntimeError:
-            break
-    capped = []
-    while True:
-        try:
-            capped.append(buffers["capped"].sample()["index"].as_subclass(torch.Tensor))
-        except RuntimeError:
-            break
+    served, _ = sample_until_refused(buffers["queue"], RuntimeError)
+    capped, _ = sample_until_refused(buffers["capped"], RuntimeError)
     try:
         buffers["prioritized"].loads(tmp / "checkpoint")
         again = None
     except (CheckpointError, ValueError) as exc:
         again = str(exc)
-    return {**state, "served": torch.cat(served) if served else torch.empty(0, dtype=torch.int64),
-            "capped_after": torch.cat(capped) if capped else torch.empty(0, dtype=torch.int64), "again": again}
+    return {**state, "served": _ids(served), "capped_after": _ids(capped), "again": again}
+
+
+def _ids(batches: list) -> torch.Tensor:
+    return torch.cat([b["index"].as_subclass(torch.Tensor) for b in batches] or [torch.empty(0, dtype=torch.int64)])
 
 
 def _after_new_writes(storage) -> dict:

@@ -121,6 +121,19 @@ def _learn(storage, rank: int, tmp: Path) -> dict:
     return results
 
 
+def sample_until_refused(rb, refusal: type[Exception], limit: int = 1 << 20) -> tuple[list, str | None]:
+    """Batches (each row checked against its id) until sampling raises ``refusal``, and what it said."""
+    batches = []
+    for _ in range(limit):
+        try:
+            batch = rb.sample()
+        except refusal as exc:
+            return batches, str(exc)
+        _check_ids(batch, batch["index"])
+        batches.append(batch)
+    return batches, None
+
+
 def _histogram(shard: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.bincount(shard * CAPACITY + pos, minlength=OWNERS * CAPACITY)
 
@@ -202,15 +215,8 @@ def _queue(storage) -> dict:
     from gear_torchrl.store.shard import EmptyStoreError
 
     rb = TensorDictReplayBuffer(storage=storage, sampler=QueueSampler(CAPACITY), batch_size=256)
-    served, short = [], None
-    while short is None:
-        try:
-            batch = rb.sample()
-        except EmptyStoreError as exc:
-            short = str(exc)
-            break
-        _check_ids(batch, batch["index"])
-        served.append(batch["shard"] * CAPACITY + batch["pos"])
+    batches, short = sample_until_refused(rb, EmptyStoreError)
+    served = [batch["shard"] * CAPACITY + batch["pos"] for batch in batches]
     left = sum(ROWS_PER_SHARD) - sum(len(b) for b in served)
     batch = rb.sample(left)  # what the short batch took went back to its queues
     _check_ids(batch, batch["index"])
@@ -321,16 +327,8 @@ def _capped(storage) -> dict:
 
     sampler = MaxTimesSampled(GearPrioritizedSampler(CAPACITY, alpha=0.0, beta=0.0), 2, CAPACITY)
     rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=100)
-    counts = torch.zeros(OWNERS * CAPACITY, dtype=torch.int64)
-    error = None
-    for _ in range(2 * sum(ROWS_PER_SHARD) // 100 + 5):
-        try:
-            batch = rb.sample()
-        except RuntimeError as exc:
-            error = str(exc)
-            break
-        _check_ids(batch, batch["index"])
-        counts += _histogram(batch["shard"], batch["pos"])
+    batches, error = sample_until_refused(rb, RuntimeError, limit=2 * sum(ROWS_PER_SHARD) // 100 + 5)
+    counts = sum((_histogram(b["shard"], b["pos"]) for b in batches), torch.zeros(OWNERS * CAPACITY, dtype=torch.int64))
     return {"counts": counts, "error": error}
 
 
