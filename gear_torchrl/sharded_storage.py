@@ -20,7 +20,6 @@ from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from gear_torchrl.distributed.bootstrap import Membership, join
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.shard_set import Options, ShardSet
-from gear_torchrl.distributed.transports.registry import CHOICES
 from gear_torchrl.sampled_index import ReadPlan, SampledIndex, Selection, WindowMarkers, plan_of
 from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.uniform import UniformSpec
@@ -85,7 +84,6 @@ class ShardedGearStorage(TensorStorage):
         group: dist.ProcessGroup | None = None,
     ) -> None:
         options = Options(transport, on_shard_failure, timeout, pin_memory)
-        _check_options(options)
         local = GearStorage(max_size, shared=True, end_keys=end_keys, traj_key=traj_key) if owns_shard else None
         try:
             membership = join(None if local is None else local.shard, group=group, name=name, serve_on=serve_on,
@@ -208,7 +206,6 @@ class ShardedGearStorage(TensorStorage):
         lead = ids.shape
         return table.unflatten([o.reshape(*lead, *o.shape[1:]) for o in out], lead, device=self.device)
 
-    # -- statistics --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """A snapshot: rows per shard and in all, rows inserted (all shards) and sampled (this process).
 
@@ -217,15 +214,7 @@ class ShardedGearStorage(TensorStorage):
         control plane (not pickled copies) see.
         """
         directory = None if self._membership is None else self._membership.directory
-        per_shard = []
-        for d in self.descriptors:
-            beat = directory.stats(d.shard) if directory is not None else None
-            per_shard.append({"shard": d.shard, "rank": d.rank, "failed": self._shards.failed.get(d.shard),
-                              "rows": self._shards.rows.get(d.shard, (beat or {}).get("rows")), "heartbeat": beat})
-        live = [s for s in per_shard if not s["failed"]]
-        inserts = sum((s["heartbeat"] or {}).get("inserts", 0) for s in live)
-        return {"rows": sum(s["rows"] or 0 for s in live), "shards": per_shard,
-                **self._rates.snapshot(inserts, self._rows_sampled)}
+        return self._shards.stats(directory, self._rates, self._rows_sampled)
 
     # -- writes go to a shard ------------------------------------------------------------------------
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
@@ -280,14 +269,3 @@ def _reader(descriptors: list[ShardDescriptor], secret: bytes, options: Options)
     storage = ShardedGearStorage.__new__(ShardedGearStorage)
     storage._setup(descriptors, secret, options)
     return storage
-
-
-def _check_options(options: Options) -> None:
-    if options.transport not in CHOICES:
-        raise ValueError(f"transport must be 'auto', 'tcp', 'local' or 'rdma', got {options.transport!r}")
-    if options.on_shard_failure not in ("raise", "skip"):
-        raise ValueError(f"on_shard_failure must be 'raise' or 'skip', got {options.on_shard_failure!r}")
-    if not options.timeout > 0:
-        raise ValueError(f"timeout must be positive, got {options.timeout}")
-    if options.pin_memory and not torch.cuda.is_available():
-        raise ValueError("pin_memory=True needs CUDA (pinned memory is for copies to a GPU)")

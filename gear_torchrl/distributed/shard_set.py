@@ -24,7 +24,7 @@ from gear_torchrl.distributed.fan_out import FailurePolicy, FanOut
 from gear_torchrl.distributed.shard_checkpoint import check_layout, shard_directory, write_layout
 from gear_torchrl.distributed.shard_client import ShardClient
 from gear_torchrl.distributed.transports.base import ColumnLayout, ReadRequest, ShardUnavailableError, Transport
-from gear_torchrl.distributed.transports.registry import Reach, open_transport
+from gear_torchrl.distributed.transports.registry import CHOICES, Reach, open_transport
 from gear_torchrl.selection.checked_inputs import as_generation, as_priority
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
@@ -54,10 +54,22 @@ class ShardPicks:
 
 @dataclass(frozen=True)
 class Options:
+    """How a learner reaches the shards (see ``ShardedGearStorage``); checked when made."""
+
     transport: str = "auto"
     on_shard_failure: FailurePolicy = "raise"
     timeout: float = 10.0
     pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.transport not in CHOICES:
+            raise ValueError(f"transport must be 'auto', 'tcp', 'local' or 'rdma', got {self.transport!r}")
+        if self.on_shard_failure not in ("raise", "skip"):
+            raise ValueError(f"on_shard_failure must be 'raise' or 'skip', got {self.on_shard_failure!r}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if self.pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA (pinned memory is for copies to a GPU)")
 
 
 class ShardSet:
@@ -290,6 +302,19 @@ class ShardSet:
 
         self.on_each(owners, update, [0] * len(owners))
         self.live()  # skipping may have left none
+
+    # -- statistics --------------------------------------------------------------------------
+    def stats(self, directory: Any, rates: Any, rows_sampled: int) -> dict[str, Any]:
+        """Rows per shard (last answer, else heartbeat) and in all; inserts from heartbeats; rates."""
+        per_shard = []
+        for d in self.descriptors:
+            beat = directory.stats(d.shard) if directory is not None else None
+            per_shard.append({"shard": d.shard, "rank": d.rank, "failed": self.failed.get(d.shard),
+                              "rows": self.rows.get(d.shard, (beat or {}).get("rows")), "heartbeat": beat})
+        live = [s for s in per_shard if not s["failed"]]
+        inserts = sum((s["heartbeat"] or {}).get("inserts", 0) for s in live)
+        return {"rows": sum(s["rows"] or 0 for s in live), "shards": per_shard,
+                **rates.snapshot(inserts, rows_sampled)}
 
     # -- checkpoints -------------------------------------------------------------------------
     def dump(self, root: str) -> None:
