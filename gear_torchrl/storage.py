@@ -66,6 +66,16 @@ class GearStorage(TensorStorage):
             that holds its rows longer (stopped, paused, debugged) loses them: its read
             raises :class:`ReadRevokedError` rather than return rows written under it.
 
+    Keys and types (docs/decisions.md, "Columns"): the first write lays the columns out.
+    A later write may bring new keys: they become new columns, and rows written before
+    read zeros there (None for a non-tensor leaf). An append at the cursor (``rb.extend``,
+    ``rb.add``) must carry every stored key, since it replaces whole rows; in-place writes
+    (``rb[i] = ...``, ``storage.set`` at other rows, ``rb.write_all``) change only the keys
+    they carry. A wrong dtype or shape is refused naming the key. Pytrees, tensorclasses,
+    strings / ``NonTensorData`` and lazy stacks whose members differ come back as
+    ``LazyTensorStorage`` returns them; non-tensor leaves are kept in this process, beside
+    the columns (a shared store refuses them, and new keys), and ``rb.dumps`` refuses them.
+
     Over a shared store, an index from outside this library's samplers (TorchRL's
     ``SamplerWithoutReplacement`` and ``SliceSampler``, ``rb[i]``) numbers the live
     rows oldest first, ``[0, len)``: rows being rewritten, or left by a writer that

@@ -21,7 +21,9 @@ BAD = {
     "dtype": lambda td: td.set("obs", td["obs"].to(torch.float64)),
     "shape": lambda td: td.set("obs", torch.zeros(td.shape[0], 4)),
     "missing key": lambda td: td.exclude("obs"),
-    "extra key": lambda td: td.set("other", torch.zeros(td.shape[0])),
+    # a new key is a new column (docs/decisions.md, "Columns"), but not beside a wrong one
+    "extra key, wrong dtype": lambda td: td.set("other", torch.zeros(td.shape[0])).set("obs", td["obs"].half()),
+    "extra key, wrong nesting": lambda td: td.exclude("next").set("next", torch.zeros(td.shape[0])),
 }
 
 

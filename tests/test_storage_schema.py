@@ -328,3 +328,21 @@ def test_a_ragged_stack_of_other_shapes_is_refused_and_changes_nothing():
     with pytest.raises(SpecMismatchError, match="stacks 2 members, the store holds 3"):
         rb.extend(_agents(2, sizes=(2, 3)))
     _assert_unchanged(rb.storage, snap)
+
+
+def test_a_key_that_changes_between_tensor_and_string_is_refused_and_changes_nothing():
+    rb = TensorDictReplayBuffer(storage=GearStorage(10), batch_size=2)
+    td = _obs(2)
+    td["name"] = "x"
+    rb.extend(td)
+    snap = _snapshot(rb.storage)
+    swapped = TensorDict({"obs": torch.zeros(2, 3), "name": torch.zeros(2)}, [2])
+    with pytest.raises(SpecMismatchError, match="key 'name' holds a tensor; the store holds non-tensor data"):
+        rb.extend(swapped)
+    as_string = TensorDict({}, [2])
+    as_string["obs"] = "not a tensor"
+    as_string["name"] = "y"
+    with pytest.raises(SpecMismatchError, match="key 'obs' holds a NonTensorData; the store holds a tensor"):
+        rb.storage[torch.tensor([0, 1])] = as_string
+    _assert_unchanged(rb.storage, snap)
+    assert list(rb[:]["name"]) == ["x", "x"]

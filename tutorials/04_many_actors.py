@@ -222,7 +222,14 @@ def main() -> None:
         steady = samples / (inserts - args.min_size)
         print(f"sample-to-insert ratio: target {args.ratio:g}, achieved {steady:.3f} after the first {args.min_size} "
               f"rows ({samples / inserts:.3f} over all rows)")
-        print(f"largest distance from the target line: {worst:.0f} sampled rows (error buffer {error_buffer:g})")
+        within = ("within it, as the rule guarantees" if worst <= error_buffer else
+                  "BEYOND it: the rule was broken, which should not happen (please report this output)")
+        print(f"largest distance from the target line: {worst:.0f} sampled rows (error buffer {error_buffer:g}): "
+              f"{within}")
+        print(f"  the learner ran at most {max(0.0, max(deviation)):.0f} sampled rows ahead of the line and at most "
+              f"{max(0.0, -min(deviation)):.0f} behind it (the actors ahead); the limiter stops either side at "
+              f"{error_buffer:g} (sampling is checked against committed rows, commits against rows committed or "
+              "admitted)")
         k = max(1, len(losses) // 20)
         print(f"dynamics model loss: first {sum(losses[:k]) / k:.4f} -> last {sum(losses[-k:]) / k:.4f} "
               f"(mean of the first and last {k} batches; the fraction of variance unexplained)")

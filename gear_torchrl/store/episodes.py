@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +65,8 @@ class EpisodeIndex:
         self.next_serial = 0
         self.open_traj: int | None = None  # trajectory id of the open episode
         self.revision = 0
-        self._log: list[tuple[int, torch.Tensor]] = []  # (revision, changed slots)
+        self._log: deque[tuple[int, torch.Tensor]] = deque()  # (revision, changed slots), oldest first
+        self._log_slots = 0  # slots the log holds: kept as a count, so a write costs O(1) however long the log
         self._log_floor = 0  # changes before this revision are no longer in the log
         self._alloc(_MIN_SLOTS)
 
@@ -80,11 +82,15 @@ class EpisodeIndex:
         self.revision += 1
         if slots is None:
             self._log.clear()
+            self._log_slots = 0
             self._log_floor = self.revision
             return
         self._log.append((self.revision, slots))
-        if sum(s.numel() for _, s in self._log) > _LOG_SLOTS:
-            self._log_floor = self._log.pop(0)[0]
+        self._log_slots += slots.numel()
+        while self._log_slots > _LOG_SLOTS:
+            revision, dropped = self._log.popleft()
+            self._log_slots -= dropped.numel()
+            self._log_floor = revision
 
     @property
     def position(self) -> tuple[int, int]:
@@ -96,7 +102,11 @@ class EpisodeIndex:
         (it never looked, looked at another index, or the log has moved past it)."""
         if position is None or position[0] != self.uid or position[1] < self._log_floor:
             return None
-        parts = [s for r, s in self._log if r > position[1]]
+        parts = []
+        for revision, slots in reversed(self._log):  # newest first: a reader that keeps up reads a few
+            if revision <= position[1]:
+                break
+            parts.append(slots)
         return torch.cat(parts).unique() if parts else torch.empty(0, dtype=torch.int64)
 
     def rows_of(self, slots: torch.Tensor) -> torch.Tensor:

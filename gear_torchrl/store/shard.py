@@ -578,7 +578,7 @@ class Shard:
             self.rows_read += rows.numel()
         if scalar or rows.ndim != 1:
             flat = [t.reshape((*lead, *t.shape[1:])) for t in flat]
-        return self.spec.unflatten(flat, lead, device=self.out_device, objects=self._objects_at(rows.reshape(lead)))
+        return self.spec.unflatten(flat, lead, device=self.out_device, objects=self._objects_at(rows, lead))
 
     @property
     def slice_views_possible(self) -> bool:
@@ -620,15 +620,16 @@ class Shard:
         extra = None if markers is None else markers(windows, dict(zip(self.spec.keys, flat)), mask)
         objects = None
         if self.objects:  # padding positions hold no row: None, as a row never written
-            objects = self._objects_at(torch.where(mask.cpu(), windows.rows(self.capacity), -1))
+            at = torch.where(mask.cpu(), windows.rows(self.capacity), -1)
+            objects = self._objects_at(at, at.shape)
         return self.spec.unflatten(flat, torch.Size([flat[0].shape[0]]), device=self.out_device, extra=extra,
                                    objects=objects)
 
-    def _objects_at(self, rows: torch.Tensor) -> list[np.ndarray] | None:
-        """Every non-tensor leaf's objects at ``rows`` (any shape; -1: none), or None when there are none."""
+    def _objects_at(self, rows: torch.Tensor, lead: torch.Size) -> list[np.ndarray] | None:
+        """Every non-tensor leaf's objects at ``rows`` (-1: none), shaped ``lead``; None when there are none."""
         if not self.objects:
             return None
-        at = rows.cpu().numpy()
+        at = rows.reshape(lead).cpu().numpy()
         flat = at.reshape(-1)
         picked = []
         for objects in self.objects:

@@ -155,6 +155,7 @@ class SharedShard(Shard):
             raise NotImplementedError(
                 "a shared GearStorage takes appends only (extend, add, TrajectoryWriter): an in-place "
                 "write (write_at, storage[i] = ...) could change rows another process is reading")
+        self._map_data()  # check against the layout another process may have published since
         leaves = self.validated(data, isinstance(index, (int, np.integer)))
         return self.commit(leaves)  # checks the spec against the store's
 

@@ -211,6 +211,9 @@ class TableSpec:
         for j, key in enumerate(self.objects):
             value = objects.pop(key, None)
             if value is None:
+                if key in tensors:
+                    raise SpecMismatchError(f"key '{key_name(key)}' holds a tensor; the store holds non-tensor "
+                                            "data there")
                 missing.append(key)
                 continue
             rows.append(_row_objects(value, num_rows, self.object_batch(key)))

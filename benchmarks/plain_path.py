@@ -1,0 +1,78 @@
+"""The plain tensor path through TorchRL's buffer: uniform sample, get, extend, add (GearStorage, LazyTensorStorage).
+
+What a store of plain tensors costs per call, for comparing one version of
+gear_torchrl with another (run each with its own PYTHONPATH, in turns). Times
+are process CPU time on one thread, the median of interleaved repetitions: on
+a shared machine other jobs stretch wall-clock time (this one saw 10x swings
+under a load of 10 on 2 cores), far less the CPU time a call itself spends.
+
+    .venv/bin/python benchmarks/plain_path.py [--rows 1000000] [--batch 4096] [--repeats 9] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import gear_torchrl
+import torch
+from harness import table, write_json
+from storage_sampling import LAYOUTS, make_chunk
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+from gear_torchrl import GearStorage
+
+
+def cpu_medians(fns: dict[str, Callable[[], object]], repeats: int, inner: int) -> dict[str, float]:
+    """Median over ``repeats`` turns of each contender's CPU seconds per call (``inner`` calls a turn)."""
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.process_time()
+            for _ in range(inner):
+                fn()
+            samples[name].append((time.process_time() - start) / inner)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000, help="capacity, filled before sampling")
+    parser.add_argument("--batch", type=int, default=4096, help="rows per sample and per extend")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--out", default=None, help="write results as JSON here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    layout, _ = LAYOUTS["vector"]
+    chunk = make_chunk(layout, args.batch, seed=0)
+    step = chunk[0].clone()
+    index = torch.randint(0, args.rows, (args.batch,))
+    contenders = {}
+    for label, make in (("GearStorage", GearStorage), ("LazyTensorStorage", LazyTensorStorage)):
+        rb = TensorDictReplayBuffer(storage=make(args.rows), batch_size=args.batch)
+        for first in range(0, args.rows, 65536):
+            rb.extend(make_chunk(layout, min(65536, args.rows - first), seed=first))
+        contenders[f"sample / {label}"] = rb.sample
+        contenders[f"get / {label}"] = lambda rb=rb: rb.storage.get(index)
+        contenders[f"extend / {label}"] = lambda rb=rb: rb.extend(chunk)
+        contenders[f"add / {label}"] = lambda rb=rb: rb.add(step)
+    times = cpu_medians(contenders, args.repeats, inner=20)
+    results = []
+    for op in ("sample", "get", "extend", "add"):
+        gear = times[f"{op} / GearStorage"]
+        for label in ("GearStorage", "LazyTensorStorage"):
+            t = times[f"{op} / {label}"]
+            results.append({"op": op, "storage": label, "us_cpu": round(t * 1e6, 1), "gear_speedup": round(t / gear, 2)})
+    print(f"gear_torchrl from {gear_torchrl.__file__}; {args.rows:,} rows, batch {args.batch} (extend), one step "
+          f"(add); CPU time on one thread, median of {args.repeats}")
+    print(table(results, ["op", "storage", "us_cpu", "gear_speedup"]))
+    write_json(args.out, {"benchmark": "plain_path", "rows": args.rows, "batch": args.batch, "results": results})
+
+
+if __name__ == "__main__":
+    main()
