@@ -18,7 +18,10 @@ from gear_torchrl import gather
 from gear_torchrl.checkpointer import GearStorageCheckpointer
 from gear_torchrl.stats import Rates
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
-from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, Windows
+from gear_torchrl.sampled_index import Selection, WindowMarkers, local_selection, plan_of
+from gear_torchrl.selection.base import Selector, pick_exactly
+from gear_torchrl.selection.checked_inputs import as_rows
+from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
 from gear_torchrl.store.spec import Data, NestedKey
 from gear_torchrl.torchrl_state import state_from_torchrl, torchrl_fields
@@ -133,7 +136,6 @@ class GearStorage(TensorStorage):
         self._home_pid = os.getpid()  # a copy in another process (pickled, forked) is not these rows
         self._warned_copy = False
         self._rates = Rates()
-        self._window_plan: tuple[torch.Tensor, Windows] | None = None
         self._drawn: torch.Tensor | None = None
         self.__dict__["_storage_keys"] = None
 
@@ -181,6 +183,35 @@ class GearStorage(TensorStorage):
             rows = self._shard.uniform_rows(batch_size, self._rng, self.device)
         self._drawn = rows  # in range by construction: ``get`` skips checking them (a wait for the GPU)
         return rows
+
+    # -- selection (what our samplers ask for) ------------------------------------------
+    def select(self, selector: Selector, count: int, generator: torch.Generator | None = None,
+               markers: WindowMarkers | None = None) -> Selection:
+        """``count`` picks of ``selector``'s rule over this store, drawn with ``generator``.
+
+        The index names ring rows (for windows: every position, padding included) and
+        carries the windows, so ``get`` of it, or of a copy, reads them back.
+        """
+        shard = self._shard
+        with shard.picking():  # a shared store catches up with other processes' commits here
+            if shard.size == 0:
+                raise EmptyStoreError("cannot sample from an empty storage: write some data first")
+            selector.follow(shard)
+            picked = pick_exactly(selector, shard, count, generator)
+        return local_selection(picked, shard.capacity, self.device, markers)
+
+    def note_written(self, selector: Selector, index: Any) -> None:
+        """TorchRL's writer wrote rows ``index`` (``mark_update``): the selector's per-row state follows."""
+        rows = as_rows(index, self.max_size)
+        selector.written(rows[rows >= 0], self._shard)
+
+    def update_selection(self, selector: Selector, index: Any, priority: Any, generation: Any = None) -> None:
+        """Priorities for rows (checked against the rows stored) of ``selector``'s rule."""
+        selector.update(index, priority, generation, stored=self._shard.ring_rows)
+
+    def give_back(self, selector: Selector, index: Any) -> None:
+        """Picks that were not used (a batch cut short): rules that consume rows take them back."""
+        selector.give_back(as_rows(index, self.max_size))
 
     # -- episodes -------------------------------------------------------------------
     @property
@@ -243,10 +274,9 @@ class GearStorage(TensorStorage):
 
     def get(self, index: Index) -> Data:
         self._warn_if_a_copy()
-        plan = self._window_plan
-        if plan is not None and plan[0] is index:
-            self._window_plan = None
-            return self._shard.read_windows(plan[1])
+        plan = plan_of(index)
+        if plan is not None and plan.windows is not None:
+            return self._shard.read_windows(plan.windows, plan.markers)
         drawn, self._drawn = self._drawn, None
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(k, str) for k in index)):
             return self.get(slice(None))[index]  # a key: that column of every row (TorchRL's Sequence unit)
@@ -332,14 +362,6 @@ class GearStorage(TensorStorage):
         self._shard.write(0, row, append=False)
         self._shard.clear()
         self._shard.fill_unwritten()
-
-    def plan_windows(self, index: torch.Tensor, windows: Windows) -> None:
-        """Announce that the next ``get(index)`` (this very tensor) reads ``windows``.
-
-        A sequence sampler returns TorchRL's flat row index; this lets the
-        storage serve it with one window gather that zero-fills the padding.
-        """
-        self._window_plan = (index, windows)
 
     def contains(self, item: Any) -> bool | torch.Tensor:
         size = self._shard.size
@@ -445,9 +467,7 @@ def _refuse_unfollowing_sampler(storage: GearStorage, sampler: Any) -> None:
         return
     from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 
-    from gear_torchrl.samplers.following import FollowsCommits
-
-    if isinstance(sampler, PrioritizedSampler) and not isinstance(sampler, FollowsCommits):
+    if isinstance(sampler, PrioritizedSampler) and getattr(sampler, "selector", None) is None:
         raise TypeError(
             f"{type(sampler).__name__} keeps priorities for the rows its own buffer's writer reports, at "
             "the writer's cursor: over a shared GearStorage other processes write rows it never hears of, "

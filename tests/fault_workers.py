@@ -67,7 +67,7 @@ def serve_out_of_descriptors(pipe) -> None:
 
     storage = GearStorage(64, shared=True)
     fill(storage, 32)
-    server = ShardServer(storage, SECRET, host="127.0.0.1", timeout=5.0)
+    server = ShardServer(storage.handle, SECRET, host="127.0.0.1", timeout=5.0)
     pipe.send((server.address, storage.handle))
     pipe.recv()  # exhaust
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -110,7 +110,7 @@ def run_rank(rank: int, world: int, port: int, tmp: str, options: dict) -> None:
         os._exit(0)
     if owner:
         fill(storage.local, 64 * (rank + 1))
-        host, port_ = storage._server.address
+        host, port_ = storage._membership.server.address
         (tmp_path / f"server_{rank}.json").write_text(json.dumps({"host": host, "port": port_}))
     dist.barrier()
     try:
@@ -134,7 +134,7 @@ def _learn(storage, tmp: Path, rank: int) -> dict:
     prioritized = TensorDictReplayBuffer(storage=storage, sampler=GearPrioritizedSampler(256, alpha=0.6, beta=0.4),
                                          batch_size=32)
     top = TensorDictReplayBuffer(storage=storage, sampler=TopKSampler(256), batch_size=8)
-    index = rb.sample()["index"]
+    index = rb.sample()["index"].as_subclass(torch.Tensor)  # plain ids: ``get`` asks the shards for them
     prioritized.sample()
     top.sample()
     results = {"before": "served"}

@@ -9,7 +9,6 @@ Results go to files in ``tmp`` (a killed peer leaves no collective to use).
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -82,9 +81,10 @@ def _write_shard(local, shard: int) -> None:
 def _serve_until_done(storage, shard: int, tmp: Path) -> None:
     _wait_for(tmp / "finish")
     masses = {}
-    for selector in storage._server.selectors.prioritized():
-        rows = torch.arange(ROWS_PER_SHARD[shard])
-        masses[(selector.sampler.alpha, selector.sampler._eps)] = selector.sampler.masses(rows)
+    for spec, selector, _ in storage._membership.server.selectors.shared():
+        if spec.kind == "priorities":
+            rows = torch.arange(ROWS_PER_SHARD[shard])
+            masses[(selector.alpha, selector.eps)] = selector.masses(rows)
     torch.save(masses, tmp / f"owner_{shard}.pt")
 
 
@@ -102,10 +102,13 @@ def _learn(storage, rank: int, tmp: Path) -> dict:
     results["uniform"] = _uniform_counts(storage)
     results["windows"] = _window_counts(storage)
     if rank == OWNERS:  # one learner sets priorities; several would overwrite each other
+        results["seeded"] = _seeded_draws(storage)
+        results["copied_index"] = _copied_index_reads(storage)
         results["prioritized"] = _prioritized(storage)
         results["prioritized_windows"] = _prioritized_windows(storage)
         results["queue"] = _queue(storage)
         results["topk"] = _topk(storage)
+        results["capped"] = _capped(storage)
     else:
         results["refusals"] = _refusals(storage)
         results["loader"] = _loader_batches(storage)
@@ -116,6 +119,19 @@ def _learn(storage, rank: int, tmp: Path) -> dict:
     _wait_for(tmp / "stopped")
     results["after_stop"] = _after_kill(storage)  # a silent shard must cost at most the timeout
     return results
+
+
+def sample_until_refused(rb, refusal: type[Exception], limit: int = 1 << 20) -> tuple[list, str | None]:
+    """Batches (each row checked against its id) until sampling raises ``refusal``, and what it said."""
+    batches = []
+    for _ in range(limit):
+        try:
+            batch = rb.sample()
+        except refusal as exc:
+            return batches, str(exc)
+        _check_ids(batch, batch["index"])
+        batches.append(batch)
+    return batches, None
 
 
 def _histogram(shard: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -199,15 +215,8 @@ def _queue(storage) -> dict:
     from gear_torchrl.store.shard import EmptyStoreError
 
     rb = TensorDictReplayBuffer(storage=storage, sampler=QueueSampler(CAPACITY), batch_size=256)
-    served, short = [], None
-    while short is None:
-        try:
-            batch = rb.sample()
-        except EmptyStoreError as exc:
-            short = str(exc)
-            break
-        _check_ids(batch, batch["index"])
-        served.append(batch["shard"] * CAPACITY + batch["pos"])
+    batches, short = sample_until_refused(rb, EmptyStoreError)
+    served = [batch["shard"] * CAPACITY + batch["pos"] for batch in batches]
     left = sum(ROWS_PER_SHARD) - sum(len(b) for b in served)
     batch = rb.sample(left)  # what the short batch took went back to its queues
     _check_ids(batch, batch["index"])
@@ -234,6 +243,93 @@ def _topk(storage) -> dict:
     batch = rb.sample()
     _check_ids(batch, batch["index"])
     return {"best": batch["shard"] * CAPACITY + batch["pos"]}
+
+
+SEEDED_SAMPLERS = ("uniform", "prioritized", "windows", "prioritized windows", "capped")
+
+
+def _seeded_sampler(name: str):
+    from gear_torchrl import GearPrioritizedSampler, GearPrioritizedSequenceSampler, GearSequenceSampler, MaxTimesSampled
+
+    return {"uniform": lambda: None,
+            "prioritized": lambda: GearPrioritizedSampler(CAPACITY, alpha=0.5, beta=BETA),
+            "windows": lambda: GearSequenceSampler(SEQ_LEN, strict_length=False, burn_in=1),
+            "prioritized windows": lambda: GearPrioritizedSequenceSampler(CAPACITY, SEQ_LEN, alpha=0.5),
+            "capped": lambda: MaxTimesSampled(GearPrioritizedSampler(CAPACITY, alpha=0.3, beta=BETA), 1000,
+                                              CAPACITY)}[name]()
+
+
+def _seeded_draws(storage) -> dict:
+    """Each sampler twice over a fresh copy of the store, under two global seeds, with the same buffer seed."""
+    import pickle
+
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl.distributed import global_ids
+
+    # distinct priorities, once, on the owners' core for these settings (alpha 0.5): both runs draw from them
+    setup = TensorDictReplayBuffer(storage=storage, sampler=_seeded_sampler("prioritized"), batch_size=8)
+    setup.sample()
+    ids = torch.cat([global_ids.encode(s, torch.arange(n)) for s, n in enumerate(ROWS_PER_SHARD)])
+    setup.update_priority(ids, priority_of(*global_ids.decode(ids)))
+    draws = {}
+    for name in SEEDED_SAMPLERS:
+        runs = []
+        for global_seed in (1, 2):
+            torch.manual_seed(global_seed)
+            copy = pickle.loads(pickle.dumps(storage))  # fresh masses and connections, as a new learner has
+            sampler = _seeded_sampler(name)
+            rb = TensorDictReplayBuffer(storage=copy, batch_size=320,
+                                        **({} if sampler is None else {"sampler": sampler}))
+            rb.set_rng(torch.Generator().manual_seed(0))
+            runs.append([rb.sample()["index"].as_subclass(torch.Tensor).clone() for _ in range(3)])
+            copy.close()
+        draws[name] = runs
+    return draws
+
+
+def _copied_index_reads(storage) -> dict:
+    """``get`` of a copy of a sampled index gives the batch the index gave; a plain index reads rows."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import GearPrioritizedSampler, GearSequenceSampler
+
+    found = {}
+    for name, sampler in (("uniform", None), ("prioritized", GearPrioritizedSampler(CAPACITY, 0.5, BETA)),
+                          ("windows", GearSequenceSampler(SEQ_LEN, strict_length=False, burn_in=2))):
+        rb = TensorDictReplayBuffer(storage=storage, batch_size=192,
+                                    **({} if sampler is None else {"sampler": sampler}))
+        batch, info = rb.sample(return_info=True)
+        index = info["index"]
+        again = storage.get(index.clone())
+        plain = storage.get(index.as_subclass(torch.Tensor).clone())
+        read = set(again.exclude("index").keys(True, True))  # the batch adds what the info carries
+        found[name] = {"same": all(torch.equal(again.get(k), batch.get(k)) for k in read),
+                       "same_keys": read <= set(batch.keys(True, True)) and len(read) > 3,
+                       "plain_rows_verified": _verified(plain, index),
+                       "plain_has_mask": ("collector", "mask") in plain.keys(True, True)}
+    return found
+
+
+def _verified(batch, index) -> bool:
+    try:
+        _check_ids(batch, index.as_subclass(torch.Tensor))
+        return True
+    except AssertionError:
+        return False
+
+
+def _capped(storage) -> dict:
+    """Draw under MaxTimesSampled(max_times=2) until the sampler runs out: counts per row, as the owners keep them."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import GearPrioritizedSampler, MaxTimesSampled
+
+    sampler = MaxTimesSampled(GearPrioritizedSampler(CAPACITY, alpha=0.0, beta=0.0), 2, CAPACITY)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=100)
+    batches, error = sample_until_refused(rb, RuntimeError, limit=2 * sum(ROWS_PER_SHARD) // 100 + 5)
+    counts = sum((_histogram(b["shard"], b["pos"]) for b in batches), torch.zeros(OWNERS * CAPACITY, dtype=torch.int64))
+    return {"counts": counts, "error": error}
 
 
 def _set_priorities(rb) -> None:
@@ -281,23 +377,21 @@ def _refusals(storage) -> dict:
         ShardClient(storage.descriptors[0], b"not the secret", TIMEOUT_S)
     except PermissionError as exc:
         found["wrong_secret"] = str(exc)
-    client = ShardClient(storage.descriptors[0], storage._secret, TIMEOUT_S)
-    spec = storage._spec(0)
+    client = ShardClient(storage.descriptors[0], storage._shards._secret, TIMEOUT_S)
+    spec = storage._shards.table(0)
     for name, rows in (("past_capacity", [CAPACITY + 5]), ("negative", [-1]), ("never_written", [CAPACITY - 1])):
         try:
-            client.read(ReadRequest.of_rows(torch.tensor(rows)), storage._empty_columns(spec, 1))
+            client.read(ReadRequest.of_rows(torch.tensor(rows)), storage._shards._empty_columns(spec, 1))
         except IndexError as exc:
             found[name] = str(exc)
-    out = storage._empty_columns(spec, 2)
+    out = storage._shards._empty_columns(spec, 2)
     client.read(ReadRequest.of_rows(torch.tensor([0, 7])), out)  # the connection still serves
     found["still_serves"] = out[spec.find("pos")].tolist()
     client.close()
-    from torchrl.data import TensorDictReplayBuffer
-
     try:
-        TensorDictReplayBuffer(storage=storage, batch_size=8).dumps(tempfile.mkdtemp())
+        storage.state_dict()
     except NotImplementedError as exc:
-        found["dumps"] = str(exc)
+        found["state_dict"] = str(exc)
     return found
 
 

@@ -60,7 +60,7 @@ def _served_full_shard(timeout: float):
     server = None
     try:
         fw.fill(storage, CAPACITY)
-        server = ShardServer(storage, fw.SECRET, host="127.0.0.1", timeout=timeout)
+        server = ShardServer(storage.handle, fw.SECRET, host="127.0.0.1", timeout=timeout)
         yield storage, server
     finally:
         if server is not None:

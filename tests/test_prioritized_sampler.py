@@ -151,8 +151,8 @@ def test_million_priorities_checkpoint_restores_exactly(tmp_path):
 # -- the GPU structure (blocked prefix sums), checked on the CPU: same code on every device --
 
 def test_block_prefix_sums_find_the_same_rows_as_the_trees():
-    from gear_torchrl.samplers.block_sums import BlockPrefixSums
-    from gear_torchrl.samplers.trees import PriorityTrees
+    from gear_torchrl.selection.block_sums import BlockPrefixSums
+    from gear_torchrl.selection.trees import PriorityTrees
 
     g = torch.Generator().manual_seed(0)
     capacity = 3000
@@ -191,7 +191,7 @@ def _last_write(index, mass):
 
 
 def test_sampler_state_moves_between_structures(tmp_path):
-    from gear_torchrl.samplers.block_sums import BlockPrefixSums
+    from gear_torchrl.selection.block_sums import BlockPrefixSums
 
     trees_sampler = GearPrioritizedSampler(500, 0.7, 0.4)
     trees_sampler.mark_update(torch.arange(300))

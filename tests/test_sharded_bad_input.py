@@ -84,7 +84,7 @@ def test_bad_row_ids_and_priorities_leave_the_owner_unchanged(storage):
         rb.update_priority(global_ids.encode(0, torch.tensor([500])), torch.tensor([1.0]))
     with pytest.raises(IndexError, match="names shard 5"):
         storage.get(global_ids.encode(5, torch.tensor([0])))
-    owner = storage._server.selectors.prioritized()[0].sampler
+    owner = next(sel for spec, sel, _ in storage._membership.server.selectors.shared() if spec.kind == "priorities")
     expected = torch.arange(1.0, 11.0, dtype=torch.float64) + 1e-8  # alpha 1, eps 1e-8
     assert torch.allclose(owner.masses(torch.arange(first, first + 10)), expected)
     rows = storage.get(ids[[2, 7]])  # reads by id still work, in the order asked
@@ -102,10 +102,15 @@ def test_a_queue_batch_the_shards_cannot_fill_takes_nothing(storage):
 
 def test_give_back_returns_every_round_of_a_shards_picks():
     """A shard that picked in several rounds of one batch gets all of them back, in order."""
-    from gear_torchrl.distributed.picked import Picked
+    from gear_torchrl.selection.picked import Picked
 
-    sharded = ShardedGearStorage.__new__(ShardedGearStorage)  # only what _give_back touches
-    sharded._failed = {2: "gone"}
+    from gear_torchrl.distributed.fan_out import FanOut
+    from gear_torchrl.distributed.shard_set import ShardSet
+    from gear_torchrl.selection.queue import QueueSpec
+
+    sharded = ShardSet.__new__(ShardSet)  # only what give_back touches
+    sharded._fan_out = FanOut("skip", 3)
+    sharded._fan_out.failed[2] = "gone"
     given: dict[int, list[int]] = {}
 
     class Client:
@@ -115,11 +120,11 @@ def test_give_back_returns_every_round_of_a_shards_picks():
         def give_back(self, selection, rows) -> None:
             given.setdefault(self.shard, []).extend(rows.tolist())
 
-    sharded._client = Client
-    sharded._on_each = lambda shards, call, counts, allow_skip=True: [(s, call(s, 0)) for s in shards]
+    sharded.client = Client
+    sharded.on_each = lambda shards, call, counts, allow_skip=True: [(s, call(s, 0)) for s in shards]
     got = [(0, Picked.rows(torch.tensor([1, 2]), 0.0), []), (1, Picked.rows(torch.tensor([5]), 0.0), []),
            (2, Picked.rows(torch.tensor([7]), 0.0), []), (0, Picked.rows(torch.tensor([3]), 0.0), [])]
-    sharded._give_back({"kind": "queue", "order": "fifo"}, got)
+    sharded.give_back(QueueSpec("fifo"), got)
     assert given == {0: [1, 2, 3], 1: [5]}  # the failed shard is not asked
 
 

@@ -171,6 +171,52 @@ def test_topk_across_shards_is_the_best_rows_of_all_of_them(job):
     assert torch.equal(job["results"][LEARNER_SKIP]["topk"]["best"], (shard * w.CAPACITY + pos)[order])
 
 
+@pytest.mark.parametrize("name", w.SEEDED_SAMPLERS)
+def test_a_seeded_learner_draws_the_same_across_shards_whatever_the_global_seed(job, name):
+    first, second = job["results"][LEARNER_SKIP]["seeded"][name]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b), f"{name}: the buffer's generator does not decide the draws across shards"
+    assert not all(torch.equal(first[0], later) for later in first[1:]), "the draws do not move on"
+
+
+@pytest.mark.parametrize("name", ["uniform", "prioritized", "windows"])
+def test_a_copy_of_a_sampled_index_reads_the_same_batch(job, name):
+    found = job["results"][LEARNER_SKIP]["copied_index"][name]
+    assert found["same"] and found["same_keys"]
+    assert found["plain_rows_verified"]  # a plain index reads the rows it names
+    assert not found["plain_has_mask"]
+
+
+def _capped_oracle() -> torch.Tensor:
+    """What MaxTimesSampled(max_times=2) delivers from one store holding every shard's rows."""
+    from torchrl.data import ReplayBuffer
+
+    from gear_torchrl import GearPrioritizedSampler, GearStorage, MaxTimesSampled
+
+    rows = sum(w.ROWS_PER_SHARD)
+    storage = GearStorage(rows)
+    rb = ReplayBuffer(storage=storage, batch_size=100,
+                                sampler=MaxTimesSampled(GearPrioritizedSampler(rows, 0.0, 0.0), 2, rows))
+    rb.extend(torch.cat([torch.arange(n) + s * w.CAPACITY for s, n in enumerate(w.ROWS_PER_SHARD)]))
+    counts = torch.zeros(w.OWNERS * w.CAPACITY, dtype=torch.int64)
+    while True:
+        try:
+            counts += torch.bincount(rb.sample(), minlength=w.OWNERS * w.CAPACITY)
+        except RuntimeError:
+            return counts
+
+
+def test_max_times_sampled_across_shards_counts_on_the_owners_like_one_store(job):
+    got = job["results"][LEARNER_SKIP]["capped"]
+    oracle = _capped_oracle()
+    stored = _uniform_oracle() > 0
+    for counts in (got["counts"], oracle):
+        assert int(counts.max()) <= 2 and not bool(counts[~stored].any())  # never past the cap, never off the store
+        # every row is served twice, but for the draws of the one batch that could not be filled
+        assert int(counts.sum()) > 2 * int(stored.sum()) - 100
+    assert "max_times_sampled=2" in got["error"]
+
+
 def test_priority_updates_land_at_the_owner_of_each_row(job):
     for s, masses in job["owners"].items():
         pos = torch.arange(w.ROWS_PER_SHARD[s])
@@ -184,7 +230,7 @@ def test_wrong_secret_and_out_of_bounds_reads_are_refused(job):
     assert "out of range" in found["past_capacity"] and "out of range" in found["negative"]
     assert "not readable" in found["never_written"]
     assert found["still_serves"] == [0, 7]
-    assert "storage.local.dumps(path)" in found["dumps"]  # a clear refusal, not a half-written checkpoint
+    assert "rb.dumps(path)" in found["state_dict"]  # rows stay on their owners: a clear refusal, not a copy
 
 
 def test_dataloader_workers_sample_the_shards_with_their_own_connections_and_seeds(job):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gear_torchrl.samplers.trees import PriorityTrees, ScoreTree
+from gear_torchrl.selection.trees import PriorityTrees, ScoreTree
 
 
 def levels_from_leaves(leaves: torch.Tensor, combine) -> list[torch.Tensor]:

@@ -11,14 +11,16 @@ import torch
 
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.directory import ShardDescriptor
-from gear_torchrl.distributed.picked import EXTRA_DTYPES, Picked
+from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
 from gear_torchrl.distributed.transports.base import (
     ReadRequest,
     RemoteShardError,
     ShardUnavailableError,
 )
 from gear_torchrl.distributed.wire import Message, Op
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shard import EmptyStoreError
+from gear_torchrl.store.state_checks import CheckpointError
 
 # What a socket cannot be made without; they say nothing about the shard.
 _SHORTAGES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
@@ -26,7 +28,7 @@ _SHORTAGES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 # Errors an owner reports that keep their type on the learner's side.
 _REMOTE_TYPES: dict[str, type[Exception]] = {
     "IndexError": IndexError, "ValueError": ValueError, "EmptyStoreError": EmptyStoreError,
-    "NotImplementedError": NotImplementedError,
+    "NotImplementedError": NotImplementedError, "CheckpointError": CheckpointError,
 }
 
 
@@ -100,9 +102,9 @@ class ShardClient:
             raise kind(f"{self.descriptor.where}: {reply.meta.get('message')}")
         return reply
 
-    def select(self, selection: dict[str, Any], count: int,
+    def select(self, spec: SelectionSpec, count: int, seed: int | None = None,
                columns_of: Callable[[int], list[torch.Tensor]] | None = None) -> tuple[Picked, list[torch.Tensor]]:
-        """The owner's pick of ``count`` rows or windows.
+        """The owner's pick of ``count`` rows or windows (drawn from ``seed`` when given).
 
         With ``columns_of`` (number of positions -> output columns) the owner sends
         the picked rows in the same reply: one round trip for a batch.
@@ -114,7 +116,8 @@ class ShardClient:
                 arrays += columns_of(lengths[0] // 8 * int(meta["seq_len"]))
             return arrays
 
-        request = Message(Op.SELECT, {"selection": selection, "count": count, "read": columns_of is not None})
+        request = Message(Op.SELECT, {"selection": spec.to_json(), "count": count, "seed": seed,
+                                      "read": columns_of is not None})
         reply = self.request(request, into=allocate)
         starts, valid_begin, valid_end, *rest = reply.arrays
         names = reply.meta["extra"]
@@ -142,15 +145,23 @@ class ShardClient:
             except OSError as exc:
                 raise self._broken(exc) from exc
 
-    def update(self, selection: dict[str, Any], rows: torch.Tensor, priority: torch.Tensor,
+    def update(self, spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,
                generation: torch.Tensor | None) -> None:
         generation = torch.empty(0, dtype=torch.int64) if generation is None else generation.to(torch.int64)
         arrays = [rows.to(torch.int64).contiguous(), priority.to(torch.float64).contiguous(), generation.contiguous()]
-        self.request(Message(Op.UPDATE, {"selection": selection}, arrays))
+        self.request(Message(Op.UPDATE, {"selection": spec.to_json()}, arrays))
 
-    def give_back(self, selection: dict[str, Any], rows: torch.Tensor) -> None:
+    def give_back(self, spec: SelectionSpec, rows: torch.Tensor) -> None:
         """Rows of an earlier pick the learner did not use (a queue serves them again)."""
-        self.request(Message(Op.GIVE_BACK, {"selection": selection}, [rows.to(torch.int64).contiguous()]))
+        self.request(Message(Op.GIVE_BACK, {"selection": spec.to_json()}, [rows.to(torch.int64).contiguous()]))
+
+    def dump(self, directory: str) -> None:
+        """The owner saves its shard and shared selection state under ``directory`` (on its host)."""
+        self.request(Message(Op.DUMP, {"path": directory}))
+
+    def load(self, directory: str) -> None:
+        """The owner restores them from ``directory`` into its empty shard."""
+        self.request(Message(Op.LOAD, {"path": directory}))
 
     def describe(self) -> dict[str, Any]:
         return self.request(Message(Op.DESCRIBE)).meta

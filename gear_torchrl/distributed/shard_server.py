@@ -27,11 +27,13 @@ import torch
 from gear_torchrl._ext import _C
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.row_sender import ReplyCutShort, RowSender
-from gear_torchrl.distributed.selectors import Selector, SelectorRegistry
+from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
 from gear_torchrl.distributed.wire import Message, Op
-from gear_torchrl.storage import GearStorage
+from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.registry import SelectorRegistry
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shard import Windows
-from gear_torchrl.store.shared_shard import SharedStoreHandle
+from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +43,16 @@ _PAUSES_S = (0.01, 1.0)  # after a failed accept: the first pause, and the longe
 
 
 class ShardServer:
-    """Serves ``storage`` (a shared GearStorage) on ``host:port`` (0: any free port).
+    """Serves the shared store ``handle`` on ``host:port`` (0: any free port).
 
     ``timeout`` bounds each wait for a learner: its answer to the challenge,
     taking a reply's bytes, and reading a selection it holds.
     """
 
-    def __init__(self, storage: GearStorage, secret: bytes, *, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, handle: SharedStoreHandle, secret: bytes, *, host: str = "127.0.0.1", port: int = 0,
                  timeout: float = 10.0) -> None:
-        if not storage.shared:
-            raise ValueError("a shard server serves a shared GearStorage (shared=True)")
-        self.handle: SharedStoreHandle = storage.handle
-        self.selectors = SelectorRegistry(storage.max_size)
+        self.handle = handle
+        self.selectors = SelectorRegistry(handle.capacity)
         self._secret = secret
         self._timeout = timeout
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -104,7 +104,8 @@ class ShardServer:
         try:
             if not self._authenticate(conn, peer):
                 return
-            session = _Session(GearStorage(0, handle=self.handle), self.selectors, conn, self._timeout)
+            session = _Session(SharedShard(self.handle.capacity, handle=self.handle), self.selectors, conn,
+                               self._timeout)
             while not self._closed.is_set():
                 session.respond(session.next_request())
         except (OSError, wire.ProtocolError) as exc:  # the learner left, stalled or spoke nonsense: drop it
@@ -158,12 +159,12 @@ class ShardServer:
 class _Session:
     """One learner's requests, against its own view of the shard."""
 
-    def __init__(self, storage: GearStorage, selectors: SelectorRegistry, conn: socket.socket,
+    def __init__(self, shard: SharedShard, selectors: SelectorRegistry, conn: socket.socket,
                  timeout: float) -> None:
         self.conn = conn
-        self.storage = storage
+        self.shard = shard
         self.selectors = selectors
-        self.local_selectors: dict[tuple, Selector] = {}
+        self.own_selectors: dict[SelectionSpec, Selector] = {}
         self.timeout = timeout
         self.rows = RowSender(conn)
         self.holding = False  # a selection's rows stay readable for a one-sided read, until RELEASE
@@ -197,6 +198,12 @@ class _Session:
                 return self._describe()
             if request.op == Op.GIVE_BACK:
                 return self._give_back(request)
+            if request.op == Op.DUMP:
+                dump_shard(self.shard, self.selectors, _directory(request))
+                return Message(Op.OK)
+            if request.op == Op.LOAD:
+                load_shard(self.shard, self.selectors, _directory(request))
+                return Message(Op.OK)
             raise ValueError(f"unknown request code {request.op}")
         except ReplyCutShort:
             raise  # part of a reply left: no error reply can follow it
@@ -208,10 +215,13 @@ class _Session:
         count = int(request.meta["count"])
         if not 0 <= count <= MAX_READ_POSITIONS:
             raise ValueError(f"cannot select {count} rows in one request")
-        selector = self.selectors.for_connection(request.meta["selection"], self.local_selectors)
-        picked = selector.pick(self.storage, count)
+        spec = SelectionSpec.from_json(request.meta["selection"])
+        generator = _seeded(request.meta.get("seed"))
+        with self.selectors.using(spec, self.own_selectors) as selector, self.shard.picking():
+            selector.follow(self.shard)
+            picked = selector.pick(self.shard, count, generator)
         names = sorted(picked.extra)
-        scalars = {**picked.scalars, "rows": self.storage.shard.size}
+        scalars = {**{k: float(v) for k, v in picked.scalars.items()}, "rows": self.shard.size}
         meta = {"seq_len": picked.seq_len, "mass": picked.mass, "scalars": scalars, "extra": names}
         arrays = [a.contiguous() for a in (picked.starts, picked.valid_begin, picked.valid_end,
                                              *(picked.extra[n].cpu() for n in names))]
@@ -230,7 +240,7 @@ class _Session:
         if len(request.arrays) != 3:
             raise ValueError("a READ carries starts, valid_begin and valid_end")
         starts, valid_begin, valid_end = (_viewed(a, torch.int64) for a in request.arrays)
-        shard = self.storage.shard
+        shard = self.shard
         with shard.reading():
             if shard.spec is None or shard.size == 0:
                 raise IndexError("the shard holds no rows yet")
@@ -243,33 +253,35 @@ class _Session:
 
     def _send_rows(self, meta: dict[str, Any], arrays: list[torch.Tensor], windows: Windows) -> None:
         """Reply with ``arrays``, then the rows of ``windows``; the read section ends once they left the ring."""
-        shard = self.storage.shard
+        shard = self.shard
         views = [wire.as_bytes(a) for a in arrays]
         positions = windows.starts.numel() * windows.seq_len
         sizes = [v.nbytes for v in views] + [positions * c.row_bytes for c in shard.spec.columns]
         self.rows.send([wire.header(Op.OK, meta, sizes), *views], shard.columns, windows, release=self._release)
 
     def _release(self) -> None:
-        self.storage.shard.release()
+        self.shard.release()
         self.holding = False
 
     def _update(self, request: Message) -> Message:
         if len(request.arrays) != 3:
             raise ValueError("an UPDATE carries rows, priorities and generations (possibly empty)")
         rows, priority, generation = (_viewed(a, t) for a, t in zip(request.arrays, _UPDATE_DTYPES))
-        selector = self.selectors.for_connection(request.meta["selection"], self.local_selectors)
-        selector.update(rows, priority, generation if generation.numel() else None)
+        spec = SelectionSpec.from_json(request.meta["selection"])
+        with self.selectors.using(spec, self.own_selectors) as selector:
+            selector.update(rows, priority, generation if generation.numel() else None)
         return Message(Op.OK)
 
     def _give_back(self, request: Message) -> Message:
         if len(request.arrays) != 1:
             raise ValueError("a GIVE_BACK carries the rows given back")
-        selector = self.selectors.for_connection(request.meta["selection"], self.local_selectors)
-        selector.give_back(_viewed(request.arrays[0], torch.int64))
+        spec = SelectionSpec.from_json(request.meta["selection"])
+        with self.selectors.using(spec, self.own_selectors) as selector:
+            selector.give_back(_viewed(request.arrays[0], torch.int64))
         return Message(Op.OK)
 
     def _describe(self) -> Message:
-        shard = self.storage.shard
+        shard = self.shard
         shard.mapped_columns()
         published = shard.spec is not None
         return Message(Op.OK, {"spec": shard.spec.to_json() if published else None, "capacity": shard.capacity,
@@ -277,7 +289,7 @@ class _Session:
 
     def close(self) -> None:
         self._release()
-        self.storage.close()
+        self.shard.close()
 
 
 _UPDATE_DTYPES = (torch.int64, torch.float64, torch.int64)
@@ -288,6 +300,23 @@ def _request_within(conn: socket.socket, seconds: float) -> bool:
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLIN)
     return bool(poller.poll(seconds * 1000))
+
+
+def _directory(request: Message) -> str:
+    """Where a checkpoint goes: a path on the owner's host (any a process holding the secret names)."""
+    path = request.meta.get("path")
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"a checkpoint request names a directory, got {path!r}")
+    return path
+
+
+def _seeded(seed: object) -> torch.Generator | None:
+    """The learner's generator for this pick (None: the owner's global one)."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+        raise ValueError(f"a selection seed is an int in [0, 2**63), got {seed!r}")
+    return torch.Generator().manual_seed(seed)
 
 
 def _viewed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

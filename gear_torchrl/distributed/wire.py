@@ -45,6 +45,8 @@ class Op:
     UPDATE = 5  # set priorities of rows
     DESCRIBE = 6  # the shard's table spec and layout
     GIVE_BACK = 7  # picks a learner could not use (a batch left unfilled): consumed rows return to their queue
+    DUMP = 8  # save the shard and its shared selection state under a directory
+    LOAD = 9  # restore them from one, into the empty shard
 
 
 class ProtocolError(ConnectionError):

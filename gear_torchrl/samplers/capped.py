@@ -14,30 +14,22 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.samplers.prioritized import _as_index
-from gear_torchrl.samplers.state_file import SAMPLER_FORMAT, StateDictFile, load_pickled
+from gear_torchrl.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.selection.capped import CappedSelector, CappedSpec
+from gear_torchrl.selection.state_file import SAMPLER_FORMAT, StateDictFile, load_pickled
 from gear_torchrl.store.persistence import write_checkpoint
 from gear_torchrl.store.state_checks import CheckpointError, checked_tensor, field, require_nonnegative
 
-_MAX_ROUNDS = 32
 _INNER = "inner"  # where the wrapped sampler saves its state
 _PICKLED_COUNTS = "times_sampled.pt"  # the counts, before checkpoints carried checksums
 
 
-def _rank_among_equals(index: torch.Tensor) -> torch.Tensor:
-    """For each entry, how many equal entries come before it."""
-    order = torch.argsort(index, stable=True)
-    ordered = index[order]
-    starts = torch.ones_like(ordered, dtype=torch.bool)
-    starts[1:] = ordered[1:] != ordered[:-1]
-    position = torch.arange(index.numel())
-    group_start = torch.cummax(torch.where(starts, position, 0), 0).values
-    rank = torch.empty_like(index)
-    rank[order] = position - group_start
-    return rank
+class MaxTimesSampled(SelectsThroughStorage, StateDictFile, Sampler):
+    """Rows leave ``sampler``'s draw after ``max_times`` samples, until written again (``selection/capped.py``).
 
+    Over a ShardedGearStorage each owner counts its own rows.
+    """
 
-class MaxTimesSampled(StateDictFile, Sampler):
     def __init__(self, sampler: Sampler, max_times: int, max_capacity: int) -> None:
         if not callable(getattr(sampler, "exclude", None)):
             raise TypeError(f"{type(sampler).__name__} cannot exclude rows, so it cannot be capped; "
@@ -47,8 +39,8 @@ class MaxTimesSampled(StateDictFile, Sampler):
         self.sampler = sampler
         self.max_times = max_times
         self.max_capacity = max_capacity
-        self._count = torch.zeros(max_capacity, dtype=torch.int64)
-        self._followed = (0, 0)  # how far into the store's commits the counts have looked
+        inner = sampler.selector
+        self.selector = CappedSelector(CappedSpec(inner.spec, max_times), max_capacity, inner=inner)
 
     @property
     def _rng(self) -> torch.Generator | None:  # the buffer's generator (rb.set_rng) is the inner sampler's
@@ -58,65 +50,28 @@ class MaxTimesSampled(StateDictFile, Sampler):
     def _rng(self, generator: torch.Generator | None) -> None:
         self.sampler._rng = generator
 
+    @property
+    def _count(self) -> torch.Tensor:
+        return self.selector.count
+
     def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
-        rows = _as_index(index, self.max_capacity)
-        self._count[rows[rows >= 0]] = 0
-        self.sampler.mark_update(index, storage=storage)
+        SelectsThroughStorage.mark_update(self, index, storage=storage)
 
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
-        self._follow(storage)
-        parts: list[torch.Tensor] = []
-        infos: list[dict] = []
-        need = batch_size
-        for _ in range(_MAX_ROUNDS):
-            try:
-                index, info = self.sampler.sample(storage, need)
-            except RuntimeError as err:
-                raise RuntimeError(f"cannot draw {need} more rows: the others reached "
-                                   f"max_times_sampled={self.max_times}") from err
-            accepted = self._accept(index)
-            parts.append(index[accepted])
-            infos.append({k: v[accepted] for k, v in info.items()})
-            need -= int(accepted.sum())
-            if need == 0:
-                return torch.cat(parts), {k: torch.cat([i[k] for i in infos]) for k in infos[0]}
-        raise RuntimeError(f"could not draw {batch_size} rows under max_times_sampled={self.max_times} "
-                           f"in {_MAX_ROUNDS} rounds: too few rows remain sampleable")
+        selection = self._select(storage, batch_size)
+        info = getattr(self.sampler, "info", None)
+        return selection.index, ({} if info is None else info(selection))
 
-    def _follow(self, storage: Storage) -> None:
-        """Rows TrajectoryWriters (re)wrote since the last look hold new data: they start uncounted.
+    def update_priority(self, index: Any, priority: Any, *, storage: Storage | None = None, **kwargs: Any) -> None:
+        """Forwarded, except for rows that reached the cap (they stay excluded)."""
+        self._update(storage, index, priority, kwargs.get("generation"))
 
-        (TorchRL's writer reports its own writes through ``mark_update``; the inner
-        sampler follows the same commits to give those rows their mass again.)
-        """
-        shard = getattr(storage, "shard", None)
-        if shard is None:
-            return
-        with shard.picking():  # a shared store catches up with other processes' commits here
-            _, new, self._followed = shard.rows_changed_since(self._followed)
-        self._count[new] = 0
-
-    def _accept(self, index: torch.Tensor) -> torch.Tensor:
-        accepted = self._count[index] + _rank_among_equals(index) < self.max_times
-        taken = index[accepted]
-        self._count.index_add_(0, taken, torch.ones_like(taken))
-        exhausted = taken[self._count[taken] >= self.max_times].unique()
-        if exhausted.numel():
-            self.sampler.exclude(exhausted)
-        return accepted
-
-    def update_priority(self, index: Any, priority: Any, **kwargs: Any) -> None:
-        """Forward, except for rows that reached the cap (they stay excluded)."""
-        rows = _as_index(index, self.max_capacity)
-        priority = torch.as_tensor(priority)
-        keep = (rows < 0) | (self._count[rows.clamp_min(0)] < self.max_times)
-        if priority.numel() > 1:
-            priority = priority.reshape(-1)[keep]
-        self.sampler.update_priority(rows[keep], priority, **kwargs)
+    @property
+    def selector_capacity(self) -> int:
+        return self.max_capacity
 
     def _empty(self) -> None:
-        self._count.zero_()
-        self._followed = (0, 0)
+        self.selector.clear()
         self.sampler._empty()
 
     def state_dict(self) -> dict[str, Any]:
@@ -130,7 +85,7 @@ class MaxTimesSampled(StateDictFile, Sampler):
         return {"count": count, "sampler": self.sampler.checked_state_dict(field(state, "sampler", where), rows)}
 
     def _assign(self, state: dict[str, Any]) -> None:
-        self._count.copy_(state["count"])
+        self.selector.count.copy_(state["count"])
         self.sampler._assign(state["sampler"])
 
     def dumps(self, path: str | Path) -> None:

@@ -1,9 +1,4 @@
-"""QueueSampler: FIFO or LIFO, each written row sampled once, then consumed (Reverb's queues).
-
-Rows enter the queue when written (``mark_update``) tagged with their write
-generation; a row overwritten before it was consumed leaves a stale entry
-that is skipped, so nothing is sampled twice and no stale row is served.
-"""
+"""QueueSampler: FIFO or LIFO, each written row sampled once (``selection/queue.py``) for TorchRL."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -12,28 +7,12 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.samplers.following import FollowsCommits
-from gear_torchrl.samplers.prioritized import _as_index
-from gear_torchrl.samplers.state_file import StateDictFile
-from gear_torchrl.store.last_writes import last_write_positions
-from gear_torchrl.store.state_checks import (
-    CheckpointError,
-    checked_int,
-    checked_tensor,
-    field,
-    require_nonnegative,
-    require_nothing_past,
-)
+from gear_torchrl.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.selection.queue import QueueSelector, QueueSpec
+from gear_torchrl.selection.state_file import StateDictFile
 
 
-def _last_writes(index: torch.Tensor) -> torch.Tensor:
-    """Each row once, at its last write, in write order (a write larger than the ring repeats rows)."""
-    if index.numel() < 2:
-        return index
-    return index[last_write_positions(index, int(index.max()) + 1)]
-
-
-class QueueSampler(FollowsCommits, StateDictFile, Sampler):
+class QueueSampler(SelectsThroughStorage, StateDictFile, Sampler):
     """Consume rows in write order (``"fifo"``) or newest first (``"lifo"``).
 
     Rows committed by TrajectoryWriters (in this process or, over a shared
@@ -44,178 +23,42 @@ class QueueSampler(FollowsCommits, StateDictFile, Sampler):
     """
 
     def __init__(self, max_capacity: int, order: Literal["fifo", "lifo"] = "fifo") -> None:
-        if order not in ("fifo", "lifo"):
-            raise ValueError(f"order must be 'fifo' or 'lifo', got {order!r}")
         self.max_capacity = max_capacity
         self.order = order
-        self._init()
+        self.selector = QueueSelector(QueueSpec(order), max_capacity)
 
-    def _init(self) -> None:
-        self._generation = torch.zeros(self.max_capacity, dtype=torch.int64)
-        self._queued = torch.zeros(self.max_capacity, dtype=torch.bool)  # row has a live entry
-        self._taken = torch.zeros(self.max_capacity, dtype=torch.bool)  # consumed, not rewritten or evicted since
-        self._waiting = 0  # live entries
-        self._rows = torch.empty(1024, dtype=torch.int64)  # entries [head, tail), oldest first
-        self._gens = torch.empty(1024, dtype=torch.int64)
-        self._head = self._tail = 0
-        self._followed = (0, 0)
+    @property
+    def selector_capacity(self) -> int:
+        return self.max_capacity
 
-    # -- queue -----------------------------------------------------------------------
-    def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
-        index = _as_index(index, self.max_capacity)
-        index = _last_writes(index[index >= 0])
-        self._waiting -= int(self._queued[index].sum())  # their older entries go stale
-        self._generation[index] += 1
-        self._queued[index] = True
-        self._taken[index] = False
-        self._waiting += int(self._queued[index].sum())
-        self._push(index, self._generation[index])
+    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        return self._select(storage, batch_size).index, {}
+
+    def take(self, batch_size: int) -> torch.Tensor:
+        """Consume ``batch_size`` (at most ``len(self)``) rows from the queue's end."""
+        return self.selector.take(batch_size)
+
+    def give_back(self, rows: torch.Tensor) -> None:
+        """Rows ``take`` returned that were not used: they are served first again."""
+        self.selector.give_back(rows)
 
     def forget(self, rows: torch.Tensor) -> None:
-        """Rows evicted before they were consumed: their entries go stale."""
-        self._waiting -= int(self._queued[rows].sum())
-        self._queued[rows] = False
-        self._taken[rows] = False
-        self._generation[rows] += 1
-
-    def _push(self, rows: torch.Tensor, gens: torch.Tensor) -> None:
-        n = rows.numel()
-        if self._tail + n > self._rows.numel():
-            self._compact(extra=n)
-        self._rows[self._tail:self._tail + n] = rows
-        self._gens[self._tail:self._tail + n] = gens
-        self._tail += n
-
-    def _compact(self, extra: int, room_before: int = 0) -> None:
-        live = slice(self._head, self._tail)
-        keep = self._gens[live] == self._generation[self._rows[live]]
-        rows, gens = self._rows[live][keep], self._gens[live][keep]
-        size = max(1024, 2 * (rows.numel() + extra + room_before))
-        self._rows, self._gens = torch.empty(size, dtype=torch.int64), torch.empty(size, dtype=torch.int64)
-        at = slice(room_before, room_before + rows.numel())
-        self._rows[at], self._gens[at] = rows, gens
-        self._head, self._tail = room_before, room_before + rows.numel()
+        self.selector.forget(rows)
 
     def __len__(self) -> int:
         """Rows written and not consumed yet."""
-        return self._waiting
+        return len(self.selector)
 
     @property
     def ran_out(self) -> bool:
-        return self._waiting == 0
+        return len(self.selector) == 0
 
     @ran_out.setter
     def ran_out(self, value: bool) -> None:
         """TorchRL's buffers reset this flag; the queue's content decides it."""
 
-    def give_back(self, rows: torch.Tensor) -> None:
-        """Rows ``take`` returned that were not used, in the order taken: they are served first again.
-
-        Rows rewritten or evicted since they were taken stay out (a rewritten one is queued as new).
-        """
-        rows = rows[self._taken[rows]]
-        if rows.numel() == 0:
-            return
-        rows = _last_writes(rows)
-        self._taken[rows] = False
-        self._queued[rows] = True
-        self._waiting += rows.numel()
-        if self.order == "lifo":
-            self._push(rows.flip(0), self._generation[rows.flip(0)])  # the tail is served first
-            return
-        n = rows.numel()
-        if self._head < n:
-            self._compact(extra=0, room_before=n)
-        self._head -= n
-        self._rows[self._head:self._head + n] = rows
-        self._gens[self._head:self._head + n] = self._generation[rows]
-
-    # -- sampling ------------------------------------------------------------------------
-    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
-        if getattr(storage, "is_sharded", False):  # each owner's queue gives its share; short batches go back
-            return storage.select(self.selection(), batch_size).index, {}
-        return FollowsCommits.sample(self, storage, batch_size)
-
-    def selection(self) -> dict[str, Any]:
-        """What a shard owner needs to serve this queue."""
-        return {"kind": "queue", "order": self.order}
-
-    def _pick(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
-        if self._waiting < batch_size:
-            raise RuntimeError(f"QueueSampler: {self._waiting} rows wait to be consumed, asked for {batch_size}")
-        return self.take(batch_size), {}
-
-    def take(self, batch_size: int) -> torch.Tensor:
-        """Consume ``batch_size`` (at most ``len(self)``) rows from the queue's end.
-
-        O(batch + stale entries skipped).
-        """
-        if batch_size == 0:
-            return torch.empty(0, dtype=torch.int64)
-        fifo = self.order == "fifo"
-        taken: list[torch.Tensor] = []
-        need, pos = batch_size, self._head if fifo else self._tail
-        while need:
-            span = max(2 * need, 64)
-            lo, hi = (pos, min(pos + span, self._tail)) if fifo else (max(pos - span, self._head), pos)
-            rows, gens = self._rows[lo:hi], self._gens[lo:hi]
-            live = (gens == self._generation[rows]).nonzero().squeeze(1)
-            live = live[:need] if fifo else live.flip(0)[:need]
-            taken.append(rows[live])
-            need -= live.numel()
-            if fifo:
-                pos = lo + int(live[-1]) + 1 if need == 0 else hi
-            else:
-                pos = lo + int(live[-1]) if need == 0 else lo
-        if fifo:
-            self._head = pos
-        else:
-            self._tail = pos
-        index = torch.cat(taken)
-        self._queued[index] = False
-        self._taken[index] = True
-        self._waiting -= batch_size
-        return index
-
-    # -- TorchRL contract -------------------------------------------------------------------
-    def _empty(self) -> None:
-        self._init()
-
     def update_priority(self, *args: Any, **kwargs: Any) -> None:
         """Queues have no priorities."""
-
-    def state_dict(self) -> dict[str, Any]:
-        live = slice(self._head, self._tail)
-        return {"generation": self._generation.clone(), "queued": self._queued.clone(), "waiting": self._waiting,
-                "rows": self._rows[live].clone(), "gens": self._gens[live].clone()}
-
-    def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
-        """``state`` checked in full: every queued row has one live entry, none past the ``rows`` restored."""
-        where = "the saved QueueSampler state"
-        cap = self.max_capacity
-        generation = checked_tensor(field(state, "generation", where), "generation", torch.int64, (cap,))
-        queued = checked_tensor(field(state, "queued", where), "queued", torch.bool, (cap,))
-        entries = checked_tensor(field(state, "rows", where), "rows", torch.int64)
-        gens = checked_tensor(field(state, "gens", where), "gens", torch.int64, tuple(entries.shape))
-        waiting = checked_int(field(state, "waiting", where), "waiting", hi=cap)
-        require_nonnegative(generation, "generation")
-        require_nonnegative(entries, "rows", at_most=cap - 1)
-        require_nonnegative(gens, "gens")
-        require_nothing_past(queued, rows, "queued")
-        live = gens == generation[entries]
-        if int(queued.sum()) != waiting or int(live.sum()) != waiting or not bool(queued[entries[live]].all()):
-            raise CheckpointError(f"the saved queue is inconsistent: {waiting} rows wait, {int(queued.sum())} are "
-                                  f"marked queued and {int(live.sum())} entries are live")
-        return {"generation": generation, "queued": queued, "waiting": waiting, "rows": entries, "gens": gens}
-
-    def _assign(self, state: dict[str, Any]) -> None:
-        self._generation = state["generation"].clone()
-        self._queued = state["queued"].clone()
-        self._taken = torch.zeros_like(self._queued)  # picks before the checkpoint cannot come back
-        self._waiting = state["waiting"]
-        self._head = self._tail = 0
-        self._rows, self._gens = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
-        self._push(state["rows"], state["gens"])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(order={self.order!r}, waiting={len(self)})"

@@ -206,8 +206,8 @@ def _tensor_metas(path: Path, listed: Any, unlisted: dict | None) -> dict[str, t
 
 # -- a shard ----------------------------------------------------------------------------------
 
-def save_shard(shard: Shard, directory: str | Path) -> None:
-    """Write ``shard.state()``: its columns and episode index as raw files, the rest in ``shard.json``.
+def save_shard(shard: Shard, directory: str | Path, state: dict | None = None) -> None:
+    """Write ``state`` (default ``shard.state()``): columns and episode index as raw files, the rest in ``shard.json``.
 
     Non-tensor leaves are Python objects, which raw files cannot hold: such a store is refused
     before anything is written (``state_dict`` keeps them).
@@ -217,7 +217,7 @@ def save_shard(shard: Shard, directory: str | Path) -> None:
         raise NotImplementedError(
             f"this store holds non-tensor leaves {keys}: its checkpoints (rb.dumps) save tensor columns only. "
             "Save storage.state_dict() with torch.save instead, or encode the leaves as tensors")
-    state = shard.state()
+    state = dict(shard.state() if state is None else state)
     tensors = {f"column_{i}": t for i, t in enumerate(state.pop("columns"))}
     episodes = state.pop("episodes")
     for name in _EPISODE_TENSORS:

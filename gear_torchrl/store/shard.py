@@ -41,8 +41,8 @@ class EmptyStoreError(RuntimeError):
     """Reading from a store that holds no rows."""
 
 
-# Given a window batch's gathered columns (by key) and validity mask, the keys to add or replace.
-Markers = Callable[[dict[NestedKey, torch.Tensor], torch.Tensor], dict[NestedKey, torch.Tensor]]
+# Given windows, their batch's gathered columns (by key) and validity mask: keys to add or replace.
+Markers = Callable[["Windows", dict[NestedKey, torch.Tensor], torch.Tensor], dict[NestedKey, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,6 @@ class Windows:
     seq_len: int
     valid_begin: torch.Tensor  # int64 [W]
     valid_end: torch.Tensor  # int64 [W]
-    markers: Markers | None = None  # a sampler's per-step keys, derived from the gathered columns
 
     def rows(self, capacity: int) -> torch.Tensor:
         """Flat ring rows of every position, padding included: [W * seq_len]."""
@@ -606,8 +605,11 @@ class Shard:
         if self.tracks_episodes:
             self.rebuild_episodes()
 
-    def read_windows(self, windows: Windows) -> Data:
-        """Windows as a flat batch of ``W * seq_len`` rows on ``out_device``, padding zero-filled."""
+    def read_windows(self, windows: Windows, markers: Markers | None = None) -> Data:
+        """Windows as a flat batch of ``W * seq_len`` rows on ``out_device``, padding zero-filled.
+
+        ``markers`` adds keys derived from the gathered columns (a window sampler's trajectory markers).
+        """
         with self.reading():
             if self.spec is None or self.size == 0:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")
@@ -615,7 +617,7 @@ class Shard:
             flat, mask = gather.gather_windows(self.columns, windows.starts, windows.seq_len, self.out_device,
                                                windows.valid_begin, windows.valid_end, hot=self._hot_rows())
             self.rows_read += flat[0].shape[0]
-        extra = None if windows.markers is None else windows.markers(dict(zip(self.spec.keys, flat)), mask)
+        extra = None if markers is None else markers(windows, dict(zip(self.spec.keys, flat)), mask)
         objects = None
         if self.objects:  # padding positions hold no row: None, as a row never written
             at = torch.where(mask.cpu(), windows.rows(self.capacity), -1)

@@ -481,6 +481,10 @@ class SharedShard(Shard):
         section holds eviction back while the rows are copied). Rows a crashed
         writer left are not saved. A local or a new shared storage loads it.
         """
+        return self.snapshot()[0]
+
+    def snapshot(self) -> tuple[dict, torch.Tensor]:
+        """``state()`` and the ring row each saved row came from (what per-row state elsewhere follows)."""
         with self.picking():  # ends the read section itself if anything here raises
             view = self.episodes.live()
             keep = ~view.dead
@@ -499,7 +503,7 @@ class SharedShard(Shard):
             "columns": columns,
             "episodes": {"start": torch.cumsum(length, 0) - length, "length": length, "closed": view.closed[keep],
                          "first_serial": 0, "next_serial": int(length.numel()), "open_traj": None},
-        }
+        }, rows
 
     def load_state(self, state: dict) -> None:
         """Commit a saved shard's episodes into this empty shared store, oldest first, one commit each.

@@ -63,7 +63,7 @@ def test_bad_priorities_on_the_gpu_change_nothing():
 
 def test_graph_replays_match_eager_masses_and_draws():
     """Searches and writes replayed from CUDA graphs see the live masses and equal the eager CPU code."""
-    from gear_torchrl.samplers.block_sums import BlockPrefixSums
+    from gear_torchrl.selection.block_sums import BlockPrefixSums
 
     g = torch.Generator().manual_seed(0)
     capacity = 50_000
@@ -83,7 +83,7 @@ def test_graph_replays_match_eager_masses_and_draws():
 
 
 def test_bulk_calls_run_eagerly_and_keep_no_graph():
-    from gear_torchrl.cuda_graphs import GraphedCall
+    from gear_torchrl.selection.cuda_graphs import GraphedCall
 
     doubled = GraphedCall(lambda x: x * 2, max_elements=100)
     small, large = torch.arange(10.0, device="cuda"), torch.arange(1000.0, device="cuda")

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from gear_torchrl.distributed.picked import Picked
+from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.specs import SelectionSpec
 
 
 class ShardUnavailableError(ConnectionError):
@@ -73,14 +74,14 @@ class Transport(ABC):
         ``RemoteShardError``/``IndexError`` if it refuses the request.
         """
 
-    def read_selection(self, client: Any, selection: dict[str, Any], count: int,
+    def read_selection(self, client: Any, spec: SelectionSpec, count: int, seed: int | None,
                        columns_of: Callable[..., list[torch.Tensor]]) -> tuple[Picked, list[torch.Tensor]]:
         """Have the owner pick ``count`` rows or windows, read them, then release them.
 
         The owner keeps the picked rows readable until the release. A transport
         whose owner sends the rows itself (tcp) overrides this with one round trip.
         """
-        picked, _ = client.select(selection, count)
+        picked, _ = client.select(spec, count, seed)
         if not picked.starts.numel():
             return picked, []
         out = columns_of(picked.starts.numel() * picked.seq_len, zeroed=not self.writes_padding)

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from gear_torchrl.distributed.picked import Picked
+from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.distributed.transports.base import ReadRequest, Transport
 
 
@@ -25,7 +25,7 @@ class TcpTransport(Transport):
     def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
         self._client.read(request, out)
 
-    def read_selection(self, client, selection: dict[str, Any], count: int,
+    def read_selection(self, client, spec: SelectionSpec, count: int, seed: int | None,
                        columns_of: Callable[..., list[torch.Tensor]]) -> tuple[Picked, list[torch.Tensor]]:
         """One round trip: the owner sends the picked rows right behind its pick."""
-        return client.select(selection, count, columns_of=columns_of)
+        return client.select(spec, count, seed, columns_of=columns_of)

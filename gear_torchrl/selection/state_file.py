@@ -98,3 +98,70 @@ def load_pickled(path: Path) -> Any:
         return torch.load(path, weights_only=True)
     except Exception as err:  # whatever unpickling raises, the file is damaged
         raise CheckpointError(f"{path} does not load ({err}): it is damaged") from None
+
+
+# -- a shard owner's cores, saved with the rows they follow ------------------------------------------
+ROWS_STATE_FORMAT = "gear_torchrl.selector_rows/1"
+_ROWS_STATE_FILE = "selector.json"
+_FINITE_NONNEGATIVE = ("mass", "row_mass")
+
+
+def save_rows_state(directory: str | Path, spec: Any, state: dict[str, Any]) -> None:
+    """A core's ``export_rows`` state, next to the spec that makes the core again."""
+    flat = _flatten(state)
+    tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    fields = {"spec": spec.to_json(), "scalars": {k: v for k, v in flat.items() if k not in tensors}}
+    write_checkpoint(directory, _ROWS_STATE_FILE, ROWS_STATE_FORMAT, fields, tensors)
+
+
+def read_rows_state(directory: str | Path, rows: int) -> tuple[Any, dict[str, Any]]:
+    """The spec and ``import_rows`` state saved at ``directory``, checked against ``rows`` restored rows."""
+    from gear_torchrl.selection.specs import SelectionSpec
+
+    def checked(fields: dict, tensors: dict[str, torch.Tensor]) -> tuple[Any, dict[str, Any]]:
+        try:
+            spec = SelectionSpec.from_json(fields.get("spec"))
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"{directory}: the saved selection is damaged ({exc})") from None
+        for name, t in tensors.items():
+            _check_rows_tensor(name, t, rows)
+        return spec, _unflatten({**fields.get("scalars", {}), **tensors})
+
+    return read_checkpoint(directory, _ROWS_STATE_FILE, ROWS_STATE_FORMAT, checked)
+
+
+def _check_rows_tensor(name: str, t: torch.Tensor, rows: int) -> None:
+    leaf = name.rsplit("__", 1)[-1]
+    if leaf == "waiting":  # positions of rows still queued: distinct, each a restored row
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= rows or t.unique().numel() != t.numel()):
+            raise CheckpointError(f"the saved queue names rows outside the {rows} restored, or one twice: damaged")
+        return
+    if t.shape[:1] != (rows,):
+        raise CheckpointError(f"saved {name} holds {t.shape[0] if t.ndim else 0} rows, the shard restores {rows}")
+    if t.is_floating_point() and bool(t.isnan().any()):
+        raise CheckpointError(f"saved {name} holds NaN: the checkpoint is damaged")
+    if leaf in _FINITE_NONNEGATIVE and not bool((torch.isfinite(t) & (t >= 0)).all()):
+        raise CheckpointError(f"saved {name} holds a negative or infinite mass: the checkpoint is damaged")
+    if not t.is_floating_point() and bool((t < 0).any()):
+        raise CheckpointError(f"saved {name} holds a negative count: the checkpoint is damaged")
+
+
+def _flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            flat.update(_flatten(v, f"{prefix}{k}__"))
+        else:
+            flat[f"{prefix}{k}"] = v
+    return flat
+
+
+def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for name, v in flat.items():
+        *parents, leaf = name.split("__")
+        at = state
+        for p in parents:
+            at = at.setdefault(p, {})
+        at[leaf] = v
+    return state

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from gear_torchrl.cuda_graphs import GraphedCall
+from gear_torchrl.selection.cuda_graphs import GraphedCall
 
 BLOCK = 256
 

@@ -1,0 +1,80 @@
+"""One call on many shards at once, and what a shard's failure does to it.
+
+A failed shard is either skipped from then on (``"skip"``: sampling goes on
+over the others, without its mass) or raised (``"raise"``). A refusal (the
+owner answered with an error) is always raised, once every other call is done.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+from gear_torchrl.distributed.transports.base import ShardUnavailableError
+
+logger = logging.getLogger(__name__)
+
+FailurePolicy = Literal["raise", "skip"]
+
+
+class FanOut:
+    """Runs ``call(shard, count)`` on shards in parallel (threads), applying the failure policy."""
+
+    def __init__(self, policy: FailurePolicy, workers: int) -> None:
+        if policy not in ("raise", "skip"):
+            raise ValueError(f"on_shard_failure must be 'raise' or 'skip', got {policy!r}")
+        self.policy = policy
+        self.workers = workers
+        self.failed: dict[int, str] = {}  # shard -> why it is skipped
+        self._pool: ThreadPoolExecutor | None = None
+
+    def run(self, shards: list[int], call: Callable[[int, int], Any], counts: list[int],
+            on_unavailable: Callable[[int], None], allow_skip: bool = True) -> list[tuple[int, Any]]:
+        """Results of the shards that answered; ``on_unavailable(shard)`` runs for each that failed."""
+        if len(shards) == 1:
+            futures = [(shards[0], _Done(call, shards[0], counts[0]))]
+        else:
+            self._pool = self._pool or ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="gear-shards")
+            futures = [(s, self._pool.submit(call, s, k)) for s, k in zip(shards, counts)]
+        results, first_error = [], None
+        for shard, future in futures:
+            try:
+                results.append((shard, future.result()))
+            except ShardUnavailableError as exc:
+                on_unavailable(shard)
+                if self.policy == "skip" and allow_skip:
+                    self.failed[shard] = str(exc)
+                    logger.warning("skipping shard %d from now on: %s; sampling goes on without its mass", shard, exc)
+                elif first_error is None:
+                    first_error = exc
+            except Exception as exc:  # a refusal: raise it once every other request is done
+                if first_error is None:
+                    first_error = exc
+        if first_error is not None:
+            raise first_error
+        return results
+
+    def forget_threads(self) -> None:
+        """In a forked child the parent's threads are not ours."""
+        self._pool = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+
+class _Done:
+    """A finished call in a future's clothes (one shard needs no thread)."""
+
+    def __init__(self, call: Callable[[int, int], Any], shard: int, count: int) -> None:
+        try:
+            self._value, self._error = call(shard, count), None
+        except Exception as exc:
+            self._value, self._error = None, exc
+
+    def result(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value

@@ -1,0 +1,86 @@
+"""Transports by name: one factory per transport, and the rule that picks one for ``"auto"``.
+
+Adding a transport is one file with its class and one entry here.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gear_torchrl.distributed.directory import ShardDescriptor, host_id
+from gear_torchrl.distributed.transports.base import ColumnLayout, Transport
+from gear_torchrl.store.shared_memory import segment_path
+from gear_torchrl.store.shared_shard import SharedStoreHandle
+
+
+@dataclass
+class Reach:
+    """What opening a transport to one shard may need from the learner's side."""
+
+    descriptor: ShardDescriptor
+    client: Any  # the learner's ShardClient to that shard
+    layout: Callable[[], ColumnLayout]  # where the shard's columns sit (asks the owner)
+    control: Any = None  # the job's sealed control-plane store (None in pickled copies)
+    rank: int | None = None
+
+
+def _tcp(reach: Reach) -> Transport:
+    from gear_torchrl.distributed.transports.tcp import TcpTransport
+
+    return TcpTransport(reach.client)
+
+
+def _local(reach: Reach) -> Transport:
+    from gear_torchrl.distributed.transports.local import LocalTransport
+
+    d = reach.descriptor
+    if not _same_host(d):
+        raise ValueError(f"transport='local' needs {d.where} on this host; it is on {d.host}")
+    return LocalTransport(SharedStoreHandle(d.store_id, d.capacity, tuple(map(_key, d.end_keys)), _key(d.traj_key)))
+
+
+def _rdma(reach: Reach) -> Transport:
+    from gear_torchrl.distributed.transports.rdma import RdmaTransport, RegionInfo, region_key
+
+    d = reach.descriptor
+    if d.rdma is None or reach.control is None:
+        raise RuntimeError(f"transport='rdma' needs {d.where} to export its memory (it has no RDMA device) "
+                           "and this process to hold the job's control plane (not a pickled copy)")
+    region = RegionInfo.from_bytes(reach.control.get(region_key(d.rdma["prefix"])))
+    learner = f"rank{reach.rank}-pid{os.getpid()}-{id(reach.client)}"
+    return RdmaTransport(reach.control, d.rdma["prefix"], learner, region, reach.layout())
+
+
+TRANSPORTS: dict[str, Callable[[Reach], Transport]] = {"tcp": _tcp, "local": _local, "rdma": _rdma}
+CHOICES = ("auto", *TRANSPORTS)
+
+
+def rdma_unavailable_reason() -> str | None:
+    from gear_torchrl.distributed.transports.rdma import rdma_unavailable_reason as reason
+
+    return reason()
+
+
+def auto_choice(reach: Reach) -> str:
+    """rdma where the owner exports its memory and this process can read it, local on the same host, else tcp."""
+    d = reach.descriptor
+    if d.rdma is not None and reach.control is not None and rdma_unavailable_reason() is None:
+        return "rdma"
+    return "local" if _same_host(d) else "tcp"
+
+
+def open_transport(choice: str, reach: Reach) -> Transport:
+    if choice not in CHOICES:
+        raise ValueError(f"transport must be one of {CHOICES}, got {choice!r}")
+    return TRANSPORTS[auto_choice(reach) if choice == "auto" else choice](reach)
+
+
+def _same_host(d: ShardDescriptor) -> bool:
+    return d.host == host_id() and segment_path(d.store_id, "data").exists()
+
+
+def _key(key: Any) -> Any:
+    """JSON turned tuple keys into lists; keys are strings or tuples."""
+    return tuple(key) if isinstance(key, list) else key

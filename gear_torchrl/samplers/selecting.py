@@ -1,0 +1,70 @@
+"""What every gear sampler shares: it asks its storage to select with its selection core.
+
+The core (``gear_torchrl/selection``) holds the rule and its state; the
+storage runs it, over its own shard (``GearStorage``) or by sending the
+core's spec to every shard's owner (``ShardedGearStorage``). A sampler adds
+only TorchRL's side: the buffer's generator, its info keys, its state files.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gear_torchrl.sampled_index import Selection, WindowMarkers, local_selection
+from gear_torchrl.selection.base import Selector, pick_exactly
+from gear_torchrl.selection.checked_inputs import as_rows
+
+
+def select_over_rows(storage: Any, selector: Selector, count: int, generator: torch.Generator | None) -> Selection:
+    """A row rule over a storage that cannot select (TorchRL's own): its rows are ``0..len-1``."""
+    if not selector.spec.rows_per_pick == 1 or selector.keeps_row_state is False:
+        raise TypeError(f"a {selector.spec.kind} selection needs a GearStorage or ShardedGearStorage (it reads "
+                        f"the store's episodes or keeps no per-row state), got {type(storage).__name__}")
+    if len(storage) == 0:
+        raise RuntimeError("cannot sample from an empty storage: write some data first")
+    return local_selection(pick_exactly(selector, None, count, generator), len(storage), torch.device("cpu"))
+
+
+class SelectsThroughStorage:
+    """Mixin for a TorchRL ``Sampler`` whose rule is ``self.selector``."""
+
+    selector: Selector
+    _rng: torch.Generator | None = None
+
+    def _select(self, storage: Any, count: int, markers: WindowMarkers | None = None) -> Selection:
+        if not callable(getattr(storage, "select", None)):
+            return select_over_rows(storage, self.selector, count, self._rng)
+        return storage.select(self.selector, count, self._rng, markers)
+
+    def mark_update(self, index: Any, *, storage: Any = None) -> None:
+        """Rows were (over)written through TorchRL's writer: the rule's per-row state follows."""
+        if storage is None or not callable(getattr(storage, "note_written", None)):
+            rows = as_rows(index, self.selector_capacity)
+            self.selector.written(rows[rows >= 0], None)
+        else:
+            storage.note_written(self.selector, index)
+
+    def _update(self, storage: Any, index: Any, priority: Any, generation: Any = None) -> None:
+        """Priorities through the storage (checked against its rows; routed to owners), else to the core."""
+        if storage is not None and callable(getattr(storage, "update_selection", None)):
+            storage.update_selection(self.selector, index, priority, generation)
+        else:
+            self.selector.update(index, priority, generation)
+
+    @property
+    def selector_capacity(self) -> int:
+        return self.selector.capacity  # type: ignore[attr-defined]
+
+    # -- state through the core --------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self.selector.state_dict()
+
+    def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
+        return self.selector.checked_state_dict(state, rows)
+
+    def _assign(self, state: dict[str, Any]) -> None:
+        self.selector.assign(state)
+
+    def _empty(self) -> None:
+        self.selector.clear()

@@ -1,0 +1,1 @@
+"""Selection cores: torch-only rules that pick rows or windows of one shard (see base.py)."""

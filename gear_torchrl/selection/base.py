@@ -1,0 +1,106 @@
+"""The one interface every selection core has (in the spirit of Reverb's selectors).
+
+A core runs one rule over one shard: it follows the shard's writes, reports
+its mass (what a batch is split across shards by), picks ``n`` rows or
+windows with a given ``torch.Generator``, takes priority updates, takes back
+picks that were not used, and saves and loads its state. It knows tensors and
+the store, never TorchRL: a local sampler and a shard owner run the same core.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.store.shard import Shard
+
+
+class Selector(ABC):
+    """One rule's state over one shard. Call ``follow`` and ``pick`` inside ``shard.picking()``."""
+
+    spec: SelectionSpec
+    keeps_row_state = False  # whether it needs every write (``written``) and eviction (``forget``)
+    _followed: tuple[int, int] = (0, 0)  # how far into the shard's commits it has looked
+
+    def follow(self, shard: Shard) -> None:
+        """Take in rows committed and evicted since the last look (TrajectoryWriters, other processes)."""
+        if not self.keeps_row_state:
+            return
+        gone, new, self._followed = shard.rows_changed_since(self._followed)
+        if gone.numel():
+            self.forget(gone)
+        if new.numel():
+            self.written(new, shard)
+
+    def written(self, rows: torch.Tensor, shard: Shard | None) -> None:
+        """Rows were (over)written with new data (checked int64 ring rows, no -1)."""
+
+    def forget(self, rows: torch.Tensor) -> None:
+        """Rows were evicted: never pick them again until written."""
+
+    @abstractmethod
+    def mass(self, shard: Shard) -> float:
+        """This shard's weight among shards: rows, windows or priority mass it could pick from."""
+
+    @abstractmethod
+    def pick(self, shard: Shard, count: int, generator: torch.Generator | None) -> Picked:
+        """``count`` picks (fewer only where the rule has fewer to give: queues, top-k)."""
+
+    def update(self, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None = None) -> None:
+        raise ValueError(f"a {self.spec.kind} selection keeps no priorities to update")
+
+    def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
+        """Why a pick of ``count`` came up with ``got``."""
+        return f"{self.spec.kind}: asked for {count}, only {got} can be picked"
+
+    def give_back(self, rows: torch.Tensor) -> None:
+        """Rows of an earlier pick that were not used; only rules that consume rows care."""
+
+    def exclude(self, rows: torch.Tensor) -> None:
+        """Rows that may not be picked again until written (a cap on times sampled)."""
+        raise TypeError(f"a {self.spec.kind} selection cannot leave rows out of its draws")
+
+    def clear(self) -> None:
+        """Back to the state of a new core (the store was emptied)."""
+        self.__init__(self.spec, *self._build_args())  # type: ignore[misc]
+
+    def _build_args(self) -> tuple:
+        return ()
+
+    # -- state -----------------------------------------------------------------------
+    def export_rows(self, rows: torch.Tensor) -> dict[str, Any]:
+        """The state of ``rows`` (ring rows), in their order: what a store restored as rows ``0..n-1`` needs.
+
+        A shared store's checkpoint compacts its rows; this is the state that follows them.
+        """
+        raise NotImplementedError(f"a {self.spec.kind} selection keeps no state to save")
+
+    def import_rows(self, state: dict[str, Any]) -> None:
+        """Take ``export_rows``'s state for rows ``0..n-1`` (this core is new)."""
+        raise NotImplementedError(f"a {self.spec.kind} selection keeps no state to restore")
+
+    def caught_up(self, shard: Shard) -> None:
+        """Count every commit of ``shard`` so far as seen (its rows' state was just restored)."""
+        _, _, self._followed = shard.rows_changed_since(self._followed)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
+        """``state`` checked against this core (CheckpointError naming the problem); nothing changes."""
+        return {}
+
+    def assign(self, state: dict[str, Any]) -> None:
+        """Take a state ``checked_state_dict`` returned."""
+
+
+def pick_exactly(selector: Selector, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
+    """``count`` picks, or an error saying why there are fewer (the short picks given back first)."""
+    picked = selector.pick(shard, count, generator)
+    if picked.count < count:
+        selector.give_back(picked.starts)
+        raise RuntimeError(selector.nothing_to_pick(shard, count, picked.count))
+    return picked

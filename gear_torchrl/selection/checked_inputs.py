@@ -1,0 +1,107 @@
+"""Indices and priorities checked before any selection state changes.
+
+Every check that can fail runs before the first write, so a refused update
+leaves trees, queues and counts exactly as they were.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+
+class IndexDtypeError(IndexError, TypeError):
+    """Indices that are not integers: a float would be truncated to another row, a bool read as row 0 or 1."""
+
+
+class Checked(NamedTuple):
+    """An update's indices and priorities on the selector's device, and what checking them learned."""
+
+    index: torch.Tensor
+    priority: torch.Tensor | None
+    skips: bool  # some index is -1
+    max_priority: float  # 0.0 without priorities
+
+
+def shaped_priority(priority: Any, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``priority`` as ``count`` float64 values (one value stands for all)."""
+    priority = torch.as_tensor(priority).detach().to(device, torch.float64).reshape(-1)
+    if priority.numel() == 1 and count != 1:
+        priority = priority.expand(count)
+    if priority.numel() != count:
+        raise ValueError(f"got {priority.numel()} priorities for {count} indices")
+    return priority
+
+
+def _bad_priorities(priority: torch.Tensor) -> torch.Tensor:
+    return ~torch.isfinite(priority) | (priority < 0)
+
+
+def _refuse_bad_priority(priority: torch.Tensor, bad: torch.Tensor) -> None:
+    pos = int(bad.nonzero()[0, 0])
+    raise ValueError(f"priorities must be finite and non-negative; got {float(priority[pos])} at position {pos}")
+
+
+def integer_rows(index: Any) -> torch.Tensor:
+    rows = torch.as_tensor(index)
+    if rows.dtype == torch.bool or rows.is_floating_point() or rows.is_complex():
+        raise IndexDtypeError(f"priority indices must be integers, got {rows.dtype}")
+    return rows.to(torch.int64)
+
+
+def validated(index: Any, priority: Any, capacity: int, device: torch.device | str = "cpu",
+              stored: int | None = None) -> Checked:
+    """Indices (and priorities) on ``device``, checked with a single wait for it.
+
+    Index -1 means "skip", as TorchRL's ``MaxValueWriter`` uses it. Indices must
+    be below ``capacity`` and, when known, below the ``stored`` rows: a priority
+    there would be drawn, and the read would fail. A NaN, an infinity or a
+    negative value shows in the priorities' minimum or maximum.
+    """
+    index = integer_rows(index).reshape(-1).to(device)
+    if priority is not None:
+        priority = shaped_priority(priority, index.numel(), device)
+    if index.numel() == 0:
+        return Checked(index, priority, False, 0.0)
+    facts = torch.stack(torch.aminmax(index)).to(torch.float64)
+    if priority is not None:
+        facts = torch.cat([facts, torch.stack(torch.aminmax(priority))])
+    lo, hi, *extremes = facts.tolist()
+    bound, rows = (capacity, "rows") if stored is None or stored >= capacity else (stored, "stored rows")
+    if lo < -1 or hi >= bound:
+        raise IndexError(f"priority index {int(lo) if lo < -1 else int(hi)} is out of range for {bound} {rows}")
+    if extremes and not (extremes[0] >= 0 and extremes[1] < math.inf):
+        _refuse_bad_priority(priority, _bad_priorities(priority))
+    return Checked(index, priority, lo < 0, extremes[1] if extremes else 0.0)
+
+
+def as_rows(index: Any, capacity: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Checked int64 rows in ``[-1, capacity)``."""
+    return validated(index, None, capacity, device).index
+
+
+def as_priority(priority: Any, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Checked finite, non-negative float64 priorities, ``count`` of them."""
+    priority = shaped_priority(priority, count, device)
+    bad = _bad_priorities(priority)
+    if bool(bad.any()):
+        _refuse_bad_priority(priority, bad)
+    return priority
+
+
+def as_generation(generation: Any, count: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """Checked int64 write generations, ``count`` of them (None stays None)."""
+    if generation is None:
+        return None
+    generation = torch.as_tensor(generation, dtype=torch.int64).reshape(-1).to(device)
+    if generation.numel() != count:
+        raise ValueError(f"got {generation.numel()} generations for {count} indices")
+    return generation
+
+
+def seeds_defaults(index: Any, priority: Any, default: float) -> bool:
+    """Whether this is TorchRL's ``_initialize_prioritized_sampler``: rows 0..n-1 at the default priority."""
+    index, priority = torch.as_tensor(index).reshape(-1), torch.as_tensor(priority).reshape(-1)
+    return (index.numel() > 0 and bool((index == torch.arange(index.numel(), device=index.device)).all())
+            and bool((priority == default).all()))

@@ -1,0 +1,215 @@
+"""Windows drawn in proportion to priority (R2D2's sequence priorities).
+
+A window is keyed by the ring row of its first training step (after the
+burn-in). A float64 tree holds one mass per row: the row's priority mass if
+a window may start its training steps there, else zero. Which rows may do so
+follows the episode index's change log, so a pick costs O(count · log N).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from gear_torchrl._ext import _C
+from gear_torchrl.selection.checked_inputs import as_priority, as_rows
+from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
+from gear_torchrl.selection.random_draws import uniform
+from gear_torchrl.selection.specs import Path, SelectionSpec
+from gear_torchrl.selection.windows import (
+    WindowSpec,
+    check_episode_markers,
+    no_window_reason,
+    picked_windows,
+    redraw_wrapping,
+)
+from gear_torchrl.store.episodes import EpisodeIndex
+from gear_torchrl.store.shard import Shard, Windows
+
+_NONE = torch.empty(0, dtype=torch.int64)
+
+
+def key_priorities(spec: PriorityWindowSpec, rows: torch.Tensor, priority: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows whose priorities change (window keys, or every step) and their raw priorities.
+
+    ``rows`` is a batch's flat index (``[W * window_len]``); ``priority`` one per step (reduced
+    per window: ``eta * max + (1 - eta) * mean``, or each step its own with ``reduction="start"``)
+    or one per window.
+    """
+    if rows.numel() % spec.window_len:
+        raise ValueError(f"index of {rows.numel()} rows is not whole windows of {spec.window_len} steps")
+    windows = rows.view(-1, spec.window_len)
+    per_window = torch.as_tensor(priority).numel() == windows.shape[0] and windows.shape[0] != rows.numel()
+    priority = as_priority(priority, windows.shape[0] if per_window else rows.numel())
+    if not per_window and spec.reduction == "start":
+        return rows, priority
+    if not per_window:
+        steps = priority.view(-1, spec.window_len)
+        priority = spec.eta * steps.max(1).values + (1 - spec.eta) * steps.mean(1)
+    return windows[:, spec.burn_in], priority
+
+
+@dataclass(frozen=True)
+class PriorityWindowSpec(SelectionSpec):
+    """Windows in proportion to their key step's priority (R2D2's sequence priorities)."""
+
+    kind: ClassVar[str] = "priority_windows"
+    seq_len: int
+    burn_in: int = 0
+    strict_length: bool = True
+    include_open: bool = True
+    cross_ring_end: bool = True
+    traj_key: Path | None = None
+    end_key: Path | None = None
+    alpha: float = 0.9
+    eps: float = 1e-6
+    reduction: str = "r2d2"
+    eta: float = 0.9
+
+    def check(self) -> None:
+        WindowSpec.check(self)  # type: ignore[arg-type]
+        PrioritySpec.check(self)  # type: ignore[arg-type]
+        if self.reduction not in ("r2d2", "start"):
+            raise ValueError(f"reduction must be 'r2d2' or 'start', got {self.reduction!r}")
+        if not 0.0 <= self.eta <= 1.0:
+            raise ValueError(f"eta must be in [0, 1], got {self.eta}")
+
+    uniform_over: ClassVar[str] = "windows"
+    window_len = WindowSpec.window_len
+    rows_per_pick = WindowSpec.rows_per_pick
+
+    @classmethod
+    def over(cls, windows: WindowSpec, alpha: float, eps: float, reduction: str, eta: float) -> PriorityWindowSpec:
+        """``windows``' geometry, drawn by priority."""
+        geometry = {f.name: getattr(windows, f.name) for f in dataclasses.fields(windows) if f.name != "uniform_over"}
+        return cls(**geometry, alpha=alpha, eps=eps, reduction=reduction, eta=eta)
+
+    def build(self, capacity: int) -> PriorityWindowSelector:
+        return PriorityWindowSelector(self, capacity)
+
+
+class PriorityWindowSelector(PrioritySelector):
+    """Row masses as window keys; rows that may not key a window have none."""
+
+    def __init__(self, spec: PriorityWindowSpec, capacity: int, device: torch.device | str = "cpu") -> None:
+        super().__init__(PrioritySpec(spec.alpha, spec.eps), capacity, "cpu")
+        self.spec = spec  # type: ignore[assignment]
+        self.row_mass = torch.ones(self.capacity, dtype=torch.float64)  # (p + eps)^alpha per row
+        self.max_raw_priority = 1.0  # type: ignore[assignment]
+        self._episodes: EpisodeIndex | None = None  # of the shard last picked from
+        self._seen: tuple[int, int] | None = None
+
+    def _build_args(self) -> tuple:
+        return (self.capacity,)
+
+    # -- which rows may key a window ----------------------------------------------------
+    def _key_offsets(self, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """First and one-past-last offset of a training start, per episode length."""
+        if self.spec.strict_length:
+            return (torch.full_like(length, self.spec.burn_in),
+                    (length - self.spec.seq_len + 1).clamp_min(self.spec.burn_in))
+        return torch.zeros_like(length), length
+
+    def _valid_keys(self, episodes: EpisodeIndex, rows: torch.Tensor) -> torch.Tensor:
+        slots, offset, found = episodes.locate(rows)
+        lo, hi = self._key_offsets(episodes.length[slots])
+        valid = found & (offset >= lo) & (offset < hi)
+        if not self.spec.include_open:
+            valid &= episodes.closed[slots]
+        return valid
+
+    def _refresh(self, episodes: EpisodeIndex) -> None:
+        """Re-derive the masses of the rows of every episode that changed since the last look."""
+        slots = episodes.changed_since(self._seen)
+        if slots is None or episodes is not self._episodes:
+            self.trees.clear()
+            slots = torch.arange(episodes.start.numel())
+        slots = slots[episodes.slot_is_live(slots)]
+        if slots.numel():
+            self._set_masses(episodes, episodes.rows_of(slots))
+        self._seen = episodes.position
+        self._episodes = episodes
+
+    def _set_masses(self, episodes: EpisodeIndex, rows: torch.Tensor) -> None:
+        valid = self._valid_keys(episodes, rows)
+        self.trees.set(rows[valid], self.row_mass[rows[valid]])
+        self.trees.remove(rows[~valid])  # no mass, and out of the minimum
+
+    # -- following the store ---------------------------------------------------------
+    def written(self, rows: torch.Tensor, shard: Shard | None) -> None:
+        """New rows get the largest priority seen; their windows count once the index says so."""
+        self.writes += 1
+        self.generation[rows] += 1
+        self.row_mass[rows] = (self.max_raw_priority + self.eps) ** self.alpha
+
+    # -- picking ---------------------------------------------------------------------
+    def mass(self, shard: Shard) -> float:
+        if shard.size == 0 or not shard.tracks_episodes:
+            return 0.0
+        self._refresh(shard.episodes)
+        return self.total
+
+    def pick(self, shard: Shard, count: int, generator: torch.Generator | None) -> Picked:
+        if shard.size:
+            check_episode_markers(self.spec, shard)
+        mass = self.mass(shard)
+        scalars = {"min_mass": float(self.trees.minimum)}
+        if count == 0 or not mass > 0:
+            return Picked(_NONE, self.spec.window_len, _NONE, _NONE, mass, scalars=scalars)
+        windows = self._draw(shard.episodes, count, generator)
+        if not self.spec.cross_ring_end:
+            windows = redraw_wrapping(lambda n: self._draw(shard.episodes, n, generator), windows, shard.capacity)
+        keys = (windows.starts + self.spec.burn_in) % shard.capacity
+        return picked_windows(windows, shard.capacity, mass, extra={"mass": self.trees.get(keys)}, scalars=scalars)
+
+    def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
+        return no_window_reason(self.spec, shard.episodes)
+
+    def _draw(self, episodes: EpisodeIndex, count: int, generator: torch.Generator | None) -> Windows:
+        """Windows by their key steps' priorities: the key step sits ``burn_in`` steps into its window."""
+        keys = self.trees.find(uniform(count, generator) * self.trees.total)
+        slots, key_offset, _ = episodes.locate(keys)
+        placed = _C.place_windows(episodes.start, episodes.length, slots, key_offset - self.spec.burn_in,
+                                  self.spec.window_len)
+        return Windows(placed[0], self.spec.window_len, *placed[1:])
+
+    # -- priorities ------------------------------------------------------------------
+    def update(self, rows: Any, priority: Any, generation: Any = None, stored: int | None = None) -> None:
+        """Raw priorities of window keys (checked): what an update lands as, here or on a shard's owner."""
+        rows = as_rows(rows, self.capacity)
+        priority = as_priority(priority, rows.numel())
+        keep = rows >= 0
+        rows, priority = rows[keep], priority[keep]
+        if priority.numel():
+            self.max_raw_priority = max(self.max_raw_priority, float(priority.max()))
+        self.row_mass[rows] = torch.pow(priority + self.eps, self.alpha)
+        if self._episodes is not None:  # else the first pick derives every mass
+            self._set_masses(self._episodes, rows)
+
+    # -- state -----------------------------------------------------------------------
+    def export_rows(self, rows: torch.Tensor) -> dict[str, Any]:
+        return {"alpha": self.alpha, "eps": self.eps, "max_raw_priority": float(self.max_raw_priority),
+                "row_mass": self.row_mass[rows].clone(), "generation": self.generation[rows].clone()}
+
+    def import_rows(self, state: dict[str, Any]) -> None:
+        n = state["row_mass"].numel()
+        self.alpha, self.eps, self.max_raw_priority = state["alpha"], state["eps"], state["max_raw_priority"]
+        self.row_mass[:n] = state["row_mass"]
+        self.generation[:n] = state["generation"]  # window masses are derived from the index at the next pick
+
+    mass_key = "row_mass"
+    masses_draw_rows = False  # a row's mass counts once the episode index says a window starts there
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"row_mass": self.row_mass, "generation": self.generation}
+
+    def assign(self, state: dict[str, Any]) -> None:
+        self.row_mass.copy_(state["row_mass"])
+        self.generation.copy_(state["generation"])
+        self.alpha, self.eps = state["alpha"], state["eps"]
+        self.max_raw_priority = state["max_raw_priority"]
+        self.writes += 1
+        self._episodes, self._seen = None, None  # the tree is re-derived at the next pick

@@ -1,0 +1,50 @@
+"""A shard's selection cores, one per spec: what a shard owner keeps for its learners.
+
+Rules with per-row state (priorities, queues, caps, top-k) have one core per
+spec for the whole shard, shared by every learner: a row consumed or
+reprioritized by one is so for all. Rules that follow a reader's own view of
+the store (uniform rows, windows over its episode index) get one core per reader.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.specs import SelectionSpec
+
+
+class SelectorRegistry:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._shared: dict[SelectionSpec, tuple[Selector, threading.Lock]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def using(self, spec: SelectionSpec, own: dict[SelectionSpec, Selector]) -> Iterator[Selector]:
+        """The core for ``spec`` (made at first use), held for this reader alone while in use.
+
+        ``own`` holds the reader's per-reader cores.
+        """
+        if spec.per_reader:
+            if spec not in own:
+                own[spec] = spec.build(self.capacity)
+            yield own[spec]
+            return
+        with self._lock:
+            if spec not in self._shared:
+                self._shared[spec] = (spec.build(self.capacity), threading.Lock())
+            selector, lock = self._shared[spec]
+        with lock:
+            yield selector
+
+    def shared(self) -> list[tuple[SelectionSpec, Selector, threading.Lock]]:
+        """Every shared core made so far, with its lock (what a checkpoint of the shard saves)."""
+        with self._lock:
+            return [(spec, selector, lock) for spec, (selector, lock) in self._shared.items()]
+
+    def adopt(self, spec: SelectionSpec, selector: Selector) -> None:
+        """Install a restored core for ``spec`` (a checkpoint load), replacing any made before."""
+        with self._lock:
+            self._shared[spec] = (selector, threading.Lock())

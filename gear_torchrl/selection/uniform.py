@@ -1,0 +1,37 @@
+"""Uniform rows: every readable row equally likely, with replacement."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.store.shard import Shard
+
+_NONE = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class UniformSpec(SelectionSpec):
+    """Rows uniformly, with replacement."""
+
+    kind: ClassVar[str] = "uniform"
+    per_reader: ClassVar[bool] = True
+
+    def build(self, capacity: int) -> UniformSelector:
+        return UniformSelector(self)
+
+
+class UniformSelector(Selector):
+    def __init__(self, spec: UniformSpec) -> None:
+        self.spec = spec
+
+    def mass(self, shard: Shard) -> float:
+        return float(shard.size)
+
+    def pick(self, shard: Shard, count: int, generator: torch.Generator | None) -> Picked:
+        rows = shard.uniform_rows(count, generator, torch.device("cpu")) if count and shard.size else _NONE
+        return Picked.rows(rows, float(shard.size))

@@ -1,0 +1,185 @@
+"""Windows of steps inside episodes, uniform over windows or over episodes.
+
+No scan of done flags at pick time: a tree over episode slots holds each
+episode's number of windows (kept current from the episode index's change
+log), so a pick costs O(count · log episodes): episodes by window count,
+then an offset inside each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from gear_torchrl._ext import _C
+from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.random_draws import uniform
+from gear_torchrl.selection.specs import Path, SelectionSpec, as_path
+from gear_torchrl.selection.trees import PriorityTrees
+from gear_torchrl.store.episodes import EpisodeIndex
+from gear_torchrl.store.shard import Shard, Windows
+
+if TYPE_CHECKING:
+    from gear_torchrl.selection.priority_windows import PriorityWindowSpec
+
+_MAX_REJECTION_ROUNDS = 16
+_NONE = torch.empty(0, dtype=torch.int64)
+
+
+def check_episode_markers(spec: WindowSpec | PriorityWindowSpec, shard: Shard) -> None:
+    """Windows must not cross episodes: refuse when nothing in the data delimits them, or keys disagree."""
+    if not shard.tracks_episodes:
+        raise RuntimeError("windows need rows that are single steps (batch_size [] per row)")
+    if spec.traj_key is not None and spec.traj_key != as_path(shard.traj_key or ()):
+        key = _shown(spec.traj_key)
+        raise ValueError(f"traj_key={key!r}: episodes come from the storage's index, whose "
+                         f"trajectory key is {shard.traj_key!r}; build GearStorage(traj_key={key!r})")
+    if spec.end_key is not None and spec.end_key not in {as_path(k) for k in shard.end_keys}:
+        key = _shown(spec.end_key)
+        raise ValueError(f"end_key={key!r}: episodes come from the storage's index, whose end keys "
+                         f"are {shard.end_keys!r}; build GearStorage(end_keys=[{key!r}])")
+    if not shard.has_episode_markers:
+        raise KeyError(f"none of the storage's end keys {shard.end_keys!r} nor a trajectory key is in the "
+                       "data, so every stored step would count as one episode and windows would cross "
+                       "episodes; pass GearStorage(end_keys=..., traj_key=...) naming keys the data has")
+
+
+def _shown(path: tuple[str, ...]) -> str | tuple[str, ...]:
+    """A key as users write it: a name, or a tuple of names."""
+    return path[0] if len(path) == 1 else path
+
+
+def no_window_reason(spec: WindowSpec | PriorityWindowSpec, episodes: EpisodeIndex) -> str:
+    longest = int(episodes.live().length.max()) if episodes.num_episodes else 0
+    if spec.strict_length:
+        return (f"no stored episode holds a window of {spec.window_len} steps (longest: {longest} steps); "
+                "use strict_length=False to pad, or a shorter seq_len/burn_in")
+    return "no episode can be sampled (include_open=False and every stored episode is still open?)"
+
+
+def picked_windows(windows: Windows, capacity: int, mass: float, **kw) -> Picked:
+    return Picked(windows.starts % capacity, windows.seq_len, windows.valid_begin, windows.valid_end, mass, **kw)
+
+
+def wraps(windows: Windows, capacity: int) -> torch.Tensor:
+    """Which windows' valid rows run from the last ring row to the first."""
+    first = (windows.starts + windows.valid_begin) % capacity
+    return first + (windows.valid_end - windows.valid_begin) > capacity
+
+
+def redraw_wrapping(draw, windows: Windows, capacity: int) -> Windows:
+    """``windows`` with those that wrap the ring end drawn again (``draw(count)``), a bounded number of times."""
+    for _ in range(_MAX_REJECTION_ROUNDS):
+        wrapping = wraps(windows, capacity)
+        if not bool(wrapping.any()):
+            return windows
+        redraw = draw(int(wrapping.sum()))
+        for name in ("starts", "valid_begin", "valid_end"):
+            getattr(windows, name)[wrapping] = getattr(redraw, name)
+    raise RuntimeError("could not draw windows that stay off the ring end: almost every window wraps; "
+                       "use cross_ring_end=True")
+
+
+@dataclass(frozen=True)
+class WindowSpec(SelectionSpec):
+    """Windows of ``burn_in + seq_len`` steps inside one episode each (see ``selection/windows.py``).
+
+    ``traj_key`` / ``end_key``: what the reader expects to delimit episodes; checked
+    against the store's own keys at the first pick (None: not checked).
+    """
+
+    kind: ClassVar[str] = "windows"
+    per_reader: ClassVar[bool] = True
+    seq_len: int
+    burn_in: int = 0
+    strict_length: bool = True
+    uniform_over: str = "windows"
+    include_open: bool = True
+    cross_ring_end: bool = True
+    traj_key: Path | None = None
+    end_key: Path | None = None
+
+    def check(self) -> None:
+        if self.seq_len < 1 or self.burn_in < 0:
+            raise ValueError(f"seq_len must be >= 1 and burn_in >= 0, got seq_len={self.seq_len}, "
+                             f"burn_in={self.burn_in}")
+        if self.uniform_over not in ("windows", "episodes"):
+            raise ValueError(f"uniform_over must be 'windows' or 'episodes', got {self.uniform_over!r}")
+
+    @property
+    def window_len(self) -> int:
+        return self.burn_in + self.seq_len
+
+    @property
+    def rows_per_pick(self) -> int:
+        return self.window_len
+
+    def build(self, capacity: int) -> WindowSelector:
+        return WindowSelector(self)
+
+
+class WindowSelector(Selector):
+    """Per-episode window counts in a tree over episode slots; per reader (it follows the reader's index)."""
+
+    def __init__(self, spec: WindowSpec) -> None:
+        self.spec = spec
+        self.tree: PriorityTrees | None = None
+        self._seen: tuple[int, int] | None = None  # the episode index's position when last refreshed
+
+    def _windows_in(self, length: torch.Tensor) -> torch.Tensor:
+        if self.spec.strict_length:
+            return (length - self.spec.window_len + 1).clamp_min(0)
+        return length
+
+    def _weights(self, episodes: EpisodeIndex, slots: torch.Tensor) -> torch.Tensor:
+        count = self._windows_in(episodes.length[slots])
+        count = torch.where(episodes.slot_is_live(slots) & ~episodes.dead[slots], count, 0)
+        if not self.spec.include_open:
+            count = torch.where(episodes.closed[slots], count, 0)
+        if self.spec.uniform_over == "episodes":
+            count = (count > 0).to(count.dtype)
+        return count.to(torch.float64)
+
+    def _refresh(self, episodes: EpisodeIndex) -> None:
+        """Bring the window-count tree up to the index's revision."""
+        slots = episodes.changed_since(self._seen)
+        if slots is None or self.tree is None or self.tree.capacity != episodes.start.numel():
+            self.tree = PriorityTrees(episodes.start.numel())
+            slots = torch.arange(episodes.start.numel())
+        if slots.numel():
+            self.tree.set(slots, self._weights(episodes, slots))
+        self._seen = episodes.position
+
+    def mass(self, shard: Shard) -> float:
+        """How many windows (or eligible episodes) the shard holds."""
+        if shard.size == 0 or not shard.tracks_episodes:
+            return 0.0
+        self._refresh(shard.episodes)
+        return float(self.tree.total)
+
+    def pick(self, shard: Shard, count: int, generator: torch.Generator | None) -> Picked:
+        if shard.size:
+            check_episode_markers(self.spec, shard)
+        mass = self.mass(shard)
+        if count == 0 or not mass > 0:
+            return Picked(_NONE, self.spec.window_len, _NONE, _NONE, mass)
+        windows = self._draw(shard.episodes, count, generator)
+        if not self.spec.cross_ring_end:
+            windows = redraw_wrapping(lambda n: self._draw(shard.episodes, n, generator), windows, shard.capacity)
+        return picked_windows(windows, shard.capacity, mass)
+
+    def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
+        return no_window_reason(self.spec, shard.episodes)
+
+    def _draw(self, episodes: EpisodeIndex, count: int, generator: torch.Generator | None) -> Windows:
+        """Episodes by their window counts, then a uniform window inside each."""
+        u = uniform((2, count), generator)
+        slots = self.tree.find(u[0] * self.tree.total)
+        placed = _C.uniform_windows(episodes.start, episodes.length, slots, u[1], self.spec.window_len,
+                                    self.spec.burn_in, self.spec.strict_length)
+        return Windows(placed[0], self.spec.window_len, *placed[1:])
+
+    def clear(self) -> None:
+        self.tree, self._seen = None, None

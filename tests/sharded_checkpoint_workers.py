@@ -1,0 +1,143 @@
+"""Process bodies for the sharded checkpoint test: owners and one learner on 127.0.0.1.
+
+``save``: owners write their rows; the learner sets priorities and scores,
+consumes part of the queue, draws under a cap, then ``rb.dumps``. ``restore``:
+new, empty owners; the learner ``rb.loads`` and reports what it finds.
+Results go to files in ``tmp``.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from shared_workers import episode
+from sharded_workers import CAPACITY, ROWS_PER_SHARD, _write_shard, priority_of, sample_until_refused, top_scores
+
+ALPHA, BETA, EPS = 0.7, 0.5, 1e-8
+QUEUE_BATCHES = 3  # of 100 rows, served before the checkpoint
+NEW_ROWS = 50  # each owner writes after the restore
+
+
+def run_rank(rank: int, world: int, owners: int, port: int, tmp: str, phase: str) -> None:
+    from gear_torchrl import ShardedGearStorage
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    storage = ShardedGearStorage(CAPACITY, owns_shard=rank < owners, serve_on="127.0.0.1", timeout=10.0)
+    tmp_path = Path(tmp)
+    try:
+        if phase == "save" and rank < owners:
+            _write_shard(storage.local, rank)
+        dist.barrier()  # every shard holds its rows (or none, to restore into)
+        if rank == owners:
+            results = {"save": _save, "restore": _restore, "other_layout": _other_layout}[phase](storage, tmp_path)
+            torch.save(results, tmp_path / f"{phase}.pt")
+        dist.barrier()  # owners serve until the learner is done
+        if phase == "restore" and rank < owners:
+            _write_more(storage.local, rank)  # new rows after the restored ones: the cursor moved on
+        dist.barrier()
+        if phase == "restore" and rank == owners:
+            torch.save(_after_new_writes(storage), tmp_path / "after_writes.pt")
+        dist.barrier()
+    finally:
+        storage.close()
+    os._exit(0)
+
+
+def _write_more(local, shard: int) -> None:
+    from gear_torchrl import TrajectoryWriter
+
+    data = episode(shard * 1000 + 999, NEW_ROWS)
+    data["shard"] = torch.full((NEW_ROWS,), shard, dtype=torch.int64)
+    data["pos"] = torch.arange(ROWS_PER_SHARD[shard], ROWS_PER_SHARD[shard] + NEW_ROWS)
+    writer = TrajectoryWriter(local)
+    writer.extend(data)
+    writer.end_episode()
+
+
+def _buffers(storage):
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import GearPrioritizedSampler, MaxTimesSampled, QueueSampler, TopKSampler
+
+    def rb(sampler, batch):
+        return TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=batch)
+
+    return {"prioritized": rb(GearPrioritizedSampler(CAPACITY, ALPHA, BETA), 512),
+            "queue": rb(QueueSampler(CAPACITY), 100),
+            "topk": rb(TopKSampler(CAPACITY), 20),
+            "capped": rb(MaxTimesSampled(GearPrioritizedSampler(CAPACITY, 0.0, 0.0), 2, CAPACITY), 200)}
+
+
+def _all_ids(storage) -> torch.Tensor:
+    from gear_torchrl.distributed import global_ids
+
+    sizes = [storage._shards.rows[s] for s in range(storage.num_shards)]
+    return torch.cat([global_ids.encode(s, torch.arange(n)) for s, n in enumerate(sizes)])
+
+
+def _state(storage, buffers) -> dict:
+    """What must survive: every row, the priorities (seen in a draw's weights), the best rows."""
+    len(storage)
+    ids = _all_ids(storage)
+    rows = storage.get(ids)
+    drawn = buffers["prioritized"].sample()
+    return {"len": len(storage), "ids": ids, "pos": rows["pos"].clone(), "obs": rows["obs"].clone(),
+            "drawn_shard": drawn["shard"].clone(), "drawn_pos": drawn["pos"].clone(),
+            "weights": drawn["priority_weight"].clone(),
+            "top": buffers["topk"].sample()["index"].as_subclass(torch.Tensor).clone()}
+
+
+def _save(storage, tmp: Path) -> dict:
+    from gear_torchrl.distributed import global_ids
+
+    buffers = _buffers(storage)
+    buffers["prioritized"].sample()  # the owners start keeping priorities and scores
+    buffers["topk"].sample()
+    len(storage)
+    ids = _all_ids(storage)
+    shard, pos = global_ids.decode(ids)
+    buffers["prioritized"].update_priority(ids, priority_of(shard, pos))
+    buffers["topk"].update_priority(ids, top_scores())
+    consumed = torch.cat([buffers["queue"].sample()["index"].as_subclass(torch.Tensor)
+                          for _ in range(QUEUE_BATCHES)])
+    capped = torch.cat([buffers["capped"].sample()["index"].as_subclass(torch.Tensor) for _ in range(6)])
+    state = _state(storage, buffers)
+    buffers["prioritized"].dumps(tmp / "checkpoint")
+    return {**state, "consumed": consumed, "capped": capped}
+
+
+def _restore(storage, tmp: Path) -> dict:
+    from gear_torchrl.store.state_checks import CheckpointError
+
+    buffers = _buffers(storage)
+    buffers["prioritized"].loads(tmp / "checkpoint")
+    state = _state(storage, buffers)
+    served, _ = sample_until_refused(buffers["queue"], RuntimeError)
+    capped, _ = sample_until_refused(buffers["capped"], RuntimeError)
+    try:
+        buffers["prioritized"].loads(tmp / "checkpoint")
+        again = None
+    except (CheckpointError, ValueError) as exc:
+        again = str(exc)
+    return {**state, "served": _ids(served), "capped_after": _ids(capped), "again": again}
+
+
+def _ids(batches: list) -> torch.Tensor:
+    return torch.cat([b["index"].as_subclass(torch.Tensor) for b in batches] or [torch.empty(0, dtype=torch.int64)])
+
+
+def _after_new_writes(storage) -> dict:
+    storage._shards.rows.clear()
+    return {"len": len(storage), "sizes": [storage._shards.rows[s] for s in range(storage.num_shards)]}
+
+
+def _other_layout(storage, tmp: Path) -> dict:
+    try:
+        storage.loads(tmp / "checkpoint" / "storage")  # where rb.dumps put the storage's part
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "len": len(storage)}
+    return {"type": None, "message": "", "len": len(storage)}

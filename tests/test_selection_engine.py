@@ -1,0 +1,228 @@
+"""The selection layer: torch-only cores behind typed specs, one code path locally and across shards.
+
+Layering (DESIGN.md): the selection cores and the distributed layer import
+neither torchrl nor the TorchRL glue. Sampled indices carry what ``get`` needs,
+so a copy of one reads the same batch, and a plain index reads rows.
+"""
+from __future__ import annotations
+
+import ast
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_steps
+from torchrl.data import TensorDictReplayBuffer
+
+from gear_torchrl import (
+    GearPrioritizedSampler,
+    GearPrioritizedSequenceSampler,
+    GearSequenceSampler,
+    GearStorage,
+    MaxTimesSampled,
+    QueueSampler,
+    TopKSampler,
+)
+from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.selection.capped import CappedSpec
+from gear_torchrl.selection.priorities import PrioritySpec
+from gear_torchrl.selection.priority_windows import PriorityWindowSpec
+from gear_torchrl.selection.queue import QueueSpec
+from gear_torchrl.selection.topk import TopKSpec
+from gear_torchrl.selection.uniform import UniformSpec
+from gear_torchrl.selection.windows import WindowSpec
+
+PACKAGE = Path(__file__).resolve().parents[1] / "gear_torchrl"
+LOWER_LAYERS = ("selection", "distributed")
+# What the lower layers may import from the package: themselves, the store, the kernels.
+ALLOWED = ("gear_torchrl.selection", "gear_torchrl.distributed", "gear_torchrl.store", "gear_torchrl._ext",
+           "gear_torchrl.gather", "gear_torchrl.cupy_kernels")
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module == "gear_torchrl":  # from gear_torchrl import gather
+            names |= {f"gear_torchrl.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _module_file(name: str) -> Path | None:
+    rel = Path(*name.split(".")[1:])
+    for candidate in (PACKAGE / rel.with_suffix(".py"), PACKAGE / rel / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def test_selection_and_distributed_import_neither_torchrl_nor_the_glue():
+    """Every module under selection/ and distributed/, and everything they import from the package, in turn."""
+    todo = [p for layer in LOWER_LAYERS for p in (PACKAGE / layer).rglob("*.py")]
+    assert len(todo) > 20, "the walk found too few modules to mean anything"
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in _imports(path):
+            where = path.relative_to(PACKAGE.parent)
+            assert name.split(".")[0] != "torchrl", f"{where} imports {name}"
+            if name == "gear_torchrl" or name.startswith("gear_torchrl."):
+                assert name.startswith(ALLOWED), f"{where} imports {name}, above its layer"
+                found = _module_file(name)
+                if found is not None:
+                    todo.append(found)
+
+
+def test_importing_the_lower_layers_loads_no_torchrl():
+    modules = sorted(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
+                     for layer in LOWER_LAYERS for p in (PACKAGE / layer).rglob("*.py")
+                     if p.name != "rdma.py")  # rdma needs pyverbs, and imports nothing of ours above it
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m.removesuffix('.__init__'))\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torchrl' or m in "
+            "('gear_torchrl.storage', 'gear_torchrl.samplers', 'gear_torchrl.sharded_storage'))\n"
+            "print(bad)\nsys.exit(1 if bad else 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+SPECS = [UniformSpec(), WindowSpec(8, burn_in=2, strict_length=False, traj_key=("ep",)),
+         PrioritySpec(0.6, 1e-6), PriorityWindowSpec(4, alpha=0.7, reduction="start"), QueueSpec("lifo"),
+         TopKSpec(("next", "reward"), -1.0), CappedSpec(PrioritySpec(0.0), 3)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.kind for s in SPECS])
+def test_specs_travel_as_json_and_come_back_equal(spec):
+    import json
+
+    back = SelectionSpec.from_json(json.loads(json.dumps(spec.to_json())))
+    assert back == spec and hash(back) == hash(spec)
+
+
+@pytest.mark.parametrize("blob, problem", [
+    ({"kind": "nonsense"}, "unknown selection kind"),
+    ({"kind": "queue"}, "takes \\['order'\\]"),
+    ({"kind": "queue", "order": "middle"}, "order must be"),
+    ({"kind": "priorities", "alpha": "0.5", "eps": 0.1}, "alpha must be a number"),
+    ({"kind": "windows", "seq_len": True, "burn_in": 0, "strict_length": True, "uniform_over": "windows",
+      "include_open": True, "cross_ring_end": True, "traj_key": None, "end_key": None}, "seq_len must be an int"),
+    ({"kind": "capped", "inner": {"kind": "queue", "order": "fifo"}, "max_times": 2}, "cannot be capped"),
+    ([1, 2], "unknown selection kind"),
+])
+def test_a_malformed_spec_is_refused_by_name(blob, problem):
+    with pytest.raises((ValueError, TypeError), match=problem):
+        SelectionSpec.from_json(blob)
+
+
+ROWS = 400
+SAMPLERS = {
+    "prioritized": lambda: GearPrioritizedSampler(ROWS, 0.7, 0.5),
+    "windows, padded with burn-in": lambda: GearSequenceSampler(6, burn_in=3, strict_length=False),
+    "prioritized windows": lambda: GearPrioritizedSequenceSampler(ROWS, 4, burn_in=2, strict_length=False),
+    "queue": lambda: QueueSampler(ROWS),
+    "top-k": lambda: TopKSampler(ROWS, key=("next", "reward")),
+    "capped": lambda: MaxTimesSampled(GearPrioritizedSampler(ROWS, 0.7, 0.5), 100, ROWS),
+    "uniform (TorchRL's RandomSampler)": lambda: None,
+}
+
+
+def _buffer(name: str) -> TensorDictReplayBuffer:
+    sampler = SAMPLERS[name]()
+    rb = TensorDictReplayBuffer(storage=GearStorage(ROWS), batch_size=72,
+                                **({} if sampler is None else {"sampler": sampler}))
+    rb.extend(make_steps(ROWS + 37, seed=5))  # wrapped: the ring's end lies inside the stored rows
+    return rb
+
+
+def _same(got, batch) -> bool:
+    """``got`` (a read) holds what ``batch`` (a sample) holds, but for what the buffer adds from the info."""
+    keys = set(got.exclude("index").keys(True, True))
+    return keys <= set(batch.keys(True, True)) and all(torch.equal(got.get(k), batch.get(k)) for k in keys)
+
+
+def _copies(index):
+    """What users and TorchRL do to an index before reading it again."""
+    return [index.clone(), index.detach(), index.to("cpu"), pickle.loads(pickle.dumps(index))]
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLERS))
+def test_get_of_a_copy_of_the_sampled_index_is_the_sampled_batch(name):
+    rb = _buffer(name)
+    batch, info = rb.sample(return_info=True)
+    for copy in _copies(info["index"]):
+        assert _same(rb.storage.get(copy), batch), f"{name}: {type(copy).__name__} read another batch"
+
+
+@pytest.mark.parametrize("name", ["windows, padded with burn-in", "prioritized windows"])
+def test_a_plain_index_reads_the_rows_it_names_never_unmasked_padding(name):
+    rb = _buffer(name)
+    batch, info = rb.sample(return_info=True)
+    assert not bool(batch["collector", "mask"].all()), "the draw should include padding for this test to mean anything"
+    rows = info["index"].as_subclass(torch.Tensor).clone()
+    plain = rb.storage.get(rows)
+    assert ("collector", "mask") not in plain.keys(True, True)  # rows carry no validity claim
+    stored = rb.storage.get(slice(None))
+    assert torch.equal(plain["info", "step"], stored["info", "step"][rows])
+
+
+def test_sampled_indices_in_tensordicts_survive_what_users_do_with_them():
+    rb = _buffer("windows, padded with burn-in")
+    batch = rb.sample()
+    windows = batch.reshape(-1, 9)  # views of the index are plain row numbers
+    assert type(windows["index"]) is torch.Tensor
+    assert torch.equal(batch["index"] + 0, batch["index"].as_subclass(torch.Tensor))
+
+
+def _owner_with_priorities(rows: int):
+    from gear_torchrl.selection.registry import SelectorRegistry
+
+    storage = GearStorage(rows, shared=True)
+    storage.set(range(rows), make_steps(rows, seed=9))
+    registry = SelectorRegistry(rows)
+    with registry.using(PrioritySpec(0.5), {}) as core, storage.shard.picking():
+        core.follow(storage.shard)
+        core.update(torch.arange(rows), torch.arange(rows, dtype=torch.float64) + 1)
+    storage.shard.release()
+    return storage, registry
+
+
+def test_a_shards_checkpoint_restores_its_cores_and_refuses_damage(tmp_path):
+    """In one process: what an owner saves for ``rb.dumps`` of a sharded store, and what it refuses to load."""
+    from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
+    from gear_torchrl.selection.registry import SelectorRegistry
+    from gear_torchrl.store.state_checks import CheckpointError
+
+    source, registry = _owner_with_priorities(64)
+    target = damaged = None
+    try:
+        dump_shard(source.shard, registry, tmp_path / "ok")
+        target, restored = GearStorage(64, shared=True), SelectorRegistry(64)
+        load_shard(target.shard, restored, tmp_path / "ok")
+        [(spec, core, _)] = restored.shared()
+        assert spec == PrioritySpec(0.5) and len(target) == 64
+        assert torch.allclose(core.masses(torch.arange(64)), (torch.arange(64, dtype=torch.float64) + 1 + 1e-8) ** 0.5)
+        with pytest.raises(ValueError, match="empty"):  # the rows are there already: nothing is loaded twice
+            load_shard(target.shard, restored, tmp_path / "ok")
+
+        dump_shard(source.shard, registry, tmp_path / "bad")
+        mass = tmp_path / "bad" / "selectors" / "0" / "mass.bin"
+        raw = bytearray(mass.read_bytes())
+        raw[8] ^= 0xFF
+        mass.write_bytes(bytes(raw))
+        damaged = GearStorage(64, shared=True)
+        with pytest.raises(CheckpointError, match="mass"):
+            load_shard(damaged.shard, SelectorRegistry(64), tmp_path / "bad")
+        assert len(damaged) == 0  # refused before any row was restored
+    finally:
+        for storage in (source, target, damaged):
+            if storage is not None:
+                storage.close()
