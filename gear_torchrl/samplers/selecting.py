@@ -18,7 +18,7 @@ from gear_torchrl.selection.checked_inputs import as_rows
 
 def select_over_rows(storage: Any, selector: Selector, count: int, generator: torch.Generator | None) -> Selection:
     """A row rule over a storage that cannot select (TorchRL's own): its rows are ``0..len-1``."""
-    if not selector.spec.rows_per_pick == 1 or selector.keeps_row_state is False:
+    if selector.spec.rows_per_pick != 1 or not selector.keeps_row_state:
         raise TypeError(f"a {selector.spec.kind} selection needs a GearStorage or ShardedGearStorage (it reads "
                         f"the store's episodes or keeps no per-row state), got {type(storage).__name__}")
     if len(storage) == 0:
