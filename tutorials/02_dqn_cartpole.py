@@ -8,11 +8,12 @@ own parts, and the training loop does not know the difference.
     .venv/bin/python tutorials/02_dqn_cartpole.py              # full run: learns to 450+ on a CPU
     .venv/bin/python tutorials/02_dqn_cartpole.py --frames 30000 --target 300  # the short version CI runs
 
-How long: with seed 0 an evaluation reaches a mean return of 500 after 50k
-frames, 2 min 52 s on the 2-core CI machine with one torch thread (see below:
-with two threads on a busy machine, one update took 100 times as long). Most of
-that time goes to TorchRL's collector and DQN loss: the replay buffer's share is
-about 12% (benchmarks/dqn_cartpole.py).
+How long: seeds 0-4 reached the target after 35k-54k frames (seed 0: 50k, in
+2 min 52 s on the 2-core CI machine with one torch thread; the others took 2.3
+to 8.5 minutes while other jobs shared the machine). With two threads on a busy
+machine one update took 100 times as long (see below). Most of the time goes to
+TorchRL's collector and DQN loss: the replay buffer's share is about 12%
+(benchmarks/dqn_cartpole.py).
 """
 from __future__ import annotations
 
