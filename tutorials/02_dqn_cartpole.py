@@ -10,7 +10,7 @@ own parts, and the training loop does not know the difference.
 
 How long: seeds 0-4 reached the target after 35k-54k frames (seed 0: 50k, in
 2 min 52 s on the 2-core CI machine with one torch thread; the others took 2.3
-to 8.5 minutes while other jobs shared the machine). With two threads on a busy
+to 8.6 minutes while other jobs shared the machine). With two threads on a busy
 machine one update took 100 times as long (see below). Most of the time goes to
 TorchRL's collector and DQN loss: the replay buffer's share is about 12%
 (benchmarks/dqn_cartpole.py).
