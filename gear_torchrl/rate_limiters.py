@@ -9,9 +9,9 @@ makes room, or raises :class:`RateLimiterTimeout` after ``timeout`` seconds.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -132,10 +132,23 @@ class _StoreCounters:
         self.__init__(state["storage"])
 
 
-class RateLimiter(ABC):
-    """Counters plus a rule; subclasses define ``can_insert`` and ``can_sample``."""
+class RateLimiter:
+    """Reverb's rate limiter, configured by numbers: one rule, of which MinSize and SampleToInsertRatio are presets.
 
-    def __init__(self, timeout: float | None = 60.0) -> None:
+    With ``diff = inserts * samples_per_insert - samples``: inserting is allowed while
+    ``diff`` stays at most ``max_diff`` (or fewer than ``min_size_to_sample`` rows were
+    inserted), sampling while at least ``min_size_to_sample`` rows were committed and
+    ``diff`` stays at least ``min_diff``. A blocked call waits up to ``timeout`` seconds.
+    """
+
+    def __init__(self, samples_per_insert: float, min_size_to_sample: int, min_diff: float, max_diff: float,
+                 timeout: float | None = 60.0) -> None:
+        if not samples_per_insert > 0 or min_size_to_sample < 1 or not min_diff <= max_diff:
+            raise ValueError(f"need samples_per_insert > 0, min_size_to_sample >= 1 and min_diff <= max_diff; got "
+                             f"{samples_per_insert}, {min_size_to_sample}, {min_diff}, {max_diff}")
+        self.samples_per_insert = samples_per_insert
+        self.min_size_to_sample = min_size_to_sample
+        self.min_diff, self.max_diff = min_diff, max_diff
         self.timeout = timeout
         self._counters: _LocalCounters | _StoreCounters = _LocalCounters()
 
@@ -164,13 +177,17 @@ class RateLimiter(ABC):
         return self
 
     # -- the rule ------------------------------------------------------------------
-    @abstractmethod
     def can_insert(self, num_rows: int) -> bool:
         """Whether ``num_rows`` more inserts are allowed now."""
+        if self.inserts < self.min_size_to_sample:  # as Reverb: nobody may sample yet, so nobody could unblock it
+            return True
+        return (self.inserts + num_rows) * self.samples_per_insert - self.samples <= self.max_diff
 
-    @abstractmethod
     def can_sample(self, num_rows: int) -> bool:
-        """Whether ``num_rows`` more sampled rows are allowed now."""
+        """Whether ``num_rows`` more sampled rows are allowed now (against committed rows: only they exist)."""
+        if self.committed < self.min_size_to_sample:
+            return False
+        return self.committed * self.samples_per_insert - (self.samples + num_rows) >= self.min_diff
 
     # -- blocking --------------------------------------------------------------------
     def _await(self, allowed, what: str, num_rows: int, timeout: float | None) -> None:
@@ -220,7 +237,10 @@ class RateLimiter(ABC):
         self._counters.reset()
 
     def _why_blocked(self, what: str) -> str:
-        return "waiting for the other side to catch up"
+        if what == "sample" and self.committed < self.min_size_to_sample:
+            return f"sampling needs {self.min_size_to_sample} inserted rows"
+        return (f"the sample/insert ratio must stay within {self.samples_per_insert} "
+                f"± error buffer ({self.min_diff}..{self.max_diff} in samples)")
 
     # -- wiring into a TorchRL buffer ------------------------------------------------------
     def attach(self, rb: Any) -> Any:
@@ -282,27 +302,15 @@ class MinSize(RateLimiter):
     def __init__(self, min_size: int, timeout: float | None = 60.0) -> None:
         if min_size < 1:
             raise ValueError(f"min_size must be >= 1, got {min_size}")
-        super().__init__(timeout)
+        super().__init__(1.0, min_size, -math.inf, math.inf, timeout)
         self.min_size = min_size
-
-    def can_insert(self, num_rows: int) -> bool:
-        return True
-
-    def can_sample(self, num_rows: int) -> bool:
-        return self.committed >= self.min_size
-
-    def _why_blocked(self, what: str) -> str:
-        return f"sampling needs {self.min_size} inserted rows"
 
 
 class SampleToInsertRatio(RateLimiter):
     """Keep sampled rows near ``samples_per_insert`` times inserted rows (Reverb's rule).
 
-    With ``offset = samples_per_insert * min_size_to_sample`` and
-    ``diff = inserts * samples_per_insert - samples``, inserting is allowed while
-    ``diff`` stays at most ``offset + error_buffer`` (or fewer than
-    ``min_size_to_sample`` rows exist) and sampling while ``diff`` stays at least
-    ``offset - error_buffer`` (and ``min_size_to_sample`` rows exist).
+    ``offset = samples_per_insert * min_size_to_sample``; the difference stays within
+    ``offset ± error_buffer``.
     """
 
     def __init__(self, samples_per_insert: float, min_size_to_sample: int, error_buffer: float,
@@ -313,26 +321,5 @@ class SampleToInsertRatio(RateLimiter):
             # Reverb's own check: a smaller buffer can block both sides forever.
             raise ValueError(f"error_buffer ({error_buffer}) must be at least samples_per_insert "
                              f"({samples_per_insert}) or inserts and samples can deadlock")
-        super().__init__(timeout)
-        self.samples_per_insert = samples_per_insert
-        self.min_size_to_sample = min_size_to_sample
         offset = samples_per_insert * min_size_to_sample
-        self.min_diff = offset - error_buffer
-        self.max_diff = offset + error_buffer
-
-    def can_insert(self, num_rows: int) -> bool:
-        if self.inserts < self.min_size_to_sample:  # as Reverb: nobody may sample yet, so nobody could unblock it
-            return True
-        return (self.inserts + num_rows) * self.samples_per_insert - self.samples <= self.max_diff
-
-    def can_sample(self, num_rows: int) -> bool:
-        # Committed rows only: counting admitted ones let learners run ahead of rows that did not exist yet.
-        if self.committed < self.min_size_to_sample:
-            return False
-        return self.committed * self.samples_per_insert - (self.samples + num_rows) >= self.min_diff
-
-    def _why_blocked(self, what: str) -> str:
-        if what == "sample" and self.committed < self.min_size_to_sample:
-            return f"sampling needs {self.min_size_to_sample} inserted rows"
-        return (f"the sample/insert ratio must stay within {self.samples_per_insert} "
-                f"± error buffer ({self.min_diff}..{self.max_diff} in samples)")
+        super().__init__(samples_per_insert, min_size_to_sample, offset - error_buffer, offset + error_buffer, timeout)

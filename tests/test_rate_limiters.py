@@ -100,3 +100,23 @@ def test_an_insert_that_starts_below_min_size_is_admitted_whatever_its_size():
     assert limiter.can_insert(64) and not limiter.can_sample(1)
     limiter.inserted(64)
     assert not limiter.can_insert(1)  # past min_size, the ratio rules
+
+
+def test_the_presets_are_the_one_rule_configured_by_numbers():
+    from gear_torchrl import RateLimiter
+
+    ratio = SampleToInsertRatio(samples_per_insert=2.0, min_size_to_sample=10, error_buffer=4.0)
+    by_numbers = RateLimiter(2.0, 10, min_diff=16.0, max_diff=24.0)
+    for limiter in (ratio, by_numbers):
+        limiter.inserted(10)
+        limiter.sampled(3)
+    for n in range(0, 8):
+        assert ratio.can_insert(n) == by_numbers.can_insert(n) and ratio.can_sample(n) == by_numbers.can_sample(n)
+    # an asymmetric rule the presets cannot express: samples may lag far behind, never run ahead
+    lagging = RateLimiter(1.0, 1, min_diff=0.0, max_diff=1000.0, timeout=0.1)
+    lagging.inserted(5)
+    assert lagging.can_sample(5) and not lagging.can_sample(6) and lagging.can_insert(995)
+    with pytest.raises(RateLimiterTimeout, match="ratio must stay within"):
+        lagging.await_sample(6)
+    with pytest.raises(ValueError, match="min_diff <= max_diff"):
+        RateLimiter(1.0, 1, min_diff=5.0, max_diff=1.0)
