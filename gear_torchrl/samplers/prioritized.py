@@ -57,11 +57,15 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
         self._beta_anneal_steps = beta_anneal_steps
         self.reduction = "max"
         self._device = torch.device(device)
-        self.selector = PrioritySelector(PrioritySpec(float(alpha), float(eps)), self._max_capacity, self._device)
+        self.selector = self._new_selector(float(alpha), float(eps))
         self._sample_calls = 0
         # The last draw (rows, their generations, writes seen by then): TorchRL's update_tensordict_priority
         # passes no generation, and a row rewritten since its draw must not take the update.
         self._last_draw: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+    def _new_selector(self, alpha: float, eps: float) -> PrioritySelector:
+        """The core this sampler adapts (prioritized windows make another, over their windows)."""
+        return PrioritySelector(PrioritySpec(alpha, eps), self._max_capacity, self._device)
 
     # -- TorchRL's knobs -------------------------------------------------------------
     @property

@@ -44,15 +44,17 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
         eta: float = 0.9,
         **window_options: Any,
     ) -> None:
-        GearSequenceSampler.__init__(self, seq_len, **window_options)
-        windows = self.selector.spec
-        GearPrioritizedSampler.__init__(self, max_capacity, alpha, beta, eps)
         if window_options.get("uniform_over", "windows") != "windows":
             raise ValueError("prioritized windows are drawn by priority: uniform_over does not apply")
-        self.selector = PriorityWindowSelector(
-            PriorityWindowSpec.over(windows, float(alpha), float(eps), reduction, float(eta)), self._max_capacity)
+        GearSequenceSampler.__init__(self, seq_len, **window_options)
+        self._windows, self._reduction_eta = self.selector.spec, (reduction, float(eta))
+        GearPrioritizedSampler.__init__(self, max_capacity, alpha, beta, eps)  # builds the core below, once
         self.window_reduction = reduction  # (TorchRL's `reduction` is the per-step reduce over extra dims)
         self.eta = eta
+
+    def _new_selector(self, alpha: float, eps: float) -> PriorityWindowSelector:
+        spec = PriorityWindowSpec.over(self._windows, alpha, eps, *self._reduction_eta)
+        return PriorityWindowSelector(spec, self._max_capacity)
 
     @property
     def _row_mass(self) -> torch.Tensor:
