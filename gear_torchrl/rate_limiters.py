@@ -1,135 +1,29 @@
 """Rate limiters with Reverb's semantics: gate sampling and inserting on each other.
 
-A limiter is a pure rule over two counters (rows inserted, rows sampled)
-plus a blocking wait. ``limiter.attach(rb)`` gates an existing TorchRL
-replay buffer's ``extend``/``add``/``sample`` (no subclassing): a call that
-the rule forbids waits, outside the buffer's own locks, until another thread
-makes room, or raises :class:`RateLimiterTimeout` after ``timeout`` seconds.
+A limiter is one rule over three counts (rows inserted, rows admitted and on
+their way, rows sampled) plus a blocking wait. It lives in a storage:
+``GearStorage(n, rate_limiter=...)`` gates appends in ``set`` and draws in
+``select``, where TorchRL already calls the storage, so every writer and every
+gear sampler obeys it. ``limiter.attach(rb)`` is the same, set on ``rb.storage``.
+A call the rule forbids waits until another thread or process makes room, or
+raises :class:`RateLimiterTimeout` after ``timeout`` seconds.
 """
 from __future__ import annotations
 
-import functools
+import contextlib
 import math
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from gear_torchrl.store.rate_counters import Counts, LocalRateCounters, RuleNumbers, SharedRateCounters
+
+Released = Callable[[], contextlib.AbstractContextManager]
+_WAIT_SLICE_S = 0.05  # a waiter wakes at least this often, to find a closed store or a passed deadline
+
 
 class RateLimiterTimeout(TimeoutError):
     """A gated insert or sample waited longer than the limiter's timeout."""
-
-
-class _LocalCounters:
-    """Counts in this process; waiters wake when another thread counts.
-
-    An admitted insert counts from the moment it is admitted until ``add``
-    replaces it with the committed rows, so concurrent inserters see each other.
-    """
-
-    def __init__(self) -> None:
-        self.committed = 0
-        self.admitted = 0
-        self.samples = 0
-        self._cond = threading.Condition()
-
-    @property
-    def inserts(self) -> int:
-        return self.committed + self.admitted
-
-    def add(self, inserts: int = 0, samples: int = 0, settled: int = 0) -> None:
-        with self._cond:
-            self.committed += inserts
-            self.admitted = max(0, self.admitted - inserts)
-            self.samples += samples
-            self._cond.notify_all()
-
-    def forfeit(self, num_rows: int) -> None:
-        with self._cond:
-            self.admitted = max(0, self.admitted - num_rows)
-            self._cond.notify_all()
-
-    def reset(self) -> None:
-        with self._cond:
-            self.committed = self.admitted = self.samples = 0
-            self._cond.notify_all()
-
-    def admit(self, num_rows: int, allowed: Callable[[], bool], deadline: float | None) -> bool:
-        with self._cond:
-            if not self.wait_until(allowed, deadline):
-                return False
-            self.admitted += num_rows
-            return True
-
-    def wait_until(self, allowed: Callable[[], bool], deadline: float | None) -> bool:
-        with self._cond:
-            while not allowed():
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            return True
-
-
-class _StoreCounters:
-    """Counts in a shared GearStorage's control segment, so every attached process agrees.
-
-    Inserts are the rows committed by any process (counted by the store itself)
-    plus those a limiter admitted and whose commit is still on its way: a limiter
-    checks and admits in one step under the store's lock, so writers in
-    different processes cannot all pass the same check at once. Samples are what
-    the limiters of all processes reported. Waiters poll.
-    """
-
-    _POLL_S = 1e-3
-
-    def __init__(self, storage: Any) -> None:
-        self.storage = storage
-        self._log = storage.shard.log
-
-    @property
-    def inserts(self) -> int:
-        return self._log.inserts + self._log.admitted
-
-    @property
-    def committed(self) -> int:
-        return self._log.inserts
-
-    @property
-    def samples(self) -> int:
-        return self._log.samples
-
-    def add(self, inserts: int = 0, samples: int = 0, settled: int = 0) -> None:
-        if inserts > settled:
-            self._log.settle(inserts - settled)  # their commits counted them; stop counting them as admitted
-        if samples:
-            self._log.add_samples(samples)
-
-    def forfeit(self, num_rows: int) -> None:
-        self._log.settle(num_rows)
-
-    def reset(self) -> None:
-        self._log.reset_counters()
-
-    def admit(self, num_rows: int, allowed: Callable[[], bool], deadline: float | None) -> bool:
-        return self._poll(lambda: self._log.admit(num_rows, allowed), deadline)
-
-    def wait_until(self, allowed: Callable[[], bool], deadline: float | None) -> bool:
-        return self._poll(allowed, deadline)
-
-    def _poll(self, done: Callable[[], bool], deadline: float | None) -> bool:
-        while not done():
-            self._log.check_open()
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(self._POLL_S)
-        return True
-
-    def __getstate__(self) -> dict:
-        return {"storage": self.storage}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["storage"])
 
 
 class RateLimiter:
@@ -138,7 +32,11 @@ class RateLimiter:
     With ``diff = inserts * samples_per_insert - samples``: inserting is allowed while
     ``diff`` stays at most ``max_diff`` (or fewer than ``min_size_to_sample`` rows were
     inserted), sampling while at least ``min_size_to_sample`` rows were committed and
-    ``diff`` stays at least ``min_diff``. A blocked call waits up to ``timeout`` seconds.
+    ``diff`` stays at least ``min_diff``. A blocked call waits up to ``timeout`` seconds
+    (``None``: forever).
+
+    The counts live with the storage that holds the limiter; over a shared store they
+    are the store's, with the rule, so every process attached to it obeys them.
     """
 
     def __init__(self, samples_per_insert: float, min_size_to_sample: int, min_diff: float, max_diff: float,
@@ -146,92 +44,101 @@ class RateLimiter:
         if not samples_per_insert > 0 or min_size_to_sample < 1 or not min_diff <= max_diff:
             raise ValueError(f"need samples_per_insert > 0, min_size_to_sample >= 1 and min_diff <= max_diff; got "
                              f"{samples_per_insert}, {min_size_to_sample}, {min_diff}, {max_diff}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds or None (wait forever), got {timeout}")
         self.samples_per_insert = samples_per_insert
         self.min_size_to_sample = min_size_to_sample
         self.min_diff, self.max_diff = min_diff, max_diff
         self.timeout = timeout
-        self._counters: _LocalCounters | _StoreCounters = _LocalCounters()
+        self._counters: LocalRateCounters | SharedRateCounters = LocalRateCounters()
+
+    @property
+    def numbers(self) -> RuleNumbers:
+        return RuleNumbers(self.samples_per_insert, self.min_size_to_sample, self.min_diff, self.max_diff,
+                           self.timeout)
+
+    @classmethod
+    def from_numbers(cls, numbers: RuleNumbers) -> RateLimiter:
+        return RateLimiter(numbers.samples_per_insert, numbers.min_size_to_sample, numbers.min_diff,
+                           numbers.max_diff, numbers.timeout)
+
+    def count_in(self, counters: LocalRateCounters | SharedRateCounters) -> None:
+        """Count in ``counters`` (a storage's) from now on."""
+        self._counters = counters
 
     @property
     def inserts(self) -> int:
-        """Rows inserted, counting those admitted whose commit is on its way (what inserting is checked by)."""
-        return self._counters.inserts
+        """Rows inserted, counting those admitted whose write is on its way (what inserting is checked by)."""
+        return self._counters.counts().inserts
 
     @property
     def committed(self) -> int:
-        """Rows committed: what sampling is checked by, since only they can be sampled."""
-        return self._counters.committed
+        """Rows written: what sampling is checked by, since only they can be sampled."""
+        return self._counters.counts().inserted
 
     @property
     def samples(self) -> int:
-        return self._counters.samples
+        return self._counters.counts().sampled
 
-    def share(self, storage: Any) -> RateLimiter:
-        """Count in the shared GearStorage ``storage``: the rule then holds across all its processes.
+    # -- the rule, over counts -------------------------------------------------------------
+    def insert_allowed(self, counts: Counts, num_rows: int) -> bool:
+        if counts.inserts < self.min_size_to_sample:  # as Reverb: nobody may sample yet, so nobody could unblock it
+            return True
+        return (counts.inserts + num_rows) * self.samples_per_insert - counts.sampled <= self.max_diff
 
-        Pickling a shared limiter (into actor processes) keeps it shared.
-        """
-        if not getattr(storage, "shared", False):
-            raise ValueError("a rate limiter can be shared through a shared GearStorage (shared=True) only")
-        self._counters = _StoreCounters(storage)
-        return self
+    def sample_allowed(self, counts: Counts, num_rows: int) -> bool:
+        if counts.inserted < self.min_size_to_sample:
+            return False
+        return counts.inserted * self.samples_per_insert - (counts.sampled + num_rows) >= self.min_diff
 
-    # -- the rule ------------------------------------------------------------------
     def can_insert(self, num_rows: int) -> bool:
         """Whether ``num_rows`` more inserts are allowed now."""
-        if self.inserts < self.min_size_to_sample:  # as Reverb: nobody may sample yet, so nobody could unblock it
-            return True
-        return (self.inserts + num_rows) * self.samples_per_insert - self.samples <= self.max_diff
+        return self.insert_allowed(self._counters.counts(), num_rows)
 
     def can_sample(self, num_rows: int) -> bool:
         """Whether ``num_rows`` more sampled rows are allowed now (against committed rows: only they exist)."""
-        if self.committed < self.min_size_to_sample:
-            return False
-        return self.committed * self.samples_per_insert - (self.samples + num_rows) >= self.min_diff
+        return self.sample_allowed(self._counters.counts(), num_rows)
 
-    # -- blocking --------------------------------------------------------------------
-    def _await(self, allowed, what: str, num_rows: int, timeout: float | None) -> None:
-        timeout = self.timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if what == "insert":  # checked and counted at once (see the counters)
-            passed = self._counters.admit(num_rows, lambda: allowed(num_rows), deadline)
-        else:
-            passed = self._counters.wait_until(lambda: allowed(num_rows), deadline)
-        if not passed:
-            raise RateLimiterTimeout(
-                f"{type(self).__name__}: {what} of {num_rows} rows blocked for {timeout}s "
-                f"(inserted {self.inserts}, sampled {self.samples}): {self._why_blocked(what)}")
+    # -- waiting, checking and counting in one step ---------------------------------------------
+    def admit_insert(self, num_rows: int, *, deadline: float | None = None,
+                     while_waiting: Released = contextlib.nullcontext) -> None:
+        """Wait until ``num_rows`` may be inserted and count them as admitted (on their way)."""
+        self._admit("insert", num_rows, lambda c: self.insert_allowed(c, num_rows), deadline, while_waiting,
+                    admitted=num_rows)
 
-    def await_insert(self, num_rows: int, timeout: float | None = None) -> None:
-        self._await(self.can_insert, "insert", num_rows, timeout)
+    def admit_sample(self, num_rows: int, *, deadline: float | None = None,
+                     while_waiting: Released = contextlib.nullcontext) -> None:
+        """Wait until ``num_rows`` may be sampled and count them sampled."""
+        self._admit("sample", num_rows, lambda c: self.sample_allowed(c, num_rows), deadline, while_waiting,
+                    sampled=num_rows)
 
-    def await_sample(self, num_rows: int, timeout: float | None = None) -> None:
-        self._await(self.can_sample, "sample", num_rows, timeout)
+    def _admit(self, what: str, num_rows: int, allowed: Callable[[Counts], bool], deadline: float | None,
+               while_waiting: Released, **count: int) -> None:
+        if deadline is None and self.timeout is not None:
+            deadline = time.monotonic() + self.timeout
+        while (version := self._counters.take(allowed, **count)) is not None:
+            remaining = math.inf if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                raise RateLimiterTimeout(
+                    f"{type(self).__name__}: {what} of {num_rows} rows blocked for {self.timeout}s "
+                    f"(inserted {self.inserts}, sampled {self.samples}): {self._why_blocked(what)}")
+            with while_waiting():
+                self._counters.wait_past(version, min(remaining, _WAIT_SLICE_S))
 
-    def inserted(self, num_rows: int, *, settled: int = 0) -> None:
-        """Count inserted rows (a shared store counts its commits itself).
-
-        ``settled``: rows whose commit already replaced their admission in the
-        store's counters (see ``settles_in``).
-        """
-        self._counters.add(inserts=num_rows, settled=settled)
-
-    def settles_in(self, storage: Any) -> bool:
-        """Whether commits to ``storage`` can settle this limiter's admissions as they count themselves.
-
-        True when the limiter counts in that very shared store: a writer then passes
-        its admitted rows to the commit, so they are never counted twice.
-        """
-        if not isinstance(self._counters, _StoreCounters):
-            return False
-        return getattr(storage.shard, "store_id", None) == self._counters.storage.shard.store_id
+    def inserted(self, num_rows: int, *, admitted: bool = False) -> None:
+        """Count ``num_rows`` written (``admitted``: they were counted on their way until now)."""
+        self._counters.add(inserted=num_rows, admitted=-num_rows if admitted else 0)
 
     def insert_failed(self, num_rows: int) -> None:
         """An admitted insert did not happen: stop counting it."""
-        self._counters.forfeit(num_rows)
+        self._counters.add(admitted=-num_rows)
 
     def sampled(self, num_rows: int) -> None:
-        self._counters.add(samples=num_rows)
+        self._counters.add(sampled=num_rows)
+
+    def sample_failed(self, num_rows: int) -> None:
+        """An admitted draw did not happen."""
+        self._counters.add(sampled=-num_rows)
 
     def reset(self) -> None:
         self._counters.reset()
@@ -242,58 +149,31 @@ class RateLimiter:
         return (f"the sample/insert ratio must stay within {self.samples_per_insert} "
                 f"± error buffer ({self.min_diff}..{self.max_diff} in samples)")
 
-    # -- wiring into a TorchRL buffer ------------------------------------------------------
+    # -- a buffer's storage holds it ------------------------------------------------------------------
     def attach(self, rb: Any) -> Any:
-        """Gate ``rb.extend``, ``rb.add`` and ``rb.sample``; ``rb.empty`` resets the counters.
+        """``rb.storage.rate_limiter = self``; returns ``rb``.
 
-        Over a shared GearStorage the limiter counts in the store (see ``share``).
+        A buffer on TorchRL's default ``RandomSampler`` gets :class:`GearUniformSampler`
+        (the same draws, made by the storage): ``RandomSampler`` raises on an empty
+        storage before it asks it, where a rate-limited sample should wait for rows.
         """
-        if getattr(rb._storage, "shared", False):
-            self.share(rb._storage)
-        extend, add, sample, empty = rb.extend, rb.add, rb.sample, rb.empty
+        from torchrl.data.replay_buffers.samplers import RandomSampler
 
-        @functools.wraps(extend)
-        def gated_extend(data, *args, **kwargs):
-            n = len(data)
-            self.await_insert(n)
-            try:
-                out = extend(data, *args, **kwargs)
-            except BaseException:
-                self.insert_failed(n)
-                raise
-            self.inserted(n)
-            return out
+        from gear_torchrl.samplers.uniform import GearUniformSampler
 
-        @functools.wraps(add)
-        def gated_add(data, *args, **kwargs):
-            self.await_insert(1)
-            try:
-                out = add(data, *args, **kwargs)
-            except BaseException:
-                self.insert_failed(1)
-                raise
-            self.inserted(1)
-            return out
-
-        @functools.wraps(sample)
-        def gated_sample(batch_size: int | None = None, *args, **kwargs):
-            n = batch_size if batch_size is not None else rb._batch_size
-            if n is None:
-                raise ValueError("a rate-limited buffer needs a batch size to count sampled rows")
-            self.await_sample(n)
-            out = sample(batch_size, *args, **kwargs)
-            self.sampled(n)
-            return out
-
-        @functools.wraps(empty)
-        def gated_empty(*args, **kwargs):
-            out = empty(*args, **kwargs)
-            self.reset()
-            return out
-
-        rb.extend, rb.add, rb.sample, rb.empty = gated_extend, gated_add, gated_sample, gated_empty
-        rb.rate_limiter = self
+        storage = rb.storage
+        if not hasattr(type(storage), "rate_limiter"):
+            raise TypeError(f"a rate limiter lives in a GearStorage or ShardedGearStorage, which gate their own "
+                            f"writes and draws; {type(storage).__name__} cannot hold one")
+        if type(rb.sampler) is RandomSampler:
+            rb.set_sampler(GearUniformSampler())
+        storage.rate_limiter = self
         return rb
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(samples_per_insert={self.samples_per_insert}, min_size_to_sample="
+                f"{self.min_size_to_sample}, min_diff={self.min_diff}, max_diff={self.max_diff}, "
+                f"timeout={self.timeout})")
 
 
 class MinSize(RateLimiter):

@@ -10,6 +10,7 @@ the failure policy live in ``distributed/shard_set.py``, joining the job in
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from gear_torchrl.distributed.bootstrap import Membership, join
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.shard_set import Options, ShardSet
+from gear_torchrl.rate_gate import RateLimitedStorage
 from gear_torchrl.sampled_index import ReadPlan, SampledIndex, Selection, WindowMarkers, plan_of
 from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.uniform import UniformSpec
@@ -34,7 +36,7 @@ _NO_STATE_DICT = ("a sharded store's rows stay on their owners: save it with rb.
                   "writes its shard to, not with a state dict")
 
 
-class ShardedGearStorage(TensorStorage):
+class ShardedGearStorage(RateLimitedStorage, TensorStorage):
     """The union of one shard per owning rank, as one storage for ``ReplayBuffer``.
 
     Args:
@@ -57,6 +59,10 @@ class ShardedGearStorage(TensorStorage):
         heartbeat_s: how often an owner publishes its shard's statistics.
         group: the process group to build over (default: the default group,
             initialized from torchrun's environment if needed).
+
+    ``storage.rate_limiter = RateLimiter(...)`` gates this process's appends and draws
+    through this storage, counted here; to hold actors on a host back, set one on the
+    shard they write to (``storage.local``), whose rule every process attached to it obeys.
 
     Owners serve only processes that prove they hold the job's secret: the
     operator's (``GEAR_TORCHRL_SECRET``, or a file named by
@@ -173,7 +179,8 @@ class ShardedGearStorage(TensorStorage):
         """
         if count <= 0:
             raise ValueError(f"select at least one row or window, got {count}")
-        picks = self._shards.pick(selector.spec, count, generator)
+        with self._sampling(count * selector.spec.rows_per_pick):
+            picks = self._shards.pick(selector.spec, count, generator)
         self._rows_sampled += picks.index.numel()
         windows = picks.windows if picks.windows.seq_len > 1 or markers is not None else None
         plan = ReadPlan(windows, markers, picks.columns, picks.spec)
@@ -223,7 +230,8 @@ class ShardedGearStorage(TensorStorage):
             raise NotImplementedError("this rank owns no shard, so it cannot write: write on a rank built with "
                                       "owns_shard=True (through this storage or `storage.local`), or from actors "
                                       "with a TrajectoryWriter on `storage.local`")
-        self._local.set(cursor, data, set_cursor=set_cursor)
+        with self._appending(None, torch.as_tensor(cursor).numel(), lambda *_: None) if set_cursor else contextlib.nullcontext():
+            self._local.set(cursor, data, set_cursor=set_cursor)
         self._shards.rows.pop(self.shard_id, None)  # len() asks the shard again
 
     def _empty(self) -> None:

@@ -6,6 +6,7 @@ state lives in the shard, not in TensorStorage's fields.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -16,12 +17,15 @@ from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 
 from gear_torchrl import gather
 from gear_torchrl.checkpointer import GearStorageCheckpointer
+from gear_torchrl.rate_gate import RateGate, RateLimitedStorage, check_sampler_is_gated
+from gear_torchrl.rate_limiters import RateLimiter
 from gear_torchrl.stats import Rates
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.sampled_index import Selection, WindowMarkers, local_selection, plan_of
 from gear_torchrl.selection.base import Selector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard
+from gear_torchrl.store.rate_counters import LocalRateCounters, SharedRateCounters
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
 from gear_torchrl.store.spec import Data, NestedKey
 from gear_torchrl.torchrl_state import state_from_torchrl, torchrl_fields
@@ -29,7 +33,7 @@ from gear_torchrl.torchrl_state import state_from_torchrl, torchrl_fields
 logger = logging.getLogger(__name__)
 
 
-class GearStorage(TensorStorage):
+class GearStorage(RateLimitedStorage, TensorStorage):
     """Columnar step ring with an episode index; a drop-in for ``LazyTensorStorage``.
 
     Args:
@@ -61,6 +65,12 @@ class GearStorage(TensorStorage):
             memory from the start, so other processes can write the first rows).
             Columns are always contiguous (``consolidated``) and never memory-mapped
             files (``cleanup_memmap``). Only ``ndim=1`` is supported so far.
+        rate_limiter: a :class:`RateLimiter` (``MinSize``, ``SampleToInsertRatio``, Reverb's rules): appends
+            wait in ``set`` and draws in the samplers until the rule allows them (releasing the buffer's
+            locks meanwhile). Over a shared store the rule and its counts live in the store, so every
+            attached process (actors, ``TrajectoryWriter``, DataLoader workers) obeys it. Draws are
+            counted for the gear samplers and TorchRL's ``RandomSampler``; a buffer with another
+            sampler is refused. Set or change it later with ``storage.rate_limiter = ...``.
         reader_timeout: with ``shared``, the longest a writer waits for a reader of rows
             it is about to overwrite (seconds, for every process of the store). A reader
             that holds its rows longer (stopped, paused, debugged) loses them: its read
@@ -97,6 +107,7 @@ class GearStorage(TensorStorage):
         shared: bool = False,
         handle: SharedStoreHandle | None = None,
         reader_timeout: float = DEFAULT_READER_TIMEOUT_S,
+        rate_limiter: RateLimiter | None = None,
         ndim: int = 1,
         compilable: bool = False,
         consolidated: bool = False,
@@ -138,6 +149,9 @@ class GearStorage(TensorStorage):
         self._rates = Rates()
         self._drawn: torch.Tensor | None = None
         self.__dict__["_storage_keys"] = None
+        self._rule_version = -1  # of a shared store's published rule, as this process last read it
+        if rate_limiter is not None:
+            self.rate_limiter = rate_limiter
 
     # -- size and shape -------------------------------------------------------------
     @property
@@ -179,7 +193,7 @@ class GearStorage(TensorStorage):
         return self
 
     def _rand_given_ndim(self, batch_size: int) -> torch.Tensor:
-        with self._shard.picking():
+        with self._sampling(batch_size), self._shard.picking():
             rows = self._shard.uniform_rows(batch_size, self._rng, self.device)
         self._drawn = rows  # in range by construction: ``get`` skips checking them (a wait for the GPU)
         return rows
@@ -193,7 +207,7 @@ class GearStorage(TensorStorage):
         carries the windows, so ``get`` of it, or of a copy, reads them back.
         """
         shard = self._shard
-        with shard.picking():  # a shared store catches up with other processes' commits here
+        with self._sampling(count * selector.spec.rows_per_pick), shard.picking():  # catches up with commits
             if shard.size == 0:
                 raise EmptyStoreError("cannot sample from an empty storage: write some data first")
             selector.follow(shard)
@@ -237,26 +251,34 @@ class GearStorage(TensorStorage):
         self.check_writable_here()
         if isinstance(data, list):
             data = torch.stack(data)
-        try:
-            self._shard.write(cursor, data, append=set_cursor)
-        except BaseException:
-            if set_cursor:
-                self._rewind_writers(cursor)
-            raise
-        if set_cursor:
-            self._set_last_cursor(cursor)
+        if not set_cursor:  # an in-place write: not an insert, nothing to gate
+            self._shard.write(cursor, data, append=False)
+            self._note_mutation()
+            return
+        positions = torch.arange(self.max_size)[cursor] if isinstance(cursor, slice) else torch.as_tensor(cursor).reshape(-1)
+        with self._appending(positions, positions.numel(), self._rewind_writers):
+            try:
+                self._shard.write(cursor, data, append=True)
+            except BaseException:
+                if self._current_gate() is None:  # else the gate rewinds, for the appends queued behind too
+                    self._rewind_writers(positions, positions.numel())
+                raise
+        self._set_last_cursor(cursor)
         self._note_mutation()
 
-    def _rewind_writers(self, cursor: Index) -> None:
-        """Move back the cursors TorchRL's writers advanced for a write the store refused.
+    def admitting(self, rows: int) -> contextlib.AbstractContextManager:
+        """Around an append made without TorchRL's writer (``TrajectoryWriter``): the rate limiter admits it."""
+        return self._appending(None, rows, lambda *_: None)
+
+    def _rewind_writers(self, positions: torch.Tensor | None, rows: int) -> None:
+        """Move back the cursors TorchRL's writers advanced for ``rows`` rows the store did not write.
 
         TorchRL's round-robin writers move their cursor before they call ``set``: left
         there, the next good write would land past a gap of rows never written.
         """
-        rows = torch.as_tensor(cursor).reshape(-1)
-        if rows.numel() == 0 or rows.is_floating_point():
+        if positions is None or positions.numel() == 0 or positions.is_floating_point():
             return
-        first, n = int(rows[0]), rows.numel()
+        first, n = int(positions[0]), rows
         for buffer in self._attached_entities:
             writer = getattr(buffer, "_writer", None)
             if getattr(writer, "_storage", None) is not self or not hasattr(writer, "_write_count"):
@@ -270,6 +292,8 @@ class GearStorage(TensorStorage):
         sampler = getattr(buffer, "_sampler", None) or getattr(buffer, "_init_sampler", None)
         _check_sampler_capacity(self, sampler)
         _refuse_unfollowing_sampler(self, sampler)
+        if self.rate_limiter is not None:
+            check_sampler_is_gated(sampler)
         super().attach(buffer)
 
     def get(self, index: Index) -> Data:
@@ -374,6 +398,7 @@ class GearStorage(TensorStorage):
     def _empty(self) -> None:
         self._shard.clear()
         self._set_last_cursor(None)
+        self._reset_rate_counts()
         self._note_mutation()
 
     def state_dict(self) -> dict[str, Any]:
@@ -394,6 +419,30 @@ class GearStorage(TensorStorage):
     def _sync_cursor_from_shard(self) -> None:
         shard = self._shard
         self._set_last_cursor((shard.head - 1) % shard.capacity if shard.size else None)
+
+    # -- the rate limiter's counts and rule (RateLimitedStorage) ---------------------------------
+    def _rate_counters(self) -> LocalRateCounters | SharedRateCounters:
+        return self._shard.rates if self.shared else LocalRateCounters()
+
+    def _publish_rate_limiter(self, limiter: RateLimiter | None) -> None:
+        if self.shared:
+            self._shard.rates.publish_rule(None if limiter is None else limiter.numbers)
+            self._rule_version = self._shard.rates.rule_version
+
+    def _current_gate(self) -> RateGate | None:
+        """A shared store's rule may have been set or changed by another process: follow it."""
+        if self.shared and self._shard.rates.rule_version != self._rule_version:
+            self._follow_published_rule()
+        return self._gate
+
+    def _follow_published_rule(self) -> None:
+        rates = self._shard.rates
+        self._rule_version = rates.rule_version
+        numbers = rates.rule()
+        if numbers is None:
+            self._gate = None
+            return
+        self._install_gate(RateLimiter.from_numbers(numbers), rates)
 
     # -- sharing across processes ------------------------------------------------------
     def check_writable_here(self) -> None:
@@ -439,7 +488,9 @@ class GearStorage(TensorStorage):
 
     # -- pickling and display -------------------------------------------------------
     def __getstate__(self) -> dict:
-        return Storage.__getstate__(self)
+        state = Storage.__getstate__(self)
+        state["_gate"] = None  # a copy in another process writes nothing and counts nothing here
+        return state
 
     def __setstate__(self, state: dict) -> None:
         Storage.__setstate__(self, state)

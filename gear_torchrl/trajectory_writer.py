@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from gear_torchrl.rate_limiters import RateLimiter
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.spec import Leaves, SpecMismatchError, TableSpec
 
@@ -29,17 +28,16 @@ class TrajectoryWriter:
         max_chunk: commit every ``max_chunk`` steps of a long episode instead of at
             its end (bounds this process's staging memory). Each chunk is then an
             episode of its own to the sequence samplers.
-        limiter: a rate limiter to wait on before each commit (e.g. a
-            :class:`SampleToInsertRatio` shared with the learner).
+
+    Each commit waits for the storage's rate limiter, if it has one (over a shared
+    store, the one its owner set: ``GearStorage(..., rate_limiter=...)``).
     """
 
-    def __init__(self, storage: GearStorage, *, max_chunk: int | None = None,
-                 limiter: RateLimiter | None = None) -> None:
+    def __init__(self, storage: GearStorage, *, max_chunk: int | None = None) -> None:
         if max_chunk is not None and max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         self.storage = storage
         self.max_chunk = max_chunk
-        self.limiter = limiter
         self._spec: TableSpec | None = None
         self._staged: list[Leaves] = []
         self._pending = 0
@@ -109,19 +107,9 @@ class TrajectoryWriter:
         values = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*(s.values for s in staged))]
         objects = [np.concatenate(parts) for parts in zip(*(s.objects for s in staged))]
         leaves = replace(staged[0], values=values, objects=objects, n=n)
-        settles = 0
-        if self.limiter is not None:
-            self.limiter.await_insert(n)
-            settles = n if self.limiter.settles_in(self.storage) else 0  # count them once, in the commit
-        try:
-            self.storage.shard.commit(leaves, settles=settles)
-        except BaseException:
-            if self.limiter is not None:
-                self.limiter.insert_failed(n)
-            raise
+        with self.storage.admitting(n):
+            self.storage.shard.commit(leaves)
         self._staged, self._pending = [], 0
-        if self.limiter is not None:
-            self.limiter.inserted(n, settled=settles)
         self.episodes_written += 1
         self.rows_written += n
         return n

@@ -95,11 +95,12 @@ def cartpole():
     return GymEnv("CartPole-v1")
 
 
-def write_limited(storage, limiter, num_episodes: int, length: int) -> None:
-    """Write episodes, each waiting for the limiter's permission."""
+def write_limited(storage, num_episodes: int, length: int) -> None:
+    """Write episodes, each waiting for the permission of the rate limiter the store's owner set."""
     from gear_torchrl import TrajectoryWriter
 
-    writer = TrajectoryWriter(storage, limiter=limiter)
+    assert storage.rate_limiter is not None, "the owner's rule must reach this process with the store"
+    writer = TrajectoryWriter(storage)
     for e in range(num_episodes):
         writer.extend(episode(e, length))
         writer.end_episode()
@@ -114,11 +115,11 @@ def episodes_sampled(rb, draws: int, result_queue) -> None:
     result_queue.put(sorted(seen))
 
 
-def write_until_blocked(storage, limiter, barrier) -> None:
-    """Write 10-step episodes, all writers starting at once, until the limiter stops letting them in."""
+def write_until_blocked(storage, barrier) -> None:
+    """Write 10-step episodes, all writers starting at once, until the store's limiter stops letting them in."""
     from gear_torchrl import RateLimiterTimeout, TrajectoryWriter
 
-    writer = TrajectoryWriter(storage, limiter=limiter)
+    writer = TrajectoryWriter(storage)
     barrier.wait()
     try:
         for e in range(1_000):

@@ -9,7 +9,7 @@ import torch
 from helpers import make_steps
 from torchrl.data import TensorDictReplayBuffer
 
-from gear_torchrl import GearStorage, MinSize, RateLimiterTimeout, SampleToInsertRatio
+from gear_torchrl import GearStorage, GearUniformSampler, MinSize, RateLimiterTimeout, SampleToInsertRatio
 
 
 def gated_buffer(limiter, capacity=1000, batch=10):
@@ -117,6 +117,87 @@ def test_the_presets_are_the_one_rule_configured_by_numbers():
     lagging.inserted(5)
     assert lagging.can_sample(5) and not lagging.can_sample(6) and lagging.can_insert(995)
     with pytest.raises(RateLimiterTimeout, match="ratio must stay within"):
-        lagging.await_sample(6)
+        lagging.admit_sample(6)
     with pytest.raises(ValueError, match="min_diff <= max_diff"):
         RateLimiter(1.0, 1, min_diff=5.0, max_diff=1.0)
+
+
+# -- the storage holds the limiter: gates where TorchRL calls it, no wrapping ---------------------------
+def limited_buffer(limiter, capacity=1000, batch=4, **kwargs):
+    return TensorDictReplayBuffer(storage=GearStorage(capacity, rate_limiter=limiter), sampler=GearUniformSampler(),
+                                  batch_size=batch, **kwargs)
+
+
+def test_attach_sets_the_storage_limiter_and_wraps_nothing():
+    limiter = MinSize(5)
+    rb = gated_buffer(limiter)
+    assert rb.storage.rate_limiter is limiter and isinstance(rb.sampler, GearUniformSampler)
+    assert not {"extend", "add", "sample", "empty"} & set(vars(rb)), "the buffer's methods must stay TorchRL's own"
+
+
+@pytest.mark.parametrize("buffer_shared", [False, True], ids=["thread-lock", "rb.share()-process-lock"])
+def test_an_insert_blocked_inside_set_lets_a_sampler_of_the_same_buffer_in(buffer_shared):
+    """TorchRL holds its buffer's locks around storage.set; the wait must let go of them or deadlock."""
+    limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=4, error_buffer=4.0, timeout=10)
+    rb = limited_buffer(limiter, shared=buffer_shared)  # allowed diff: 0..8
+    rb.extend(make_steps(8, seed=0))
+    assert not limiter.can_insert(4)
+    inserted = threading.Event()
+    inserter = threading.Thread(target=lambda: (rb.extend(make_steps(4, seed=1)), inserted.set()))
+    inserter.start()
+    time.sleep(0.3)
+    assert not inserted.is_set() and len(rb) == 8, "the insert should wait for samples"
+    assert rb.sample().batch_size == torch.Size([4])  # deadlocks if the waiting insert kept the locks
+    inserter.join(timeout=10)
+    assert inserted.is_set() and len(rb) == 12 and limiter.inserts == 12 and limiter.samples == 4
+
+
+def test_appends_queued_behind_a_timed_out_one_fail_with_it_and_leave_no_gap():
+    limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=4, error_buffer=4.0, timeout=0.5)
+    rb = limited_buffer(limiter, capacity=100)
+    rb.extend(make_steps(8, seed=0))
+    errors = []
+
+    def extend(seed):
+        try:
+            rb.extend(make_steps(3, seed=seed))
+        except RateLimiterTimeout as err:
+            errors.append(str(err))
+
+    first = threading.Thread(target=extend, args=(1,))
+    first.start()
+    time.sleep(0.1)
+    second = threading.Thread(target=extend, args=(2,))  # its rows follow the first's, which never come
+    second.start()
+    for t in (first, second):
+        t.join(timeout=10)
+    assert len(errors) == 2 and any("queued behind it" in e for e in errors), errors
+    assert len(rb) == 8 and rb.write_count == 8 and limiter.inserts == 8  # the writer's cursor went back
+    rb.sample()
+    later = make_steps(4, seed=3)
+    rb.extend(later)  # lands right after the first 8 rows
+    assert torch.equal(rb[8:12]["obs"], later["obs"]) and len(rb) == 12
+
+
+def test_a_sampler_that_draws_without_asking_the_storage_is_refused():
+    from torchrl.data import PrioritizedSampler, SliceSampler
+
+    with pytest.raises(TypeError, match="PrioritizedSampler draws rows without asking the storage"):
+        TensorDictReplayBuffer(storage=GearStorage(100, rate_limiter=MinSize(1)),
+                               sampler=PrioritizedSampler(100, alpha=0.6, beta=0.4))
+    rb = TensorDictReplayBuffer(storage=GearStorage(100), sampler=SliceSampler(slice_len=4))
+    with pytest.raises(TypeError, match="GearSequenceSampler for SliceSampler"):
+        MinSize(1).attach(rb)
+    assert rb.storage.rate_limiter is None  # left as it was
+    with pytest.raises(TypeError, match="must be a RateLimiter"):
+        rb.storage.rate_limiter = 5
+
+
+def test_a_limiter_set_on_a_store_with_rows_counts_them_inserted():
+    storage = GearStorage(100)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=GearUniformSampler(), batch_size=4)
+    rb.extend(make_steps(10, seed=0))
+    storage.rate_limiter = MinSize(10, timeout=0.1)
+    assert rb.sample().batch_size == torch.Size([4])  # the 10 rows already held count toward min_size
+    storage.rate_limiter = None
+    assert storage.rate_limiter is None

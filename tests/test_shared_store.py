@@ -268,7 +268,7 @@ def test_sample_to_insert_ratio_holds_across_processes():
     storage = GearStorage(1_000, shared=True)
     limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=10, error_buffer=20, timeout=60)
     rb = limiter.attach(TensorDictReplayBuffer(storage=storage, batch_size=40))
-    actor = CTX.Process(target=w.write_limited, args=(storage, limiter, 10, 10))
+    actor = CTX.Process(target=w.write_limited, args=(storage, 10, 10))
     try:
         actor.start()
 
@@ -312,11 +312,10 @@ def test_a_sequence_sampler_pickled_after_sampling_sees_later_episodes():
 
 def test_concurrent_writers_cannot_all_pass_the_same_rate_limiter_check():
     """Nobody samples, so the rule admits at most 101 rows; 8 writers racing must not overshoot it."""
-    storage = GearStorage(10_000, shared=True)
-    limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=1, error_buffer=100,
-                                  timeout=1.0).share(storage)
+    limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=1, error_buffer=100, timeout=1.0)
+    storage = GearStorage(10_000, shared=True, rate_limiter=limiter)
     barrier = CTX.Barrier(8)
-    writers = [CTX.Process(target=w.write_until_blocked, args=(storage, limiter, barrier)) for _ in range(8)]
+    writers = [CTX.Process(target=w.write_until_blocked, args=(storage, barrier)) for _ in range(8)]
     try:
         for p in writers:
             p.start()

@@ -39,17 +39,17 @@ from torch import nn
 from torchrl.data import TensorDictReplayBuffer
 from tqdm import tqdm
 
-from gear_torchrl import GearStorage, SampleToInsertRatio, TrajectoryWriter
+from gear_torchrl import GearStorage, GearUniformSampler, SampleToInsertRatio, TrajectoryWriter
 
 # -- 1. The actor: an environment loop that writes episodes --------------------------------
 #
-# Each actor runs in its own process. It gets the storage and the limiter as
-# arguments (both pickle to handles of the same shared store), plays CartPole
+# Each actor runs in its own process. It gets the storage as an argument (it
+# pickles to a handle of the same shared store, whose rate limiter comes along:
+# the rule and its counts live in the store), plays CartPole
 # with a simple balancing rule plus its own amount of random exploration (Ape-X
 # gives every actor a different epsilon), and writes each step as a TensorDict.
 
-def actor(actor_id: int, storage: GearStorage, limiter: SampleToInsertRatio, steps: int, epsilon: float,
-          chunk: int, results) -> None:
+def actor(actor_id: int, storage: GearStorage, steps: int, epsilon: float, chunk: int, results) -> None:
     import gymnasium as gym
 
     torch.set_num_threads(1)  # see the learner: more processes than cores
@@ -58,7 +58,7 @@ def actor(actor_id: int, storage: GearStorage, limiter: SampleToInsertRatio, ste
     # max_chunk: a long episode is committed every `chunk` steps rather than at its
     # end. It bounds the rows one commit adds, which the limiter's error buffer must
     # cover (see the learner). Each chunk counts as an episode of its own.
-    writer = TrajectoryWriter(storage, limiter=limiter, max_chunk=chunk)
+    writer = TrajectoryWriter(storage, max_chunk=chunk)  # each commit waits for the store's rate limiter
     obs, _ = env.reset(seed=actor_id)
     in_writer = 0.0  # seconds spent in append/end_episode: copying, and waiting on the limiter
     episodes = 0
@@ -151,18 +151,18 @@ def main() -> None:
     limiter = SampleToInsertRatio(samples_per_insert=args.ratio, min_size_to_sample=args.min_size,
                                   error_buffer=error_buffer, timeout=120)
 
-    # -- The replay: a shared store, a TorchRL buffer over it (uniform sampling), the
-    #    limiter attached. attach() sees the shared storage and moves its counters into
-    #    the store, so the copies the actors unpickle count in the same place.
-    storage = GearStorage(args.capacity, shared=True)
+    # -- The replay: a shared store holding the limiter, a TorchRL buffer over it
+    #    (uniform sampling, drawn by the store so a sample waits for rows). The rule
+    #    and its counts live in the store, so the copies the actors unpickle obey it.
+    storage = GearStorage(args.capacity, shared=True, rate_limiter=limiter)
     print(f"shared store {storage.handle.store_id}: {args.capacity} rows, owned by this process; "
           f"it pickles to {len(pickle.dumps(storage))} bytes")
-    rb = limiter.attach(TensorDictReplayBuffer(storage=storage, batch_size=args.batch))
+    rb = TensorDictReplayBuffer(storage=storage, sampler=GearUniformSampler(), batch_size=args.batch)
 
     ctx = mp.get_context("spawn")  # fresh interpreters: no inherited threads, locks or memory
     results = ctx.Queue()
     epsilons = [0.4 ** (1 + 7 * i / max(args.actors - 1, 1)) for i in range(args.actors)]  # Ape-X's spread
-    actors = [ctx.Process(target=actor, args=(i, storage, limiter, args.steps_per_actor, eps, args.chunk, results),
+    actors = [ctx.Process(target=actor, args=(i, storage, args.steps_per_actor, eps, args.chunk, results),
                           name=f"actor-{i}") for i, eps in enumerate(epsilons)]
     model = Dynamics()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -5,5 +5,6 @@ from gear_torchrl.samplers.prioritized_sequence import GearPrioritizedSequenceSa
 from gear_torchrl.samplers.queue import QueueSampler
 from gear_torchrl.samplers.sequence import GearSequenceSampler
 from gear_torchrl.samplers.topk import TopKSampler
+from gear_torchrl.samplers.uniform import GearUniformSampler
 
-__all__ = ["GearPrioritizedSampler", "GearPrioritizedSequenceSampler", "GearSequenceSampler", "MaxTimesSampled", "QueueSampler", "TopKSampler"]
+__all__ = ["GearPrioritizedSampler", "GearPrioritizedSequenceSampler", "GearSequenceSampler", "GearUniformSampler", "MaxTimesSampled", "QueueSampler", "TopKSampler"]

@@ -31,18 +31,16 @@ drops a dead process's ``flock``, so no crash can leave the store locked.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from gear_torchrl.store import janitor
-from gear_torchrl.store.shared_memory import PAGE, map_segment, page_round
+from gear_torchrl.store.shared_memory import PAGE, SegmentLock, map_segment, page_round
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +48,7 @@ MAGIC = 0x47454152_54524C31  # "GEARTRL1"
 _H_MAGIC, _H_CAPACITY, _H_OWNER = 0, 2, 3
 _H_STATE = janitor.STATE_SLOT
 _H_RESERVED, _H_PUBLISHED, _H_NEXT_SEQ, _H_PUBLISHED_SEQ, _H_EPOCH = 5, 6, 7, 8, 9
-_H_INSERTS, _H_SAMPLES, _H_SPEC_LEN, _H_RECORDS, _H_READERS, _H_FLOOR = 10, 11, 12, 13, 14, 15
-_H_ADMITTED = 16  # rows rate limiters let in that are not committed yet
+_H_INSERTS, _H_SPEC_LEN, _H_RECORDS, _H_READERS, _H_FLOOR = 10, 12, 13, 14, 15
 _H_EVICTED, _H_EVICT_EPOCH = 17, 18  # rows below EVICTED - capacity are gone, since that epoch
 _H_READER_TIMEOUT_US = 19  # how long a writer waits for a reader before revoking its read
 _EVICT_BLOCKS = 64  # the ring evicts 1/64 of itself at a time
@@ -139,16 +136,15 @@ class CommitLog:
         self._readers = words[_HEADER_SLOTS + 4 * k: _HEADER_SLOTS + 4 * k + _SLOT_WORDS * s].reshape(s, _SLOT_WORDS)
         spec_at = 8 * (_HEADER_SLOTS + 4 * k + _SLOT_WORDS * s)
         self._spec = memoryview(self._map)[spec_at: spec_at + _SPEC_BYTES]
-        self._fd = os.open(path, os.O_RDWR)
-        self._thread_lock = threading.Lock()
+        self._lock = SegmentLock(path)
         self._reader_slot: int | None = None
         self._revocations = 0  # the slot's revocation count when this process's read began
         self._reading = False  # a read section is open
         self._seen_seq = 0  # records before this one are in this reader's view
 
     # -- locking and liveness --------------------------------------------------------
-    def _locked(self):
-        return _Locked(self._thread_lock, self._fd)
+    def _locked(self) -> SegmentLock:
+        return self._lock
 
     def check_open(self) -> None:
         state = int(self._h[_H_STATE])
@@ -271,14 +267,13 @@ class CommitLog:
                                "revoked so writers can go on", int(self._readers[slot, _SLOT_PID]),
                                self.reader_timeout_s)
 
-    def commit(self, reservation: Reservation, *, dead: bool = False, settles: int = 0) -> None:
-        """Publish a reservation; its rows count as inserts, replacing ``settles`` admitted rows at once."""
+    def commit(self, reservation: Reservation, *, dead: bool = False) -> None:
+        """Publish a reservation; its rows count as inserts."""
         with self._locked():
             k = self._records.shape[0]
             self._records[reservation.seq % k, 3] = DEAD if dead else COMMITTED
             if not dead:
                 self._h[_H_INSERTS] += reservation.num_rows
-                self._h[_H_ADMITTED] = max(0, int(self._h[_H_ADMITTED]) - settles)
             self._publish()
 
     def _publish(self) -> None:
@@ -373,47 +368,10 @@ class CommitLog:
                 return slot
         raise RuntimeError(f"all {pids.shape[0]} reader slots of the shared store are taken by live processes")
 
-    # -- counters for rate limiters ---------------------------------------------------------
     @property
     def inserts(self) -> int:
+        """Rows every process committed (for ``stats``)."""
         return int(self._h[_H_INSERTS])
-
-    @property
-    def samples(self) -> int:
-        return int(self._h[_H_SAMPLES])
-
-    @property
-    def admitted(self) -> int:
-        """Rows rate limiters admitted whose commits have not been counted yet."""
-        return int(self._h[_H_ADMITTED])
-
-    def admit(self, num_rows: int, allowed) -> bool:
-        """Count ``num_rows`` as admitted if ``allowed()`` holds, both under the lock.
-
-        Checking and counting in one step is what keeps writers in different
-        processes from all passing the same check at once.
-        """
-        with self._locked():
-            self.check_open()
-            if not allowed():
-                return False
-            self._h[_H_ADMITTED] += num_rows
-            return True
-
-    def settle(self, num_rows: int) -> None:
-        """Admitted rows were committed (the commit counted them) or given up."""
-        with self._locked():
-            self._h[_H_ADMITTED] = max(0, int(self._h[_H_ADMITTED]) - num_rows)
-
-    def add_samples(self, num_rows: int) -> None:
-        with self._locked():
-            self._h[_H_SAMPLES] += num_rows
-
-    def reset_counters(self) -> None:
-        with self._locked():
-            self._h[_H_INSERTS] = 0
-            self._h[_H_SAMPLES] = 0
-            self._h[_H_ADMITTED] = 0
 
     @property
     def reserved_end(self) -> int:
@@ -441,23 +399,10 @@ class CommitLog:
             self._readers[self._reader_slot, _SLOT_PID] = 0
             self._readers[self._reader_slot, _SLOT_EPOCH] = 0
             self._reader_slot = None
-        os.close(self._fd)
+        self._lock.close()
         del self._h, self._records, self._readers
         self._spec.release()
         self._map.close()
-
-
-class _Locked:
-    def __init__(self, thread_lock: threading.Lock, fd: int) -> None:
-        self._thread_lock, self._fd = thread_lock, fd
-
-    def __enter__(self) -> None:
-        self._thread_lock.acquire()
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        self._thread_lock.release()
 
 
 def _exists(pid: int) -> bool:

@@ -244,12 +244,10 @@ class Shard:
             return rows
         return self._write_columns(leaves, rows, append)
 
-    def commit(self, leaves: Leaves, settles: int = 0) -> torch.Tensor:
+    def commit(self, leaves: Leaves) -> torch.Tensor:
         """Append checked rows (``validated``) as one unit whose last row ends an episode.
 
         This is how a :class:`TrajectoryWriter` hands over an episode or a chunk of one.
-        ``settles``: rows a rate limiter admitted into a shared store's counters,
-        which the commit replaces with its own (nothing to do here).
         """
         rows = (torch.arange(leaves.n, dtype=torch.int64) + self.head) % self.capacity
         size_before = self.size

@@ -10,11 +10,13 @@ attached process can remove one under the others.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
 import subprocess
 import sys
+import threading
 import weakref
 from pathlib import Path
 
@@ -69,6 +71,29 @@ def map_tensor(path: Path) -> torch.Tensor:
 
 def page_round(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
+
+
+class SegmentLock:
+    """Excludes every thread of every process attached to a segment.
+
+    ``flock`` on the segment plus a thread lock (``flock`` is per open file, not per
+    thread); the kernel drops a dead process's ``flock``, so no crash leaves it locked.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDWR)
+        self._thread_lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        self._thread_lock.acquire()
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._thread_lock.release()
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 class Janitor:

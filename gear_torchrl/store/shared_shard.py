@@ -31,6 +31,7 @@ from gear_torchrl.store.commit_log import (
     reader_timeout_us,
 )
 from gear_torchrl.store.live_rows import LiveRows, dead_runs_array
+from gear_torchrl.store.rate_counters import SharedRateCounters
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard, Windows, as_index_tensor
 from gear_torchrl.store.shared_memory import (
     Janitor,
@@ -94,6 +95,8 @@ class SharedShard(Shard):
             self.store_id = handle.store_id
             self.log = CommitLog(segment_path(self.store_id, "control"))
             self.log.check_open()
+        self.rates = SharedRateCounters(segment_path(self.store_id, "rates"), create=self.is_owner,
+                                        check_open=self.log.check_open)
         self._lo = 0  # oldest position in this process's episode index
         self._hi = 0  # published end this process has replayed
         self._snapshot: ReadSnapshot | None = None  # set while a read section is open
@@ -159,7 +162,7 @@ class SharedShard(Shard):
         leaves = self.validated(data, isinstance(index, (int, np.integer)))
         return self.commit(leaves)  # checks the spec against the store's
 
-    def commit(self, leaves: Leaves, settles: int = 0) -> torch.Tensor:
+    def commit(self, leaves: Leaves) -> torch.Tensor:
         """Write checked rows (``validated``) as one unit, readable all at once."""
         self._map_data()
         if self.spec is None:
@@ -179,7 +182,7 @@ class SharedShard(Shard):
         except BaseException:
             self.log.commit(reservation, dead=True)
             raise
-        self.log.commit(reservation, settles=settles)
+        self.log.commit(reservation)
         return rows
 
     def _fixed_layout_error(self, spec: TableSpec) -> SpecMismatchError:
@@ -539,6 +542,7 @@ class SharedShard(Shard):
         if self.is_owner:
             self.log.mark_closed()
         self.log.close()
+        self.rates.close()
         if self._janitor is not None:
             self._janitor.release()
 

@@ -1,0 +1,239 @@
+"""Where a storage applies its rate limiter: in ``set`` (appends) and in its draws, where TorchRL calls us.
+
+TorchRL calls both while holding its buffer's locks, so a call that must wait
+lets go of them for the wait (a sampler thread of the same buffer has to get
+in to make room), then takes them back. Letting go has one consequence:
+TorchRL's writer hands out row positions before it calls ``set``, so another
+thread's append may arrive while ours waits. Appends therefore take their
+turn in the order their positions were handed out, and when one fails, every
+append queued behind it fails too and the writers' cursor goes back to the
+first failed row: no gap is ever left in the ring, and nothing is written out
+of order.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from gear_torchrl.rate_limiters import RateLimiter, RateLimiterTimeout
+from gear_torchrl.store.rate_counters import Counts, LocalRateCounters, SharedRateCounters
+
+_WAIT_SLICE_S = 0.05  # a waiter re-checks the store (closed, owner dead) at least this often
+
+
+@dataclass(eq=False)
+class _Turn:
+    first: Any  # the first row TorchRL's writer handed out for this append
+    rows: int
+    failed: BaseException | None = None
+
+
+class AppendTurns:
+    """Appends through one storage, served in the order their rows were handed out."""
+
+    def __init__(self) -> None:
+        self._queue: deque[_Turn] = deque()
+        self._cond = threading.Condition()
+
+    def enter(self, first: Any, rows: int) -> _Turn:
+        with self._cond:
+            turn = _Turn(first, rows)
+            self._queue.append(turn)
+            return turn
+
+    def wait(self, turn: _Turn, deadline: float | None, released: Callable[[], contextlib.AbstractContextManager]) -> None:
+        """Until every earlier append is done; raise if one of them failed (our rows would follow a gap)."""
+        while True:
+            with self._cond:
+                if turn.failed is not None:
+                    raise turn.failed
+                if self._queue[0] is turn:
+                    return
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise RateLimiterTimeout("an append waited past the rate limiter's timeout behind earlier "
+                                             "appends of this process that are still blocked")
+            with released(), self._cond:
+                self._cond.wait(_WAIT_SLICE_S if remaining is None else min(remaining, _WAIT_SLICE_S))
+
+    def done(self, turn: _Turn) -> None:
+        with self._cond:
+            self._queue.remove(turn)
+            self._cond.notify_all()
+
+    def fail_from(self, turn: _Turn, error: BaseException) -> int:
+        """``turn`` failed: so do the appends queued behind it. Returns the rows they were all handed."""
+        with self._cond:
+            at = self._queue.index(turn)
+            failed = list(self._queue)[at:]
+            for later in failed[1:]:
+                later.failed = RateLimiterTimeout(
+                    f"an earlier append of this process failed ({type(error).__name__}: {error}); this one was "
+                    "queued behind it and was not written either, so the ring keeps no gap")
+            for each in failed:
+                self._queue.remove(each)
+            self._cond.notify_all()
+            return sum(t.rows for t in failed)
+
+
+class RateGate:
+    """A storage's rate limiter, applied where the storage is called.
+
+    ``buffers`` returns the replay buffers the storage is attached to: their locks
+    are released while a call waits.
+    """
+
+    def __init__(self, limiter: RateLimiter, buffers: Callable[[], list[Any]]) -> None:
+        self.limiter = limiter
+        self._buffers = buffers
+        self._turns = AppendTurns()
+
+    @contextlib.contextmanager
+    def append(self, first: Any, rows: int, rewind: Callable[[Any, int], None]) -> Iterator[None]:
+        """Around one append of ``rows`` rows: its turn, then the limiter's admission, then the write.
+
+        ``rewind(first, rows)`` moves TorchRL's writers back when the append (and those
+        behind it) will not happen.
+        """
+        limiter = self.limiter
+        deadline = _deadline(limiter.timeout)
+        turn = self._turns.enter(first, rows)
+        admitted = False
+        try:
+            self._turns.wait(turn, deadline, self._released)
+            limiter.admit_insert(rows, deadline=deadline, while_waiting=self._released)
+            admitted = True
+            yield
+        except BaseException as error:
+            if admitted:
+                limiter.insert_failed(rows)
+            if turn.failed is None:  # else the append that failed first rewound for us too
+                rewind(first, self._turns.fail_from(turn, error))
+            raise
+        else:
+            limiter.inserted(rows, admitted=True)
+            self._turns.done(turn)
+
+    @contextlib.contextmanager
+    def sample(self, rows: int) -> Iterator[None]:
+        """Around one draw of ``rows`` rows: the limiter's admission, given back if the draw fails."""
+        self.limiter.admit_sample(rows, deadline=_deadline(self.limiter.timeout), while_waiting=self._released)
+        try:
+            yield
+        except BaseException:
+            self.limiter.sample_failed(rows)
+            raise
+
+    def _released(self) -> contextlib.AbstractContextManager:
+        return buffer_locks_released(self._buffers())
+
+
+@contextlib.contextmanager
+def buffer_locks_released(buffers: list[Any]) -> Iterator[None]:
+    """Let go of the TorchRL buffer locks this thread holds, and take them back after.
+
+    A replay buffer holds its ``_replay_lock`` (a re-entrant thread lock) and, once
+    ``rb.share()`` was called, its ``_write_lock`` (a process lock) around every
+    ``set`` and draw. Released in reverse order, retaken in TorchRL's order.
+    """
+    held: list[tuple[str, Any, Any]] = []
+    try:
+        for buffer in buffers:
+            replay = getattr(buffer, "_replay_lock", None)
+            if replay is not None and hasattr(replay, "_is_owned") and replay._is_owned():
+                held.append(("replay", replay, replay._release_save()))
+            write = getattr(buffer, "_write_lock", None)
+            semlock = getattr(write, "_semlock", None)
+            if semlock is not None and semlock._is_mine():
+                write.release()
+                held.append(("write", write, None))
+        yield
+    finally:
+        for kind, lock, state in held:
+            if kind == "replay":
+                lock._acquire_restore(state)
+            else:
+                lock.acquire()
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+class RateLimitedStorage:
+    """A storage that holds a rate limiter (``storage.rate_limiter``) and applies it in its appends and draws.
+
+    Subclasses call ``_appending`` around an append, ``_sampling`` around a draw,
+    and may keep the counts elsewhere (``_rate_counters``: a shared store's segment).
+    """
+
+    _gate: RateGate | None = None
+
+    @property
+    def rate_limiter(self) -> RateLimiter | None:
+        gate = self._current_gate()
+        return None if gate is None else gate.limiter
+
+    @rate_limiter.setter
+    def rate_limiter(self, limiter: RateLimiter | None) -> None:
+        if limiter is not None and not isinstance(limiter, RateLimiter):
+            raise TypeError(f"rate_limiter must be a RateLimiter (MinSize, SampleToInsertRatio, ...) or None, "
+                            f"got {type(limiter).__name__}")
+        if limiter is not None:
+            for buffer in self._attached_entities:
+                check_sampler_is_gated(getattr(buffer, "_sampler", None))
+        self._publish_rate_limiter(limiter)
+        if limiter is None:
+            self._gate = None
+            return
+        counters = self._rate_counters()
+        if counters.counts() == Counts(0, 0, 0):  # rows already held count as inserted
+            counters.add(inserted=len(self))
+        self._install_gate(limiter, counters)
+
+    def _install_gate(self, limiter: RateLimiter, counters: LocalRateCounters | SharedRateCounters) -> None:
+        limiter.count_in(counters)
+        self._gate = RateGate(limiter, lambda: list(self._attached_entities))
+
+    def _rate_counters(self) -> LocalRateCounters | SharedRateCounters:
+        return LocalRateCounters()
+
+    def _publish_rate_limiter(self, limiter: RateLimiter | None) -> None:
+        """Where other processes must learn of the rule (a shared store), tell them."""
+
+    def _current_gate(self) -> RateGate | None:
+        return self._gate
+
+    def _appending(self, first: Any, rows: int, rewind: Callable[[Any, int], None]) -> contextlib.AbstractContextManager:
+        gate = self._current_gate()
+        return contextlib.nullcontext() if gate is None else gate.append(first, rows, rewind)
+
+    def _sampling(self, rows: int) -> contextlib.AbstractContextManager:
+        gate = self._current_gate()
+        return contextlib.nullcontext() if gate is None else gate.sample(rows)
+
+    def _reset_rate_counts(self) -> None:
+        gate = self._current_gate()
+        if gate is not None:
+            gate.limiter.reset()
+
+
+def check_sampler_is_gated(sampler: Any) -> None:
+    """A rate-limited storage counts draws it makes: refuse a sampler that draws without asking it."""
+    if sampler is None:
+        return
+    from torchrl.data.replay_buffers.samplers import RandomSampler
+
+    from gear_torchrl.samplers.selecting import SelectsThroughStorage
+
+    if isinstance(sampler, SelectsThroughStorage) or type(sampler) is RandomSampler:
+        return
+    raise TypeError(
+        f"{type(sampler).__name__} draws rows without asking the storage, so the storage's rate limiter cannot "
+        "count or hold back its samples. Use TorchRL's RandomSampler (the default) or a gear sampler "
+        "(GearPrioritizedSampler for PrioritizedSampler, GearSequenceSampler for SliceSampler, ...)")

@@ -1,0 +1,28 @@
+"""GearUniformSampler: rows uniformly (``selection/uniform.py``) for TorchRL, drawn by the storage."""
+from __future__ import annotations
+
+import torch
+from torchrl.data.replay_buffers.samplers import Sampler
+from torchrl.data.replay_buffers.storages import Storage
+
+from gear_torchrl.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.selection.state_file import StateDictFile
+from gear_torchrl.selection.uniform import UniformSelector, UniformSpec
+
+
+class GearUniformSampler(SelectsThroughStorage, StateDictFile, Sampler):
+    """TorchRL's ``RandomSampler``, asking the storage to draw (with the buffer's generator).
+
+    The same draws, but through ``storage.select``: a rate-limited storage then waits
+    for rows to sample even when it is empty, where ``RandomSampler`` raises before
+    it asks the storage; over a ShardedGearStorage each owner draws its share.
+    """
+
+    def __init__(self) -> None:
+        self.selector = UniformSelector(UniformSpec())
+
+    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        return self._select(storage, batch_size).index, {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
