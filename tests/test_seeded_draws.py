@@ -11,6 +11,7 @@ from gear_torchrl import (
     GearPrioritizedSequenceSampler,
     GearSequenceSampler,
     GearStorage,
+    GearUniformSampler,
     MaxTimesSampled,
 )
 
@@ -19,6 +20,7 @@ SAMPLERS = {
     "uniform (TorchRL's RandomSampler)": lambda: None,
     "TorchRL PrioritizedSampler": lambda: PrioritizedSampler(ROWS, 0.7, 0.5),
     "TorchRL SliceSampler": lambda: SliceSampler(slice_len=4, end_key=("next", "done")),
+    "GearUniformSampler": lambda: GearUniformSampler(),
     "GearPrioritizedSampler": lambda: GearPrioritizedSampler(ROWS, 0.7, 0.5),
     "GearSequenceSampler": lambda: GearSequenceSampler(4, strict_length=False),
     "GearPrioritizedSequenceSampler": lambda: GearPrioritizedSequenceSampler(ROWS, 4, strict_length=False),

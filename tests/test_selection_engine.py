@@ -22,6 +22,7 @@ from gear_torchrl import (
     GearPrioritizedSequenceSampler,
     GearSequenceSampler,
     GearStorage,
+    GearUniformSampler,
     MaxTimesSampled,
     QueueSampler,
     TopKSampler,
@@ -125,6 +126,7 @@ def test_a_malformed_spec_is_refused_by_name(blob, problem):
 
 ROWS = 400
 SAMPLERS = {
+    "uniform": lambda: GearUniformSampler(),
     "prioritized": lambda: GearPrioritizedSampler(ROWS, 0.7, 0.5),
     "windows, padded with burn-in": lambda: GearSequenceSampler(6, burn_in=3, strict_length=False),
     "prioritized windows": lambda: GearPrioritizedSequenceSampler(ROWS, 4, burn_in=2, strict_length=False),
