@@ -1,5 +1,8 @@
 """The plain tensor path through TorchRL's buffer: uniform sample, get, extend, add (GearStorage, LazyTensorStorage).
 
+A third contender is a GearStorage with a rate limiter whose rule never blocks
+(``limiter.attach(rb)``): what checking and counting add to each call.
+
 What a store of plain tensors costs per call, for comparing one version of
 gear_torchrl with another (run each with its own PYTHONPATH, in turns). Times
 are process CPU time on one thread, the median of interleaved repetitions: on
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -22,7 +26,9 @@ from harness import table, write_json
 from storage_sampling import LAYOUTS, make_chunk
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
-from gear_torchrl import GearStorage
+from gear_torchrl import GearStorage, RateLimiter
+
+LIMITED = "GearStorage + RateLimiter"
 
 
 def cpu_medians(fns: dict[str, Callable[[], object]], repeats: int, inner: int) -> dict[str, float]:
@@ -53,8 +59,11 @@ def main() -> None:
     step = chunk[0].clone()
     index = torch.randint(0, args.rows, (args.batch,))
     contenders = {}
-    for label, make in (("GearStorage", GearStorage), ("LazyTensorStorage", LazyTensorStorage)):
+    for label, make in (("GearStorage", GearStorage), ("LazyTensorStorage", LazyTensorStorage),
+                        (LIMITED, GearStorage)):
         rb = TensorDictReplayBuffer(storage=make(args.rows), batch_size=args.batch)
+        if label == LIMITED:  # a rule that never blocks: what checking and counting cost
+            RateLimiter(1.0, 1, -math.inf, math.inf).attach(rb)
         for first in range(0, args.rows, 65536):
             rb.extend(make_chunk(layout, min(65536, args.rows - first), seed=first))
         contenders[f"sample / {label}"] = rb.sample
@@ -65,7 +74,7 @@ def main() -> None:
     results = []
     for op in ("sample", "get", "extend", "add"):
         gear = times[f"{op} / GearStorage"]
-        for label in ("GearStorage", "LazyTensorStorage"):
+        for label in ("GearStorage", "LazyTensorStorage", LIMITED):
             t = times[f"{op} / {label}"]
             results.append({"op": op, "storage": label, "us_cpu": round(t * 1e6, 1), "gear_speedup": round(t / gear, 2)})
     print(f"gear_torchrl from {gear_torchrl.__file__}; {args.rows:,} rows, batch {args.batch} (extend), one step "

@@ -212,7 +212,10 @@ class GearStorage(RateLimitedStorage, TensorStorage):
                 raise EmptyStoreError("cannot sample from an empty storage: write some data first")
             selector.follow(shard)
             picked = pick_exactly(selector, shard, count, generator)
-        return local_selection(picked, shard.capacity, self.device, markers)
+        selection = local_selection(picked, shard.capacity, self.device, markers)
+        if plan_of(selection.index) is None and selection.index.device == self.device:
+            self._drawn = selection.index  # rows picked here are in range: ``get`` skips checking them
+        return selection
 
     def note_written(self, selector: Selector, index: Any) -> None:
         """TorchRL's writer wrote rows ``index`` (``mark_update``): the selector's per-row state follows."""

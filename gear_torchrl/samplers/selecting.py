@@ -39,6 +39,8 @@ class SelectsThroughStorage:
 
     def mark_update(self, index: Any, *, storage: Any = None) -> None:
         """Rows were (over)written through TorchRL's writer: the rule's per-row state follows."""
+        if not self.selector.keeps_row_state:
+            return
         if storage is None or not callable(getattr(storage, "note_written", None)):
             rows = as_rows(index, self.selector_capacity)
             self.selector.written(rows[rows >= 0], None)
