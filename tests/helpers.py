@@ -49,10 +49,10 @@ def segments_left_by_dead_owners(before: set[str], grace_s: float = 10.0) -> set
     import os
     import time
 
-    from gear_torchrl.store.commit_log import _alive
+    from gear_torchrl.store.commit_log import process_alive
 
     def leaked_by(pid: int) -> bool:
-        return pid == os.getpid() or not _alive(pid)
+        return pid == os.getpid() or not process_alive(pid)
 
     deadline = time.monotonic() + grace_s
     while True:

@@ -106,6 +106,15 @@ def write_limited(storage, num_episodes: int, length: int) -> None:
         writer.end_episode()
 
 
+def admit_then_die(storage, num_rows: int) -> None:
+    """Be admitted by the store's rate limiter, then die before writing (as a writer killed mid-copy)."""
+    import os
+
+    storage.rate_limiter.admit_insert(num_rows)
+    assert storage.rate_limiter.inserts >= num_rows
+    os._exit(0)
+
+
 def episodes_sampled(rb, draws: int, result_queue) -> None:
     """Which episode ids ``rb`` (pickled into this process) samples in ``draws`` batches."""
     seen: set[int] = set()

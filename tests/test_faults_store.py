@@ -114,8 +114,8 @@ def test_a_transient_os_error_reading_proc_counts_a_process_as_alive(monkeypatch
         raise OSError(errno.EMFILE, "Too many open files")
 
     monkeypatch.setattr("builtins.open", no_file_descriptors)
-    assert commit_log._alive(os.getpid()) is True
-    assert commit_log._alive(2 ** 22 + 12345) is False  # no such process: no /proc read needed
+    assert commit_log.process_alive(os.getpid()) is True
+    assert commit_log.process_alive(2 ** 22 + 12345) is False  # no such process: no /proc read needed
 
 
 def test_reader_timeout_must_be_positive():

@@ -325,6 +325,21 @@ def test_concurrent_writers_cannot_all_pass_the_same_rate_limiter_check():
         storage.close()
 
 
+def test_a_writer_that_dies_after_admission_leaves_nothing_counted():
+    """Admitted rows count against inserting until written; a dead writer's never will be."""
+    limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=1, error_buffer=100, timeout=1.0)
+    storage = GearStorage(1_000, shared=True, rate_limiter=limiter)
+    try:
+        storage.set(torch.arange(10), w.episode(0, 10))
+        child = CTX.Process(target=w.admit_then_die, args=(storage, 80))
+        child.start()
+        _join([child])
+        assert limiter.inserts == 10 and limiter.can_insert(90)  # the dead writer's 80 rows are forgotten
+        assert storage.shard.rates.counts().admitted == 0
+    finally:
+        storage.close()
+
+
 def _assert_whole_episodes(storage: GearStorage) -> int:
     """Every live episode holds consecutive steps of one written episode, complete but for the oldest."""
     with storage.shard.picking():  # a shared store's index catches up with the commits first

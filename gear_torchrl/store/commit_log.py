@@ -243,7 +243,7 @@ class CommitLog:
             if old.size == 0:
                 return
             for slot in old:
-                if not _alive(int(self._readers[slot, _SLOT_PID])):
+                if not process_alive(int(self._readers[slot, _SLOT_PID])):
                     self._readers[slot, _SLOT_EPOCH] = 0
             self.check_open()
             longer = int(self._readers[old, _SLOT_LONGER_US].max()) / 1e6
@@ -283,7 +283,7 @@ class CommitLog:
         while seq < end:
             record = self._records[seq % k]
             if record[3] == RESERVED:
-                if _alive(int(record[2])):
+                if process_alive(int(record[2])):
                     break
                 record[3] = DEAD  # its writer died mid-copy
             seq += 1
@@ -360,7 +360,7 @@ class CommitLog:
         pids = self._readers[:, 0]
         for slot in range(pids.shape[0]):
             pid = int(pids[slot])
-            if pid == 0 or not _alive(pid):
+            if pid == 0 or not process_alive(pid):
                 self._readers[slot, _SLOT_PID] = os.getpid()
                 self._readers[slot, _SLOT_EPOCH] = 0
                 self._readers[slot, _SLOT_LONGER_US] = 0
@@ -416,7 +416,7 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie counts as dead: it will never write again).
 
     When ``/proc`` cannot be read for another reason (no file descriptor left, say),

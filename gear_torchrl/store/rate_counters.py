@@ -12,6 +12,7 @@ rule its owner set, and the janitor removes it with the store's other segments.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gear_torchrl.store.commit_log import process_alive
 from gear_torchrl.store.shared_memory import PAGE, SegmentLock, create_segment, map_segment
 
 
@@ -87,10 +89,12 @@ class LocalRateCounters:
         self._cond.notify_all()
 
 
-# The rates segment: int64 words, the rule's numbers as float64 words.
+# The rates segment: int64 words, the rule's numbers as float64 words, then one
+# (pid, rows admitted) pair per writing process.
 _MAGIC = 0x47454152_52415445  # "GEARRATE"
-_W_MAGIC, _W_VERSION, _W_INSERTED, _W_ADMITTED, _W_SAMPLED, _W_HAS_RULE, _W_MIN_SIZE, _W_RULE_VERSION = range(8)
+_W_MAGIC, _W_VERSION, _W_INSERTED, _W_SAMPLED, _W_HAS_RULE, _W_MIN_SIZE, _W_RULE_VERSION = range(7)
 _F_SPI, _F_MIN_DIFF, _F_MAX_DIFF, _F_TIMEOUT = range(8, 12)  # NaN timeout: wait forever
+_WRITERS_AT, WRITER_SLOTS = 16, 240  # fills the page
 
 
 def rates_bytes() -> int:
@@ -100,7 +104,10 @@ def rates_bytes() -> int:
 class SharedRateCounters:
     """Counts in a shared store's rates segment: every attached process sees and obeys them.
 
-    Waiters poll, a millisecond apart, checking the store is still open.
+    Rows admitted are kept per process, so a writer that dies between its admission
+    and its write (killed mid-copy) leaves nothing counted behind: only live
+    processes' admissions count. Waiters poll, a millisecond apart, checking the
+    store is still open.
     """
 
     _POLL_S = 1e-3
@@ -116,17 +123,30 @@ class SharedRateCounters:
             self._words[_W_MAGIC] = _MAGIC
         elif self._words[_W_MAGIC] != _MAGIC:
             raise RuntimeError(f"{path} is not a gear_torchrl rates segment")
+        self._writers = self._words[_WRITERS_AT: _WRITERS_AT + 2 * WRITER_SLOTS].reshape(WRITER_SLOTS, 2)
         self._lock = SegmentLock(path)
         self._check_open = check_open
+        self._slot: int | None = None  # this process's row of ``_writers``, once it admits
 
     def counts(self) -> Counts:
-        w = self._words
-        return Counts(int(w[_W_INSERTED]), int(w[_W_ADMITTED]), int(w[_W_SAMPLED]))
+        with self._locked():
+            return self._counts()
+
+    def _counts(self) -> Counts:
+        """(lock held) Forgets the admissions of processes that died before writing."""
+        w, writers = self._words, self._writers
+        admitted = 0
+        for slot in np.flatnonzero(writers[:, 1]):
+            if process_alive(int(writers[slot, 0])):
+                admitted += int(writers[slot, 1])
+            else:
+                writers[slot] = 0
+        return Counts(int(w[_W_INSERTED]), admitted, int(w[_W_SAMPLED]))
 
     def take(self, allowed: Allowed, *, admitted: int = 0, sampled: int = 0) -> int | None:
         with self._locked():
             self._check_open()
-            if not allowed(self.counts()):
+            if not allowed(self._counts()):
                 return int(self._words[_W_VERSION])
             self._change(0, admitted, sampled)
             return None
@@ -137,7 +157,7 @@ class SharedRateCounters:
 
     def reset(self) -> None:
         with self._locked():
-            c = self.counts()
+            c = self._counts()
             self._change(-c.inserted, 0, -c.sampled)
 
     def wait_past(self, version: int, timeout: float) -> None:
@@ -177,15 +197,32 @@ class SharedRateCounters:
 
     def close(self) -> None:
         self._lock.close()
-        del self._words, self._floats
+        del self._words, self._floats, self._writers
         self._map.close()
 
     def _change(self, inserted: int, admitted: int, sampled: int) -> None:
         w = self._words
         w[_W_INSERTED] += inserted
-        w[_W_ADMITTED] = max(0, int(w[_W_ADMITTED]) + admitted)
+        if admitted:
+            slot = self._own_slot()
+            self._writers[slot, 1] = max(0, int(self._writers[slot, 1]) + admitted)
         w[_W_SAMPLED] += sampled
         w[_W_VERSION] += 1
+
+    def _own_slot(self) -> int:
+        """(lock held) This process's admissions row: its own, else a free or a dead process's."""
+        pid, writers = os.getpid(), self._writers
+        if self._slot is not None and int(writers[self._slot, 0]) == pid:
+            return self._slot
+        for slot in range(WRITER_SLOTS):
+            owner = int(writers[slot, 0])
+            if owner == pid or owner == 0 or not process_alive(owner):
+                if owner != pid:
+                    writers[slot] = (pid, 0)
+                self._slot = slot
+                return slot
+        raise RuntimeError(f"all {WRITER_SLOTS} writer slots of the shared store's rate limiter are taken by "
+                           "live processes")
 
     def _locked(self) -> SegmentLock:
         return self._lock
