@@ -201,3 +201,17 @@ def test_a_limiter_set_on_a_store_with_rows_counts_them_inserted():
     assert rb.sample().batch_size == torch.Size([4])  # the 10 rows already held count toward min_size
     storage.rate_limiter = None
     assert storage.rate_limiter is None
+
+
+def test_a_refused_write_under_a_limiter_counts_nothing_and_leaves_the_cursor():
+    limiter = MinSize(1)
+    rb = limited_buffer(limiter, capacity=100)
+    rb.extend(make_steps(5, seed=0))
+    bad = make_steps(3, seed=1)
+    bad["obs"] = bad["obs"].double()
+    with pytest.raises(Exception, match="obs"):
+        rb.extend(bad)
+    assert limiter.inserts == 5 and len(rb) == 5 and rb.write_count == 5
+    good = make_steps(2, seed=2)
+    rb.extend(good)
+    assert torch.equal(rb[5:7]["obs"], good["obs"]) and limiter.inserts == 7
