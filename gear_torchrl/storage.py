@@ -84,7 +84,8 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     they carry. A wrong dtype or shape is refused naming the key. Pytrees, tensorclasses,
     strings / ``NonTensorData`` and lazy stacks whose members differ come back as
     ``LazyTensorStorage`` returns them; non-tensor leaves are kept in this process, beside
-    the columns (a shared store refuses them, and new keys), and ``rb.dumps`` refuses them.
+    the columns (a shared store refuses them, and new keys); ``rb.dumps`` saves them as JSON
+    (strings, numbers, lists, string-keyed dicts) and refuses other objects by name.
 
     Over a shared store, an index from outside this library's samplers (TorchRL's
     ``SamplerWithoutReplacement`` and ``SliceSampler``, ``rb[i]``) numbers the live

@@ -275,8 +275,26 @@ def test_non_tensor_rows_follow_the_ring_and_a_state_dict():
     restored = GearStorage(4)
     restored.load_state_dict(storage.state_dict())
     assert list(restored[:]["name"]) == ["2a", "2b", "1a", "1b"]
-    with pytest.raises(NotImplementedError, match=r"non-tensor leaves \['name'\].*state_dict"):
-        storage.dumps("/nonexistent/never-written")
+
+
+def test_string_leaves_survive_a_checkpoint_and_odd_objects_are_refused_by_name(tmp_path):
+    rb = ReplayBuffer(storage=GearStorage(4), batch_size=2)
+    for i in range(3):
+        td = _obs(2, float(i))
+        td["name"] = NonTensorStack(f"{i}a", f"{i}b")
+        rb.extend(td)
+    rb.dumps(tmp_path / "rb")
+    restored = ReplayBuffer(storage=GearStorage(4), batch_size=2)
+    restored.loads(tmp_path / "rb")
+    assert list(restored[:]["name"]) == ["2a", "2b", "1a", "1b"]
+    assert torch.equal(restored[:]["obs"], rb[:]["obs"])
+    odd = ReplayBuffer(storage=GearStorage(4), batch_size=2)
+    td = _obs(2, 0.0)
+    td["name"] = NonTensorStack(("a", 1), ("b", 2))  # tuples would come back as lists
+    odd.extend(td)
+    with pytest.raises(NotImplementedError, match=r"non-tensor leaf 'name' holds .* cannot store as JSON exactly"):
+        odd.dumps(tmp_path / "odd")
+    assert not (tmp_path / "odd").exists() or not any((tmp_path / "odd").rglob("*.json"))
 
 
 def _agents(n: int, start: float = 0.0, sizes=(2, 3, 4)) -> LazyStackedTensorDict:

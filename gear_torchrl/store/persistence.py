@@ -19,7 +19,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -209,15 +209,13 @@ def _tensor_metas(path: Path, listed: Any, unlisted: dict | None) -> dict[str, t
 def save_shard(shard: Shard, directory: str | Path, state: dict | None = None) -> None:
     """Write ``state`` (default ``shard.state()``): columns and episode index as raw files, the rest in ``shard.json``.
 
-    Non-tensor leaves are Python objects, which raw files cannot hold: such a store is refused
-    before anything is written (``state_dict`` keeps them).
+    Non-tensor leaves (strings, numbers, lists and dicts of them) go into the manifest as
+    JSON, under its checksum; a leaf JSON cannot hold exactly is refused before anything
+    is written (``state_dict`` keeps any object).
     """
-    if shard.spec is not None and shard.spec.objects:
-        keys = sorted(".".join(k) if isinstance(k, tuple) else k for k in shard.spec.objects)
-        raise NotImplementedError(
-            f"this store holds non-tensor leaves {keys}: its checkpoints (rb.dumps) save tensor columns only. "
-            "Save storage.state_dict() with torch.save instead, or encode the leaves as tensors")
     state = dict(shard.state() if state is None else state)
+    if state.get("objects"):
+        state["objects"], state["objects_wrapped"] = _objects_as_json(shard.spec.objects, state["objects"])
     tensors = {f"column_{i}": t for i, t in enumerate(state.pop("columns"))}
     episodes = state.pop("episodes")
     for name in _EPISODE_TENSORS:
@@ -225,6 +223,47 @@ def save_shard(shard: Shard, directory: str | Path, state: dict | None = None) -
     # A shared store saves its live rows compacted to 0..n-1: a sampler's per-row state does not follow them.
     fields = {**state, "episodes": episodes, "compacted": isinstance(shard, SharedShard)}
     write_checkpoint(directory, _SHARD_MANIFEST, SHARD_FORMAT, fields, tensors)
+
+
+def _objects_as_json(keys: Sequence, columns: Sequence[list]) -> tuple[list[list], list[bool]]:
+    """Each non-tensor column as JSON values, and whether its objects were ``NonTensorData`` (as TensorDict
+    keeps strings) to wrap again on load. Refuses, naming the leaf, what JSON would not give back exactly."""
+    out, wrapped = [], []
+    for key, column in zip(keys, columns):
+        wraps = any(o is not None for o in column) and all(o is None or _plain_non_tensor(o) for o in column)
+        values = [o if o is None or not wraps else o.data for o in column]
+        try:
+            exact = json.loads(json.dumps(values)) == values
+        except (TypeError, ValueError):  # not JSON at all
+            exact = False
+        if not exact:
+            kinds = sorted({type(o).__name__ for o in values if o is not None})
+            name = ".".join(key) if isinstance(key, tuple) else key
+            raise NotImplementedError(
+                f"non-tensor leaf {name!r} holds {kinds} objects that a checkpoint (rb.dumps) cannot store as "
+                "JSON exactly (strings, numbers, booleans, None, lists and string-keyed dicts of them can). "
+                "Save storage.state_dict() with torch.save instead, or encode the leaf as a tensor")
+        out.append(values)
+        wrapped.append(wraps)
+    return out, wrapped
+
+
+def _plain_non_tensor(obj: Any) -> bool:
+    """A one-row ``NonTensorData`` on no device: all of it is its ``data``."""
+    from tensordict import NonTensorData
+
+    return type(obj) is NonTensorData and obj.batch_size == torch.Size([]) and obj.device is None
+
+
+def _objects_from_json(fields: dict) -> list[list]:
+    from tensordict import NonTensorData
+
+    columns = fields.get("objects", [])
+    wrapped = fields.get("objects_wrapped", [False] * len(columns))
+    if not isinstance(columns, list) or not isinstance(wrapped, list) or len(wrapped) != len(columns):
+        raise CheckpointError(f"{_SHARD_MANIFEST}'s non-tensor columns are malformed: the checkpoint is damaged")
+    return [[None if o is None or not wraps else NonTensorData(data=o, batch_size=[]) for o in column]
+            if isinstance(column, list) else column for column, wraps in zip(columns, wrapped)]
 
 
 def read_shard(shard: Shard, directory: str | Path) -> dict:
@@ -237,6 +276,8 @@ def read_shard(shard: Shard, directory: str | Path) -> dict:
         raise FileNotFoundError(f"no gear_torchrl checkpoint at {directory} (missing {_SHARD_MANIFEST})")
 
     def as_state(fields: dict, tensors: dict[str, torch.Tensor]) -> dict:
+        fields = {**fields, "objects": _objects_from_json(fields)}
+        fields.pop("objects_wrapped", None)
         state = {**fields, "columns": _columns(directory, tensors),
                  "episodes": {**field(fields, "episodes", _SHARD_MANIFEST),
                               **{name: tensors[f"episodes_{name}"] for name in _EPISODE_TENSORS}}}
