@@ -18,7 +18,7 @@ from torchrl.data import (
     TensorDictReplayBuffer,
 )
 
-from gear_torchrl import GearStorage, SpecMismatchError
+from gear_torchrl import CheckpointError, GearStorage, SpecMismatchError
 
 STORAGES = [LazyTensorStorage, GearStorage]
 
@@ -288,6 +288,12 @@ def test_string_leaves_survive_a_checkpoint_and_odd_objects_are_refused_by_name(
     restored.loads(tmp_path / "rb")
     assert list(restored[:]["name"]) == ["2a", "2b", "1a", "1b"]
     assert torch.equal(restored[:]["obs"], rb[:]["obs"])
+    manifest = next((tmp_path / "rb").rglob("shard.json"))
+    manifest.write_text(manifest.read_text().replace('"2a"', '"2z"'))  # a damaged (or forged) string
+    fresh = ReplayBuffer(storage=GearStorage(4), batch_size=2)
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        fresh.loads(tmp_path / "rb")
+    assert len(fresh) == 0
     odd = ReplayBuffer(storage=GearStorage(4), batch_size=2)
     td = _obs(2, 0.0)
     td["name"] = NonTensorStack(("a", 1), ("b", 2))  # tuples would come back as lists
