@@ -77,6 +77,24 @@ def test_incremental_index_equals_model_with_traj_ids(capacity, batches):
     check_against_model(capacity, [([d for d, _ in b], [t for _, t in b]) for b in batches], use_traj=True)
 
 
+@settings(max_examples=120, deadline=None)
+@given(capacity=st.integers(1, 12), steps=st.lists(st.tuples(st.booleans(), st.integers(0, 2)), min_size=1,
+                                                   max_size=40), use_traj=st.booleans())
+def test_one_step_writes_equal_model_and_log_every_change(capacity, steps, use_traj):
+    """One-step appends (``rb.add``) take their own path: same episodes, and readers hear of every change."""
+    check_against_model(capacity, [([d], [t]) for d, t in steps], use_traj=use_traj)
+    shard = Shard(capacity, traj_key="traj" if use_traj else None)
+    for g, (done, traj) in enumerate(steps):
+        index = shard.episodes
+        before = (index.start.clone(), index.length.clone(), index.closed.clone(), index.position)
+        shard.write(torch.tensor([g % capacity]), steps_td(g, [done], [traj] if use_traj else None), append=True)
+        changed = index.changed_since(before[3])
+        if changed is None or index.start.numel() != before[0].numel():
+            continue  # slots remapped: readers rebuild
+        differs = ((index.start != before[0]) | (index.length != before[1]) | (index.closed != before[2]))
+        assert set(differs.nonzero().flatten().tolist()) <= set(changed.tolist())
+
+
 def test_in_place_write_rebuilds_the_index():
     storage = GearStorage(10)
     storage.set(torch.arange(6), steps_td(0, [False] * 6))

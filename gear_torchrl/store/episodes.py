@@ -184,6 +184,9 @@ class EpisodeIndex:
             self.close_open()  # before eviction, so an emptied episode is dropped, not kept open
         first_before, slots_before = self.first_serial, self.start.numel()
         self._evict(evicted)
+        if n == 1 and not dead:  # one step (rb.add): the same bookkeeping in Python ints
+            self._append_one(int(rows[0]), bool(ends[0]), first_before, slots_before, traj_last)
+            return
         continuing = self._newest_open()
         offset = torch.zeros(n, dtype=torch.int64)
         offset[1:] = torch.cumsum(ends[:-1].to(torch.int64), 0)
@@ -213,6 +216,30 @@ class EpisodeIndex:
         else:
             dropped_or_trimmed = self._slots(first_before, self.first_serial + 1)
             self._changed(torch.cat([dropped_or_trimmed, self._slots(base, self.next_serial)]))
+
+    def _append_one(self, row: int, end: bool, first_before: int, slots_before: int, traj: int | None) -> None:
+        """``append`` of a single live row (after eviction), without tensor arithmetic on one element."""
+        if self._newest_open():
+            base = self.next_serial - 1
+            slot = self._newest_slot()
+            if int(self.length[slot]) == 0:
+                self.start[slot] = row
+            self.length[slot] += 1
+        else:
+            base = self.next_serial
+            self._reserve(base + 1 - self.first_serial)
+            slot = base % self.start.numel()
+            self.start[slot] = row
+            self.length[slot] = 1
+            self.dead[slot] = False
+            self.next_serial = base + 1
+        self.closed[slot] = end
+        self.open_traj = traj
+        if self.start.numel() != slots_before:
+            self._changed(None)  # _reserve remapped every slot
+        else:
+            slots = self.start.numel()  # the dropped or trimmed oldest episodes, and this one
+            self._changed(torch.tensor([*(i % slots for i in range(first_before, self.first_serial + 1)), slot]))
 
     def evict(self, k: int) -> None:
         """Drop the ``k`` oldest steps (another process is about to overwrite them)."""
