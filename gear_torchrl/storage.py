@@ -259,7 +259,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
             self._shard.write(cursor, data, append=False)
             self._note_mutation()
             return
-        positions = torch.arange(self.max_size)[cursor] if isinstance(cursor, slice) else torch.as_tensor(cursor).reshape(-1)
+        positions = _positions(cursor, self.max_size)
         with self._appending(positions, positions.numel(), self._rewind_writers):
             try:
                 self._shard.write(cursor, data, append=True)
@@ -528,6 +528,11 @@ def _refuse_unfollowing_sampler(storage: GearStorage, sampler: Any) -> None:
             "the writer's cursor: over a shared GearStorage other processes write rows it never hears of, "
             "and evictions move rows under it. Use gear_torchrl.GearPrioritizedSampler, which follows "
             "every process's commits.")
+
+
+def _positions(cursor: Index, capacity: int) -> torch.Tensor:
+    """The rows a TorchRL writer handed out for an append, flat (it passes an int, a tensor or a slice)."""
+    return torch.arange(capacity)[cursor] if isinstance(cursor, slice) else torch.as_tensor(cursor).reshape(-1)
 
 
 def _attach(handle: SharedStoreHandle, device: str) -> GearStorage:
