@@ -20,6 +20,7 @@ from gear_torchrl.stats import Rates
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.sampled_index import Selection, WindowMarkers, local_selection, plan_of
 from gear_torchrl.selection.base import Selector, pick_exactly
+from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
@@ -83,6 +84,14 @@ class GearStorage(TensorStorage):
     """
 
     _default_checkpointer = GearStorageCheckpointer
+    _local_shard = Shard  # what holds the rows of a local store
+
+    def __new__(cls, *args: Any, ndim: int = 1, **kwargs: Any) -> GearStorage:
+        if cls is GearStorage and ndim == 2:  # the [T, num_envs] layout: its own class, off the 1-D path
+            from gear_torchrl.env_storage import EnvColumnsStorage
+
+            cls = EnvColumnsStorage
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -103,10 +112,10 @@ class GearStorage(TensorStorage):
         shared_init: bool = False,
         cleanup_memmap: bool = True,
     ) -> None:
-        if ndim != 1:
+        if ndim != self.ndim:
             raise NotImplementedError(
-                f"GearStorage(ndim={ndim}): only ndim=1 ([steps] rows) is supported so far; flatten "
-                "[T, num_envs] batches with a trajectory key (e.g. traj_key=('collector', 'traj_ids'))")
+                f"GearStorage(ndim={ndim}): ndim=1 ([steps] rows) and ndim=2 ([T, num_envs] steps) are supported; "
+                "flatten more dimensions into one of these")
         if compilable and (shared or shared_init or handle is not None):
             raise ValueError("a compilable storage cannot be shared between processes (as LazyTensorStorage)")
         device = _resolve_device(device)
@@ -121,7 +130,6 @@ class GearStorage(TensorStorage):
         if handle is not None:
             max_size = handle.capacity
         Storage.__init__(self, max_size, checkpointer=checkpointer, compilable=compilable)
-        self.ndim = 1
         self.device = device
         self.memory = memory
         on_gpu = device.type == "cuda"
@@ -129,9 +137,9 @@ class GearStorage(TensorStorage):
             self._shard = SharedShard(self.max_size, handle=handle, register_host=on_gpu, out_device=device,
                                       end_keys=end_keys, traj_key=traj_key, reader_timeout_s=reader_timeout)
         else:
-            self._shard = Shard(self.max_size, device=device if memory == "device" else "cpu",
-                                register_host=on_gpu and memory == "host", out_device=device,
-                                end_keys=end_keys, traj_key=traj_key, hot_rows=hot_rows)
+            self._shard = self._local_shard(self.max_size, device=device if memory == "device" else "cpu",
+                                            register_host=on_gpu and memory == "host", out_device=device,
+                                            end_keys=end_keys, traj_key=traj_key, hot_rows=hot_rows)
         self._last_cursor = None
         self._home_pid = os.getpid()  # a copy in another process (pickled, forked) is not these rows
         self._warned_copy = False
@@ -198,11 +206,19 @@ class GearStorage(TensorStorage):
                 raise EmptyStoreError("cannot sample from an empty storage: write some data first")
             selector.follow(shard)
             picked = pick_exactly(selector, shard, count, generator)
-        return local_selection(picked, shard.capacity, self.device, markers)
+        return self._selection(picked, markers)
+
+    def _selection(self, picked: Picked, markers: WindowMarkers | None) -> Selection:
+        """TorchRL's index for ``picked``: ring rows, windows carried along (``local_selection``)."""
+        return local_selection(picked, self._shard.capacity, self.device, markers)
+
+    def _selector_rows(self, index: Any) -> torch.Tensor:
+        """The checked rows of a TorchRL index given to a sampler (``mark_update``, ``give_back``); -1 skips."""
+        return as_rows(index, self.max_size)
 
     def note_written(self, selector: Selector, index: Any) -> None:
         """TorchRL's writer wrote rows ``index`` (``mark_update``): the selector's per-row state follows."""
-        rows = as_rows(index, self.max_size)
+        rows = self._selector_rows(index)
         selector.written(rows[rows >= 0], self._shard)
 
     def update_selection(self, selector: Selector, index: Any, priority: Any, generation: Any = None) -> None:
@@ -211,7 +227,7 @@ class GearStorage(TensorStorage):
 
     def give_back(self, selector: Selector, index: Any) -> None:
         """Picks that were not used (a batch cut short): rules that consume rows take them back."""
-        selector.give_back(as_rows(index, self.max_size))
+        selector.give_back(self._selector_rows(index))
 
     # -- episodes -------------------------------------------------------------------
     @property
@@ -238,20 +254,24 @@ class GearStorage(TensorStorage):
         if isinstance(data, list):
             data = torch.stack(data)
         try:
-            self._shard.write(cursor, data, append=set_cursor)
+            self._write(cursor, data, append=set_cursor)
         except BaseException:
             if set_cursor:
-                self._rewind_writers(cursor)
+                self._rewind_writers(cursor, ring=self._max_size_along_dim0(batched_data=data))
             raise
         if set_cursor:
             self._set_last_cursor(cursor)
         self._note_mutation()
 
-    def _rewind_writers(self, cursor: Index) -> None:
+    def _write(self, cursor: Index, data: Data, append: bool) -> None:
+        """Write ``data`` at TorchRL's ``cursor`` (rows here); ``append`` moves the ring's cursor and length."""
+        self._shard.write(cursor, data, append=append)
+
+    def _rewind_writers(self, cursor: Index, ring: int) -> None:
         """Move back the cursors TorchRL's writers advanced for a write the store refused.
 
-        TorchRL's round-robin writers move their cursor before they call ``set``: left
-        there, the next good write would land past a gap of rows never written.
+        TorchRL's round-robin writers move their cursor (modulo ``ring``) before they
+        call ``set``: left there, the next good write would land past a gap of rows never written.
         """
         rows = torch.as_tensor(cursor).reshape(-1)
         if rows.numel() == 0 or rows.is_floating_point():
@@ -261,7 +281,7 @@ class GearStorage(TensorStorage):
             writer = getattr(buffer, "_writer", None)
             if getattr(writer, "_storage", None) is not self or not hasattr(writer, "_write_count"):
                 continue
-            if int(writer._cursor) == (first + n) % self.max_size:
+            if int(writer._cursor) == (first + n) % ring:
                 writer._cursor = first
                 writer._write_count -= n
 
@@ -280,6 +300,10 @@ class GearStorage(TensorStorage):
         drawn, self._drawn = self._drawn, None
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(k, str) for k in index)):
             return self.get(slice(None))[index]  # a key: that column of every row (TorchRL's Sequence unit)
+        return self._read_rows(index, drawn)
+
+    def _read_rows(self, index: Index, drawn: torch.Tensor | None) -> Data:
+        """Rows at TorchRL's ``index`` (``drawn``: what ``_rand_given_ndim`` drew last, in range already)."""
         if isinstance(index, tuple) and len(index) == 1:
             index = index[0]
         if isinstance(index, slice):  # like LazyTensorStorage: views, so in-place writes reach the rows
@@ -379,9 +403,12 @@ class GearStorage(TensorStorage):
     def state_dict(self) -> dict[str, Any]:
         """Our state, plus ``LazyTensorStorage``'s fields over the same tensors, so either loads it."""
         state = self._shard.state()
-        if not self.shared:
-            state.update(torchrl_fields(self._shard))
+        state.update(self._torchrl_state())
         return state
+
+    def _torchrl_state(self) -> dict[str, Any]:
+        """``LazyTensorStorage``'s state fields over the same rows (none for a shared store)."""
+        return {} if self.shared else torchrl_fields(self._shard)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load our state, or a ``LazyTensorStorage``'s (a buffer saved before moving to us)."""
