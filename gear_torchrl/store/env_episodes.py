@@ -172,13 +172,33 @@ class EnvEpisodes:
             column.clear()
 
     # -- persistence -----------------------------------------------------------
+    # The columns' states side by side: the per-episode tensors (``start``, ``length``, ``closed``)
+    # laid end to end, as a 1-D index saves them (checkpoints store them as files), the rest per column.
     def state(self) -> dict[str, Any]:
-        return {"num_envs": self.num_envs, "columns": [c.state() for c in self.columns]}
+        states = [c.state() for c in self.columns]
+        state: dict[str, Any] = {"num_envs": self.num_envs, "episodes_per_env": [s["start"].numel() for s in states]}
+        for name in _TENSORS:
+            state[name] = torch.cat([s[name] for s in states]) if states else torch.empty(0, dtype=_TENSORS[name])
+        for name in _SCALARS:
+            state[name] = [s[name] for s in states]
+        return state
 
     def load(self, state: dict[str, Any]) -> None:
         """Restore from ``state()`` (checked with ``check_state`` first)."""
-        for column, saved in zip(self.columns, state["columns"]):
+        for column, saved in zip(self.columns, column_states(state)):
             column.load(saved)
+
+
+_TENSORS = {"start": torch.int64, "length": torch.int64, "closed": torch.bool}
+_SCALARS = ("first_serial", "next_serial", "open_traj")
+
+
+def column_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each column's ``EpisodeIndex.state()`` out of ``EnvEpisodes.state()``."""
+    counts = state["episodes_per_env"]
+    split = {name: torch.as_tensor(state[name]).split(counts) for name in _TENSORS}
+    return [{**{name: split[name][e] for name in _TENSORS}, **{name: state[name][e] for name in _SCALARS}}
+            for e in range(len(counts))]
 
 
 def check_state(state: Any, time_capacity: int, num_envs: int, time_rows: int, oldest_time_row: int,
@@ -186,10 +206,17 @@ def check_state(state: Any, time_capacity: int, num_envs: int, time_rows: int, o
     """Raise CheckpointError unless ``state`` (``EnvEpisodes.state()``) indexes ``time_rows`` steps of each column."""
     where = "the saved episode index of env columns"
     saved_envs = field(state, "num_envs", where)
-    columns = field(state, "columns", where)
-    if saved_envs != num_envs or not isinstance(columns, (list, tuple)) or len(columns) != num_envs:
-        raise CheckpointError(f"the saved episode index has {saved_envs!r} env columns, this store {num_envs}")
-    for e, column in enumerate(columns):
+    counts = field(state, "episodes_per_env", where)
+    if saved_envs != num_envs or not isinstance(counts, (list, tuple)) or len(counts) != num_envs \
+            or any(not isinstance(c, int) or c < 0 for c in counts):
+        raise CheckpointError(f"the saved episode index has {saved_envs!r} env columns with {counts!r} episodes; "
+                              f"this store has {num_envs} env columns")
+    for name in (*_TENSORS, *_SCALARS):
+        value = field(state, name, where)
+        size = value.numel() if isinstance(value, torch.Tensor) else len(value) if isinstance(value, list) else None
+        if size != (sum(counts) if name in _TENSORS else num_envs):
+            raise CheckpointError(f"the saved episode index's {name!r} does not match its {counts} episodes per env")
+    for e, column in enumerate(column_states(state)):
         try:
             check_column_state(column, time_capacity, time_rows, oldest_row=oldest_time_row, tracked=tracked)
         except CheckpointError as err:

@@ -149,6 +149,9 @@ class EnvShard(Shard):
 
     def _check_episode_state(self, episodes: Any, size: int, head: int, tracked: bool) -> None:
         num_envs = field(episodes, "num_envs", "the saved episode index")
+        if not isinstance(num_envs, int) or num_envs < 0 or (num_envs and self.capacity % num_envs):
+            raise CheckpointError(f"the saved episode index has {num_envs!r} env columns: not a divisor of the "
+                                  f"capacity {self.capacity}")
         if not num_envs:
             if size:
                 raise CheckpointError(f"the state holds {size} rows but no env columns")

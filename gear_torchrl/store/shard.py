@@ -169,6 +169,11 @@ class Shard:
         self._take_spec(spec)
         if self.traj_key is not None and self._traj_column is None:
             logger.warning("traj_key %r is not in the data; episodes come from end flags only", self.traj_key)
+        if not self.tracks_episodes and self.has_episode_markers:
+            logger.warning("rows of batch shape %s are not single steps, so the episode index stays empty and "
+                           "sequence samplers refuse this store. For [num_envs, T] batches of a batched env use "
+                           "GearStorage(max_size, ndim=2) (the buffer's dim_extend=1 stores them as [T, num_envs]), "
+                           "or flatten them to steps with a trajectory key", list(spec.row_batch_shape))
         if self.tracks_episodes and not self.has_episode_markers and self.end_keys != DEFAULT_END_KEYS:
             logger.warning("none of the configured end keys %r nor a trajectory key is in the data: the episode "
                            "index sees one episode; sequence samplers will refuse to sample", self.end_keys)
