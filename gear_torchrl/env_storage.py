@@ -133,10 +133,13 @@ class EnvColumnsStorage(GearStorage):
         return self._shard.read(_read_rows(index, self._shard.time_rows, self._envs), in_range=True)
 
     def contains(self, item: Any) -> bool | torch.Tensor:
+        """Whether time row(s) ``item`` are stored (TorchRL's dim-0 meaning)."""
         steps = self._shard.time_rows
         if isinstance(item, int):
             return -steps <= item < steps
-        return super().contains(item)
+        if isinstance(item, torch.Tensor):
+            return (item >= -steps) & (item < steps)
+        raise NotImplementedError(f"contains() does not take {type(item).__name__}")
 
     # -- selection: our samplers' picks in TorchRL's coordinates -----------------------------
     def _selection(self, picked: Picked, markers: WindowMarkers | None) -> Selection:
@@ -159,9 +162,6 @@ class EnvColumnsStorage(GearStorage):
     def _torchrl_state(self) -> dict[str, Any]:
         """``LazyTensorStorage(ndim=2)``'s fields are not written: its rows are ``[T, E]``, ours flat."""
         return {}
-
-    def __repr__(self) -> str:
-        return super().__repr__().replace(f"{type(self).__name__}(", f"GearStorage(ndim=2, shape={self.shape}, ", 1)
 
 
 # -- TorchRL's indices over [T, num_envs] steps ------------------------------------------
@@ -223,21 +223,22 @@ def _flattened(data: Any, dims: int) -> Any:
     return tree_map(lambda x: x.flatten(0, dims - 1) if isinstance(x, torch.Tensor) else x, data)
 
 
-def _checked_time_rows(t: torch.Tensor, bound: int, what: str) -> torch.Tensor:
-    """Integer time rows in ``[-bound, bound)``, negatives counted from ``bound``."""
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise IndexError(f"{what} time indices must be integers, got {t.dtype}")
-    t = t.to(torch.int64)
-    if t.numel() and (int(t.min()) < -bound or int(t.max()) >= bound):
-        bad = int(t.min()) if int(t.min()) < -bound else int(t.max())
-        raise IndexError(f"{what} time index {bad} is out of range for {bound} time rows")
-    return torch.where(t < 0, t + bound, t)
+def _checked(index: torch.Tensor, bound: int, what: str) -> torch.Tensor:
+    """Integer ``what`` indices in ``[-bound, bound)``, negatives counted from ``bound``."""
+    if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+        raise IndexError(f"{what} indices must be integers, got {index.dtype}")
+    index = index.to(torch.int64)
+    if index.numel():
+        lo, hi = int(index.min()), int(index.max())
+        if lo < -bound or hi >= bound:
+            raise IndexError(f"{what} index {lo if lo < -bound else hi} is out of range for {bound} {what}s")
+    return torch.where(index < 0, index + bound, index)
 
 
 def _write_rows(cursor: Any, envs: int, steps: int) -> torch.Tensor:
     """Flat rows a write at TorchRL's ``cursor`` reaches, shaped as the steps it names."""
     if _is_time_index(cursor):
-        t = _checked_time_rows(torch.as_tensor(list(cursor) if isinstance(cursor, range) else cursor), steps, "write")
+        t = _checked(torch.as_tensor(list(cursor) if isinstance(cursor, range) else cursor), steps, "time row")
         return t.unsqueeze(-1) * envs + torch.arange(envs)
     return _grid(steps, envs)[cursor]
 
@@ -248,8 +249,7 @@ def _read_rows(index: Any, steps: int, envs: int) -> torch.Tensor:
         raise EmptyStoreError("cannot read from an empty storage: write some data first")
     if isinstance(index, tuple) and len(index) == 2 and all(isinstance(i, torch.Tensor) for i in index):
         t, e = index
-        t = _checked_time_rows(t.cpu(), steps, "read")
-        e = _checked_time_rows(e.cpu(), envs, "env")
+        t, e = _checked(t.cpu(), steps, "time row"), _checked(e.cpu(), envs, "env")
         return t * envs + e
     if isinstance(index, torch.Tensor) and index.device.type != "cpu":
         index = index.cpu()

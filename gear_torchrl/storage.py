@@ -46,7 +46,8 @@ class GearStorage(TensorStorage):
             memory and one extra host-to-GPU copy per write. Not with ``shared``:
             other processes' writes would not reach it.
         end_keys: flags that end an episode (those present in the data are used).
-        traj_key: a trajectory-id key; an episode also ends where it changes.
+        traj_key: a trajectory-id key; an episode also ends where it changes. When None and
+            the data carries TorchRL collectors' ``("collector", "traj_ids")``, that key is used.
         checkpointer: defaults to :class:`GearStorageCheckpointer`.
         shared: keep the rows in named shared memory that other processes attach
             to (pickling this storage, e.g. into spawned actors, collector workers
@@ -56,12 +57,20 @@ class GearStorage(TensorStorage):
             :meth:`close` or when this process exits, however it exits.
         handle: attach to the shared store ``handle`` (from :attr:`handle`) instead
             of creating one; ``max_size``, ``end_keys`` and ``traj_key`` come from it.
-        ndim, compilable, consolidated, shared_init, cleanup_memmap: ``LazyTensorStorage``'s
+        ndim: ``LazyTensorStorage``'s: ``1`` stores steps; ``2`` stores ``[T, num_envs]`` steps,
+            what batched-env collectors write (``rb.extend`` of ``[num_envs, T]`` data with the
+            buffer's ``dim_extend=1``, TorchRL's default for ``ndim=2``) and ``SliceSampler``
+            over a 2-D storage reads. With ``ndim=2``, ``max_size`` counts steps and must be
+            a multiple of the number of envs (fixed by the first write); TorchRL's indices
+            are ``(time, env)`` coordinates, and each env column keeps its own episodes, so
+            :class:`GearSequenceSampler` windows never cross envs. Local CPU stores only
+            so far (``shared`` and CUDA devices are refused, saying why).
+        compilable, consolidated, shared_init, cleanup_memmap: ``LazyTensorStorage``'s
             keywords, with its meanings: ``compilable`` keeps TorchRL's counters in
             tensors, ``shared_init=True`` is ``shared=True`` (the rows live in shared
             memory from the start, so other processes can write the first rows).
             Columns are always contiguous (``consolidated``) and never memory-mapped
-            files (``cleanup_memmap``). Only ``ndim=1`` is supported so far.
+            files (``cleanup_memmap``).
         reader_timeout: with ``shared``, the longest a writer waits for a reader of rows
             it is about to overwrite (seconds, for every process of the store). A reader
             that holds its rows longer (stopped, paused, debugged) loses them: its read
@@ -257,7 +266,7 @@ class GearStorage(TensorStorage):
             self._write(cursor, data, append=set_cursor)
         except BaseException:
             if set_cursor:
-                self._rewind_writers(cursor, ring=self._max_size_along_dim0(batched_data=data))
+                self._rewind_writers(cursor, data)
             raise
         if set_cursor:
             self._set_last_cursor(cursor)
@@ -267,16 +276,20 @@ class GearStorage(TensorStorage):
         """Write ``data`` at TorchRL's ``cursor`` (rows here); ``append`` moves the ring's cursor and length."""
         self._shard.write(cursor, data, append=append)
 
-    def _rewind_writers(self, cursor: Index, ring: int) -> None:
-        """Move back the cursors TorchRL's writers advanced for a write the store refused.
+    def _rewind_writers(self, cursor: Index, data: Data) -> None:
+        """Move back the cursors TorchRL's writers advanced for writing ``data`` at ``cursor``, which the store refused.
 
-        TorchRL's round-robin writers move their cursor (modulo ``ring``) before they
-        call ``set``: left there, the next good write would land past a gap of rows never written.
+        TorchRL's round-robin writers move their cursor before they call ``set``: left
+        there, the next good write would land past a gap of rows never written.
         """
-        rows = torch.as_tensor(cursor).reshape(-1)
+        rows = torch.as_tensor(cursor)
+        single = rows.ndim == 0
+        rows = rows.reshape(-1)
         if rows.numel() == 0 or rows.is_floating_point():
             return
         first, n = int(rows[0]), rows.numel()
+        # The ring the writer's cursor moves around (its length along dim 0), as the writer asked for it.
+        ring = self._max_size_along_dim0(single_data=data) if single else self._max_size_along_dim0(batched_data=data)
         for buffer in self._attached_entities:
             writer = getattr(buffer, "_writer", None)
             if getattr(writer, "_storage", None) is not self or not hasattr(writer, "_write_count"):
