@@ -159,10 +159,6 @@ class EnvColumnsStorage(GearStorage):
     def update_selection(self, selector: Any, index: Any, priority: Any, generation: Any = None) -> None:
         super().update_selection(selector, _coordinate_rows(index, self._envs), priority, generation)
 
-    def _torchrl_state(self) -> dict[str, Any]:
-        """``LazyTensorStorage(ndim=2)``'s fields are not written: its rows are ``[T, E]``, ours flat."""
-        return {}
-
 
 # -- TorchRL's indices over [T, num_envs] steps ------------------------------------------
 def _refuse_unsupported(kwargs: dict[str, Any]) -> None:

@@ -416,12 +416,9 @@ class GearStorage(TensorStorage):
     def state_dict(self) -> dict[str, Any]:
         """Our state, plus ``LazyTensorStorage``'s fields over the same tensors, so either loads it."""
         state = self._shard.state()
-        state.update(self._torchrl_state())
+        if not self.shared:
+            state.update(torchrl_fields(self._shard))
         return state
-
-    def _torchrl_state(self) -> dict[str, Any]:
-        """``LazyTensorStorage``'s state fields over the same rows (none for a shared store)."""
-        return {} if self.shared else torchrl_fields(self._shard)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load our state, or a ``LazyTensorStorage``'s (a buffer saved before moving to us)."""

@@ -163,6 +163,21 @@ def test_state_dict_round_trip_and_writes_after_it():
     assert _episodes(restored) == _episodes(ours) == _episodes_from_flags(ours)
 
 
+@pytest.mark.parametrize("direction", ["torchrl_to_gear", "gear_to_torchrl"])
+def test_state_dicts_move_between_lazy_tensor_storage_and_gear_storage(direction):
+    envs = BatchedEnvs()
+    theirs, ours = _pair(40, batch_size=8)
+    data = envs.batch(7)
+    source, target_cls = (theirs, GearStorage) if direction == "torchrl_to_gear" else (ours, LazyTensorStorage)
+    source.extend(data.clone())
+    target = TensorDictReplayBuffer(storage=target_cls(40, ndim=2), batch_size=8)
+    target.storage.load_state_dict(source.storage.state_dict())
+    assert len(target) == 28 and target.storage.shape == (7, ENVS)
+    assert_same_td(target[:], source[:])
+    if target_cls is GearStorage:
+        assert _episodes(target) == _episodes_from_flags(target)
+
+
 def test_checkpoint_round_trip(tmp_path):
     envs = BatchedEnvs()
     (_, ours) = _pair(40, batch_size=8)
