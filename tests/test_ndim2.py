@@ -73,10 +73,11 @@ def _assert_same_layout(ours, theirs, cursor: bool = True) -> None:
 
 
 # -- what TorchRL does with a [T, num_envs] storage, both storages side by side ------------------
+@pytest.mark.parametrize("buffer_cls", [ReplayBuffer, TensorDictReplayBuffer])
 @pytest.mark.parametrize("dim_extend", [1, 0])
-def test_extend_and_reads_match_lazy_tensor_storage_through_wraps(dim_extend):
+def test_extend_and_reads_match_lazy_tensor_storage_through_wraps(dim_extend, buffer_cls):
     envs = BatchedEnvs()
-    theirs, ours = _pair(40, dim_extend=dim_extend)  # 10 time steps of 4 envs
+    theirs, ours = _pair(40, buffer_cls, dim_extend=dim_extend)  # 10 time steps of 4 envs
     for steps in (3, 4, 6, 13):  # the last two wrap the time ring; 13 > 10 keeps only the newest 10
         data = envs.batch(steps)
         data = data if dim_extend == 1 else data.transpose(0, 1)  # [T, num_envs] written as it is
@@ -132,11 +133,13 @@ def test_sampler_without_replacement_covers_every_step_once_as_torchrl_does():
     assert len({tuple(i) for i in first_epoch.tolist()}) == 24  # no step twice within an epoch
 
 
+@pytest.mark.parametrize("strict_length", [False, True])
 @pytest.mark.parametrize("variant", ["traj_key", "end_key"])
-def test_slice_sampler_reads_the_same_windows(variant):
+def test_slice_sampler_reads_the_same_windows(variant, strict_length):
     envs = BatchedEnvs(traj_ids=variant == "traj_key", done_prob=0.1)
     kw = {"traj_key": ("collector", "traj_ids")} if variant == "traj_key" else {"end_key": ("next", "done")}
-    theirs, ours = _pair(80, sampler=lambda: SliceSampler(slice_len=4, strict_length=False, **kw), batch_size=24)
+    theirs, ours = _pair(80, sampler=lambda: SliceSampler(slice_len=4, strict_length=strict_length, **kw),
+                         batch_size=24)
     for steps in (12, 15):  # the second write wraps the 20 time rows
         data = envs.batch(steps)
         ours.extend(data.clone())
@@ -278,6 +281,47 @@ def test_prioritized_sampler_over_env_columns():
     again.set("td_error", torch.ones(16))
     rb.update_tensordict_priority(again)  # TorchRL's path: the sample's [N, 2] "index"
     assert rb.sampler.total_mass == pytest.approx(1.0, rel=1e-6)  # that one step, now at priority 1
+
+
+def test_a_priority_update_skips_steps_rewritten_since_they_were_drawn():
+    envs = BatchedEnvs()
+    rb = TensorDictReplayBuffer(storage=GearStorage(40, ndim=2), batch_size=16,
+                                sampler=GearPrioritizedSampler(40, alpha=1.0, beta=0.5),
+                                generator=torch.Generator().manual_seed(0))
+    rb.extend(envs.batch(10))  # full: the next write overwrites time rows 0..2
+    batch = rb.sample()
+    rb.extend(envs.batch(3))
+    batch.set("td_error", torch.full((16,), 7.0))
+    rb.update_tensordict_priority(batch)
+    t, e = batch["index"].unbind(-1)
+    masses = rb.sampler.masses(t * ENVS + e)  # (the sampler's own rows are flat: t * num_envs + e)
+    rewritten = t < 3
+    assert rewritten.any() and (~rewritten).any()
+    assert torch.allclose(masses[~rewritten], torch.tensor(7.0, dtype=masses.dtype))
+    assert bool((masses[rewritten] < 7.0).all())
+
+
+def test_writes_of_any_length_keep_rows_and_episodes_as_torchrl_and_the_flags_say():
+    generator = torch.Generator().manual_seed(3)
+    theirs, ours = _pair(36, dim_extend=1)  # 12 time rows of 3 envs
+    envs = BatchedEnvs(num_envs=3, done_prob=0.2, seed=3)
+    for _ in range(12):
+        data = envs.batch(int(torch.randint(2, 16, (1,), generator=generator)))  # (T=1 trips TorchRL itself)
+        ours.extend(data.clone())
+        theirs.extend(data.clone())
+        _assert_same_layout(ours, theirs)
+        assert_same_td(ours[:], theirs[:])
+        assert _episodes(ours) == _episodes_from_flags(ours)
+
+
+def test_a_pickled_copy_reads_the_same_steps():
+    import pickle
+
+    rb = TensorDictReplayBuffer(storage=GearStorage(40, ndim=2), batch_size=4)
+    rb.extend(BatchedEnvs().batch(6))
+    copy = pickle.loads(pickle.dumps(rb.storage))
+    assert copy.ndim == 2 and copy.shape == rb.storage.shape
+    assert_same_td(copy[:], rb.storage[:])
 
 
 def test_uniform_selection_names_stored_steps():
