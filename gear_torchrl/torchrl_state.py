@@ -1,8 +1,8 @@
 """State dicts that move between ``LazyTensorStorage`` and ``GearStorage``, both ways.
 
 A user with a buffer saved by TorchRL's storage must be able to load it into
-ours, and back. TorchRL's tensor storages save ``{"_storage": <TensorDict
-state dict, [max_size] rows (ndim=2: [max_size // num_envs, num_envs])>, "initialized", "_len"}``; ours saves columns, an
+ours, and back. TorchRL's tensor storages save ``{"_storage": <TensorDict state
+dict, [max_size] rows (ndim=2: [max_size // num_envs, num_envs])>, "initialized", "_len"}``; ours saves columns, an
 episode index and a cursor. Ours carries TorchRL's fields as well (views of the
 same columns: nothing is saved twice), and reads TorchRL's into a shard state.
 """

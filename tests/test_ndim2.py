@@ -1,4 +1,4 @@
-"""``GearStorage(max_size, ndim=2)``: ``[T, num_envs]`` steps, side by side with ``LazyTensorStorage(max_size, ndim=2)``.
+"""``GearStorage(max_size, ndim=2)``: ``[T, num_envs]`` steps, beside ``LazyTensorStorage(max_size, ndim=2)``.
 
 Each TorchRL case runs the same data through both storages, with the same
 generator seeds where TorchRL's sampling is deterministic, and compares indices

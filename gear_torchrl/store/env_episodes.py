@@ -74,13 +74,16 @@ class EnvEpisodes:
         sizes = torch.tensor([c.start.numel() for c in self.columns], dtype=torch.int64)
         offsets = torch.zeros(self.num_envs + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(sizes, 0)
-        block = 2 * self.time_capacity
-        cat = lambda name: torch.cat([getattr(c, name) for c in self.columns]) if self.columns \
-            else torch.empty(0, dtype=torch.bool if name in ("closed", "dead") else torch.int64)  # noqa: E731
         env = torch.repeat_interleave(torch.arange(self.num_envs), sizes)
-        return _Slots(key, offsets, cat("start") + env * block, cat("length"), cat("closed"), cat("dead"),
+        start = self._joined("start") + env * 2 * self.time_capacity  # time rows to window rows
+        return _Slots(key, offsets, start, self._joined("length"), self._joined("closed"), self._joined("dead"),
                       torch.tensor([c.first_serial for c in self.columns], dtype=torch.int64),
                       torch.tensor([c.num_episodes for c in self.columns], dtype=torch.int64))
+
+    def _joined(self, name: str) -> torch.Tensor:
+        """The columns' per-slot array ``name``, end to end."""
+        parts = [getattr(c, name) for c in self.columns]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.bool if name in ("closed", "dead") else torch.int64)
 
     @property
     def start(self) -> torch.Tensor:

@@ -14,11 +14,11 @@ from typing import Any, Sequence
 
 import torch
 
+from gear_torchrl._ext import _C
 from gear_torchrl.store.env_episodes import EnvEpisodes
 from gear_torchrl.store.env_episodes import check_state as check_env_episode_state
 from gear_torchrl.store.shard import Shard, Windows
 from gear_torchrl.store.state_checks import CheckpointError, field
-from gear_torchrl._ext import _C
 
 
 class EnvShard(Shard):
