@@ -83,7 +83,9 @@ class EnvEpisodes:
     def _joined(self, name: str) -> torch.Tensor:
         """The columns' per-slot array ``name``, end to end."""
         parts = [getattr(c, name) for c in self.columns]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.bool if name in ("closed", "dead") else torch.int64)
+        if not parts:
+            return torch.empty(0, dtype=torch.bool if name in ("closed", "dead") else torch.int64)
+        return torch.cat(parts)
 
     @property
     def start(self) -> torch.Tensor:
