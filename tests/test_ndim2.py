@@ -324,6 +324,19 @@ def test_a_pickled_copy_reads_the_same_steps():
     assert_same_td(copy[:], rb.storage[:])
 
 
+def test_queue_and_top_k_samplers_give_time_env_coordinates():
+    from gear_torchrl import QueueSampler, TopKSampler
+
+    for sampler, expected_steps in ((QueueSampler(40), [0, 0, 0, 0, 1, 1, 1, 1]),  # oldest time step first
+                                    (TopKSampler(40, key="step"), [4, 4, 4, 4, 3, 3, 3, 3])):  # largest "step"
+        rb = TensorDictReplayBuffer(storage=GearStorage(40, ndim=2), sampler=sampler, batch_size=8)
+        rb.extend(BatchedEnvs().batch(5))
+        batch = rb.sample()
+        t, e = batch["index"].unbind(-1)
+        assert batch["step"].tolist() == expected_steps and torch.equal(batch["env"], e)
+        assert torch.equal(rb.storage[(t, e)]["obs"], batch["obs"])
+
+
 def test_uniform_selection_names_stored_steps():
     from gear_torchrl.selection.uniform import UniformSpec
 
