@@ -132,6 +132,11 @@ class EnvColumnsStorage(GearStorage):
                 return views
         return self._shard.read(_read_rows(index, self._shard.time_rows, self._envs), in_range=True)
 
+    def __getitems__(self, indices: list[int]) -> Data:
+        """Steps ``indices`` of ``[0, len)``, time-major (step ``i`` is ``(i // num_envs, i % num_envs)``), in one
+        read: ``DataLoader(storage, batch_size=...)`` then passes over every stored step once per epoch."""
+        return self._shard.read(torch.as_tensor(indices, dtype=torch.long))
+
     def contains(self, item: Any) -> bool | torch.Tensor:
         """Whether time row(s) ``item`` are stored (TorchRL's dim-0 meaning)."""
         steps = self._shard.time_rows

@@ -337,6 +337,16 @@ def test_queue_and_top_k_samplers_give_time_env_coordinates():
         assert torch.equal(rb.storage[(t, e)]["obs"], batch["obs"])
 
 
+def test_a_data_loader_over_the_storage_passes_over_every_step_once():
+    from torch.utils.data import DataLoader
+
+    storage = GearStorage(40, ndim=2)
+    TensorDictReplayBuffer(storage=storage, batch_size=4).extend(BatchedEnvs().batch(6))
+    seen = torch.cat([batch["step"] * ENVS + batch["env"]
+                      for batch in DataLoader(storage, batch_size=5, shuffle=True, collate_fn=lambda rows: rows)])
+    assert sorted(seen.tolist()) == list(range(24))
+
+
 def test_uniform_selection_names_stored_steps():
     from gear_torchrl.selection.uniform import UniformSpec
 
