@@ -109,7 +109,7 @@ class EnvColumnsStorage(GearStorage):
         elif not self._envs:
             raise ValueError("the first write to an ndim=2 storage must name time rows (rb.extend / rb.add)")
         try:
-            rows = _write_rows(cursor, shard.num_envs, shard.time_capacity)
+            rows = _steps_written_at(cursor, shard.num_envs, shard.time_capacity)
             lead = _lead_shape(data)[: rows.ndim]
             if lead != rows.shape:
                 raise ValueError(f"the data's batch shape {tuple(lead)} does not match the {tuple(rows.shape)} steps "
@@ -130,7 +130,7 @@ class EnvColumnsStorage(GearStorage):
             views = self._shard.slice_views(index)
             if views is not None:
                 return views
-        return self._shard.read(_read_rows(index, self._shard.time_rows, self._envs), in_range=True)
+        return self._shard.read(_steps_read_at(index, self._shard.time_rows, self._envs), in_range=True)
 
     def __getitems__(self, indices: list[int]) -> Data:
         """Steps ``indices`` of ``[0, len)``, time-major (step ``i`` is ``(i // num_envs, i % num_envs)``), in one
@@ -236,7 +236,7 @@ def _checked(index: torch.Tensor, bound: int, what: str) -> torch.Tensor:
     return torch.where(index < 0, index + bound, index)
 
 
-def _write_rows(cursor: Any, envs: int, steps: int) -> torch.Tensor:
+def _steps_written_at(cursor: Any, envs: int, steps: int) -> torch.Tensor:
     """Flat rows a write at TorchRL's ``cursor`` reaches, shaped as the steps it names."""
     if _is_time_index(cursor):
         t = _checked(torch.as_tensor(list(cursor) if isinstance(cursor, range) else cursor), steps, "time row")
@@ -244,7 +244,7 @@ def _write_rows(cursor: Any, envs: int, steps: int) -> torch.Tensor:
     return _grid(steps, envs)[cursor]
 
 
-def _read_rows(index: Any, steps: int, envs: int) -> torch.Tensor:
+def _steps_read_at(index: Any, steps: int, envs: int) -> torch.Tensor:
     """Flat rows of TorchRL's ``index`` into the readable ``[steps, envs]`` steps, shaped as the read's batch."""
     if steps == 0:
         raise EmptyStoreError("cannot read from an empty storage: write some data first")

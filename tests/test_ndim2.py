@@ -389,6 +389,36 @@ def test_a_batch_of_another_number_of_envs_is_refused_and_changes_nothing():
     assert_same_td(ours[:], theirs[:])
 
 
+def test_a_batch_missing_a_stored_key_is_refused_and_the_next_write_lands_where_it_would_have():
+    from gear_torchrl.store.spec import SpecMismatchError
+
+    envs = BatchedEnvs()
+    theirs, ours = _pair(40, batch_size=8)
+    first = envs.batch(4)
+    ours.extend(first.clone())
+    theirs.extend(first.clone())
+    before = ours[:].clone()
+    with pytest.raises(SpecMismatchError, match="missing.*obs"):
+        ours.extend(envs.batch(3).exclude("obs"))
+    assert_same_td(ours[:], before)
+    more = envs.batch(3)
+    ours.extend(more.clone())
+    theirs.extend(more.clone())
+    _assert_same_layout(ours, theirs)
+    assert_same_td(ours[:], theirs[:])
+
+
+def test_reads_outside_the_stored_steps_are_refused_naming_the_index():
+    storage = GearStorage(40, ndim=2)
+    TensorDictReplayBuffer(storage=storage, batch_size=4).extend(BatchedEnvs().batch(3))
+    with pytest.raises(IndexError, match="time row index 3 is out of range for 3 time rows"):
+        storage[(torch.tensor([0, 3]), torch.tensor([0, 0]))]
+    with pytest.raises(IndexError, match="env index 4 is out of range for 4 envs"):
+        storage[(torch.tensor([0]), torch.tensor([4]))]
+    with pytest.raises(IndexError):
+        storage[torch.tensor([5])]
+
+
 def test_a_capacity_that_is_not_whole_time_steps_is_refused_before_anything_is_laid_out():
     rb = TensorDictReplayBuffer(storage=GearStorage(10, ndim=2), batch_size=2)
     with pytest.raises(ValueError, match="multiple of the number of envs"):
