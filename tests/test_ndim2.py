@@ -181,6 +181,27 @@ def test_state_dicts_move_between_lazy_tensor_storage_and_gear_storage(direction
         assert _episodes(target) == _episodes_from_flags(target)
 
 
+def test_a_damaged_state_is_refused_and_changes_nothing():
+    from gear_torchrl.store.state_checks import CheckpointError
+
+    (_, ours) = _pair(40, batch_size=8)
+    ours.extend(BatchedEnvs().batch(6))
+    state = ours.storage.state_dict()
+    target = GearStorage(40, ndim=2)
+    TensorDictReplayBuffer(storage=target, batch_size=4).extend(BatchedEnvs(seed=1).batch(2))
+    before = target[:].clone()
+    for damage, reason in ((lambda s: s.update(num_envs=3), "holds 3 env columns, this storage 4"),
+                           (lambda s: s.update(size=22), "not whole time steps"),
+                           (lambda s: s["episodes"].update(num_envs=2), "its episode index"),
+                           (lambda s: s["episodes"]["length"].add_(1), "env column 0")):
+        damaged = {**state, "episodes": {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                         for k, v in state["episodes"].items()}}
+        damage(damaged)
+        with pytest.raises(CheckpointError, match=reason):
+            target.load_state_dict(damaged)
+        assert target.shape == (2, ENVS) and torch.equal(target[:]["obs"], before["obs"])
+
+
 def test_checkpoint_round_trip(tmp_path):
     envs = BatchedEnvs()
     (_, ours) = _pair(40, batch_size=8)

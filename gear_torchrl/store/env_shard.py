@@ -145,6 +145,9 @@ class EnvShard(Shard):
             raise CheckpointError(f"the state holds {num_envs} env columns, this storage {self.num_envs}")
         if num_envs and (not isinstance(num_envs, int) or self.capacity % num_envs):
             raise CheckpointError(f"the state's num_envs {num_envs!r} does not divide the capacity {self.capacity}")
+        saved = field(field(state, "episodes", "the saved state"), "num_envs", "the saved episode index")
+        if saved != num_envs:
+            raise CheckpointError(f"the state holds {num_envs!r} env columns, its episode index {saved!r}")
         return super().checked_state(state)
 
     def _check_episode_state(self, episodes: Any, size: int, head: int, tracked: bool) -> None:
@@ -156,6 +159,9 @@ class EnvShard(Shard):
             if size:
                 raise CheckpointError(f"the state holds {size} rows but no env columns")
             return
+        if size % num_envs or head % num_envs:
+            raise CheckpointError(f"the state's size {size} and cursor {head} are not whole time steps of "
+                                  f"{num_envs} envs")
         steps = self.capacity // num_envs
         check_env_episode_state(episodes, steps, num_envs, size // num_envs,
                                 oldest_time_row=head // num_envs if size == self.capacity else 0, tracked=tracked)
