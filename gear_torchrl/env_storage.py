@@ -45,6 +45,7 @@ class EnvColumnsStorage(GearStorage):
         _refuse_unsupported(kwargs)
         kwargs.setdefault("ndim", 2)
         super().__init__(max_size, **kwargs)
+        self._first_write_ring = self.max_size  # the writer's ring for a write before the layout is known
 
     @property
     def _envs(self) -> int:
@@ -100,6 +101,7 @@ class EnvColumnsStorage(GearStorage):
         laid_out_now = False
         if _is_time_index(cursor):  # appends and whole time steps fix (or must match) the number of envs
             envs = _envs_in(data, 0 if _is_int(cursor) else 1)
+            self._first_write_ring = -(-self.max_size // envs) if envs else self.max_size
             if envs is None:
                 raise ValueError(f"an ndim=2 storage takes [T, num_envs] steps; got data of batch shape "
                                  f"{_lead_shape(data)} for {'a time row' if _is_int(cursor) else 'time rows'}. "
@@ -119,6 +121,9 @@ class EnvColumnsStorage(GearStorage):
             if laid_out_now:
                 shard.forget_layout()
             raise
+
+    def _writer_ring(self) -> int:
+        return self._shard.time_capacity or self._first_write_ring
 
     def _sync_cursor_from_shard(self) -> None:
         shard = self._shard

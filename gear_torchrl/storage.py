@@ -266,7 +266,7 @@ class GearStorage(TensorStorage):
             self._write(cursor, data, append=set_cursor)
         except BaseException:
             if set_cursor:
-                self._rewind_writers(cursor, data)
+                self._rewind_writers(cursor)
             raise
         if set_cursor:
             self._set_last_cursor(cursor)
@@ -276,25 +276,25 @@ class GearStorage(TensorStorage):
         """Write ``data`` at TorchRL's ``cursor`` (rows here); ``append`` moves the ring's cursor and length."""
         self._shard.write(cursor, data, append=append)
 
-    def _rewind_writers(self, cursor: Index, data: Data) -> None:
-        """Move back the cursors TorchRL's writers advanced for writing ``data`` at ``cursor``, which the store refused.
+    def _writer_ring(self) -> int:
+        """How many positions TorchRL's writers move their cursor around (``_max_size_along_dim0``)."""
+        return self.max_size
+
+    def _rewind_writers(self, cursor: Index) -> None:
+        """Move back the cursors TorchRL's writers advanced for a write the store refused.
 
         TorchRL's round-robin writers move their cursor before they call ``set``: left
         there, the next good write would land past a gap of rows never written.
         """
-        rows = torch.as_tensor(cursor)
-        single = rows.ndim == 0
-        rows = rows.reshape(-1)
+        rows = torch.as_tensor(cursor).reshape(-1)
         if rows.numel() == 0 or rows.is_floating_point():
             return
         first, n = int(rows[0]), rows.numel()
-        # The ring the writer's cursor moves around (its length along dim 0), as the writer asked for it.
-        ring = self._max_size_along_dim0(single_data=data) if single else self._max_size_along_dim0(batched_data=data)
         for buffer in self._attached_entities:
             writer = getattr(buffer, "_writer", None)
             if getattr(writer, "_storage", None) is not self or not hasattr(writer, "_write_count"):
                 continue
-            if int(writer._cursor) == (first + n) % ring:
+            if int(writer._cursor) == (first + n) % self._writer_ring():
                 writer._cursor = first
                 writer._write_count -= n
 

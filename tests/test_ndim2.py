@@ -443,8 +443,8 @@ def test_reads_outside_the_stored_steps_are_refused_naming_the_index():
 def test_a_capacity_that_is_not_whole_time_steps_is_refused_before_anything_is_laid_out():
     rb = TensorDictReplayBuffer(storage=GearStorage(10, ndim=2), batch_size=2)
     with pytest.raises(ValueError, match="multiple of the number of envs"):
-        rb.extend(BatchedEnvs(num_envs=4).batch(3))
-    assert len(rb) == 0 and rb.storage.shape is None
+        rb.extend(BatchedEnvs(num_envs=4).batch(4))  # the writer's cursor went round a ring of 3 time rows
+    assert len(rb) == 0 and rb.storage.shape is None and rb._writer._cursor == 0  # and came back
     rb.extend(BatchedEnvs(num_envs=5).batch(3))  # 10 = 2 time steps of 5 envs
     assert rb.storage.shape == (2, 5) and len(rb) == 10
 
