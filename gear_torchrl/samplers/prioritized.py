@@ -175,7 +175,9 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
             return None
         drawn, generation, _ = last
         if isinstance(drawn, tuple):  # (t, e) coordinates of an ndim=2 storage: TorchRL hands them back stacked
-            drawn, index = torch.stack(drawn, -1), torch.stack(index, -1) if isinstance(index, tuple) else index
+            drawn = torch.stack(drawn, -1)
+        if isinstance(index, tuple):
+            index = torch.stack(index, -1)
         if not isinstance(index, torch.Tensor):
             return None
         same = index is drawn or (index.shape == drawn.shape and torch.equal(index.to(drawn.device), drawn))
