@@ -185,6 +185,7 @@ class RateLimitedStorage:
             raise TypeError(f"rate_limiter must be a RateLimiter (MinSize, SampleToInsertRatio, ...) or None, "
                             f"got {type(limiter).__name__}")
         if limiter is not None:
+            self._check_rate_limitable()
             for buffer in self._attached_entities:
                 check_sampler_is_gated(getattr(buffer, "_sampler", None))
         self._publish_rate_limiter(limiter)
@@ -202,6 +203,9 @@ class RateLimitedStorage:
 
     def _rate_counters(self) -> LocalRateCounters | SharedRateCounters:
         return LocalRateCounters()
+
+    def _check_rate_limitable(self) -> None:
+        """Raise where this storage cannot count its appends and draws yet."""
 
     def _publish_rate_limiter(self, limiter: RateLimiter | None) -> None:
         """Where other processes must learn of the rule (a shared store), tell them."""

@@ -23,6 +23,7 @@ from gear_torchrl.stats import Rates
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.sampled_index import Selection, WindowMarkers, local_selection, plan_of
 from gear_torchrl.selection.base import Selector, pick_exactly
+from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard
 from gear_torchrl.store.rate_counters import LocalRateCounters, SharedRateCounters
@@ -49,7 +50,8 @@ class GearStorage(RateLimitedStorage, TensorStorage):
             memory and one extra host-to-GPU copy per write. Not with ``shared``:
             other processes' writes would not reach it.
         end_keys: flags that end an episode (those present in the data are used).
-        traj_key: a trajectory-id key; an episode also ends where it changes.
+        traj_key: a trajectory-id key; an episode also ends where it changes. When None and
+            the data carries TorchRL collectors' ``("collector", "traj_ids")``, that key is used.
         checkpointer: defaults to :class:`GearStorageCheckpointer`.
         shared: keep the rows in named shared memory that other processes attach
             to (pickling this storage, e.g. into spawned actors, collector workers
@@ -59,12 +61,20 @@ class GearStorage(RateLimitedStorage, TensorStorage):
             :meth:`close` or when this process exits, however it exits.
         handle: attach to the shared store ``handle`` (from :attr:`handle`) instead
             of creating one; ``max_size``, ``end_keys`` and ``traj_key`` come from it.
-        ndim, compilable, consolidated, shared_init, cleanup_memmap: ``LazyTensorStorage``'s
+        ndim: ``LazyTensorStorage``'s: ``1`` stores steps; ``2`` stores ``[T, num_envs]`` steps,
+            what batched-env collectors write (``rb.extend`` of ``[num_envs, T]`` data with the
+            buffer's ``dim_extend=1``, TorchRL's default for ``ndim=2``) and ``SliceSampler``
+            over a 2-D storage reads. With ``ndim=2``, ``max_size`` counts steps and must be
+            a multiple of the number of envs (fixed by the first write); TorchRL's indices
+            are ``(time, env)`` coordinates, and each env column keeps its own episodes, so
+            :class:`GearSequenceSampler` windows never cross envs. Local CPU stores only
+            so far (``shared`` and CUDA devices are refused, saying why).
+        compilable, consolidated, shared_init, cleanup_memmap: ``LazyTensorStorage``'s
             keywords, with its meanings: ``compilable`` keeps TorchRL's counters in
             tensors, ``shared_init=True`` is ``shared=True`` (the rows live in shared
             memory from the start, so other processes can write the first rows).
             Columns are always contiguous (``consolidated``) and never memory-mapped
-            files (``cleanup_memmap``). Only ``ndim=1`` is supported so far.
+            files (``cleanup_memmap``).
         rate_limiter: a :class:`RateLimiter` (``MinSize``, ``SampleToInsertRatio``, Reverb's rules): appends
             wait in ``set`` and draws in the samplers until the rule allows them (releasing the buffer's
             locks meanwhile). Over a shared store the rule and its counts live in the store, so every
@@ -94,6 +104,14 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     """
 
     _default_checkpointer = GearStorageCheckpointer
+    _local_shard = Shard  # what holds the rows of a local store
+
+    def __new__(cls, *args: Any, ndim: int = 1, **kwargs: Any) -> GearStorage:
+        if cls is GearStorage and ndim == 2:  # the [T, num_envs] layout: its own class, off the 1-D path
+            from gear_torchrl.env_storage import EnvColumnsStorage
+
+            cls = EnvColumnsStorage
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -115,10 +133,10 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         shared_init: bool = False,
         cleanup_memmap: bool = True,
     ) -> None:
-        if ndim != 1:
+        if ndim != self.ndim:
             raise NotImplementedError(
-                f"GearStorage(ndim={ndim}): only ndim=1 ([steps] rows) is supported so far; flatten "
-                "[T, num_envs] batches with a trajectory key (e.g. traj_key=('collector', 'traj_ids'))")
+                f"GearStorage(ndim={ndim}): ndim=1 ([steps] rows) and ndim=2 ([T, num_envs] steps) are supported; "
+                "flatten more dimensions into one of these")
         if compilable and (shared or shared_init or handle is not None):
             raise ValueError("a compilable storage cannot be shared between processes (as LazyTensorStorage)")
         device = _resolve_device(device)
@@ -133,7 +151,6 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         if handle is not None:
             max_size = handle.capacity
         Storage.__init__(self, max_size, checkpointer=checkpointer, compilable=compilable)
-        self.ndim = 1
         self.device = device
         self.memory = memory
         on_gpu = device.type == "cuda"
@@ -141,9 +158,9 @@ class GearStorage(RateLimitedStorage, TensorStorage):
             self._shard = SharedShard(self.max_size, handle=handle, register_host=on_gpu, out_device=device,
                                       end_keys=end_keys, traj_key=traj_key, reader_timeout_s=reader_timeout)
         else:
-            self._shard = Shard(self.max_size, device=device if memory == "device" else "cpu",
-                                register_host=on_gpu and memory == "host", out_device=device,
-                                end_keys=end_keys, traj_key=traj_key, hot_rows=hot_rows)
+            self._shard = self._local_shard(self.max_size, device=device if memory == "device" else "cpu",
+                                            register_host=on_gpu and memory == "host", out_device=device,
+                                            end_keys=end_keys, traj_key=traj_key, hot_rows=hot_rows)
         self._last_cursor = None
         self._home_pid = os.getpid()  # a copy in another process (pickled, forked) is not these rows
         self._warned_copy = False
@@ -213,14 +230,23 @@ class GearStorage(RateLimitedStorage, TensorStorage):
                 raise EmptyStoreError("cannot sample from an empty storage: write some data first")
             selector.follow(shard)
             picked = pick_exactly(selector, shard, count, generator)
-        selection = local_selection(picked, shard.capacity, self.device, markers)
-        if plan_of(selection.index) is None and selection.index.device == self.device:
-            self._drawn = selection.index  # rows picked here are in range: ``get`` skips checking them
+        selection = self._selection(picked, markers)
+        index = selection.index
+        if isinstance(index, torch.Tensor) and plan_of(index) is None and index.device == self.device:
+            self._drawn = index  # rows picked here are in range: ``get`` skips checking them
         return selection
+
+    def _selection(self, picked: Picked, markers: WindowMarkers | None) -> Selection:
+        """TorchRL's index for ``picked``: ring rows, windows carried along (``local_selection``)."""
+        return local_selection(picked, self._shard.capacity, self.device, markers)
+
+    def _selector_rows(self, index: Any) -> torch.Tensor:
+        """The checked rows of a TorchRL index given to a sampler (``mark_update``, ``give_back``); -1 skips."""
+        return as_rows(index, self.max_size)
 
     def note_written(self, selector: Selector, index: Any) -> None:
         """TorchRL's writer wrote rows ``index`` (``mark_update``): the selector's per-row state follows."""
-        rows = as_rows(index, self.max_size)
+        rows = self._selector_rows(index)
         selector.written(rows[rows >= 0], self._shard)
 
     def update_selection(self, selector: Selector, index: Any, priority: Any, generation: Any = None) -> None:
@@ -229,7 +255,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
 
     def give_back(self, selector: Selector, index: Any) -> None:
         """Picks that were not used (a batch cut short): rules that consume rows take them back."""
-        selector.give_back(as_rows(index, self.max_size))
+        selector.give_back(self._selector_rows(index))
 
     # -- episodes -------------------------------------------------------------------
     @property
@@ -256,19 +282,27 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         if isinstance(data, list):
             data = torch.stack(data)
         if not set_cursor:  # an in-place write: not an insert, nothing to gate
-            self._shard.write(cursor, data, append=False)
+            self._write(cursor, data, append=False)
             self._note_mutation()
             return
-        positions = _positions(cursor, self.max_size)
+        positions = _positions(cursor, self._writer_ring())
         with self._appending(positions, positions.numel(), self._rewind_writers):
             try:
-                self._shard.write(cursor, data, append=True)
+                self._write(cursor, data, append=True)
             except BaseException:
                 if self._current_gate() is None:  # else the gate rewinds, for the appends queued behind too
                     self._rewind_writers(positions, positions.numel())
                 raise
         self._set_last_cursor(cursor)
         self._note_mutation()
+
+    def _write(self, cursor: Index, data: Data, append: bool) -> None:
+        """Write ``data`` at TorchRL's ``cursor`` (rows here); ``append`` moves the ring's cursor and length."""
+        self._shard.write(cursor, data, append=append)
+
+    def _writer_ring(self) -> int:
+        """How many positions TorchRL's writers move their cursor around (``_max_size_along_dim0``)."""
+        return self.max_size
 
     def admitting(self, rows: int) -> contextlib.AbstractContextManager:
         """Around an append made without TorchRL's writer (``TrajectoryWriter``): the rate limiter admits it."""
@@ -287,7 +321,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
             writer = getattr(buffer, "_writer", None)
             if getattr(writer, "_storage", None) is not self or not hasattr(writer, "_write_count"):
                 continue
-            if int(writer._cursor) == (first + n) % self.max_size:
+            if int(writer._cursor) == (first + n) % self._writer_ring():
                 writer._cursor = first
                 writer._write_count -= n
 
@@ -308,6 +342,10 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         drawn, self._drawn = self._drawn, None
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(k, str) for k in index)):
             return self.get(slice(None))[index]  # a key: that column of every row (TorchRL's Sequence unit)
+        return self._read_rows(index, drawn)
+
+    def _read_rows(self, index: Index, drawn: torch.Tensor | None) -> Data:
+        """Rows at TorchRL's ``index`` (``drawn``: what ``_rand_given_ndim`` drew last, in range already)."""
         if isinstance(index, tuple) and len(index) == 1:
             index = index[0]
         if isinstance(index, slice):  # like LazyTensorStorage: views, so in-place writes reach the rows

@@ -171,9 +171,15 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
         update costs no check at all.
         """
         last = self._last_draw
-        if last is None or last[2] == self.selector.writes or not isinstance(index, torch.Tensor):
+        if last is None or last[2] == self.selector.writes:
             return None
         drawn, generation, _ = last
+        if isinstance(drawn, tuple):  # (t, e) coordinates of an ndim=2 storage: TorchRL hands them back stacked
+            drawn = torch.stack(drawn, -1)
+        if isinstance(index, tuple):
+            index = torch.stack(index, -1)
+        if not isinstance(index, torch.Tensor):
+            return None
         same = index is drawn or (index.shape == drawn.shape and torch.equal(index.to(drawn.device), drawn))
         return generation if same else None
 

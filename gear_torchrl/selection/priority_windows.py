@@ -153,6 +153,10 @@ class PriorityWindowSelector(PrioritySelector):
         return self.total
 
     def pick(self, shard: Shard, count: int, generator: torch.Generator | None) -> Picked:
+        if shard.num_envs is not None:
+            raise NotImplementedError("prioritized windows over an ndim=2 storage are not available yet: their keys "
+                                      "are step priorities, which do not yet follow the env columns' episodes; use "
+                                      "GearSequenceSampler, or an ndim=1 storage with a trajectory key")
         if shard.size:
             check_episode_markers(self.spec, shard)
         mass = self.mass(shard)

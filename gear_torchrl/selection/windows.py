@@ -31,7 +31,12 @@ _NONE = torch.empty(0, dtype=torch.int64)
 def check_episode_markers(spec: WindowSpec | PriorityWindowSpec, shard: Shard) -> None:
     """Windows must not cross episodes: refuse when nothing in the data delimits them, or keys disagree."""
     if not shard.tracks_episodes:
-        raise RuntimeError("windows need rows that are single steps (batch_size [] per row)")
+        raise RuntimeError(f"windows need rows that are single steps (batch_size [] per row); these rows are "
+                           f"{list(shard.spec.row_batch_shape)}. For [num_envs, T] batches of a batched env use "
+                           "GearStorage(max_size, ndim=2)")
+    if shard.num_envs is not None and not spec.cross_ring_end:
+        raise NotImplementedError("cross_ring_end=False is not available over an ndim=2 storage yet (its windows "
+                                  "step through one env column, whose time ring ends elsewhere than the rows')")
     if spec.traj_key is not None and spec.traj_key != as_path(shard.traj_key or ()):
         key = _shown(spec.traj_key)
         raise ValueError(f"traj_key={key!r}: episodes come from the storage's index, whose "
@@ -168,7 +173,7 @@ class WindowSelector(Selector):
         windows = self._draw(shard.episodes, count, generator)
         if not self.spec.cross_ring_end:
             windows = redraw_wrapping(lambda n: self._draw(shard.episodes, n, generator), windows, shard.capacity)
-        return picked_windows(windows, shard.capacity, mass)
+        return picked_windows(windows, shard.window_rows, mass)
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return no_window_reason(self.spec, shard.episodes)

@@ -44,6 +44,7 @@ class EpisodeView:
     length: torch.Tensor  # int64 [E]
     closed: torch.Tensor  # bool [E]: ended by a done flag or a trajectory change
     dead: torch.Tensor  # bool [E]: rows a crashed writer left half-written; never sampled
+    env: torch.Tensor | None = None  # int64 [E]: the env column of each (a [T, num_envs] store), else None
 
 
 def episode_ends(flags: torch.Tensor | None, traj: torch.Tensor | None, num_rows: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -107,6 +108,8 @@ class Shard:
     ``traj_key`` set, an episode also ends where that id changes.
     """
 
+    num_envs: int | None = None  # rows are steps of one stream (an EnvShard: steps of num_envs env columns)
+
     def __init__(
         self,
         capacity: int,
@@ -166,6 +169,11 @@ class Shard:
         self._take_spec(spec)
         if self.traj_key is not None and self._traj_column is None:
             logger.warning("traj_key %r is not in the data; episodes come from end flags only", self.traj_key)
+        if not self.tracks_episodes and self.has_episode_markers:
+            logger.warning("rows of batch shape %s are not single steps, so the episode index stays empty and "
+                           "sequence samplers refuse this store. For [num_envs, T] batches of a batched env use "
+                           "GearStorage(max_size, ndim=2) (the buffer's dim_extend=1 stores them as [T, num_envs]), "
+                           "or flatten them to steps with a trajectory key", list(spec.row_batch_shape))
         if self.tracks_episodes and not self.has_episode_markers and self.end_keys != DEFAULT_END_KEYS:
             logger.warning("none of the configured end keys %r nor a trajectory key is in the data: the episode "
                            "index sees one episode; sequence samplers will refuse to sample", self.end_keys)
@@ -272,15 +280,15 @@ class Shard:
         is_append = append and self._continues_ring(rows)
         values, columns, objects = leaves.values, leaves.columns, leaves.objects
         if is_append and leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
-            values, columns = [*values, rows.clone()], (*columns, self.spec.find(_TORCHRL_INDEX))
+            values, columns = [*values, self._torchrl_positions(rows)], (*columns, self.spec.find(_TORCHRL_INDEX))
         by_column = self._by_column(values, columns)
         size_before = self.size
         if is_append:
             ends = self._ends(by_column, n) if self.tracks_episodes else None
-            starts_fresh = False
+            dropped_ends = None
             if n > self.capacity:  # only the last `capacity` rows survive
                 keep = slice(n - self.capacity, n)
-                starts_fresh = ends is not None and bool(ends[: n - self.capacity].any())
+                dropped_ends = None if ends is None else ends[: n - self.capacity]
                 rows, values, objects = rows[keep], [v[keep] for v in values], [o[keep] for o in objects]
                 by_column = self._by_column(values, columns)
                 ends = None if ends is None else ends[keep]
@@ -302,17 +310,24 @@ class Shard:
         if not self.tracks_episodes:
             return rows
         if is_append:
-            if starts_fresh:
-                self.episodes.close_open()
-            traj = self._traj_ids(by_column)
-            self.episodes.append(
-                rows, ends, evicted=max(0, size_before + rows.numel() - self.capacity),
-                traj_first=None if traj is None else int(traj[0]),
-                traj_last=None if traj is None else int(traj[-1]),
-            )
+            self._index_append(rows, ends, self._traj_ids(by_column), dropped_ends,
+                               evicted=max(0, size_before + rows.numel() - self.capacity))
         else:
             self.rebuild_episodes()
         return rows
+
+    def _index_append(self, rows: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None,
+                      dropped_ends: torch.Tensor | None, evicted: int) -> None:
+        """Record appended ``rows`` in the episode index; ``dropped_ends``: end flags of the write's
+        first rows, which the ring could not hold (None: it held them all)."""
+        if dropped_ends is not None and bool(dropped_ends.any()):
+            self.episodes.close_open()
+        self.episodes.append(rows, ends, evicted=evicted, traj_first=None if traj is None else int(traj[0]),
+                             traj_last=None if traj is None else int(traj[-1]))
+
+    def _torchrl_positions(self, rows: torch.Tensor) -> torch.Tensor:
+        """What TorchRL's writers store under ``"index"`` for ``rows``: their own positions."""
+        return rows.clone()
 
     def _by_column(self, values: list[torch.Tensor], columns: tuple[int, ...]) -> list[torch.Tensor | None]:
         """``values`` at their column positions (None where a column is not written)."""
@@ -463,10 +478,14 @@ class Shard:
         why = f" (the state saves {saved} rows of a {capacity}-row storage)"
         size = checked_int(field(state, "size", where), "size", hi=saved, why=why)
         head = checked_int(field(state, "head", where), "head", hi=min(saved, capacity - 1), why=why)
-        check_episode_state(field(state, "episodes", where), capacity, size,
-                            oldest_row=head if size == capacity else 0,
-                            tracked=spec is not None and len(spec.row_batch_shape) == 0)
+        self._check_episode_state(field(state, "episodes", where), size, head,
+                                  tracked=spec is not None and len(spec.row_batch_shape) == 0)
         return spec, columns, objects
+
+    def _check_episode_state(self, episodes: Any, size: int, head: int, tracked: bool) -> None:
+        """Raise CheckpointError unless ``episodes`` indexes a saved ring of ``size`` rows whose cursor is ``head``."""
+        check_episode_state(episodes, self.capacity, size, oldest_row=head if size == self.capacity else 0,
+                            tracked=tracked)
 
     def state(self) -> dict:
         """Everything needed to restore the shard exactly; tensors are views, not copies.
@@ -603,22 +622,32 @@ class Shard:
         if self.tracks_episodes:
             self.rebuild_episodes()
 
+    @property
+    def window_rows(self) -> int:
+        """Episode starts, and so window starts, are rows of ``[0, window_rows)``: here the ring's rows."""
+        return self.capacity
+
+    def _gather_plan(self, windows: Windows) -> Windows:
+        """``windows`` (starts in ``[0, window_rows)``) as the gather kernel reads them: runs of ring rows."""
+        return windows
+
     def read_windows(self, windows: Windows, markers: Markers | None = None) -> Data:
         """Windows as a flat batch of ``W * seq_len`` rows on ``out_device``, padding zero-filled.
 
         ``markers`` adds keys derived from the gathered columns (a window sampler's trajectory markers).
         """
+        plan = self._gather_plan(windows)
         with self.reading():
             if self.spec is None or self.size == 0:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")
             self.claim_gather(windows.starts.numel() * windows.seq_len)
-            flat, mask = gather.gather_windows(self.columns, windows.starts, windows.seq_len, self.out_device,
-                                               windows.valid_begin, windows.valid_end, hot=self._hot_rows())
+            flat, mask = gather.gather_windows(self.columns, plan.starts, plan.seq_len, self.out_device,
+                                               plan.valid_begin, plan.valid_end, hot=self._hot_rows())
             self.rows_read += flat[0].shape[0]
         extra = None if markers is None else markers(windows, dict(zip(self.spec.keys, flat)), mask)
         objects = None
         if self.objects:  # padding positions hold no row: None, as a row never written
-            at = torch.where(mask.cpu(), windows.rows(self.capacity), -1)
+            at = torch.where(mask.cpu(), plan.rows(self.capacity), -1)
             objects = self._objects_at(at, at.shape)
         return self.spec.unflatten(flat, torch.Size([flat[0].shape[0]]), device=self.out_device, extra=extra,
                                    objects=objects)
