@@ -285,14 +285,17 @@ class GearStorage(RateLimitedStorage, TensorStorage):
             self._write(cursor, data, append=False)
             self._note_mutation()
             return
-        positions = _positions(cursor, self._writer_ring())
-        with self._appending(positions, positions.numel(), self._rewind_writers):
+        if self._current_gate() is None:
             try:
                 self._write(cursor, data, append=True)
             except BaseException:
-                if self._current_gate() is None:  # else the gate rewinds, for the appends queued behind too
-                    self._rewind_writers(positions, positions.numel())
+                positions = _positions(cursor, self._writer_ring())
+                self._rewind_writers(positions, positions.numel())
                 raise
+        else:  # the gate rewinds on failure, for the appends queued behind this one too
+            positions = _positions(cursor, self._writer_ring())
+            with self._appending(positions, positions.numel(), self._rewind_writers):
+                self._write(cursor, data, append=True)
         self._set_last_cursor(cursor)
         self._note_mutation()
 
