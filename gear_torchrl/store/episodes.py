@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from gear_torchrl.store.state_checks import CheckpointError, checked_int, checked_tensor, field
@@ -189,34 +190,38 @@ class EpisodeIndex:
             self._append_one(int(rows[0]), bool(ends[0]), first_before, slots_before, traj_last)
             return
         continuing = self._newest_open()
-        offset = torch.zeros(n, dtype=torch.int64)
-        offset[1:] = torch.cumsum(ends[:-1].to(torch.int64), 0)
+        # Small arrays, many calls (one per write, per env column for ndim=2): numpy on the
+        # tensors' memory costs a fraction of torch's per-op overhead.
+        ends_np, rows_np = ends.cpu().numpy(), rows.cpu().numpy()  # (a GPU store's flags come from the GPU)
+        end_at = np.flatnonzero(ends_np[:-1])  # rows that end an episode before the last row
+        first_pos = np.concatenate(([0], end_at + 1))
+        last_pos = np.concatenate((end_at, [n - 1]))
+        counts = last_pos - first_pos + 1
         base = self.next_serial - 1 if continuing else self.next_serial
-        new_last = base + int(offset[-1])
+        new_last = base + end_at.size
         self._reserve(new_last + 1 - self.first_serial)
-
-        counts = torch.bincount(offset)
-        last_pos = torch.cumsum(counts, 0) - 1
-        first_pos = last_pos - counts + 1
-        slots = self._slots(base, new_last + 1)
+        size = self.start.numel()
+        start, length, closed, dead_flags = (t.numpy() for t in (self.start, self.length, self.closed, self.dead))
+        slots = np.arange(base, new_last + 1) % size
         if continuing:
-            slot0 = int(slots[0])
-            if int(self.length[slot0]) == 0:
-                self.start[slot0] = rows[0]
-            self.length[slot0] += counts[0]
-            self.closed[slot0] = ends[last_pos[0]]
+            slot0 = slots[0]
+            if length[slot0] == 0:
+                start[slot0] = rows_np[0]
+            length[slot0] += counts[0]
+            closed[slot0] = ends_np[last_pos[0]]
             slots, first_pos, last_pos, counts = slots[1:], first_pos[1:], last_pos[1:], counts[1:]
-        self.start[slots] = rows[first_pos]
-        self.length[slots] = counts
-        self.closed[slots] = ends[last_pos]
-        self.dead[slots] = dead
+        start[slots] = rows_np[first_pos]
+        length[slots] = counts
+        closed[slots] = ends_np[last_pos]
+        dead_flags[slots] = dead
         self.next_serial = new_last + 1
         self.open_traj = traj_last
-        if self.start.numel() != slots_before:
+        if size != slots_before:
             self._changed(None)  # _reserve remapped every slot
         else:
-            dropped_or_trimmed = self._slots(first_before, self.first_serial + 1)
-            self._changed(torch.cat([dropped_or_trimmed, self._slots(base, self.next_serial)]))
+            changed = np.concatenate((np.arange(first_before, self.first_serial + 1),
+                                      np.arange(base, self.next_serial))) % size
+            self._changed(torch.from_numpy(changed))
 
     def _append_one(self, row: int, end: bool, first_before: int, slots_before: int, traj: int | None) -> None:
         """``append`` of a single live row (after eviction), without tensor arithmetic on one element."""
@@ -263,21 +268,22 @@ class EpisodeIndex:
         if k <= 0:
             return
         m = min(k, self.num_episodes)
-        slots = self._slots(self.first_serial, self.first_serial + m)
-        cum = torch.cumsum(self.length[slots], 0)
-        whole = int(torch.searchsorted(cum, k, right=True))
+        size = self.start.numel()
+        length = self.length.numpy()
+        cum = np.cumsum(length[np.arange(self.first_serial, self.first_serial + m) % size])
+        whole = int(np.searchsorted(cum, k, side="right"))
         if whole == self.num_episodes and self._newest_open():
             # Every stored step goes, the open episode's too: it stays live, empty,
             # and the rows being written continue it.
-            self.length[self._newest_slot()] = 0
+            length[self._newest_slot()] = 0
             self.first_serial = self.next_serial - 1
             return
         trim = k - (int(cum[whole - 1]) if whole else 0)
         self.first_serial += whole
         if trim:
-            slot = self.first_serial % self.start.numel()
+            slot = self.first_serial % size
             self.start[slot] = (self.start[slot] + trim) % self.capacity
-            self.length[slot] -= trim
+            length[slot] -= trim
 
     def _reserve(self, live: int) -> None:
         """Grow the per-episode arrays so ``live`` episodes have distinct slots."""
