@@ -20,17 +20,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from gear_torchrl.rate_limiters import RateLimiter, RateLimiterTimeout
+from gear_torchrl.rate_limiters import WAIT_SLICE_S, RateLimiter, RateLimiterTimeout
 from gear_torchrl.store.rate_counters import Counts, LocalRateCounters, SharedRateCounters
-
-_WAIT_SLICE_S = 0.05  # a waiter re-checks the store (closed, owner dead) at least this often
 
 
 @dataclass(eq=False)
 class _Turn:
-    first: Any  # the first row TorchRL's writer handed out for this append
-    rows: int
-    failed: BaseException | None = None
+    rows: int  # how many rows TorchRL's writer handed out for this append
+    failed: BaseException | None = None  # set when an append queued before it failed
 
 
 class AppendTurns:
@@ -40,9 +37,9 @@ class AppendTurns:
         self._queue: deque[_Turn] = deque()
         self._cond = threading.Condition()
 
-    def enter(self, first: Any, rows: int) -> _Turn:
+    def enter(self, rows: int) -> _Turn:
         with self._cond:
-            turn = _Turn(first, rows)
+            turn = _Turn(rows)
             self._queue.append(turn)
             return turn
 
@@ -59,7 +56,7 @@ class AppendTurns:
                     raise RateLimiterTimeout("an append waited past the rate limiter's timeout behind earlier "
                                              "appends of this process that are still blocked")
             with released(), self._cond:
-                self._cond.wait(_WAIT_SLICE_S if remaining is None else min(remaining, _WAIT_SLICE_S))
+                self._cond.wait(WAIT_SLICE_S if remaining is None else min(remaining, WAIT_SLICE_S))
 
     def done(self, turn: _Turn) -> None:
         with self._cond:
@@ -102,7 +99,7 @@ class RateGate:
         """
         limiter = self.limiter
         deadline = _deadline(limiter.timeout)
-        turn = self._turns.enter(first, rows)
+        turn = self._turns.enter(rows)
         admitted = False
         try:
             self._turns.wait(turn, deadline, self._released)

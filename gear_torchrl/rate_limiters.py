@@ -19,7 +19,7 @@ from typing import Any
 from gear_torchrl.store.rate_counters import Counts, LocalRateCounters, RuleNumbers, SharedRateCounters
 
 Released = Callable[[], contextlib.AbstractContextManager]
-_WAIT_SLICE_S = 0.05  # a waiter wakes at least this often, to find a closed store or a passed deadline
+WAIT_SLICE_S = 0.05  # a waiter wakes at least this often, to find a closed store or a passed deadline
 
 
 class RateLimiterTimeout(TimeoutError):
@@ -123,7 +123,7 @@ class RateLimiter:
                     f"{type(self).__name__}: {what} of {num_rows} rows blocked for {self.timeout}s "
                     f"(inserted {self.inserts}, sampled {self.samples}): {self._why_blocked(what)}")
             with while_waiting():
-                self._counters.wait_past(version, min(remaining, _WAIT_SLICE_S))
+                self._counters.wait_past(version, min(remaining, WAIT_SLICE_S))
 
     def inserted(self, num_rows: int, *, admitted: bool = False) -> None:
         """Count ``num_rows`` written (``admitted``: they were counted on their way until now)."""
