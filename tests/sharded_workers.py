@@ -112,6 +112,7 @@ def _learn(storage, rank: int, tmp: Path) -> dict:
     else:
         results["refusals"] = _refusals(storage)
         results["loader"] = _loader_batches(storage)
+        results["rate_limited"] = _rate_limited(storage)
     (tmp / f"phase1_{rank}").touch()
     _wait_for(tmp / "killed")
     results["after_kill"] = _after_kill(storage)
@@ -369,6 +370,20 @@ def _loader_batches(storage) -> dict:
     for batch in batches:
         _check_ids(batch, batch["index"])
     return {"count": len(batches), "distinct": len({tuple(b["pos"][:32].tolist()) for b in batches})}
+
+
+def _rate_limited(storage) -> dict:
+    """A rate limiter on the sharded storage holds back this learner's draws across the shards, then lets go."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import RateLimiter, RateLimiterTimeout
+
+    rows = len(storage)  # counted as inserted when the limiter is set: 48 sampled rows are allowed past them
+    rb = RateLimiter(1.0, 1, min_diff=float(rows - 48), max_diff=1e12, timeout=0.3).attach(
+        TensorDictReplayBuffer(storage=storage, batch_size=16))
+    batches, blocked = sample_until_refused(rb, RateLimiterTimeout, limit=10)
+    storage.rate_limiter = None
+    return {"batches": len(batches), "blocked": blocked, "after_removal": rb.sample().batch_size[0]}
 
 
 def _refusals(storage) -> dict:

@@ -233,6 +233,12 @@ def test_wrong_secret_and_out_of_bounds_reads_are_refused(job):
     assert "rb.dumps(path)" in found["state_dict"]  # rows stay on their owners: a clear refusal, not a copy
 
 
+def test_a_rate_limiter_on_the_sharded_storage_holds_back_draws(job):
+    limited = job["results"][LEARNER_RAISE]["rate_limited"]
+    assert limited["batches"] == 3, limited  # 48 rows allowed, 16 a batch
+    assert "sample of 16 rows blocked" in limited["blocked"] and limited["after_removal"] == 16
+
+
 def test_dataloader_workers_sample_the_shards_with_their_own_connections_and_seeds(job):
     loader = job["results"][LEARNER_RAISE]["loader"]
     assert loader["count"] == 6  # 3 batches from each of 2 workers, every row checked against its id
