@@ -35,7 +35,7 @@ class EnvColumnsStorage(GearStorage):
     them. The episode index keeps each env column's episodes apart, so windows of
     :class:`GearSequenceSampler` never cross envs or episodes.
 
-    Local CPU stores only, so far: ``shared`` stores, GPU devices and rate limiters are refused.
+    Local CPU stores only, so far: ``shared`` stores and GPU devices are refused.
     """
 
     ndim = 2
@@ -50,13 +50,6 @@ class EnvColumnsStorage(GearStorage):
     @property
     def _envs(self) -> int:
         return self._shard.num_envs
-
-    def _check_rate_limitable(self) -> None:
-        raise NotImplementedError(
-            "GearStorage(ndim=2) cannot hold a rate limiter yet: TorchRL hands it time rows of every env at "
-            "once, and its draws are (time, env) coordinates drawn outside the storage's selection, so the "
-            "limiter would count time rows, not steps. Use an ndim=1 storage with traj_key=('collector', "
-            "'traj_ids') for a rate-limited buffer")
 
     # -- size and shape (TorchRL's, for ndim=2) ------------------------------------------
     @property
@@ -96,10 +89,11 @@ class EnvColumnsStorage(GearStorage):
 
     def _rand_given_ndim(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Uniform ``(t, e)`` coordinates, drawn exactly as ``LazyTensorStorage(ndim=2)`` draws them."""
-        shape = self.shape
-        if shape is None or shape.numel() == 0:
-            raise EmptyStoreError("cannot sample from an empty storage: write some data first")
-        return tuple(torch.randint(dim, (batch_size,), generator=self._rng, device=self.device) for dim in shape)
+        with self._sampling(batch_size):
+            shape = self.shape
+            if shape is None or shape.numel() == 0:
+                raise EmptyStoreError("cannot sample from an empty storage: write some data first")
+            return tuple(torch.randint(dim, (batch_size,), generator=self._rng, device=self.device) for dim in shape)
 
     # -- writes ------------------------------------------------------------------------
     def _write(self, cursor: Index, data: Data, append: bool) -> None:
@@ -131,6 +125,11 @@ class EnvColumnsStorage(GearStorage):
 
     def _writer_ring(self) -> int:
         return self._shard.time_capacity or self._first_write_ring
+
+    def _steps_in(self, positions: torch.Tensor, data: Data) -> int:
+        """Time rows times envs: every env's step at each time row (``[num_envs]`` data for one time row)."""
+        envs = self._envs or _envs_in(data, 1 if len(_lead_shape(data)) > 1 else 0) or 1
+        return positions.numel() * envs
 
     def _sync_cursor_from_shard(self) -> None:
         shard = self._shard

@@ -91,29 +91,32 @@ class RateGate:
         self._turns = AppendTurns()
 
     @contextlib.contextmanager
-    def append(self, first: Any, rows: int, rewind: Callable[[Any, int], None]) -> Iterator[None]:
-        """Around one append of ``rows`` rows: its turn, then the limiter's admission, then the write.
+    def append(self, first: Any, rows: int, rewind: Callable[[Any, int], None],
+               steps: int | None = None) -> Iterator[None]:
+        """Around one append of ``rows`` rows (TorchRL's writer positions) holding ``steps`` steps (default:
+        one per row): its turn, then the limiter's admission of the steps, then the write.
 
         ``rewind(first, rows)`` moves TorchRL's writers back when the append (and those
         behind it) will not happen.
         """
         limiter = self.limiter
+        steps = rows if steps is None else steps
         deadline = _deadline(limiter.timeout)
         turn = self._turns.enter(rows)
         admitted = False
         try:
             self._turns.wait(turn, deadline, self._released)
-            limiter.admit_insert(rows, deadline=deadline, while_waiting=self._released)
+            limiter.admit_insert(steps, deadline=deadline, while_waiting=self._released)
             admitted = True
             yield
         except BaseException as error:
             if admitted:
-                limiter.insert_failed(rows)
+                limiter.insert_failed(steps)
             if turn.failed is None:  # else the append that failed first rewound for us too
                 rewind(first, self._turns.fail_from(turn, error))
             raise
         else:
-            limiter.inserted(rows, admitted=True)
+            limiter.inserted(steps, admitted=True)
             self._turns.done(turn)
 
     @contextlib.contextmanager
@@ -182,7 +185,6 @@ class RateLimitedStorage:
             raise TypeError(f"rate_limiter must be a RateLimiter (MinSize, SampleToInsertRatio, ...) or None, "
                             f"got {type(limiter).__name__}")
         if limiter is not None:
-            self._check_rate_limitable()
             for buffer in self._attached_entities:
                 check_sampler_is_gated(getattr(buffer, "_sampler", None))
         self._publish_rate_limiter(limiter)
@@ -201,8 +203,6 @@ class RateLimitedStorage:
     def _rate_counters(self) -> LocalRateCounters | SharedRateCounters:
         return LocalRateCounters()
 
-    def _check_rate_limitable(self) -> None:
-        """Raise where this storage cannot count its appends and draws yet."""
 
     def _publish_rate_limiter(self, limiter: RateLimiter | None) -> None:
         """Where other processes must learn of the rule (a shared store), tell them."""
@@ -210,9 +210,10 @@ class RateLimitedStorage:
     def _current_gate(self) -> RateGate | None:
         return self._gate
 
-    def _appending(self, first: Any, rows: int, rewind: Callable[[Any, int], None]) -> contextlib.AbstractContextManager:
+    def _appending(self, first: Any, rows: int, rewind: Callable[[Any, int], None],
+                   steps: int | None = None) -> contextlib.AbstractContextManager:
         gate = self._current_gate()
-        return contextlib.nullcontext() if gate is None else gate.append(first, rows, rewind)
+        return contextlib.nullcontext() if gate is None else gate.append(first, rows, rewind, steps)
 
     def _sampling(self, rows: int) -> contextlib.AbstractContextManager:
         gate = self._current_gate()

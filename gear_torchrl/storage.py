@@ -294,7 +294,8 @@ class GearStorage(RateLimitedStorage, TensorStorage):
                 raise
         else:  # the gate rewinds on failure, for the appends queued behind this one too
             positions = _positions(cursor, self._writer_ring())
-            with self._appending(positions, positions.numel(), self._rewind_writers):
+            with self._appending(positions, positions.numel(), self._rewind_writers,
+                                 steps=self._steps_in(positions, data)):
                 self._write(cursor, data, append=True)
         self._set_last_cursor(cursor)
         self._note_mutation()
@@ -306,6 +307,10 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     def _writer_ring(self) -> int:
         """How many positions TorchRL's writers move their cursor around (``_max_size_along_dim0``)."""
         return self.max_size
+
+    def _steps_in(self, positions: torch.Tensor, data: Data) -> int:
+        """Steps an append of ``data`` at TorchRL's ``positions`` brings (what a rate limiter counts)."""
+        return positions.numel()
 
     def admitting(self, rows: int) -> contextlib.AbstractContextManager:
         """Around an append made without TorchRL's writer (``TrajectoryWriter``): the rate limiter admits it."""

@@ -542,12 +542,33 @@ def _runs(ids: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
-def test_a_rate_limiter_is_refused_saying_why():
-    from gear_torchrl import MinSize
+def test_a_rate_limiter_counts_steps_of_every_env():
+    """Inserts and samples are steps ((time, env) pairs), so the rule reads as for a 1-D store."""
+    import threading
+    import time
 
-    with pytest.raises(NotImplementedError, match=r"ndim=2\) cannot hold a rate limiter yet"):
-        GearStorage(64, ndim=2, rate_limiter=MinSize(1))
-    storage = GearStorage(64, ndim=2)
-    with pytest.raises(NotImplementedError, match="rate limiter"):
-        storage.rate_limiter = MinSize(1)
-    assert storage.rate_limiter is None
+    from gear_torchrl import GearUniformSampler, MinSize, RateLimiterTimeout, SampleToInsertRatio
+
+    rb = TensorDictReplayBuffer(storage=GearStorage(64, ndim=2, rate_limiter=MinSize(24, timeout=0.2)),
+                                sampler=GearUniformSampler(), dim_extend=1, batch_size=8)
+    envs = BatchedEnvs(num_envs=4)
+    rb.extend(envs.batch(5))  # [4 envs, 5 time steps]: 20 steps
+    assert rb.storage.rate_limiter.inserts == 20
+    with pytest.raises(RateLimiterTimeout, match="sampling needs 24 inserted rows"):
+        rb.sample()
+    rb.extend(envs.batch(2))  # (TorchRL's TensorDictReplayBuffer cannot extend ndim=2 by one time step)
+    assert rb.sample().batch_size == torch.Size([8]) and rb.storage.rate_limiter.samples == 8
+
+    limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=8, error_buffer=8.0, timeout=10)
+    rb = TensorDictReplayBuffer(storage=GearStorage(64, ndim=2, rate_limiter=limiter), sampler=GearUniformSampler(),
+                                dim_extend=1, batch_size=8)
+    envs = BatchedEnvs(num_envs=4)
+    rb.extend(envs.batch(4))  # 16 steps: diff 16 = offset 8 + 8, the most the rule allows
+    done = threading.Event()
+    inserter = threading.Thread(target=lambda: (rb.extend(envs.batch(2)), done.set()))
+    inserter.start()
+    time.sleep(0.3)
+    assert not done.is_set() and len(rb) == 16  # 8 more steps must wait for 8 samples
+    rb.sample()
+    inserter.join(timeout=10)
+    assert done.is_set() and len(rb) == 24 and limiter.inserts == 24 and limiter.samples == 8
