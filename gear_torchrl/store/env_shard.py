@@ -82,9 +82,9 @@ class EnvShard(Shard):
 
     def _index_append(self, rows: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None,
                       dropped_ends: torch.Tensor | None, evicted: int) -> None:
-        by_time = lambda t: None if t is None else t.reshape(-1, self.num_envs)  # noqa: E731
-        self.episodes.append(rows[:: self.num_envs] // self.num_envs, by_time(ends), evicted // self.num_envs,
-                             by_time(traj), by_time(dropped_ends))
+        envs = self.num_envs
+        self.episodes.append(rows[::envs] // envs, _by_time(ends, envs), evicted // envs, _by_time(traj, envs),
+                             _by_time(dropped_ends, envs))
 
     def rebuild_episodes(self) -> None:
         order = self.logical_order()
@@ -92,8 +92,8 @@ class EnvShard(Shard):
             self.episodes.clear()
             return
         ends, traj = self._stored_ends(order)
-        by_time = lambda t: None if t is None else t.reshape(-1, self.num_envs)  # noqa: E731
-        self.episodes.rebuild(order[:: self.num_envs] // self.num_envs, by_time(ends), by_time(traj))
+        envs = self.num_envs
+        self.episodes.rebuild(order[::envs] // envs, _by_time(ends, envs), _by_time(traj, envs))
 
     def _torchrl_positions(self, rows: torch.Tensor) -> torch.Tensor:
         """TorchRL's writers store a step's time row under ``"index"``."""
@@ -171,3 +171,8 @@ class EnvShard(Shard):
         if state["num_envs"] and not self.num_envs:
             self.lay_out(state["num_envs"])
         super().load_state(state)
+
+
+def _by_time(flat: torch.Tensor | None, envs: int) -> torch.Tensor | None:
+    """Per-step values of flat rows ``t * envs + e`` as ``[time, envs]``."""
+    return None if flat is None else flat.reshape(-1, envs)
