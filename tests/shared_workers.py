@@ -95,15 +95,22 @@ def cartpole():
     return GymEnv("CartPole-v1")
 
 
-def write_limited(storage, num_episodes: int, length: int) -> None:
-    """Write episodes, each waiting for the permission of the rate limiter the store's owner set."""
+def write_limited(storage, num_episodes: int, length: int, through: str) -> None:
+    """Write episodes (``through`` a TrajectoryWriter or a TorchRL buffer's extend), each waiting for the
+    permission of the rate limiter the store's owner set."""
+    from torchrl.data import TensorDictReplayBuffer
+
     from gear_torchrl import TrajectoryWriter
 
     assert storage.rate_limiter is not None, "the owner's rule must reach this process with the store"
     writer = TrajectoryWriter(storage)
+    rb = TensorDictReplayBuffer(storage=storage)
     for e in range(num_episodes):
-        writer.extend(episode(e, length))
-        writer.end_episode()
+        if through == "buffer":
+            rb.extend(episode(e, length))
+        else:
+            writer.extend(episode(e, length))
+            writer.end_episode()
 
 
 def admit_then_die(storage, num_rows: int) -> None:

@@ -264,11 +264,13 @@ def test_prioritized_sampler_follows_commits_from_other_processes():
         storage.close()
 
 
-def test_sample_to_insert_ratio_holds_across_processes():
+@pytest.mark.parametrize("through", ["writer", "buffer"])
+def test_sample_to_insert_ratio_holds_across_processes(through):
+    """The owner's rule reaches actors with the store: TrajectoryWriter commits and rb.extend both wait."""
     storage = GearStorage(1_000, shared=True)
     limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=10, error_buffer=20, timeout=60)
     rb = limiter.attach(TensorDictReplayBuffer(storage=storage, batch_size=40))
-    actor = CTX.Process(target=w.write_limited, args=(storage, 10, 10))
+    actor = CTX.Process(target=w.write_limited, args=(storage, 10, 10, through))
     try:
         actor.start()
 
