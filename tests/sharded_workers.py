@@ -246,13 +246,15 @@ def _topk(storage) -> dict:
     return {"best": batch["shard"] * CAPACITY + batch["pos"]}
 
 
-SEEDED_SAMPLERS = ("uniform", "prioritized", "windows", "prioritized windows", "capped")
+SEEDED_SAMPLERS = ("uniform", "gear uniform", "prioritized", "windows", "prioritized windows", "capped")
 
 
 def _seeded_sampler(name: str):
-    from gear_torchrl import GearPrioritizedSampler, GearPrioritizedSequenceSampler, GearSequenceSampler, MaxTimesSampled
+    from gear_torchrl import (GearPrioritizedSampler, GearPrioritizedSequenceSampler, GearSequenceSampler,
+                              GearUniformSampler, MaxTimesSampled)
 
     return {"uniform": lambda: None,
+            "gear uniform": GearUniformSampler,
             "prioritized": lambda: GearPrioritizedSampler(CAPACITY, alpha=0.5, beta=BETA),
             "windows": lambda: GearSequenceSampler(SEQ_LEN, strict_length=False, burn_in=1),
             "prioritized windows": lambda: GearPrioritizedSequenceSampler(CAPACITY, SEQ_LEN, alpha=0.5),
