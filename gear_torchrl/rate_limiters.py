@@ -57,8 +57,8 @@ class RateLimiter:
         return RuleNumbers(self.samples_per_insert, self.min_size_to_sample, self.min_diff, self.max_diff,
                            self.timeout)
 
-    @classmethod
-    def from_numbers(cls, numbers: RuleNumbers) -> RateLimiter:
+    @staticmethod
+    def from_numbers(numbers: RuleNumbers) -> RateLimiter:
         return RateLimiter(numbers.samples_per_insert, numbers.min_size_to_sample, numbers.min_diff,
                            numbers.max_diff, numbers.timeout)
 

@@ -33,7 +33,13 @@ class TrajectoryWriter:
     store, the one its owner set: ``GearStorage(..., rate_limiter=...)``).
     """
 
-    def __init__(self, storage: GearStorage, *, max_chunk: int | None = None) -> None:
+    def __init__(self, storage: GearStorage, *, max_chunk: int | None = None, **removed: object) -> None:
+        if "limiter" in removed:
+            raise TypeError("TrajectoryWriter takes no limiter any more: the storage holds it "
+                            "(GearStorage(..., rate_limiter=...) or storage.rate_limiter = ...), and every "
+                            "writer of the store, in any process, obeys it")
+        if removed:
+            raise TypeError(f"TrajectoryWriter got unexpected keyword arguments {sorted(removed)}")
         if max_chunk is not None and max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         self.storage = storage

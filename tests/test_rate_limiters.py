@@ -215,3 +215,12 @@ def test_a_refused_write_under_a_limiter_counts_nothing_and_leaves_the_cursor():
     good = make_steps(2, seed=2)
     rb.extend(good)
     assert torch.equal(rb[5:7]["obs"], good["obs"]) and limiter.inserts == 7
+
+
+def test_a_trajectory_writer_handed_a_limiter_says_where_it_lives_now():
+    from gear_torchrl import TrajectoryWriter
+
+    with pytest.raises(TypeError, match="the storage holds it"):
+        TrajectoryWriter(GearStorage(10), limiter=MinSize(1))
+    with pytest.raises(TypeError, match="unexpected keyword arguments \\['chunk'\\]"):
+        TrajectoryWriter(GearStorage(10), chunk=4)
