@@ -16,33 +16,17 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import statistics
 import time
-from collections.abc import Callable
 
 import gear_torchrl
 import torch
-from harness import table, write_json
+from harness import interleaved_medians, table, write_json
 from storage_sampling import LAYOUTS, make_chunk
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 from gear_torchrl import GearStorage, RateLimiter
 
 LIMITED = "GearStorage + RateLimiter"
-
-
-def cpu_medians(fns: dict[str, Callable[[], object]], repeats: int, inner: int) -> dict[str, float]:
-    """Median over ``repeats`` turns of each contender's CPU seconds per call (``inner`` calls a turn)."""
-    for fn in fns.values():
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.process_time()
-            for _ in range(inner):
-                fn()
-            samples[name].append((time.process_time() - start) / inner)
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def main() -> None:
@@ -70,7 +54,7 @@ def main() -> None:
         contenders[f"get / {label}"] = lambda rb=rb: rb.storage.get(index)
         contenders[f"extend / {label}"] = lambda rb=rb: rb.extend(chunk)
         contenders[f"add / {label}"] = lambda rb=rb: rb.add(step)
-    times = cpu_medians(contenders, args.repeats, inner=20)
+    times = interleaved_medians(contenders, repeats=args.repeats, inner=20, warmup=1, clock=time.process_time)
     results = []
     for op in ("sample", "get", "extend", "add"):
         gear = times[f"{op} / GearStorage"]

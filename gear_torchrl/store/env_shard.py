@@ -86,12 +86,7 @@ class EnvShard(Shard):
         self.episodes.append(rows[::envs] // envs, _by_time(ends, envs), evicted // envs, _by_time(traj, envs),
                              _by_time(dropped_ends, envs))
 
-    def rebuild_episodes(self) -> None:
-        order = self.logical_order()
-        if order.numel() == 0:
-            self.episodes.clear()
-            return
-        ends, traj = self._stored_ends(order)
+    def _index_rebuild(self, order: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None) -> None:
         envs = self.num_envs
         self.episodes.rebuild(order[::envs] // envs, _by_time(ends, envs), _by_time(traj, envs))
 

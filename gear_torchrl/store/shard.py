@@ -439,6 +439,10 @@ class Shard:
             self.episodes.clear()
             return
         ends, traj = self._stored_ends(order)
+        self._index_rebuild(order, ends, traj)
+
+    def _index_rebuild(self, order: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None) -> None:
+        """Rebuild the episode index over stored ``order`` (oldest first), its end flags and trajectory ids."""
         self.episodes.rebuild(order, ends, traj_last=None if traj is None else int(traj[-1]))
 
     def _stored_ends(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
