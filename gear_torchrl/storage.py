@@ -94,7 +94,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     they carry. A wrong dtype or shape is refused naming the key. Pytrees, tensorclasses,
     strings / ``NonTensorData`` and lazy stacks whose members differ come back as
     ``LazyTensorStorage`` returns them; non-tensor leaves are kept in this process, beside
-    the columns (a shared store refuses them, and new keys); ``rb.dumps`` saves them as JSON
+    the columns (a shared store refuses them; it takes new tensor keys from any process); ``rb.dumps`` saves them as JSON
     (strings, numbers, lists, string-keyed dicts) and refuses other objects by name.
 
     Over a shared store, an index from outside this library's samplers (TorchRL's
@@ -518,6 +518,18 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     @property
     def shared(self) -> bool:
         return isinstance(self._shard, SharedShard)
+
+    @property
+    def shared_init(self) -> bool:
+        """TorchRL's collectors ask this: a shared store coordinates its first write itself (whichever
+        process writes first lays the columns out), so they hand it to their workers unwritten."""
+        return self.shared
+
+    @shared_init.setter
+    def shared_init(self, value: bool) -> None:
+        if bool(value) != self.shared:
+            raise ValueError(f"a GearStorage is shared or not from construction (this one is "
+                             f"{'' if self.shared else 'not '}shared): build it with GearStorage(n, shared=True)")
 
     @property
     def handle(self) -> SharedStoreHandle:

@@ -192,3 +192,66 @@ def own_store_empty(capacity: int, handle_queue, stop) -> None:
     handle_queue.put(storage.handle)
     stop.wait(120)
     storage.close()
+
+
+# -- a shared store taking new keys ---------------------------------------------------------------
+def keyed_rows(n: int, first: int, **extra: float) -> TensorDict:
+    """``n`` steps numbered from ``first``; each ``extra`` key holds its value in every row."""
+    done = torch.zeros(n, 1, dtype=torch.bool)
+    done[-1] = True
+    data = TensorDict({"obs": torch.arange(first, first + n, dtype=torch.float32), "next": {"done": done}}, [n])
+    for key, value in extra.items():
+        data[key] = torch.full((n,), value)
+    return data
+
+
+def extend_with_keys(storage, n: int, first: int, extra: dict) -> None:
+    """An actor whose rows carry keys the store has not seen."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    TensorDictReplayBuffer(storage=storage).extend(keyed_rows(n, first, **extra))
+
+
+def read_after_growth(storage, ready, go, results) -> None:
+    """Attach (and map the layout) before another process adds a key; sample after it did."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=200)
+    ready.set()
+    go.wait(60)
+    batch = rb.sample()
+    results.put((sorted(str(k) for k in batch.keys(True, True)), batch["obs"].tolist(), batch["v"].tolist()))
+
+
+def die_adding_a_key(storage) -> None:
+    """Lay a new column's segment out, then die before its layout is published (inside the store's lock)."""
+    from gear_torchrl.store import shared_shard
+
+    real = shared_shard.create_segment
+
+    def create_then_die(path, nbytes):
+        real(path, nbytes)
+        os._exit(3)
+
+    shared_shard.create_segment = create_then_die
+    extend_with_keys(storage, 3, 100, {"v": 9.0})
+
+
+class LocScalePolicy(torch.nn.Module):
+    """A continuous policy's outputs as SAC's actor writes them: the distribution's loc and scale, and an action."""
+
+    def forward(self, observation: torch.Tensor):
+        loc = torch.full((*observation.shape[:-1], 7), 0.25)
+        return loc, torch.ones_like(loc), loc.tanh()
+
+
+def mock_env():
+    from torchrl.testing.mocking_classes import ContinuousActionVecMockEnv
+
+    return ContinuousActionVecMockEnv()
+
+
+def batched_mock_env():
+    from torchrl.envs import SerialEnv
+
+    return SerialEnv(1, mock_env)

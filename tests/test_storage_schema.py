@@ -19,6 +19,7 @@ from torchrl.data import (
 )
 
 from gear_torchrl import CheckpointError, GearStorage, SpecMismatchError
+from helpers import assert_same_td
 
 STORAGES = [LazyTensorStorage, GearStorage]
 
@@ -176,19 +177,20 @@ def test_a_write_with_a_new_key_and_a_wrong_one_is_refused_and_adds_nothing(bad,
     assert "new" not in rb[:].keys()
 
 
-def test_a_shared_store_refuses_a_new_key_saying_why_and_changes_nothing():
-    storage = GearStorage(10, shared=True)
-    try:
-        rb = ReplayBuffer(storage=storage, batch_size=4)
-        rb.extend(_obs(5))
-        snap = _snapshot(storage)
-        with pytest.raises(SpecMismatchError, match=r"keeps the keys of its first write.*new keys \['v'\]"):
+def test_a_shared_store_takes_a_new_key_as_a_local_one_does():
+    def scenario(shared):
+        storage = GearStorage(10, shared=shared)
+        try:
+            rb = ReplayBuffer(storage=storage, batch_size=4)
+            rb.extend(_obs(5))
             rb.extend(TensorDict({"obs": torch.ones(2, 3), "v": torch.ones(2)}, [2]))
-        _assert_unchanged(storage, snap)
-        rb.extend(_obs(2, 1.0))
-        assert len(rb) == 7
-    finally:
-        storage.close()
+            return rb[:]
+        finally:
+            storage.close()
+
+    local, shared = scenario(False), scenario(True)
+    assert_same_td(local, shared)
+    assert shared["v"].tolist() == [0.0] * 5 + [1.0] * 2
 
 
 # -- item 5: data types -------------------------------------------------------------------------------

@@ -376,6 +376,10 @@ class ShardSet:
     def _layout(self, shard: int) -> ColumnLayout:
         meta = self.client(shard).describe()
         table = self.table(shard)
+        if meta["offsets"] is None:
+            raise RuntimeError(f"{self.descriptors[shard].where} added columns after its first write; they live in "
+                               "segments of their own, which one-sided (rdma) reads do not cover yet: read this "
+                               "shard with transport='tcp' or 'local', or put every key in the first write")
         return ColumnLayout(tuple(meta["offsets"]), tuple(c.row_bytes for c in table.columns),
                             self.descriptors[shard].capacity)
 

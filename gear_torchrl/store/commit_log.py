@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +52,7 @@ _H_RESERVED, _H_PUBLISHED, _H_NEXT_SEQ, _H_PUBLISHED_SEQ, _H_EPOCH = 5, 6, 7, 8,
 _H_INSERTS, _H_SPEC_LEN, _H_RECORDS, _H_READERS, _H_FLOOR = 10, 12, 13, 14, 15
 _H_EVICTED, _H_EVICT_EPOCH = 17, 18  # rows below EVICTED - capacity are gone, since that epoch
 _H_READER_TIMEOUT_US = 19  # how long a writer waits for a reader before revoking its read
+_H_LAYOUT_VERSION = 20  # bumped each time the columns' layout grows (0: none yet)
 _EVICT_BLOCKS = 64  # the ring evicts 1/64 of itself at a time
 _HEADER_SLOTS = PAGE // 8
 _SPEC_BYTES = 1 << 16
@@ -159,27 +161,35 @@ class CommitLog:
     def mark_closed(self) -> None:
         self._h[_H_STATE] = CLOSED
 
-    # -- spec (written once, by the first writer) ---------------------------------------
-    def read_spec(self) -> dict | None:
-        n = int(self._h[_H_SPEC_LEN])
-        return None if n == 0 else json.loads(bytes(self._spec[:n]))
+    # -- the columns' layout (set by the first writer, grown by any) ---------------------------
+    @property
+    def layout_version(self) -> int:
+        """How many times the layout was published (read without the lock: a cheap check for news)."""
+        return int(self._h[_H_LAYOUT_VERSION])
 
-    def publish_spec(self, spec: dict, create_data, remove_data) -> dict:
-        """Store ``spec`` unless another process already did; returns the store's spec.
+    def read_layout(self) -> tuple[int, dict | None]:
+        """The layout and its version, read whole (under the lock: a writer may be replacing it)."""
+        with self._locked():
+            n = int(self._h[_H_SPEC_LEN])
+            return int(self._h[_H_LAYOUT_VERSION]), None if n == 0 else json.loads(bytes(self._spec[:n]))
 
-        ``create_data`` runs under the lock, before the spec becomes visible, so
-        whoever sees a spec finds the data segment. It runs only while the store
-        is open, and ``remove_data`` undoes it if the owner ended meanwhile: its
-        janitor may have swept already, and nothing else would remove the segment.
+    def publish_layout(self, layout: dict, expected_version: int, create_data: Callable[[], None],
+                       remove_data: Callable[[], None]) -> bool:
+        """Replace the layout at ``expected_version`` by ``layout``; False if another process changed it first.
+
+        ``create_data`` (the segment the new columns live in) runs under the lock, before
+        the layout becomes visible, so whoever sees a layout finds its segments; a writer
+        that dies meanwhile leaves the old layout in force (the lock dies with it). It runs
+        only while the store is open, and ``remove_data`` undoes it if the owner ended
+        meanwhile: its janitor may have swept already, and nothing else would remove it.
         """
+        blob = json.dumps(layout).encode()
+        if len(blob) > _SPEC_BYTES:
+            raise ValueError(f"the table's layout takes {len(blob)} bytes; a shared store holds at most {_SPEC_BYTES}")
         with self._locked():
             self.check_open()
-            existing = self.read_spec()
-            if existing is not None:
-                return existing
-            blob = json.dumps(spec).encode()
-            if len(blob) > _SPEC_BYTES:
-                raise ValueError(f"the table spec takes {len(blob)} bytes; a shared store holds at most {_SPEC_BYTES}")
+            if int(self._h[_H_LAYOUT_VERSION]) != expected_version:
+                return False
             create_data()
             try:
                 self.check_open()
@@ -188,7 +198,8 @@ class CommitLog:
                 raise
             self._spec[: len(blob)] = blob
             self._h[_H_SPEC_LEN] = len(blob)
-            return spec
+            self._h[_H_LAYOUT_VERSION] = expected_version + 1
+            return True
 
     # -- writers ------------------------------------------------------------------------
     def reserve(self, num_rows: int) -> Reservation:

@@ -207,9 +207,14 @@ class Shard:
             self.hot.allocate(spec)
         for column in new:
             column[: self.written].zero_()
+        self._add_columns(spec, new)
+
+    def _add_columns(self, spec: TableSpec, new: list[torch.Tensor]) -> None:
+        """Take ``spec`` (the store's plus new keys) with ``new`` as the buffers of its new tensor columns."""
         self._register(new)
         self.columns = self.columns + new
-        self.objects = self.objects + [np.full(self.capacity, None, dtype=object) for _ in spec.objects[j:]]
+        self.objects = self.objects + [np.full(self.capacity, None, dtype=object)
+                                       for _ in spec.objects[len(self.objects):]]
         self._take_spec(spec)
 
     @property

@@ -107,49 +107,72 @@ class SharedShard(Shard):
         self._scan_reads = 0  # index reads its sample still makes
         self._hold_section = False  # the read in progress leaves its section open
         self._closed = False
-        self.segment: torch.Tensor | None = None  # the mapped data segment (bytes), once published
+        self.segment: torch.Tensor | None = None  # the first columns' segment (bytes), once laid out
+        self._segments: list[torch.Tensor] = []  # every columns' segment, mapped
+        self._placement: list[tuple[int, int]] = []  # (segment, byte offset) of each column
+        self._layout_version = 0  # of the layout mapped here (0: none yet)
         self._map_data()
 
     @property
     def handle(self) -> SharedStoreHandle:
         return SharedStoreHandle(self.store_id, self.capacity, self.end_keys, self.traj_key)
 
-    # -- the data segment ------------------------------------------------------------
-    def _layout(self, spec: TableSpec) -> tuple[list[int], int]:
+    # -- the columns' segments ---------------------------------------------------------------
+    # The first write lays its columns out in segment "data"; a later write that brings new
+    # keys lays those out in a segment of its own ("data1", "data2", ...), zero-filled, so
+    # every row written before reads zeros there. The control segment holds the layout:
+    # the spec and where each column lives. Each process maps what was added on its next
+    # access (``_map_data``: one integer read when nothing changed).
+    def _map_data(self) -> None:
+        """Map the columns some process laid out or added since this process last looked."""
+        if self.log.layout_version == self._layout_version:
+            return
+        version, layout = self.log.read_layout()
+        if layout is None:
+            return
+        for index in range(len(self._segments), len(layout["segments"])):
+            self._segments.append(map_tensor(segment_path(self.store_id, _segment_name(index))))
+        self.segment = self._segments[0]
+        spec = TableSpec.from_json(layout["spec"])
+        columns = [self._segments[k][o: o + self.capacity * c.row_bytes].view(c.dtype).view(self.capacity, *c.row_shape)
+                   for (k, o), c in zip(layout["placement"], spec.columns)]
+        if self.spec is None:
+            self._adopt(spec, columns)
+        else:
+            self._add_columns(spec, columns[len(self.columns):])
+        self._layout_version, self._placement = version, [tuple(p) for p in layout["placement"]]
+
+    def _lay_out(self, spec: TableSpec) -> bool:
+        """Publish ``spec`` (the store's plus new keys) with its new columns in a new zero-filled segment.
+
+        False when another process changed the layout first (map it, merge, try again).
+        """
+        _refuse_objects(spec)
+        index = len(self._segments)
         offsets, total = [], 0
-        for c in spec.columns:
+        for c in spec.columns[len(self.columns):]:
             offsets.append(total)
             total += page_round(max(1, self.capacity * c.row_bytes))
-        return offsets, total
+        path = segment_path(self.store_id, _segment_name(index))
 
-    def _map_data(self) -> None:
-        """Map the columns once some process has written the first rows."""
-        if self.spec is not None:
-            return
-        blob = self.log.read_spec()
-        if blob is None:
-            return
-        spec = TableSpec.from_json(blob)
-        offsets, _ = self._layout(spec)
-        data = self.segment = map_tensor(segment_path(self.store_id, "data"))
-        columns = [data[o: o + self.capacity * c.row_bytes].view(c.dtype).view(self.capacity, *c.row_shape)
-                   for o, c in zip(offsets, spec.columns)]
-        self._adopt(spec, columns)
+        def create() -> None:
+            path.unlink(missing_ok=True)  # left by a process that died laying it out (never published)
+            create_segment(path, total)
 
-    def _allocate(self, spec: TableSpec) -> None:
-        if spec.objects:
-            raise SpecMismatchError(
-                f"non-tensor leaves {sorted(key_name(k) for k in spec.objects)} cannot live in a shared GearStorage: "
-                "other processes map its rows as raw bytes, and Python objects have none. Keep them in a local "
-                "store, or encode them as tensors (ids, fixed-length bytes)")
-        _, total = self._layout(spec)
-        path = segment_path(self.store_id, "data")
-        published = self.log.publish_spec(spec.to_json(), lambda: create_segment(path, total),
-                                          lambda: path.unlink(missing_ok=True))
+        sizes = [int(t.numel()) for t in self._segments]
+        layout = {"spec": spec.to_json(), "segments": [*sizes, total],
+                  "placement": [*map(list, self._placement), *([index, o] for o in offsets)]}
+        published = self.log.publish_layout(layout, self._layout_version, create, lambda: path.unlink(missing_ok=True))
         self._map_data()
-        if TableSpec.from_json(published) != spec:
-            raise SpecMismatchError("the data's keys, dtypes or shapes differ from the shared store's "
-                                    f"(set by the first write): {self.spec}")
+        return published
+
+    def _placed(self, leaves: Leaves) -> Leaves:
+        """``leaves`` addressed to the store's columns, after laying out the keys the store lacks."""
+        while True:
+            self._map_data()
+            spec = leaves.spec if self.spec is None else self.spec.merged(leaves.spec)
+            if spec is self.spec or self._lay_out(spec):
+                return leaves.placed_in(self.spec)
 
     # -- writes: reserve, copy, commit ---------------------------------------------------
     def write(self, index: Index, data: Data, *, append: bool) -> torch.Tensor:
@@ -158,17 +181,17 @@ class SharedShard(Shard):
             raise NotImplementedError(
                 "a shared GearStorage takes appends only (extend, add, TrajectoryWriter): an in-place "
                 "write (write_at, storage[i] = ...) could change rows another process is reading")
-        self._map_data()  # check against the layout another process may have published since
+        self._map_data()  # check against the layout other processes may have grown since
         leaves = self.validated(data, isinstance(index, (int, np.integer)))
-        return self.commit(leaves)  # checks the spec against the store's
+        return self.commit(leaves)
 
     def commit(self, leaves: Leaves) -> torch.Tensor:
-        """Write checked rows (``validated``) as one unit, readable all at once."""
-        self._map_data()
-        if self.spec is None:
-            self._allocate(leaves.spec)
-        elif leaves.spec != self.spec:
-            raise self._fixed_layout_error(leaves.spec)
+        """Write checked rows (``validated``) as one unit, readable all at once.
+
+        Keys the store lacks become new columns first. Columns another process added
+        after ``leaves`` were checked read zeros in these rows, as in every row written before.
+        """
+        leaves = self._placed(leaves)
         values, columns, n = leaves.values, leaves.columns, leaves.n
         if n > self.capacity:  # only the newest `capacity` rows would survive
             values, n = [v[n - self.capacity:] for v in values], self.capacity
@@ -177,25 +200,17 @@ class SharedShard(Shard):
         if leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
             values, columns = [*values, rows.clone()], (*columns, self.spec.find("index"))
         try:
+            self._map_data()  # columns added since: these rows may hold an older lap's bytes there
+            unwritten = [i for i in range(len(self.columns)) if i not in columns]
+            zeros = [torch.zeros((n, *self.spec.columns[i].row_shape), dtype=self.spec.columns[i].dtype)
+                     for i in unwritten]
             self.log.await_readers(reservation)
-            self._copy_in(rows, values, columns, contiguous=True)
+            self._copy_in(rows, [*values, *zeros], [*columns, *unwritten], contiguous=True)
         except BaseException:
             self.log.commit(reservation, dead=True)
             raise
         self.log.commit(reservation)
         return rows
-
-    def _fixed_layout_error(self, spec: TableSpec) -> SpecMismatchError:
-        """Why a write whose layout differs from the shared store's is refused (new keys included)."""
-        stored = set(self.spec.keys)
-        new = [key_name(c.key) for c in spec.columns if c.key not in stored]
-        new += [key_name(k) for k in spec.objects]
-        if new and spec.columns[: len(self.spec.columns)] == self.spec.columns:
-            return SpecMismatchError(
-                f"a shared GearStorage keeps the keys of its first write: every process has mapped that layout, so "
-                f"new keys {sorted(new)} cannot be added to it. Put them in the first write (zeros until known), "
-                "or use a local store (shared=False), which takes new keys")
-        return SpecMismatchError(f"the data's keys, dtypes or shapes differ from the shared store's: {self.spec}")
 
     def set_size(self, size: int) -> None:
         raise NotImplementedError("a shared GearStorage's length follows its commits; it cannot be set")
@@ -367,9 +382,13 @@ class SharedShard(Shard):
     def release(self) -> None:
         self._end_read()
 
-    def column_offsets(self) -> list[int]:
-        """Byte offset of each column in the data segment (what one-sided readers address)."""
-        return self._layout(self.spec)[0]
+    def column_offsets(self) -> list[int] | None:
+        """Byte offset of each column in the first segment (what one-sided readers address);
+        None once columns were added in segments of their own (one-sided reads cover one region)."""
+        self._map_data()
+        if any(segment for segment, _ in self._placement):
+            return None
+        return [offset for _, offset in self._placement]
 
     def mapped_columns(self) -> list[torch.Tensor]:
         """The columns, mapped if a writer has published them since this process attached."""
@@ -519,8 +538,7 @@ class SharedShard(Shard):
         spec, columns, _ = self.checked_state(state)
         if spec is None or not columns:
             return
-        if spec.objects:
-            self._allocate(spec)  # refuses non-tensor leaves, saying why
+        _refuse_objects(spec)
         episodes = state["episodes"]
         starts = torch.as_tensor(episodes["start"], dtype=torch.int64)
         lengths = torch.as_tensor(episodes["length"], dtype=torch.int64)
@@ -562,3 +580,16 @@ def _runs(records: np.ndarray) -> Iterator[tuple[int, int, bool, np.ndarray]]:
         ends = records[i:j, 0] + records[i:j, 1]
         yield int(records[i, 0]), int(ends[-1]), bool(records[i, 2]), ends
         i = j
+
+
+def _refuse_objects(spec: TableSpec) -> None:
+    if spec.objects:
+        raise SpecMismatchError(
+            f"non-tensor leaves {sorted(key_name(k) for k in spec.objects)} cannot live in a shared GearStorage: "
+            "other processes map its rows as raw bytes, and Python objects have none. Keep them in a local "
+            "store, or encode them as tensors (ids, fixed-length bytes)")
+
+
+def _segment_name(index: int) -> str:
+    """Segment ``index`` of the columns: the first write's is "data", each later addition "data<k>"."""
+    return "data" if index == 0 else f"data{index}"

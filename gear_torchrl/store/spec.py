@@ -103,6 +103,17 @@ class Leaves:
         return cls(spec, values, tuple(range(len(values))), objects, tuple(range(len(objects))), (),
                    values[0].shape[0] if values else len(objects[0]))
 
+    def placed_in(self, spec: TableSpec) -> Leaves:
+        """The same write addressed to ``spec``'s columns, a spec holding every key it writes (a store
+        grown meanwhile by other writers: its columns may sit at other positions)."""
+        if spec is self.spec:
+            return self
+        if spec == self.spec:
+            return replace(self, spec=spec)
+        columns = tuple(spec.find(self.spec.columns[p].key) for p in self.columns)
+        objects = tuple(spec.objects.index(self.spec.objects[p]) for p in self.object_columns)
+        return replace(self, spec=spec, columns=columns, object_columns=objects)
+
 
 @dataclass(frozen=True)
 class TableSpec:
@@ -231,8 +242,41 @@ class TableSpec:
 
     def _grown(self, walk: _Walk, tensors: dict, objects: dict, num_rows: int | None) -> TableSpec:
         """This spec plus the new keys ``tensors`` and ``objects`` (checked against the stored nesting)."""
+        lead = 0 if num_rows is None else 1
+        new_columns = tuple(ColumnSpec(k, v.dtype, v.shape[lead:]) for k, v in tensors.items())
+        return self._with_keys(new_columns, tuple(objects), walk.nodes, walk.stacks, walk.classes)
+
+    def merged(self, other: TableSpec) -> TableSpec:
+        """This spec plus the keys of ``other`` it lacks; a key both hold must be laid out alike.
+
+        What a store that grows under several writers needs: each writer's spec is the
+        store's as it saw it plus its own new keys, and the store may have grown since.
+        """
+        if other is self or other == self:
+            return self
+        if other.is_tensordict != self.is_tensordict or other.tree != self.tree or not self.is_tensordict:
+            raise SpecMismatchError(f"the data's keys, dtypes or shapes differ from the store's: {self}")
+        new_columns = []
+        for c in other.columns:
+            i = self.find(c.key)
+            if i is None:
+                new_columns.append(c)
+            elif self.columns[i] != c:
+                held = self.columns[i]
+                raise SpecMismatchError(f"key '{key_name(c.key)}' is stored as {held.dtype} rows of shape "
+                                        f"{list(held.row_shape)}; this write holds {c.dtype} rows of shape "
+                                        f"{list(c.row_shape)}")
+        new_objects = tuple(k for k in other.objects if k not in self.objects)
+        if not new_columns and not new_objects:
+            return self
+        return self._with_keys(tuple(new_columns), new_objects, other.node_batch, other.stacks, other.classes)
+
+    def _with_keys(self, columns: tuple[ColumnSpec, ...], objects: tuple[NestedKey, ...], nodes: dict,
+                   stacks: dict, classes: dict) -> TableSpec:
+        """This spec plus new tensor ``columns`` and non-tensor ``objects``, at the end; a key may not
+        sit above or below a stored one (a leaf where the store has a TensorDict, or the reverse)."""
         stored = [as_path(c.key) for c in self.columns] + [as_path(k) for k in self.objects]
-        for key in [*tensors, *objects]:
+        for key in [*(c.key for c in columns), *objects]:
             path = as_path(key)
             for other in stored:
                 shorter, longer = (path, other) if len(path) < len(other) else (other, path)
@@ -241,15 +285,13 @@ class TableSpec:
                     raise SpecMismatchError(
                         f"key '{key_name(key)}' is {what} in this write, but the store holds "
                         f"'{key_name(as_key(other))}' {'below' if shorter == path else 'above'} it")
-        lead = 0 if num_rows is None else 1
-        new_columns = tuple(ColumnSpec(k, v.dtype, v.shape[lead:]) for k, v in tensors.items())
         return replace(
             self,
-            columns=self.columns + new_columns,
-            objects=self.objects + tuple(objects),
-            node_batch={**walk.nodes, **self.node_batch},
-            stacks={**walk.stacks, **self.stacks},
-            classes={**walk.classes, **self.classes},
+            columns=self.columns + columns,
+            objects=self.objects + objects,
+            node_batch={**nodes, **self.node_batch},
+            stacks={**stacks, **self.stacks},
+            classes={**classes, **self.classes},
         )
 
     def _tree_write(self, data: Data, num_rows: int | None) -> Leaves:
