@@ -158,3 +158,38 @@ def test_an_async_collector_adds_keys_to_a_shared_store_while_a_learner_samples(
         assert rb.storage.shard.spec.find("observation") is not None
     finally:
         rb.storage.close()
+
+
+def test_a_shard_that_adds_a_key_keeps_serving_learners_that_know_the_older_table():
+    from gear_torchrl.distributed.directory import ShardDescriptor
+    from gear_torchrl.distributed.shard_client import ShardClient
+    from gear_torchrl.distributed.shard_server import ShardServer
+    from gear_torchrl.distributed.transports.base import ReadRequest
+    from gear_torchrl.store.spec import TableSpec
+
+    storage = GearStorage(64, shared=True)
+    rb = TensorDictReplayBuffer(storage=storage)
+    server = client = None
+    try:
+        rb.extend(w.keyed_rows(10, 0))
+        server = ShardServer(storage.handle, b"s" * 32, host="127.0.0.1", timeout=5.0)
+        host, port = server.address
+        handle = storage.handle
+        client = ShardClient(ShardDescriptor(shard=0, rank=0, host="test", addr=host, port=port,
+                                             store_id=handle.store_id, capacity=handle.capacity,
+                                             end_keys=list(handle.end_keys), traj_key=handle.traj_key),
+                             b"s" * 32, 5.0)
+        learners_table = TableSpec.from_json(client.describe()["spec"])
+        rb.extend(w.keyed_rows(10, 10, v=3.0))  # the owner's actors bring a key after the learner looked
+        out = [torch.empty(4, *c.row_shape, dtype=c.dtype) for c in learners_table.columns]
+        client.read(ReadRequest.of_rows(torch.tensor([0, 5, 12, 19])), out)
+        assert out[learners_table.find("obs")].tolist() == [0.0, 5.0, 12.0, 19.0]
+        described = client.describe()
+        assert TableSpec.from_json(described["spec"]).find("v") is not None
+        assert described["offsets"] is None  # one-sided reads would miss the new segment: refused by the learner
+    finally:
+        if client is not None:
+            client.close()
+        if server is not None:
+            server.close()
+        storage.close()

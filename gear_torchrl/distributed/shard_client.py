@@ -117,7 +117,8 @@ class ShardClient:
             return arrays
 
         request = Message(Op.SELECT, {"selection": spec.to_json(), "count": count, "seed": seed,
-                                      "read": columns_of is not None})
+                                      "read": columns_of is not None,
+                                      "columns": None if columns_of is None else len(columns_of(0))})
         reply = self.request(request, into=allocate)
         starts, valid_begin, valid_end, *rest = reply.arrays
         names = reply.meta["extra"]
@@ -133,7 +134,7 @@ class ShardClient:
     def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
         """Bytes of the windows' rows, received straight into ``out`` (padding arrives as zeros)."""
         arrays = [request.starts.contiguous(), request.valid_begin.contiguous(), request.valid_end.contiguous()]
-        self.request(Message(Op.READ, {"seq_len": request.seq_len}, arrays), into=out)
+        self.request(Message(Op.READ, {"seq_len": request.seq_len, "columns": len(out)}, arrays), into=out)
 
     def release(self) -> None:
         """Let the owner's writers reuse the rows of our last selection (no reply comes back)."""

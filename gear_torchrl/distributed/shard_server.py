@@ -231,7 +231,8 @@ class _Session:
         if not request.meta.get("read"):
             self.holding = True  # until the learner's one-sided read is done (RELEASE), or the timeout
             return Message(Op.OK, meta, arrays)
-        self._send_rows(meta, arrays, Windows(arrays[0], picked.seq_len, arrays[1], arrays[2]))
+        self._send_rows(meta, arrays, Windows(arrays[0], picked.seq_len, arrays[1], arrays[2]),
+                        request.meta.get("columns"))
         return None
 
     def _read(self, request: Message) -> None:
@@ -249,15 +250,23 @@ class _Session:
             _C.check_windows(starts, valid_begin, valid_end, seq_len, shard.capacity)
             windows = Windows(starts, seq_len, valid_begin, valid_end)
             shard.check_readable_windows(windows)
-            self._send_rows({}, [], windows)
+            self._send_rows({}, [], windows, request.meta.get("columns"))
 
-    def _send_rows(self, meta: dict[str, Any], arrays: list[torch.Tensor], windows: Windows) -> None:
-        """Reply with ``arrays``, then the rows of ``windows``; the read section ends once they left the ring."""
+    def _send_rows(self, meta: dict[str, Any], arrays: list[torch.Tensor], windows: Windows,
+                   num_columns: int | None) -> None:
+        """Reply with ``arrays``, then the rows of ``windows``; the read section ends once they left the ring.
+
+        Only the first ``num_columns`` columns, those of the table the learner knows: columns
+        added to the store since come after them (a learner that described it earlier reads on).
+        """
         shard = self.shard
+        columns = shard.columns if num_columns is None else shard.columns[: int(num_columns)]
+        if num_columns is not None and not 0 < int(num_columns) <= len(shard.columns):
+            raise ValueError(f"the learner asks for {num_columns} columns; this shard holds {len(shard.columns)}")
         views = [wire.as_bytes(a) for a in arrays]
         positions = windows.starts.numel() * windows.seq_len
-        sizes = [v.nbytes for v in views] + [positions * c.row_bytes for c in shard.spec.columns]
-        self.rows.send([wire.header(Op.OK, meta, sizes), *views], shard.columns, windows, release=self._release)
+        sizes = [v.nbytes for v in views] + [positions * c.row_bytes for c in shard.spec.columns[: len(columns)]]
+        self.rows.send([wire.header(Op.OK, meta, sizes), *views], columns, windows, release=self._release)
 
     def _release(self) -> None:
         self.shard.release()
