@@ -1,7 +1,8 @@
 """The plain tensor path through TorchRL's buffer: uniform sample, get, extend, add (GearStorage, LazyTensorStorage).
 
 A third contender is a GearStorage with a rate limiter whose rule never blocks
-(``limiter.attach(rb)``): what checking and counting add to each call.
+(``limiter.attach(rb)``): what checking and counting add to each call; a fourth
+a shared GearStorage (named shared memory, the commit log's read sections).
 
 What a store of plain tensors costs per call, for comparing one version of
 gear_torchrl with another (run each with its own PYTHONPATH, in turns). Times
@@ -27,6 +28,9 @@ from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 from gear_torchrl import GearStorage, RateLimiter
 
 LIMITED = "GearStorage + RateLimiter"
+SHARED = "GearStorage(shared=True)"
+CONTENDERS = {"GearStorage": GearStorage, "LazyTensorStorage": LazyTensorStorage, LIMITED: GearStorage,
+              SHARED: lambda n: GearStorage(n, shared=True)}
 
 
 def main() -> None:
@@ -41,24 +45,24 @@ def main() -> None:
     layout, _ = LAYOUTS["vector"]
     chunk = make_chunk(layout, args.batch, seed=0)
     step = chunk[0].clone()
-    index = torch.randint(0, args.rows, (args.batch,))
     contenders = {}
-    for label, make in (("GearStorage", GearStorage), ("LazyTensorStorage", LazyTensorStorage),
-                        (LIMITED, GearStorage)):
+    for label, make in CONTENDERS.items():
         rb = TensorDictReplayBuffer(storage=make(args.rows), batch_size=args.batch)
         if label == LIMITED:  # a rule that never blocks: what checking and counting cost
             RateLimiter(1.0, 1, -math.inf, math.inf).attach(rb)
         for first in range(0, args.rows, 65536):
             rb.extend(make_chunk(layout, min(65536, args.rows - first), seed=first))
         contenders[f"sample / {label}"] = rb.sample
-        contenders[f"get / {label}"] = lambda rb=rb: rb.storage.get(index)
+        # rows every store holds at all times (a wrapped shared store frees 1/64 of its ring ahead of its writers)
+        index = torch.randint(0, len(rb) * 63 // 64, (args.batch,), generator=torch.Generator().manual_seed(0))
+        contenders[f"get / {label}"] = lambda rb=rb, index=index: rb.storage.get(index)
         contenders[f"extend / {label}"] = lambda rb=rb: rb.extend(chunk)
         contenders[f"add / {label}"] = lambda rb=rb: rb.add(step)
     times = interleaved_medians(contenders, repeats=args.repeats, inner=20, warmup=1, clock=time.process_time)
     results = []
     for op in ("sample", "get", "extend", "add"):
         gear = times[f"{op} / GearStorage"]
-        for label in ("GearStorage", "LazyTensorStorage", LIMITED):
+        for label in CONTENDERS:
             t = times[f"{op} / {label}"]
             results.append({"op": op, "storage": label, "us_cpu": round(t * 1e6, 1), "gear_speedup": round(t / gear, 2)})
     print(f"gear_torchrl from {gear_torchrl.__file__}; {args.rows:,} rows, batch {args.batch} (extend), one step "

@@ -325,6 +325,12 @@ class CommitLog:
             self._seen_seq = published_seq
             return snapshot
 
+    def version(self) -> tuple[int, ...]:
+        """What a reader's view depends on (publishes, reservations, evictions, empties), read without
+        the lock: equal to the value before a ``begin_read`` means nothing a reader sees changed since."""
+        h = self._h
+        return int(h[_H_PUBLISHED_SEQ]), int(h[_H_RESERVED]), int(h[_H_EVICTED]), int(h[_H_FLOOR])
+
     def end_read(self) -> None:
         """Close the read section; raises ReadRevokedError if a writer took it back meanwhile.
 

@@ -25,6 +25,8 @@ class LiveRows:
     dead: np.ndarray
 
     def __len__(self) -> int:
+        if len(self.dead) == 0:  # the usual case: numpy's reduction costs more than the rest of a draw
+            return self.hi - self.lo
         return self.hi - self.lo - int((self.dead[:, 1] - self.dead[:, 0]).sum())
 
     def positions(self, offsets: torch.Tensor) -> torch.Tensor:

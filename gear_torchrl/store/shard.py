@@ -589,15 +589,18 @@ class Shard:
     def read(self, index: Index, *, in_range: bool = False) -> Data:
         """Rows at ``index`` (int, slice, sequence, array or tensor of any shape), on ``out_device``.
 
-        ``in_range``: ``index`` is a tensor of rows in ``[0, ring_rows)`` already (drawn by this store).
+        ``in_range``: ``index`` is a tensor of rows in ``[0, ring_rows)`` already, readable (drawn by
+        this store in the open read section): neither bounds nor readability are checked again.
         """
         with self.reading():
             if self.spec is None or self.size == 0:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")
             scalar = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
             index_device = self.out_device if self.out_device.type == "cuda" else None
-            rows = index if in_range else as_index_tensor(index, self.ring_rows, "read", device=index_device)
-            self.check_readable(rows)
+            if not in_range:
+                index = as_index_tensor(index, self.ring_rows, "read", device=index_device)
+                self.check_readable(index)
+            rows = index
             self.claim_gather(rows.numel())
             lead = torch.Size([]) if scalar else rows.shape
             flat = gather.gather_rows(self.columns, rows.reshape(-1), self.out_device, self._hot_rows())

@@ -111,6 +111,7 @@ class SharedShard(Shard):
         self._segments: list[torch.Tensor] = []  # every columns' segment, mapped
         self._placement: list[tuple[int, int]] = []  # (segment, byte offset) of each column
         self._layout_version = 0  # of the layout mapped here (0: none yet)
+        self._seen_version: tuple[int, ...] | None = None  # the commit log's version at the last refresh
         self._map_data()
 
     @property
@@ -242,7 +243,7 @@ class SharedShard(Shard):
         if self._scan is not None and self._scan_held and not self.log.revoked():
             return len(self._scan)
         self._drop_scan()
-        if self._snapshot is None:  # catch up in a read section of its own
+        if self._snapshot is None and self.log.version() != self._seen_version:  # catch up, in a section of its own
             self.refresh()
             self._end_read()
         self._numbered = len(self._live_rows())
@@ -436,6 +437,7 @@ class SharedShard(Shard):
 
     def refresh(self) -> None:
         """Open a read section and replay what was published since the last one."""
+        self._seen_version = self.log.version()  # before the snapshot: a change after it shows as news
         snapshot = self.log.begin_read()
         self._snapshot = snapshot
         self._map_data()
