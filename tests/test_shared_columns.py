@@ -72,6 +72,20 @@ def test_a_write_checked_before_another_process_added_a_key_reads_zeros_there_ev
         storage.close()
 
 
+def test_a_wrapped_shared_store_holds_at_least_all_but_a_block_and_counts_every_write():
+    storage = GearStorage(640, shared=True)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=4, shared=True)
+    try:
+        for first in range(0, 2_000, 100):
+            rb.extend(w.keyed_rows(100, first))
+            assert len(rb) <= 640
+        assert 640 - 640 // 64 <= len(rb) <= 640  # README: the difference from LazyTensorStorage, bounded
+        assert rb.write_count == 2_000 and storage.stats()["inserts"] == 2_000
+        assert rb[:]["obs"].tolist() == list(range(2_000 - len(rb), 2_000))  # the newest rows, oldest first
+    finally:
+        storage.close()
+
+
 def test_a_write_without_a_key_the_store_holds_is_refused_and_changes_nothing():
     storage = GearStorage(50, shared=True)
     rb = TensorDictReplayBuffer(storage=storage, batch_size=4)
@@ -145,6 +159,7 @@ def test_an_async_collector_adds_keys_to_a_shared_store_while_a_learner_samples(
     collector.start()
     try:
         batches = _sample_until(rb, 400)
+        assert rb.write_count >= 400 and rb.storage.stats()["inserts"] >= 400  # what README says to wait on
     finally:
         collector.async_shutdown()
     try:
