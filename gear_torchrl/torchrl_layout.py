@@ -258,10 +258,9 @@ def _memmap_slots(directory: Path) -> Data:
     kind = root.get("_type")
     if isinstance(kind, str) and kind.startswith("<gear_torchrl:"):
         raise CheckpointError(f"{directory}: {kind[len('<gear_torchrl: '):-1]}")
-    missing = _missing_files(directory)
-    if missing:
-        raise CheckpointError(f"{directory}'s meta.json files list data files that are missing: "
-                              f"{[str(p.relative_to(directory)) for p in missing[:5]]}: the checkpoint is damaged")
+    bad = _bad_files(directory)
+    if bad:
+        raise CheckpointError(f"{'; '.join(bad[:3])}: the checkpoint is damaged")
     try:
         return TensorDict.load_memmap(directory)
     except Exception as err:  # whatever tensordict raises, nothing was loaded
@@ -272,28 +271,36 @@ def _memmap_slots(directory: Path) -> Data:
                               "checkpoint is damaged") from None
 
 
-def _missing_files(node: Path) -> list[Path]:
-    """Data files the ``meta.json`` of ``node`` and the nodes below it list but that do not exist.
+def _bad_files(node: Path) -> list[str]:
+    """Data files the ``meta.json`` of ``node`` and the nodes below it list that are missing or too short.
 
-    tensordict's loader skips such a leaf without a word; a load must not.
+    tensordict's loader skips a missing leaf without a word, and maps a short file
+    as if it were whole; a load must refuse both.
     """
     meta = read_manifest(node / "meta.json")
-    missing = []
+    bad = []
     for sub in ("_tensordict", *(p.name for p in node.iterdir() if p.name.isdigit())):
         if (node / sub / "meta.json").exists() and not any(isinstance(v, dict) for v in meta.values()):
-            missing += _missing_files(node / sub)  # a tensorclass's TensorDict, a lazy stack's members
+            bad += _bad_files(node / sub)  # a tensorclass's TensorDict, a lazy stack's members
     for key, entry in meta.items():
         if not isinstance(entry, dict):
             continue
         if "type" in entry:
             if (node / key / "meta.json").exists():
-                missing += _missing_files(node / key)
+                bad += _bad_files(node / key)
             continue
-        shape = entry.get("shape")
-        if isinstance(shape, list) and math.prod(shape) and not any(
-                (node / f"{name}.memmap").exists() for name in _file_names(key)):
-            missing.append(node / f"{key}.memmap")
-    return missing
+        shape, where = entry.get("shape"), f"{node / key}.memmap"
+        if not isinstance(shape, list) or not math.prod(shape):
+            continue
+        found = [node / f"{name}.memmap" for name in _file_names(key) if (node / f"{name}.memmap").exists()]
+        if not found:
+            bad.append(f"{where} is missing")
+            continue
+        dtype = dtype_named(str(entry.get("dtype")).removeprefix("torch."), f"{node / 'meta.json'}: {key!r}")
+        needed = math.prod(shape) * dtype.itemsize
+        if found[0].stat().st_size < needed:
+            bad.append(f"{where} holds {found[0].stat().st_size} bytes, its {dtype} {shape} need {needed}")
+    return bad
 
 
 def _file_names(key: str) -> set[str]:

@@ -97,7 +97,12 @@ class StateDictFile:
     def _read_pickled(self, path: Path, rows: int | None) -> dict[str, Any]:
         """A state saved before checksums (``torch.save``): loaded with a warning, checked all the same."""
         if not (path / _PICKLED_STATE).exists():
-            raise CheckpointError(f"no {type(self).__name__} state at {path} (missing {self._state_file})")
+            found = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+            saved = f"its files {found} are another sampler's" if found else "the buffer's sampler saved nothing"
+            raise CheckpointError(
+                f"no {type(self).__name__} state at {path} (missing {self._state_file}): {saved}. Load the "
+                "checkpoint into a buffer with the sampler that saved it, or load the rows alone "
+                "(rb.storage.loads(<checkpoint>/'storage')) and give this sampler its state afresh")
         return self.checked_state_dict(load_pickled(path / _PICKLED_STATE), rows)
 
 

@@ -37,6 +37,7 @@ from tensordict import (
     is_tensor_collection,
     is_tensorclass,
 )
+from tensordict.utils import LinkedList
 from torch.utils import _pytree as pytree
 
 NestedKey = str | tuple[str, ...]
@@ -362,8 +363,22 @@ class TableSpec:
             objects=tuple(as_key(tuple(k)) for k in blob.get("objects", ())),
             stacks={tuple(k): StackSpec(int(d), int(n)) for k, d, n in blob.get("stacks", ())},
             classes={tuple(k): _import_class(name) for k, name in blob.get("classes", ())},
-            tree=pytree.treespec_loads(blob["tree"]) if "tree" in blob else None,
+            tree=_loaded_tree(blob["tree"]) if "tree" in blob else None,
         )
+
+
+def _loaded_tree(text: str) -> pytree.TreeSpec:
+    """``treespec_loads``, lists kept lists: tensordict registers its ``LinkedList`` under torch's name for
+    ``list``, so torch's loader would hand back a tree of ``LinkedList`` nodes, another structure."""
+    return _plain_lists(pytree.treespec_loads(text))
+
+
+def _plain_lists(tree: pytree.TreeSpec) -> pytree.TreeSpec:
+    if tree.is_leaf():
+        return tree
+    children = [_plain_lists(c) for c in tree.children()]
+    kind = list if tree.type is LinkedList else tree.type
+    return pytree.TreeSpec(kind, tree.context, children)
 
 
 class _Walk:
