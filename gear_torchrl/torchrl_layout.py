@@ -111,14 +111,19 @@ def _not_expressible(spec: TableSpec | None) -> str | None:
     placeholders = pytree.tree_unflatten(list(range(len(spec.columns))), spec.tree)
     for path, _ in pytree.tree_flatten_with_path(placeholders)[0]:
         for entry in path:
-            key = getattr(entry, "key", None) if isinstance(entry, pytree.MappingKey) else None
-            if isinstance(entry, pytree.SequenceKey):
-                continue
-            if isinstance(key, bool) or not isinstance(key, (str, int)) or any(c in str(key) for c in "./") \
-                    or str(key) == _SINGLE_TENSOR:
+            if not _torchrl_can_name(entry):
                 return (f"the rows are pytrees with a node TorchRL's checkpointer cannot name ({entry!r}): it saves "
                         "dicts with str or int keys (no '.' or '/'), lists and tuples only")
     return None
+
+
+def _torchrl_can_name(entry: Any) -> bool:
+    """Whether TorchRL's pytree checkpoint can name a path entry (its ``_path2str``), and read it back."""
+    if isinstance(entry, pytree.SequenceKey):
+        return True
+    key = entry.key if isinstance(entry, pytree.MappingKey) else None
+    return (isinstance(key, (str, int)) and not isinstance(key, bool) and not any(c in str(key) for c in "./")
+            and str(key) != _SINGLE_TENSOR)
 
 
 def _write_refusal(directory: Path, reason: str) -> None:
@@ -398,17 +403,17 @@ def read_torchrl_priorities(directory: Path) -> dict[str, Any]:
     (unchecked: the sampler checks it). TorchRL keeps no write generations: every row starts at 0."""
     path = directory / TORCHRL_SAMPLER_MANIFEST
     blob = read_manifest(path)
-    try:
-        alpha, beta, eps = (blob[k] for k in ("_alpha", "_beta", "_eps"))
-        capacity = checked_int(int(blob["_max_capacity"]) if blob["_max_capacity"] == int(blob["_max_capacity"])
-                               else blob["_max_capacity"], f"{path}'s _max_capacity", lo=1)
-        top = blob.get("_max_priority") or [None]
-    except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{path} lacks PrioritizedSampler's fields (_alpha, _beta, _eps, _max_capacity): "
-                              "the checkpoint is damaged") from None
+    missing = [k for k in ("_alpha", "_beta", "_eps", "_max_capacity") if k not in blob]
+    if missing:
+        raise CheckpointError(f"{path} lacks PrioritizedSampler's fields {missing}: the checkpoint is damaged")
+    alpha, beta, eps, saved_capacity = (blob[k] for k in ("_alpha", "_beta", "_eps", "_max_capacity"))
+    whole = isinstance(saved_capacity, float) and saved_capacity.is_integer()  # TorchRL saves it as a float
+    capacity = checked_int(int(saved_capacity) if whole else saved_capacity, f"{path}'s _max_capacity", lo=1)
+    top = blob.get("_max_priority")
     mass = read_raw(directory / "sumtree.memmap", torch.float64, [capacity], verify=False)[0]
-    max_raw = top[0] if isinstance(top, list) and top else None
-    if max_raw is None or blob.get("_schema_version", 0) < 1:  # older files kept a transformed maximum
+    max_raw = top[0] if isinstance(top, list) and top else None  # [value, row]
+    version = blob.get("_schema_version", 0)
+    if max_raw is None or not isinstance(version, int) or version < 1:  # older files kept a transformed maximum
         max_raw = _raw_priority(float(mass.max()) if mass.numel() else 0.0, alpha, eps)
     return {"capacity": capacity, "alpha": alpha, "eps": eps, "beta": beta, "max_raw_priority": max_raw,
             "mass": mass, "generation": torch.zeros(capacity, dtype=torch.int64), "sample_calls": 0}

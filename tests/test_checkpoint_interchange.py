@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_same_td, make_steps
-from tensordict import TensorDict, tensorclass
+from tensordict import LazyStackedTensorDict, TensorDict, tensorclass
 from torch.utils._pytree import tree_flatten
 from torchrl.checkpoint import Checkpoint
 from torchrl.data import (
@@ -178,7 +178,7 @@ def test_the_newer_of_two_checkpoints_in_one_directory_loads(tmp_path):
         assert_same_td(again[:], ours[:])
 
 
-def test_a_shared_store_checkpoint_loads_into_torchrl_oldest_row_first(tmp_path, no_shm_leaks):
+def test_a_shared_store_checkpoint_crosses_oldest_row_first(tmp_path, no_shm_leaks):
     storage = GearStorage(CAPACITY, shared=True)
     try:
         rb = wrapped(TensorDictReplayBuffer(storage=storage))
@@ -187,8 +187,40 @@ def test_a_shared_store_checkpoint_loads_into_torchrl_oldest_row_first(tmp_path,
         theirs.loads(tmp_path)
         assert len(theirs) == len(rb) > 0  # a full shared ring reads up to 1/64 short of its capacity
         assert_same_td(theirs[:], rb[:])  # a shared store numbers its rows oldest first
+        theirs.dumps(tmp_path / "back")
+        again = GearStorage(CAPACITY, shared=True)
+        try:
+            back = TensorDictReplayBuffer(storage=again)
+            back.loads(tmp_path / "back")
+            assert_same_td(back[:], rb[:])
+        finally:
+            again.close()
     finally:
         storage.close()
+
+
+def agents_and_text(n: int, seed: int) -> TensorDict:
+    """Multi-agent rows whose agents differ in keys and shapes (a heterogeneous lazy stack), and a string per row."""
+    g = torch.Generator().manual_seed(seed)
+    agents = LazyStackedTensorDict(TensorDict(obs=torch.randn(n, 2, generator=g), batch_size=[n]),
+                                   TensorDict(obs=torch.randn(n, 3, generator=g), hp=torch.rand(n, generator=g),
+                                              batch_size=[n]), stack_dim=1)
+    return TensorDict({"agents": agents, "text": [f"step {seed}.{i}" for i in range(n)],
+                       ("next", "done"): torch.rand(n, 1, generator=g) < 0.3}, [n])
+
+
+@pytest.mark.parametrize("direction", ["torchrl_to_gear", "gear_to_torchrl"])
+def test_lazy_stacks_and_strings_cross(tmp_path, direction):
+    source_cls, target_cls = ((LazyTensorStorage, GearStorage) if direction == "torchrl_to_gear"
+                              else (GearStorage, LazyTensorStorage))
+    source = wrapped(TensorDictReplayBuffer(storage=source_cls(CAPACITY)), agents_and_text)
+    source.dumps(tmp_path)
+    loaded = TensorDictReplayBuffer(storage=target_cls(CAPACITY))
+    loaded.loads(tmp_path)
+    for i in range(2):
+        assert_same_td(loaded[:]["agents"].tensordicts[i], source[:]["agents"].tensordicts[i])
+    if target_cls is GearStorage:  # TorchRL's own loader fills strings from its first row, whoever saved them
+        assert loaded[:]["text"] == source[:]["text"]
 
 
 # -- [T, num_envs] storages ------------------------------------------------------------------------
