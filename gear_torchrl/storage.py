@@ -28,7 +28,7 @@ from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard
 from gear_torchrl.store.rate_counters import LocalRateCounters, SharedRateCounters
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
-from gear_torchrl.store.spec import Data, NestedKey
+from gear_torchrl.store.spec import Data, NestedKey, stacked_rows
 from gear_torchrl.torchrl_state import state_from_torchrl, torchrl_fields
 
 logger = logging.getLogger(__name__)
@@ -280,7 +280,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     def set(self, cursor: Index, data: Data | list, *, set_cursor: bool = True) -> None:
         self.check_writable_here()
         if isinstance(data, list):
-            data = torch.stack(data)
+            data = stacked_rows(data)
         if not set_cursor:  # an in-place write: not an insert, nothing to gate
             self._write(cursor, data, append=False)
             self._note_mutation()

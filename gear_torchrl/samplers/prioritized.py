@@ -1,6 +1,7 @@
 """GearPrioritizedSampler: TorchRL's PrioritizedSampler over the priority core (``selection/priorities.py``)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,7 +13,14 @@ from gear_torchrl.selection.checked_inputs import seeds_defaults
 from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
 from gear_torchrl.selection.state_file import StateDictFile
 from gear_torchrl.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.store.persistence import tensor_file
 from gear_torchrl.store.state_checks import checked_float, checked_int, field
+from gear_torchrl.torchrl_layout import (
+    TORCHRL_SAMPLER_MANIFEST,
+    read_torchrl_priorities,
+    torchrl_files_are_current,
+    write_torchrl_priorities,
+)
 
 
 class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSampler):
@@ -201,6 +209,18 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
 
     # -- state -----------------------------------------------------------------------
     _state_file = "sampler.json"
+    _torchrl_files = True  # dumps also writes TorchRL's PrioritizedSampler files (per-row masses: the same state)
+
+    def _dumped(self, path: Path, state: dict[str, Any]) -> None:
+        """TorchRL's ``PrioritizedSampler`` files beside ours, so its buffers load these priorities."""
+        if self._torchrl_files:
+            write_torchrl_priorities(path, state, tensor_file(path, "mass"))
+
+    def _foreign_state(self, path: Path) -> dict[str, Any] | None:
+        """What TorchRL's ``PrioritizedSampler`` saved at ``path``, when that is newer than ours there."""
+        if self._torchrl_files and torchrl_files_are_current(path, TORCHRL_SAMPLER_MANIFEST, self._state_file):
+            return read_torchrl_priorities(path)
+        return None
 
     def _empty(self) -> None:
         self.selector.clear()

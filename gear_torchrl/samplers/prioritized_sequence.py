@@ -96,6 +96,8 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
         self.selector.update(rows, priority)
 
     # -- state ------------------------------------------------------------------------------
+    _torchrl_files = False  # its masses weigh window keys: TorchRL's PrioritizedSliceSampler state differs
+
     def _empty(self) -> None:
         GearPrioritizedSampler._empty(self)
 

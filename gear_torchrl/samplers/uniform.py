@@ -1,6 +1,9 @@
 """GearUniformSampler: rows uniformly (``selection/uniform.py``) for TorchRL, drawn by the storage."""
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
@@ -23,6 +26,10 @@ class GearUniformSampler(SelectsThroughStorage, StateDictFile, Sampler):
 
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
         return self._select(storage, batch_size).index, {}
+
+    def _foreign_state(self, path: Path) -> dict[str, Any] | None:
+        """TorchRL's ``RandomSampler`` saves nothing, and this rule keeps nothing: a buffer saved with it loads."""
+        return None if (path / self._state_file).exists() else {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -50,6 +50,14 @@ class StateDictFile:
         tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         fields = {"kind": type(self).__name__, **{k: v for k, v in state.items() if k not in tensors}}
         write_checkpoint(path, self._state_file, SAMPLER_FORMAT, fields, tensors)
+        self._dumped(Path(path), state)
+
+    def _dumped(self, path: Path, state: dict[str, Any]) -> None:
+        """After ``dumps`` wrote ``state`` at ``path``: a subclass adds other libraries' files over the same data."""
+
+    def _foreign_state(self, path: Path) -> dict[str, Any] | None:
+        """The state another library's files at ``path`` hold, when they are newer than ours (None: read ours)."""
+        return None
 
     def loads(self, path: str | Path) -> None:
         self._assign(self.read_checkpoint(path))
@@ -61,6 +69,9 @@ class StateDictFile:
     def read_checkpoint(self, path: str | Path, rows: int | None = None) -> dict[str, Any]:
         """The state saved at ``path``, read in full and checked; this sampler does not change."""
         path = Path(path)
+        foreign = self._foreign_state(path)
+        if foreign is not None:
+            return self.checked_state_dict(foreign, rows)
         if not (path / self._state_file).exists():
             return self._read_pickled(path, rows)
 
@@ -86,7 +97,12 @@ class StateDictFile:
     def _read_pickled(self, path: Path, rows: int | None) -> dict[str, Any]:
         """A state saved before checksums (``torch.save``): loaded with a warning, checked all the same."""
         if not (path / _PICKLED_STATE).exists():
-            raise CheckpointError(f"no {type(self).__name__} state at {path} (missing {self._state_file})")
+            found = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+            saved = f"its files {found} are another sampler's" if found else "the buffer's sampler saved nothing"
+            raise CheckpointError(
+                f"no {type(self).__name__} state at {path} (missing {self._state_file}): {saved}. Load the "
+                "checkpoint into a buffer with the sampler that saved it, or load the rows alone "
+                "(rb.storage.loads(<checkpoint>/'storage')) and give this sampler its state afresh")
         return self.checked_state_dict(load_pickled(path / _PICKLED_STATE), rows)
 
 

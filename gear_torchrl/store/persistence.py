@@ -44,7 +44,7 @@ T = TypeVar("T")
 
 SHARD_FORMAT = "gear_torchrl.shard/2"
 _UNVERIFIED_SHARD_FORMATS = ("gear_torchrl.shard/1",)  # written before checksums
-_SHARD_MANIFEST = "shard.json"
+SHARD_MANIFEST = "shard.json"
 _EPISODE_TENSORS = ("start", "length", "closed")
 _CHUNK = 8 << 20  # bytes hashed while still in cache
 _NAME = re.compile(r"[A-Za-z0-9_]+")  # tensor names become file names: no paths
@@ -61,14 +61,21 @@ def _manifest_checksum(manifest: dict) -> str:
 # -- one tensor per file ------------------------------------------------------------------
 
 def write_raw(path: Path, tensor: torch.Tensor) -> str:
-    """Write ``tensor``'s bytes to ``path``; returns their checksum."""
+    """Write ``tensor``'s bytes to ``path``; returns their checksum.
+
+    The bytes go to a new file renamed over ``path``, never into the file already
+    there: other names of that file (a TorchRL layout's hard links, see
+    ``torchrl_layout.py``) and anyone who mapped it keep the old bytes.
+    """
     data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
     view, digest = memoryview(data), xxhash.xxh3_64()
-    with open(path, "wb") as f:
+    staging = path.with_name(f"{path.name}.tmp")
+    with open(staging, "wb") as f:
         for at in range(0, len(view), _CHUNK):
             chunk = view[at: at + _CHUNK]
             digest.update(chunk)
             f.write(chunk)
+    os.replace(staging, path)
     return _checksum_text(digest)
 
 
@@ -115,7 +122,7 @@ def write_checkpoint(directory: str | Path, manifest_name: str, fmt: str, fields
     metas = {}
     for name, t in tensors.items():
         metas[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                       "checksum": write_raw(directory / f"{name}.bin", t)}
+                       "checksum": write_raw(tensor_file(directory, name), t)}
     manifest = {"format": fmt, **fields, "tensors": metas}
     manifest["checksum"] = _manifest_checksum(manifest)
     staging = directory / f"{manifest_name}.tmp"
@@ -168,7 +175,7 @@ def read_checkpoint(directory: str | Path, manifest_name: str, fmt: str, check: 
         if verify and not isinstance(checksum, str):
             raise CheckpointError(f"{path} lists no checksum for {name}: the checkpoint is damaged")
     with ThreadPoolExecutor(max(1, min(len(metas), os.cpu_count() or 1))) as pool:  # xxhash hashes without the GIL
-        read = {name: pool.submit(read_raw, directory / f"{name}.bin", dtype, shape, verify, mapped)
+        read = {name: pool.submit(read_raw, tensor_file(directory, name), dtype, shape, verify, mapped)
                 for name, (dtype, shape, _) in metas.items()}
         tensors, sums = {}, {}
         for name, future in read.items():
@@ -216,13 +223,13 @@ def save_shard(shard: Shard, directory: str | Path, state: dict | None = None) -
     state = dict(shard.state() if state is None else state)
     if state.get("objects"):
         state["objects"], state["objects_wrapped"] = _objects_as_json(shard.spec.objects, state["objects"])
-    tensors = {f"column_{i}": t for i, t in enumerate(state.pop("columns"))}
-    episodes = state.pop("episodes")
+    tensors = {column_name(i): t for i, t in enumerate(state.pop("columns"))}
+    episodes = dict(state.pop("episodes"))  # the caller's state stays whole
     for name in _EPISODE_TENSORS:
         tensors[f"episodes_{name}"] = episodes.pop(name)
     # A shared store saves its live rows compacted to 0..n-1: a sampler's per-row state does not follow them.
     fields = {**state, "episodes": episodes, "compacted": isinstance(shard, SharedShard)}
-    write_checkpoint(directory, _SHARD_MANIFEST, SHARD_FORMAT, fields, tensors)
+    write_checkpoint(directory, SHARD_MANIFEST, SHARD_FORMAT, fields, tensors)
 
 
 def _objects_as_json(keys: Sequence, columns: Sequence[list]) -> tuple[list[list], list[bool]]:
@@ -261,7 +268,7 @@ def _objects_from_json(fields: dict) -> list[list]:
     columns = fields.get("objects", [])
     wrapped = fields.get("objects_wrapped", [False] * len(columns))
     if not isinstance(columns, list) or not isinstance(wrapped, list) or len(wrapped) != len(columns):
-        raise CheckpointError(f"{_SHARD_MANIFEST}'s non-tensor columns are malformed: the checkpoint is damaged")
+        raise CheckpointError(f"{SHARD_MANIFEST}'s non-tensor columns are malformed: the checkpoint is damaged")
     return [[None if o is None or not wraps else NonTensorData(data=o, batch_size=[]) for o in column]
             if isinstance(column, list) else column for column, wraps in zip(columns, wrapped)]
 
@@ -272,27 +279,38 @@ def read_shard(shard: Shard, directory: str | Path) -> dict:
     Hand it to ``shard.load_state`` at once: its tensors are the files' pages.
     """
     directory = Path(directory)
-    if not (directory / _SHARD_MANIFEST).exists():
-        raise FileNotFoundError(f"no gear_torchrl checkpoint at {directory} (missing {_SHARD_MANIFEST})")
+    if not (directory / SHARD_MANIFEST).exists():
+        raise FileNotFoundError(f"no gear_torchrl checkpoint at {directory} (missing {SHARD_MANIFEST}), nor one "
+                                "of TorchRL's storages (missing storage_metadata.json)")
 
     def as_state(fields: dict, tensors: dict[str, torch.Tensor]) -> dict:
         fields = {**fields, "objects": _objects_from_json(fields)}
         fields.pop("objects_wrapped", None)
         state = {**fields, "columns": _columns(directory, tensors),
-                 "episodes": {**field(fields, "episodes", _SHARD_MANIFEST),
+                 "episodes": {**field(fields, "episodes", SHARD_MANIFEST),
                               **{name: tensors[f"episodes_{name}"] for name in _EPISODE_TENSORS}}}
         shard.checked_state(state)
         return state
 
-    return read_checkpoint(directory, _SHARD_MANIFEST, SHARD_FORMAT, as_state,
+    return read_checkpoint(directory, SHARD_MANIFEST, SHARD_FORMAT, as_state,
                            unverified_formats=_UNVERIFIED_SHARD_FORMATS, mapped=True)
 
 
 def _columns(directory: Path, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """``column_0 .. column_{n-1}`` in order, with the episode tensors the only others."""
     n = sum(name.startswith("column_") for name in tensors)
-    expected = {*(f"column_{i}" for i in range(n)), *(f"episodes_{name}" for name in _EPISODE_TENSORS)}
+    expected = {*(column_name(i) for i in range(n)), *(f"episodes_{name}" for name in _EPISODE_TENSORS)}
     if set(tensors) != expected:
-        raise CheckpointError(f"{directory / _SHARD_MANIFEST} lists tensors {sorted(tensors)}, expected "
+        raise CheckpointError(f"{directory / SHARD_MANIFEST} lists tensors {sorted(tensors)}, expected "
                               f"{sorted(expected)}: the checkpoint is damaged")
-    return [tensors[f"column_{i}"] for i in range(n)]
+    return [tensors[column_name(i)] for i in range(n)]
+
+
+def column_name(i: int) -> str:
+    """The tensor name of a shard's column ``i`` (its file: ``<name>.bin``)."""
+    return f"column_{i}"
+
+
+def tensor_file(directory: str | Path, name: str) -> Path:
+    """Where ``write_checkpoint`` puts tensor ``name``."""
+    return Path(directory) / f"{name}.bin"

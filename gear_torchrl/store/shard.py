@@ -533,6 +533,30 @@ class Shard:
         self.episodes.load(state["episodes"])
         self.commits.clear()
 
+    def adopt(self, leaves: Leaves, size: int, head: int) -> None:
+        """Hold ``leaves`` (checked rows, ``validated``) as rows ``[0, leaves.n)`` in place, without copying
+        them: ``size`` readable, the next append at ``head`` (the oldest row once the ring is full). The
+        episode index is derived from their flags.
+
+        For a new scratch shard whose ``state()`` is then loaded elsewhere: this is how another storage's
+        slots (a TorchRL checkpoint's mapped files, a state dict) become a shard state with one copy, not two.
+        """
+        if self.spec is not None:
+            raise RuntimeError("adopt gives rows to a new shard; this one holds rows already")
+        columns: list[torch.Tensor | None] = [None] * len(leaves.spec.columns)
+        for position, value in zip(leaves.columns, leaves.values):
+            columns[position] = value
+        self._adopt(leaves.spec, columns)
+        for key in leaves.missing:  # only TorchRL's "index" may be missing (``validated``): each row's position
+            i = leaves.spec.find(key)
+            if i is not None:
+                self.columns[i] = self._torchrl_positions(torch.arange(leaves.n, dtype=torch.int64))
+        for position, objects in zip(leaves.object_columns, leaves.objects):
+            self.objects[position][: leaves.n] = objects
+        self.size, self.head, self.written = size, head, leaves.n
+        if self.tracks_episodes:
+            self.rebuild_episodes()
+
     # -- reads -----------------------------------------------------------------------
     # A sampler picks rows inside ``picking()`` and the storage then reads them. Here
     # nothing can change between the two; a shared shard refreshes its view of what

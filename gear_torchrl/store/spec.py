@@ -22,12 +22,22 @@ whether a write may leave stored keys out is the store's rule (see
 from __future__ import annotations
 
 import importlib
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+    is_tensor_collection,
+    is_tensorclass,
+)
+from tensordict.utils import LinkedList
 from torch.utils import _pytree as pytree
 
 NestedKey = str | tuple[str, ...]
@@ -176,6 +186,7 @@ class TableSpec:
                 raise ValueError("cannot store a TensorDict with no tensor leaves (non-tensor leaves are kept "
                                  "beside tensor columns)")
             columns = tuple(ColumnSpec(k, v.dtype, v.shape[lead:]) for k, v in walk.tensors.items())
+            _remember(walk.classes)
             return cls(columns, True, walk.nodes, tuple(walk.objects), walk.stacks, walk.classes)
         leaves, tree = _tree_leaves(data)
         columns = tuple(ColumnSpec(k, v.dtype, v.shape[lead:]) for k, v in leaves.items())
@@ -244,6 +255,7 @@ class TableSpec:
         """This spec plus the new keys ``tensors`` and ``objects`` (checked against the stored nesting)."""
         lead = 0 if num_rows is None else 1
         new_columns = tuple(ColumnSpec(k, v.dtype, v.shape[lead:]) for k, v in tensors.items())
+        _remember(walk.classes)
         return self._with_keys(new_columns, tuple(objects), walk.nodes, walk.stacks, walk.classes)
 
     def merged(self, other: TableSpec) -> TableSpec:
@@ -369,7 +381,7 @@ class TableSpec:
         if self.stacks:
             blob["stacks"] = [[list(k), s.dim, s.count] for k, s in self.stacks.items()]
         if self.classes:
-            blob["classes"] = [[list(k), f"{c.__module__}:{c.__qualname__}"] for k, c in self.classes.items()]
+            blob["classes"] = [[list(k), class_name(c)] for k, c in self.classes.items()]
         if self.tree is not None:
             try:
                 blob["tree"] = pytree.treespec_dumps(self.tree)
@@ -393,8 +405,22 @@ class TableSpec:
             objects=tuple(as_key(tuple(k)) for k in blob.get("objects", ())),
             stacks={tuple(k): StackSpec(int(d), int(n)) for k, d, n in blob.get("stacks", ())},
             classes={tuple(k): _import_class(name) for k, name in blob.get("classes", ())},
-            tree=pytree.treespec_loads(blob["tree"]) if "tree" in blob else None,
+            tree=_loaded_tree(blob["tree"]) if "tree" in blob else None,
         )
+
+
+def _loaded_tree(text: str) -> pytree.TreeSpec:
+    """``treespec_loads``, lists kept lists: tensordict registers its ``LinkedList`` under torch's name for
+    ``list``, so torch's loader would hand back a tree of ``LinkedList`` nodes, another structure."""
+    return _plain_lists(pytree.treespec_loads(text))
+
+
+def _plain_lists(tree: pytree.TreeSpec) -> pytree.TreeSpec:
+    if tree.is_leaf():
+        return tree
+    children = [_plain_lists(c) for c in tree.children()]
+    kind = list if tree.type is LinkedList else tree.type
+    return pytree.TreeSpec(kind, tree.context, children)
 
 
 class _Walk:
@@ -554,15 +580,78 @@ def _non_tensor(objects: np.ndarray, row_batch: torch.Size) -> TensorDictBase:
     return NonTensorStack._new_lazy_unsafe(*rows, stack_dim=0)
 
 
+# -- tensorclasses by name ------------------------------------------------------------------
+# A checkpoint (or another process) names a tensorclass ``module:qualname``. One defined inside
+# a function cannot be imported by that name; like TensorDict's own memmap loader, we then find
+# it among the classes this process has defined: first those gear stores were written with
+# (the newest of a name wins, as a function that defines it may run many times), then
+# tensordict's registry of every tensorclass.
+_SEEN_CLASSES: weakref.WeakValueDictionary[str, type] = weakref.WeakValueDictionary()
+
+
+def class_name(cls: type) -> str:
+    """What a spec saves of a tensorclass: ``module:qualname``."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _remember(classes: dict[Path, type]) -> None:
+    for cls in classes.values():
+        _SEEN_CLASSES[class_name(cls)] = cls
+
+
 def _import_class(name: str) -> type:
-    """A tensorclass from its ``module:qualname`` (what ``to_json`` saves)."""
+    """A tensorclass from its ``module:qualname`` (what ``to_json`` saves): imported, else one this process defined."""
     module, _, qualname = name.partition(":")
     try:
         found: Any = importlib.import_module(module)
         for part in qualname.split("."):
             found = getattr(found, part)
+        return found
     except (ImportError, AttributeError):
-        raise ValueError(f"the stored rows are tensorclass {name}, which cannot be imported in this process: "
-                         "define it in an importable module") from None
+        pass
+    found = _SEEN_CLASSES.get(name) or _registered_tensorclass(name)
+    if found is None:
+        raise ValueError(f"the stored rows are tensorclass {name}, which is not defined in this process: define it "
+                         "before loading (a class made inside a function: call that function first), or move it "
+                         "to an importable module")
     return found
 
+
+def _registered_tensorclass(name: str) -> type | None:
+    """The tensorclass of that name among those tensordict registered when they were defined (its memmap
+    loader looks there too), or None."""
+    import tensordict.base
+
+    matches = [c for c in getattr(tensordict.base, "_ACCEPTED_CLASSES", ()) if is_tensorclass(c)
+               and class_name(c) == name]
+    return matches[-1] if matches else None
+
+
+# -- a list of rows ------------------------------------------------------------------------
+
+def stacked_rows(rows: list) -> Data:
+    """A list of rows (what ``rb.extend`` of a list hands a storage) as one batch, stacked as TorchRL's
+    storages stack it: tensor collections with ``torch.stack``, tensors and pytrees leaf by leaf.
+
+    Raises SpecMismatchError naming the first row whose structure or leaves do not stack with row 0.
+    """
+    if not rows:
+        raise SpecMismatchError("cannot write an empty list of rows")
+    if all(is_tensor_collection(r) for r in rows):
+        return torch.stack(rows)
+    flat = [pytree.tree_flatten(r) for r in rows]
+    leaves, tree = flat[0]
+    for i, (_, other) in enumerate(flat):
+        if other != tree:
+            raise SpecMismatchError(f"row {i} of the list has another pytree structure than row 0 ({other} against "
+                                    f"{tree}): every row of a list must have the same structure")
+    columns = list(zip(*(row_leaves for row_leaves, _ in flat)))
+    for j, column in enumerate(columns):
+        if not all(isinstance(leaf, torch.Tensor) for leaf in column):
+            kinds = sorted({type(leaf).__name__ for leaf in column})
+            raise SpecMismatchError(f"leaf {j} of the list's rows holds {kinds}: only tensor leaves can be stacked")
+        shapes = {(leaf.dtype, tuple(leaf.shape)) for leaf in column}
+        if len(shapes) > 1:
+            raise SpecMismatchError(f"leaf {j} of the list's rows differs in dtype or shape from row to row "
+                                    f"({sorted(map(str, shapes))}): the rows do not stack")
+    return pytree.tree_unflatten([torch.stack(column) for column in columns], tree)
