@@ -92,7 +92,7 @@ def state_of_slots(slots: Data, length: int, shard: Shard, cursor: int | None = 
         raise CheckpointError(f"the TorchRL rows' columns differ from this storage's ({_difference(leaves.spec, shard.spec)}): "
                               "load them into a new GearStorage, or one written with the same keys")
     head = (cursor or 0) % shard.capacity if full else length
-    scratch.adopt(leaves, length, head % shard.capacity)
+    scratch.take_rows(leaves, length, head % shard.capacity)
     return scratch.state()
 
 

@@ -533,7 +533,7 @@ class Shard:
         self.episodes.load(state["episodes"])
         self.commits.clear()
 
-    def adopt(self, leaves: Leaves, size: int, head: int) -> None:
+    def take_rows(self, leaves: Leaves, size: int, head: int) -> None:
         """Hold ``leaves`` (checked rows, ``validated``) as rows ``[0, leaves.n)`` in place, without copying
         them: ``size`` readable, the next append at ``head`` (the oldest row once the ring is full). The
         episode index is derived from their flags.
@@ -542,7 +542,7 @@ class Shard:
         slots (a TorchRL checkpoint's mapped files, a state dict) become a shard state with one copy, not two.
         """
         if self.spec is not None:
-            raise RuntimeError("adopt gives rows to a new shard; this one holds rows already")
+            raise RuntimeError("take_rows gives rows to a new shard; this one holds rows already")
         columns: list[torch.Tensor | None] = [None] * len(leaves.spec.columns)
         for position, value in zip(leaves.columns, leaves.values):
             columns[position] = value
