@@ -3,6 +3,7 @@ that bring them (the asynchronous SAC recipe: a learner's first rollout, then a 
 batches carry the policy's outputs and trajectory ids)."""
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import time
 
@@ -162,6 +163,10 @@ def test_an_async_collector_adds_keys_to_a_shared_store_while_a_learner_samples(
         assert rb.write_count >= 400 and rb.storage.stats()["inserts"] >= 400  # what README says to wait on
     finally:
         collector.async_shutdown()
+        # TorchRL's weight-sync scheme shuts itself down in __del__ by putting to a queue, which hangs if
+        # that runs at interpreter exit (no thread can start then): collect it now.
+        del collector
+        gc.collect()
     try:
         last = batches[-1]
         for key in ("loc", "scale", ("collector", "traj_ids")):
