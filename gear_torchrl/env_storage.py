@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 from torchrl.data.replay_buffers.storages import TensorStorage
 
 from gear_torchrl.sampled_index import ReadPlan, SampledIndex, Selection, WindowMarkers
@@ -23,7 +23,7 @@ from gear_torchrl.selection.picked import Picked
 from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.env_shard import EnvShard
 from gear_torchrl.store.shard import EmptyStoreError, Index, Windows
-from gear_torchrl.store.spec import Data
+from gear_torchrl.store.spec import Data, lead_shape
 
 
 class EnvColumnsStorage(GearStorage):
@@ -105,7 +105,7 @@ class EnvColumnsStorage(GearStorage):
             self._first_write_ring = -(-self.max_size // envs) if envs else self.max_size
             if envs is None:
                 raise ValueError(f"an ndim=2 storage takes [T, num_envs] steps; got data of batch shape "
-                                 f"{_lead_shape(data)} for {'a time row' if _is_int(cursor) else 'time rows'}. "
+                                 f"{lead_shape(data)} for {'a time row' if _is_int(cursor) else 'time rows'}. "
                                  "Batched envs give [num_envs, T]: extend a buffer with dim_extend=1 (TorchRL's "
                                  "default for ndim=2) or transpose")
             laid_out_now = shard.lay_out(envs)
@@ -113,7 +113,7 @@ class EnvColumnsStorage(GearStorage):
             raise ValueError("the first write to an ndim=2 storage must name time rows (rb.extend / rb.add)")
         try:
             rows = _steps_written_at(cursor, shard.num_envs, shard.time_capacity)
-            lead = _lead_shape(data)[: rows.ndim]
+            lead = lead_shape(data)[: rows.ndim]
             if lead != rows.shape:
                 raise ValueError(f"the data's batch shape {tuple(lead)} does not match the {tuple(rows.shape)} steps "
                                  f"its index names in this [{shard.time_capacity}, {shard.num_envs}] storage")
@@ -128,7 +128,7 @@ class EnvColumnsStorage(GearStorage):
 
     def _steps_in(self, positions: torch.Tensor, data: Data) -> int:
         """Time rows times envs: every env's step at each time row (``[num_envs]`` data for one time row)."""
-        envs = self._envs or _envs_in(data, 1 if len(_lead_shape(data)) > 1 else 0) or 1
+        envs = self._envs or _envs_in(data, 1 if len(lead_shape(data)) > 1 else 0) or 1
         return positions.numel() * envs
 
     def _sync_cursor_from_shard(self) -> None:
@@ -211,18 +211,9 @@ def _is_basic(index: Any) -> bool:
     return all(isinstance(p, (slice, int, np.integer)) or p is Ellipsis for p in parts)
 
 
-def _lead_shape(data: Any) -> torch.Size:
-    """The data's batch shape (a pytree's: its first tensor leaf's shape)."""
-    batch = getattr(data, "batch_size", None)
-    if batch is not None:
-        return torch.Size(batch)
-    leaves = [leaf for leaf in tree_leaves(data) if isinstance(leaf, torch.Tensor)]
-    return leaves[0].shape if leaves else torch.Size([])
-
-
 def _envs_in(data: Any, time_dims: int) -> int | None:
     """How many envs ``data`` holds after its ``time_dims`` leading dims (0 or 1), or None if it has no such dim."""
-    lead = _lead_shape(data)
+    lead = lead_shape(data)
     return lead[time_dims] if len(lead) > time_dims else None
 
 

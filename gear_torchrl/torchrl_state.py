@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from gear_torchrl.store.env_shard import EnvShard
 from gear_torchrl.store.shard import Shard
-from gear_torchrl.store.spec import Data, SpecMismatchError, TableSpec, key_name
+from gear_torchrl.store.spec import Data, SpecMismatchError, TableSpec, key_name, lead_shape
 from gear_torchrl.store.state_checks import CheckpointError
 
 
@@ -119,7 +119,7 @@ def _scratch(shard: Shard) -> Shard:
 def _time_steps(data: Data, length: int, scratch: EnvShard) -> tuple[Data, int, int]:
     """ndim=2 slots ``[T, num_envs]`` as flat rows, how many whole time steps of them ``length`` steps make,
     and the number of envs; ``scratch`` is laid out for them."""
-    lead = _lead_shape(data)
+    lead = lead_shape(data)
     if len(lead) < 2:
         raise CheckpointError(f"the TorchRL state holds rows of shape {tuple(lead)}, not [T, num_envs] steps "
                               "(a storage of ndim=1): load it into GearStorage(max_size) of ndim=1")
@@ -132,16 +132,8 @@ def _time_steps(data: Data, length: int, scratch: EnvShard) -> tuple[Data, int, 
     return _flat_steps(data), steps * envs, envs
 
 
-def _lead_shape(data: Data) -> torch.Size:
-    batch = getattr(data, "batch_size", None)
-    if batch is not None:
-        return torch.Size(batch)
-    leaves = [leaf for leaf in tree_leaves(data) if isinstance(leaf, torch.Tensor)]
-    return leaves[0].shape if leaves else torch.Size([])
-
-
 def _leading_rows(data: Data) -> int:
-    lead = _lead_shape(data)
+    lead = lead_shape(data)
     return lead[0] if lead else 0
 
 

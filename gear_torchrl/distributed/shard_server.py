@@ -260,9 +260,9 @@ class _Session:
         added to the store since come after them (a learner that described it earlier reads on).
         """
         shard = self.shard
-        columns = shard.columns if num_columns is None else shard.columns[: int(num_columns)]
-        if num_columns is not None and not 0 < int(num_columns) <= len(shard.columns):
-            raise ValueError(f"the learner asks for {num_columns} columns; this shard holds {len(shard.columns)}")
+        if num_columns is not None and not (isinstance(num_columns, int) and 0 < num_columns <= len(shard.columns)):
+            raise ValueError(f"the learner asks for {num_columns!r} columns; this shard holds {len(shard.columns)}")
+        columns = shard.columns if num_columns is None else shard.columns[:num_columns]
         views = [wire.as_bytes(a) for a in arrays]
         positions = windows.starts.numel() * windows.seq_len
         sizes = [v.nbytes for v in views] + [positions * c.row_bytes for c in shard.spec.columns[: len(columns)]]

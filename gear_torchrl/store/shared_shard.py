@@ -202,11 +202,13 @@ class SharedShard(Shard):
             values, columns = [*values, rows.clone()], (*columns, self.spec.find("index"))
         try:
             self._map_data()  # columns added since: these rows may hold an older lap's bytes there
-            unwritten = [i for i in range(len(self.columns)) if i not in columns]
-            zeros = [torch.zeros((n, *self.spec.columns[i].row_shape), dtype=self.spec.columns[i].dtype)
-                     for i in unwritten]
+            if len(columns) < len(self.columns):
+                unwritten = [i for i in range(len(self.columns)) if i not in columns]
+                values = [*values, *(torch.zeros((n, *self.spec.columns[i].row_shape), dtype=self.spec.columns[i].dtype)
+                                     for i in unwritten)]
+                columns = (*columns, *unwritten)
             self.log.await_readers(reservation)
-            self._copy_in(rows, [*values, *zeros], [*columns, *unwritten], contiguous=True)
+            self._copy_in(rows, values, columns, contiguous=True)
         except BaseException:
             self.log.commit(reservation, dead=True)
             raise

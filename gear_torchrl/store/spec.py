@@ -502,6 +502,15 @@ def _same_layout(members: list, lead: int) -> bool:
     return True
 
 
+def lead_shape(data: Data) -> torch.Size:
+    """The data's batch shape (a pytree's: its first tensor leaf's shape)."""
+    batch = getattr(data, "batch_size", None)
+    if batch is not None:
+        return torch.Size(batch)
+    leaves = [leaf for leaf in pytree.tree_leaves(data) if isinstance(leaf, torch.Tensor)]
+    return leaves[0].shape if leaves else torch.Size([])
+
+
 def _tree_leaves(data: Any) -> tuple[dict[NestedKey, torch.Tensor], pytree.TreeSpec]:
     """The leaves of a pytree of tensors by key (``"a"``, ``("b", "0")``), and its structure."""
     pairs, tree = pytree.tree_flatten_with_path(data)
