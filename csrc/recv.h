@@ -12,3 +12,21 @@ namespace gear {
 int64_t recv_exact(int64_t fd, const at::Tensor& out, double timeout_s);
 
 }  // namespace gear
+
+namespace gear {
+
+// One reply from each of many sockets, received at once (see cpu/replies.cpp).
+struct Reply {
+  int64_t status;                 // 0, or -errno: -ECONNRESET (peer closed), -ETIMEDOUT, -EPROTO (not our framing)
+  at::Tensor head;                // the fixed header, the JSON metadata and the arrays' lengths, as sent
+  std::vector<at::Tensor> small;  // the arrays before the last len(columns) ones, as uint8
+};
+
+// Receives one framed message (distributed/wire.py) on each fd, all sockets waited on together.
+// The last columns[i].size() arrays of an OK reply land in the front of columns[i]'s tensors
+// (contiguous uint8; a reply longer than one is a protocol error); the others come back in
+// `small`. A socket that delivers nothing for timeout_s (negative: no limit) times out.
+std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& columns,
+                                   double timeout_s);
+
+}  // namespace gear

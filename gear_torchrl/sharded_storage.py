@@ -98,18 +98,19 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
             if local is not None:
                 local.close()
             raise
-        self._setup(membership.descriptors, membership.secret, options, membership.control, dist.get_rank())
+        served = None if membership.server is None else (membership.shard_id, membership.server)
+        self._setup(membership.descriptors, membership.secret, options, membership.control, dist.get_rank(), served)
         self._local, self._membership, self.shard_id = local, membership, membership.shard_id
 
     def _setup(self, descriptors: list[ShardDescriptor], secret: bytes, options: Options, control: Any = None,
-               rank: int | None = None) -> None:
+               rank: int | None = None, served: tuple[int, Any] | None = None) -> None:
         """The reader half, which every copy of the storage has (see ``__reduce__``)."""
         Storage.__init__(self, sum(d.capacity for d in descriptors))
         self.ndim = 1
         self.device = torch.device("cpu")
         self.descriptors = descriptors
         self.on_shard_failure = options.on_shard_failure
-        self._shards = ShardSet(descriptors, secret, options, control, rank)
+        self._shards = ShardSet(descriptors, secret, options, control, rank, served)
         self._reader_args = (descriptors, secret, options)
         self._local: GearStorage | None = None
         self._membership: Membership | None = None

@@ -32,25 +32,36 @@ class FanOut:
     def run(self, shards: list[int], call: Callable[[int, int], Any], counts: list[int],
             on_unavailable: Callable[[int], None], allow_skip: bool = True) -> list[tuple[int, Any]]:
         """Results of the shards that answered; ``on_unavailable(shard)`` runs for each that failed."""
+        return self.settle(self.outcomes(shards, call, counts), on_unavailable, allow_skip)
+
+    def outcomes(self, shards: list[int], call: Callable[[int, int], Any],
+                 counts: list[int]) -> list[tuple[int, Any]]:
+        """``call(shard, count)`` on each shard (threads when several), each result or exception in shard order."""
         if len(shards) == 1:
-            futures = [(shards[0], _Done(call, shards[0], counts[0]))]
-        else:
-            self._pool = self._pool or ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="gear-shards")
-            futures = [(s, self._pool.submit(call, s, k)) for s, k in zip(shards, counts)]
+            return [(shards[0], _outcome(call, shards[0], counts[0]))]
+        if not shards:
+            return []
+        self._pool = self._pool or ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="gear-shards")
+        futures = [(s, self._pool.submit(_outcome, call, s, k)) for s, k in zip(shards, counts)]
+        return [(s, f.result()) for s, f in futures]
+
+    def settle(self, outcomes: list[tuple[int, Any]], on_unavailable: Callable[[int], None],
+               allow_skip: bool = True) -> list[tuple[int, Any]]:
+        """The results among ``outcomes``; a failed shard is skipped or raised, a refusal raised, after all are seen."""
         results, first_error = [], None
-        for shard, future in futures:
-            try:
-                results.append((shard, future.result()))
-            except ShardUnavailableError as exc:
+        for shard, outcome in outcomes:
+            if not isinstance(outcome, Exception):
+                results.append((shard, outcome))
+            elif isinstance(outcome, ShardUnavailableError):
                 on_unavailable(shard)
                 if self.policy == "skip" and allow_skip:
-                    self.failed[shard] = str(exc)
-                    logger.warning("skipping shard %d from now on: %s; sampling goes on without its mass", shard, exc)
+                    self.failed[shard] = str(outcome)
+                    logger.warning("skipping shard %d from now on: %s; sampling goes on without its mass",
+                                   shard, outcome)
                 elif first_error is None:
-                    first_error = exc
-            except Exception as exc:  # a refusal: raise it once every other request is done
-                if first_error is None:
-                    first_error = exc
+                    first_error = outcome
+            elif first_error is None:  # a refusal: raised once every other request is done
+                first_error = outcome
         if first_error is not None:
             raise first_error
         return results
@@ -65,16 +76,9 @@ class FanOut:
             self._pool = None
 
 
-class _Done:
-    """A finished call in a future's clothes (one shard needs no thread)."""
-
-    def __init__(self, call: Callable[[int, int], Any], shard: int, count: int) -> None:
-        try:
-            self._value, self._error = call(shard, count), None
-        except Exception as exc:
-            self._value, self._error = None, exc
-
-    def result(self) -> Any:
-        if self._error is not None:
-            raise self._error
-        return self._value
+def _outcome(call: Callable[[int, int], Any], shard: int, count: int) -> Any:
+    """``call``'s result, or the exception it raised."""
+    try:
+        return call(shard, count)
+    except Exception as exc:
+        return exc

@@ -29,6 +29,7 @@ _PACKET = 64 << 10  # the memory of one large packet
 _WAIT_MS = 2  # how long rows stay held for a learner that is slow to make room
 _KEEP_BYTES = 64 << 20  # a connection keeps its copy buffer between replies up to this size
 _ALIGN = 64
+_GATHER_BELOW = 4096  # a window of fewer bytes (all columns) is gathered and sent from one buffer
 _CPU = torch.device("cpu")
 
 
@@ -52,7 +53,10 @@ class RowSender:
         as soon as no row is needed from the ring any more (sent or copied).
         """
         try:
-            head_sent, column, first = self._send_from_ring(head, columns, windows)
+            if windows.seq_len * sum(_row_bytes(c) for c in columns) < _GATHER_BELOW:
+                head_sent, column, first = False, 0, 0  # small windows: one gather and one send beat an iovec each
+            else:
+                head_sent, column, first = self._send_from_ring(head, columns, windows)
             if column < len(columns):
                 rest = self._copy(columns[column:], windows, first)
                 release()  # the rows are out of the ring: writers need not wait for this learner

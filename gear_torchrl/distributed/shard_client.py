@@ -1,14 +1,17 @@
 """A learner's connection to one shard owner: selection, priority updates, TCP reads."""
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import socket
 import threading
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from gear_torchrl._ext import _C
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
@@ -98,38 +101,25 @@ class ShardClient:
             except (OSError, wire.ProtocolError) as exc:
                 raise self._broken(exc) from exc
         if reply.op == Op.ERROR:
-            kind = _REMOTE_TYPES.get(reply.meta.get("type"), RemoteShardError)
-            raise kind(f"{self.descriptor.where}: {reply.meta.get('message')}")
+            raise self._remote_error(reply.meta)
         return reply
 
     def select(self, spec: SelectionSpec, count: int, seed: int | None = None,
-               columns_of: Callable[[int], list[torch.Tensor]] | None = None) -> tuple[Picked, list[torch.Tensor]]:
+               columns: list[torch.Tensor] | None = None) -> tuple[Picked, list[torch.Tensor]]:
         """The owner's pick of ``count`` rows or windows (drawn from ``seed`` when given).
 
-        With ``columns_of`` (number of positions -> output columns) the owner sends
-        the picked rows in the same reply: one round trip for a batch.
+        With ``columns`` (room for ``count`` picks' rows) the owner sends the picked
+        rows in the same reply, into their front: one round trip for a batch.
         """
-        def allocate(meta: dict[str, Any], lengths: list[int]) -> list[torch.Tensor]:
-            picked = 3 + len(meta["extra"])
-            arrays = [torch.empty(n, dtype=torch.uint8) for n in lengths[:picked]]
-            if len(lengths) > picked:
-                arrays += columns_of(lengths[0] // 8 * int(meta["seq_len"]))
-            return arrays
+        outcome = select_many([self], [Ask(spec, count, seed, columns)])[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
-        request = Message(Op.SELECT, {"selection": spec.to_json(), "count": count, "seed": seed,
-                                      "read": columns_of is not None,
-                                      "columns": None if columns_of is None else len(columns_of(0))})
-        reply = self.request(request, into=allocate)
-        starts, valid_begin, valid_end, *rest = reply.arrays
-        names = reply.meta["extra"]
-        unknown = set(names) - set(EXTRA_DTYPES)
-        if unknown:
-            raise RemoteShardError(f"{self.descriptor.where} sent per-pick values this learner does not know: "
-                                   f"{unknown}")
-        values = {n: a.view(EXTRA_DTYPES[n]) for n, a in zip(names, rest)}
-        picked = Picked(starts.view(torch.int64), int(reply.meta["seq_len"]), valid_begin.view(torch.int64),
-                        valid_end.view(torch.int64), float(reply.meta["mass"]), values, reply.meta["scalars"])
-        return picked, rest[len(names):]
+    def _remote_error(self, meta: dict[str, Any]) -> Exception:
+        """An owner's refusal, as the type it had there where the learner knows it."""
+        kind = _REMOTE_TYPES.get(meta.get("type"), RemoteShardError)
+        return kind(f"{self.descriptor.where}: {meta.get('message')}")
 
     def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
         """Bytes of the windows' rows, received straight into ``out`` (padding arrives as zeros)."""
@@ -171,3 +161,92 @@ class ShardClient:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+
+
+@dataclass
+class Ask:
+    """One owner's share of a round: ``count`` picks of ``spec`` (from ``seed``), their rows into ``columns``.
+
+    ``columns`` has room for ``count`` picks' rows (the owner may pick fewer);
+    None asks for the picks alone, held readable on the owner until a RELEASE.
+    """
+
+    spec: SelectionSpec
+    count: int
+    seed: int | None
+    columns: list[torch.Tensor] | None
+
+    def request(self) -> Message:
+        return Message(Op.SELECT, {"selection": self.spec.to_json(), "count": self.count, "seed": self.seed,
+                                   "read": self.columns is not None,
+                                   "columns": None if self.columns is None else len(self.columns)})
+
+
+def select_many(clients: list[ShardClient], asks: list[Ask]) -> list[tuple[Picked, list[torch.Tensor]] | Exception]:
+    """Every owner's picks, and rows where asked, in one round trip: each request goes out, then every
+    reply is received at once (one native wait on all sockets, the interpreter released) straight into
+    its ``columns``. A shard's failure or refusal is its outcome; the others' still arrive."""
+    outcomes: list[Any] = [None] * len(clients)
+    with contextlib.ExitStack() as held:
+        sent = []
+        for i, (client, ask) in enumerate(zip(clients, asks)):
+            held.enter_context(client._lock)
+            try:
+                sock = client._connection()
+                wire.send(sock, ask.request())
+                sent.append(i)
+            except ShardUnavailableError as exc:
+                outcomes[i] = exc
+            except (OSError, wire.ProtocolError) as exc:
+                outcomes[i] = client._broken(exc)
+        if sent:
+            fds = [clients[i]._sock.fileno() for i in sent]
+            into = [[wire.as_tensor_bytes(c) for c in asks[i].columns or ()] for i in sent]
+            timeout = max(clients[i]._timeout for i in sent)
+            for i, (status, head, small) in zip(sent, _C.receive_replies(fds, into, timeout)):
+                outcomes[i] = _selection_of(clients[i], asks[i], status, head, small)
+    return outcomes
+
+
+def _selection_of(client: ShardClient, ask: Ask, status: int, head: torch.Tensor,
+                  small: list[torch.Tensor]) -> tuple[Picked, list[torch.Tensor]] | Exception:
+    """One owner's reply to ``ask`` (as received by ``receive_replies``), or what went wrong."""
+    try:
+        if status:
+            raise _socket_error(status)
+        op, meta, _ = wire.parse_head(wire.as_bytes(head))
+    except (OSError, wire.ProtocolError) as exc:
+        return client._broken(exc)
+    if op == Op.ERROR:
+        return client._remote_error(meta)
+    try:
+        picked = _picked_of(meta, small)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        return client._broken(wire.ProtocolError(f"a selection reply that does not parse: {exc}"))
+    if ask.columns is None:
+        return picked, []
+    positions = picked.count * picked.seq_len
+    return picked, [c[:positions] for c in ask.columns]
+
+
+def _picked_of(meta: dict[str, Any], arrays: list[torch.Tensor]) -> Picked:
+    """The picks a SELECT reply carries: starts, valid ranges, then the per-pick values its metadata names."""
+    starts, valid_begin, valid_end, *rest = arrays
+    names = meta["extra"]
+    unknown = set(names) - set(EXTRA_DTYPES)
+    if unknown or len(names) != len(rest):
+        raise ValueError(f"per-pick values this learner does not know: {sorted(set(names) - set(EXTRA_DTYPES))}")
+    values = {n: a.view(EXTRA_DTYPES[n]) for n, a in zip(names, rest)}
+    return Picked(starts.view(torch.int64), int(meta["seq_len"]), valid_begin.view(torch.int64),
+                  valid_end.view(torch.int64), float(meta["mass"]), values, meta["scalars"])
+
+
+def _socket_error(status: int) -> OSError | wire.ProtocolError:
+    """The error a failed native receive stands for (``status`` is -errno)."""
+    if status == -errno.ECONNRESET:
+        return ConnectionResetError("the peer closed the connection")
+    if status == -errno.ETIMEDOUT:
+        return TimeoutError("timed out")
+    if status == -errno.EPROTO:
+        return wire.ProtocolError("a reply that is not the protocol's framing, or larger than asked for")
+    return OSError(-status, os.strerror(-status))

@@ -29,11 +29,10 @@ from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.row_sender import ReplyCutShort, RowSender
 from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
 from gear_torchrl.distributed.wire import Message, Op
-from gear_torchrl.selection.base import Selector
+from gear_torchrl.distributed.shard_view import ShardView, spec_of
 from gear_torchrl.selection.registry import SelectorRegistry
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shard import Windows
-from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
+from gear_torchrl.store.shared_shard import SharedStoreHandle
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +103,7 @@ class ShardServer:
         try:
             if not self._authenticate(conn, peer):
                 return
-            session = _Session(SharedShard(self.handle.capacity, handle=self.handle), self.selectors, conn,
-                               self._timeout)
+            session = _Session(ShardView(self.handle, self.selectors), conn, self._timeout)
             while not self._closed.is_set():
                 session.respond(session.next_request())
         except (OSError, wire.ProtocolError) as exc:  # the learner left, stalled or spoke nonsense: drop it
@@ -157,14 +155,12 @@ class ShardServer:
 
 
 class _Session:
-    """One learner's requests, against its own view of the shard."""
+    """One learner's requests over its connection, through its own view of the shard."""
 
-    def __init__(self, shard: SharedShard, selectors: SelectorRegistry, conn: socket.socket,
-                 timeout: float) -> None:
+    def __init__(self, view: ShardView, conn: socket.socket, timeout: float) -> None:
         self.conn = conn
-        self.shard = shard
-        self.selectors = selectors
-        self.own_selectors: dict[SelectionSpec, Selector] = {}
+        self.view = view
+        self.shard = view.shard
         self.timeout = timeout
         self.rows = RowSender(conn)
         self.holding = False  # a selection's rows stay readable for a one-sided read, until RELEASE
@@ -199,10 +195,10 @@ class _Session:
             if request.op == Op.GIVE_BACK:
                 return self._give_back(request)
             if request.op == Op.DUMP:
-                dump_shard(self.shard, self.selectors, _directory(request))
+                dump_shard(self.shard, self.view.selectors, _directory(request))
                 return Message(Op.OK)
             if request.op == Op.LOAD:
-                load_shard(self.shard, self.selectors, _directory(request))
+                load_shard(self.shard, self.view.selectors, _directory(request))
                 return Message(Op.OK)
             raise ValueError(f"unknown request code {request.op}")
         except ReplyCutShort:
@@ -215,25 +211,31 @@ class _Session:
         count = int(request.meta["count"])
         if not 0 <= count <= MAX_READ_POSITIONS:
             raise ValueError(f"cannot select {count} rows in one request")
-        spec = SelectionSpec.from_json(request.meta["selection"])
-        generator = _seeded(request.meta.get("seed"))
-        with self.selectors.using(spec, self.own_selectors) as selector, self.shard.picking():
-            selector.follow(self.shard)
-            picked = selector.pick(self.shard, count, generator)
+        num_columns = self._columns_asked(request) if request.meta.get("read") else None
+        picked = self.view.pick(spec_of(request.meta["selection"]), count, _seeded(request.meta.get("seed")))
         names = sorted(picked.extra)
-        scalars = {**{k: float(v) for k, v in picked.scalars.items()}, "rows": self.shard.size}
-        meta = {"seq_len": picked.seq_len, "mass": picked.mass, "scalars": scalars, "extra": names}
+        meta = {"seq_len": picked.seq_len, "mass": picked.mass, "scalars": picked.scalars, "extra": names}
         arrays = [a.contiguous() for a in (picked.starts, picked.valid_begin, picked.valid_end,
                                              *(picked.extra[n].cpu() for n in names))]
-        if not picked.starts.numel():
-            self._release()  # nothing to keep readable
+        if num_columns is None:
+            self.holding = bool(picked.count)  # until the learner's one-sided read is done (RELEASE), or the timeout
             return Message(Op.OK, meta, arrays)
-        if not request.meta.get("read"):
-            self.holding = True  # until the learner's one-sided read is done (RELEASE), or the timeout
-            return Message(Op.OK, meta, arrays)
-        self._send_rows(meta, arrays, Windows(arrays[0], picked.seq_len, arrays[1], arrays[2]),
-                        request.meta.get("columns"))
+        if not picked.count:  # the rows asked for, none of them: every column, empty
+            return Message(Op.OK, meta, arrays + [_NO_BYTES] * num_columns)
+        self._send_rows(meta, arrays, Windows(arrays[0], picked.seq_len, arrays[1], arrays[2]), num_columns)
         return None
+
+    def _columns_asked(self, request: Message) -> int:
+        """How many columns a reply of rows carries: those of the table the learner knows.
+
+        Columns added to the store since come after them, so a learner that described it earlier reads on.
+        """
+        asked, held = request.meta.get("columns"), len(self.shard.mapped_columns())
+        if asked is None:
+            return held
+        if isinstance(asked, bool) or not isinstance(asked, int) or not 0 < asked <= held:
+            raise ValueError(f"the learner asks for {asked!r} columns; this shard holds {held}")
+        return asked
 
     def _read(self, request: Message) -> None:
         """Reply with the windows' rows."""
@@ -250,43 +252,34 @@ class _Session:
             _C.check_windows(starts, valid_begin, valid_end, seq_len, shard.capacity)
             windows = Windows(starts, seq_len, valid_begin, valid_end)
             shard.check_readable_windows(windows)
-            self._send_rows({}, [], windows, request.meta.get("columns"))
+            self._send_rows({}, [], windows, self._columns_asked(request))
 
     def _send_rows(self, meta: dict[str, Any], arrays: list[torch.Tensor], windows: Windows,
-                   num_columns: int | None) -> None:
-        """Reply with ``arrays``, then the rows of ``windows``; the read section ends once they left the ring.
-
-        Only the first ``num_columns`` columns, those of the table the learner knows: columns
-        added to the store since come after them (a learner that described it earlier reads on).
-        """
-        shard = self.shard
-        if num_columns is not None and not (isinstance(num_columns, int) and 0 < num_columns <= len(shard.columns)):
-            raise ValueError(f"the learner asks for {num_columns!r} columns; this shard holds {len(shard.columns)}")
-        columns = shard.columns if num_columns is None else shard.columns[:num_columns]
+                   num_columns: int) -> None:
+        """Reply with ``arrays``, then the rows of ``windows`` in the first ``num_columns`` columns;
+        the read section ends once they left the ring."""
+        columns = self.shard.columns[:num_columns]
         views = [wire.as_bytes(a) for a in arrays]
         positions = windows.starts.numel() * windows.seq_len
-        sizes = [v.nbytes for v in views] + [positions * c.row_bytes for c in shard.spec.columns[: len(columns)]]
+        sizes = [v.nbytes for v in views] + [positions * c.row_bytes for c in self.shard.spec.columns[:num_columns]]
         self.rows.send([wire.header(Op.OK, meta, sizes), *views], columns, windows, release=self._release)
 
     def _release(self) -> None:
-        self.shard.release()
+        self.view.release()
         self.holding = False
 
     def _update(self, request: Message) -> Message:
         if len(request.arrays) != 3:
             raise ValueError("an UPDATE carries rows, priorities and generations (possibly empty)")
         rows, priority, generation = (_viewed(a, t) for a, t in zip(request.arrays, _UPDATE_DTYPES))
-        spec = SelectionSpec.from_json(request.meta["selection"])
-        with self.selectors.using(spec, self.own_selectors) as selector:
-            selector.update(rows, priority, generation if generation.numel() else None)
+        self.view.update(spec_of(request.meta["selection"]), rows, priority,
+                         generation if generation.numel() else None)
         return Message(Op.OK)
 
     def _give_back(self, request: Message) -> Message:
         if len(request.arrays) != 1:
             raise ValueError("a GIVE_BACK carries the rows given back")
-        spec = SelectionSpec.from_json(request.meta["selection"])
-        with self.selectors.using(spec, self.own_selectors) as selector:
-            selector.give_back(_viewed(request.arrays[0], torch.int64))
+        self.view.give_back(spec_of(request.meta["selection"]), _viewed(request.arrays[0], torch.int64))
         return Message(Op.OK)
 
     def _describe(self) -> Message:
@@ -297,10 +290,10 @@ class _Session:
                                "offsets": shard.column_offsets() if published else None})
 
     def close(self) -> None:
-        self._release()
-        self.shard.close()
+        self.view.close()
 
 
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
 _UPDATE_DTYPES = (torch.int64, torch.float64, torch.int64)
 
 

@@ -22,7 +22,7 @@ from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.fan_out import FailurePolicy, FanOut
 from gear_torchrl.distributed.shard_checkpoint import check_layout, shard_directory, write_layout
-from gear_torchrl.distributed.shard_client import ShardClient
+from gear_torchrl.distributed.shard_client import Ask, ShardClient, select_many
 from gear_torchrl.distributed.transports.base import ColumnLayout, ReadRequest, ShardUnavailableError, Transport
 from gear_torchrl.distributed.transports.registry import CHOICES, Reach, open_transport
 from gear_torchrl.selection.checked_inputs import as_generation, as_priority
@@ -75,8 +75,10 @@ class Options:
 class ShardSet:
     """A learner's view of every shard: connections, transports, masses and the failure policy."""
 
+    _served: tuple[int, Any] | None = None  # (shard, ShardServer) this process serves
+
     def __init__(self, descriptors: list[ShardDescriptor], secret: bytes, options: Options,
-                 control: Any = None, rank: int | None = None) -> None:
+                 control: Any = None, rank: int | None = None, served: tuple[int, Any] | None = None) -> None:
         self.descriptors = descriptors
         self.options = options
         self._secret = secret
@@ -89,6 +91,8 @@ class ShardSet:
         self._masses: dict[SelectionSpec, dict[int, float]] = {}
         self.rows: dict[int, int] = {}  # each shard's rows, as of its last answer
         self._pid = os.getpid()
+        self._served = served
+        self._served_pid = os.getpid()
 
     # -- which shards -------------------------------------------------------------------
     @property
@@ -168,23 +172,64 @@ class ShardSet:
                     batch: list | None, slices: dict[int, tuple[int, int]],
                     got: list[tuple[int, Picked, list[torch.Tensor]]]
                     ) -> list[tuple[int, tuple[Picked, list[torch.Tensor]]]]:
-        """Every live shard's picks for one round. If a shard fails or refuses, what the batch took goes back first."""
-        answered: list[tuple[int, tuple[Picked, list[torch.Tensor]]]] = []
-        seed_of = dict(zip(live, seeds))
+        """Every live shard's picks for one round. If a shard fails or refuses, what the batch took goes back first.
 
-        def pick(shard: int, k: int) -> tuple[Picked, list[torch.Tensor]]:
-            answer = self._select_and_read(shard, spec, k, seed_of[shard], batch, slices.get(shard))
-            answered.append((shard, answer))
-            return answer
-
+        Shards whose owners send rows in the selection's reply (tcp) are asked
+        together and waited on at once; the others each on a thread of the fan-out.
+        """
+        transports = {s: self._opened_transport(s) for s in live}
+        asks = {s: Ask(spec, k, seed, self._columns_for(s, k * spec.rows_per_pick, batch, slices.get(s)) if k else None)
+                for s, k, seed in zip(live, counts, seeds)}
+        together = [s for s in live if getattr(transports[s], "replies_with_rows", False)]
+        apart = [s for s in live if s not in together]
+        outcomes = dict(self._select_together(together, asks))
+        outcomes.update(self._fan_out.outcomes(apart, lambda s, _: self._select_apart(s, transports[s], asks[s]),
+                                               [0] * len(apart)))
+        in_order = [(s, outcomes[s]) for s in live]
         try:
-            return self.on_each(live, pick, counts)
+            return self._fan_out.settle(in_order, self._disconnect)
         except BaseException:
+            answered = [(s, p, c) for s, o in in_order if not isinstance(o, Exception) for p, c in [o] if p.count]
             try:
-                self.give_back(spec, got + [(s, p, c) for s, (p, c) in answered if p.count])
+                self.give_back(spec, got + answered)
             except Exception as exc:  # the first failure is what the caller needs to see
                 logger.warning("could not give back the picks of an unfilled batch: %s", exc)
             raise
+
+    def _columns_for(self, shard: int, rows: int, batch: list[torch.Tensor] | None,
+                     where: tuple[int, int] | None) -> list[torch.Tensor]:
+        """Room for ``rows`` of ``shard``'s picks: its slice ``where = (first row, rows)`` of ``batch``, else new."""
+        zeroed = not getattr(self._transports.get(shard), "writes_padding", True)
+        if batch is None or where is None or rows > where[1]:
+            return self._empty_columns(self.table(shard), rows, zeroed)
+        views = [c[where[0]: where[0] + rows] for c in batch]
+        for v in views if zeroed else ():
+            v.zero_()
+        return views
+
+    def _opened_transport(self, shard: int) -> Transport | Exception:
+        """The shard's transport; what opening it raised stands for that shard's answer."""
+        try:
+            return self.transport(shard)
+        except Exception as exc:
+            return exc
+
+    def _select_together(self, shards: list[int], asks: dict[int, Ask]) -> list[tuple[int, Any]]:
+        """One round trip to every shard in ``shards`` at once (``select_many``): each answer or failure."""
+        outcomes, reached = [], []
+        for s in shards:
+            try:
+                reached.append((s, self.client(s)))
+            except Exception as exc:
+                outcomes.append((s, exc))
+        answers = select_many([c for _, c in reached], [asks[s] for s, _ in reached])
+        return outcomes + [(s, a) for (s, _), a in zip(reached, answers)]
+
+    def _select_apart(self, shard: int, transport: Transport | Exception, ask: Ask) -> tuple[Picked, list]:
+        if isinstance(transport, Exception):
+            raise transport
+        client = self.client(shard) if transport.speaks_to_owner else None
+        return transport.select(client, ask.spec, ask.count, ask.seed, ask.columns)
 
     def _pick_best(self, spec: SelectionSpec, count: int) -> ShardPicks | None:
         """The ``count`` best-scoring rows of all live shards, best first: each owner's best ``count``, merged.
@@ -218,32 +263,16 @@ class ShardSet:
             if shard not in self.failed:
                 picks[shard] = torch.cat([picks.get(shard, _NO_ROWS), picked.starts])
         if picks:
-            self.on_each(list(picks), lambda s, _: self.client(s).give_back(spec, picks[s]), [0] * len(picks))
+            self.on_each(list(picks), lambda s, _: self._give_back_to(s, spec, picks[s]), [0] * len(picks))
 
     def give_back_ids(self, spec: SelectionSpec, ids: torch.Tensor) -> None:
         """Rows a learner picked and did not use, by global id."""
         shards, rows = global_ids.decode(ids)
         owners = [s for s in torch.unique(shards).tolist() if s in self.live_shards]
-        self.on_each(owners, lambda s, _: self.client(s).give_back(spec, rows[shards == s]), [0] * len(owners))
+        self.on_each(owners, lambda s, _: self._give_back_to(s, spec, rows[shards == s]), [0] * len(owners))
 
-    def _select_and_read(self, shard: int, spec: SelectionSpec, count: int, seed: int | None,
-                         batch: list[torch.Tensor] | None, where: tuple[int, int] | None
-                         ) -> tuple[Picked, list[torch.Tensor]]:
-        """One shard's picks, read into its slice ``where = (first row, rows)`` of ``batch`` if given."""
-        client = self.client(shard)
-        if count == 0:
-            return client.select(spec, 0, seed)
-        table = self.table(shard)
-
-        def columns_of(n: int, zeroed: bool = False) -> list[torch.Tensor]:
-            if where is None or n > where[1]:
-                return self._empty_columns(table, n, zeroed)
-            views = [c[where[0]: where[0] + n] for c in batch]
-            for v in views if zeroed else ():
-                v.zero_()
-            return views
-
-        return self.transport(shard).read_selection(client, spec, count, seed, columns_of)
+    def _give_back_to(self, shard: int, spec: SelectionSpec, rows: torch.Tensor) -> None:
+        self._answerer(shard).give_back(spec, rows)
 
     def _assemble(self, got: list[tuple[int, Picked, list[torch.Tensor]]], scalars: dict[str, float],
                   batch: list[torch.Tensor] | None) -> ShardPicks:
@@ -298,7 +327,8 @@ class ShardSet:
 
         def update(shard: int, _: int) -> None:
             mine = shards == shard
-            self.client(shard).update(spec, rows[mine], priority[mine], None if generation is None else generation[mine])
+            self._answerer(shard).update(spec, rows[mine], priority[mine],
+                                         None if generation is None else generation[mine])
 
         self.on_each(owners, update, [0] * len(owners))
         self.live()  # skipping may have left none
@@ -369,9 +399,24 @@ class ShardSet:
         transport = self._transports.get(shard)
         if transport is None:
             reach = Reach(self.descriptors[shard], self.client(shard), lambda: self._layout(shard), self._control,
-                          self._rank)
+                          self._rank, self._served_server(shard))
             transport = self._transports[shard] = open_transport(self.options.transport, reach)
         return transport
+
+    def _served_server(self, shard: int) -> Any:
+        """This process's ShardServer if it serves ``shard`` (not in a forked child: its server is the parent's)."""
+        if self._served is None or self._served[0] != shard or os.getpid() != self._served_pid:
+            return None
+        return self._served[1]
+
+    def _answerer(self, shard: int) -> Any:
+        """Who takes ``shard``'s priority updates and gives-back: its owner over our connection, or the
+        in-process view where this process serves the shard and reads it so."""
+        if self._served_server(shard) is not None:
+            transport = self.transport(shard)
+            if not transport.speaks_to_owner:
+                return transport
+        return self.client(shard)
 
     def _layout(self, shard: int) -> ColumnLayout:
         meta = self.client(shard).describe()
@@ -417,6 +462,8 @@ class ShardSet:
 
 def _split(count: int, masses: list[float], generator: torch.Generator | None) -> list[int]:
     """How many of ``count`` draws each shard gets, in proportion to its mass (multinomial)."""
+    if len(masses) == 1:
+        return [count if masses[0] > 0 else 0]
     weights = torch.tensor(masses, dtype=torch.float64)
     if count == 0 or not weights.sum() > 0:
         return [0] * len(masses)

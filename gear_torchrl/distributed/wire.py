@@ -105,16 +105,9 @@ Allocator = Callable[[dict[str, Any], list[int]], Sequence[torch.Tensor]]
 
 def receive(sock: socket.socket, into: Sequence[torch.Tensor] | Allocator | None = None) -> Message:
     """Read one message; its arrays land in ``into`` (exact sizes, or an allocator) or in new uint8 tensors."""
-    magic, op, count, meta_len, total = _HEADER.unpack(recv_exact(sock, _HEADER.size))
-    if magic != MAGIC:
-        raise ProtocolError("the peer does not speak the gear_torchrl shard protocol")
-    if meta_len > MAX_META_BYTES or count > MAX_ARRAYS or total > MAX_ARRAY_BYTES:
-        raise ProtocolError(f"message too large: {meta_len} metadata bytes, {count} arrays, {total} array bytes")
-    head = recv_exact(sock, meta_len + count * _LENGTH.size)
-    meta = json.loads(head[:meta_len]) if meta_len else {}
-    lengths = [_LENGTH.unpack_from(head, meta_len + i * _LENGTH.size)[0] for i in range(count)]
-    if sum(lengths) != total:
-        raise ProtocolError("array lengths do not add up to the header's total")
+    fixed = recv_exact(sock, _HEADER.size)
+    op, meta, lengths = parse_head(fixed + recv_exact(sock, _rest_of_head(fixed)))
+    total = sum(lengths)
     if op != Op.OK or into is None:
         arrays = [torch.empty(n, dtype=torch.uint8) for n in lengths]
     else:
@@ -126,6 +119,30 @@ def receive(sock: socket.socket, into: Sequence[torch.Tensor] | Allocator | None
     for a in arrays:
         recv_tensor(sock, a)
     return Message(op, meta, arrays)
+
+
+def _rest_of_head(fixed: bytes) -> int:
+    """Bytes of metadata and lengths that follow the fixed header ``fixed``, checked against the limits."""
+    magic, _, count, meta_len, total = _HEADER.unpack(fixed)
+    if magic != MAGIC:
+        raise ProtocolError("the peer does not speak the gear_torchrl shard protocol")
+    if meta_len > MAX_META_BYTES or count > MAX_ARRAYS or total > MAX_ARRAY_BYTES:
+        raise ProtocolError(f"message too large: {meta_len} metadata bytes, {count} arrays, {total} array bytes")
+    return meta_len + count * _LENGTH.size
+
+
+def parse_head(head: bytes | memoryview) -> tuple[int, dict[str, Any], list[int]]:
+    """A message's op, metadata and array lengths, from its bytes before the arrays."""
+    head = bytes(head)
+    if len(head) < _HEADER.size or len(head) != _HEADER.size + _rest_of_head(head[:_HEADER.size]):
+        raise ProtocolError("a message's head is cut short")
+    _, op, count, meta_len, total = _HEADER.unpack_from(head)
+    at = _HEADER.size
+    meta = json.loads(head[at: at + meta_len]) if meta_len else {}
+    lengths = [_LENGTH.unpack_from(head, at + meta_len + i * _LENGTH.size)[0] for i in range(count)]
+    if sum(lengths) != total:
+        raise ProtocolError("array lengths do not add up to the header's total")
+    return op, meta, lengths
 
 
 _NATIVE_FROM = 1 << 16  # below this many bytes one Python recv costs no more

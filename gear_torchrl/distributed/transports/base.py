@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +61,8 @@ class Transport(ABC):
 
     name: str
     writes_padding: bool = True  # whether padding positions come back as zeros (else: left untouched)
+    replies_with_rows: bool = False  # the owner sends a selection's rows in its reply: shards share one wait
+    speaks_to_owner: bool = True  # picks go through the learner's connection to the owner (else: in this process)
 
     @abstractmethod
     def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
@@ -74,17 +75,21 @@ class Transport(ABC):
         ``RemoteShardError``/``IndexError`` if it refuses the request.
         """
 
-    def read_selection(self, client: Any, spec: SelectionSpec, count: int, seed: int | None,
-                       columns_of: Callable[..., list[torch.Tensor]]) -> tuple[Picked, list[torch.Tensor]]:
-        """Have the owner pick ``count`` rows or windows, read them, then release them.
+    def select(self, client: Any, spec: SelectionSpec, count: int, seed: int | None,
+               columns: list[torch.Tensor] | None) -> tuple[Picked, list[torch.Tensor]]:
+        """Have the owner pick ``count`` rows or windows, read them into the front of ``columns``, release them.
 
-        The owner keeps the picked rows readable until the release. A transport
-        whose owner sends the rows itself (tcp) overrides this with one round trip.
+        The owner keeps the picked rows readable until the release. ``columns``
+        has room for ``count`` picks (zeroed where ``writes_padding`` is False);
+        None asks for the picks alone. A transport whose owner sends the rows in
+        its reply (tcp) answers in one round trip, with every such shard at once.
         """
+        if columns is None:
+            return client.select(spec, count, seed)
         picked, _ = client.select(spec, count, seed)
-        if not picked.starts.numel():
-            return picked, []
-        out = columns_of(picked.starts.numel() * picked.seq_len, zeroed=not self.writes_padding)
+        if not picked.count:
+            return picked, [c[:0] for c in columns]
+        out = [c[: picked.count * picked.seq_len] for c in columns]
         self.read(ReadRequest(picked.starts, picked.seq_len, picked.valid_begin, picked.valid_end), out)
         client.release()
         return picked, out

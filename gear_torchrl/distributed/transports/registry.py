@@ -24,6 +24,7 @@ class Reach:
     layout: Callable[[], ColumnLayout]  # where the shard's columns sit (asks the owner)
     control: Any = None  # the job's sealed control-plane store (None in pickled copies)
     rank: int | None = None
+    server: Any = None  # this process's ShardServer, where it serves this very shard
 
 
 def _tcp(reach: Reach) -> Transport:
@@ -35,6 +36,10 @@ def _tcp(reach: Reach) -> Transport:
 def _local(reach: Reach) -> Transport:
     from gear_torchrl.distributed.transports.local import LocalTransport
 
+    if reach.server is not None:  # the shard this process serves: no socket, no thread hop
+        from gear_torchrl.distributed.transports.in_process import InProcessTransport, served_view
+
+        return InProcessTransport(served_view(reach.server))
     d = reach.descriptor
     if not _same_host(d):
         raise ValueError(f"transport='local' needs {d.where} on this host; it is on {d.host}")
@@ -66,6 +71,8 @@ def rdma_unavailable_reason() -> str | None:
 def auto_choice(reach: Reach) -> str:
     """rdma where the owner exports its memory and this process can read it, local on the same host, else tcp."""
     d = reach.descriptor
+    if reach.server is not None:
+        return "local"
     if d.rdma is not None and reach.control is not None and rdma_unavailable_reason() is None:
         return "rdma"
     return "local" if _same_host(d) else "tcp"

@@ -1,0 +1,217 @@
+"""What a batch through ShardedGearStorage costs the learner and each owner, against a local buffer.
+
+One loopback job per world (spawned ranks under torch.distributed on 127.0.0.1):
+``own`` is a world of one whose learner owns its only shard (``transport="auto"``,
+so same-host reads); ``tcp N`` is N owners and one learner that owns none
+(``transport="tcp"``). The store holds obs f32[84], action f32[6], reward and
+done, 200k steps split over the owners, and the learner draws uniform batches
+with ``TensorDictReplayBuffer.sample()``.
+
+In every world the learner also holds a ``LazyTensorStorage`` with the same
+rows, and the two buffers take turns (interleaved rounds, medians): the ratio
+is measured in one process at one time. Reported per batch size: the
+learner's process CPU time per batch (every thread of it), the owners' CPU
+time per request (read from ``/proc/<pid>/task/*/schedstat``, every thread,
+divided by the requests each served), and steps per second of wall time.
+
+``--cap-gbit X`` runs every world inside a network namespace of its own
+(``unshare -n``, loopback only) where each owner's port is capped at X Gbit/s
+with ``tc`` (htb, one class per port; the learner's side is uncapped): the
+scaling a job gets when the network, not these cores, is the limit.
+
+    .venv/bin/python benchmarks/sharded_cost.py [--worlds own 1 2 4 8] [--batches 256 4096] [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from harness import free_port, table, write_json
+
+STEPS = 200_000
+EPISODE = 1000
+SECONDS_PER_TURN = 0.25  # how long one contender samples in one round
+
+
+def _rows(n: int, seed: int):
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(seed)
+    done = torch.zeros(n, 1, dtype=torch.bool)
+    done[EPISODE - 1::EPISODE] = True
+    return TensorDict({"obs": torch.randn(n, 84, generator=g), "action": torch.randn(n, 6, generator=g),
+                       "next": {"reward": torch.randn(n, 1, generator=g), "done": done}}, [n])
+
+
+def _thread_cpu_ns(pid: int) -> int:
+    """Every thread's CPU time of process ``pid`` so far (nanoseconds)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended meanwhile
+    return total
+
+
+def _fill(storage, rows: int, seed: int) -> None:
+    from gear_torchrl import TrajectoryWriter
+
+    writer = TrajectoryWriter(storage)
+    for first in range(0, rows, EPISODE):
+        writer.extend(_rows(EPISODE, seed + first))
+        writer.end_episode()
+
+
+def _learner(storage, owner_pids: list[int], batches: list[int], rounds: int, out) -> None:
+    import logging
+
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    local = TensorDictReplayBuffer(storage=LazyTensorStorage(STEPS), batch_size=batches[0])
+    for first in range(0, STEPS, 10 * EPISODE):
+        local.extend(_rows(10 * EPISODE, first))
+    sharded = TensorDictReplayBuffer(storage=storage, batch_size=batches[0])
+    contenders = {"LazyTensorStorage": local, "sharded": sharded}
+    calls = {}
+    for b in batches:  # warm up, and size each turn to about SECONDS_PER_TURN
+        for rb in contenders.values():
+            for _ in range(3):
+                rb.sample(b)
+        start = time.perf_counter()
+        for _ in range(5):
+            sharded.sample(b)
+        calls[b] = max(5, int(SECONDS_PER_TURN / ((time.perf_counter() - start) / 5)))
+    samples: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    for _ in range(rounds):
+        for b in batches:
+            for name, rb in contenders.items():
+                owners0 = [_thread_cpu_ns(p) for p in owner_pids]
+                cpu0, wall0 = time.process_time(), time.perf_counter()
+                for _ in range(calls[b]):
+                    rb.sample(b)
+                wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+                owners = [(_thread_cpu_ns(p) - o) / 1e9 for p, o in zip(owner_pids, owners0)]
+                owner_cpu = statistics.mean(owners) if owners and name == "sharded" else float("nan")
+                samples.setdefault((name, b), []).append((cpu / calls[b], owner_cpu / calls[b], b * calls[b] / wall))
+    result = {}
+    for (name, b), runs in samples.items():
+        result[f"{name}/{b}"] = {"learner_us": statistics.median(r[0] for r in runs) * 1e6,
+                                 "owner_us": statistics.median(r[1] for r in runs) * 1e6,
+                                 "steps_per_s": statistics.median(r[2] for r in runs)}
+    out.put(result)
+
+
+def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rounds: int, out) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from gear_torchrl import ShardedGearStorage
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    own = world == 1
+    learner = rank == world - 1
+    storage = ShardedGearStorage(STEPS // owners, owns_shard=own or not learner, transport="auto" if own else "tcp",
+                                 serve_on="127.0.0.1", timeout=60)
+    store = dist.distributed_c10d._get_default_store()
+    if storage.local is not None:
+        _fill(storage.local, STEPS // owners, rank * STEPS)
+        store.set(f"pid/{rank}", str(os.getpid()))
+        store.set(f"port/{rank}", str(storage.descriptors[storage.shard_id].port))
+    dist.barrier()
+    if learner:
+        pids = [] if own else [int(store.get(f"pid/{r}")) for r in range(owners)]
+        if os.environ.get("GEAR_BENCH_CAP_GBIT"):
+            cap_owner_ports([int(store.get(f"port/{r}")) for r in range(owners)],
+                            float(os.environ["GEAR_BENCH_CAP_GBIT"]))
+        _learner(storage, pids, batches, rounds, out)
+    dist.barrier()
+    storage.close()
+    dist.destroy_process_group()
+
+
+def run_world(world_name: str, batches: list[int], rounds: int) -> dict:
+    owners = 1 if world_name == "own" else int(world_name)
+    world = 1 if world_name == "own" else owners + 1
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    out = ctx.Queue()
+    processes = [ctx.Process(target=_rank, args=(r, world, port, owners, batches, rounds, out)) for r in range(world)]
+    for p in processes:
+        p.start()
+    try:
+        return out.get(timeout=1200)
+    finally:
+        for p in processes:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+
+
+def _capped(args: argparse.Namespace) -> None:
+    """Re-run this script inside a network namespace whose owner ports are capped (see the module docstring)."""
+    if os.environ.get("GEAR_BENCH_IN_NETNS") == "1":
+        return
+    cmd = [sys.executable, *sys.argv]
+    env = {**os.environ, "GEAR_BENCH_IN_NETNS": "1"}
+    sys.exit(subprocess.call(["unshare", "-n", *cmd], env=env))
+
+
+def cap_owner_ports(ports: list[int], gbit: float) -> None:
+    """One htb class of ``gbit`` per owner port on loopback (traffic the owner sends); the rest uncapped."""
+    def tc(*a: str) -> None:
+        subprocess.run(["tc", *a], check=True)
+
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], stderr=subprocess.DEVNULL)
+    tc("qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "999")
+    tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:999", "htb", "rate", "100gbit")
+    for i, port in enumerate(ports, start=1):
+        tc("class", "add", "dev", "lo", "parent", "1:", "classid", f"1:{i}", "htb", "rate", f"{gbit}gbit",
+           "ceil", f"{gbit}gbit")
+        tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
+           "sport", str(port), "0xffff", "flowid", f"1:{i}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", nargs="+", default=["own", "1", "2", "4", "8"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cap-gbit", type=float, default=None)
+    parser.add_argument("--out", default="bench_out/sharded_cost.json")
+    args = parser.parse_args()
+    if args.cap_gbit is not None:
+        _capped(args)
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+        os.environ["GEAR_BENCH_CAP_GBIT"] = str(args.cap_gbit)
+    rows = []
+    for world in args.worlds:
+        result = run_world(world, args.batches, args.rounds)
+        for b in args.batches:
+            mine, peer = result[f"sharded/{b}"], result[f"LazyTensorStorage/{b}"]
+            rows.append({"world": world, "batch": b,
+                         "learner us": f"{mine['learner_us']:.0f}", "local us": f"{peer['learner_us']:.0f}",
+                         "learner / local": f"{mine['learner_us'] / peer['learner_us']:.2f}",
+                         "owner us": "-" if mine["owner_us"] != mine["owner_us"] else f"{mine['owner_us']:.0f}",
+                         "M steps/s": f"{mine['steps_per_s'] / 1e6:.2f}",
+                         "local M steps/s": f"{peer['steps_per_s'] / 1e6:.2f}"})
+        print(table(rows[-len(args.batches):], list(rows[0])), flush=True)
+    print(table(rows, list(rows[0])))
+    write_json(args.out, {"benchmark": "sharded_cost", "steps": STEPS, "rounds": args.rounds,
+                          "cap_gbit": args.cap_gbit, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+// A learner asks every shard owner for its share of a batch, then waits for all of them. Waiting
+// here, on every socket at once with the GIL released, replaces a Python thread per owner and a
+// Python receive loop per reply: the learner's cost per batch stays flat as owners are added.
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "recv.h"
+
+namespace gear {
+namespace {
+
+// distributed/wire.py: "<4sHHIQ" magic, op, number of arrays, JSON bytes, array bytes; then JSON, then u64 lengths.
+constexpr size_t kHeader = 20;
+constexpr uint16_t kOk = 0;
+constexpr uint32_t kMaxMeta = 1u << 16;
+constexpr uint16_t kMaxArrays = 64;
+constexpr uint64_t kMaxTotal = 1ull << 34;
+
+struct Pending {
+  int fd;
+  const std::vector<at::Tensor>* columns;
+  at::Tensor head = at::empty({static_cast<int64_t>(kHeader)}, at::kByte);
+  std::vector<uint64_t> lengths;
+  std::vector<char*> targets;  // where each array's bytes go
+  size_t part = 0;             // 0: fixed header, 1: JSON and lengths, 2 + i: array i
+  uint64_t got = 0;            // bytes of the current part received
+  std::chrono::steady_clock::time_point heard;  // when bytes last arrived (or the call began)
+  Reply reply;
+  bool done = false;
+};
+
+template <typename T>
+T load(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+void finish(Pending& p, int64_t status) {
+  p.reply.status = status;
+  p.done = true;
+}
+
+// The part now being received: where its bytes go and how many there are.
+std::pair<char*, uint64_t> current(Pending& p) {
+  if (p.part == 0) return {static_cast<char*>(p.head.data_ptr()), kHeader};
+  if (p.part == 1) {
+    return {static_cast<char*>(p.head.data_ptr()) + kHeader, static_cast<uint64_t>(p.head.numel()) - kHeader};
+  }
+  return {p.targets[p.part - 2], p.lengths[p.part - 2]};
+}
+
+// Sets up what follows the fixed header; false (and finished) if it is not our framing.
+bool read_header(Pending& p) {
+  const auto* h = static_cast<const uint8_t*>(p.head.data_ptr());
+  const auto count = load<uint16_t>(h + 6);
+  const auto meta = load<uint32_t>(h + 8);
+  const auto total = load<uint64_t>(h + 12);
+  if (std::memcmp(h, "GEAR", 4) != 0 || meta > kMaxMeta || count > kMaxArrays || total > kMaxTotal) {
+    finish(p, -EPROTO);
+    return false;
+  }
+  at::Tensor whole = at::empty({static_cast<int64_t>(kHeader + meta + 8ull * count)}, at::kByte);
+  std::memcpy(whole.data_ptr(), h, kHeader);
+  p.head = whole;
+  p.lengths.assign(count, 0);
+  return true;
+}
+
+// Places every array once their lengths are known; false (and finished) if they do not fit.
+bool place_arrays(Pending& p) {
+  const auto* h = static_cast<const uint8_t*>(p.head.data_ptr());
+  const auto count = load<uint16_t>(h + 6);
+  const auto op = load<uint16_t>(h + 4);
+  const auto meta = load<uint32_t>(h + 8);
+  uint64_t total = 0;
+  for (size_t i = 0; i < count; ++i) {
+    p.lengths[i] = load<uint64_t>(h + kHeader + meta + 8 * i);
+    total += p.lengths[i];
+  }
+  const size_t ncols = op == kOk ? p.columns->size() : 0;
+  if (total != load<uint64_t>(h + 12) || count < ncols) {
+    finish(p, -EPROTO);
+    return false;
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (i + ncols < count) {
+      p.reply.small.push_back(at::empty({static_cast<int64_t>(p.lengths[i])}, at::kByte));
+      p.targets.push_back(static_cast<char*>(p.reply.small.back().data_ptr()));
+      continue;
+    }
+    const at::Tensor& out = (*p.columns)[i + ncols - count];
+    if (p.lengths[i] > static_cast<uint64_t>(out.numel())) {
+      finish(p, -EPROTO);
+      return false;
+    }
+    p.targets.push_back(static_cast<char*>(out.data_ptr()));
+  }
+  return true;
+}
+
+// Moves to the next part once one is complete (skipping empty ones); finishes after the last.
+void advance(Pending& p) {
+  while (!p.done) {
+    const uint64_t need = current(p).second;
+    if (p.got < need) return;
+    p.got = 0;
+    if (p.part == 0 && !read_header(p)) return;
+    if (p.part == 1 && !place_arrays(p)) return;
+    ++p.part;
+    if (p.part >= 2 + p.lengths.size()) {
+      p.reply.head = p.head;
+      finish(p, 0);
+    }
+  }
+}
+
+// Takes what the socket holds now; false when it would block.
+bool drain(Pending& p) {
+  bool heard = false;
+  while (!p.done) {
+    auto [where, need] = current(p);
+    const ssize_t k = ::recv(p.fd, where + p.got, static_cast<size_t>(need - p.got), MSG_DONTWAIT);
+    if (k > 0) {
+      p.got += static_cast<uint64_t>(k);
+      advance(p);
+      heard = true;
+      continue;
+    }
+    if (heard) p.heard = std::chrono::steady_clock::now();
+    if (k == 0) {
+      finish(p, -ECONNRESET);
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      return false;
+    } else if (errno != EINTR) {
+      finish(p, -errno);
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& columns,
+                                   double timeout_s) {
+  TORCH_CHECK(fds.size() == columns.size(), "receive_replies: one list of columns per socket");
+  std::vector<Pending> pending(fds.size());
+  for (size_t i = 0; i < fds.size(); ++i) {
+    pending[i].fd = static_cast<int>(fds[i]);
+    pending[i].columns = &columns[i];
+    for (const auto& c : columns[i]) {
+      TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.scalar_type() == at::kByte,
+                  "receive_replies: columns must be contiguous CPU uint8 tensors");
+    }
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto patience = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(timeout_s < 0 ? 1e9 : timeout_s));
+  for (auto& p : pending) p.heard = Clock::now();
+  std::vector<pollfd> waiting;
+  std::vector<Pending*> of;
+  while (true) {
+    waiting.clear();
+    of.clear();
+    const auto now = Clock::now();
+    auto wake = now + patience;
+    for (auto& p : pending) {
+      if (p.done || drain(p)) continue;
+      if (now - p.heard >= patience) {
+        finish(p, -ETIMEDOUT);
+        continue;
+      }
+      waiting.push_back({p.fd, POLLIN, 0});
+      of.push_back(&p);
+      wake = std::min(wake, p.heard + patience);
+    }
+    if (waiting.empty()) break;
+    const auto wait_ms = std::chrono::duration_cast<std::chrono::milliseconds>(wake - now).count() + 1;
+    const int ready = ::poll(waiting.data(), waiting.size(), static_cast<int>(std::min<int64_t>(wait_ms, 1 << 30)));
+    if (ready < 0 && errno != EINTR) {
+      for (auto* p : of) finish(*p, -errno);
+      break;
+    }
+  }
+  std::vector<Reply> replies;
+  replies.reserve(pending.size());
+  for (auto& p : pending) replies.push_back(std::move(p.reply));
+  return replies;
+}
+
+}  // namespace gear

@@ -1,0 +1,78 @@
+"""One learner's view of a shard its owner serves: a reader of its own, and the selection cores it uses.
+
+Every learner, whether its requests come over a socket (``shard_server``) or
+from the owner's own process (``transports/in_process``), picks through one of
+these: its own reader slot and episode index on the shared store, its own
+cores for rules that follow a reader's view, the shard's shared cores for
+rules with per-row state. A pick keeps its rows readable until ``release``.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.registry import SelectorRegistry
+from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
+
+
+class ShardView:
+    """Picks, priority updates and gives-back of one learner on a served shard."""
+
+    def __init__(self, handle: SharedStoreHandle, selectors: SelectorRegistry) -> None:
+        self.shard = SharedShard(handle.capacity, handle=handle)
+        self.selectors = selectors
+        self._own: dict[SelectionSpec, Selector] = {}
+
+    @contextmanager
+    def selector(self, spec: SelectionSpec) -> Iterator[Selector]:
+        """The core for ``spec``, held for this learner while in use."""
+        with self.selectors.using(spec, self._own) as selector:
+            yield selector
+
+    def pick(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> Picked:
+        """``count`` picks, their rows readable until ``release`` (none held when nothing was picked).
+
+        Its scalars are plain floats, with the shard's ``rows`` (what the learner's size comes from).
+        """
+        with self.selector(spec) as selector, self.shard.picking():
+            selector.follow(self.shard)
+            picked = selector.pick(self.shard, count, generator)
+        if not picked.count:
+            self.release()
+        picked.scalars = {**{k: float(v) for k, v in picked.scalars.items()}, "rows": self.shard.size}
+        return picked
+
+    def update(self, spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,
+               generation: torch.Tensor | None) -> None:
+        with self.selector(spec) as selector:
+            selector.update(rows, priority, generation)
+
+    def give_back(self, spec: SelectionSpec, rows: torch.Tensor) -> None:
+        with self.selector(spec) as selector:
+            selector.give_back(rows)
+
+    def release(self) -> None:
+        """End the read section a pick (or a read) opened: writers may reuse those rows."""
+        self.shard.release()
+
+    def close(self) -> None:
+        self.release()
+        self.shard.close()
+
+
+def spec_of(blob: Any) -> SelectionSpec:
+    """A rule's spec from a request's JSON, checked once per distinct rule (learners send the same few)."""
+    return _checked_spec(json.dumps(blob, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_spec(text: str) -> SelectionSpec:
+    return SelectionSpec.from_json(json.loads(text))

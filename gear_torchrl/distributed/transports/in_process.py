@@ -1,0 +1,65 @@
+"""The shard this very process serves: its learner picks and gathers with no socket and no thread hop."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gear_torchrl import gather
+from gear_torchrl.distributed.shard_view import ShardView
+from gear_torchrl.distributed.transports.base import ReadRequest, Transport
+from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.specs import SelectionSpec
+
+_CPU = torch.device("cpu")
+
+
+class InProcessTransport(Transport):
+    """Reads a shard served by this process through a view of its own (``ShardView``), as a remote
+    learner's session would, but in the caller's thread: what the owner's server does for a socket."""
+
+    name = "local"
+    speaks_to_owner = False
+
+    def __init__(self, view: ShardView) -> None:
+        self._view = view
+
+    def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
+        shard = self._view.shard
+        with shard.reading():
+            if not shard.mapped_columns():
+                raise IndexError("the shard holds no rows yet")
+            shard.check_readable_windows(request)
+            gather.gather_windows(shard.columns[: len(out)], request.starts, request.seq_len, _CPU,
+                                  request.valid_begin, request.valid_end, out=out)
+
+    def select(self, client: Any, spec: SelectionSpec, count: int, seed: int | None,
+               columns: list[torch.Tensor] | None) -> tuple[Picked, list[torch.Tensor]]:
+        """Picks, and their rows gathered into the front of ``columns`` (if given), released at once."""
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        picked = self._view.pick(spec, count, generator)
+        if columns is None or not picked.count:
+            self._view.release()
+            return picked, [c[:0] for c in columns or ()]
+        try:
+            out = [c[: picked.count * picked.seq_len] for c in columns]
+            gather.gather_windows(self._view.shard.columns[: len(out)], picked.starts, picked.seq_len, _CPU,
+                                  picked.valid_begin, picked.valid_end, out=out)
+        finally:
+            self._view.release()
+        return picked, out
+
+    def update(self, spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,
+               generation: torch.Tensor | None) -> None:
+        self._view.update(spec, rows, priority, generation)
+
+    def give_back(self, spec: SelectionSpec, rows: torch.Tensor) -> None:
+        self._view.give_back(spec, rows)
+
+    def close(self) -> None:
+        self._view.close()
+
+
+def served_view(server: Any) -> ShardView:
+    """A learner's view of the shard ``server`` (this process's ``ShardServer``) serves."""
+    return ShardView(server.handle, server.selectors)
