@@ -3,7 +3,10 @@
 One loopback job per world (spawned ranks under torch.distributed on 127.0.0.1):
 ``own`` is a world of one whose learner owns its only shard (``transport="auto"``,
 so same-host reads); ``tcp N`` is N owners and one learner that owns none
-(``transport="tcp"``). The store holds obs f32[84], action f32[6], reward and
+(``transport="tcp"``). With several owners, ``prefetch`` is the same store asking for
+the next batch ahead (``storage.prefetch = True``), and ``raw`` the floor:
+each owner answers a request with that many bytes in one framed message from
+a Python thread, no selection, and the learner receives them as ours does. The store holds obs f32[84], action f32[6], reward and
 done, 200k steps split over the owners, and the learner draws uniform batches
 with ``TensorDictReplayBuffer.sample()``.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -61,6 +65,61 @@ def _thread_cpu_ns(pid: int) -> int:
     return total
 
 
+ROW_BYTES = 84 * 4 + 6 * 4 + 4 + 1  # what one step of the table weighs on the wire
+
+
+def _raw_server(rows: int) -> int:
+    """The floor on an owner: asked for n bytes, it replies one framed message of n bytes from a random
+    place in a buffer as large as its shard, with one sendmsg and no selection or checks (a Python thread)."""
+    import socket
+    import struct
+    import threading
+
+    from gear_torchrl.distributed import wire
+
+    payload = memoryview(torch.randint(0, 256, (rows * ROW_BYTES,), dtype=torch.uint8).numpy())
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer(conn: socket.socket) -> None:
+        with conn:
+            while len(ask := conn.recv(8, socket.MSG_WAITALL)) == 8:
+                n = struct.unpack("<Q", ask)[0]
+                at = int(torch.randint(0, len(payload) - n + 1, ()))
+                wire.send_buffers(conn, [wire.header(wire.Op.OK, {}, [n]), payload[at: at + n]])
+
+    def serve() -> None:
+        while True:
+            conn, _ = listener.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1]
+
+
+def _raw_batch(ports: list[int]):
+    """A learner's side of the floor: every owner asked at once, every reply received in one native wait."""
+    import socket
+    import struct
+
+    from gear_torchrl._ext import _C
+
+    socks = [socket.create_connection(("127.0.0.1", p)) for p in ports]
+    for s in socks:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sinks: dict[int, list[list[torch.Tensor]]] = {}
+
+    def fetch(batch: int) -> None:
+        share = batch // len(socks) * ROW_BYTES
+        if batch not in sinks:
+            sinks[batch] = [[torch.empty(share, dtype=torch.uint8)] for _ in socks]
+        for s in socks:
+            s.sendall(struct.pack("<Q", share))
+        replies = _C.receive_replies([s.fileno() for s in socks], sinks[batch], [0] * len(socks), 10.0)
+        assert all(status == 0 for status, _, _ in replies)
+    return fetch
+
+
 def _fill(storage, rows: int, seed: int) -> None:
     from gear_torchrl import TrajectoryWriter
 
@@ -70,7 +129,7 @@ def _fill(storage, rows: int, seed: int) -> None:
         writer.end_episode()
 
 
-def _learner(storage, owner_pids: list[int], batches: list[int], rounds: int, out) -> None:
+def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list[int], rounds: int, out) -> None:
     import logging
 
     from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
@@ -80,12 +139,22 @@ def _learner(storage, owner_pids: list[int], batches: list[int], rounds: int, ou
     for first in range(0, STEPS, 10 * EPISODE):
         local.extend(_rows(10 * EPISODE, first))
     sharded = TensorDictReplayBuffer(storage=storage, batch_size=batches[0])
-    contenders = {"LazyTensorStorage": local, "sharded": sharded}
+    def with_prefetch(on: bool):
+        def sample(b: int):
+            storage.prefetch = on
+            return sharded.sample(b)
+        return sample
+
+    contenders = {"LazyTensorStorage": local.sample, "sharded": with_prefetch(False)}
+    if raw_ports:
+        contenders["prefetch"] = with_prefetch(True)
+    if raw_ports:
+        contenders["raw"] = _raw_batch(raw_ports)
     calls = {}
     for b in batches:  # warm up, and size each turn to about SECONDS_PER_TURN
-        for rb in contenders.values():
+        for sample in contenders.values():
             for _ in range(3):
-                rb.sample(b)
+                sample(b)
         start = time.perf_counter()
         for _ in range(5):
             sharded.sample(b)
@@ -93,20 +162,35 @@ def _learner(storage, owner_pids: list[int], batches: list[int], rounds: int, ou
     samples: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     for _ in range(rounds):
         for b in batches:
-            for name, rb in contenders.items():
+            for name, sample in contenders.items():
                 owners0 = [_thread_cpu_ns(p) for p in owner_pids]
                 cpu0, wall0 = time.process_time(), time.perf_counter()
                 for _ in range(calls[b]):
-                    rb.sample(b)
+                    sample(b)
                 wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
                 owners = [(_thread_cpu_ns(p) - o) / 1e9 for p, o in zip(owner_pids, owners0)]
-                owner_cpu = statistics.mean(owners) if owners and name == "sharded" else float("nan")
+                owner_cpu = statistics.mean(owners) if owners and name != "LazyTensorStorage" else float("nan")
                 samples.setdefault((name, b), []).append((cpu / calls[b], owner_cpu / calls[b], b * calls[b] / wall))
     result = {}
     for (name, b), runs in samples.items():
         result[f"{name}/{b}"] = {"learner_us": statistics.median(r[0] for r in runs) * 1e6,
                                  "owner_us": statistics.median(r[1] for r in runs) * 1e6,
                                  "steps_per_s": statistics.median(r[2] for r in runs)}
+    if os.environ.get("GEAR_BENCH_PROFILE"):  # where the learner's time goes (--profile)
+        import cProfile
+        import pstats
+
+        t0, p0, o0 = time.thread_time(), time.process_time(), os.times()
+        for _ in range(300):
+            sharded.sample(batches[0])
+        o1 = os.times()
+        print(f"user {(o1.user - o0.user) / 300 * 1e6:.0f} us, system {(o1.system - o0.system) / 300 * 1e6:.0f} us; "
+              f"main thread {(time.thread_time() - t0) / 300 * 1e6:.0f} us, process "
+              f"{(time.process_time() - p0) / 300 * 1e6:.0f} us per batch; threads: "
+              f"{[t.name for t in __import__('threading').enumerate()]}", file=sys.stderr)
+        profile = cProfile.Profile()
+        profile.runcall(lambda: [sharded.sample(batches[0]) for _ in range(300)])
+        pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(20)
     out.put(result)
 
 
@@ -129,13 +213,16 @@ def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rou
         _fill(storage.local, STEPS // owners, rank * STEPS)
         store.set(f"pid/{rank}", str(os.getpid()))
         store.set(f"port/{rank}", str(storage.descriptors[storage.shard_id].port))
+        if not own:
+            store.set(f"raw/{rank}", str(_raw_server(STEPS // owners)))
     dist.barrier()
     if learner:
         pids = [] if own else [int(store.get(f"pid/{r}")) for r in range(owners)]
+        raw = [] if own else [int(store.get(f"raw/{r}")) for r in range(owners)]
         if os.environ.get("GEAR_BENCH_CAP_GBIT"):
-            cap_owner_ports([int(store.get(f"port/{r}")) for r in range(owners)],
+            cap_owner_ports([[int(store.get(f"port/{r}")), raw[r]] for r in range(owners)],
                             float(os.environ["GEAR_BENCH_CAP_GBIT"]))
-        _learner(storage, pids, batches, rounds, out)
+        _learner(storage, pids, raw, batches, rounds, out)
     dist.barrier()
     storage.close()
     dist.destroy_process_group()
@@ -151,7 +238,14 @@ def run_world(world_name: str, batches: list[int], rounds: int) -> dict:
     for p in processes:
         p.start()
     try:
-        return out.get(timeout=1200)
+        deadline = time.monotonic() + 1200
+        while True:
+            try:
+                return out.get(timeout=1)
+            except queue.Empty:
+                failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"world {world_name}: a rank failed ({failed}) or it timed out") from None
     finally:
         for p in processes:
             p.join(60)
@@ -168,8 +262,8 @@ def _capped(args: argparse.Namespace) -> None:
     sys.exit(subprocess.call(["unshare", "-n", *cmd], env=env))
 
 
-def cap_owner_ports(ports: list[int], gbit: float) -> None:
-    """One htb class of ``gbit`` per owner port on loopback (traffic the owner sends); the rest uncapped."""
+def cap_owner_ports(ports: list[list[int]], gbit: float) -> None:
+    """One htb class of ``gbit`` per owner (traffic sent from any of its ports) on loopback; the rest uncapped."""
     def tc(*a: str) -> None:
         subprocess.run(["tc", *a], check=True)
 
@@ -177,11 +271,12 @@ def cap_owner_ports(ports: list[int], gbit: float) -> None:
     subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], stderr=subprocess.DEVNULL)
     tc("qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "999")
     tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:999", "htb", "rate", "100gbit")
-    for i, port in enumerate(ports, start=1):
+    for i, owner in enumerate(ports, start=1):
         tc("class", "add", "dev", "lo", "parent", "1:", "classid", f"1:{i}", "htb", "rate", f"{gbit}gbit",
            "ceil", f"{gbit}gbit")
-        tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
-           "sport", str(port), "0xffff", "flowid", f"1:{i}")
+        for port in owner:
+            tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
+               "sport", str(port), "0xffff", "flowid", f"1:{i}")
 
 
 def main() -> None:
@@ -190,22 +285,31 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cap-gbit", type=float, default=None)
+    parser.add_argument("--profile", action="store_true", help="print where the learner's time goes")
     parser.add_argument("--out", default="bench_out/sharded_cost.json")
     args = parser.parse_args()
     if args.cap_gbit is not None:
         _capped(args)
         subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
         os.environ["GEAR_BENCH_CAP_GBIT"] = str(args.cap_gbit)
+    if args.profile:
+        os.environ["GEAR_BENCH_PROFILE"] = "1"
     rows = []
     for world in args.worlds:
         result = run_world(world, args.batches, args.rounds)
         for b in args.batches:
             mine, peer = result[f"sharded/{b}"], result[f"LazyTensorStorage/{b}"]
+            raw = result.get(f"raw/{b}")
             rows.append({"world": world, "batch": b,
                          "learner us": f"{mine['learner_us']:.0f}", "local us": f"{peer['learner_us']:.0f}",
                          "learner / local": f"{mine['learner_us'] / peer['learner_us']:.2f}",
+                         "raw learner us": "-" if raw is None else f"{raw['learner_us']:.0f}",
                          "owner us": "-" if mine["owner_us"] != mine["owner_us"] else f"{mine['owner_us']:.0f}",
+                         "raw owner us": "-" if raw is None else f"{raw['owner_us']:.0f}",
                          "M steps/s": f"{mine['steps_per_s'] / 1e6:.2f}",
+                         "prefetch M steps/s": "-" if f"prefetch/{b}" not in result
+                         else f"{result[f'prefetch/{b}']['steps_per_s'] / 1e6:.2f}",
+                         "raw M steps/s": "-" if raw is None else f"{raw['steps_per_s'] / 1e6:.2f}",
                          "local M steps/s": f"{peer['steps_per_s'] / 1e6:.2f}"})
         print(table(rows[-len(args.batches):], list(rows[0])), flush=True)
     print(table(rows, list(rows[0])))

@@ -67,18 +67,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("fd"), py::arg("out"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "receive_replies",
-      [](const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& columns, double timeout_s) {
+      [](const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& columns,
+         const std::vector<int64_t>& first, double timeout_s) {
         std::vector<gear::Reply> replies;
         {
           py::gil_scoped_release released;
-          replies = gear::receive_replies(fds, columns, timeout_s);
+          replies = gear::receive_replies(fds, columns, first, timeout_s);
         }
         std::vector<std::tuple<int64_t, at::Tensor, std::vector<at::Tensor>>> out;
         for (auto& r : replies) out.emplace_back(r.status, std::move(r.head), std::move(r.small));
         return out;
       },
       "One framed reply from each socket, waited on together (GIL released): (status, head, small arrays)",
-      py::arg("fds"), py::arg("columns"), py::arg("timeout_s"));
+      py::arg("fds"), py::arg("columns"), py::arg("first"), py::arg("timeout_s"));
   m.def("built_with_cuda", &built_with_cuda);
   m.def("tree_nodes", &gear::tree_nodes, "Size of a tree tensor over `capacity` leaves", py::arg("capacity"));
   m.def("tree_leaf_offset", &gear::tree_leaf_offset, py::arg("nodes"));

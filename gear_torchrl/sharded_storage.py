@@ -56,6 +56,11 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
             interface that routes to ``MASTER_ADDR``, never every interface). A
             wildcard (``"0.0.0.0"``) binds all of them and advertises the default.
         pin_memory: return batches in pinned memory (fast, asynchronous copies to a GPU).
+        prefetch: ask the tcp owners for the next batch before returning this one, so
+            they pick and send it while the learner trains. Only for rules without
+            shared state (uniform rows, windows); a seeded learner draws the same
+            batches with it or without. A prefetched batch was picked one batch
+            earlier, so rows written meanwhile show up one batch later.
         heartbeat_s: how often an owner publishes its shard's statistics.
         group: the process group to build over (default: the default group,
             initialized from torchrun's environment if needed).
@@ -86,10 +91,11 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
         end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
         traj_key: NestedKey | None = None,
         pin_memory: bool = False,
+        prefetch: bool = False,
         heartbeat_s: float = 1.0,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        options = Options(transport, on_shard_failure, timeout, pin_memory)
+        options = Options(transport, on_shard_failure, timeout, pin_memory, prefetch)
         local = GearStorage(max_size, shared=True, end_keys=end_keys, traj_key=traj_key) if owns_shard else None
         try:
             membership = join(None if local is None else local.shard, group=group, name=name, serve_on=serve_on,
@@ -137,6 +143,15 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
     def failed_shards(self) -> dict[int, str]:
         """Shards skipped after a failure, and why."""
         return dict(self._shards.failed)
+
+    @property
+    def prefetch(self) -> bool:
+        """Whether the next batch is asked for before this one returns (see the constructor)."""
+        return self._shards.options.prefetch
+
+    @prefetch.setter
+    def prefetch(self, on: bool) -> None:
+        self._shards.set_prefetch(bool(on))
 
     def transport_of(self, shard: int) -> str:
         """Which transport reads ``shard`` (``"tcp"``, ``"local"`` or ``"rdma"``)."""

@@ -25,6 +25,7 @@ constexpr uint64_t kMaxTotal = 1ull << 34;
 struct Pending {
   int fd;
   const std::vector<at::Tensor>* columns;
+  int64_t first = 0;  // the row of columns the reply's rows start at
   at::Tensor head = at::empty({static_cast<int64_t>(kHeader)}, at::kByte);
   std::vector<uint64_t> lengths;
   std::vector<char*> targets;  // where each array's bytes go
@@ -96,11 +97,13 @@ bool place_arrays(Pending& p) {
       continue;
     }
     const at::Tensor& out = (*p.columns)[i + ncols - count];
-    if (p.lengths[i] > static_cast<uint64_t>(out.numel())) {
+    const int64_t rows = out.size(0);
+    const int64_t row_bytes = rows ? out.numel() / rows * out.element_size() : 0;
+    if (p.first > rows || p.lengths[i] > static_cast<uint64_t>((rows - p.first) * row_bytes)) {
       finish(p, -EPROTO);
       return false;
     }
-    p.targets.push_back(static_cast<char*>(out.data_ptr()));
+    p.targets.push_back(static_cast<char*>(out.data_ptr()) + p.first * row_bytes);
   }
   return true;
 }
@@ -148,15 +151,18 @@ bool drain(Pending& p) {
 }  // namespace
 
 std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& columns,
-                                   double timeout_s) {
-  TORCH_CHECK(fds.size() == columns.size(), "receive_replies: one list of columns per socket");
+                                   const std::vector<int64_t>& first, double timeout_s) {
+  TORCH_CHECK(fds.size() == columns.size() && fds.size() == first.size(),
+              "receive_replies: one list of columns and one first row per socket");
   std::vector<Pending> pending(fds.size());
   for (size_t i = 0; i < fds.size(); ++i) {
     pending[i].fd = static_cast<int>(fds[i]);
     pending[i].columns = &columns[i];
+    pending[i].first = first[i];
+    TORCH_CHECK(first[i] >= 0, "receive_replies: a negative first row");
     for (const auto& c : columns[i]) {
-      TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.scalar_type() == at::kByte,
-                  "receive_replies: columns must be contiguous CPU uint8 tensors");
+      TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.dim() >= 1,
+                  "receive_replies: columns must be contiguous CPU tensors of at least one dimension");
     }
   }
   using Clock = std::chrono::steady_clock;

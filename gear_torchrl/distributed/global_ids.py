@@ -18,6 +18,11 @@ def encode(shard: int, rows: torch.Tensor) -> torch.Tensor:
     return rows.to(torch.int64) | ((shard + 1) << ROW_BITS)
 
 
+def encode_many(shards: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``encode`` of each row with its own shard (int64 tensors of one shape; shard ids of the store's own)."""
+    return rows.to(torch.int64) | ((shards + 1) << ROW_BITS)
+
+
 def decode(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(shard, local row)`` of each id; raises ValueError for ids that are not global."""
     ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)

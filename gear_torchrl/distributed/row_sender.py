@@ -1,8 +1,9 @@
 """An owner's reply of rows, sent so that a learner that stops reading never holds back the writers.
 
-Rows go from the ring's columns to the socket (``writev``, no gather: the
-kernel copies each byte once) for as long as the socket takes them without
-waiting. Once it would have to wait for the learner, the rows not sent yet are
+Large windows go from the ring's columns to the socket (``writev``, no
+gather: the kernel copies each byte once) for as long as the socket takes them
+without waiting; small ones (rows) are gathered into one buffer first, since an
+iovec per row costs the kernel more than the copy. Once it would have to wait for the learner, the rows not sent yet are
 copied into a buffer of the connection and the read section ends before the
 owner waits: writers wait for one copy at most, never for a learner. Every
 send is bounded by the socket's send timeout, so a learner that stalls is dropped.
@@ -115,19 +116,22 @@ class RowSender:
 
     def _copy(self, columns: list[torch.Tensor], w: Windows, first: int) -> list[memoryview]:
         """The rows not sent yet, gathered into the connection's buffer: the first column's from window
-        ``first`` on, every window of the others'."""
+        ``first`` on, every window of the others' (all of them in one gather when ``first`` is 0)."""
         parts = [(column, first if i == 0 else 0) for i, column in enumerate(columns)]
         positions = [(w.starts.numel() - f) * w.seq_len for _, f in parts]
         sizes = [n * _row_bytes(column) for (column, _), n in zip(parts, positions)]
         offsets = list(itertools.accumulate((-(-size // _ALIGN) * _ALIGN for size in sizes), initial=0))
         buffer = self._buffer_of(offsets[-1])
-        views = []
-        for (column, f), n, size, offset in zip(parts, positions, sizes, offsets):
-            rows = buffer[offset: offset + size].view(column.dtype).view(n, *column.shape[1:])
-            gather.gather_windows([column], w.starts[f:], w.seq_len, _CPU, w.valid_begin[f:], w.valid_end[f:],
-                                  out=[rows])
-            views.append(wire.as_bytes(rows))
-        return views
+        rows = [buffer[offset: offset + size].view(column.dtype).view(n, *column.shape[1:])
+                for (column, _), n, size, offset in zip(parts, positions, sizes, offsets)]
+        if first:
+            gather.gather_windows(columns[:1], w.starts[first:], w.seq_len, _CPU, w.valid_begin[first:],
+                                  w.valid_end[first:], out=rows[:1])
+        done = 1 if first else 0
+        if len(columns) > done:
+            gather.gather_windows(columns[done:], w.starts, w.seq_len, _CPU, w.valid_begin, w.valid_end,
+                                  out=rows[done:])
+        return [wire.as_bytes(r) for r in rows]
 
     def _buffer_of(self, nbytes: int) -> torch.Tensor:
         """At least ``nbytes`` of scratch; one up to ``_KEEP_BYTES`` is kept for the next reply."""

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import itertools
+import json
 import os
 import socket
 import threading
@@ -48,6 +51,7 @@ class ShardClient:
         self._timeout = timeout
         self._lock = threading.Lock()
         self._sock: socket.socket | None = self._dial()
+        self._awaiting = 0  # the ticket of a request sent ahead whose reply is not taken yet (0: none)
 
     def _dial(self) -> socket.socket:
         """A connection to the owner that passed its challenge."""
@@ -70,9 +74,16 @@ class ShardClient:
             raise ShardUnavailableError(f"cannot reach {where}: {self._why(exc)}") from exc
 
     def _connection(self) -> socket.socket:
-        """The open connection; after a failure, a new one."""
+        """The open connection, clear of any reply still owed to a request sent ahead; after a failure, a new one."""
         if self._sock is None:
+            self._awaiting = 0
             self._sock = self._dial()
+        if self._awaiting:
+            self._awaiting = 0  # nobody will take that reply now: read past it
+            try:
+                wire.receive(self._sock)
+            except (OSError, wire.ProtocolError) as exc:
+                raise self._broken(exc) from exc
         return self._sock
 
     def _broken(self, exc: BaseException) -> ShardUnavailableError:
@@ -104,14 +115,10 @@ class ShardClient:
             raise self._remote_error(reply.meta)
         return reply
 
-    def select(self, spec: SelectionSpec, count: int, seed: int | None = None,
-               columns: list[torch.Tensor] | None = None) -> tuple[Picked, list[torch.Tensor]]:
-        """The owner's pick of ``count`` rows or windows (drawn from ``seed`` when given).
-
-        With ``columns`` (room for ``count`` picks' rows) the owner sends the picked
-        rows in the same reply, into their front: one round trip for a batch.
-        """
-        outcome = select_many([self], [Ask(spec, count, seed, columns)])[0]
+    def select(self, spec: SelectionSpec, count: int, seed: int | None = None) -> Picked:
+        """The owner's pick of ``count`` rows or windows (drawn from ``seed`` when given), held readable
+        on the owner until a RELEASE (or the next selection)."""
+        outcome = select_many([self], [Ask(spec, count, seed)])[0]
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
@@ -132,7 +139,7 @@ class ShardClient:
             if self._sock is None:
                 return  # the connection that held them is gone, and its selection with it
             try:
-                wire.send(self._sock, Message(Op.RELEASE))
+                wire.send(self._connection(), Message(Op.RELEASE))
             except OSError as exc:
                 raise self._broken(exc) from exc
 
@@ -158,7 +165,7 @@ class ShardClient:
         return self.request(Message(Op.DESCRIBE)).meta
 
     def close(self) -> None:
-        sock, self._sock = self._sock, None
+        sock, self._sock, self._awaiting = self._sock, None, 0
         if sock is not None:
             sock.close()
 
@@ -167,66 +174,107 @@ class ShardClient:
 class Ask:
     """One owner's share of a round: ``count`` picks of ``spec`` (from ``seed``), their rows into ``columns``.
 
-    ``columns`` has room for ``count`` picks' rows (the owner may pick fewer);
-    None asks for the picks alone, held readable on the owner until a RELEASE.
+    The rows land in ``columns`` (whole tensors: a batch, or a buffer of this
+    ask's own) from row ``first`` on, with room for ``count`` picks (the owner
+    may pick fewer). ``columns=None`` asks for the picks alone, held readable on
+    the owner until a RELEASE.
     """
 
     spec: SelectionSpec
     count: int
     seed: int | None
-    columns: list[torch.Tensor] | None
+    columns: list[torch.Tensor] | None = None
+    first: int = 0
+
+    def rows(self, positions: int) -> list[torch.Tensor]:
+        """Where the first ``positions`` rows of this ask landed, one view per column."""
+        return [c[self.first: self.first + positions] for c in self.columns or ()]
 
     def request(self) -> Message:
-        return Message(Op.SELECT, {"selection": self.spec.to_json(), "count": self.count, "seed": self.seed,
-                                   "read": self.columns is not None,
-                                   "columns": None if self.columns is None else len(self.columns)})
+        """The SELECT, its metadata encoded here: the rule's JSON once per rule, the rest by hand."""
+        read = self.columns is not None
+        meta = b'{"selection":%s,"count":%d,"seed":%s,"read":%s,"columns":%s}' % (
+            _spec_json(self.spec), self.count, b"null" if self.seed is None else b"%d" % self.seed,
+            b"true" if read else b"false", b"%d" % len(self.columns) if read else b"null")
+        return Message(Op.SELECT, meta)
 
 
-def select_many(clients: list[ShardClient], asks: list[Ask]) -> list[tuple[Picked, list[torch.Tensor]] | Exception]:
-    """Every owner's picks, and rows where asked, in one round trip: each request goes out, then every
-    reply is received at once (one native wait on all sockets, the interpreter released) straight into
-    its ``columns``. A shard's failure or refusal is its outcome; the others' still arrive."""
-    outcomes: list[Any] = [None] * len(clients)
-    with contextlib.ExitStack() as held:
-        sent = []
-        for i, (client, ask) in enumerate(zip(clients, asks)):
-            held.enter_context(client._lock)
-            try:
-                sock = client._connection()
-                wire.send(sock, ask.request())
-                sent.append(i)
-            except ShardUnavailableError as exc:
-                outcomes[i] = exc
-            except (OSError, wire.ProtocolError) as exc:
-                outcomes[i] = client._broken(exc)
-        if sent:
-            fds = [clients[i]._sock.fileno() for i in sent]
-            into = [[wire.as_tensor_bytes(c) for c in asks[i].columns or ()] for i in sent]
-            timeout = max(clients[i]._timeout for i in sent)
-            for i, (status, head, small) in zip(sent, _C.receive_replies(fds, into, timeout)):
-                outcomes[i] = _selection_of(clients[i], asks[i], status, head, small)
-    return outcomes
+@functools.lru_cache(maxsize=256)
+def _spec_json(spec: SelectionSpec) -> bytes:
+    return json.dumps(spec.to_json(), separators=(",", ":")).encode()
 
 
-def _selection_of(client: ShardClient, ask: Ask, status: int, head: torch.Tensor,
-                  small: list[torch.Tensor]) -> tuple[Picked, list[torch.Tensor]] | Exception:
-    """One owner's reply to ``ask`` (as received by ``receive_replies``), or what went wrong."""
+def select_many(clients: list[ShardClient], asks: list[Ask]) -> list[Picked | Exception]:
+    """Every owner's picks, and rows where asked, in one round trip (see ``Flight``)."""
+    return Flight(clients, asks).land()
+
+
+_TICKETS = itertools.count(1)
+
+
+class Flight:
+    """Selections sent to many owners at once, their replies owed until ``land``.
+
+    ``land`` receives every reply at once (one native wait on all sockets, the
+    interpreter released) straight into each ask's ``columns``. A learner may
+    send the next batch's selections before it trains on this one: the owners
+    pick and send meanwhile. A connection used for anything else in between
+    reads past its owed reply, and ``land`` asks that owner again.
+    """
+
+    def __init__(self, clients: list[ShardClient], asks: list[Ask]) -> None:
+        self.clients, self.asks = clients, asks
+        self._outcomes: list[Any] = [None] * len(clients)
+        self._tickets = [0] * len(clients)
+        for i, client in enumerate(clients):
+            with client._lock:
+                self._send(i)
+
+    def _send(self, i: int) -> None:
+        """Ask owner ``i`` (its lock held); a failure is its outcome."""
+        client = self.clients[i]
+        try:
+            wire.send(client._connection(), self.asks[i].request())
+            self._tickets[i] = client._awaiting = next(_TICKETS)
+        except ShardUnavailableError as exc:
+            self._outcomes[i] = exc
+        except (OSError, wire.ProtocolError) as exc:
+            self._outcomes[i] = client._broken(exc)
+
+    def land(self) -> list[Picked | Exception]:
+        """Each owner's picks (their rows in the ask's columns), or what went wrong with it."""
+        with contextlib.ExitStack() as held:
+            for client in self.clients:
+                held.enter_context(client._lock)
+            for i, client in enumerate(self.clients):
+                if self._outcomes[i] is None and client._awaiting != self._tickets[i]:
+                    self._send(i)  # its reply was read past meanwhile: ask again
+            owed = [i for i, o in enumerate(self._outcomes) if o is None]
+            if owed:
+                replies = _C.receive_replies([self.clients[i]._sock.fileno() for i in owed],
+                                             [self.asks[i].columns or [] for i in owed],
+                                             [self.asks[i].first for i in owed],
+                                             max(self.clients[i]._timeout for i in owed))
+                for i, (status, head, small) in zip(owed, replies):
+                    self.clients[i]._awaiting = 0
+                    self._outcomes[i] = _picks_of(self.clients[i], status, head, small)
+        return self._outcomes
+
+
+def _picks_of(client: ShardClient, status: int, head: torch.Tensor, small: list[torch.Tensor]) -> Picked | Exception:
+    """One owner's reply to a SELECT (as ``receive_replies`` got it), or what went wrong."""
     try:
         if status:
             raise _socket_error(status)
-        op, meta, _ = wire.parse_head(wire.as_bytes(head))
+        op, meta, _ = wire.parse_head(head.numpy().tobytes())  # a few hundred bytes
     except (OSError, wire.ProtocolError) as exc:
         return client._broken(exc)
     if op == Op.ERROR:
         return client._remote_error(meta)
     try:
-        picked = _picked_of(meta, small)
+        return _picked_of(meta, small)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         return client._broken(wire.ProtocolError(f"a selection reply that does not parse: {exc}"))
-    if ask.columns is None:
-        return picked, []
-    positions = picked.count * picked.seq_len
-    return picked, [c[:positions] for c in ask.columns]
 
 
 def _picked_of(meta: dict[str, Any], arrays: list[torch.Tensor]) -> Picked:

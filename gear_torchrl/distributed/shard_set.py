@@ -9,6 +9,7 @@ every owner's pick are drawn from it: a seeded learner reproduces its batches.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -16,13 +17,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.fan_out import FailurePolicy, FanOut
 from gear_torchrl.distributed.shard_checkpoint import check_layout, shard_directory, write_layout
-from gear_torchrl.distributed.shard_client import Ask, ShardClient, select_many
+from gear_torchrl.distributed.shard_client import Ask, Flight, ShardClient
 from gear_torchrl.distributed.transports.base import ColumnLayout, ReadRequest, ShardUnavailableError, Transport
 from gear_torchrl.distributed.transports.registry import CHOICES, Reach, open_transport
 from gear_torchrl.selection.checked_inputs import as_generation, as_priority
@@ -52,6 +54,28 @@ class ShardPicks:
     scalars: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class _Round:
+    """One round of a batch: each live shard's share, asked for (``flight``: the tcp owners) or to ask."""
+
+    key: tuple[SelectionSpec, int, torch.Generator | None]  # the rule, batch size and generator it was drawn for
+    live: list[int]
+    counts: list[int]
+    batch: list[torch.Tensor] | None  # the batch the shares fill, each its slice (first round only)
+    asks: dict[int, Ask]
+    transports: dict[int, Any]  # each shard's transport, or what opening it raised
+    together: list[int]  # the shards in ``flight``
+    flight: Flight
+    unreached: list[tuple[int, Exception]]  # tcp shards that could not be asked
+    draws: tuple[torch.Tensor, torch.Tensor] | None = None  # the generator's state before and after drawing it
+
+    def take_back_draws(self) -> None:
+        """Rewind the generator to before this round was drawn, if nothing drew from it since."""
+        generator = self.key[2]
+        if self.draws is not None and generator is not None and torch.equal(generator.get_state(), self.draws[1]):
+            generator.set_state(self.draws[0])
+
+
 @dataclass(frozen=True)
 class Options:
     """How a learner reaches the shards (see ``ShardedGearStorage``); checked when made."""
@@ -60,6 +84,7 @@ class Options:
     on_shard_failure: FailurePolicy = "raise"
     timeout: float = 10.0
     pin_memory: bool = False
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.transport not in CHOICES:
@@ -76,6 +101,7 @@ class ShardSet:
     """A learner's view of every shard: connections, transports, masses and the failure policy."""
 
     _served: tuple[int, Any] | None = None  # (shard, ShardServer) this process serves
+    _ahead: _Round | None = None  # the next batch, asked for already (prefetch)
 
     def __init__(self, descriptors: list[ShardDescriptor], secret: bytes, options: Options,
                  control: Any = None, rank: int | None = None, served: tuple[int, Any] | None = None) -> None:
@@ -93,6 +119,12 @@ class ShardSet:
         self._pid = os.getpid()
         self._served = served
         self._served_pid = os.getpid()
+
+    def set_prefetch(self, on: bool) -> None:
+        if on == self.options.prefetch:
+            return
+        self.options = dataclasses.replace(self.options, prefetch=on)
+        self._ahead = None  # its owed replies are read past on the next use
 
     # -- which shards -------------------------------------------------------------------
     @property
@@ -125,40 +157,43 @@ class ShardSet:
 
     # -- selection ------------------------------------------------------------------------
     def pick(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> ShardPicks | None:
-        """``count`` picks of ``spec`` across the live shards, read (None for ``count == 0``: a probe)."""
+        """``count`` picks of ``spec`` across the live shards, read (None for ``count == 0``: a probe).
+
+        With ``prefetch``, the next batch of a rule without shared state is asked
+        for before this one returns; a call with the same rule, size and generator
+        takes it (the draws come in the same order, so seeded batches are the same).
+        """
         if spec.merges_best:
             return self._pick_best(spec, count)
         masses = self._masses.setdefault(spec, {})
-        got: list[tuple[int, Picked, list[torch.Tensor]]] = []
+        got: list[tuple[int, Picked, Ask]] = []
         scalars: dict[str, float] = {}
-        batch, exact, remaining = None, True, count
+        exact, remaining = True, count
+        sent, self._ahead = self._ahead, None
+        if sent is not None and sent.key != (spec, count, generator):
+            sent.take_back_draws()
+            sent = None  # asked for something else: the owed replies are read past on the next use
         for _ in range(_MAX_ROUNDS):
-            live = self.live()
-            counts = _split(remaining, [masses.get(s, 0.0) for s in live], generator)
-            slices = {}
-            if batch is None and remaining == count and any(counts):
-                batch = self._empty_columns(self.table(next(s for s, k in zip(live, counts) if k)),
-                                            count * spec.rows_per_pick)
-                first = [0, *itertools.accumulate(counts)][:-1]
-                slices = {s: (f * spec.rows_per_pick, k * spec.rows_per_pick) for s, f, k in zip(live, first, counts)}
-            elif any(counts):
-                exact = False  # a later round: its picks go to buffers of their own
-            asked = dict(zip(live, counts))
-            seeds = _seeds(len(live), generator)
-            results = self._pick_round(spec, live, counts, seeds, batch, slices, got)
-            for shard, (picked, columns) in results:
+            round_ = sent or self._send_round(spec, count, remaining, generator)
+            sent = None
+            exact &= round_.batch is not None or not any(round_.counts)  # a later round: buffers of its own
+            results = self._land_round(round_, got)
+            for shard, (picked, ask) in results:
                 masses[shard] = picked.mass
                 self.rows[shard] = int(picked.scalars.get("rows", self.rows.get(shard, 0)))
                 _merge_min(scalars, picked.scalars)
-                exact &= picked.count == asked[shard]
+                exact &= picked.count == ask.count
                 if picked.count:
-                    got.append((shard, picked, columns))
-            exact &= len(results) == len(live)  # a skipped shard left its slice empty
+                    got.append((shard, picked, ask))
+            exact &= len(results) == len(round_.live)  # a skipped shard left its slice empty
             remaining = count - sum(p.count for _, p, _ in got)
             if count == 0:
                 return None
             if remaining == 0:
-                return self._assemble(got, scalars, batch if exact else None)
+                picks = self._assemble(got, scalars, round_.batch if exact else None)
+                if self.options.prefetch and spec.per_reader:
+                    self._ahead = self._send_ahead(spec, count, generator)
+                return picks
             if not any(masses.get(s, 0.0) > 0 for s in self.live()) and self.rows_known():
                 self.give_back(spec, got)
                 raise EmptyStoreError(f"nothing to sample in any of the {len(self.live_shards)} live shards "
@@ -168,44 +203,89 @@ class ShardSet:
         raise RuntimeError(f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds of {spec.describe()} "
                            "selection: the shards keep coming up short")
 
-    def _pick_round(self, spec: SelectionSpec, live: list[int], counts: list[int], seeds: list[int | None],
-                    batch: list | None, slices: dict[int, tuple[int, int]],
-                    got: list[tuple[int, Picked, list[torch.Tensor]]]
-                    ) -> list[tuple[int, tuple[Picked, list[torch.Tensor]]]]:
-        """Every live shard's picks for one round. If a shard fails or refuses, what the batch took goes back first.
+    def _send_round(self, spec: SelectionSpec, count: int, remaining: int,
+                    generator: torch.Generator | None) -> _Round:
+        """One round's shares, drawn and asked for (tcp owners at once; the others when the round lands).
 
-        Shards whose owners send rows in the selection's reply (tcp) are asked
-        together and waited on at once; the others each on a thread of the fan-out.
+        The first round of a batch reads into one batch, each shard into its slice;
+        a later round (``remaining < count``) into buffers of each shard's own.
         """
+        live = self.live()
+        counts = _split(remaining, [self._masses[spec].get(s, 0.0) for s in live], generator)
+        seeds = _seeds(len(live), generator)
+        batch, firsts = None, {}
+        if remaining == count and any(counts):
+            batch = self._empty_columns(self.table(next(s for s, k in zip(live, counts) if k)),
+                                        count * spec.rows_per_pick)
+            firsts = {s: f * spec.rows_per_pick for s, f in zip(live, itertools.accumulate(counts, initial=0))}
         transports = {s: self._opened_transport(s) for s in live}
-        asks = {s: Ask(spec, k, seed, self._columns_for(s, k * spec.rows_per_pick, batch, slices.get(s)) if k else None)
-                for s, k, seed in zip(live, counts, seeds)}
+        asks = {s: self._ask(s, spec, k, seed, batch, firsts.get(s)) for s, k, seed in zip(live, counts, seeds)}
         together = [s for s in live if getattr(transports[s], "replies_with_rows", False)]
-        apart = [s for s in live if s not in together]
-        outcomes = dict(self._select_together(together, asks))
+        reached, unreached = [], []
+        for s in together:
+            try:
+                reached.append((s, self.client(s)))
+            except Exception as exc:
+                unreached.append((s, exc))
+        flight = Flight([c for _, c in reached], [asks[s] for s, _ in reached])
+        return _Round((spec, count, generator), live, counts, batch, asks, transports, [s for s, _ in reached],
+                      flight, unreached)
+
+    def _send_ahead(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> _Round | None:
+        """The next batch's first round, asked for now; None where it cannot be (the next call will say why).
+
+        Its draws can be taken back (see ``_Round.take_back_draws``), so a seeded learner
+        that asks for something else next draws what it would have drawn without prefetching.
+        """
+        before = None if generator is None else generator.get_state()
+        try:
+            round_ = self._send_round(spec, count, count, generator)
+        except Exception as exc:
+            logger.debug("could not ask for the next batch ahead: %s", exc)
+            if before is not None:
+                generator.set_state(before)
+            return None
+        if before is not None:
+            round_.draws = (before, generator.get_state())
+        return round_
+
+    def _land_round(self, round_: _Round, got: list[tuple[int, Picked, Ask]]) -> list[tuple[int, tuple[Picked, Ask]]]:
+        """Every live shard's picks for ``round_``. If a shard fails or refuses, what the batch took goes back first.
+
+        The tcp owners' replies are received at once; the other shards answer each
+        on a thread of the fan-out meanwhile.
+        """
+        live, asks, transports = round_.live, round_.asks, round_.transports
+        asked_together = set(round_.together) | {s for s, _ in round_.unreached}
+        apart = [s for s in live if s not in asked_together]
+        outcomes = dict(round_.unreached)
         outcomes.update(self._fan_out.outcomes(apart, lambda s, _: self._select_apart(s, transports[s], asks[s]),
                                                [0] * len(apart)))
-        in_order = [(s, outcomes[s]) for s in live]
+        outcomes.update(zip(round_.together, round_.flight.land()))
+        in_order = [(s, outcomes[s] if isinstance(outcomes[s], Exception) else (outcomes[s], asks[s]))
+                    for s in live]
         try:
             return self._fan_out.settle(in_order, self._disconnect)
         except BaseException:
-            answered = [(s, p, c) for s, o in in_order if not isinstance(o, Exception) for p, c in [o] if p.count]
+            answered = [(s, o[0], o[1]) for s, o in in_order if not isinstance(o, Exception) and o[0].count]
             try:
-                self.give_back(spec, got + answered)
+                self.give_back(round_.key[0], got + answered)
             except Exception as exc:  # the first failure is what the caller needs to see
                 logger.warning("could not give back the picks of an unfilled batch: %s", exc)
             raise
 
-    def _columns_for(self, shard: int, rows: int, batch: list[torch.Tensor] | None,
-                     where: tuple[int, int] | None) -> list[torch.Tensor]:
-        """Room for ``rows`` of ``shard``'s picks: its slice ``where = (first row, rows)`` of ``batch``, else new."""
+    def _ask(self, shard: int, spec: SelectionSpec, count: int, seed: int | None,
+             batch: list[torch.Tensor] | None, first: int | None) -> Ask:
+        """``shard``'s share: its rows into ``batch`` from row ``first`` on, else into a buffer of its own."""
+        if not count:
+            return Ask(spec, 0, seed)
+        rows = count * spec.rows_per_pick
         zeroed = not getattr(self._transports.get(shard), "writes_padding", True)
-        if batch is None or where is None or rows > where[1]:
-            return self._empty_columns(self.table(shard), rows, zeroed)
-        views = [c[where[0]: where[0] + rows] for c in batch]
-        for v in views if zeroed else ():
-            v.zero_()
-        return views
+        if batch is None or first is None:
+            return Ask(spec, count, seed, self._empty_columns(self.table(shard), rows, zeroed))
+        for c in batch if zeroed else ():
+            c[first: first + rows].zero_()
+        return Ask(spec, count, seed, batch, first)
 
     def _opened_transport(self, shard: int) -> Transport | Exception:
         """The shard's transport; what opening it raised stands for that shard's answer."""
@@ -214,22 +294,10 @@ class ShardSet:
         except Exception as exc:
             return exc
 
-    def _select_together(self, shards: list[int], asks: dict[int, Ask]) -> list[tuple[int, Any]]:
-        """One round trip to every shard in ``shards`` at once (``select_many``): each answer or failure."""
-        outcomes, reached = [], []
-        for s in shards:
-            try:
-                reached.append((s, self.client(s)))
-            except Exception as exc:
-                outcomes.append((s, exc))
-        answers = select_many([c for _, c in reached], [asks[s] for s, _ in reached])
-        return outcomes + [(s, a) for (s, _), a in zip(reached, answers)]
-
-    def _select_apart(self, shard: int, transport: Transport | Exception, ask: Ask) -> tuple[Picked, list]:
+    def _select_apart(self, shard: int, transport: Transport | Exception, ask: Ask) -> Picked:
         if isinstance(transport, Exception):
             raise transport
-        client = self.client(shard) if transport.speaks_to_owner else None
-        return transport.select(client, ask.spec, ask.count, ask.seed, ask.columns)
+        return transport.select(self.client(shard) if transport.speaks_to_owner else None, ask)
 
     def _pick_best(self, spec: SelectionSpec, count: int) -> ShardPicks | None:
         """The ``count`` best-scoring rows of all live shards, best first: each owner's best ``count``, merged.
@@ -238,7 +306,7 @@ class ShardSet:
         that hold none of them are released at once.
         """
         live = self.live()
-        results = self.on_each(live, lambda s, k: self.client(s).select(spec, k)[0], [count] * len(live))
+        results = self.on_each(live, lambda s, k: self.client(s).select(spec, k), [count] * len(live))
         for shard, picked in results:
             self.rows[shard] = int(picked.scalars.get("rows", self.rows.get(shard, 0)))
         if count == 0:
@@ -256,7 +324,7 @@ class ShardSet:
         table, columns = self.read_ids(best)
         return ShardPicks(best, Windows(best, 1, torch.zeros_like(best), torch.ones_like(best)), columns, table)
 
-    def give_back(self, spec: SelectionSpec, got: list[tuple[int, Picked, list[torch.Tensor]]]) -> None:
+    def give_back(self, spec: SelectionSpec, got: list[tuple[int, Picked, Any]]) -> None:
         """Hand an unfilled batch's picks back to their owners: a queue's rows are consumed only when delivered."""
         picks: dict[int, torch.Tensor] = {}
         for shard, picked, _ in got:  # a shard may have picked in several rounds
@@ -274,18 +342,25 @@ class ShardSet:
     def _give_back_to(self, shard: int, spec: SelectionSpec, rows: torch.Tensor) -> None:
         self._answerer(shard).give_back(spec, rows)
 
-    def _assemble(self, got: list[tuple[int, Picked, list[torch.Tensor]]], scalars: dict[str, float],
+    def _assemble(self, got: list[tuple[int, Picked, Ask]], scalars: dict[str, float],
                   batch: list[torch.Tensor] | None) -> ShardPicks:
-        seq_len = got[0][1].seq_len
-        capacity = {d.shard: d.capacity for d in self.descriptors}
-        windows = [Windows(p.starts, seq_len, p.valid_begin, p.valid_end) for _, p, _ in got]
-        index = torch.cat([global_ids.encode(s, w.rows(capacity[s])) for (s, _, _), w in zip(got, windows)])
+        """The batch in pick order: global ids, windows, columns (``batch`` when every share filled its slice)."""
+        picks = [p for _, p, _ in got]
+        seq_len = picks[0].seq_len
+        windows = Windows(_cat([p.starts for p in picks]), seq_len, _cat([p.valid_begin for p in picks]),
+                          _cat([p.valid_end for p in picks]))
+        if seq_len == 1:  # rows are their starts: one pass tags them all with their shards
+            owners = np.repeat(np.array([s for s, _, _ in got]), [p.count for p in picks])
+            index = global_ids.encode_many(torch.from_numpy(owners), windows.starts)
+        else:
+            capacity = {d.shard: d.capacity for d in self.descriptors}
+            index = torch.cat([global_ids.encode(s, Windows(p.starts, seq_len, p.valid_begin, p.valid_end)
+                                                 .rows(capacity[s])) for s, p, _ in got])
         if batch is None:
-            batch = got[0][2] if len(got) == 1 else [torch.cat(parts) for parts in zip(*(c for _, _, c in got))]
-        extra = {n: torch.cat([p.extra[n] for _, p, _ in got]) for n in got[0][1].extra}
-        in_order = Windows(torch.cat([w.starts for w in windows]), seq_len,
-                           torch.cat([w.valid_begin for w in windows]), torch.cat([w.valid_end for w in windows]))
-        return ShardPicks(index, in_order, batch, self.table(got[0][0]), extra, scalars)
+            parts = [a.rows(p.count * seq_len) for _, p, a in got]
+            batch = parts[0] if len(parts) == 1 else [torch.cat(c) for c in zip(*parts)]
+        extra = {n: torch.cat([p.extra[n] for p in picks]) for n in picks[0].extra}
+        return ShardPicks(index, windows, batch, self.table(got[0][0]), extra, scalars)
 
     # -- reads by id and priority updates ----------------------------------------------------
     def read_ids(self, ids: torch.Tensor) -> tuple[TableSpec, list[torch.Tensor]]:
@@ -365,6 +440,7 @@ class ShardSet:
                      allow_skip=False)
         self.rows.clear()
         self._masses.clear()
+        self._ahead = None
 
     # -- connections -------------------------------------------------------------------------
     def on_each(self, shards: list[int], call: Any, counts: list[int], allow_skip: bool = True) -> list:
@@ -384,6 +460,7 @@ class ShardSet:
         """In a forked child (a DataLoader worker), the parent's sockets and threads are not ours."""
         if os.getpid() != self._pid:
             self._pid = os.getpid()
+            self._ahead = None
             self._clients, self._transports = {}, {}
             self._fan_out.forget_threads()
 
@@ -458,6 +535,11 @@ class ShardSet:
         self._transports.clear()
         self._clients.clear()
         self._fan_out.close()
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` end to end (one part as it is: no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _split(count: int, masses: list[float], generator: torch.Generator | None) -> list[int]:

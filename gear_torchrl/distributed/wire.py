@@ -8,6 +8,7 @@ cannot make the other side allocate or read out of bounds.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import hmac
 import json
@@ -56,7 +57,7 @@ class ProtocolError(ConnectionError):
 @dataclass
 class Message:
     op: int
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] | bytes = field(default_factory=dict)  # bytes: its JSON, encoded by the sender
     arrays: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -69,6 +70,11 @@ def as_tensor_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def as_bytes(t: torch.Tensor) -> memoryview:
     """A tensor's bytes without a copy (it must be contiguous and on the CPU)."""
+    if t.is_contiguous() and t.device.type == "cpu":
+        try:
+            return memoryview(t.numpy()).cast("B")  # one call where numpy knows the dtype
+        except TypeError:
+            pass  # bfloat16 and the like
     return memoryview(as_tensor_bytes(t).numpy())
 
 
@@ -77,11 +83,17 @@ def send(sock: socket.socket, message: Message) -> None:
     send_buffers(sock, [header(message.op, message.meta, [v.nbytes for v in views]), *views])
 
 
-def header(op: int, meta: dict[str, Any], sizes: Sequence[int]) -> bytes:
-    """A message's bytes before its arrays: the fixed header, the JSON metadata and the arrays' lengths."""
-    blob = json.dumps(meta, separators=(",", ":")).encode()
-    lengths = b"".join(_LENGTH.pack(n) for n in sizes)
-    return _HEADER.pack(MAGIC, op, len(sizes), len(blob), sum(sizes)) + blob + lengths
+def header(op: int, meta: dict[str, Any] | bytes, sizes: Sequence[int]) -> bytes:
+    """A message's bytes before its arrays: the fixed header, the JSON metadata (a dict, or its JSON
+    already encoded) and the arrays' lengths."""
+    blob = meta if isinstance(meta, bytes) else json.dumps(meta, separators=(",", ":")).encode()
+    return _HEADER.pack(MAGIC, op, len(sizes), len(blob), sum(sizes)) + blob + _lengths(len(sizes)).pack(*sizes)
+
+
+@functools.lru_cache(maxsize=MAX_ARRAYS + 1)
+def _lengths(count: int) -> struct.Struct:
+    """The arrays' lengths of a message of ``count`` arrays, as one struct."""
+    return struct.Struct(f"<{count}Q")
 
 
 _MAX_IOV = 1024
@@ -89,6 +101,9 @@ _MAX_IOV = 1024
 
 def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
     """``sendall`` of each buffer in order, in as few system calls as the kernel takes (sendmsg)."""
+    if len(buffers) == 1 and isinstance(buffers[0], bytes):
+        sock.sendall(buffers[0])  # a request of metadata alone
+        return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:
         sent = sock.sendmsg(views[:_MAX_IOV])
@@ -122,8 +137,8 @@ def receive(sock: socket.socket, into: Sequence[torch.Tensor] | Allocator | None
 
 
 def _rest_of_head(fixed: bytes) -> int:
-    """Bytes of metadata and lengths that follow the fixed header ``fixed``, checked against the limits."""
-    magic, _, count, meta_len, total = _HEADER.unpack(fixed)
+    """Bytes of metadata and lengths that follow the fixed header at the start of ``fixed``, checked against the limits."""
+    magic, _, count, meta_len, total = _HEADER.unpack_from(fixed)
     if magic != MAGIC:
         raise ProtocolError("the peer does not speak the gear_torchrl shard protocol")
     if meta_len > MAX_META_BYTES or count > MAX_ARRAYS or total > MAX_ARRAY_BYTES:
@@ -131,15 +146,14 @@ def _rest_of_head(fixed: bytes) -> int:
     return meta_len + count * _LENGTH.size
 
 
-def parse_head(head: bytes | memoryview) -> tuple[int, dict[str, Any], list[int]]:
+def parse_head(head: bytes) -> tuple[int, dict[str, Any], list[int]]:
     """A message's op, metadata and array lengths, from its bytes before the arrays."""
-    head = bytes(head)
-    if len(head) < _HEADER.size or len(head) != _HEADER.size + _rest_of_head(head[:_HEADER.size]):
+    if len(head) < _HEADER.size or len(head) != _HEADER.size + _rest_of_head(head):
         raise ProtocolError("a message's head is cut short")
     _, op, count, meta_len, total = _HEADER.unpack_from(head)
     at = _HEADER.size
     meta = json.loads(head[at: at + meta_len]) if meta_len else {}
-    lengths = [_LENGTH.unpack_from(head, at + meta_len + i * _LENGTH.size)[0] for i in range(count)]
+    lengths = list(_lengths(count).unpack_from(head, at + meta_len))
     if sum(lengths) != total:
         raise ProtocolError("array lengths do not add up to the header's total")
     return op, meta, lengths

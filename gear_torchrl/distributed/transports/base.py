@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import SelectionSpec
+
+if TYPE_CHECKING:
+    from gear_torchrl.distributed.shard_client import Ask
 
 
 class ShardUnavailableError(ConnectionError):
@@ -75,24 +77,20 @@ class Transport(ABC):
         ``RemoteShardError``/``IndexError`` if it refuses the request.
         """
 
-    def select(self, client: Any, spec: SelectionSpec, count: int, seed: int | None,
-               columns: list[torch.Tensor] | None) -> tuple[Picked, list[torch.Tensor]]:
-        """Have the owner pick ``count`` rows or windows, read them into the front of ``columns``, release them.
+    def select(self, client: Any, ask: Ask) -> Picked:
+        """Have the owner pick ``ask.count`` rows or windows, read them where ``ask`` says, release them.
 
-        The owner keeps the picked rows readable until the release. ``columns``
-        has room for ``count`` picks (zeroed where ``writes_padding`` is False);
-        None asks for the picks alone. A transport whose owner sends the rows in
-        its reply (tcp) answers in one round trip, with every such shard at once.
+        The owner keeps the picked rows readable until the release. ``ask.columns``
+        is zeroed where ``writes_padding`` is False. A transport whose owner sends
+        the rows in its reply (tcp) answers in one round trip, with every such shard at once.
         """
-        if columns is None:
-            return client.select(spec, count, seed)
-        picked, _ = client.select(spec, count, seed)
-        if not picked.count:
-            return picked, [c[:0] for c in columns]
-        out = [c[: picked.count * picked.seq_len] for c in columns]
+        picked = client.select(ask.spec, ask.count, ask.seed)
+        if ask.columns is None or not picked.count:
+            return picked
+        out = ask.rows(picked.count * picked.seq_len)
         self.read(ReadRequest(picked.starts, picked.seq_len, picked.valid_begin, picked.valid_end), out)
         client.release()
-        return picked, out
+        return picked
 
     def close(self) -> None:
         """Release connections and registrations."""

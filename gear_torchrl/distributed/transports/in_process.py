@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from gear_torchrl import gather
+from gear_torchrl.distributed.shard_client import Ask
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.transports.base import ReadRequest, Transport
 from gear_torchrl.selection.picked import Picked
@@ -33,21 +34,20 @@ class InProcessTransport(Transport):
             gather.gather_windows(shard.columns[: len(out)], request.starts, request.seq_len, _CPU,
                                   request.valid_begin, request.valid_end, out=out)
 
-    def select(self, client: Any, spec: SelectionSpec, count: int, seed: int | None,
-               columns: list[torch.Tensor] | None) -> tuple[Picked, list[torch.Tensor]]:
-        """Picks, and their rows gathered into the front of ``columns`` (if given), released at once."""
-        generator = None if seed is None else torch.Generator().manual_seed(seed)
-        picked = self._view.pick(spec, count, generator)
-        if columns is None or not picked.count:
+    def select(self, client: Any, ask: Ask) -> Picked:
+        """Picks, and their rows gathered where ``ask`` says (if it asks for rows), released at once."""
+        generator = None if ask.seed is None else torch.Generator().manual_seed(ask.seed)
+        picked = self._view.pick(ask.spec, ask.count, generator)
+        if ask.columns is None or not picked.count:
             self._view.release()
-            return picked, [c[:0] for c in columns or ()]
+            return picked
         try:
-            out = [c[: picked.count * picked.seq_len] for c in columns]
+            out = ask.rows(picked.count * picked.seq_len)
             gather.gather_windows(self._view.shard.columns[: len(out)], picked.starts, picked.seq_len, _CPU,
                                   picked.valid_begin, picked.valid_end, out=out)
         finally:
             self._view.release()
-        return picked, out
+        return picked
 
     def update(self, spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,
                generation: torch.Tensor | None) -> None:

@@ -1,0 +1,109 @@
+"""A world of one rank for tests/test_round_trips.py: it serves its shard and samples it, in-process and over tcp.
+
+The results go to a file the tests read; the worker asserts nothing itself.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+ROWS = 600
+BATCHES = 6
+
+
+def _write(storage) -> None:
+    """Rows whose obs is their own row number, in episodes of 100."""
+    from gear_torchrl import TrajectoryWriter
+
+    writer = TrajectoryWriter(storage)
+    for first in range(0, ROWS, 100):
+        done = torch.zeros(100, 1, dtype=torch.bool)
+        done[-1] = True
+        writer.extend(TensorDict({"obs": torch.arange(first, first + 100, dtype=torch.float32).unsqueeze(1),
+                                  "next": {"done": done}}, [100]))
+        writer.end_episode()
+
+
+def _rows_match(batch: TensorDict) -> bool:
+    """Whether every row of a batch is the row its index names."""
+    from gear_torchrl.distributed import global_ids
+
+    _, rows = global_ids.decode(batch["index"])
+    return bool((batch["obs"].squeeze(1) == rows.to(torch.float32)).all())
+
+
+def _seeded(storage, batch_sizes: list[int]) -> list[torch.Tensor]:
+    from torchrl.data import TensorDictReplayBuffer
+
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=batch_sizes[0])
+    rb.set_rng(torch.Generator().manual_seed(5))
+    return [rb.sample(b)["index"].as_subclass(torch.Tensor).clone() for b in batch_sizes]
+
+
+def run(port: int, out: str) -> None:
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import GearPrioritizedSampler, ShardedGearStorage
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    own = ShardedGearStorage(ROWS, serve_on="127.0.0.1", timeout=10)
+    tcp = ShardedGearStorage(ROWS, transport="tcp", serve_on="127.0.0.1", timeout=10, name="tcp")
+    results = {}
+    try:
+        for storage in (own, tcp):
+            _write(storage.local)
+        rb = TensorDictReplayBuffer(storage=own, batch_size=64)
+        results["own transport"] = (own.transport_of(0), type(own._shards.transport(0)).__name__)
+        results["own rows match"] = all(_rows_match(rb.sample()) for _ in range(BATCHES))
+
+        # priorities set through the in-process path land in the cores the owner's server uses for everyone
+        prioritized = TensorDictReplayBuffer(storage=own, sampler=GearPrioritizedSampler(ROWS, 0.9, 0.4), batch_size=256)
+        first = prioritized.sample()
+        priority = torch.full((ROWS,), 1e-6)
+        priority[7] = 1e6
+        prioritized.update_priority(_all_ids(), priority)
+        results["own prioritized share of row 7"] = _share_of_row(prioritized.sample(), 7)
+        copy = pickle.loads(pickle.dumps(own))  # no server of its own: asks the owner's, over its socket
+        remote = TensorDictReplayBuffer(storage=copy, sampler=GearPrioritizedSampler(ROWS, 0.9, 0.4), batch_size=256)
+        results["copy transport"] = copy.transport_of(0)
+        results["copy prioritized share of row 7"] = _share_of_row(remote.sample(), 7)
+        results["first batch rows match"] = _rows_match(first)
+        copy.close()
+
+        # requests in flight: the same seeded draws; other requests and other sizes in between
+        sizes = [32, 32, 48, 48, 32, 32]
+        results["draws without prefetch"] = _seeded(tcp, sizes)
+        tcp.prefetch = True
+        results["draws with prefetch"] = _seeded(tcp, sizes)
+        rb = TensorDictReplayBuffer(storage=tcp, batch_size=32)
+        batch = rb.sample()
+        ids = batch["index"][:5].clone()
+        read = tcp.get(ids)  # a read on connections that owe the prefetched batch's replies
+        results["read between prefetches matches"] = bool((read["obs"] == batch["obs"][:5]).all())
+        results["prefetched rows match"] = all(_rows_match(rb.sample(b)) for b in (32, 32, 16, 16, 32))
+    finally:
+        torch.save(results, Path(out))
+        tcp.close()
+        own.close()
+    os._exit(0)
+
+
+def _all_ids() -> torch.Tensor:
+    from gear_torchrl.distributed import global_ids
+
+    return global_ids.encode(0, torch.arange(ROWS))
+
+
+def _share_of_row(batch: TensorDict, row: int) -> float:
+    from gear_torchrl.distributed import global_ids
+
+    _, rows = global_ids.decode(batch["index"])
+    return float((rows == row).float().mean())

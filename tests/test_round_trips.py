@@ -1,0 +1,138 @@
+"""One round trip per batch: every owner's reply received at once, the own shard read in-process, batches in flight.
+
+The first tests drive the native receive (``_C.receive_replies``) over socket
+pairs: replies landing in their rows of one batch, and every way one socket can
+fail without holding back the others. The last run a world of one rank
+(``round_trip_workers``) that serves its shard and samples it.
+"""
+from __future__ import annotations
+
+import errno
+import multiprocessing as mp
+import socket
+import threading
+import time
+
+import pytest
+import round_trip_workers as w
+import torch
+
+from gear_torchrl._ext import _C
+from gear_torchrl.distributed import wire
+
+
+def _framed(op: int, meta: dict, arrays: list[torch.Tensor]) -> bytes:
+    views = [wire.as_bytes(a.contiguous()) for a in arrays]
+    return wire.header(op, meta, [v.nbytes for v in views]) + b"".join(bytes(v) for v in views)
+
+
+@pytest.fixture
+def pairs():
+    made = [socket.socketpair() for _ in range(4)]
+    yield made
+    for a, b in made:
+        a.close()
+        b.close()
+
+
+def test_replies_of_many_sockets_land_in_their_rows_of_one_batch(pairs):
+    batch = [torch.zeros(6, 2), torch.zeros(6, dtype=torch.int64)]
+    replies = []
+    for i, (_, peer) in enumerate(pairs[:3]):
+        small = torch.arange(i + 1, dtype=torch.int64)
+        rows = [torch.full((2, 2), float(i)), torch.full((2,), 10 + i, dtype=torch.int64)]
+        replies.append(_framed(wire.Op.OK, {"shard": i}, [small, *rows]))
+
+    def send_late() -> None:  # the first reply comes last, in two pieces
+        for peer, data in reversed([(p, r) for (_, p), r in zip(pairs, replies)][1:]):
+            peer.sendall(data)
+        pairs[0][1].sendall(replies[0][:7])
+        time.sleep(0.05)
+        pairs[0][1].sendall(replies[0][7:])
+
+    threading.Thread(target=send_late).start()
+    got = _C.receive_replies([a.fileno() for a, _ in pairs[:3]], [batch] * 3, [0, 2, 4], 5.0)
+    for i, (status, head, small) in enumerate(got):
+        assert status == 0
+        op, meta, lengths = wire.parse_head(head.numpy().tobytes())
+        assert (op, meta, lengths) == (wire.Op.OK, {"shard": i}, [8 * (i + 1), 16, 16])
+        assert [s.view(torch.int64).tolist() for s in small] == [list(range(i + 1))]
+    assert batch[0][:, 0].tolist() == [0, 0, 1, 1, 2, 2]
+    assert batch[1].tolist() == [10, 10, 11, 11, 12, 12]
+
+
+def test_each_failing_socket_is_its_own_outcome_and_the_others_still_land(pairs):
+    batch = [torch.zeros(4, dtype=torch.int64)]
+    good = _framed(wire.Op.OK, {}, [torch.tensor([7, 8], dtype=torch.int64)])
+    pairs[0][1].sendall(good)
+    pairs[1][1].sendall(good[:5])
+    pairs[1][1].close()  # hangs up mid-header
+    pairs[2][1].sendall(b"NOPE" + good[4:])  # not our framing
+    pairs[3][1].sendall(_framed(wire.Op.OK, {}, [torch.arange(9, dtype=torch.int64)]))  # more rows than room
+    got = _C.receive_replies([a.fileno() for a, _ in pairs], [batch] * 4, [0, 2, 2, 2], 5.0)
+    assert [status for status, _, _ in got] == [0, -errno.ECONNRESET, -errno.EPROTO, -errno.EPROTO]
+    assert batch[0].tolist() == [7, 8, 0, 0]  # the refused replies wrote nothing
+
+
+def test_a_silent_socket_times_out_alone(pairs):
+    batch = [torch.zeros(2, dtype=torch.int64)]
+    pairs[0][1].sendall(_framed(wire.Op.OK, {}, [torch.tensor([1, 2], dtype=torch.int64)]))
+    start = time.monotonic()
+    got = _C.receive_replies([pairs[0][0].fileno(), pairs[1][0].fileno()], [batch, []], [0, 0], 0.3)
+    assert [status for status, _, _ in got] == [0, -errno.ETIMEDOUT]
+    assert 0.25 < time.monotonic() - start < 3.0
+    assert batch[0].tolist() == [1, 2]
+
+
+def test_a_refusal_carries_no_rows_and_writes_none(pairs):
+    batch = [torch.full((3,), -1, dtype=torch.int64)]
+    pairs[0][1].sendall(_framed(wire.Op.ERROR, {"type": "ValueError", "message": "no"}, []))
+    (status, head, small), = _C.receive_replies([pairs[0][0].fileno()], [batch], [0], 5.0)
+    assert status == 0 and small == []
+    assert wire.parse_head(head.numpy().tobytes())[:2] == (wire.Op.ERROR, {"type": "ValueError", "message": "no"})
+    assert batch[0].tolist() == [-1, -1, -1]
+
+
+def test_bad_arguments_are_refused_before_any_wait(pairs):
+    with pytest.raises(RuntimeError, match="one list of columns and one first row per socket"):
+        _C.receive_replies([pairs[0][0].fileno()], [], [0], 1.0)
+    with pytest.raises(RuntimeError, match="negative first row"):
+        _C.receive_replies([pairs[0][0].fileno()], [[torch.zeros(2)]], [-1], 1.0)
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory):
+    out = tmp_path_factory.mktemp("round_trips") / "results.pt"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = mp.get_context("spawn").Process(target=w.run, args=(port, str(out)))
+    process.start()
+    process.join(180)
+    if process.is_alive():
+        process.kill()
+        pytest.fail("the world of one did not finish within 180 s")
+    assert out.exists(), f"the world of one exited with {process.exitcode} before writing its results"
+    return torch.load(out, weights_only=False)  # our own worker's results
+
+
+@pytest.mark.processes
+def test_the_shard_a_learner_serves_itself_is_read_in_process(world_of_one):
+    assert world_of_one["own transport"] == ("local", "InProcessTransport")
+    assert world_of_one["own rows match"]
+    assert world_of_one["first batch rows match"]
+
+
+@pytest.mark.processes
+def test_in_process_priority_updates_reach_every_learner_of_the_shard(world_of_one):
+    assert world_of_one["own prioritized share of row 7"] > 0.9
+    assert world_of_one["copy transport"] == "local"  # same host, through the owner's server
+    assert world_of_one["copy prioritized share of row 7"] > 0.9
+
+
+@pytest.mark.processes
+def test_batches_in_flight_keep_seeded_draws_and_correct_rows(world_of_one):
+    without, with_ = world_of_one["draws without prefetch"], world_of_one["draws with prefetch"]
+    assert [t.tolist() for t in without] == [t.tolist() for t in with_]
+    assert world_of_one["read between prefetches matches"]
+    assert world_of_one["prefetched rows match"]
