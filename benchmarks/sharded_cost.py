@@ -8,7 +8,9 @@ the next batch ahead (``storage.prefetch = True``), and ``raw`` the floor:
 each owner answers a request with that many bytes in one framed message from
 a Python thread, no selection, and the learner receives them as ours does. The store holds obs f32[84], action f32[6], reward and
 done, 200k steps split over the owners, and the learner draws uniform batches
-with ``TensorDictReplayBuffer.sample()``.
+with ``TensorDictReplayBuffer.sample()`` (``--rule windows``: 64-step windows
+against TorchRL's ``SliceSampler``; ``--rule prioritized``: prioritized rows and a
+priority update per batch, against ``PrioritizedSampler``).
 
 In every world the learner also holds a ``LazyTensorStorage`` with the same
 rows, and the two buffers take turns (interleaved rounds, medians): the ratio
@@ -41,6 +43,7 @@ from harness import free_port, table, write_json
 
 STEPS = 200_000
 EPISODE = 1000
+WINDOW = 64  # steps per window (--rule windows)
 SECONDS_PER_TURN = 0.25  # how long one contender samples in one round
 
 
@@ -129,24 +132,54 @@ def _fill(storage, rows: int, seed: int) -> None:
         writer.end_episode()
 
 
+def _samplers(rule: str):
+    """(TorchRL's sampler for the local buffer, ours for the sharded store) of a rule."""
+    from torchrl.data import PrioritizedSampler, RandomSampler, SliceSampler
+
+    from gear_torchrl import GearPrioritizedSampler, GearSequenceSampler
+
+    if rule == "windows":
+        return SliceSampler(slice_len=WINDOW, end_key=("next", "done")), GearSequenceSampler(WINDOW)
+    if rule == "prioritized":
+        return PrioritizedSampler(STEPS, 0.6, 0.4), GearPrioritizedSampler(STEPS, 0.6, 0.4)
+    return RandomSampler(), None
+
+
+def _sampling(rb, rule: str):
+    """One learner step of ``rule``: a batch, and for prioritized rows its priority update."""
+    if rule != "prioritized":
+        return rb.sample
+
+    def step(b: int):
+        batch = rb.sample(b)
+        rb.update_priority(batch["index"], torch.rand(b) + 0.1)
+        return batch
+    return step
+
+
 def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list[int], rounds: int, out) -> None:
     import logging
 
     from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
     logging.getLogger("torchrl").setLevel(logging.WARNING)
-    local = TensorDictReplayBuffer(storage=LazyTensorStorage(STEPS), batch_size=batches[0])
+    rule = os.environ.get("GEAR_BENCH_RULE", "rows")
+    theirs, ours = _samplers(rule)
+    local = TensorDictReplayBuffer(storage=LazyTensorStorage(STEPS), sampler=theirs, batch_size=batches[0])
     for first in range(0, STEPS, 10 * EPISODE):
         local.extend(_rows(10 * EPISODE, first))
-    sharded = TensorDictReplayBuffer(storage=storage, batch_size=batches[0])
+    sharded = TensorDictReplayBuffer(storage=storage, batch_size=batches[0], **({"sampler": ours} if ours else {}))
+    sample_sharded = _sampling(sharded, rule)
+
     def with_prefetch(on: bool):
         def sample(b: int):
             storage.prefetch = on
-            return sharded.sample(b)
+            return sample_sharded(b)
         return sample
 
-    contenders = {"LazyTensorStorage": local.sample, "sharded": with_prefetch(False)}
-    if raw_ports:
+    contenders = {"LazyTensorStorage": _sampling(local, rule), "sharded": sample_sharded}
+    if raw_ports and hasattr(storage, "prefetch"):  # (versions before 2026-11-26 have none)
+        contenders["sharded"] = with_prefetch(False)
         contenders["prefetch"] = with_prefetch(True)
     if raw_ports:
         contenders["raw"] = _raw_batch(raw_ports)
@@ -157,7 +190,7 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
                 sample(b)
         start = time.perf_counter()
         for _ in range(5):
-            sharded.sample(b)
+            sample_sharded(b)
         calls[b] = max(5, int(SECONDS_PER_TURN / ((time.perf_counter() - start) / 5)))
     samples: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     for _ in range(rounds):
@@ -182,14 +215,14 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
 
         t0, p0, o0 = time.thread_time(), time.process_time(), os.times()
         for _ in range(300):
-            sharded.sample(batches[0])
+            sample_sharded(batches[0])
         o1 = os.times()
         print(f"user {(o1.user - o0.user) / 300 * 1e6:.0f} us, system {(o1.system - o0.system) / 300 * 1e6:.0f} us; "
               f"main thread {(time.thread_time() - t0) / 300 * 1e6:.0f} us, process "
               f"{(time.process_time() - p0) / 300 * 1e6:.0f} us per batch; threads: "
               f"{[t.name for t in __import__('threading').enumerate()]}", file=sys.stderr)
         profile = cProfile.Profile()
-        profile.runcall(lambda: [sharded.sample(batches[0]) for _ in range(300)])
+        profile.runcall(lambda: [sample_sharded(batches[0]) for _ in range(300)])
         pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(20)
     out.put(result)
 
@@ -285,6 +318,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cap-gbit", type=float, default=None)
+    parser.add_argument("--rule", choices=["rows", "windows", "prioritized"], default="rows",
+                        help="uniform rows, 64-step windows, or prioritized rows with a priority update per batch")
     parser.add_argument("--profile", action="store_true", help="print where the learner's time goes")
     parser.add_argument("--out", default="bench_out/sharded_cost.json")
     args = parser.parse_args()
@@ -294,6 +329,7 @@ def main() -> None:
         os.environ["GEAR_BENCH_CAP_GBIT"] = str(args.cap_gbit)
     if args.profile:
         os.environ["GEAR_BENCH_PROFILE"] = "1"
+    os.environ["GEAR_BENCH_RULE"] = args.rule
     rows = []
     for world in args.worlds:
         result = run_world(world, args.batches, args.rounds)
@@ -313,7 +349,7 @@ def main() -> None:
                          "local M steps/s": f"{peer['steps_per_s'] / 1e6:.2f}"})
         print(table(rows[-len(args.batches):], list(rows[0])), flush=True)
     print(table(rows, list(rows[0])))
-    write_json(args.out, {"benchmark": "sharded_cost", "steps": STEPS, "rounds": args.rounds,
+    write_json(args.out, {"benchmark": "sharded_cost", "rule": args.rule, "steps": STEPS, "rounds": args.rounds,
                           "cap_gbit": args.cap_gbit, "rows": rows})
 
 

@@ -3,7 +3,8 @@
 Large windows go from the ring's columns to the socket (``writev``, no
 gather: the kernel copies each byte once) for as long as the socket takes them
 without waiting; small ones (rows) are gathered into one buffer first, since an
-iovec per row costs the kernel more than the copy. Once it would have to wait for the learner, the rows not sent yet are
+iovec per row costs the kernel more than the copy once they take several
+``writev`` calls. Once it would have to wait for the learner, the rows not sent yet are
 copied into a buffer of the connection and the read section ends before the
 owner waits: writers wait for one copy at most, never for a learner. Every
 send is bounded by the socket's send timeout, so a learner that stalls is dropped.
@@ -30,7 +31,8 @@ _PACKET = 64 << 10  # the memory of one large packet
 _WAIT_MS = 2  # how long rows stay held for a learner that is slow to make room
 _KEEP_BYTES = 64 << 20  # a connection keeps its copy buffer between replies up to this size
 _ALIGN = 64
-_GATHER_BELOW = 4096  # a window of fewer bytes (all columns) is gathered and sent from one buffer
+_GATHER_BELOW = 4096  # windows of fewer bytes (all columns) are gathered first, when there are many
+_IOV_MAX = 1024  # iovecs one writev takes (Linux)
 _CPU = torch.device("cpu")
 
 
@@ -54,8 +56,8 @@ class RowSender:
         as soon as no row is needed from the ring any more (sent or copied).
         """
         try:
-            if windows.seq_len * sum(_row_bytes(c) for c in columns) < _GATHER_BELOW:
-                head_sent, column, first = False, 0, 0  # small windows: one gather and one send beat an iovec each
+            if self._gathers(columns, windows):
+                head_sent, column, first = False, 0, 0
             else:
                 head_sent, column, first = self._send_from_ring(head, columns, windows)
             if column < len(columns):
@@ -66,6 +68,13 @@ class RowSender:
             raise ReplyCutShort(f"a reply of rows was cut short: {exc}") from exc
         finally:
             release()
+
+    @staticmethod
+    def _gathers(columns: list[torch.Tensor], w: Windows) -> bool:
+        """Whether to gather every row into one buffer first: many small windows (a batch of rows), where
+        an iovec per window per column takes the kernel several writev calls and costs more than the copy."""
+        small = w.seq_len * sum(_row_bytes(c) for c in columns) < _GATHER_BELOW
+        return small and w.starts.numel() * len(columns) > _IOV_MAX
 
     def _send_from_ring(self, head: Sequence[bytes | memoryview], columns: list[torch.Tensor],
                         w: Windows) -> tuple[bool, int, int]:
