@@ -15,8 +15,11 @@ so a learner's batch time is its slowest stage:
   ``H * O(bytes(B) / H)``, on ``--owner-cores`` cores;
 - the network: each host sends and receives ``bytes(B)`` per round on its NIC.
 
-``--check-capped FILE`` compares the model with a ``--cap-gbit`` run: the
-predicted steps/s of each world against the measured ones.
+``--check-capped FILE`` compares the model with a ``--cap-gbit`` run: each
+world's measured steps/s against the model's, between one stage after another
+(learner, owner, link: no overlap) and every stage overlapped. Projections are
+printed twice: with today's coefficients, and with the raw floor's (what native
+per-request work on both ends would approach).
 
     .venv/bin/python benchmarks/cost_model.py --runs bench_out/sharded_cost.json [--check-capped FILE]
 """
@@ -84,25 +87,34 @@ def main() -> None:
         for name, c in model.items():
             terms = ["µs", "µs per owner", "µs per byte"] if len(c) == 3 else ["µs", "µs per byte"]
             print(f"  {name}: " + ", ".join(f"{v:.4g} {t}" for v, t in zip(c, terms)))
-        for hosts in args.hosts:
-            for batch in args.batches:
-                cells = []
-                for gbit in args.nic_gbit:
-                    seconds, limit = batch_seconds(model, hosts, batch, gbit, args.owner_cores)
-                    cells.append(f"{gbit:g} Gbit/s: {batch / seconds / 1e6:.2f} M steps/s per learner ({limit})")
-                print(f"  {hosts} hosts, batch {batch}: " + "; ".join(cells))
+        floor = {"learner": model["raw learner"], "owner": model["raw owner"]} if "raw learner" in model else None
+        for label, coefficients in (("today", model), ("at the raw floor", floor)):
+            if coefficients is None:
+                continue
+            print(f"  projected, {label}:")
+            for hosts in args.hosts:
+                for batch in args.batches:
+                    cells = []
+                    for gbit in args.nic_gbit:
+                        seconds, limit = batch_seconds(coefficients, hosts, batch, gbit, args.owner_cores)
+                        cells.append(f"{gbit:g} Gbit/s {batch / seconds / 1e6:.3f} ({limit})")
+                    print(f"    {hosts} hosts, batch {batch}, M steps/s per learner: " + "; ".join(cells))
         if args.check_capped:
             capped = json.loads(Path(args.check_capped).read_text())
             print(f"  against {args.check_capped} ({capped['cap_gbit']} Gbit/s per owner, one learner):")
             for r in capped["rows"]:
                 if r["world"] == "own":
                     continue
-                seconds, limit = batch_seconds(model, int(r["world"]), int(r["batch"]), None, 1, learners=1)
-                link = int(r["batch"]) * ROW_BYTES * 8 / (capped["cap_gbit"] * 1e9 * int(r["world"]))
-                predicted = int(r["batch"]) / max(seconds, link) / 1e6
-                print(f"    {r['world']} owners, batch {r['batch']}: predicted {predicted:.3f} M steps/s "
-                      f"({'network' if link > seconds else limit}), measured {r['M steps/s']} "
-                      f"(prefetch {r.get('prefetch M steps/s', '-')})")
+                owners, batch = int(r["world"]), int(r["batch"])
+                link = batch * ROW_BYTES * 8 / (capped["cap_gbit"] * 1e9 * owners)
+                l0, l1, l2 = model["learner"]
+                o0, o1 = model["owner"]
+                learner = (l0 + l1 * owners + l2 * batch * ROW_BYTES) * 1e-6
+                owner = (o0 + o1 * batch * ROW_BYTES / owners) * 1e-6
+                serial, overlapped = learner + owner + link, max(learner, owner, link)
+                print(f"    {owners} owners, batch {batch}: predicted {batch / serial / 1e6:.3f} (one stage after "
+                      f"another) to {batch / overlapped / 1e6:.3f} M steps/s (all overlapped), measured "
+                      f"{r['M steps/s']} (prefetch {r.get('prefetch M steps/s', '-')})")
 
 
 if __name__ == "__main__":

@@ -303,10 +303,10 @@ def cap_owner_ports(ports: list[list[int]], gbit: float) -> None:
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], stderr=subprocess.DEVNULL)
     tc("qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "999")
-    tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:999", "htb", "rate", "100gbit")
+    tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:999", "htb", "rate", "100gbit", "quantum", "200000")
     for i, owner in enumerate(ports, start=1):
         tc("class", "add", "dev", "lo", "parent", "1:", "classid", f"1:{i}", "htb", "rate", f"{gbit}gbit",
-           "ceil", f"{gbit}gbit")
+           "ceil", f"{gbit}gbit", "quantum", "200000")
         for port in owner:
             tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
                "sport", str(port), "0xffff", "flowid", f"1:{i}")
@@ -342,11 +342,16 @@ def main() -> None:
                          "raw learner us": "-" if raw is None else f"{raw['learner_us']:.0f}",
                          "owner us": "-" if mine["owner_us"] != mine["owner_us"] else f"{mine['owner_us']:.0f}",
                          "raw owner us": "-" if raw is None else f"{raw['owner_us']:.0f}",
-                         "M steps/s": f"{mine['steps_per_s'] / 1e6:.2f}",
+                         "M steps/s": f"{mine['steps_per_s'] / 1e6:.3f}",
                          "prefetch M steps/s": "-" if f"prefetch/{b}" not in result
-                         else f"{result[f'prefetch/{b}']['steps_per_s'] / 1e6:.2f}",
-                         "raw M steps/s": "-" if raw is None else f"{raw['steps_per_s'] / 1e6:.2f}",
-                         "local M steps/s": f"{peer['steps_per_s'] / 1e6:.2f}"})
+                         else f"{result[f'prefetch/{b}']['steps_per_s'] / 1e6:.3f}",
+                         "raw M steps/s": "-" if raw is None else f"{raw['steps_per_s'] / 1e6:.3f}",
+                         "local M steps/s": f"{peer['steps_per_s'] / 1e6:.3f}"})
+            if args.cap_gbit is not None:  # the share of the links' capacity each contender used
+                caps = args.cap_gbit * 1e9 / 8 * int(world) / ROW_BYTES
+                for name in ("sharded", "prefetch", "raw"):
+                    if f"{name}/{b}" in result:
+                        rows[-1][f"{name} / caps"] = f"{result[f'{name}/{b}']['steps_per_s'] / caps:.2f}"
         print(table(rows[-len(args.batches):], list(rows[0])), flush=True)
     print(table(rows, list(rows[0])))
     write_json(args.out, {"benchmark": "sharded_cost", "rule": args.rule, "steps": STEPS, "rounds": args.rounds,

@@ -145,9 +145,7 @@ class ShardClient:
 
     def update(self, spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,
                generation: torch.Tensor | None) -> None:
-        generation = torch.empty(0, dtype=torch.int64) if generation is None else generation.to(torch.int64)
-        arrays = [rows.to(torch.int64).contiguous(), priority.to(torch.float64).contiguous(), generation.contiguous()]
-        self.request(Message(Op.UPDATE, {"selection": spec.to_json()}, arrays))
+        self.request(update_message(spec, rows, priority, generation))
 
     def give_back(self, spec: SelectionSpec, rows: torch.Tensor) -> None:
         """Rows of an earlier pick the learner did not use (a queue serves them again)."""
@@ -190,6 +188,10 @@ class Ask:
         """Where the first ``positions`` rows of this ask landed, one view per column."""
         return [c[self.first: self.first + positions] for c in self.columns or ()]
 
+    def answer(self, meta: dict[str, Any], arrays: list[torch.Tensor]) -> Picked:
+        """The picks the owner's reply carries (its rows are in ``columns`` already)."""
+        return _picked_of(meta, arrays)
+
     def request(self) -> Message:
         """The SELECT, its metadata encoded here: the rule's JSON once per rule, the rest by hand."""
         read = self.columns is not None
@@ -197,6 +199,29 @@ class Ask:
             _spec_json(self.spec), self.count, b"null" if self.seed is None else b"%d" % self.seed,
             b"true" if read else b"false", b"%d" % len(self.columns) if read else b"null")
         return Message(Op.SELECT, meta)
+
+
+@dataclass
+class Post:
+    """A request whose reply carries nothing back (an UPDATE), sent in a ``Flight`` with others."""
+
+    message: Message
+    columns: None = None
+    first: int = 0
+
+    def request(self) -> Message:
+        return self.message
+
+    def answer(self, meta: dict[str, Any], arrays: list[torch.Tensor]) -> None:
+        return None
+
+
+def update_message(spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,
+                   generation: torch.Tensor | None) -> Message:
+    """New priorities for an owner's ``rows`` (generations, where given, skip rows rewritten since)."""
+    generation = torch.empty(0, dtype=torch.int64) if generation is None else generation.to(torch.int64)
+    arrays = [rows.to(torch.int64).contiguous(), priority.to(torch.float64).contiguous(), generation.contiguous()]
+    return Message(Op.UPDATE, {"selection": spec.to_json()}, arrays)
 
 
 @functools.lru_cache(maxsize=256)
@@ -207,6 +232,9 @@ def _spec_json(spec: SelectionSpec) -> bytes:
 def select_many(clients: list[ShardClient], asks: list[Ask]) -> list[Picked | Exception]:
     """Every owner's picks, and rows where asked, in one round trip (see ``Flight``)."""
     return Flight(clients, asks).land()
+
+
+Request = Ask | Post  # what a Flight carries: a selection, or a request answered with nothing but OK
 
 
 _TICKETS = itertools.count(1)
@@ -222,7 +250,7 @@ class Flight:
     reads past its owed reply, and ``land`` asks that owner again.
     """
 
-    def __init__(self, clients: list[ShardClient], asks: list[Ask]) -> None:
+    def __init__(self, clients: list[ShardClient], asks: list[Request]) -> None:
         self.clients, self.asks = clients, asks
         self._outcomes: list[Any] = [None] * len(clients)
         self._tickets = [0] * len(clients)
@@ -241,8 +269,8 @@ class Flight:
         except (OSError, wire.ProtocolError) as exc:
             self._outcomes[i] = client._broken(exc)
 
-    def land(self) -> list[Picked | Exception]:
-        """Each owner's picks (their rows in the ask's columns), or what went wrong with it."""
+    def land(self) -> list[Picked | None | Exception]:
+        """Each owner's answer (picks, their rows in the ask's columns; None for a Post), or what went wrong."""
         with contextlib.ExitStack() as held:
             for client in self.clients:
                 held.enter_context(client._lock)
@@ -257,12 +285,13 @@ class Flight:
                                              max(self.clients[i]._timeout for i in owed))
                 for i, (status, head, small) in zip(owed, replies):
                     self.clients[i]._awaiting = 0
-                    self._outcomes[i] = _picks_of(self.clients[i], status, head, small)
+                    self._outcomes[i] = _answer_of(self.clients[i], self.asks[i], status, head, small)
         return self._outcomes
 
 
-def _picks_of(client: ShardClient, status: int, head: torch.Tensor, small: list[torch.Tensor]) -> Picked | Exception:
-    """One owner's reply to a SELECT (as ``receive_replies`` got it), or what went wrong."""
+def _answer_of(client: ShardClient, ask: Request, status: int, head: torch.Tensor,
+               small: list[torch.Tensor]) -> Picked | None | Exception:
+    """One owner's answer to ``ask`` (from its reply, as ``receive_replies`` got it), or what went wrong."""
     try:
         if status:
             raise _socket_error(status)
@@ -272,9 +301,9 @@ def _picks_of(client: ShardClient, status: int, head: torch.Tensor, small: list[
     if op == Op.ERROR:
         return client._remote_error(meta)
     try:
-        return _picked_of(meta, small)
+        return ask.answer(meta, small)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        return client._broken(wire.ProtocolError(f"a selection reply that does not parse: {exc}"))
+        return client._broken(wire.ProtocolError(f"a reply that does not parse: {exc}"))
 
 
 def _picked_of(meta: dict[str, Any], arrays: list[torch.Tensor]) -> Picked:

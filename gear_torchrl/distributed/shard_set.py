@@ -24,7 +24,7 @@ from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.fan_out import FailurePolicy, FanOut
 from gear_torchrl.distributed.shard_checkpoint import check_layout, shard_directory, write_layout
-from gear_torchrl.distributed.shard_client import Ask, Flight, ShardClient
+from gear_torchrl.distributed.shard_client import Ask, Flight, Post, ShardClient, update_message
 from gear_torchrl.distributed.transports.base import ColumnLayout, ReadRequest, ShardUnavailableError, Transport
 from gear_torchrl.distributed.transports.registry import CHOICES, Reach, open_transport
 from gear_torchrl.selection.checked_inputs import as_generation, as_priority
@@ -400,12 +400,21 @@ class ShardSet:
             if s >= self.num_shards:
                 raise IndexError(f"a row id names shard {s}, but the store has {self.num_shards} shards")
 
-        def update(shard: int, _: int) -> None:
-            mine = shards == shard
-            self._answerer(shard).update(spec, rows[mine], priority[mine],
-                                         None if generation is None else generation[mine])
-
-        self.on_each(owners, update, [0] * len(owners))
+        outcomes: dict[int, Any] = {}
+        posted: list[tuple[int, ShardClient, Post]] = []
+        for s in owners:  # remote owners get theirs in one Flight; a shard this process serves, in place
+            mine = shards == s
+            args = (spec, rows[mine], priority[mine], None if generation is None else generation[mine])
+            try:
+                answerer = self._answerer(s)
+                if isinstance(answerer, ShardClient):
+                    posted.append((s, answerer, Post(update_message(*args))))
+                else:
+                    outcomes[s] = answerer.update(*args)
+            except Exception as exc:
+                outcomes[s] = exc
+        outcomes.update(zip([s for s, _, _ in posted], Flight([c for _, c, _ in posted], [p for *_, p in posted]).land()))
+        self._fan_out.settle([(s, outcomes[s]) for s in owners], self._disconnect)
         self.live()  # skipping may have left none
 
     # -- statistics --------------------------------------------------------------------------
