@@ -80,7 +80,7 @@ def _learner(storage, shards: int, rounds: int, out) -> None:
 
     from gear_torchrl import GearSequenceSampler
     from gear_torchrl._ext import _C
-    from gear_torchrl.distributed.transports.base import ReadRequest
+    from gear_torchrl.store.shard import Windows
 
     store = dist.distributed_c10d._get_default_store()
     raw = [socket.create_connection(("127.0.0.1", int(store.get(f"raw/{r}")))) for r in range(shards)]
@@ -104,7 +104,7 @@ def _learner(storage, shards: int, rounds: int, out) -> None:
     spec = storage._shards.table(0)
     per_shard = BATCH // shards
     # fresh rows on every call (cycling through 32 batches), as sampling gets: no batch stays in cache
-    row_reads = [[ReadRequest.of_rows(torch.randint(0, ROWS, (per_shard,))) for _ in range(shards)]
+    row_reads = [[Windows.of_rows(torch.randint(0, ROWS, (per_shard,))) for _ in range(shards)]
                  for _ in range(32)]
     window_reads = [[_windows(torch.randint(0, ROWS - SEQ_LEN, (per_shard // SEQ_LEN,))) for _ in range(shards)]
                     for _ in range(32)]
@@ -135,9 +135,9 @@ def _learner(storage, shards: int, rounds: int, out) -> None:
 
 
 def _windows(starts: torch.Tensor):
-    from gear_torchrl.distributed.transports.base import ReadRequest
+    from gear_torchrl.store.shard import Windows
 
-    return ReadRequest(starts, SEQ_LEN, torch.zeros_like(starts), torch.full_like(starts, SEQ_LEN))
+    return Windows(starts, SEQ_LEN, torch.zeros_like(starts), torch.full_like(starts, SEQ_LEN))
 
 
 def _rank(rank: int, world: int, port: int, rounds: int, out) -> None:

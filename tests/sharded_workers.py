@@ -390,7 +390,7 @@ def _rate_limited(storage) -> dict:
 
 def _refusals(storage) -> dict:
     from gear_torchrl.distributed.shard_client import ShardClient
-    from gear_torchrl.distributed.transports.base import ReadRequest
+    from gear_torchrl.store.shard import Windows
 
     found = {}
     try:
@@ -401,11 +401,11 @@ def _refusals(storage) -> dict:
     spec = storage._shards.table(0)
     for name, rows in (("past_capacity", [CAPACITY + 5]), ("negative", [-1]), ("never_written", [CAPACITY - 1])):
         try:
-            client.read(ReadRequest.of_rows(torch.tensor(rows)), storage._shards._empty_columns(spec, 1))
+            client.read(Windows.of_rows(torch.tensor(rows)), storage._shards._empty_columns(spec, 1))
         except IndexError as exc:
             found[name] = str(exc)
     out = storage._shards._empty_columns(spec, 2)
-    client.read(ReadRequest.of_rows(torch.tensor([0, 7])), out)  # the connection still serves
+    client.read(Windows.of_rows(torch.tensor([0, 7])), out)  # the connection still serves
     found["still_serves"] = out[spec.find("pos")].tolist()
     client.close()
     try:

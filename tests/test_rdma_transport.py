@@ -20,7 +20,6 @@ from gear_torchrl.distributed.sealed_store import SealedStore
 from gear_torchrl.distributed.transports import rdma
 from gear_torchrl.distributed.transports.base import (
     ColumnLayout,
-    ReadRequest,
     ShardUnavailableError,
 )
 from gear_torchrl.distributed.transports.rdma import (
@@ -53,17 +52,18 @@ from gear_torchrl.distributed.transports.rdma_plan import (
     region_end_of,
     valid_positions,
 )
+from gear_torchrl.store.shard import Windows
 
 GiB = 1 << 30
 REMOTE_BASE = 1 << 40  # fake addresses: planning is arithmetic only
 LOCAL_BASE = 1 << 41
 
 
-def windows(starts, seq_len, begin=None, end=None) -> ReadRequest:
+def windows(starts, seq_len, begin=None, end=None) -> Windows:
     starts = torch.tensor(starts, dtype=torch.int64)
     begin = torch.zeros_like(starts) if begin is None else torch.tensor(begin, dtype=torch.int64)
     end = torch.full_like(starts, seq_len) if end is None else torch.tensor(end, dtype=torch.int64)
-    return ReadRequest(starts, seq_len, begin, end)
+    return Windows(starts, seq_len, begin, end)
 
 
 def wrs(plan) -> list[tuple[int, int, list[tuple[int, int]]]]:
@@ -80,7 +80,7 @@ def wrs(plan) -> list[tuple[int, int, list[tuple[int, int]]]]:
 
 def test_single_rows_one_wr_each_at_exact_addresses():
     layout = ColumnLayout(offsets=(100,), row_bytes=(8,), capacity=10)
-    plan = plan_reads(ReadRequest.of_rows(torch.tensor([3, 7])), layout, REMOTE_BASE, [LOCAL_BASE], 4, 1 << 20)
+    plan = plan_reads(Windows.of_rows(torch.tensor([3, 7])), layout, REMOTE_BASE, [LOCAL_BASE], 4, 1 << 20)
     assert wrs(plan) == [
         (REMOTE_BASE + 100 + 3 * 8, 8, [(LOCAL_BASE, 8)]),
         (REMOTE_BASE + 100 + 7 * 8, 8, [(LOCAL_BASE + 8, 8)]),
@@ -89,7 +89,7 @@ def test_single_rows_one_wr_each_at_exact_addresses():
 
 def test_adjacent_rows_coalesce_into_one_wr():
     layout = ColumnLayout(offsets=(0,), row_bytes=(8,), capacity=10)
-    plan = plan_reads(ReadRequest.of_rows(torch.tensor([4, 5, 6])), layout, REMOTE_BASE, [LOCAL_BASE], 4, 1 << 20)
+    plan = plan_reads(Windows.of_rows(torch.tensor([4, 5, 6])), layout, REMOTE_BASE, [LOCAL_BASE], 4, 1 << 20)
     assert wrs(plan) == [(REMOTE_BASE + 32, 24, [(LOCAL_BASE, 24)])]
 
 
@@ -148,7 +148,7 @@ def test_split_at_max_msg_bytes(max_msg, lengths):
 def test_offsets_and_lengths_past_4_gib_stay_exact():
     layout = ColumnLayout(offsets=(0, 8 * GiB), row_bytes=(8, 3 * GiB), capacity=4)
     out_addrs = [1 << 45, (1 << 45) + (1 << 34)]
-    plan = plan_reads(ReadRequest.of_rows(torch.tensor([2])), layout, REMOTE_BASE, out_addrs, 4, MAX_MSG_BYTES_LIMIT)
+    plan = plan_reads(Windows.of_rows(torch.tensor([2])), layout, REMOTE_BASE, out_addrs, 4, MAX_MSG_BYTES_LIMIT)
     col1 = REMOTE_BASE + 8 * GiB + 2 * 3 * GiB
     assert sorted(wrs(plan)) == [
         (REMOTE_BASE + 16, 8, [(out_addrs[0], 8)]),
@@ -161,7 +161,7 @@ def test_offsets_and_lengths_past_4_gib_stay_exact():
 
 def test_empty_request_and_all_padding_plan_nothing():
     layout = ColumnLayout(offsets=(0,), row_bytes=(8,), capacity=10)
-    empty = plan_reads(ReadRequest.of_rows(torch.zeros(0, dtype=torch.int64)), layout, REMOTE_BASE, [LOCAL_BASE],
+    empty = plan_reads(Windows.of_rows(torch.zeros(0, dtype=torch.int64)), layout, REMOTE_BASE, [LOCAL_BASE],
                        4, 1 << 20)
     padding = plan_reads(windows([1, 2], 4, [2, 0], [2, 0]), layout, REMOTE_BASE, [LOCAL_BASE], 4, 1 << 20)
     for plan in (empty, padding):
@@ -171,13 +171,13 @@ def test_empty_request_and_all_padding_plan_nothing():
 def test_bad_requests_are_refused():
     layout = ColumnLayout(offsets=(0,), row_bytes=(8,), capacity=10)
     with pytest.raises(IndexError):
-        plan_reads(ReadRequest.of_rows(torch.tensor([10])), layout, REMOTE_BASE, [LOCAL_BASE], 4, 64)
+        plan_reads(Windows.of_rows(torch.tensor([10])), layout, REMOTE_BASE, [LOCAL_BASE], 4, 64)
     with pytest.raises(ValueError, match="valid_begin"):
         plan_reads(windows([0], 3, [0], [4]), layout, REMOTE_BASE, [LOCAL_BASE], 4, 64)
     with pytest.raises(ValueError, match="max_sge"):
-        plan_reads(ReadRequest.of_rows(torch.tensor([1])), layout, REMOTE_BASE, [LOCAL_BASE], 0, 64)
+        plan_reads(Windows.of_rows(torch.tensor([1])), layout, REMOTE_BASE, [LOCAL_BASE], 0, 64)
     with pytest.raises(ValueError, match="max_msg_bytes"):
-        plan_reads(ReadRequest.of_rows(torch.tensor([1])), layout, REMOTE_BASE, [LOCAL_BASE], 4, 1 << 32)
+        plan_reads(Windows.of_rows(torch.tensor([1])), layout, REMOTE_BASE, [LOCAL_BASE], 4, 1 << 32)
 
 
 # ----------------------------------------------------------------------------- planning, against an oracle
@@ -200,7 +200,7 @@ def execute_plan(plan, remote: np.ndarray, remote_base: int, local: np.ndarray, 
     return writes
 
 
-def direct_gather(request: ReadRequest, layout: ColumnLayout, remote: np.ndarray, local: np.ndarray,
+def direct_gather(request: Windows, layout: ColumnLayout, remote: np.ndarray, local: np.ndarray,
                   out_offsets) -> None:
     """What a read must produce, written the obvious way."""
     n = request.num_positions
@@ -425,7 +425,7 @@ def test_options_and_outputs_are_checked():
     with pytest.raises(ValueError):
         RdmaOptions(max_msg_bytes=1 << 32)
     layout = ColumnLayout(offsets=(0, 80), row_bytes=(8, 1), capacity=10)
-    request = ReadRequest.of_rows(torch.tensor([1, 2]))
+    request = Windows.of_rows(torch.tensor([1, 2]))
     assert check_outputs(request, [torch.empty(2, 2), torch.empty(2, dtype=torch.bool)], layout) == [16, 2]
     with pytest.raises(ValueError, match="bytes"):
         check_outputs(request, [torch.empty(2, 3), torch.empty(2, dtype=torch.bool)], layout)
@@ -568,7 +568,7 @@ def test_transport_reads_windows_and_rows_over_a_queue():
     _segment, columns, layout, region = make_shard()
     queue = MemmoveQueue(region)
     transport = RdmaTransport.over_queue(queue, region, layout, RdmaOptions(timeout_s=5))
-    for request in (windows([11, 0, 4], 5, [0, 2, 1], [5, 4, 3]), ReadRequest.of_rows(torch.tensor([12, 0, 1, 7, 7]))):
+    for request in (windows([11, 0, 4], 5, [0, 2, 1], [5, 4, 3]), Windows.of_rows(torch.tensor([12, 0, 1, 7, 7]))):
         out = fresh_outputs(request)
         want = expected(columns, request, [o.clone() for o in out])
         transport.read(request, out)
@@ -583,9 +583,9 @@ def test_transport_grows_its_staging_buffer():
     _segment, columns, layout, region = make_shard(capacity=50_000)
     queue = MemmoveQueue(region, max_msg_bytes=1 << 20, max_sge=8, max_outstanding=16)
     transport = RdmaTransport.over_queue(queue, region, layout)
-    small = ReadRequest.of_rows(torch.arange(10))
+    small = Windows.of_rows(torch.arange(10))
     starts = torch.randint(0, 50_000, (500,), generator=torch.Generator().manual_seed(5))
-    big = ReadRequest(starts, 120, torch.zeros(500, dtype=torch.int64), torch.full((500,), 120))  # 1.26 MB
+    big = Windows(starts, 120, torch.zeros(500, dtype=torch.int64), torch.full((500,), 120))  # 1.26 MB
     for request in (small, big):
         out = fresh_outputs(request)
         want = expected(columns, request, [o.clone() for o in out])
@@ -598,7 +598,7 @@ def test_failed_completion_poisons_the_transport():
     _segment, _columns, layout, region = make_shard()
     queue = MemmoveQueue(region, fail_wr=1, fail_status=12)
     transport = RdmaTransport.over_queue(queue, region, layout)
-    request = ReadRequest.of_rows(torch.tensor([0, 5, 9]))
+    request = Windows.of_rows(torch.tensor([0, 5, 9]))
     with pytest.raises(ShardUnavailableError, match="IBV_WC_RETRY_EXC_ERR"):
         transport.read(request, fresh_outputs(request))
     assert queue.aborted == 1
@@ -609,7 +609,7 @@ def test_failed_completion_poisons_the_transport():
 def test_timeout_raises_shard_unavailable():
     _segment, _columns, layout, region = make_shard()
     transport = RdmaTransport.over_queue(MemmoveQueue(region, hang=True), region, layout, RdmaOptions(timeout_s=0.05))
-    request = ReadRequest.of_rows(torch.tensor([3]))
+    request = Windows.of_rows(torch.tensor([3]))
     with pytest.raises(ShardUnavailableError, match="timed out"):
         transport.read(request, fresh_outputs(request))
 
@@ -685,7 +685,7 @@ def test_end_to_end_accept_pending_on_a_device():
         exporter.publish_region()
         region = RegionInfo.from_bytes(store.get(region_key(prefix)))
         transport = RdmaTransport(store, prefix, "rank7", region, layout)
-        request = ReadRequest.of_rows(torch.tensor([63, 0, 1, 2, 40]))
+        request = Windows.of_rows(torch.tensor([63, 0, 1, 2, 40]))
         out = fresh_outputs(request)
         want = expected(columns, request, [o.clone() for o in out])
         transport.read(request, out)

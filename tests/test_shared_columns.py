@@ -184,7 +184,7 @@ def test_a_shard_that_adds_a_key_keeps_serving_learners_that_know_the_older_tabl
     from gear_torchrl.distributed.directory import ShardDescriptor
     from gear_torchrl.distributed.shard_client import ShardClient
     from gear_torchrl.distributed.shard_server import ShardServer
-    from gear_torchrl.distributed.transports.base import ReadRequest
+    from gear_torchrl.store.shard import Windows
     from gear_torchrl.store.spec import TableSpec
 
     storage = GearStorage(64, shared=True)
@@ -202,7 +202,7 @@ def test_a_shard_that_adds_a_key_keeps_serving_learners_that_know_the_older_tabl
         learners_table = TableSpec.from_json(client.describe()["spec"])
         rb.extend(w.keyed_rows(10, 10, v=3.0))  # the owner's actors bring a key after the learner looked
         out = [torch.empty(4, *c.row_shape, dtype=c.dtype) for c in learners_table.columns]
-        client.read(ReadRequest.of_rows(torch.tensor([0, 5, 12, 19])), out)
+        client.read(Windows.of_rows(torch.tensor([0, 5, 12, 19])), out)
         assert out[learners_table.find("obs")].tolist() == [0.0, 5.0, 12.0, 19.0]
         described = client.describe()
         assert TableSpec.from_json(described["spec"]).find("v") is not None

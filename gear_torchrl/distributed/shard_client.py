@@ -19,13 +19,12 @@ from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
 from gear_torchrl.distributed.transports.base import (
-    ReadRequest,
     RemoteShardError,
     ShardUnavailableError,
 )
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.selection.specs import SelectionSpec
-from gear_torchrl.store.shard import EmptyStoreError
+from gear_torchrl.store.shard import EmptyStoreError, Windows
 from gear_torchrl.store.state_checks import CheckpointError
 
 # What a socket cannot be made without; they say nothing about the shard.
@@ -128,7 +127,7 @@ class ShardClient:
         kind = _REMOTE_TYPES.get(meta.get("type"), RemoteShardError)
         return kind(f"{self.descriptor.where}: {meta.get('message')}")
 
-    def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
+    def read(self, request: Windows, out: list[torch.Tensor]) -> None:
         """Bytes of the windows' rows, received straight into ``out`` (padding arrives as zeros)."""
         arrays = [request.starts.contiguous(), request.valid_begin.contiguous(), request.valid_end.contiguous()]
         self.request(Message(Op.READ, {"seq_len": request.seq_len, "columns": len(out)}, arrays), into=out)

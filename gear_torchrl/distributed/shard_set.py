@@ -25,7 +25,7 @@ from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.fan_out import FailurePolicy, FanOut
 from gear_torchrl.distributed.shard_checkpoint import check_layout, shard_directory, write_layout
 from gear_torchrl.distributed.shard_client import Ask, Flight, Post, ShardClient, update_message
-from gear_torchrl.distributed.transports.base import ColumnLayout, ReadRequest, ShardUnavailableError, Transport
+from gear_torchrl.distributed.transports.base import ColumnLayout, ShardUnavailableError, Transport
 from gear_torchrl.distributed.transports.registry import CHOICES, Reach, open_transport
 from gear_torchrl.selection.checked_inputs import as_generation, as_priority
 from gear_torchrl.selection.picked import Picked
@@ -381,7 +381,7 @@ class ShardSet:
 
         def read(shard: int, _: int) -> list[torch.Tensor]:
             block = self._empty_columns(self.table(shard), where[shard].numel())
-            self.client(shard).read(ReadRequest.of_rows(rows[where[shard]]), block)
+            self.client(shard).read(Windows.of_rows(rows[where[shard]]), block)
             return block
 
         for shard, block in self.on_each(owners, read, [0] * len(owners), allow_skip=False):

@@ -55,6 +55,16 @@ class Windows:
     valid_begin: torch.Tensor  # int64 [W]
     valid_end: torch.Tensor  # int64 [W]
 
+    @classmethod
+    def of_rows(cls, rows: torch.Tensor) -> Windows:
+        """Rows as windows of length one."""
+        rows = rows.reshape(-1).to(torch.int64)
+        return cls(rows, 1, torch.zeros_like(rows), torch.ones_like(rows))
+
+    @property
+    def num_positions(self) -> int:
+        return self.starts.numel() * self.seq_len
+
     def rows(self, capacity: int) -> torch.Tensor:
         """Flat ring rows of every position, padding included: [W * seq_len]."""
         return _C.window_rows(self.starts, self.seq_len, capacity)

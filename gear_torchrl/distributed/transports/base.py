@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gear_torchrl.selection.picked import Picked
+from gear_torchrl.store.shard import Windows
 
 if TYPE_CHECKING:
     from gear_torchrl.distributed.shard_client import Ask
@@ -19,34 +20,6 @@ class ShardUnavailableError(ConnectionError):
 
 class RemoteShardError(RuntimeError):
     """A shard owner rejected a request (the message says why); the connection stays usable."""
-
-
-@dataclass(frozen=True)
-class ReadRequest:
-    """Windows of ``seq_len`` ring rows of one shard, as the gather contract has them.
-
-    Rows are windows of length one. Position ``p`` of window ``w`` is ring row
-    ``(starts[w] + p) % capacity``; only positions in ``[valid_begin[w], valid_end[w])``
-    are read, the others (padding) are left untouched in the output.
-    """
-
-    starts: torch.Tensor  # int64 [W], in [0, capacity)
-    seq_len: int
-    valid_begin: torch.Tensor  # int64 [W]
-    valid_end: torch.Tensor  # int64 [W]
-
-    @classmethod
-    def of_rows(cls, rows: torch.Tensor) -> ReadRequest:
-        rows = rows.reshape(-1).to(torch.int64)
-        return cls(rows, 1, torch.zeros_like(rows), torch.ones_like(rows))
-
-    @property
-    def num_windows(self) -> int:
-        return self.starts.numel()
-
-    @property
-    def num_positions(self) -> int:
-        return self.starts.numel() * self.seq_len
 
 
 @dataclass(frozen=True)
@@ -67,7 +40,7 @@ class Transport(ABC):
     speaks_to_owner: bool = True  # picks go through the learner's connection to the owner (else: in this process)
 
     @abstractmethod
-    def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
+    def read(self, request: Windows, out: list[torch.Tensor]) -> None:
         """Fill ``out[c][w * seq_len + p]`` for every valid position, for every column ``c``.
 
         ``out`` holds one contiguous CPU tensor per column, ``[W * seq_len, *row_shape]``.
@@ -88,7 +61,7 @@ class Transport(ABC):
         if ask.columns is None or not picked.count:
             return picked
         out = ask.rows(picked.count * picked.seq_len)
-        self.read(ReadRequest(picked.starts, picked.seq_len, picked.valid_begin, picked.valid_end), out)
+        self.read(Windows(picked.starts, picked.seq_len, picked.valid_begin, picked.valid_end), out)
         client.release()
         return picked
 

@@ -8,9 +8,10 @@ import torch
 from gear_torchrl import gather
 from gear_torchrl.distributed.shard_client import Ask
 from gear_torchrl.distributed.shard_view import ShardView
-from gear_torchrl.distributed.transports.base import ReadRequest, Transport
+from gear_torchrl.distributed.transports.base import Transport
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.store.shard import Windows
 
 _CPU = torch.device("cpu")
 
@@ -25,7 +26,7 @@ class InProcessTransport(Transport):
     def __init__(self, view: ShardView) -> None:
         self._view = view
 
-    def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
+    def read(self, request: Windows, out: list[torch.Tensor]) -> None:
         shard = self._view.shard
         with shard.reading():
             if not shard.mapped_columns():

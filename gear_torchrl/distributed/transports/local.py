@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 
 from gear_torchrl import gather
-from gear_torchrl.distributed.transports.base import ReadRequest, Transport
+from gear_torchrl.distributed.transports.base import Transport
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
+from gear_torchrl.store.shard import Windows
 
 
 class LocalTransport(Transport):
@@ -20,7 +21,7 @@ class LocalTransport(Transport):
     def __init__(self, handle: SharedStoreHandle) -> None:
         self._shard = SharedShard(handle.capacity, handle=handle)
 
-    def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
+    def read(self, request: Windows, out: list[torch.Tensor]) -> None:
         columns = self._shard.mapped_columns()
         if not columns:
             raise RuntimeError("the shard has published no rows yet")

@@ -47,7 +47,6 @@ import torch
 
 from gear_torchrl.distributed.transports.base import (
     ColumnLayout,
-    ReadRequest,
     ShardUnavailableError,
     Transport,
 )
@@ -58,6 +57,7 @@ from gear_torchrl.distributed.transports.rdma_plan import (
     region_end_of,
     valid_positions,
 )
+from gear_torchrl.store.shard import Windows
 
 logger = logging.getLogger(__name__)
 
@@ -397,7 +397,7 @@ def drive_completions(num_wrs: int, max_outstanding: int, post: Callable[[int, i
 
 # ----------------------------------------------------------------------------- staging and outputs
 
-def check_outputs(request: ReadRequest, out: Sequence[torch.Tensor], layout: ColumnLayout) -> list[int]:
+def check_outputs(request: Windows, out: Sequence[torch.Tensor], layout: ColumnLayout) -> list[int]:
     """Bytes of each column's output, after checking ``out`` is what ``Transport.read`` promises."""
     if len(out) != len(layout.row_bytes):
         raise ValueError(f"expected {len(layout.row_bytes)} output tensors, got {len(out)}")
@@ -422,7 +422,7 @@ def staging_layout(column_bytes: Sequence[int], align: int = 64) -> tuple[list[i
     return offsets, total
 
 
-def copy_staged(staging: torch.Tensor, offsets: Sequence[int], request: ReadRequest,
+def copy_staged(staging: torch.Tensor, offsets: Sequence[int], request: Windows,
                 out: Sequence[torch.Tensor], row_bytes: Sequence[int]) -> None:
     """Copy the valid positions of each column from staging to ``out``; padding stays untouched."""
     n = request.num_positions
@@ -777,7 +777,7 @@ class RdmaTransport(Transport):
         self._closed = False
         self._lock = threading.Lock()
 
-    def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
+    def read(self, request: Windows, out: list[torch.Tensor]) -> None:
         with self._lock:
             if self._closed:
                 raise ShardUnavailableError("the RDMA transport is closed")

@@ -1,4 +1,4 @@
-"""Plan one-sided RDMA READs for a ``ReadRequest``: pure arithmetic, no verbs.
+"""Plan one-sided RDMA READs for a ``Windows``: pure arithmetic, no verbs.
 
 A read request names windows of ring rows for every column. RDMA READ moves
 one contiguous remote byte range per work request (WR) and scatters it into
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gear_torchrl.distributed.transports.base import ColumnLayout, ReadRequest
+from gear_torchrl.distributed.transports.base import ColumnLayout
+from gear_torchrl.store.shard import Windows
 
 # ibv_sge.length and ibv_send_wr byte counts are 32-bit; keep every WR below 2 GiB.
 MAX_MSG_BYTES_LIMIT = 1 << 31
@@ -87,7 +88,7 @@ def _as_int64(t: torch.Tensor | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(t, dtype=_I64).reshape(-1)
 
 
-def window_row_runs(request: ReadRequest, capacity: int) -> RowRuns:
+def window_row_runs(request: Windows, capacity: int) -> RowRuns:
     """Split each window's valid positions into runs of ring rows, wrapping at ``capacity``.
 
     Position ``p`` of window ``w`` is ring row ``(starts[w] + p) % capacity``, so
@@ -222,7 +223,7 @@ def pack_work_requests(pieces: BytePieces, max_sge: int, max_msg_bytes: int) -> 
     )
 
 
-def plan_reads(request: ReadRequest, layout: ColumnLayout, remote_base: int,
+def plan_reads(request: Windows, layout: ColumnLayout, remote_base: int,
                out_addrs: Sequence[int], max_sge: int, max_msg_bytes: int) -> ReadPlan:
     """All WRs that read ``request`` from the segment at ``remote_base`` into ``out_addrs``.
 
@@ -240,7 +241,7 @@ def region_end_of(layout: ColumnLayout) -> int:
     return max(ends, default=0)
 
 
-def valid_positions(request: ReadRequest) -> torch.Tensor:
+def valid_positions(request: Windows) -> torch.Tensor:
     """Output positions (``w * seq_len + p``) that a read fills, ascending, int64."""
     begin = request.valid_begin.reshape(-1, 1).to(torch.int64)
     end = request.valid_end.reshape(-1, 1).to(torch.int64)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from gear_torchrl.distributed.transports.base import ReadRequest, Transport
+from gear_torchrl.distributed.transports.base import Transport
+from gear_torchrl.store.shard import Windows
 
 
 class TcpTransport(Transport):
@@ -21,5 +22,5 @@ class TcpTransport(Transport):
     def __init__(self, client) -> None:
         self._client = client
 
-    def read(self, request: ReadRequest, out: list[torch.Tensor]) -> None:
+    def read(self, request: Windows, out: list[torch.Tensor]) -> None:
         self._client.read(request, out)
