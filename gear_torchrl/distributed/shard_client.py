@@ -148,7 +148,7 @@ class ShardClient:
 
     def give_back(self, spec: SelectionSpec, rows: torch.Tensor) -> None:
         """Rows of an earlier pick the learner did not use (a queue serves them again)."""
-        self.request(Message(Op.GIVE_BACK, {"selection": spec.to_json()}, [rows.to(torch.int64).contiguous()]))
+        self.request(give_back_message(spec, rows))
 
     def dump(self, directory: str) -> None:
         """The owner saves its shard and shared selection state under ``directory`` (on its host)."""
@@ -202,7 +202,7 @@ class Ask:
 
 @dataclass
 class Post:
-    """A request whose reply carries nothing back (an UPDATE), sent in a ``Flight`` with others."""
+    """A request whose reply carries nothing back (an UPDATE, a GIVE_BACK), sent in a ``Flight`` with others."""
 
     message: Message
     columns: None = None
@@ -221,6 +221,11 @@ def update_message(spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tens
     generation = torch.empty(0, dtype=torch.int64) if generation is None else generation.to(torch.int64)
     arrays = [rows.to(torch.int64).contiguous(), priority.to(torch.float64).contiguous(), generation.contiguous()]
     return Message(Op.UPDATE, {"selection": spec.to_json()}, arrays)
+
+
+def give_back_message(spec: SelectionSpec, rows: torch.Tensor) -> Message:
+    """Rows of an earlier pick the learner did not use (a queue serves them again)."""
+    return Message(Op.GIVE_BACK, {"selection": spec.to_json()}, [rows.to(torch.int64).contiguous()])
 
 
 @functools.lru_cache(maxsize=256)

@@ -24,7 +24,7 @@ from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.fan_out import FailurePolicy, FanOut
 from gear_torchrl.distributed.shard_checkpoint import check_layout, shard_directory, write_layout
-from gear_torchrl.distributed.shard_client import Ask, Flight, Post, ShardClient, update_message
+from gear_torchrl.distributed.shard_client import Ask, Flight, Post, ShardClient, give_back_message, update_message
 from gear_torchrl.distributed.transports.base import ColumnLayout, ShardUnavailableError, Transport
 from gear_torchrl.distributed.transports.registry import CHOICES, Reach, open_transport
 from gear_torchrl.selection.checked_inputs import as_generation, as_priority
@@ -322,7 +322,7 @@ class ShardSet:
             raise RuntimeError(f"top-k: asked for the top {count} rows, only {best.numel()} are stored "
                                f"in the {len(live)} live shards")
         table, columns = self.read_ids(best)
-        return ShardPicks(best, Windows(best, 1, torch.zeros_like(best), torch.ones_like(best)), columns, table)
+        return ShardPicks(best, Windows.of_rows(best), columns, table)
 
     def give_back(self, spec: SelectionSpec, got: list[tuple[int, Picked, Any]]) -> None:
         """Hand an unfilled batch's picks back to their owners: a queue's rows are consumed only when delivered."""
@@ -330,17 +330,34 @@ class ShardSet:
         for shard, picked, _ in got:  # a shard may have picked in several rounds
             if shard not in self.failed:
                 picks[shard] = torch.cat([picks.get(shard, _NO_ROWS), picked.starts])
-        if picks:
-            self.on_each(list(picks), lambda s, _: self._give_back_to(s, spec, picks[s]), [0] * len(picks))
+        self._give_back_to(spec, picks)
 
     def give_back_ids(self, spec: SelectionSpec, ids: torch.Tensor) -> None:
         """Rows a learner picked and did not use, by global id."""
         shards, rows = global_ids.decode(ids)
-        owners = [s for s in torch.unique(shards).tolist() if s in self.live_shards]
-        self.on_each(owners, lambda s, _: self._give_back_to(s, spec, rows[shards == s]), [0] * len(owners))
+        self._give_back_to(spec, {s: rows[shards == s] for s in torch.unique(shards).tolist() if s in self.live_shards})
 
-    def _give_back_to(self, shard: int, spec: SelectionSpec, rows: torch.Tensor) -> None:
-        self._answerer(shard).give_back(spec, rows)
+    def _give_back_to(self, spec: SelectionSpec, rows: dict[int, torch.Tensor]) -> None:
+        self._tell_owners(list(rows), lambda s: give_back_message(spec, rows[s]),
+                          lambda view, s: view.give_back(spec, rows[s]))
+
+    def _tell_owners(self, owners: list[int], message_of: Any, in_place: Any) -> None:
+        """One request per owner whose answer is OK (updates, gives-back): the remote owners' in one
+        ``Flight``, with one wait; a shard this process serves, ``in_place(its view, shard)``."""
+        outcomes: dict[int, Any] = {}
+        posted: list[tuple[int, ShardClient, Post]] = []
+        for s in owners:
+            try:
+                answerer = self._answerer(s)
+                if isinstance(answerer, ShardClient):
+                    posted.append((s, answerer, Post(message_of(s))))
+                else:
+                    outcomes[s] = in_place(answerer, s)
+            except Exception as exc:
+                outcomes[s] = exc
+        flight = Flight([c for _, c, _ in posted], [p for *_, p in posted])
+        outcomes.update(zip([s for s, _, _ in posted], flight.land()))
+        self._fan_out.settle([(s, outcomes[s]) for s in owners], self._disconnect)
 
     def _assemble(self, got: list[tuple[int, Picked, Ask]], scalars: dict[str, float],
                   batch: list[torch.Tensor] | None) -> ShardPicks:
@@ -400,21 +417,11 @@ class ShardSet:
             if s >= self.num_shards:
                 raise IndexError(f"a row id names shard {s}, but the store has {self.num_shards} shards")
 
-        outcomes: dict[int, Any] = {}
-        posted: list[tuple[int, ShardClient, Post]] = []
-        for s in owners:  # remote owners get theirs in one Flight; a shard this process serves, in place
-            mine = shards == s
-            args = (spec, rows[mine], priority[mine], None if generation is None else generation[mine])
-            try:
-                answerer = self._answerer(s)
-                if isinstance(answerer, ShardClient):
-                    posted.append((s, answerer, Post(update_message(*args))))
-                else:
-                    outcomes[s] = answerer.update(*args)
-            except Exception as exc:
-                outcomes[s] = exc
-        outcomes.update(zip([s for s, _, _ in posted], Flight([c for _, c, _ in posted], [p for *_, p in posted]).land()))
-        self._fan_out.settle([(s, outcomes[s]) for s in owners], self._disconnect)
+        def args_of(shard: int) -> tuple:
+            mine = shards == shard
+            return spec, rows[mine], priority[mine], None if generation is None else generation[mine]
+
+        self._tell_owners(owners, lambda s: update_message(*args_of(s)), lambda view, s: view.update(*args_of(s)))
         self.live()  # skipping may have left none
 
     # -- statistics --------------------------------------------------------------------------
