@@ -117,7 +117,7 @@ class ShardClient:
     def select(self, spec: SelectionSpec, count: int, seed: int | None = None) -> Picked:
         """The owner's pick of ``count`` rows or windows (drawn from ``seed`` when given), held readable
         on the owner until a RELEASE (or the next selection)."""
-        outcome = select_many([self], [Ask(spec, count, seed)])[0]
+        outcome = Flight([self], [Ask(spec, count, seed)]).land()[0]
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
@@ -231,11 +231,6 @@ def give_back_message(spec: SelectionSpec, rows: torch.Tensor) -> Message:
 @functools.lru_cache(maxsize=256)
 def _spec_json(spec: SelectionSpec) -> bytes:
     return json.dumps(spec.to_json(), separators=(",", ":")).encode()
-
-
-def select_many(clients: list[ShardClient], asks: list[Ask]) -> list[Picked | Exception]:
-    """Every owner's picks, and rows where asked, in one round trip (see ``Flight``)."""
-    return Flight(clients, asks).land()
 
 
 Request = Ask | Post  # what a Flight carries: a selection, or a request answered with nothing but OK

@@ -212,7 +212,7 @@ class _Session:
         if not 0 <= count <= MAX_READ_POSITIONS:
             raise ValueError(f"cannot select {count} rows in one request")
         num_columns = self._columns_asked(request) if request.meta.get("read") else None
-        picked = self.view.pick(spec_of(request.meta["selection"]), count, _seeded(request.meta.get("seed")))
+        picked = self.view.pick(spec_of(request.meta["selection"]), count, request.meta.get("seed"))
         names = sorted(picked.extra)
         meta = {"seq_len": picked.seq_len, "mass": picked.mass, "scalars": picked.scalars, "extra": names}
         arrays = [a.contiguous() for a in (picked.starts, picked.valid_begin, picked.valid_end,
@@ -310,15 +310,6 @@ def _directory(request: Message) -> str:
     if not isinstance(path, str) or not path:
         raise ValueError(f"a checkpoint request names a directory, got {path!r}")
     return path
-
-
-def _seeded(seed: object) -> torch.Generator | None:
-    """The learner's generator for this pick (None: the owner's global one)."""
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
-        raise ValueError(f"a selection seed is an int in [0, 2**63), got {seed!r}")
-    return torch.Generator().manual_seed(seed)
 
 
 def _viewed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

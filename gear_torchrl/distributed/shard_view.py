@@ -37,11 +37,13 @@ class ShardView:
         with self.selectors.using(spec, self._own) as selector:
             yield selector
 
-    def pick(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> Picked:
-        """``count`` picks, their rows readable until ``release`` (none held when nothing was picked).
+    def pick(self, spec: SelectionSpec, count: int, seed: object) -> Picked:
+        """``count`` picks drawn from the learner's ``seed`` (None: the owner's global generator), their
+        rows readable until ``release`` (none held when nothing was picked).
 
         Its scalars are plain floats, with the shard's ``rows`` (what the learner's size comes from).
         """
+        generator = _seeded(seed)
         with self.selector(spec) as selector, self.shard.picking():
             selector.follow(self.shard)
             picked = selector.pick(self.shard, count, generator)
@@ -66,6 +68,16 @@ class ShardView:
     def close(self) -> None:
         self.release()
         self.shard.close()
+
+
+def _seeded(seed: object) -> torch.Generator | None:
+    """The learner's generator for a pick (None: the owner's global one); a seed is checked, as it may come
+    from any learner."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+        raise ValueError(f"a selection seed is an int in [0, 2**63), got {seed!r}")
+    return torch.Generator().manual_seed(seed)
 
 
 def spec_of(blob: Any) -> SelectionSpec:

@@ -32,23 +32,21 @@ class InProcessTransport(Transport):
             if not shard.mapped_columns():
                 raise IndexError("the shard holds no rows yet")
             shard.check_readable_windows(request)
-            gather.gather_windows(shard.columns[: len(out)], request.starts, request.seq_len, _CPU,
-                                  request.valid_begin, request.valid_end, out=out)
+            self._gather(request, out)
 
     def select(self, client: Any, ask: Ask) -> Picked:
         """Picks, and their rows gathered where ``ask`` says (if it asks for rows), released at once."""
-        generator = None if ask.seed is None else torch.Generator().manual_seed(ask.seed)
-        picked = self._view.pick(ask.spec, ask.count, generator)
-        if ask.columns is None or not picked.count:
-            self._view.release()
-            return picked
+        picked = self._view.pick(ask.spec, ask.count, ask.seed)
         try:
-            out = ask.rows(picked.count * picked.seq_len)
-            gather.gather_windows(self._view.shard.columns[: len(out)], picked.starts, picked.seq_len, _CPU,
-                                  picked.valid_begin, picked.valid_end, out=out)
+            if ask.columns is not None and picked.count:
+                self._gather(picked, ask.rows(picked.count * picked.seq_len))
         finally:
             self._view.release()
         return picked
+
+    def _gather(self, w: Windows | Picked, out: list[torch.Tensor]) -> None:
+        gather.gather_windows(self._view.shard.columns[: len(out)], w.starts, w.seq_len, _CPU, w.valid_begin,
+                              w.valid_end, out=out)
 
     def update(self, spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,
                generation: torch.Tensor | None) -> None:

@@ -12,7 +12,7 @@ class TcpTransport(Transport):
 
     A selection's rows come back in the selection's own reply, so the learner
     asks every tcp shard of a round at once and waits on all of them together
-    (``shard_client.select_many``); a READ also ends the read section of the
+    (``shard_client.Flight``); a READ also ends the read section of the
     selection before it.
     """
 
