@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "gather.h"
+#include "owner.h"
 #include "recv.h"
 #include "send.h"
 #include "trees.h"
@@ -80,6 +81,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "One framed reply from each socket, waited on together (GIL released): (status, head, small arrays)",
       py::arg("fds"), py::arg("columns"), py::arg("first"), py::arg("timeout_s"));
+  m.def(
+      "serve_sample_rows",
+      [](int64_t fd, at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
+         int64_t seen_seq, int64_t max_lag, double catch_up_s) {
+        const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
+        py::gil_scoped_release released;
+        const gear::Served s = gear::serve_sample_rows(fd, store, seen_seq, max_lag, catch_up_s);
+        return std::make_tuple(s.code, s.count, s.seed, s.columns, s.answered);
+      },
+      "Answer SAMPLE_ROWS requests natively until Python must act (GIL released): "
+      "(code, count, seed, columns, answered)",
+      py::arg("fd"), py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"),
+      py::arg("seen_seq"), py::arg("max_lag"), py::arg("catch_up_s"));
+  m.def("owned_store_words", &gear::owned_store_words);
   m.def("built_with_cuda", &built_with_cuda);
   m.def("tree_nodes", &gear::tree_nodes, "Size of a tree tensor over `capacity` leaves", py::arg("capacity"));
   m.def("tree_leaf_offset", &gear::tree_leaf_offset, py::arg("nodes"));

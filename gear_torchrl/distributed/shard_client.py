@@ -6,7 +6,6 @@ import errno
 import functools
 import itertools
 import json
-import os
 import socket
 import threading
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from gear_torchrl.distributed.transports.base import (
 )
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store.shard import EmptyStoreError, Windows
 from gear_torchrl.store.state_checks import CheckpointError
 
@@ -192,8 +192,14 @@ class Ask:
         return _picked_of(meta, arrays)
 
     def request(self) -> Message:
-        """The SELECT, its metadata encoded here: the rule's JSON once per rule, the rest by hand."""
+        """The SELECT, its metadata encoded here: the rule's JSON once per rule, the rest by hand.
+
+        Uniform rows read back at once go as SAMPLE_ROWS, which the owner answers in its extension.
+        """
         read = self.columns is not None
+        if read and isinstance(self.spec, UniformSpec) and self.columns and _fits_int64(self.seed):
+            ask = [self.count, -1 if self.seed is None else self.seed, len(self.columns)]
+            return Message(Op.SAMPLE_ROWS, b"", [torch.tensor(ask, dtype=torch.int64)])
         meta = b'{"selection":%s,"count":%d,"seed":%s,"read":%s,"columns":%s}' % (
             _spec_json(self.spec), self.count, b"null" if self.seed is None else b"%d" % self.seed,
             b"true" if read else b"false", b"%d" % len(self.columns) if read else b"null")
@@ -226,6 +232,11 @@ def update_message(spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tens
 def give_back_message(spec: SelectionSpec, rows: torch.Tensor) -> Message:
     """Rows of an earlier pick the learner did not use (a queue serves them again)."""
     return Message(Op.GIVE_BACK, {"selection": spec.to_json()}, [rows.to(torch.int64).contiguous()])
+
+
+def _fits_int64(seed: int | None) -> bool:
+    """Whether SAMPLE_ROWS carries ``seed`` (others go in a SELECT, whose owner says what is wrong)."""
+    return seed is None or (type(seed) is int and 0 <= seed < 1 << 63)
 
 
 @functools.lru_cache(maxsize=256)
@@ -293,7 +304,7 @@ def _answer_of(client: ShardClient, ask: Request, status: int, head: torch.Tenso
     """One owner's answer to ``ask`` (from its reply, as ``receive_replies`` got it), or what went wrong."""
     try:
         if status:
-            raise _socket_error(status)
+            raise wire.socket_error(status)
         op, meta, _ = wire.parse_head(head.numpy().tobytes())  # a few hundred bytes
     except (OSError, wire.ProtocolError) as exc:
         return client._broken(exc)
@@ -315,14 +326,3 @@ def _picked_of(meta: dict[str, Any], arrays: list[torch.Tensor]) -> Picked:
     values = {n: a.view(EXTRA_DTYPES[n]) for n, a in zip(names, rest)}
     return Picked(starts.view(torch.int64), int(meta["seq_len"]), valid_begin.view(torch.int64),
                   valid_end.view(torch.int64), float(meta["mass"]), values, meta["scalars"])
-
-
-def _socket_error(status: int) -> OSError | wire.ProtocolError:
-    """The error a failed native receive stands for (``status`` is -errno)."""
-    if status == -errno.ECONNRESET:
-        return ConnectionResetError("the peer closed the connection")
-    if status == -errno.ETIMEDOUT:
-        return TimeoutError("timed out")
-    if status == -errno.EPROTO:
-        return wire.ProtocolError("a reply that is not the protocol's framing, or larger than asked for")
-    return OSError(-status, os.strerror(-status))

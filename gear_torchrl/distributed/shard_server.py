@@ -26,11 +26,14 @@ import torch
 
 from gear_torchrl._ext import _C
 from gear_torchrl.distributed import wire
+from gear_torchrl.distributed.native_owner import NativeOwner
 from gear_torchrl.distributed.row_sender import ReplyCutShort, RowSender
 from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.distributed.shard_view import ShardView, spec_of
 from gear_torchrl.selection.registry import SelectorRegistry
+from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store.shard import Windows
 from gear_torchrl.store.shared_shard import SharedStoreHandle
 
@@ -163,13 +166,19 @@ class _Session:
         self.shard = view.shard
         self.timeout = timeout
         self.rows = RowSender(conn)
+        self.native = NativeOwner(view)
         self.holding = False  # a selection's rows stay readable for a one-sided read, until RELEASE
 
     def next_request(self) -> Message:
-        """The learner's next request; a selection it holds longer than the timeout is released meanwhile."""
+        """The learner's next request that Python answers (the extension answers the plain ones before it);
+        a selection it holds longer than the timeout is released meanwhile."""
         if self.holding and not _request_within(self.conn, self.timeout):
             logger.warning("a learner held a selection for %g s without releasing it: released for it", self.timeout)
             self._release()
+        if not self.holding:
+            request = self.native.serve(self.conn)
+            if request is not None:
+                return request
         return wire.receive(self.conn)
 
     def respond(self, request: Message) -> None:
@@ -179,11 +188,16 @@ class _Session:
 
     def handle(self, request: Message) -> Message | None:
         """The reply to ``request``, or None when there is none or it went out already (rows)."""
-        if request.op in (Op.SELECT, Op.RELEASE):
+        if request.op in (Op.SELECT, Op.SAMPLE_ROWS, Op.RELEASE):
             self._release()  # a connection holds at most one selection's rows
         try:
             if request.op == Op.SELECT:
-                return self._select(request)
+                meta = request.meta
+                columns = self._columns_asked(meta.get("columns")) if meta.get("read") else None
+                return self._select(spec_of(meta["selection"]), int(meta["count"]), meta.get("seed"), columns)
+            if request.op == Op.SAMPLE_ROWS:
+                count, seed, columns = _sample_rows_request(request)
+                return self._select(_UNIFORM, count, seed, self._columns_asked(columns))
             if request.op == Op.READ:
                 return self._read(request)
             if request.op == Op.RELEASE:
@@ -207,12 +221,12 @@ class _Session:
             self._release()
             return wire.error(exc)
 
-    def _select(self, request: Message) -> Message | None:
-        count = int(request.meta["count"])
+    def _select(self, spec: SelectionSpec, count: int, seed: object, num_columns: int | None) -> Message | None:
+        """Pick ``count``; reply with the picks, and their rows in ``num_columns`` columns unless None
+        (then they stay readable for a one-sided read)."""
         if not 0 <= count <= MAX_READ_POSITIONS:
             raise ValueError(f"cannot select {count} rows in one request")
-        num_columns = self._columns_asked(request) if request.meta.get("read") else None
-        picked = self.view.pick(spec_of(request.meta["selection"]), count, request.meta.get("seed"))
+        picked = self.view.pick(spec, count, seed)
         names = sorted(picked.extra)
         meta = {"seq_len": picked.seq_len, "mass": picked.mass, "scalars": picked.scalars, "extra": names}
         arrays = [a.contiguous() for a in (picked.starts, picked.valid_begin, picked.valid_end,
@@ -225,12 +239,12 @@ class _Session:
         self._send_rows(meta, arrays, Windows(arrays[0], picked.seq_len, arrays[1], arrays[2]), num_columns)
         return None
 
-    def _columns_asked(self, request: Message) -> int:
-        """How many columns a reply of rows carries: those of the table the learner knows.
+    def _columns_asked(self, asked: object) -> int:
+        """How many columns a reply of rows carries: those of the table the learner knows (None: all).
 
         Columns added to the store since come after them, so a learner that described it earlier reads on.
         """
-        asked, held = request.meta.get("columns"), len(self.shard.mapped_columns())
+        held = len(self.shard.mapped_columns())
         if asked is None:
             return held
         if isinstance(asked, bool) or not isinstance(asked, int) or not 0 < asked <= held:
@@ -252,7 +266,7 @@ class _Session:
             _C.check_windows(starts, valid_begin, valid_end, seq_len, shard.capacity)
             windows = Windows(starts, seq_len, valid_begin, valid_end)
             shard.check_readable_windows(windows)
-            self._send_rows({}, [], windows, self._columns_asked(request))
+            self._send_rows({}, [], windows, self._columns_asked(request.meta.get("columns")))
 
     def _send_rows(self, meta: dict[str, Any], arrays: list[torch.Tensor], windows: Windows,
                    num_columns: int) -> None:
@@ -290,10 +304,20 @@ class _Session:
                                "offsets": shard.column_offsets() if published else None})
 
     def close(self) -> None:
+        self.native.close()
         self.view.close()
 
 
 _NO_BYTES = torch.empty(0, dtype=torch.uint8)
+_UNIFORM = UniformSpec()
+
+
+def _sample_rows_request(request: Message) -> tuple[int, object, int]:
+    """(count, seed, columns) of a SAMPLE_ROWS."""
+    if len(request.arrays) != 1 or request.arrays[0].numel() != 24:
+        raise ValueError("a SAMPLE_ROWS carries one array: count, seed (-1: none) and columns, as int64")
+    count, seed, columns = request.arrays[0].view(torch.int64).tolist()
+    return count, None if seed == -1 else seed, columns
 _UPDATE_DTYPES = (torch.int64, torch.float64, torch.int64)
 
 

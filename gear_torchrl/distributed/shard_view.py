@@ -61,6 +61,11 @@ class ShardView:
         with self.selector(spec) as selector:
             selector.give_back(rows)
 
+    def catch_up(self) -> None:
+        """Replay what was published since this view last looked (its reader slot sees no news otherwise)."""
+        self.shard.refresh()
+        self.release()
+
     def release(self) -> None:
         """End the read section a pick (or a read) opened: writers may reuse those rows."""
         self.shard.release()

@@ -48,6 +48,7 @@ class Op:
     GIVE_BACK = 7  # picks a learner could not use (a batch left unfilled): consumed rows return to their queue
     DUMP = 8  # save the shard and its shared selection state under a directory
     LOAD = 9  # restore them from one, into the empty shard
+    SAMPLE_ROWS = 10  # uniform rows, read back at once: a SELECT the owner answers in the extension
 
 
 class ProtocolError(ConnectionError):
@@ -200,6 +201,17 @@ def drain(sock: socket.socket, n: int) -> None:
         k = min(n, scratch.nbytes)
         recv_into(sock, scratch[:k])
         n -= k
+
+
+def socket_error(status: int) -> OSError | ProtocolError:
+    """The error a native receive or send stands for (``status`` is -errno)."""
+    if status == -errno.ECONNRESET:
+        return ConnectionResetError("the peer closed the connection")
+    if status == -errno.ETIMEDOUT:
+        return TimeoutError("timed out")
+    if status == -errno.EPROTO:
+        return ProtocolError("a message that is not the protocol's framing, or larger than asked for")
+    return OSError(-status, os.strerror(-status))
 
 
 def error(exc: BaseException) -> Message:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from gear_torchrl.store import janitor
 from gear_torchrl.store.shared_memory import PAGE, SegmentLock, map_segment, page_round
@@ -53,6 +54,7 @@ _H_INSERTS, _H_SPEC_LEN, _H_RECORDS, _H_READERS, _H_FLOOR = 10, 12, 13, 14, 15
 _H_EVICTED, _H_EVICT_EPOCH = 17, 18  # rows below EVICTED - capacity are gone, since that epoch
 _H_READER_TIMEOUT_US = 19  # how long a writer waits for a reader before revoking its read
 _H_LAYOUT_VERSION = 20  # bumped each time the columns' layout grows (0: none yet)
+_H_DEAD_END = 21  # the end of the newest run a dead writer left: readable rows above it are all whole
 _EVICT_BLOCKS = 64  # the ring evicts 1/64 of itself at a time
 _HEADER_SLOTS = PAGE // 8
 _SPEC_BYTES = 1 << 16
@@ -283,7 +285,9 @@ class CommitLog:
         with self._locked():
             k = self._records.shape[0]
             self._records[reservation.seq % k, 3] = DEAD if dead else COMMITTED
-            if not dead:
+            if dead:
+                self._mark_dead_end(reservation.position + reservation.num_rows)
+            else:
                 self._h[_H_INSERTS] += reservation.num_rows
             self._publish()
 
@@ -297,11 +301,15 @@ class CommitLog:
                 if process_alive(int(record[2])):
                     break
                 record[3] = DEAD  # its writer died mid-copy
+                self._mark_dead_end(int(record[0] + record[1]))
             seq += 1
         if seq != int(self._h[_H_PUBLISHED_SEQ]):
             last = self._records[(seq - 1) % k]
             self._h[_H_PUBLISHED] = last[0] + last[1]
             self._h[_H_PUBLISHED_SEQ] = seq
+
+    def _mark_dead_end(self, end: int) -> None:
+        self._h[_H_DEAD_END] = max(int(self._h[_H_DEAD_END]), end)
 
     # -- readers --------------------------------------------------------------------------
     def begin_read(self) -> ReadSnapshot:
@@ -368,6 +376,28 @@ class CommitLog:
                 f"this read held the shared store's rows for longer than its reader timeout "
                 f"({self.reader_timeout_s:g} s; was this process stopped or paused?): writers went on and "
                 "may have overwritten them, so they are not returned. Sample again.")
+
+    def native_words(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The header and this process's reader slot, for the extension's reader (``csrc/cpu/owner.cpp``):
+        it follows ``begin_read`` and ``end_read`` without the lock, and leaves rows a dead writer left,
+        and everything else unusual, to this class."""
+        with self._locked():
+            slot = self._reader_slot if self._reader_slot is not None else self._claim_reader_slot()
+        return torch.from_numpy(self._h), torch.from_numpy(self._readers[slot])
+
+    @property
+    def reading(self) -> bool:
+        """Whether this process's read section is open."""
+        return self._reading
+
+    @property
+    def seen_seq(self) -> int:
+        """The records this reader has seen (its next ``begin_read`` starts there)."""
+        return self._seen_seq
+
+    @property
+    def num_records(self) -> int:
+        return int(self._records.shape[0])
 
     def forget_reads(self) -> None:
         """Start this reader's view again from the oldest record still held."""

@@ -393,6 +393,11 @@ class SharedShard(Shard):
             return None
         return [offset for _, offset in self._placement]
 
+    @property
+    def mapped_layout_version(self) -> int:
+        """The layout version whose columns this process has mapped (``mapped_columns`` maps the newest)."""
+        return self._layout_version
+
     def mapped_columns(self) -> list[torch.Tensor]:
         """The columns, mapped if a writer has published them since this process attached."""
         self._map_data()

@@ -1,0 +1,233 @@
+// Uniform rows are the one rule with no state of its own: a draw over the shard's readable range. An
+// owner answers them here, the interpreter released, with the same steps as the Python path: open a
+// read section in the store's control segment, draw from the learner's seed exactly as torch.randint
+// would, copy the rows out of the ring, close the section (a revoked one is never sent) and send the
+// reply in one framed message. Anything unusual goes back to Python, which answers it in full.
+#include "owner.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+namespace gear {
+namespace {
+
+// distributed/wire.py: "<4sHHIQ" magic, op, number of arrays, JSON bytes, array bytes; then JSON, then u64 lengths.
+constexpr size_t kHeader = 20;
+constexpr uint16_t kOk = 0;
+constexpr uint16_t kSampleRows = 10;
+constexpr size_t kRequestBytes = kHeader + 8 + 24;  // one array: count, seed (-1: none), columns
+constexpr int64_t kMaxPositions = 1 << 24;          // shard_server.MAX_READ_POSITIONS
+constexpr size_t kKeepBytes = 64u << 20;            // a thread keeps its reply buffer up to this size
+
+// store/commit_log.py: header words, and a reader slot's.
+constexpr int64_t kCapacity = 2, kState = 4, kReserved = 5, kPublished = 6, kPublishedSeq = 8, kEpoch = 9;
+constexpr int64_t kFloor = 15, kEvicted = 17, kLayoutVersion = 20, kDeadEnd = 21;
+constexpr int64_t kSlotEpoch = 1, kSlotRevoked = 2, kSlotLongerUs = 3;
+constexpr int64_t kOpen = 0;
+
+int64_t load(const int64_t* words, int64_t i) { return __atomic_load_n(words + i, __ATOMIC_ACQUIRE); }
+void store(int64_t* words, int64_t i, int64_t v) { __atomic_store_n(words + i, v, __ATOMIC_RELEASE); }
+
+template <typename T>
+void put(std::vector<char>& out, size_t at, T v) {
+  std::memcpy(out.data() + at, &v, sizeof(T));
+}
+
+template <typename T>
+T get(const char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+struct Request {
+  int64_t count, seed, columns;
+};
+
+// The readable positions [lo, hi) while a read section is open, as commit_log.begin_read finds them.
+struct Section {
+  int64_t* header;
+  int64_t* reader;
+  int64_t revocations;
+  int64_t lo, hi;
+
+  Section(int64_t* h, int64_t* r) : header(h), reader(r) {
+    // The slot's epoch is stamped before the ends are read (the fence orders the two): a writer that
+    // evicts after we read them sees the stamp and waits; one that evicted before shows in the ends.
+    store(reader, kSlotEpoch, load(header, kEpoch));
+    revocations = load(reader, kSlotRevoked);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    const int64_t capacity = load(header, kCapacity);
+    const int64_t evicted_end = std::max(load(header, kReserved), load(header, kEvicted));
+    lo = std::max({evicted_end - capacity, load(header, kFloor), int64_t{0}});
+    hi = load(header, kPublished);
+  }
+
+  // Closes the section; false if a writer revoked it meanwhile (what was copied may be torn).
+  bool close() {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  // the copy is done before the count is read
+    const bool kept = load(reader, kSlotRevoked) == revocations;
+    store(reader, kSlotLongerUs, 0);
+    store(reader, kSlotEpoch, 0);
+    return kept;
+  }
+};
+
+// Reads exactly n bytes (flags: MSG_PEEK to leave them queued); -errno, or -ECONNRESET at the end.
+int64_t receive(int fd, char* p, size_t n, int flags) {
+  for (;;) {
+    const ssize_t k = ::recv(fd, p, n, flags | MSG_WAITALL);
+    if (k == static_cast<ssize_t>(n)) return 0;
+    if (k == 0) return -ECONNRESET;
+    if (k < 0 && errno != EINTR) return -errno;
+    if (k > 0 && !(flags & MSG_PEEK)) {  // cut short by a signal: the rest
+      p += k;
+      n -= static_cast<size_t>(k);
+    }
+  }
+}
+
+int64_t send_all(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      return errno == EAGAIN || errno == EWOULDBLOCK ? -ETIMEDOUT : -errno;  // SO_SNDTIMEO ran out
+    }
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return 0;
+}
+
+std::vector<char>& reply_buffer() {
+  thread_local std::vector<char> buffer;
+  return buffer;
+}
+
+// Bytes per row of a column, and between rows.
+std::pair<int64_t, int64_t> row_layout(const at::Tensor& column) {
+  const int64_t rows = column.size(0);
+  return {rows ? column.numel() / rows * column.element_size() : 0, column.stride(0) * column.element_size()};
+}
+
+// The reply a SELECT of uniform rows gets (shard_server._select): picks, then each column's rows.
+// Returns 0 once sent, 1 when Python must answer, or -errno (the connection is broken).
+int64_t answer(int fd, const OwnedStore& s, const Request& q) {
+  int64_t* header = s.header.data_ptr<int64_t>();
+  const auto ncols = static_cast<size_t>(q.columns);
+  if (q.count <= 0 || q.count > kMaxPositions || q.seed < -1 || q.columns <= 0 || ncols > s.columns.size() ||
+      load(header, kLayoutVersion) != s.layout_version || load(header, kState) != kOpen) {
+    return 1;
+  }
+  Section section(header, s.reader.data_ptr<int64_t>());
+  const int64_t live = section.hi - section.lo;
+  if (live <= 0 || load(header, kDeadEnd) > section.lo) {  // empty, or rows a dead writer left are in range
+    section.close();
+    return 1;
+  }
+  std::optional<at::Generator> generator;
+  if (q.seed >= 0) generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.seed));
+  const at::Tensor offsets = at::randint(0, live, {q.count}, generator, at::kLong);
+  const int64_t* offset = offsets.data_ptr<int64_t>();
+  const int64_t capacity = s.columns.front().size(0);
+
+  char meta[160];
+  const int meta_len = std::snprintf(meta, sizeof(meta),
+                                     "{\"seq_len\":1,\"mass\":%" PRId64 ".0,\"scalars\":{\"rows\":%" PRId64
+                                     "},\"extra\":[]}", live, live);
+  const size_t count = static_cast<size_t>(q.count);
+  const size_t narrays = 3 + ncols;
+  std::vector<uint64_t> lengths(narrays, 8 * count);
+  for (size_t c = 0; c < ncols; ++c) lengths[3 + c] = count * static_cast<uint64_t>(row_layout(s.columns[c]).first);
+  uint64_t total = 0;
+  for (uint64_t n : lengths) total += n;
+  const size_t head = kHeader + static_cast<size_t>(meta_len) + 8 * narrays;
+  std::vector<char>& out = reply_buffer();
+  if (out.size() < head + total) out.resize(head + total);
+
+  std::memcpy(out.data(), "GEAR", 4);
+  put<uint16_t>(out, 4, kOk);
+  put<uint16_t>(out, 6, static_cast<uint16_t>(narrays));
+  put<uint32_t>(out, 8, static_cast<uint32_t>(meta_len));
+  put<uint64_t>(out, 12, total);
+  std::memcpy(out.data() + kHeader, meta, static_cast<size_t>(meta_len));
+  for (size_t i = 0; i < narrays; ++i) put<uint64_t>(out, kHeader + meta_len + 8 * i, lengths[i]);
+  auto* starts = reinterpret_cast<int64_t*>(out.data() + head);  // 8-aligned: head is 20 + meta + 8k
+  size_t at = head;
+  for (size_t i = 0; i < count; ++i) put<int64_t>(out, at + 8 * i, (section.lo + offset[i]) % capacity);
+  for (size_t i = 0; i < count; ++i) put<int64_t>(out, at + 8 * (count + i), 0);  // valid_begin
+  for (size_t i = 0; i < count; ++i) put<int64_t>(out, at + 8 * (2 * count + i), 1);  // valid_end
+  at += 24 * count;
+  for (size_t c = 0; c < ncols; ++c) {
+    const auto [row_bytes, stride] = row_layout(s.columns[c]);
+    const char* base = static_cast<const char*>(s.columns[c].data_ptr());
+    for (size_t i = 0; i < count; ++i, at += static_cast<size_t>(row_bytes)) {
+      int64_t row;
+      std::memcpy(&row, reinterpret_cast<const char*>(starts) + 8 * i, 8);
+      std::memcpy(out.data() + at, base + row * stride, static_cast<size_t>(row_bytes));
+    }
+  }
+  if (!section.close()) return 1;  // held too long: Python draws again (the same rows, for a seed)
+  const int64_t sent = send_all(fd, out.data(), head + total);
+  if (out.size() > kKeepBytes) std::vector<char>().swap(out);
+  return sent;
+}
+
+}  // namespace
+
+Served serve_sample_rows(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t max_lag, double catch_up_s) {
+  TORCH_CHECK(s.header.scalar_type() == at::kLong && s.header.numel() > kDeadEnd, "serve_sample_rows: bad header");
+  TORCH_CHECK(s.reader.scalar_type() == at::kLong && s.reader.numel() == 4, "serve_sample_rows: bad reader slot");
+  TORCH_CHECK(!s.columns.empty(), "serve_sample_rows: no columns");
+  for (const auto& c : s.columns) {
+    TORCH_CHECK(c.device().is_cpu() && c.dim() >= 1 && c.size(0) == s.columns.front().size(0) &&
+                    (c.dim() == 1 || c.select(0, 0).is_contiguous()),
+                "serve_sample_rows: columns are CPU rings of one capacity with contiguous rows");
+  }
+  const int fd = static_cast<int>(fd_);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(catch_up_s);
+  const int64_t* header = s.header.data_ptr<int64_t>();
+  Served served{kNextIsOther};
+  for (;;) {
+    char fixed[kRequestBytes];
+    const int64_t peeked = receive(fd, fixed, kHeader, MSG_PEEK);  // blocks until a request (or the end) comes
+    if (peeked < 0) return {peeked, 0, -1, 0, served.answered};
+    if (std::memcmp(fixed, "GEAR", 4) != 0 || get<uint16_t>(fixed + 4) != kSampleRows) return served;
+    const bool due = std::chrono::steady_clock::now() > until || load(header, kPublishedSeq) - seen_seq > max_lag;
+    if (due && served.answered > 0) {  // (the first answer of a call comes right after Python's turn)
+      return {kCatchUp, 0, -1, 0, served.answered};
+    }
+    const int64_t got = receive(fd, fixed, kRequestBytes, 0);
+    if (got < 0) return {got, 0, -1, 0, served.answered};
+    if (get<uint16_t>(fixed + 6) != 1 || get<uint32_t>(fixed + 8) != 0 || get<uint64_t>(fixed + 12) != 24 ||
+        get<uint64_t>(fixed + kHeader) != 24) {
+      return {-EPROTO, 0, -1, 0, served.answered};
+    }
+    const Request q{get<int64_t>(fixed + kHeader + 8), get<int64_t>(fixed + kHeader + 16),
+                    get<int64_t>(fixed + kHeader + 24)};
+    const int64_t done = answer(fd, s, q);
+    if (done < 0) return {done, 0, -1, 0, served.answered};
+    if (done == 1) return {kServeInPython, q.count, q.seed, q.columns, served.answered};
+    ++served.answered;
+  }
+}
+
+std::vector<std::pair<std::string, int64_t>> owned_store_words() {
+  return {{"_H_CAPACITY", kCapacity}, {"_H_STATE", kState},     {"_H_RESERVED", kReserved},
+          {"_H_PUBLISHED", kPublished}, {"_H_PUBLISHED_SEQ", kPublishedSeq}, {"_H_EPOCH", kEpoch},
+          {"_H_FLOOR", kFloor},         {"_H_EVICTED", kEvicted}, {"_H_LAYOUT_VERSION", kLayoutVersion},
+          {"_H_DEAD_END", kDeadEnd},    {"_SLOT_EPOCH", kSlotEpoch}, {"_SLOT_REVOKED", kSlotRevoked},
+          {"_SLOT_LONGER_US", kSlotLongerUs}, {"OPEN", kOpen}};
+}
+
+}  // namespace gear

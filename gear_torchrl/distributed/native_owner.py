@@ -1,0 +1,74 @@
+"""An owner's answers without the interpreter: uniform rows, drawn, read and sent by the extension.
+
+A learner asks for uniform rows read back at once with SAMPLE_ROWS. While
+such requests come, the connection's thread stays in ``_C.serve_sample_rows``
+(the GIL released): it opens a read section in the store's control segment
+as ``commit_log`` does, draws from the learner's seed exactly as the selector
+would, copies the rows out and sends the reply. It hands back to Python the
+request it does not answer (an empty store, rows a dead writer left, a new
+layout, a revoked read, a request out of bounds: Python answers those in full, errors included),
+any other op (unread), and, now and then, a turn to catch the view up with the store's records.
+"""
+from __future__ import annotations
+
+import socket
+
+import torch
+
+from gear_torchrl._ext import _C
+from gear_torchrl.distributed import wire
+from gear_torchrl.distributed.shard_view import ShardView
+from gear_torchrl.distributed.wire import Message, Op
+from gear_torchrl.store.commit_log import ReadRevokedError, StoreClosedError
+
+_NEXT_IS_OTHER, _SERVE_IN_PYTHON, _CATCH_UP = 0, 1, 2  # csrc/owner.h ServeCode
+CATCH_UP_S = 1.0  # the view replays the records published meanwhile at least this often
+
+
+class NativeOwner:
+    """One connection's SAMPLE_ROWS, answered through its view's reader slot."""
+
+    def __init__(self, view: ShardView) -> None:
+        self.view = view
+        self._source: tuple[int, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] | None = None
+
+    def serve(self, conn: socket.socket) -> Message | None:
+        """Answer SAMPLE_ROWS until another op is next (None: read it as usual) or one needs Python
+        (returned, as a request to answer)."""
+        log = self.view.shard.log
+        while not log.reading:
+            source = self._mapped()
+            if source is None:
+                return None
+            header, reader, columns = source
+            code, count, seed, num_columns, _ = _C.serve_sample_rows(
+                conn.fileno(), header, reader, columns, self._source[0], log.seen_seq, log.num_records // 4,
+                CATCH_UP_S)
+            if code == _NEXT_IS_OTHER:
+                return None
+            if code == _SERVE_IN_PYTHON:
+                ask = torch.tensor([count, seed, num_columns], dtype=torch.int64)
+                return Message(Op.SAMPLE_ROWS, {}, [ask.view(torch.uint8)])
+            if code != _CATCH_UP:
+                raise wire.socket_error(code)
+            try:
+                self.view.catch_up()
+            except (StoreClosedError, ReadRevokedError):
+                return None  # the request is answered in Python, which says what is wrong
+        return None
+
+    def _mapped(self) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+        """What the extension reads, for the layout published now; None before any (Python says it is empty)."""
+        shard = self.view.shard
+        columns = shard.mapped_columns()
+        version = shard.mapped_layout_version
+        if self._source is None or self._source[0] != version:
+            if shard.spec is None or not columns:
+                return None
+            header, reader = shard.log.native_words()
+            self._source = version, (header, reader, list(columns))
+        return self._source[1]
+
+    def close(self) -> None:
+        """Drop the views of the control segment (it cannot be unmapped while they live)."""
+        self._source = None

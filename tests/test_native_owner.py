@@ -1,0 +1,196 @@
+"""An owner answers uniform rows in its extension (SAMPLE_ROWS): the same picks and rows as its Python
+path, never a torn or dead row, and everything unusual answered by Python."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import shared_workers as w
+import torch
+from torchrl.data import TensorDictReplayBuffer
+
+from gear_torchrl import GearStorage
+from gear_torchrl._ext import _C
+from gear_torchrl.distributed import native_owner
+from gear_torchrl.distributed.directory import ShardDescriptor
+from gear_torchrl.distributed.shard_client import Ask, Flight, ShardClient
+from gear_torchrl.distributed.shard_server import ShardServer
+from gear_torchrl.distributed.shard_view import ShardView
+from gear_torchrl.distributed.wire import Message, Op
+from gear_torchrl.selection.registry import SelectorRegistry
+from gear_torchrl.selection.uniform import UniformSpec
+from gear_torchrl.store import commit_log
+from gear_torchrl.store.spec import TableSpec
+
+SECRET = b"n" * 32
+UNIFORM = UniformSpec()
+
+
+class Owner:
+    """A shared store of ``capacity`` rows served on loopback, one learner's client, and a count of the
+    picks the server's Python path made."""
+
+    def __init__(self, capacity: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.storage = GearStorage(capacity, shared=True)
+        self.rb = TensorDictReplayBuffer(storage=self.storage)
+        self.python_picks = 0
+        pick = ShardView.pick
+
+        def counted(view, *args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():  # the server's, not the test's
+                self.python_picks += 1
+            return pick(view, *args, **kwargs)
+
+        monkeypatch.setattr(ShardView, "pick", counted)
+        self.server = ShardServer(self.storage.handle, SECRET, host="127.0.0.1", timeout=5.0)
+        host, port = self.server.address
+        handle = self.storage.handle
+        self.client = ShardClient(ShardDescriptor(shard=0, rank=0, host="test", addr=host, port=port,
+                                                  store_id=handle.store_id, capacity=handle.capacity,
+                                                  end_keys=list(handle.end_keys), traj_key=handle.traj_key),
+                                  SECRET, 5.0)
+
+    def table(self) -> TableSpec:
+        return TableSpec.from_json(self.client.describe()["spec"])
+
+    def sample(self, count: int, seed: int | None):
+        """(picks, rows by column name) of one uniform ask read back at once."""
+        table = self.table()
+        columns = [torch.empty(count, *c.row_shape, dtype=c.dtype) for c in table.columns]
+        picked = Flight([self.client], [Ask(UNIFORM, count, seed, columns)]).land()[0]
+        if isinstance(picked, BaseException):
+            raise picked
+        return picked, {c.key: col[: picked.count] for c, col in zip(table.columns, columns)}
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
+        self.storage.close()
+
+
+@pytest.fixture
+def owner(monkeypatch):
+    made: list[Owner] = []
+    yield lambda capacity: made.append(Owner(capacity, monkeypatch)) or made[-1]
+    for o in made:
+        o.close()
+
+
+def _python_pick(storage: GearStorage, count: int, seed: int) -> torch.Tensor:
+    view = ShardView(storage.handle, SelectorRegistry(storage.handle.capacity))
+    try:
+        return view.pick(UNIFORM, count, seed).starts.clone()
+    finally:
+        view.close()
+
+
+def test_the_extension_draws_what_the_python_path_draws_and_sends_the_rows(owner):
+    o = owner(128)
+    o.rb.extend(w.keyed_rows(100, 0))
+    picked, rows = o.sample(64, seed=1234)
+    assert o.python_picks == 0, "uniform rows read back at once are answered without the interpreter"
+    expected = _python_pick(o.storage, 64, 1234)
+    assert torch.equal(picked.starts, expected)
+    assert torch.equal(rows["obs"], picked.starts.float())  # each row holds its own number
+    assert picked.mass == 100.0 and picked.scalars["rows"] == 100 and picked.seq_len == 1
+    assert torch.equal(picked.valid_begin, torch.zeros(64, dtype=torch.int64))
+    assert torch.equal(picked.valid_end, torch.ones(64, dtype=torch.int64))
+    again, _ = o.sample(64, seed=1234)
+    assert torch.equal(again.starts, picked.starts), "a seed draws the same rows again"
+    unseeded, rows = o.sample(64, seed=None)
+    assert unseeded.count == 64 and bool((unseeded.starts < 100).all())
+    assert torch.equal(rows["obs"], unseeded.starts.float())
+
+
+def test_a_store_that_wrapped_is_read_from_its_live_rows(owner):
+    o = owner(64)
+    for first in range(0, 150, 50):
+        o.rb.extend(w.keyed_rows(50, first))  # positions 86..149 (or fewer: evictions go by blocks) are live
+    picked, rows = o.sample(256, seed=5)
+    assert o.python_picks == 0
+    assert torch.equal(picked.starts, _python_pick(o.storage, 256, 5))
+    assert bool((rows["obs"] >= 150 - 64).all()) and torch.equal(rows["obs"].long() % 64, picked.starts)
+
+
+def test_what_the_extension_does_not_answer_python_does(owner):
+    o = owner(64)
+    o.rb.extend(w.keyed_rows(10, 0))
+    log = o.storage.shard.log
+    dead = log.reserve(5)  # a writer that died: its rows are published dead, never sampled
+    log.commit(dead, dead=True)
+    o.rb.extend(w.keyed_rows(10, 15))
+    picked, rows = o.sample(200, seed=9)
+    assert o.python_picks == 1, "rows a dead writer left are in range: Python's draw skips them"
+    assert not bool(((picked.starts >= 10) & (picked.starts < 15)).any())
+    assert torch.equal(rows["obs"], picked.starts.float())
+
+
+def test_an_empty_store_and_bad_asks_get_pythons_answers_and_the_connection_goes_on(owner):
+    o = owner(32)
+    o.rb.extend(w.keyed_rows(4, 0))
+    o.rb.empty()
+    picked, _ = o.sample(8, seed=1)
+    assert picked.count == 0 and o.python_picks == 1
+    o.rb.extend(w.keyed_rows(8, 0))
+    for ask, words in (([8, -5, 1], "seed"), ([1 << 30, 1, 1], "cannot select"), ([8, 1, 99], "columns")):
+        with pytest.raises(ValueError, match=words):
+            o.client.request(Message(Op.SAMPLE_ROWS, b"", [torch.tensor(ask, dtype=torch.int64)]))
+    picked, rows = o.sample(8, seed=2)
+    assert picked.count == 8 and torch.equal(rows["obs"] + 4, picked.starts.float())  # emptied rows stay used
+
+
+def test_columns_added_later_are_served_to_learners_that_know_them_and_to_those_that_do_not(owner):
+    o = owner(64)
+    o.rb.extend(w.keyed_rows(10, 0))
+    older = o.table()
+    o.sample(4, seed=1)
+    o.rb.extend(w.keyed_rows(10, 10, v=3.0))  # a new key: a new layout the extension was not given
+    columns = [torch.empty(16, *c.row_shape, dtype=c.dtype) for c in older.columns]
+    picked = Flight([o.client], [Ask(UNIFORM, 16, 7, columns)]).land()[0]
+    assert torch.equal(columns[older.find("obs")], picked.starts.float())
+    calls = o.python_picks
+    picked, rows = o.sample(16, seed=8)
+    assert o.python_picks == calls, "the new layout is answered natively once mapped"
+    assert torch.equal(rows["v"], torch.where(picked.starts >= 10, 3.0, 0.0))
+
+
+def test_catching_up_with_the_store_between_answers_changes_nothing(owner, monkeypatch):
+    monkeypatch.setattr(native_owner, "CATCH_UP_S", 0.0)  # a turn for the view before every answer
+    o = owner(64)
+    for first in range(0, 200, 20):
+        o.rb.extend(w.keyed_rows(20, first))
+        picked, rows = o.sample(32, seed=first)
+        assert torch.equal(picked.starts, _python_pick(o.storage, 32, first))
+        assert torch.equal(rows["obs"].long() % 64, picked.starts)
+    assert o.python_picks == 0
+
+
+def test_rows_read_while_writers_lap_the_ring_are_never_torn(owner):
+    o = owner(256)
+    o.rb.extend(w.keyed_rows(256, 0, v=0.0))
+    stop = threading.Event()
+
+    def write() -> None:
+        first = 256
+        while not stop.is_set():
+            rows = w.keyed_rows(64, first)
+            rows["v"] = rows["obs"] * 2  # every column of a row agrees
+            o.rb.extend(rows)
+            first += 64
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        for seed in range(200):
+            picked, rows = o.sample(128, seed=seed)
+            assert torch.equal(rows["obs"].long() % 256, picked.starts)
+            fresh = rows["obs"] >= 256
+            assert torch.equal(rows["v"][fresh], 2 * rows["obs"][fresh])
+    finally:
+        stop.set()
+        writer.join()
+
+
+def test_the_extension_reads_the_control_segment_words_the_store_lays_out():
+    for name, index in _C.owned_store_words():
+        assert getattr(commit_log, name) == index, name
