@@ -1,9 +1,11 @@
 // Uniform rows are the one rule with no state of its own: a draw over the shard's readable range. An
 // owner answers them here, the interpreter released, with the same steps as the Python path: open a
 // read section in the store's control segment, draw from the learner's seed exactly as torch.randint
-// would, copy the rows out of the ring, close the section (a revoked one is never sent) and send the
+// would, gather the rows out of the ring (cpu/gather.cpp, into the reply itself), close the section (a revoked one is never sent) and send the
 // reply in one framed message. Anything unusual goes back to Python, which answers it in full.
 #include "owner.h"
+
+#include "gather.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <poll.h>
@@ -82,17 +84,29 @@ struct Section {
   }
 };
 
-// Reads exactly n bytes (flags: MSG_PEEK to leave them queued); -errno, or -ECONNRESET at the end.
-int64_t receive(int fd, char* p, size_t n, int flags) {
+// Reads exactly n bytes (peek: leaves them queued); -errno, or -ECONNRESET at the end. It waits in poll,
+// not in a blocking recv: a recv that sleeps holds the socket's lock across the wake-up, which the sender's
+// softirq then spins on (a third of the owner's time, measured on these VMs).
+int64_t receive(int fd, char* p, size_t n, bool peek) {
+  size_t got = 0;
   for (;;) {
-    const ssize_t k = ::recv(fd, p, n, flags | MSG_WAITALL);
-    if (k == static_cast<ssize_t>(n)) return 0;
+    pollfd pfd{fd, POLLIN, 0};  // (after a reply, the next request is seldom there yet: wait first)
+    if (::poll(&pfd, 1, -1) < 0 && errno != EINTR) return -errno;
+    const ssize_t k = ::recv(fd, p + got, n - got, MSG_DONTWAIT | (peek ? MSG_PEEK : 0));
+    if (k == static_cast<ssize_t>(n - got)) return 0;
     if (k == 0) return -ECONNRESET;
-    if (k < 0 && errno != EINTR) return -errno;
-    if (k > 0 && !(flags & MSG_PEEK)) {  // cut short by a signal: the rest
-      p += k;
-      n -= static_cast<size_t>(k);
+    if (k > 0 && peek) {  // part of a header: wait for the rest where it lies (rare, so no poll loop)
+      const ssize_t all = ::recv(fd, p, n, MSG_PEEK | MSG_WAITALL);
+      if (all == static_cast<ssize_t>(n)) return 0;
+      if (all == 0) return -ECONNRESET;
+      if (all < 0 && errno != EINTR) return -errno;
+      continue;
     }
+    if (k > 0) {
+      got += static_cast<size_t>(k);
+      continue;
+    }
+    if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
   }
 }
 
@@ -114,10 +128,9 @@ std::vector<char>& reply_buffer() {
   return buffer;
 }
 
-// Bytes per row of a column, and between rows.
-std::pair<int64_t, int64_t> row_layout(const at::Tensor& column) {
+int64_t row_bytes(const at::Tensor& column) {
   const int64_t rows = column.size(0);
-  return {rows ? column.numel() / rows * column.element_size() : 0, column.stride(0) * column.element_size()};
+  return rows ? column.numel() / rows * column.element_size() : 0;
 }
 
 // The reply a SELECT of uniform rows gets (shard_server._select): picks, then each column's rows.
@@ -137,9 +150,8 @@ int64_t answer(int fd, const OwnedStore& s, const Request& q) {
   }
   std::optional<at::Generator> generator;
   if (q.seed >= 0) generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.seed));
-  const at::Tensor offsets = at::randint(0, live, {q.count}, generator, at::kLong);
-  const int64_t* offset = offsets.data_ptr<int64_t>();
-  const int64_t capacity = s.columns.front().size(0);
+  const at::Tensor rows = at::randint(0, live, {q.count}, generator, at::kLong).add_(section.lo).remainder_(
+      s.columns.front().size(0));
 
   char meta[160];
   const int meta_len = std::snprintf(meta, sizeof(meta),
@@ -148,7 +160,7 @@ int64_t answer(int fd, const OwnedStore& s, const Request& q) {
   const size_t count = static_cast<size_t>(q.count);
   const size_t narrays = 3 + ncols;
   std::vector<uint64_t> lengths(narrays, 8 * count);
-  for (size_t c = 0; c < ncols; ++c) lengths[3 + c] = count * static_cast<uint64_t>(row_layout(s.columns[c]).first);
+  for (size_t c = 0; c < ncols; ++c) lengths[3 + c] = count * static_cast<uint64_t>(row_bytes(s.columns[c]));
   uint64_t total = 0;
   for (uint64_t n : lengths) total += n;
   const size_t head = kHeader + static_cast<size_t>(meta_len) + 8 * narrays;
@@ -162,21 +174,19 @@ int64_t answer(int fd, const OwnedStore& s, const Request& q) {
   put<uint64_t>(out, 12, total);
   std::memcpy(out.data() + kHeader, meta, static_cast<size_t>(meta_len));
   for (size_t i = 0; i < narrays; ++i) put<uint64_t>(out, kHeader + meta_len + 8 * i, lengths[i]);
-  auto* starts = reinterpret_cast<int64_t*>(out.data() + head);  // 8-aligned: head is 20 + meta + 8k
   size_t at = head;
-  for (size_t i = 0; i < count; ++i) put<int64_t>(out, at + 8 * i, (section.lo + offset[i]) % capacity);
-  for (size_t i = 0; i < count; ++i) put<int64_t>(out, at + 8 * (count + i), 0);  // valid_begin
+  std::memcpy(out.data() + at, rows.data_ptr<int64_t>(), 8 * count);
+  for (size_t i = 0; i < count; ++i) put<int64_t>(out, at + 8 * (count + i), 0);      // valid_begin
   for (size_t i = 0; i < count; ++i) put<int64_t>(out, at + 8 * (2 * count + i), 1);  // valid_end
   at += 24 * count;
-  for (size_t c = 0; c < ncols; ++c) {
-    const auto [row_bytes, stride] = row_layout(s.columns[c]);
-    const char* base = static_cast<const char*>(s.columns[c].data_ptr());
-    for (size_t i = 0; i < count; ++i, at += static_cast<size_t>(row_bytes)) {
-      int64_t row;
-      std::memcpy(&row, reinterpret_cast<const char*>(starts) + 8 * i, 8);
-      std::memcpy(out.data() + at, base + row * stride, static_cast<size_t>(row_bytes));
-    }
+  GatherArgs gather{std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), {}, rows};
+  for (size_t c = 0; c < ncols; ++c) {  // the rows land in the reply, where the kernel copies them from
+    std::vector<int64_t> shape = s.columns[c].sizes().vec();
+    shape[0] = q.count;
+    gather.out.push_back(at::from_blob(out.data() + at, shape, s.columns[c].options()));
+    at += lengths[3 + c];
   }
+  gather_cpu(gather);
   if (!section.close()) return 1;  // held too long: Python draws again (the same rows, for a seed)
   const int64_t sent = send_all(fd, out.data(), head + total);
   if (out.size() > kKeepBytes) std::vector<char>().swap(out);
@@ -190,9 +200,8 @@ Served serve_sample_rows(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int
   TORCH_CHECK(s.reader.scalar_type() == at::kLong && s.reader.numel() == 4, "serve_sample_rows: bad reader slot");
   TORCH_CHECK(!s.columns.empty(), "serve_sample_rows: no columns");
   for (const auto& c : s.columns) {
-    TORCH_CHECK(c.device().is_cpu() && c.dim() >= 1 && c.size(0) == s.columns.front().size(0) &&
-                    (c.dim() == 1 || c.select(0, 0).is_contiguous()),
-                "serve_sample_rows: columns are CPU rings of one capacity with contiguous rows");
+    TORCH_CHECK(c.device().is_cpu() && c.dim() >= 1 && c.size(0) == s.columns.front().size(0) && c.is_contiguous(),
+                "serve_sample_rows: columns are contiguous CPU rings of one capacity");
   }
   const int fd = static_cast<int>(fd_);
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(catch_up_s);
@@ -200,14 +209,14 @@ Served serve_sample_rows(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int
   Served served{kNextIsOther};
   for (;;) {
     char fixed[kRequestBytes];
-    const int64_t peeked = receive(fd, fixed, kHeader, MSG_PEEK);  // blocks until a request (or the end) comes
+    const int64_t peeked = receive(fd, fixed, kHeader, true);  // blocks until a request (or the end) comes
     if (peeked < 0) return {peeked, 0, -1, 0, served.answered};
     if (std::memcmp(fixed, "GEAR", 4) != 0 || get<uint16_t>(fixed + 4) != kSampleRows) return served;
     const bool due = std::chrono::steady_clock::now() > until || load(header, kPublishedSeq) - seen_seq > max_lag;
     if (due && served.answered > 0) {  // (the first answer of a call comes right after Python's turn)
       return {kCatchUp, 0, -1, 0, served.answered};
     }
-    const int64_t got = receive(fd, fixed, kRequestBytes, 0);
+    const int64_t got = receive(fd, fixed, kRequestBytes, false);
     if (got < 0) return {got, 0, -1, 0, served.answered};
     if (get<uint16_t>(fixed + 6) != 1 || get<uint32_t>(fixed + 8) != 0 || get<uint64_t>(fixed + 12) != 24 ||
         get<uint64_t>(fixed + kHeader) != 24) {

@@ -7,6 +7,7 @@ import functools
 import itertools
 import json
 import socket
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -198,8 +199,8 @@ class Ask:
         """
         read = self.columns is not None
         if read and isinstance(self.spec, UniformSpec) and self.columns and _fits_int64(self.seed):
-            ask = [self.count, -1 if self.seed is None else self.seed, len(self.columns)]
-            return Message(Op.SAMPLE_ROWS, b"", [torch.tensor(ask, dtype=torch.int64)])
+            ask = _SAMPLE_ROWS.pack(self.count, -1 if self.seed is None else self.seed, len(self.columns))
+            return Message(Op.SAMPLE_ROWS, b"", [ask])  # type: ignore[list-item]  (bytes go out as they are)
         meta = b'{"selection":%s,"count":%d,"seed":%s,"read":%s,"columns":%s}' % (
             _spec_json(self.spec), self.count, b"null" if self.seed is None else b"%d" % self.seed,
             b"true" if read else b"false", b"%d" % len(self.columns) if read else b"null")
@@ -232,6 +233,9 @@ def update_message(spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tens
 def give_back_message(spec: SelectionSpec, rows: torch.Tensor) -> Message:
     """Rows of an earlier pick the learner did not use (a queue serves them again)."""
     return Message(Op.GIVE_BACK, {"selection": spec.to_json()}, [rows.to(torch.int64).contiguous()])
+
+
+_SAMPLE_ROWS = struct.Struct("<3q")  # count, seed (-1: none), columns
 
 
 def _fits_int64(seed: int | None) -> bool:

@@ -59,7 +59,7 @@ class ProtocolError(ConnectionError):
 class Message:
     op: int
     meta: dict[str, Any] | bytes = field(default_factory=dict)  # bytes: its JSON, encoded by the sender
-    arrays: list[torch.Tensor] = field(default_factory=list)
+    arrays: list[torch.Tensor] = field(default_factory=list)  # a sender may give bytes too
 
 
 def as_tensor_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def send(sock: socket.socket, message: Message) -> None:
-    views = [as_bytes(a) for a in message.arrays]
+    views = [memoryview(a) if isinstance(a, bytes) else as_bytes(a) for a in message.arrays]
     send_buffers(sock, [header(message.op, message.meta, [v.nbytes for v in views]), *views])
 
 
