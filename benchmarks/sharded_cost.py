@@ -183,6 +183,10 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
         contenders["prefetch"] = with_prefetch(True)
     if raw_ports:
         contenders["raw"] = _raw_batch(raw_ports)
+    served_by = {name: owner_pids for name in contenders}
+    if os.environ.get("GEAR_BENCH_RAY_SITE") and rule == "rows":
+        for name, (sample, actor_pid) in _ray_contenders(batches).items():
+            contenders[name], served_by[name] = sample, [actor_pid]
     calls = {}
     for b in batches:  # warm up, and size each turn to about SECONDS_PER_TURN
         for sample in contenders.values():
@@ -196,12 +200,12 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
     for _ in range(rounds):
         for b in batches:
             for name, sample in contenders.items():
-                owners0 = [_thread_cpu_ns(p) for p in owner_pids]
+                owners0 = [_thread_cpu_ns(p) for p in served_by[name]]
                 cpu0, wall0 = time.process_time(), time.perf_counter()
                 for _ in range(calls[b]):
                     sample(b)
                 wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-                owners = [(_thread_cpu_ns(p) - o) / 1e9 for p, o in zip(owner_pids, owners0)]
+                owners = [(_thread_cpu_ns(p) - o) / 1e9 for p, o in zip(served_by[name], owners0)]
                 owner_cpu = statistics.mean(owners) if owners and name != "LazyTensorStorage" else float("nan")
                 samples.setdefault((name, b), []).append((cpu / calls[b], owner_cpu / calls[b], b * calls[b] / wall))
     result = {}
@@ -221,10 +225,38 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
               f"main thread {(time.thread_time() - t0) / 300 * 1e6:.0f} us, process "
               f"{(time.process_time() - p0) / 300 * 1e6:.0f} us per batch; threads: "
               f"{[t.name for t in __import__('threading').enumerate()]}", file=sys.stderr)
-        profile = cProfile.Profile()
+        profile = cProfile.Profile(time.process_time)  # CPU time: what a batch costs, not what it waits
         profile.runcall(lambda: [sample_sharded(batches[0]) for _ in range(300)])
         pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(20)
     out.put(result)
+
+
+def _ray_contenders(batches: list[int]) -> dict:
+    """TorchRL's remote buffer on Ray (``service_backend="ray"``), one actor per transport and batch size
+    (the ``distributed`` transport binds its batch size at the first sample), each holding the same
+    steps in a ``LazyTensorStorage``: name -> (sample, the actor's pid). Ray is imported from
+    ``GEAR_BENCH_RAY_SITE`` (``pip install --target``), never from the library's environment."""
+    import functools
+
+    sys.path.append(os.environ["GEAR_BENCH_RAY_SITE"])
+    import ray
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    found = {}
+    for transport in ("ray", "distributed"):
+        buffers = {}
+        for b in batches:
+            rb = ReplayBuffer(storage=functools.partial(LazyTensorStorage, STEPS), batch_size=b,
+                              service_backend="ray", transport=transport,
+                              service_backend_options={"remote_config": {"num_cpus": 0},
+                                                       "ray_init_config": {"num_cpus": 2, "include_dashboard": False,
+                                                                           "log_to_driver": False}})
+            for first in range(0, STEPS, 10 * EPISODE):
+                rb.extend(_rows(10 * EPISODE, first))
+            buffers[b] = rb
+        pid = ray.get(buffers[batches[0]]._rb.__ray_call__.remote(lambda _: os.getpid()))
+        found[f"torchrl-ray-{transport}"] = (lambda b, buffers=buffers: buffers[b].sample(b)), pid
+    return found
 
 
 def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rounds: int, out) -> None:
@@ -321,6 +353,9 @@ def main() -> None:
     parser.add_argument("--rule", choices=["rows", "windows", "prioritized"], default="rows",
                         help="uniform rows, 64-step windows, or prioritized rows with a priority update per batch")
     parser.add_argument("--profile", action="store_true", help="print where the learner's time goes")
+    parser.add_argument("--ray-site", default=None,
+                        help="a folder holding Ray (pip install --target): adds TorchRL's remote buffer on Ray, "
+                             "transports ray and distributed, to the uniform-rows runs")
     parser.add_argument("--out", default="bench_out/sharded_cost.json")
     args = parser.parse_args()
     if args.cap_gbit is not None:
@@ -329,6 +364,8 @@ def main() -> None:
         os.environ["GEAR_BENCH_CAP_GBIT"] = str(args.cap_gbit)
     if args.profile:
         os.environ["GEAR_BENCH_PROFILE"] = "1"
+    if args.ray_site:
+        os.environ["GEAR_BENCH_RAY_SITE"] = os.path.abspath(args.ray_site)
     os.environ["GEAR_BENCH_RULE"] = args.rule
     rows = []
     for world in args.worlds:
@@ -347,9 +384,16 @@ def main() -> None:
                          else f"{result[f'prefetch/{b}']['steps_per_s'] / 1e6:.3f}",
                          "raw M steps/s": "-" if raw is None else f"{raw['steps_per_s'] / 1e6:.3f}",
                          "local M steps/s": f"{peer['steps_per_s'] / 1e6:.3f}"})
+            for transport in ("ray", "distributed") if args.ray_site else ():  # TorchRL's remote buffer
+                ray = result.get(f"torchrl-ray-{transport}/{b}")
+                rows[-1].update({f"{transport}: learner us": "-" if ray is None else f"{ray['learner_us']:.0f}",
+                                 f"{transport}: actor us": "-" if ray is None else f"{ray['owner_us']:.0f}",
+                                 f"{transport}: M steps/s": "-" if ray is None else f"{ray['steps_per_s'] / 1e6:.3f}",
+                                 f"ours / {transport}": "-" if ray is None
+                                 else f"{mine['steps_per_s'] / ray['steps_per_s']:.1f}"})
             if args.cap_gbit is not None:  # the share of the links' capacity each contender used
                 caps = args.cap_gbit * 1e9 / 8 * int(world) / ROW_BYTES
-                for name in ("sharded", "prefetch", "raw"):
+                for name in ("sharded", "prefetch", "raw", "torchrl-ray-ray", "torchrl-ray-distributed"):
                     if f"{name}/{b}" in result:
                         rows[-1][f"{name} / caps"] = f"{result[f'{name}/{b}']['steps_per_s'] / caps:.2f}"
         print(table(rows[-len(args.batches):], list(rows[0])), flush=True)

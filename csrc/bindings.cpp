@@ -44,6 +44,25 @@ void gather(std::vector<at::Tensor> columns, std::vector<at::Tensor> out, at::Te
   gear::gather_cpu(args);
 }
 
+// Runs f with the GIL released, for calls that wait on sockets (a server's daemon threads make them).
+// At interpreter exit, a daemon thread that takes the GIL back is ended by pthread_exit, which unwinds
+// its stack: taking the GIL back here, rather than in gil_scoped_release's destructor (noexcept), lets
+// that unwind pass instead of calling std::terminate (seen as SIGABRT when a job ends).
+template <typename F>
+auto without_gil(F&& f) {
+  PyThreadState* state = PyEval_SaveThread();
+  std::optional<decltype(f())> result;
+  std::exception_ptr error;
+  try {
+    result.emplace(f());
+  } catch (...) {
+    error = std::current_exception();
+  }
+  PyEval_RestoreThread(state);
+  if (error) std::rethrow_exception(error);
+  return std::move(*result);
+}
+
 bool built_with_cuda() {
 #ifdef GEAR_WITH_CUDA
   return true;
@@ -61,20 +80,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("valid_end") = py::none(), py::arg("seq_len") = 1, py::arg("mask") = py::none(),
         py::arg("hot_columns") = std::vector<at::Tensor>{}, py::arg("hot_owner") = py::none(),
         py::call_guard<py::gil_scoped_release>());
-  m.def("send_windows", &gear::send_windows, "Write windows' rows from the columns to a socket, no gather",
-        py::arg("fd"), py::arg("columns"), py::arg("starts"), py::arg("valid_begin"), py::arg("valid_end"),
-        py::arg("seq_len"), py::call_guard<py::gil_scoped_release>());
-  m.def("recv_exact", &gear::recv_exact, "Receive exactly a tensor's bytes from a socket (GIL released)",
-        py::arg("fd"), py::arg("out"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "send_windows",
+      [](int64_t fd, const std::vector<at::Tensor>& columns, const at::Tensor& starts, const at::Tensor& valid_begin,
+         const at::Tensor& valid_end, int64_t seq_len) {
+        without_gil([&] {
+          gear::send_windows(fd, columns, starts, valid_begin, valid_end, seq_len);
+          return true;
+        });
+      },
+      "Write windows' rows from the columns to a socket, no gather", py::arg("fd"), py::arg("columns"),
+      py::arg("starts"), py::arg("valid_begin"), py::arg("valid_end"), py::arg("seq_len"));
+  m.def(
+      "recv_exact",
+      [](int64_t fd, const at::Tensor& out, double timeout_s) {
+        return without_gil([&] { return gear::recv_exact(fd, out, timeout_s); });
+      },
+      "Receive exactly a tensor's bytes from a socket (GIL released)", py::arg("fd"), py::arg("out"),
+      py::arg("timeout_s"));
   m.def(
       "receive_replies",
       [](const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& columns,
          const std::vector<int64_t>& first, double timeout_s) {
-        std::vector<gear::Reply> replies;
-        {
-          py::gil_scoped_release released;
-          replies = gear::receive_replies(fds, columns, first, timeout_s);
-        }
+        std::vector<gear::Reply> replies = without_gil([&] { return gear::receive_replies(fds, columns, first, timeout_s); });
         std::vector<std::tuple<int64_t, at::Tensor, std::vector<at::Tensor>>> out;
         for (auto& r : replies) out.emplace_back(r.status, std::move(r.head), std::move(r.small));
         return out;
@@ -86,8 +114,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](int64_t fd, at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
          int64_t seen_seq, int64_t max_lag, double catch_up_s) {
         const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
-        py::gil_scoped_release released;
-        const gear::Served s = gear::serve_sample_rows(fd, store, seen_seq, max_lag, catch_up_s);
+        const gear::Served s =
+            without_gil([&] { return gear::serve_sample_rows(fd, store, seen_seq, max_lag, catch_up_s); });
         return std::make_tuple(s.code, s.count, s.seed, s.columns, s.answered);
       },
       "Answer SAMPLE_ROWS requests natively until Python must act (GIL released): "

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 MAX_READ_POSITIONS = 1 << 24  # rows in one READ
 MAX_HANDSHAKES = 64  # connections that have not answered the challenge yet, at once
+_CLOSE_WAIT_S = 2.0  # how long close waits for the connections' threads to end
 _PAUSES_S = (0.01, 1.0)  # after a failed accept: the first pause, and the longest
 
 
@@ -64,6 +65,7 @@ class ShardServer:
         self._connections: set[socket.socket] = set()
         self._handshakes = 0
         self._lock = threading.Lock()
+        self._all_ended = threading.Condition(self._lock)  # no connection left (what close waits for)
         threading.Thread(target=self._accept_loop, name="gear-shard-server", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -141,6 +143,8 @@ class ShardServer:
     def _forget(self, conn: socket.socket) -> None:
         with self._lock:
             self._connections.discard(conn)
+            if not self._connections:
+                self._all_ended.notify_all()
         conn.close()
 
     def close(self) -> None:
@@ -151,6 +155,8 @@ class ShardServer:
             except OSError:
                 pass
         self._listener.close()
+        with self._lock:  # their threads end now: none is left to wake while the interpreter exits
+            self._all_ended.wait_for(lambda: not self._connections, _CLOSE_WAIT_S)
 
     def _connections_now(self) -> list[socket.socket]:
         with self._lock:
