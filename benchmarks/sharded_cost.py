@@ -183,10 +183,10 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
         contenders["prefetch"] = with_prefetch(True)
     if raw_ports:
         contenders["raw"] = _raw_batch(raw_ports)
-    served_by = {name: owner_pids for name in contenders}
+    served_by = {name: {b: owner_pids for b in batches} for name in contenders}  # whose CPU serves a batch
     if os.environ.get("GEAR_BENCH_RAY_SITE") and rule == "rows":
-        for name, (sample, actor_pid) in _ray_contenders(batches).items():
-            contenders[name], served_by[name] = sample, [actor_pid]
+        for name, (sample, actor_pids) in _ray_contenders(batches).items():
+            contenders[name], served_by[name] = sample, actor_pids
     calls = {}
     for b in batches:  # warm up, and size each turn to about SECONDS_PER_TURN
         for sample in contenders.values():
@@ -200,12 +200,12 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
     for _ in range(rounds):
         for b in batches:
             for name, sample in contenders.items():
-                owners0 = [_thread_cpu_ns(p) for p in served_by[name]]
+                owners0 = [_thread_cpu_ns(p) for p in served_by[name][b]]
                 cpu0, wall0 = time.process_time(), time.perf_counter()
                 for _ in range(calls[b]):
                     sample(b)
                 wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-                owners = [(_thread_cpu_ns(p) - o) / 1e9 for p, o in zip(served_by[name], owners0)]
+                owners = [(_thread_cpu_ns(p) - o) / 1e9 for p, o in zip(served_by[name][b], owners0)]
                 owner_cpu = statistics.mean(owners) if owners and name != "LazyTensorStorage" else float("nan")
                 samples.setdefault((name, b), []).append((cpu / calls[b], owner_cpu / calls[b], b * calls[b] / wall))
     result = {}
@@ -234,11 +234,10 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
 def _ray_contenders(batches: list[int]) -> dict:
     """TorchRL's remote buffer on Ray (``service_backend="ray"``), one actor per transport and batch size
     (the ``distributed`` transport binds its batch size at the first sample), each holding the same
-    steps in a ``LazyTensorStorage``: name -> (sample, the actor's pid). Ray is imported from
-    ``GEAR_BENCH_RAY_SITE`` (``pip install --target``), never from the library's environment."""
+    steps in a ``LazyTensorStorage``: name -> (sample, the actor's pid for each batch size). Ray comes from ``--ray-site``
+    (on PYTHONPATH), never from the library's environment."""
     import functools
 
-    sys.path.append(os.environ["GEAR_BENCH_RAY_SITE"])
     import ray
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
@@ -254,8 +253,8 @@ def _ray_contenders(batches: list[int]) -> dict:
             for first in range(0, STEPS, 10 * EPISODE):
                 rb.extend(_rows(10 * EPISODE, first))
             buffers[b] = rb
-        pid = ray.get(buffers[batches[0]]._rb.__ray_call__.remote(lambda _: os.getpid()))
-        found[f"torchrl-ray-{transport}"] = (lambda b, buffers=buffers: buffers[b].sample(b)), pid
+        pids = {b: [ray.get(rb._rb.__ray_call__.remote(lambda _: os.getpid()))] for b, rb in buffers.items()}
+        found[f"torchrl-ray-{transport}"] = (lambda b, buffers=buffers: buffers[b].sample(b)), pids
     return found
 
 
@@ -364,8 +363,11 @@ def main() -> None:
         os.environ["GEAR_BENCH_CAP_GBIT"] = str(args.cap_gbit)
     if args.profile:
         os.environ["GEAR_BENCH_PROFILE"] = "1"
-    if args.ray_site:
-        os.environ["GEAR_BENCH_RAY_SITE"] = os.path.abspath(args.ray_site)
+    if args.ray_site:  # spawned ranks take this sys.path, Ray's workers PYTHONPATH (it shadows nothing of the venv)
+        site = os.path.abspath(args.ray_site)
+        os.environ["GEAR_BENCH_RAY_SITE"] = site
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), site) if p)
+        sys.path.append(site)
     os.environ["GEAR_BENCH_RULE"] = args.rule
     rows = []
     for world in args.worlds:
