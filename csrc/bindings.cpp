@@ -122,7 +122,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "(code, count, seed, columns, answered)",
       py::arg("fd"), py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"),
       py::arg("seen_seq"), py::arg("max_lag"), py::arg("catch_up_s"));
-  m.def("owned_store_words", &gear::owned_store_words);
+  m.def("owner_constants", &gear::owner_constants);
   m.def("built_with_cuda", &built_with_cuda);
   m.def("tree_nodes", &gear::tree_nodes, "Size of a tree tensor over `capacity` leaves", py::arg("capacity"));
   m.def("tree_leaf_offset", &gear::tree_leaf_offset, py::arg("nodes"));

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace gear {
@@ -35,7 +37,8 @@ struct Served {
 // from the second answer on, so every call answers at least one).
 Served serve_sample_rows(int64_t fd, const OwnedStore& store, int64_t seen_seq, int64_t max_lag, double catch_up_s);
 
-// The header and reader-slot word indices this file assumes, for a test against commit_log.py's.
-std::vector<std::pair<std::string, int64_t>> owned_store_words();
+// What this file assumes of the Python side (control segment words, wire codes, limits), by the
+// Python name each must equal: a test holds the two together.
+std::vector<std::pair<std::string, int64_t>> owner_constants();
 
 }  // namespace gear

@@ -2,6 +2,7 @@
 path, never a torn or dead row, and everything unusual answered by Python."""
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
@@ -11,7 +12,7 @@ from torchrl.data import TensorDictReplayBuffer
 
 from gear_torchrl import GearStorage
 from gear_torchrl._ext import _C
-from gear_torchrl.distributed import native_owner
+from gear_torchrl.distributed import native_owner, shard_server, wire
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.shard_client import Ask, Flight, ShardClient
 from gear_torchrl.distributed.shard_server import ShardServer
@@ -191,6 +192,8 @@ def test_rows_read_while_writers_lap_the_ring_are_never_torn(owner):
         writer.join()
 
 
-def test_the_extension_reads_the_control_segment_words_the_store_lays_out():
-    for name, index in _C.owned_store_words():
-        assert getattr(commit_log, name) == index, name
+def test_the_extension_assumes_the_words_codes_and_limits_python_uses():
+    modules = {"commit_log": commit_log, "wire": wire, "shard_server": shard_server}
+    for name, value in _C.owner_constants():
+        module, *path = name.split(".")
+        assert functools.reduce(getattr, path, modules[module]) == value, name

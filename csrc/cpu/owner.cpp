@@ -1,8 +1,9 @@
 // Uniform rows are the one rule with no state of its own: a draw over the shard's readable range. An
 // owner answers them here, the interpreter released, with the same steps as the Python path: open a
 // read section in the store's control segment, draw from the learner's seed exactly as torch.randint
-// would, gather the rows out of the ring (cpu/gather.cpp, into the reply itself), close the section (a revoked one is never sent) and send the
-// reply in one framed message. Anything unusual goes back to Python, which answers it in full.
+// would, gather the rows out of the ring (cpu/gather.cpp, into the reply itself), close the section
+// (a revoked one is never sent) and send the reply in one framed message. Anything unusual goes back
+// to Python, which answers it in full.
 #include "owner.h"
 
 #include "gather.h"
@@ -248,12 +249,24 @@ Served serve_sample_rows(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int
   }
 }
 
-std::vector<std::pair<std::string, int64_t>> owned_store_words() {
-  return {{"_H_CAPACITY", kCapacity}, {"_H_STATE", kState},     {"_H_RESERVED", kReserved},
-          {"_H_PUBLISHED", kPublished}, {"_H_PUBLISHED_SEQ", kPublishedSeq}, {"_H_EPOCH", kEpoch},
-          {"_H_FLOOR", kFloor},         {"_H_EVICTED", kEvicted}, {"_H_LAYOUT_VERSION", kLayoutVersion},
-          {"_H_DEAD_END", kDeadEnd},    {"_SLOT_EPOCH", kSlotEpoch}, {"_SLOT_REVOKED", kSlotRevoked},
-          {"_SLOT_LONGER_US", kSlotLongerUs}, {"OPEN", kOpen}};
+std::vector<std::pair<std::string, int64_t>> owner_constants() {
+  return {{"commit_log._H_CAPACITY", kCapacity},
+          {"commit_log._H_STATE", kState},
+          {"commit_log._H_RESERVED", kReserved},
+          {"commit_log._H_PUBLISHED", kPublished},
+          {"commit_log._H_PUBLISHED_SEQ", kPublishedSeq},
+          {"commit_log._H_EPOCH", kEpoch},
+          {"commit_log._H_FLOOR", kFloor},
+          {"commit_log._H_EVICTED", kEvicted},
+          {"commit_log._H_LAYOUT_VERSION", kLayoutVersion},
+          {"commit_log._H_DEAD_END", kDeadEnd},
+          {"commit_log._SLOT_EPOCH", kSlotEpoch},
+          {"commit_log._SLOT_REVOKED", kSlotRevoked},
+          {"commit_log._SLOT_LONGER_US", kSlotLongerUs},
+          {"commit_log.OPEN", kOpen},
+          {"wire.Op.OK", kOk},
+          {"wire.Op.SAMPLE_ROWS", kSampleRows},
+          {"shard_server.MAX_READ_POSITIONS", kMaxPositions}};
 }
 
 }  // namespace gear

@@ -6,8 +6,9 @@ such requests come, the connection's thread stays in ``_C.serve_sample_rows``
 as ``commit_log`` does, draws from the learner's seed exactly as the selector
 would, copies the rows out and sends the reply. It hands back to Python the
 request it does not answer (an empty store, rows a dead writer left, a new
-layout, a revoked read, a request out of bounds: Python answers those in full, errors included),
-any other op (unread), and, now and then, a turn to catch the view up with the store's records.
+layout, a revoked read, a request out of bounds: Python answers those in
+full, errors included), any other op (unread), and, now and then, a turn to
+catch the view up with the store's records.
 """
 from __future__ import annotations
 
@@ -24,13 +25,16 @@ from gear_torchrl.store.commit_log import ReadRevokedError, StoreClosedError
 _NEXT_IS_OTHER, _SERVE_IN_PYTHON, _CATCH_UP = 0, 1, 2  # csrc/owner.h ServeCode
 CATCH_UP_S = 1.0  # the view replays the records published meanwhile at least this often
 
+# (layout version, control segment header, this connection's reader slot, the columns of that layout)
+_Source = tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]
+
 
 class NativeOwner:
     """One connection's SAMPLE_ROWS, answered through its view's reader slot."""
 
     def __init__(self, view: ShardView) -> None:
         self.view = view
-        self._source: tuple[int, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] | None = None
+        self._source: _Source | None = None
 
     def serve(self, conn: socket.socket) -> Message | None:
         """Answer SAMPLE_ROWS until another op is next (None: read it as usual) or one needs Python
@@ -40,10 +44,9 @@ class NativeOwner:
             source = self._mapped()
             if source is None:
                 return None
-            header, reader, columns = source
+            version, header, reader, columns = source
             code, count, seed, num_columns, _ = _C.serve_sample_rows(
-                conn.fileno(), header, reader, columns, self._source[0], log.seen_seq, log.num_records // 4,
-                CATCH_UP_S)
+                conn.fileno(), header, reader, columns, version, log.seen_seq, log.num_records // 4, CATCH_UP_S)
             if code == _NEXT_IS_OTHER:
                 return None
             if code == _SERVE_IN_PYTHON:
@@ -57,7 +60,7 @@ class NativeOwner:
                 return None  # the request is answered in Python, which says what is wrong
         return None
 
-    def _mapped(self) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+    def _mapped(self) -> _Source | None:
         """What the extension reads, for the layout published now; None before any (Python says it is empty)."""
         shard = self.view.shard
         columns = shard.mapped_columns()
@@ -66,8 +69,8 @@ class NativeOwner:
             if shard.spec is None or not columns:
                 return None
             header, reader = shard.log.native_words()
-            self._source = version, (header, reader, list(columns))
-        return self._source[1]
+            self._source = version, header, reader, list(columns)
+        return self._source
 
     def close(self) -> None:
         """Drop the views of the control segment (it cannot be unmapped while they live)."""
