@@ -12,6 +12,7 @@ quickstart: build
 	$(VPY) quickstart.py
 
 test: build
+	$(VENV)/bin/ruff check gear_torchrl
 	$(VPY) -m pytest -q tests
 
 bench: build

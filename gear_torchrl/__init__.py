@@ -35,7 +35,7 @@ _EXPORTS = {
     "ShardedGearStorage": "gear_torchrl.sharded_storage",
     "ShardUnavailableError": "gear_torchrl.distributed.transports.base",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605  (one list of public names: _EXPORTS, loaded lazily)
 
 
 def __getattr__(name: str) -> Any:

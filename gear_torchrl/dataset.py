@@ -110,7 +110,7 @@ class GearDataset(IterableDataset):
                     if not put((batch, None)):
                         return
                 put((_END, None))
-            except BaseException as exc:  # the consumer re-raises it
+            except BaseException as exc:  # noqa: BLE001  (the consumer re-raises it)
                 put((_END, exc))
 
         thread = threading.Thread(target=produce, name="gear-dataset-prefetch", daemon=True)

@@ -83,7 +83,7 @@ class SlotPlan:
 class Ticket:
     """What a worker sends for a batch: its slot (and, once per layout, the shared buffer itself)."""
 
-    __slots__ = ("token", "worker", "generation", "slot", "inline", "buffer", "layout")
+    __slots__ = ("buffer", "generation", "inline", "layout", "slot", "token", "worker")
 
     def __init__(self, token: int, worker: int, generation: int, slot: int, inline: dict[int, Any],
                  buffer: torch.Tensor | None = None, layout: SlotLayout | None = None) -> None:

@@ -73,7 +73,7 @@ class SampledIndex(torch.Tensor):
     plan: ReadPlan
 
     @staticmethod
-    def __new__(cls, rows: torch.Tensor, plan: ReadPlan) -> SampledIndex:
+    def __new__(cls, rows: torch.Tensor, plan: ReadPlan) -> SampledIndex:  # noqa: PYI034  (a tensor subclass)
         out = torch.Tensor._make_subclass(cls, rows)
         out.plan = plan
         return out

@@ -268,7 +268,7 @@ def _memmap_slots(directory: Path) -> Data:
         raise CheckpointError(f"{'; '.join(bad[:3])}: the checkpoint is damaged")
     try:
         return TensorDict.load_memmap(directory)
-    except Exception as err:  # whatever tensordict raises, nothing was loaded
+    except Exception as err:  # noqa: BLE001  (whatever tensordict raises, nothing was loaded)
         if "Could not find name" in str(err):
             raise CheckpointError(f"{directory} holds rows of {kind}, which is not defined in this process: define "
                                   "(import) it before loading, as TorchRL's own loader requires") from None

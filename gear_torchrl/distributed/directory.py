@@ -106,7 +106,7 @@ class Heartbeat:
             try:
                 directory.publish_stats(shard, stats())
                 failing = False
-            except Exception as exc:  # the store's host is gone, or the OS is short of something: try again
+            except Exception as exc:  # noqa: BLE001  (the store's host is gone, or the OS is short of something: try again
                 (logger.debug if failing else logger.warning)("shard %d missed a heartbeat: %s", shard, exc)
                 failing = True
             self._stop.wait(period)

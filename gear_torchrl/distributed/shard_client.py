@@ -17,12 +17,12 @@ import torch
 from gear_torchrl._ext import _C
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.directory import ShardDescriptor
-from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
 from gear_torchrl.distributed.transports.base import (
     RemoteShardError,
     ShardUnavailableError,
 )
 from gear_torchrl.distributed.wire import Message, Op
+from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store.shard import EmptyStoreError, Windows

@@ -29,8 +29,8 @@ from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.native_owner import NativeOwner
 from gear_torchrl.distributed.row_sender import ReplyCutShort, RowSender
 from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
-from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.distributed.shard_view import ShardView, spec_of
+from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.selection.registry import SelectorRegistry
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
@@ -223,7 +223,7 @@ class _Session:
             raise ValueError(f"unknown request code {request.op}")
         except ReplyCutShort:
             raise  # part of a reply left: no error reply can follow it
-        except Exception as exc:  # refused: the learner gets the reason, the shard is unchanged
+        except Exception as exc:  # noqa: BLE001  (refused: the learner gets the reason, the shard is unchanged)
             self._release()
             return wire.error(exc)
 

@@ -225,7 +225,7 @@ class ShardSet:
         for s in together:
             try:
                 reached.append((s, self.client(s)))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  (an owner not reached: its outcome)
                 unreached.append((s, exc))
         flight = Flight([c for _, c in reached], [asks[s] for s, _ in reached])
         return _Round((spec, count, generator), live, counts, batch, asks, transports, [s for s, _ in reached],
@@ -240,7 +240,7 @@ class ShardSet:
         before = None if generator is None else generator.get_state()
         try:
             round_ = self._send_round(spec, count, count, generator)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (a batch ahead is optional: the next call says why)
             logger.debug("could not ask for the next batch ahead: %s", exc)
             if before is not None:
                 generator.set_state(before)
@@ -270,7 +270,7 @@ class ShardSet:
             answered = [(s, o[0], o[1]) for s, o in in_order if not isinstance(o, Exception) and o[0].count]
             try:
                 self.give_back(round_.key[0], got + answered)
-            except Exception as exc:  # the first failure is what the caller needs to see
+            except Exception as exc:  # noqa: BLE001  (the first failure is what the caller needs to see)
                 logger.warning("could not give back the picks of an unfilled batch: %s", exc)
             raise
 
@@ -291,7 +291,7 @@ class ShardSet:
         """The shard's transport; what opening it raised stands for that shard's answer."""
         try:
             return self.transport(shard)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (stands for that shard's answer)
             return exc
 
     def _select_apart(self, shard: int, transport: Transport | Exception, ask: Ask) -> Picked:
@@ -353,7 +353,7 @@ class ShardSet:
                     posted.append((s, answerer, Post(message_of(s))))
                 else:
                     outcomes[s] = in_place(answerer, s)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  (that owner's outcome)
                 outcomes[s] = exc
         flight = Flight([c for _, c, _ in posted], [p for *_, p in posted])
         outcomes.update(zip([s for s, _, _ in posted], flight.land()))

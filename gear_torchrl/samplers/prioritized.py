@@ -9,10 +9,10 @@ from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.sampled_index import Selection
+from gear_torchrl.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.selection.checked_inputs import seeds_defaults
 from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
 from gear_torchrl.selection.state_file import StateDictFile
-from gear_torchrl.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.store.persistence import tensor_file
 from gear_torchrl.store.state_checks import checked_float, checked_int, field
 from gear_torchrl.torchrl_layout import (

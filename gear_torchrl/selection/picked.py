@@ -41,7 +41,7 @@ class Picked:
         if len(parts) == 1:
             parts[0].mass = mass
             return parts[0]
-        cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+        cat = lambda name: torch.cat([getattr(p, name) for p in parts])
         extra = {k: torch.cat([p.extra[k] for p in parts]) for k in parts[0].extra}
         return Picked(cat("starts"), parts[0].seq_len, cat("valid_begin"), cat("valid_end"), mass, extra,
                       dict(parts[-1].scalars))

@@ -101,7 +101,8 @@ def _typed(cls: type, name: str, value: Any) -> Any:
             raise ValueError(f"{cls.kind}.{name} must be a number, got {value!r}")
         return float(value)
     if not isinstance(value, str):
-        raise ValueError(f"{cls.kind}.{name} must be a string, got {value!r}")
+        raise ValueError(  # noqa: TRY004  (a spec field of the wrong kind is a bad value, as every other)
+            f"{cls.kind}.{name} must be a string, got {value!r}")
     return value
 
 

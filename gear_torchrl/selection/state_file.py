@@ -112,7 +112,7 @@ def load_pickled(path: Path) -> Any:
                   "bytes cannot be detected. Save it again to add them.", UnverifiedCheckpointWarning, stacklevel=4)
     try:
         return torch.load(path, weights_only=True)
-    except Exception as err:  # whatever unpickling raises, the file is damaged
+    except Exception as err:  # noqa: BLE001  (whatever unpickling raises, the file is damaged)
         raise CheckpointError(f"{path} does not load ({err}): it is damaged") from None
 
 

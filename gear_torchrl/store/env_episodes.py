@@ -182,8 +182,8 @@ class EnvEpisodes:
     def state(self) -> dict[str, Any]:
         states = [c.state() for c in self.columns]
         state: dict[str, Any] = {"num_envs": self.num_envs, "episodes_per_env": [s["start"].numel() for s in states]}
-        for name in _TENSORS:
-            state[name] = torch.cat([s[name] for s in states]) if states else torch.empty(0, dtype=_TENSORS[name])
+        for name, dtype in _TENSORS.items():
+            state[name] = torch.cat([s[name] for s in states]) if states else torch.empty(0, dtype=dtype)
         for name in _SCALARS:
             state[name] = [s[name] for s in states]
         return state

@@ -10,7 +10,8 @@ time. The number of env columns is fixed by the first write (``lay_out``).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

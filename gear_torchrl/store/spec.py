@@ -649,7 +649,7 @@ def stacked_rows(rows: list) -> Data:
     if all(is_tensor_collection(r) for r in rows):
         return torch.stack(rows)
     flat = [pytree.tree_flatten(r) for r in rows]
-    leaves, tree = flat[0]
+    _, tree = flat[0]
     for i, (_, other) in enumerate(flat):
         if other != tree:
             raise SpecMismatchError(f"row {i} of the list has another pytree structure than row 0 ({other} against "
