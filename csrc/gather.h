@@ -17,6 +17,12 @@
 
 namespace gear {
 
+// Bytes of one row of a column [rows, *row_shape] (0 for a column of no rows).
+inline int64_t row_bytes_of(const at::Tensor& column) {
+  const int64_t rows = column.size(0);
+  return rows ? column.numel() / rows * column.element_size() : 0;
+}
+
 struct GatherArgs {
   std::vector<at::Tensor> columns;  // each [capacity, *step_shape], contiguous
   std::vector<at::Tensor> out;      // each [num_windows * seq_len, *step_shape]
@@ -30,9 +36,7 @@ struct GatherArgs {
 
   int64_t capacity() const { return columns.front().size(0); }
   int64_t num_windows() const { return starts.size(0); }
-  int64_t row_bytes(size_t c) const {
-    return capacity() == 0 ? 0 : columns[c].numel() / capacity() * columns[c].element_size();
-  }
+  int64_t row_bytes(size_t c) const { return row_bytes_of(columns[c]); }
 };
 
 // Checks shapes, dtypes and devices; throws (a Python RuntimeError) on any mismatch.

@@ -6,6 +6,7 @@
 // to Python, which answers it in full.
 #include "owner.h"
 
+#include "framing.h"
 #include "gather.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -24,10 +25,6 @@
 namespace gear {
 namespace {
 
-// distributed/wire.py: "<4sHHIQ" magic, op, number of arrays, JSON bytes, array bytes; then JSON, then u64 lengths.
-constexpr size_t kHeader = 20;
-constexpr uint16_t kOk = 0;
-constexpr uint16_t kSampleRows = 10;
 constexpr size_t kRequestBytes = kHeader + 8 + 24;  // one array: count, seed (-1: none), columns
 constexpr int64_t kMaxPositions = 1 << 24;          // shard_server.MAX_READ_POSITIONS
 constexpr size_t kKeepBytes = 64u << 20;            // a thread keeps its reply buffer up to this size
@@ -44,13 +41,6 @@ void store(int64_t* words, int64_t i, int64_t v) { __atomic_store_n(words + i, v
 template <typename T>
 void put(std::vector<char>& out, size_t at, T v) {
   std::memcpy(out.data() + at, &v, sizeof(T));
-}
-
-template <typename T>
-T get(const char* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
 }
 
 struct Request {
@@ -130,11 +120,6 @@ std::vector<char>& reply_buffer() {
   return buffer;
 }
 
-int64_t row_bytes(const at::Tensor& column) {
-  const int64_t rows = column.size(0);
-  return rows ? column.numel() / rows * column.element_size() : 0;
-}
-
 // torch.randint(0, n, (count,), generator=...) as ATen's CPU kernel draws it (one engine output per value,
 // two above 2**32, taken modulo n, in order), without the dispatcher: a third of a small answer's cost.
 // Ring rows of the live positions [lo, lo + n) those offsets name. tests/test_native_owner.py holds
@@ -178,7 +163,7 @@ int64_t answer(int fd, const OwnedStore& s, const Request& q) {
   const size_t count = static_cast<size_t>(q.count);
   const size_t narrays = 3 + ncols;
   std::vector<uint64_t> lengths(narrays, 8 * count);
-  for (size_t c = 0; c < ncols; ++c) lengths[3 + c] = count * static_cast<uint64_t>(row_bytes(s.columns[c]));
+  for (size_t c = 0; c < ncols; ++c) lengths[3 + c] = count * static_cast<uint64_t>(row_bytes_of(s.columns[c]));
   uint64_t total = 0;
   for (uint64_t n : lengths) total += n;
   const size_t head = kHeader + static_cast<size_t>(meta_len) + 8 * narrays;
@@ -229,19 +214,19 @@ Served serve_sample_rows(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int
     char fixed[kRequestBytes];
     const int64_t peeked = receive(fd, fixed, kHeader, true);  // blocks until a request (or the end) comes
     if (peeked < 0) return {peeked, 0, -1, 0, served.answered};
-    if (std::memcmp(fixed, "GEAR", 4) != 0 || get<uint16_t>(fixed + 4) != kSampleRows) return served;
+    if (std::memcmp(fixed, "GEAR", 4) != 0 || field<uint16_t>(fixed + 4) != kSampleRows) return served;
     const bool due = std::chrono::steady_clock::now() > until || load(header, kPublishedSeq) - seen_seq > max_lag;
     if (due && served.answered > 0) {  // (the first answer of a call comes right after Python's turn)
       return {kCatchUp, 0, -1, 0, served.answered};
     }
     const int64_t got = receive(fd, fixed, kRequestBytes, false);
     if (got < 0) return {got, 0, -1, 0, served.answered};
-    if (get<uint16_t>(fixed + 6) != 1 || get<uint32_t>(fixed + 8) != 0 || get<uint64_t>(fixed + 12) != 24 ||
-        get<uint64_t>(fixed + kHeader) != 24) {
+    if (field<uint16_t>(fixed + 6) != 1 || field<uint32_t>(fixed + 8) != 0 || field<uint64_t>(fixed + 12) != 24 ||
+        field<uint64_t>(fixed + kHeader) != 24) {
       return {-EPROTO, 0, -1, 0, served.answered};
     }
-    const Request q{get<int64_t>(fixed + kHeader + 8), get<int64_t>(fixed + kHeader + 16),
-                    get<int64_t>(fixed + kHeader + 24)};
+    const Request q{field<int64_t>(fixed + kHeader + 8), field<int64_t>(fixed + kHeader + 16),
+                    field<int64_t>(fixed + kHeader + 24)};
     const int64_t done = answer(fd, s, q);
     if (done < 0) return {done, 0, -1, 0, served.answered};
     if (done == 1) return {kServeInPython, q.count, q.seed, q.columns, served.answered};

@@ -10,17 +10,12 @@
 #include <cmath>
 #include <cstring>
 
+#include "framing.h"
+#include "gather.h"
 #include "recv.h"
 
 namespace gear {
 namespace {
-
-// distributed/wire.py: "<4sHHIQ" magic, op, number of arrays, JSON bytes, array bytes; then JSON, then u64 lengths.
-constexpr size_t kHeader = 20;
-constexpr uint16_t kOk = 0;
-constexpr uint32_t kMaxMeta = 1u << 16;
-constexpr uint16_t kMaxArrays = 64;
-constexpr uint64_t kMaxTotal = 1ull << 34;
 
 struct Pending {
   int fd;
@@ -35,13 +30,6 @@ struct Pending {
   Reply reply;
   bool done = false;
 };
-
-template <typename T>
-T load(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
 
 void finish(Pending& p, int64_t status) {
   p.reply.status = status;
@@ -60,9 +48,9 @@ std::pair<char*, uint64_t> current(Pending& p) {
 // Sets up what follows the fixed header; false (and finished) if it is not our framing.
 bool read_header(Pending& p) {
   const auto* h = static_cast<const uint8_t*>(p.head.data_ptr());
-  const auto count = load<uint16_t>(h + 6);
-  const auto meta = load<uint32_t>(h + 8);
-  const auto total = load<uint64_t>(h + 12);
+  const auto count = field<uint16_t>(h + 6);
+  const auto meta = field<uint32_t>(h + 8);
+  const auto total = field<uint64_t>(h + 12);
   if (std::memcmp(h, "GEAR", 4) != 0 || meta > kMaxMeta || count > kMaxArrays || total > kMaxTotal) {
     finish(p, -EPROTO);
     return false;
@@ -77,16 +65,16 @@ bool read_header(Pending& p) {
 // Places every array once their lengths are known; false (and finished) if they do not fit.
 bool place_arrays(Pending& p) {
   const auto* h = static_cast<const uint8_t*>(p.head.data_ptr());
-  const auto count = load<uint16_t>(h + 6);
-  const auto op = load<uint16_t>(h + 4);
-  const auto meta = load<uint32_t>(h + 8);
+  const auto count = field<uint16_t>(h + 6);
+  const auto op = field<uint16_t>(h + 4);
+  const auto meta = field<uint32_t>(h + 8);
   uint64_t total = 0;
   for (size_t i = 0; i < count; ++i) {
-    p.lengths[i] = load<uint64_t>(h + kHeader + meta + 8 * i);
+    p.lengths[i] = field<uint64_t>(h + kHeader + meta + 8 * i);
     total += p.lengths[i];
   }
   const size_t ncols = op == kOk ? p.columns->size() : 0;
-  if (total != load<uint64_t>(h + 12) || count < ncols) {
+  if (total != field<uint64_t>(h + 12) || count < ncols) {
     finish(p, -EPROTO);
     return false;
   }
@@ -98,7 +86,7 @@ bool place_arrays(Pending& p) {
     }
     const at::Tensor& out = (*p.columns)[i + ncols - count];
     const int64_t rows = out.size(0);
-    const int64_t row_bytes = rows ? out.numel() / rows * out.element_size() : 0;
+    const int64_t row_bytes = row_bytes_of(out);
     if (p.first > rows || p.lengths[i] > static_cast<uint64_t>((rows - p.first) * row_bytes)) {
       finish(p, -EPROTO);
       return false;
