@@ -30,7 +30,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage
 
 from gear_torchrl import GearStorage
-from gear_torchrl.store.state_checks import UnverifiedCheckpointWarning
+from gear_torchrl.errors import UnverifiedCheckpointWarning
 
 FRAME = (4, 84, 84)  # Atari-sized observations: most of the bytes
 CHUNK = 8 << 20

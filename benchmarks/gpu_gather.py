@@ -229,7 +229,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("gpu_gather: no CUDA device; nothing to measure", file=sys.stderr)
         return 0
-    from gear_torchrl._ext import _C  # the package imports its kernels without torchrl
+    from gear_torchrl.kernels import _C  # the package imports its kernels without torchrl
 
     if not _C.built_with_cuda():
         print("gpu_gather: gear_torchrl._C was built without CUDA; nothing to measure", file=sys.stderr)

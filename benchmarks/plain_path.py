@@ -19,12 +19,12 @@ import logging
 import math
 import time
 
-import gear_torchrl
 import torch
 from harness import interleaved_medians, table, write_json
 from storage_sampling import LAYOUTS, make_chunk
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
+import gear_torchrl
 from gear_torchrl import GearStorage, RateLimiter
 
 LIMITED = "GearStorage + RateLimiter"

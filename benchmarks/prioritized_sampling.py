@@ -17,7 +17,6 @@ from torchrl.data import LazyTensorStorage, PrioritizedSampler, RandomSampler, T
 
 from gear_torchrl import GearPrioritizedSampler, GearStorage
 
-
 FLOOR = "uniform sample alone: GearStorage + RandomSampler"
 
 

@@ -79,7 +79,7 @@ def _learner(storage, shards: int, rounds: int, out) -> None:
     from torchrl.data import TensorDictReplayBuffer
 
     from gear_torchrl import GearSequenceSampler
-    from gear_torchrl._ext import _C
+    from gear_torchrl.kernels import _C
     from gear_torchrl.store.shard import Windows
 
     store = dist.distributed_c10d._get_default_store()

@@ -105,7 +105,7 @@ def _raw_batch(ports: list[int]):
     import socket
     import struct
 
-    from gear_torchrl._ext import _C
+    from gear_torchrl.kernels import _C
 
     socks = [socket.create_connection(("127.0.0.1", p)) for p in ports]
     for s in socks:

@@ -25,7 +25,7 @@ from torchrl.data import (
 )
 
 from gear_torchrl import GearStorage
-from gear_torchrl._ext import _C
+from gear_torchrl.kernels import _C
 
 LAYOUTS = {
     # name: (row spec, default rows)

@@ -1,7 +1,7 @@
 """gear_torchrl: GPU-centric experience replay as TorchRL storage and sampler backends.
 
-Public names load on first use, so the kernels (``gear_torchrl._ext``,
-``gear_torchrl.gather``) import without torchrl; only the TorchRL glue needs it.
+Public names load on first use, so the kernels (``gear_torchrl.kernels``,
+``gear_torchrl.kernels.gather``) import without torchrl; only the TorchRL glue needs it.
 """
 from __future__ import annotations
 
@@ -11,29 +11,29 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "GearStorage": "gear_torchrl.storage",
-    "GearStorageCheckpointer": "gear_torchrl.checkpointer",
-    "GearPrioritizedSampler": "gear_torchrl.samplers",
-    "GearPrioritizedSequenceSampler": "gear_torchrl.samplers",
-    "GearSequenceSampler": "gear_torchrl.samplers",
-    "GearUniformSampler": "gear_torchrl.samplers",
-    "MaxTimesSampled": "gear_torchrl.samplers",
-    "QueueSampler": "gear_torchrl.samplers",
-    "TopKSampler": "gear_torchrl.samplers",
-    "MinSize": "gear_torchrl.rate_limiters",
-    "SampleToInsertRatio": "gear_torchrl.rate_limiters",
-    "RateLimiter": "gear_torchrl.rate_limiters",
-    "RateLimiterTimeout": "gear_torchrl.rate_limiters",
-    "CheckpointError": "gear_torchrl.store.state_checks",
-    "EmptyStoreError": "gear_torchrl.store.shard",
-    "SpecMismatchError": "gear_torchrl.store.spec",
-    "StoreClosedError": "gear_torchrl.store.commit_log",
-    "ReadRevokedError": "gear_torchrl.store.commit_log",
-    "TrajectoryWriter": "gear_torchrl.trajectory_writer",
-    "UnverifiedCheckpointWarning": "gear_torchrl.store.state_checks",
-    "GearDataset": "gear_torchrl.dataset",
-    "ShardedGearStorage": "gear_torchrl.sharded_storage",
-    "ShardUnavailableError": "gear_torchrl.distributed.transports.base",
+    "GearStorage": "gear_torchrl.adapters.storage",
+    "GearStorageCheckpointer": "gear_torchrl.adapters.checkpointer",
+    "GearPrioritizedSampler": "gear_torchrl.adapters.samplers",
+    "GearPrioritizedSequenceSampler": "gear_torchrl.adapters.samplers",
+    "GearSequenceSampler": "gear_torchrl.adapters.samplers",
+    "GearUniformSampler": "gear_torchrl.adapters.samplers",
+    "MaxTimesSampled": "gear_torchrl.adapters.samplers",
+    "QueueSampler": "gear_torchrl.adapters.samplers",
+    "TopKSampler": "gear_torchrl.adapters.samplers",
+    "MinSize": "gear_torchrl.adapters.rate_limiters",
+    "SampleToInsertRatio": "gear_torchrl.adapters.rate_limiters",
+    "RateLimiter": "gear_torchrl.adapters.rate_limiters",
+    "RateLimiterTimeout": "gear_torchrl.errors",
+    "CheckpointError": "gear_torchrl.errors",
+    "EmptyStoreError": "gear_torchrl.errors",
+    "SpecMismatchError": "gear_torchrl.errors",
+    "StoreClosedError": "gear_torchrl.errors",
+    "ReadRevokedError": "gear_torchrl.errors",
+    "TrajectoryWriter": "gear_torchrl.adapters.trajectory_writer",
+    "UnverifiedCheckpointWarning": "gear_torchrl.errors",
+    "GearDataset": "gear_torchrl.adapters.dataset",
+    "ShardedGearStorage": "gear_torchrl.adapters.sharded_storage",
+    "ShardUnavailableError": "gear_torchrl.errors",
 }
 __all__ = sorted(_EXPORTS)  # noqa: PLE0605  (one list of public names: _EXPORTS, loaded lazily)
 
@@ -52,16 +52,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads lazily
-    from gear_torchrl.checkpointer import GearStorageCheckpointer  # noqa: F401
-    from gear_torchrl.dataset import GearDataset  # noqa: F401
-    from gear_torchrl.distributed.transports.base import ShardUnavailableError  # noqa: F401
-    from gear_torchrl.rate_limiters import (  # noqa: F401
-        MinSize,
-        RateLimiter,
-        RateLimiterTimeout,
-        SampleToInsertRatio,
-    )
-    from gear_torchrl.samplers import (  # noqa: F401
+    from gear_torchrl.adapters.checkpointer import GearStorageCheckpointer
+    from gear_torchrl.adapters.dataset import GearDataset
+    from gear_torchrl.adapters.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
+    from gear_torchrl.adapters.samplers import (
         GearPrioritizedSampler,
         GearPrioritizedSequenceSampler,
         GearSequenceSampler,
@@ -70,10 +64,16 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads l
         QueueSampler,
         TopKSampler,
     )
-    from gear_torchrl.sharded_storage import ShardedGearStorage  # noqa: F401
-    from gear_torchrl.storage import GearStorage  # noqa: F401
-    from gear_torchrl.store.commit_log import ReadRevokedError, StoreClosedError  # noqa: F401
-    from gear_torchrl.store.shard import EmptyStoreError  # noqa: F401
-    from gear_torchrl.store.spec import SpecMismatchError  # noqa: F401
-    from gear_torchrl.store.state_checks import CheckpointError, UnverifiedCheckpointWarning  # noqa: F401
-    from gear_torchrl.trajectory_writer import TrajectoryWriter  # noqa: F401
+    from gear_torchrl.adapters.sharded_storage import ShardedGearStorage
+    from gear_torchrl.adapters.storage import GearStorage
+    from gear_torchrl.adapters.trajectory_writer import TrajectoryWriter
+    from gear_torchrl.errors import (
+        CheckpointError,
+        EmptyStoreError,
+        RateLimiterTimeout,
+        ReadRevokedError,
+        ShardUnavailableError,
+        SpecMismatchError,
+        StoreClosedError,
+        UnverifiedCheckpointWarning,
+    )

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from shared_workers import episode
 from sharded_workers import CAPACITY, ROWS_PER_SHARD, _write_shard, priority_of, sample_until_refused, top_scores
+from shared_workers import episode
 
 ALPHA, BETA, EPS = 0.7, 0.5, 1e-8
 QUEUE_BATCHES = 3  # of 100 rows, served before the checkpoint
@@ -111,7 +111,7 @@ def _save(storage, tmp: Path) -> dict:
 
 
 def _restore(storage, tmp: Path) -> dict:
-    from gear_torchrl.store.state_checks import CheckpointError
+    from gear_torchrl.errors import CheckpointError
 
     buffers = _buffers(storage)
     buffers["prioritized"].loads(tmp / "checkpoint")

@@ -98,7 +98,12 @@ def _wait_for(path: Path) -> None:
 
 # -- learners ------------------------------------------------------------------------------------
 def _learn(storage, rank: int, tmp: Path) -> dict:
-    results = {"transports": [storage.transport_of(s) for s in range(storage.num_shards)], "len": len(storage)}
+    results = {"transports": [storage.transport_of(s) for s in range(storage.num_shards)], "len": len(storage),
+               "hosts": [storage.host_of(s) for s in range(storage.num_shards)]}
+    try:
+        storage.host_of(storage.num_shards)
+    except ValueError as err:
+        results["unknown_shard"] = str(err)
     results["uniform"] = _uniform_counts(storage)
     results["windows"] = _window_counts(storage)
     if rank == OWNERS:  # one learner sets priorities; several would overwrite each other
@@ -213,7 +218,7 @@ def _queue(storage) -> dict:
     from torchrl.data import TensorDictReplayBuffer
 
     from gear_torchrl import QueueSampler
-    from gear_torchrl.store.shard import EmptyStoreError
+    from gear_torchrl.errors import EmptyStoreError
 
     rb = TensorDictReplayBuffer(storage=storage, sampler=QueueSampler(CAPACITY), batch_size=256)
     batches, short = sample_until_refused(rb, EmptyStoreError)
@@ -250,8 +255,13 @@ SEEDED_SAMPLERS = ("uniform", "gear uniform", "prioritized", "windows", "priorit
 
 
 def _seeded_sampler(name: str):
-    from gear_torchrl import (GearPrioritizedSampler, GearPrioritizedSequenceSampler, GearSequenceSampler,
-                              GearUniformSampler, MaxTimesSampled)
+    from gear_torchrl import (
+        GearPrioritizedSampler,
+        GearPrioritizedSequenceSampler,
+        GearSequenceSampler,
+        GearUniformSampler,
+        MaxTimesSampled,
+    )
 
     return {"uniform": lambda: None,
             "gear uniform": GearUniformSampler,
@@ -419,7 +429,7 @@ def _after_kill(storage) -> dict:
     """Sample 10 batches after a shard failed: which shards answered, or what was raised, and how fast."""
     from torchrl.data import TensorDictReplayBuffer
 
-    from gear_torchrl.distributed.transports.base import ShardUnavailableError
+    from gear_torchrl.errors import ShardUnavailableError
 
     rb = TensorDictReplayBuffer(storage=storage, batch_size=1024)
     start = time.monotonic()

@@ -32,7 +32,7 @@ from torchrl.data import (
 )
 
 from gear_torchrl import CheckpointError, GearPrioritizedSampler, GearStorage, GearUniformSampler, QueueSampler
-from gear_torchrl.checkpointer import GearStorageCheckpointer
+from gear_torchrl.adapters.checkpointer import GearStorageCheckpointer
 
 CAPACITY = 16
 WRITES = (11, 9, 3)  # 20 rows into 16: the ring wraps, the writer's cursor ends at 4 (then 7)

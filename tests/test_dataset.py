@@ -159,7 +159,7 @@ def test_pickled_batches_remain_available():
 
 
 def test_workers_fork_only_where_it_is_safe():
-    from gear_torchrl.dataset import worker_context
+    from gear_torchrl.adapters.dataset import worker_context
 
     if sys.platform != "linux":
         pytest.skip(f"worker_context chooses fork or forkserver on Linux only (this is {sys.platform})")
@@ -219,7 +219,7 @@ def test_a_dataloader_over_the_storage_gets_each_batch_in_one_call():
 def test_a_plain_dataloader_after_a_loader_gets_batches_not_tickets():
     from torch.utils.data import DataLoader
 
-    from gear_torchrl.dataset import as_is
+    from gear_torchrl.adapters.dataset import as_is
 
     rb = TensorDictReplayBuffer(storage=GearStorage(100), batch_size=8)
     rb.extend(make_steps(50, seed=0))

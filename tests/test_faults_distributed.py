@@ -115,7 +115,7 @@ def test_a_learner_that_stops_reading_does_not_hold_back_the_owners_writers(kind
 @pytest.mark.parametrize("pause_s", [0.0, 0.5])
 def test_a_learner_that_reads_late_gets_exactly_its_rows(pause_s):
     """Sent from the ring while the socket takes them, copied out once it does not: the same bytes either way."""
-    from gear_torchrl import gather
+    from gear_torchrl.kernels import gather
 
     with _served_full_shard(timeout=5.0) as (storage, server):
         generator = torch.Generator().manual_seed(int(pause_s * 10))

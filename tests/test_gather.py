@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gear_torchrl import gather
-from gear_torchrl._ext import _C
+from gear_torchrl.kernels import _C, gather
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
           torch.int16, torch.int32, torch.int64, torch.bool]

@@ -11,13 +11,13 @@ import torch
 from torchrl.data import TensorDictReplayBuffer
 
 from gear_torchrl import GearStorage
-from gear_torchrl._ext import _C
 from gear_torchrl.distributed import native_owner, shard_server, wire
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.shard_client import Ask, Flight, ShardClient
 from gear_torchrl.distributed.shard_server import ShardServer
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.wire import Message, Op
+from gear_torchrl.kernels import _C
 from gear_torchrl.selection.registry import SelectorRegistry
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store import commit_log

@@ -14,11 +14,22 @@ import pytest
 import torch
 from helpers import assert_same_td
 from tensordict import TensorDict
-from torchrl.data import (LazyTensorStorage, RandomSampler, ReplayBuffer, SamplerWithoutReplacement, SliceSampler,
-                          TensorDictReplayBuffer)
+from torchrl.data import (
+    LazyTensorStorage,
+    RandomSampler,
+    ReplayBuffer,
+    SamplerWithoutReplacement,
+    SliceSampler,
+    TensorDictReplayBuffer,
+)
 
-from gear_torchrl import (GearPrioritizedSampler, GearPrioritizedSequenceSampler, GearSequenceSampler, GearStorage,
-                          TrajectoryWriter)
+from gear_torchrl import (
+    GearPrioritizedSampler,
+    GearPrioritizedSequenceSampler,
+    GearSequenceSampler,
+    GearStorage,
+    TrajectoryWriter,
+)
 
 ENVS = 4
 
@@ -182,7 +193,7 @@ def test_state_dicts_move_between_lazy_tensor_storage_and_gear_storage(direction
 
 
 def test_a_damaged_state_is_refused_and_changes_nothing():
-    from gear_torchrl.store.state_checks import CheckpointError
+    from gear_torchrl.errors import CheckpointError
 
     (_, ours) = _pair(40, batch_size=8)
     ours.extend(BatchedEnvs().batch(6))
@@ -411,7 +422,7 @@ def test_a_batch_of_another_number_of_envs_is_refused_and_changes_nothing():
 
 
 def test_a_batch_missing_a_stored_key_is_refused_and_the_next_write_lands_where_it_would_have():
-    from gear_torchrl.store.spec import SpecMismatchError
+    from gear_torchrl.errors import SpecMismatchError
 
     envs = BatchedEnvs()
     theirs, ours = _pair(40, batch_size=8)

@@ -18,10 +18,7 @@ import torch
 
 from gear_torchrl.distributed.sealed_store import SealedStore
 from gear_torchrl.distributed.transports import rdma
-from gear_torchrl.distributed.transports.base import (
-    ColumnLayout,
-    ShardUnavailableError,
-)
+from gear_torchrl.distributed.transports.base import ColumnLayout
 from gear_torchrl.distributed.transports.rdma import (
     Completion,
     RdmaEndpointInfo,
@@ -52,6 +49,7 @@ from gear_torchrl.distributed.transports.rdma_plan import (
     region_end_of,
     valid_positions,
 )
+from gear_torchrl.errors import ShardUnavailableError
 from gear_torchrl.store.shard import Windows
 
 GiB = 1 << 30

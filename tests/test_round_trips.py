@@ -17,8 +17,8 @@ import pytest
 import round_trip_workers as w
 import torch
 
-from gear_torchrl._ext import _C
 from gear_torchrl.distributed import wire
+from gear_torchrl.kernels import _C
 
 
 def _framed(op: int, meta: dict, arrays: list[torch.Tensor]) -> bytes:

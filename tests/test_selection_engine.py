@@ -1,16 +1,11 @@
 """The selection layer: torch-only cores behind typed specs, one code path locally and across shards.
 
-Layering (DESIGN.md): the selection cores and the distributed layer import
-neither torchrl nor the TorchRL glue. Sampled indices carry what ``get`` needs,
-so a copy of one reads the same batch, and a plain index reads rows.
+Sampled indices carry what ``get`` needs, so a copy of one reads the same batch,
+and a plain index reads rows. The layering itself is held by ``test_layers.py``.
 """
 from __future__ import annotations
 
-import ast
 import pickle
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,74 +22,14 @@ from gear_torchrl import (
     QueueSampler,
     TopKSampler,
 )
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.capped import CappedSpec
 from gear_torchrl.selection.priorities import PrioritySpec
 from gear_torchrl.selection.priority_windows import PriorityWindowSpec
 from gear_torchrl.selection.queue import QueueSpec
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.topk import TopKSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.selection.windows import WindowSpec
-
-PACKAGE = Path(__file__).resolve().parents[1] / "gear_torchrl"
-LOWER_LAYERS = ("selection", "distributed")
-# What the lower layers may import from the package: themselves, the store, the kernels.
-ALLOWED = ("gear_torchrl.selection", "gear_torchrl.distributed", "gear_torchrl.store", "gear_torchrl._ext",
-           "gear_torchrl.gather", "gear_torchrl.cupy_kernels")
-
-
-def _imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module == "gear_torchrl":  # from gear_torchrl import gather
-            names |= {f"gear_torchrl.{alias.name}" for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
-
-
-def _module_file(name: str) -> Path | None:
-    rel = Path(*name.split(".")[1:])
-    for candidate in (PACKAGE / rel.with_suffix(".py"), PACKAGE / rel / "__init__.py"):
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def test_selection_and_distributed_import_neither_torchrl_nor_the_glue():
-    """Every module under selection/ and distributed/, and everything they import from the package, in turn."""
-    todo = [p for layer in LOWER_LAYERS for p in (PACKAGE / layer).rglob("*.py")]
-    assert len(todo) > 20, "the walk found too few modules to mean anything"
-    seen: set[Path] = set()
-    while todo:
-        path = todo.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        for name in _imports(path):
-            where = path.relative_to(PACKAGE.parent)
-            assert name.split(".")[0] != "torchrl", f"{where} imports {name}"
-            if name == "gear_torchrl" or name.startswith("gear_torchrl."):
-                assert name.startswith(ALLOWED), f"{where} imports {name}, above its layer"
-                found = _module_file(name)
-                if found is not None:
-                    todo.append(found)
-
-
-def test_importing_the_lower_layers_loads_no_torchrl():
-    modules = sorted(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
-                     for layer in LOWER_LAYERS for p in (PACKAGE / layer).rglob("*.py")
-                     if p.name != "rdma.py")  # rdma needs pyverbs, and imports nothing of ours above it
-    code = ("import importlib, sys\n"
-            f"for m in {modules!r}: importlib.import_module(m.removesuffix('.__init__'))\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torchrl' or m in "
-            "('gear_torchrl.storage', 'gear_torchrl.samplers', 'gear_torchrl.sharded_storage'))\n"
-            "print(bad)\nsys.exit(1 if bad else 0)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-
 
 SPECS = [UniformSpec(), WindowSpec(8, burn_in=2, strict_length=False, traj_key=("ep",)),
          PrioritySpec(0.6, 1e-6), PriorityWindowSpec(4, alpha=0.7, reduction="start"), QueueSpec("lifo"),
@@ -200,8 +135,8 @@ def _owner_with_priorities(rows: int):
 def test_a_shards_checkpoint_restores_its_cores_and_refuses_damage(tmp_path):
     """In one process: what an owner saves for ``rb.dumps`` of a sharded store, and what it refuses to load."""
     from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
+    from gear_torchrl.errors import CheckpointError
     from gear_torchrl.selection.registry import SelectorRegistry
-    from gear_torchrl.store.state_checks import CheckpointError
 
     source, registry = _owner_with_priorities(64)
     target = damaged = None

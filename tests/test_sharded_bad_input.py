@@ -102,10 +102,9 @@ def test_a_queue_batch_the_shards_cannot_fill_takes_nothing(storage):
 
 def test_give_back_returns_every_round_of_a_shards_picks():
     """A shard that picked in several rounds of one batch gets all of them back, in order."""
-    from gear_torchrl.selection.picked import Picked
-
     from gear_torchrl.distributed.fan_out import FanOut
     from gear_torchrl.distributed.shard_set import ShardSet
+    from gear_torchrl.selection.picked import Picked
     from gear_torchrl.selection.queue import QueueSpec
 
     sharded = ShardSet.__new__(ShardSet)  # only what give_back touches

@@ -110,6 +110,8 @@ def test_learners_see_every_shard_through_their_transport(job):
     assert tcp["transports"] == ["tcp"] * w.OWNERS
     assert auto["transports"] == ["local"] * w.OWNERS  # every shard is on this host
     assert tcp["len"] == auto["len"] == sum(w.ROWS_PER_SHARD)
+    assert tcp["hosts"] == auto["hosts"] == [None] * w.OWNERS  # None: shares this machine's memory
+    assert f"no shard {w.OWNERS}" in tcp["unknown_shard"]
 
 
 def test_uniform_sampling_matches_one_store_holding_all_rows(job):

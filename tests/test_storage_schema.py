@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_same_td
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, tensorclass
 from torchrl.data import (
     LazyTensorStorage,
@@ -19,7 +20,6 @@ from torchrl.data import (
 )
 
 from gear_torchrl import CheckpointError, GearStorage, SpecMismatchError
-from helpers import assert_same_td
 
 STORAGES = [LazyTensorStorage, GearStorage]
 

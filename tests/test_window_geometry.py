@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gear_torchrl._ext import _C
+from gear_torchrl.kernels import _C
 
 
 def episodes(n=50, seed=0):

@@ -7,10 +7,9 @@ import threading
 import pytest
 import torch
 
-from gear_torchrl import gather
-from gear_torchrl._ext import _C
 from gear_torchrl.distributed import global_ids, wire
 from gear_torchrl.distributed.wire import Message, Op
+from gear_torchrl.kernels import _C, gather
 
 
 def _received(sender, nbytes: int) -> bytes:

@@ -76,8 +76,6 @@ from gear_torchrl import (
     ShardedGearStorage,
     TrajectoryWriter,
 )
-from gear_torchrl.distributed import global_ids
-from gear_torchrl.distributed.directory import host_id
 
 
 def say(*parts: object) -> None:
@@ -189,7 +187,7 @@ def batch_bytes(batch: TensorDict) -> int:
 
 def check_rows(batch: TensorDict, frame: int) -> None:
     """Every row came back whole, from the shard its global id names."""
-    shard, _ = global_ids.decode(batch["index"])
+    shard = ShardedGearStorage.shard_of(batch["index"])
     assert torch.equal(shard, batch["shard"]), "a row came back under another shard's id"
     cols = cart_column(batch["observation"], frame)
     assert bool((batch["pixels"][torch.arange(len(cols)), :, cols] == 255).all()), "an image does not match its row"
@@ -241,7 +239,7 @@ def learn(storage: ShardedGearStorage, args: argparse.Namespace) -> None:
     #    --transport forces one for every shard: "tcp" always works; "local" refuses
     #    a shard on another host, "rdma" a shard whose owner has no RDMA device.
     for d in storage.descriptors:
-        where = "this host" if d.host == host_id() else d.host.split("/")[0]  # host ids: hostname/boot id
+        where = storage.host_of(d.shard) or "this host"
         say(f"shard {d.shard} (rank {d.rank}, {d.addr}:{d.port}, on {where}) is read over "
             f"{storage.transport_of(d.shard)}")
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from gear_torchrl.distributed.transports.base import ShardUnavailableError
+from gear_torchrl.errors import ShardUnavailableError
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ import socket
 
 import torch
 
-from gear_torchrl._ext import _C
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.wire import Message, Op
-from gear_torchrl.store.commit_log import ReadRevokedError, StoreClosedError
+from gear_torchrl.errors import ReadRevokedError, StoreClosedError
+from gear_torchrl.kernels import _C
 
 _NEXT_IS_OTHER, _SERVE_IN_PYTHON, _CATCH_UP = 0, 1, 2  # csrc/owner.h ServeCode
 CATCH_UP_S = 1.0  # the view replays the records published meanwhile at least this often

@@ -19,9 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gear_torchrl import gather
-from gear_torchrl._ext import _C
 from gear_torchrl.distributed import wire
+from gear_torchrl.kernels import _C, gather
 from gear_torchrl.store.shard import Windows
 
 _SO_MEMINFO = getattr(socket, "SO_MEMINFO", 55)  # Linux: the socket's memory counters (sock_diag's sk_meminfo)

@@ -14,19 +14,16 @@ from typing import Any
 
 import torch
 
-from gear_torchrl._ext import _C
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.directory import ShardDescriptor
-from gear_torchrl.distributed.transports.base import (
-    RemoteShardError,
-    ShardUnavailableError,
-)
+from gear_torchrl.distributed.transports.base import RemoteShardError
 from gear_torchrl.distributed.wire import Message, Op
+from gear_torchrl.errors import CheckpointError, EmptyStoreError, ShardUnavailableError
+from gear_torchrl.kernels import _C
 from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
-from gear_torchrl.store.shard import EmptyStoreError, Windows
-from gear_torchrl.store.state_checks import CheckpointError
+from gear_torchrl.store.shard import Windows
 
 # What a socket cannot be made without; they say nothing about the shard.
 _SHORTAGES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}

@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from gear_torchrl._ext import _C
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.native_owner import NativeOwner
 from gear_torchrl.distributed.row_sender import ReplyCutShort, RowSender
 from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
 from gear_torchrl.distributed.shard_view import ShardView, spec_of
 from gear_torchrl.distributed.wire import Message, Op
+from gear_torchrl.kernels import _C
 from gear_torchrl.selection.registry import SelectorRegistry
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec

@@ -25,14 +25,15 @@ from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.fan_out import FailurePolicy, FanOut
 from gear_torchrl.distributed.shard_checkpoint import check_layout, shard_directory, write_layout
 from gear_torchrl.distributed.shard_client import Ask, Flight, Post, ShardClient, give_back_message, update_message
-from gear_torchrl.distributed.transports.base import ColumnLayout, ShardUnavailableError, Transport
+from gear_torchrl.distributed.transports.base import ColumnLayout, Transport
 from gear_torchrl.distributed.transports.registry import CHOICES, Reach, open_transport
+from gear_torchrl.errors import EmptyStoreError, ShardUnavailableError, SpecMismatchError
 from gear_torchrl.selection.checked_inputs import as_generation, as_priority
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
-from gear_torchrl.store.shard import EmptyStoreError, Windows
-from gear_torchrl.store.spec import SpecMismatchError, TableSpec
+from gear_torchrl.store.shard import Windows
+from gear_torchrl.store.spec import TableSpec
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from gear_torchrl._ext import _C
+from gear_torchrl.kernels import _C
 
 MAGIC = b"GEAR"
 VERSION = 1

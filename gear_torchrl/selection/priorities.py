@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from gear_torchrl.errors import CheckpointError
 from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.block_sums import BlockPrefixSums
 from gear_torchrl.selection.checked_inputs import as_generation, validated
@@ -20,7 +21,6 @@ from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.trees import PriorityTrees
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.state_checks import (
-    CheckpointError,
     checked_float,
     checked_int,
     checked_tensor,

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from gear_torchrl._ext import _C
+from gear_torchrl.kernels import _C
 from gear_torchrl.selection.checked_inputs import as_priority, as_rows
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec

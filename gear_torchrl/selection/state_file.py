@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from gear_torchrl.errors import CheckpointError, UnverifiedCheckpointWarning
 from gear_torchrl.store.persistence import read_checkpoint, write_checkpoint
-from gear_torchrl.store.state_checks import CheckpointError, UnverifiedCheckpointWarning
 
 SAMPLER_FORMAT = "gear_torchrl.sampler/1"
 _PICKLED_STATE = "sampler_state.pt"  # before checksums, samplers with small states saved this

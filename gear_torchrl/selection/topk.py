@@ -11,14 +11,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from gear_torchrl._ext import _C
+from gear_torchrl.errors import CheckpointError
+from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.checked_inputs import as_priority, as_rows
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import Path, SelectionSpec
 from gear_torchrl.selection.trees import ScoreTree
 from gear_torchrl.store.shard import Shard
-from gear_torchrl.store.state_checks import CheckpointError, checked_tensor, field, require_nothing_past
+from gear_torchrl.store.state_checks import checked_tensor, field, require_nothing_past
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from gear_torchrl._ext import _C
+from gear_torchrl.kernels import _C
 from gear_torchrl.store.huge_pages import empty_huge
 
 

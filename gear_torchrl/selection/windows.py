@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from gear_torchrl._ext import _C
+from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.random_draws import uniform

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gear_torchrl.errors import ReadRevokedError, StoreClosedError
 from gear_torchrl.store import janitor
 from gear_torchrl.store.shared_memory import PAGE, SegmentLock, map_segment, page_round
 
@@ -68,14 +69,6 @@ READER_SLOTS = 256  # processes reading one store at once
 _SLOT_PID, _SLOT_EPOCH, _SLOT_REVOKED, _SLOT_LONGER_US = 0, 1, 2, 3  # a reader slot's words
 _SLOT_WORDS = 4
 DEFAULT_READER_TIMEOUT_S = 1.0  # on top of what each read claims for its size (claim_gather)
-
-
-class StoreClosedError(RuntimeError):
-    """The shared store was closed by its owner, or its owner died."""
-
-
-class ReadRevokedError(RuntimeError):
-    """A read outlasted the store's reader timeout: writers went on, and its rows may be overwritten."""
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gear_torchrl.errors import CheckpointError
 from gear_torchrl.store.episodes import EpisodeIndex, EpisodeView
 from gear_torchrl.store.episodes import check_state as check_column_state
-from gear_torchrl.store.state_checks import CheckpointError, field
+from gear_torchrl.store.state_checks import field
 
 _UIDS = itertools.count()
 

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from gear_torchrl._ext import _C
+from gear_torchrl.errors import CheckpointError
+from gear_torchrl.kernels import _C
 from gear_torchrl.store.env_episodes import EnvEpisodes
 from gear_torchrl.store.env_episodes import check_state as check_env_episode_state
 from gear_torchrl.store.shard import Shard, Windows
-from gear_torchrl.store.state_checks import CheckpointError, field
+from gear_torchrl.store.state_checks import field
 
 
 class EnvShard(Shard):

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gear_torchrl.store.state_checks import CheckpointError, checked_int, checked_tensor, field
+from gear_torchrl.errors import CheckpointError
+from gear_torchrl.store.state_checks import checked_int, checked_tensor, field
 
 _MIN_SLOTS = 64
 _UIDS = itertools.count()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from gear_torchrl.gather import HotRows
+from gear_torchrl.kernels.gather import HotRows
 from gear_torchrl.store.last_writes import last_write_positions
 from gear_torchrl.store.spec import TableSpec
 

@@ -28,14 +28,9 @@ import numpy as np
 import torch
 import xxhash
 
+from gear_torchrl.errors import CheckpointError, UnverifiedCheckpointWarning
 from gear_torchrl.store.shared_shard import SharedShard
-from gear_torchrl.store.state_checks import (
-    CheckpointError,
-    UnverifiedCheckpointWarning,
-    checked_int,
-    dtype_named,
-    field,
-)
+from gear_torchrl.store.state_checks import checked_int, dtype_named, field
 
 if TYPE_CHECKING:
     from gear_torchrl.store.shard import Shard

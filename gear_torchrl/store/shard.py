@@ -18,16 +18,16 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
-from gear_torchrl import gather
-from gear_torchrl._ext import _C
+from gear_torchrl.errors import CheckpointError, EmptyStoreError, SpecMismatchError
+from gear_torchrl.kernels import _C, gather
 from gear_torchrl.store.episodes import EpisodeIndex, episode_ends
 from gear_torchrl.store.episodes import check_state as check_episode_state
 from gear_torchrl.store.hot_tier import HotTier
 from gear_torchrl.store.huge_pages import empty_huge
 from gear_torchrl.store.last_writes import last_write_positions
 from gear_torchrl.store.local_commits import CommitRecord
-from gear_torchrl.store.spec import Data, Leaves, NestedKey, SpecMismatchError, TableSpec, as_path, key_name
-from gear_torchrl.store.state_checks import CheckpointError, checked_int, field
+from gear_torchrl.store.spec import Data, Leaves, NestedKey, TableSpec, as_path, key_name
+from gear_torchrl.store.state_checks import checked_int, field
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +36,6 @@ Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor | range
 DEFAULT_END_KEYS: tuple[NestedKey, ...] = (("next", "done"), ("next", "truncated"))
 COLLECTOR_TRAJ_KEY: NestedKey = ("collector", "traj_ids")
 _TORCHRL_INDEX = "index"  # TorchRL's TensorDict writers store each row's position there
-
-
-class EmptyStoreError(RuntimeError):
-    """Reading from a store that holds no rows."""
 
 
 # Given windows, their batch's gathered columns (by key) and validity mask: keys to add or replace.

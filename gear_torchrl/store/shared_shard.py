@@ -21,18 +21,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gear_torchrl._ext import _C
+from gear_torchrl.errors import EmptyStoreError, ReadRevokedError, SpecMismatchError
+from gear_torchrl.kernels import _C
 from gear_torchrl.store.commit_log import (
     DEFAULT_READER_TIMEOUT_S,
     CommitLog,
-    ReadRevokedError,
     ReadSnapshot,
     control_bytes,
     reader_timeout_us,
 )
 from gear_torchrl.store.live_rows import LiveRows, dead_runs_array
 from gear_torchrl.store.rate_counters import SharedRateCounters
-from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard, Windows, as_index_tensor
+from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, Windows, as_index_tensor
 from gear_torchrl.store.shared_memory import (
     Janitor,
     create_segment,
@@ -41,7 +41,7 @@ from gear_torchrl.store.shared_memory import (
     page_round,
     segment_path,
 )
-from gear_torchrl.store.spec import Data, Leaves, NestedKey, SpecMismatchError, TableSpec, key_name
+from gear_torchrl.store.spec import Data, Leaves, NestedKey, TableSpec, key_name
 
 logger = logging.getLogger(__name__)
 

@@ -40,16 +40,14 @@ from tensordict import (
 from tensordict.utils import LinkedList
 from torch.utils import _pytree as pytree
 
+from gear_torchrl.errors import SpecMismatchError
+
 NestedKey = str | tuple[str, ...]
 # What a store holds and returns: a TensorDict, a tensor, a tensorclass instance or a pytree of tensors.
 Data = TensorDictBase | torch.Tensor | Any
 Path = tuple[str, ...]
 
 _NON_TENSOR = (NonTensorData, NonTensorStack)
-
-
-class SpecMismatchError(ValueError):
-    """A write whose keys, dtypes or shapes differ from the store's spec."""
 
 
 def key_name(key: NestedKey | None) -> str:

@@ -13,13 +13,7 @@ from typing import Any
 
 import torch
 
-
-class CheckpointError(ValueError):
-    """A checkpoint or state dict that is damaged or does not fit: nothing was loaded."""
-
-
-class UnverifiedCheckpointWarning(UserWarning):
-    """A checkpoint written before checksums: its structure is checked, its bytes cannot be."""
+from gear_torchrl.errors import CheckpointError
 
 
 def field(state: Any, name: str, where: str) -> Any:

@@ -1,4 +1,4 @@
-"""CUDA gather (gear_torchrl._C.gather into CUDA tensors) against the CPU gather.
+"""CUDA gather (gear_torchrl.kernels._C.gather into CUDA tensors) against the CPU gather.
 
 Every CUDA result is compared bit for bit with the CPU gather of the same
 request (the CPU gather is the reference semantics). Columns live in pinned
@@ -16,7 +16,6 @@ import sys
 
 import pytest
 import torch
-
 from cuda_kernels import cuda_extension
 
 _C = cuda_extension()
@@ -372,7 +371,7 @@ def test_table_larger_than_4gib(tier):
 def test_kernel_source_compiles_with_nvrtc_via_cupy():
     """The CuPy run-time path (the same kernel file, compiled by NVRTC) gathers the same bytes."""
     pytest.importorskip("cupy")
-    from gear_torchrl import cupy_kernels
+    from gear_torchrl.kernels import cupy_kernels
 
     gen = torch.Generator().manual_seed(12)
     capacity, seq_len, n = 300, 10, 97
@@ -395,4 +394,4 @@ def test_kernel_source_compiles_with_nvrtc_via_cupy():
 
 
 if os.environ.get("GEAR_GPU_TEST_DEBUG"):
-    print("gear_torchrl._C from", getattr(_C, "__file__", "?"), file=sys.stderr)
+    print("gear_torchrl.kernels._C from", getattr(_C, "__file__", "?"), file=sys.stderr)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from cuda_kernels import cuda_extension
 
 _C = cuda_extension()

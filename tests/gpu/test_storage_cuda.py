@@ -102,7 +102,7 @@ def test_cupy_runtime_path_gives_the_same_batches():
     script = (
         "import torch, sys; sys.path.insert(0, %r)\n"
         "from test_storage_cuda import pair, assert_same\n"
-        "from gear_torchrl import gather\n"
+        "from gear_torchrl.kernels import gather\n"
         "assert gather._use_cupy()\n"
         "cpu, gpu = pair('host')\n"
         "index = torch.randint(0, 500, (777,))\n"

@@ -14,10 +14,6 @@ if TYPE_CHECKING:
     from gear_torchrl.distributed.shard_client import Ask
 
 
-class ShardUnavailableError(ConnectionError):
-    """A shard owner died, stopped answering, or refused us."""
-
-
 class RemoteShardError(RuntimeError):
     """A shard owner rejected a request (the message says why); the connection stays usable."""
 

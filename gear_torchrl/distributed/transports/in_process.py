@@ -5,10 +5,10 @@ from typing import Any
 
 import torch
 
-from gear_torchrl import gather
 from gear_torchrl.distributed.shard_client import Ask
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.transports.base import Transport
+from gear_torchrl.kernels import gather
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shard import Windows

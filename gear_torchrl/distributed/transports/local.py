@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from gear_torchrl import gather
 from gear_torchrl.distributed.transports.base import Transport
+from gear_torchrl.kernels import gather
 from gear_torchrl.store.shard import Windows
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
 

@@ -45,11 +45,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gear_torchrl.distributed.transports.base import (
-    ColumnLayout,
-    ShardUnavailableError,
-    Transport,
-)
+from gear_torchrl.distributed.transports.base import ColumnLayout, Transport
 from gear_torchrl.distributed.transports.rdma_plan import (
     MAX_MSG_BYTES_LIMIT,
     ReadPlan,
@@ -57,6 +53,7 @@ from gear_torchrl.distributed.transports.rdma_plan import (
     region_end_of,
     valid_positions,
 )
+from gear_torchrl.errors import ShardUnavailableError
 from gear_torchrl.store.shard import Windows
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from gear_torchrl.dataset_slots import SlotPlan, SlotReader, SlotWriter, batch_of, new_plan
+from gear_torchrl.adapters.dataset_slots import SlotPlan, SlotReader, SlotWriter, batch_of, new_plan
 
 
 class GearDataset(IterableDataset):
@@ -191,8 +191,8 @@ def worker_context() -> multiprocessing.context.BaseContext | None:
     return context
 
 
-_PRELOAD = ["torch", "tensordict", "torchrl.data", "gear_torchrl.storage", "gear_torchrl.samplers",
-            "gear_torchrl.dataset"]
+_PRELOAD = ["torch", "tensordict", "torchrl.data", "gear_torchrl.adapters.storage", "gear_torchrl.adapters.samplers",
+            "gear_torchrl.adapters.dataset"]
 
 
 def _reseed_copy(replay_buffer: Any, seed: int) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-_PACKAGE_KERNEL = Path(__file__).parent / "kernels" / "gather_kernel.cuh"
-_SOURCE_KERNEL = Path(__file__).parent.parent / "csrc" / "cuda" / "gather_kernel.cuh"
+_PACKAGE_KERNEL = Path(__file__).parent / "gather_kernel.cuh"
+_SOURCE_KERNEL = Path(__file__).parents[2] / "csrc" / "cuda" / "gather_kernel.cuh"
 # The launch constants of csrc/cuda/gather_kernel.cuh (GEAR_*).
 _THREADS = 256
 _MASK_WINDOWS = 32
@@ -66,7 +66,7 @@ def _device_address(column: torch.Tensor, index: int) -> int:
         raise RuntimeError(f"gather: column {index} is pageable CPU memory the GPU cannot read; pin it") from err
     if attributes.type != cp.cuda.runtime.memoryTypeHost or not attributes.devicePointer:
         raise RuntimeError(f"gather: column {index} is pageable CPU memory the GPU cannot read in place; "
-                           "pin it with .pin_memory() or gear_torchrl.gather.host_register()")
+                           "pin it with .pin_memory() or gear_torchrl.kernels.gather.host_register()")
     return int(attributes.devicePointer)
 
 

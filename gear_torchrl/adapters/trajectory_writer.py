@@ -13,8 +13,9 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from gear_torchrl.storage import GearStorage
-from gear_torchrl.store.spec import Leaves, SpecMismatchError, TableSpec
+from gear_torchrl.adapters.storage import GearStorage
+from gear_torchrl.errors import SpecMismatchError
+from gear_torchrl.store.spec import Leaves, TableSpec
 
 _TRUNCATED = ("next", "truncated")
 

@@ -15,21 +15,22 @@ from typing import Any, Literal
 import torch
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 
-from gear_torchrl import gather
-from gear_torchrl.checkpointer import GearStorageCheckpointer
-from gear_torchrl.rate_gate import RateGate, RateLimitedStorage, check_sampler_is_gated
-from gear_torchrl.rate_limiters import RateLimiter
-from gear_torchrl.sampled_index import Selection, WindowMarkers, local_selection, plan_of
+from gear_torchrl.adapters.checkpointer import GearStorageCheckpointer
+from gear_torchrl.adapters.rate_gate import RateGate, RateLimitedStorage, check_sampler_is_gated
+from gear_torchrl.adapters.rate_limiters import RateLimiter
+from gear_torchrl.adapters.sampled_index import Selection, WindowMarkers, local_selection, plan_of
+from gear_torchrl.adapters.stats import Rates
+from gear_torchrl.adapters.torchrl_state import state_from_torchrl, torchrl_fields
+from gear_torchrl.errors import EmptyStoreError
+from gear_torchrl.kernels import gather
 from gear_torchrl.selection.base import Selector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.stats import Rates
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.store.rate_counters import LocalRateCounters, SharedRateCounters
-from gear_torchrl.store.shard import DEFAULT_END_KEYS, EmptyStoreError, Index, Shard
+from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
 from gear_torchrl.store.spec import Data, NestedKey, stacked_rows
-from gear_torchrl.torchrl_state import state_from_torchrl, torchrl_fields
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
 
     def __new__(cls, *args: Any, ndim: int = 1, **kwargs: Any) -> GearStorage:  # noqa: PYI034
         if cls is GearStorage and ndim == 2:  # the [T, num_envs] layout: its own class, off the 1-D path
-            from gear_torchrl.env_storage import EnvColumnsStorage
+            from gear_torchrl.adapters.env_storage import EnvColumnsStorage
 
             cls = EnvColumnsStorage  # noqa: PLW0642  (the [T, num_envs] layout is a subclass of its own)
         return super().__new__(cls)

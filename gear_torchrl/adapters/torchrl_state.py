@@ -19,10 +19,10 @@ import torch
 from tensordict import TensorDict
 from torch.utils._pytree import tree_map
 
+from gear_torchrl.errors import CheckpointError, SpecMismatchError
 from gear_torchrl.store.env_shard import EnvShard
 from gear_torchrl.store.shard import Shard
-from gear_torchrl.store.spec import Data, SpecMismatchError, TableSpec, key_name, lead_shape
-from gear_torchrl.store.state_checks import CheckpointError
+from gear_torchrl.store.spec import Data, TableSpec, key_name, lead_shape
 
 
 def torchrl_fields(shard: Shard) -> dict[str, Any]:

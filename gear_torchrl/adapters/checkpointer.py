@@ -18,14 +18,14 @@ from typing import Any
 
 from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
 
-from gear_torchrl.store.persistence import SHARD_MANIFEST, read_manifest, read_shard, save_shard
-from gear_torchrl.torchrl_layout import (
+from gear_torchrl.adapters.torchrl_layout import (
     TORCHRL_MANIFEST,
     forget_torchrl_layout,
     read_torchrl_layout,
     torchrl_files_are_current,
     write_torchrl_layout,
 )
+from gear_torchrl.store.persistence import SHARD_MANIFEST, read_manifest, read_shard, save_shard
 
 _FOLLOWING_JSON = ("buffer_metadata.json", "writer/metadata.json")  # TorchRL reads these after the storage
 

@@ -16,8 +16,8 @@ from typing import Any, Literal
 import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
-from gear_torchrl.sampled_index import WindowMarkers
-from gear_torchrl.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.adapters.sampled_index import WindowMarkers
+from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.selection.specs import as_path
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
 from gear_torchrl.store.spec import NestedKey

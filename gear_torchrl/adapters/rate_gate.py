@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from gear_torchrl.rate_limiters import WAIT_SLICE_S, RateLimiter, RateLimiterTimeout
+from gear_torchrl.adapters.rate_limiters import WAIT_SLICE_S, RateLimiter
+from gear_torchrl.errors import RateLimiterTimeout
 from gear_torchrl.store.rate_counters import Counts, LocalRateCounters, SharedRateCounters
 
 
@@ -231,7 +232,7 @@ def check_sampler_is_gated(sampler: Any) -> None:
         return
     from torchrl.data.replay_buffers.samplers import RandomSampler
 
-    from gear_torchrl.samplers.selecting import SelectsThroughStorage
+    from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
 
     if isinstance(sampler, SelectsThroughStorage) or type(sampler) is RandomSampler:
         return

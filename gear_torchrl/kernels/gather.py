@@ -13,8 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from gear_torchrl import cupy_kernels
-from gear_torchrl._ext import _C
+from gear_torchrl.kernels import _C, cupy_kernels
 
 # Tests set this to run the CuPy path on a machine whose extension has CUDA.
 _FORCE_CUPY = os.environ.get("GEAR_TORCHRL_FORCE_CUPY") == "1"

@@ -17,12 +17,13 @@ import torch
 from torch.utils._pytree import tree_map
 from torchrl.data.replay_buffers.storages import TensorStorage
 
-from gear_torchrl.sampled_index import ReadPlan, SampledIndex, Selection, WindowMarkers
+from gear_torchrl.adapters.sampled_index import ReadPlan, SampledIndex, Selection, WindowMarkers
+from gear_torchrl.adapters.storage import GearStorage
+from gear_torchrl.errors import EmptyStoreError
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.env_shard import EnvShard
-from gear_torchrl.store.shard import EmptyStoreError, Index, Windows
+from gear_torchrl.store.shard import Index, Windows
 from gear_torchrl.store.spec import Data, lead_shape
 
 

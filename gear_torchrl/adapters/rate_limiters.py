@@ -16,14 +16,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gear_torchrl.errors import RateLimiterTimeout
 from gear_torchrl.store.rate_counters import Counts, LocalRateCounters, RuleNumbers, SharedRateCounters
 
 Released = Callable[[], contextlib.AbstractContextManager]
 WAIT_SLICE_S = 0.05  # a waiter wakes at least this often, to find a closed store or a passed deadline
-
-
-class RateLimiterTimeout(TimeoutError):
-    """A gated insert or sample waited longer than the limiter's timeout."""
 
 
 class RateLimiter:
@@ -159,7 +156,7 @@ class RateLimiter:
         """
         from torchrl.data.replay_buffers.samplers import RandomSampler
 
-        from gear_torchrl.samplers.uniform import GearUniformSampler
+        from gear_torchrl.adapters.samplers.uniform import GearUniformSampler
 
         storage = rb.storage
         if not hasattr(type(storage), "rate_limiter"):

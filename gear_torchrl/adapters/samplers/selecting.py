@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gear_torchrl.sampled_index import Selection, WindowMarkers, local_selection
+from gear_torchrl.adapters.sampled_index import Selection, WindowMarkers, local_selection
 from gear_torchrl.selection.base import Selector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
 

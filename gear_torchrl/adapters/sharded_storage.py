@@ -18,15 +18,16 @@ import torch
 import torch.distributed as dist
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 
+from gear_torchrl.adapters.rate_gate import RateLimitedStorage
+from gear_torchrl.adapters.sampled_index import ReadPlan, SampledIndex, Selection, WindowMarkers, plan_of
+from gear_torchrl.adapters.stats import Rates
+from gear_torchrl.adapters.storage import GearStorage
+from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.bootstrap import Membership, join
-from gear_torchrl.distributed.directory import ShardDescriptor
+from gear_torchrl.distributed.directory import ShardDescriptor, host_id
 from gear_torchrl.distributed.shard_set import Options, ShardSet
-from gear_torchrl.rate_gate import RateLimitedStorage
-from gear_torchrl.sampled_index import ReadPlan, SampledIndex, Selection, WindowMarkers, plan_of
 from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.uniform import UniformSpec
-from gear_torchrl.stats import Rates
-from gear_torchrl.storage import GearStorage
 from gear_torchrl.store.shard import DEFAULT_END_KEYS
 from gear_torchrl.store.spec import Data, NestedKey
 
@@ -156,6 +157,19 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
     def transport_of(self, shard: int) -> str:
         """Which transport reads ``shard`` (``"tcp"``, ``"local"`` or ``"rdma"``)."""
         return self._shards.transport(shard).name
+
+    def host_of(self, shard: int) -> str | None:
+        """The host name of ``shard``'s owner, or None when it shares this machine's memory."""
+        found = [d for d in self.descriptors if d.shard == shard]
+        if not found:
+            raise ValueError(f"no shard {shard}: this store has shards {[d.shard for d in self.descriptors]}")
+        host = found[0].host  # hostname/boot id: the same for every process that shares this machine's memory
+        return None if host == host_id() else host.split("/")[0]
+
+    @staticmethod
+    def shard_of(index: torch.Tensor) -> torch.Tensor:
+        """The shard each row of a sampled batch came from, given the batch's ``"index"`` (global row ids)."""
+        return global_ids.decode(index)[0]
 
     # -- size -------------------------------------------------------------------------
     def __len__(self) -> int:

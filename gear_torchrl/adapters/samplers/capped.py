@@ -14,11 +14,12 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.errors import CheckpointError
 from gear_torchrl.selection.capped import CappedSelector, CappedSpec
 from gear_torchrl.selection.state_file import SAMPLER_FORMAT, StateDictFile, load_pickled
 from gear_torchrl.store.persistence import write_checkpoint
-from gear_torchrl.store.state_checks import CheckpointError, checked_tensor, field, require_nonnegative
+from gear_torchrl.store.state_checks import checked_tensor, field, require_nonnegative
 
 _INNER = "inner"  # where the wrapped sampler saves its state
 _PICKLED_COUNTS = "times_sampled.pt"  # the counts, before checkpoints carried checksums

@@ -7,7 +7,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.selection.queue import QueueSelector, QueueSpec
 from gear_torchrl.selection.state_file import StateDictFile
 

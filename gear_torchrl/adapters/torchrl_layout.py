@@ -36,11 +36,12 @@ from tensordict import LazyStackedTensorDict, MemoryMappedTensor, TensorDict, is
 from torch.utils import _pytree as pytree
 from torch.utils._pytree import tree_leaves
 
+from gear_torchrl.adapters.torchrl_state import slot_shape, state_of_slots
+from gear_torchrl.errors import CheckpointError
 from gear_torchrl.store.persistence import SHARD_MANIFEST, column_name, read_manifest, read_raw, tensor_file
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.spec import Data, NestedKey, TableSpec, as_path
-from gear_torchrl.store.state_checks import CheckpointError, checked_int, dtype_named
-from gear_torchrl.torchrl_state import slot_shape, state_of_slots
+from gear_torchrl.store.state_checks import checked_int, dtype_named
 
 TORCHRL_MANIFEST = "storage_metadata.json"
 TORCHRL_SAMPLER_MANIFEST = "sampler_metadata.json"

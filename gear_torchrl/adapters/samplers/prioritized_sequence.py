@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 import torch
 
-from gear_torchrl.sampled_index import Selection
-from gear_torchrl.samplers.prioritized import GearPrioritizedSampler
-from gear_torchrl.samplers.sequence import GearSequenceSampler
+from gear_torchrl.adapters.sampled_index import Selection
+from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler
+from gear_torchrl.adapters.samplers.sequence import GearSequenceSampler
 from gear_torchrl.selection.checked_inputs import as_rows, integer_rows, seeds_defaults
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec, key_priorities
 

@@ -8,19 +8,19 @@ import torch
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.sampled_index import Selection
-from gear_torchrl.samplers.selecting import SelectsThroughStorage
-from gear_torchrl.selection.checked_inputs import seeds_defaults
-from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
-from gear_torchrl.selection.state_file import StateDictFile
-from gear_torchrl.store.persistence import tensor_file
-from gear_torchrl.store.state_checks import checked_float, checked_int, field
-from gear_torchrl.torchrl_layout import (
+from gear_torchrl.adapters.sampled_index import Selection
+from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.adapters.torchrl_layout import (
     TORCHRL_SAMPLER_MANIFEST,
     read_torchrl_priorities,
     torchrl_files_are_current,
     write_torchrl_priorities,
 )
+from gear_torchrl.selection.checked_inputs import seeds_defaults
+from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
+from gear_torchrl.selection.state_file import StateDictFile
+from gear_torchrl.store.persistence import tensor_file
+from gear_torchrl.store.state_checks import checked_float, checked_int, field
 
 
 class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSampler):
