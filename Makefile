@@ -13,6 +13,7 @@ quickstart: build
 
 test: build
 	$(VENV)/bin/ruff check gear_torchrl
+	$(VENV)/bin/mypy
 	$(VPY) -m pytest -q tests
 
 bench: build

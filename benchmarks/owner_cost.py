@@ -57,7 +57,7 @@ def _learner(where, orders, done) -> None:
     from gear_torchrl.distributed.shard_client import Ask, Flight, ShardClient
     from gear_torchrl.distributed.wire import Message, Op
     from gear_torchrl.selection.uniform import UniformSpec
-    from gear_torchrl.store.spec import TableSpec
+    from gear_torchrl.store.table_spec import TableSpec
 
     class SelectAsk(Ask):
         """The same ask as a SELECT: the owner's Python path answers it."""

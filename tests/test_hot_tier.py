@@ -7,7 +7,7 @@ from tensordict import TensorDict
 
 from gear_torchrl import GearStorage
 from gear_torchrl.store.hot_tier import HotTier
-from gear_torchrl.store.spec import TableSpec
+from gear_torchrl.store.table_spec import TableSpec
 
 
 def simulate(slots: int, writes: list[torch.Tensor]) -> dict[int, int]:

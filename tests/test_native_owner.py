@@ -18,10 +18,10 @@ from gear_torchrl.distributed.shard_server import ShardServer
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.registry import SelectorRegistry
+from gear_torchrl.selection.selector_registry import SelectorRegistry
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store import commit_log
-from gear_torchrl.store.spec import TableSpec
+from gear_torchrl.store.table_spec import TableSpec
 
 SECRET = b"n" * 32
 UNIFORM = UniformSpec()

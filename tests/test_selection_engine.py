@@ -120,7 +120,7 @@ def test_sampled_indices_in_tensordicts_survive_what_users_do_with_them():
 
 
 def _owner_with_priorities(rows: int):
-    from gear_torchrl.selection.registry import SelectorRegistry
+    from gear_torchrl.selection.selector_registry import SelectorRegistry
 
     storage = GearStorage(rows, shared=True)
     storage.set(range(rows), make_steps(rows, seed=9))
@@ -136,7 +136,7 @@ def test_a_shards_checkpoint_restores_its_cores_and_refuses_damage(tmp_path):
     """In one process: what an owner saves for ``rb.dumps`` of a sharded store, and what it refuses to load."""
     from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
     from gear_torchrl.errors import CheckpointError
-    from gear_torchrl.selection.registry import SelectorRegistry
+    from gear_torchrl.selection.selector_registry import SelectorRegistry
 
     source, registry = _owner_with_priorities(64)
     target = damaged = None

@@ -136,6 +136,8 @@ class GearLoader(DataLoader):
     iterating turns tickets back into batches, each a copy the consumer owns.
     """
 
+    dataset: GearDataset
+
     def __init__(self, dataset: GearDataset, *, batch_slots: int, **kwargs: Any) -> None:
         super().__init__(dataset, batch_size=None, collate_fn=as_is, **kwargs)
         self.batch_slots = batch_slots
@@ -147,7 +149,7 @@ class GearLoader(DataLoader):
         """Batches copied out of a worker's slot (not pickled) since this loader was made."""
         return sum(reader.through_slots for reader in self._readers)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # with slots: a generator, not DataLoader's iterator
         if self.num_workers == 0 or self.batch_slots == 0:
             self.dataset._slot_plan = None
             return super().__iter__()

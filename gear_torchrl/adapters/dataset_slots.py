@@ -50,7 +50,8 @@ class SlotLayout:
     @staticmethod
     def of(leaves: list[Any], spec: TreeSpec) -> SlotLayout:
         """Lay out every CPU tensor leaf; other leaves (numbers, GPU tensors, strings) ride in the ticket."""
-        placed, offset = [], 0
+        placed: list[Leaf | None] = []
+        offset = 0
         for leaf in leaves:
             if _slottable(leaf):
                 placed.append(Leaf(offset, leaf.dtype, tuple(leaf.shape)))
@@ -125,16 +126,19 @@ class SlotWriter:
 
     def ticket(self, batch: Any) -> Ticket:
         leaves, spec = tree_flatten(batch)
-        fresh = self.layout is None or not self.layout.fits(leaves, spec)
-        if fresh:
-            self.layout = SlotLayout.of(leaves, spec)
+        layout = self.layout
+        if layout is None or not layout.fits(leaves, spec):
+            layout = self.layout = SlotLayout.of(leaves, spec)
             self.generation += 1
             self.buffer = None
-        layout = self.layout
+            fresh = True
+        else:
+            fresh = False
         if layout.slot_bytes == 0:  # nothing to lay out: the batch travels as it is
             return Ticket(self.plan.token, self.worker, -1, -1, {0: batch})
-        if self.buffer is None:
-            self.buffer = torch.empty(self.plan.slots * layout.slot_bytes, dtype=torch.uint8).share_memory_()
+        buffer = self.buffer
+        if buffer is None:
+            buffer = self.buffer = torch.empty(self.plan.slots * layout.slot_bytes, dtype=torch.uint8).share_memory_()
         self._acquire()
         slot = self.count % self.plan.slots
         self.count += 1
@@ -145,9 +149,9 @@ class SlotWriter:
                 if place is None:
                     inline[i] = leaf
                 else:
-                    _view(self.buffer, base, place).copy_(leaf)
+                    _view(buffer, base, place).copy_(leaf)
         return Ticket(self.plan.token, self.worker, self.generation, slot, inline,
-                      self.buffer if fresh else None, layout if fresh else None)
+                      buffer if fresh else None, layout if fresh else None)
 
     def _acquire(self) -> None:
         """Wait for a free slot; give up when the main process is gone (it would never free one)."""
@@ -171,6 +175,7 @@ class SlotReader:
             return ticket.inline[0]
         with self._lock:
             if ticket.buffer is not None:  # a worker's first batch of a new layout: its buffer comes along
+                assert ticket.layout is not None  # SlotWriter sends the two together
                 self.buffers[ticket.worker] = (ticket.generation, ticket.buffer, ticket.layout)
             generation, buffer, layout = self.buffers[ticket.worker]
             if generation != ticket.generation:

@@ -24,7 +24,7 @@ from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.store.env_shard import EnvShard
 from gear_torchrl.store.shard import Index, Windows
-from gear_torchrl.store.spec import Data, lead_shape
+from gear_torchrl.store.table_spec import Data, lead_shape
 
 
 class EnvColumnsStorage(GearStorage):
@@ -41,6 +41,7 @@ class EnvColumnsStorage(GearStorage):
 
     ndim = 2
     _local_shard = EnvShard
+    _shard: EnvShard  # never shared (refused in __init__)
 
     def __init__(self, max_size: int, **kwargs: Any) -> None:
         _refuse_unsupported(kwargs)
@@ -94,7 +95,8 @@ class EnvColumnsStorage(GearStorage):
             shape = self.shape
             if shape is None or shape.numel() == 0:
                 raise EmptyStoreError("cannot sample from an empty storage: write some data first")
-            return tuple(torch.randint(dim, (batch_size,), generator=self._rng, device=self.device) for dim in shape)
+            t, e = (torch.randint(dim, (batch_size,), generator=self._rng, device=self.device) for dim in shape)
+            return t, e
 
     # -- writes ------------------------------------------------------------------------
     def _write(self, cursor: Index, data: Data, append: bool) -> None:

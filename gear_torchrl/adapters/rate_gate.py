@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gear_torchrl.adapters.rate_limiters import WAIT_SLICE_S, RateLimiter
 from gear_torchrl.errors import RateLimiterTimeout
@@ -150,7 +150,7 @@ def buffer_locks_released(buffers: list[Any]) -> Iterator[None]:
                 held.append(("replay", replay, replay._release_save()))
             write = getattr(buffer, "_write_lock", None)
             semlock = getattr(write, "_semlock", None)
-            if semlock is not None and semlock._is_mine():
+            if write is not None and semlock is not None and semlock._is_mine():
                 write.release()
                 held.append(("write", write, None))
         yield
@@ -174,6 +174,12 @@ class RateLimitedStorage:
     """
 
     _gate: RateGate | None = None
+
+    if TYPE_CHECKING:  # TorchRL's Storage, which every subclass derives from too
+        @property
+        def _attached_entities(self) -> list[Any]: ...  # the replay buffers using this storage
+
+        def __len__(self) -> int: ...
 
     @property
     def rate_limiter(self) -> RateLimiter | None:

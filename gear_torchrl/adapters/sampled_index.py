@@ -10,13 +10,13 @@ tensor, which reads the rows it names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.store.shard import Windows
-from gear_torchrl.store.spec import NestedKey, TableSpec, as_path
+from gear_torchrl.store.table_spec import NestedKey, TableSpec, as_path
 
 
 @dataclass(frozen=True)
@@ -91,10 +91,10 @@ class SampledIndex(torch.Tensor):
     def __deepcopy__(self, memo: dict) -> SampledIndex:
         return SampledIndex(self.as_subclass(torch.Tensor).clone(), self.plan)
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         return SampledIndex, (self.as_subclass(torch.Tensor).clone(), self.plan)
 
-    def __repr__(self, **kwargs: Any) -> str:
+    def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]  # mypy refuses even Tensor's own signature here
         return f"SampledIndex({self.as_subclass(torch.Tensor)!r})"
 
 
@@ -105,11 +105,15 @@ def plan_of(index: Any) -> ReadPlan | None:
     return index.plan if isinstance(index, SampledIndex) else None
 
 
+# What TorchRL's samplers hand its storages: flat rows, or the (time, env) coordinates of an ndim=2 storage.
+SelectionIndex = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class Selection:
     """A storage's answer to ``select``: TorchRL's index, and what the picks carry for the sampler's info."""
 
-    index: torch.Tensor  # flat rows; a SampledIndex for windows, and for rows a sharded store read already
+    index: SelectionIndex  # a SampledIndex for windows, and for rows a sharded store read already
     extra: dict[str, torch.Tensor]  # per pick (mass, generation, score), in batch order
     scalars: dict[str, Any]  # e.g. min_mass, over every shard picked from
 

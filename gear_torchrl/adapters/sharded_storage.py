@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 
 from gear_torchrl.adapters.rate_gate import RateLimitedStorage
-from gear_torchrl.adapters.sampled_index import ReadPlan, SampledIndex, Selection, WindowMarkers, plan_of
+from gear_torchrl.adapters.sampled_index import (
+    ReadPlan,
+    SampledIndex,
+    Selection,
+    SelectionIndex,
+    WindowMarkers,
+    plan_of,
+)
 from gear_torchrl.adapters.stats import Rates
 from gear_torchrl.adapters.storage import GearStorage
 from gear_torchrl.distributed import global_ids
@@ -27,9 +34,11 @@ from gear_torchrl.distributed.bootstrap import Membership, join
 from gear_torchrl.distributed.directory import ShardDescriptor, host_id
 from gear_torchrl.distributed.shard_set import Options, ShardSet
 from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store.shard import DEFAULT_END_KEYS
-from gear_torchrl.store.spec import Data, NestedKey
+from gear_torchrl.store.shared_shard import SharedShard
+from gear_torchrl.store.table_spec import Data, NestedKey
 
 TransportName = Literal["auto", "tcp", "local", "rdma"]
 _UNIFORM = UniformSpec().build(0)  # what TorchRL's RandomSampler asks for
@@ -78,6 +87,10 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
     """
 
     owners_seed_new_rows = True  # TorchRL's first-use priority seeding does not apply: owners follow writes
+    _local: GearStorage | None
+    device: torch.device  # TorchRL allows a string; rows arrive on the CPU
+    _membership: Membership | None
+    shard_id: int | None
 
     def __init__(
         self,
@@ -99,13 +112,17 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
         options = Options(transport, on_shard_failure, timeout, pin_memory, prefetch)
         local = GearStorage(max_size, shared=True, end_keys=end_keys, traj_key=traj_key) if owns_shard else None
         try:
-            membership = join(None if local is None else local.shard, group=group, name=name, serve_on=serve_on,
-                              timeout=timeout, heartbeat_s=heartbeat_s)
+            shard = None if local is None else cast(SharedShard, local.shard)  # shared=True
+            membership = join(shard, group=group, name=name, serve_on=serve_on, timeout=timeout,
+                              heartbeat_s=heartbeat_s)
         except BaseException:
             if local is not None:
                 local.close()
             raise
-        served = None if membership.server is None else (membership.shard_id, membership.server)
+        served = None
+        if membership.server is not None:  # this rank owns a shard, which join numbered
+            assert membership.shard_id is not None
+            served = (membership.shard_id, membership.server)
         self._setup(membership.descriptors, membership.secret, options, membership.control, dist.get_rank(), served)
         self._local, self._membership, self.shard_id = local, membership, membership.shard_id
 
@@ -119,9 +136,9 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
         self.on_shard_failure = options.on_shard_failure
         self._shards = ShardSet(descriptors, secret, options, control, rank, served)
         self._reader_args = (descriptors, secret, options)
-        self._local: GearStorage | None = None
-        self._membership: Membership | None = None
-        self.shard_id: int | None = None
+        self._local = None
+        self._membership = None
+        self.shard_id = None
         self._rows_sampled = 0
         self._rates = Rates()
         self.__dict__["_storage_keys"] = None
@@ -196,11 +213,11 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
         return torch.Size([len(self)])
 
     @property
-    def initialized(self) -> bool:
+    def initialized(self) -> bool:  # type: ignore[override]  # TorchRL sets it; the shards are always laid out
         return True
 
     # -- selection (what our samplers ask for) ------------------------------------------
-    def select(self, selector: Selector, count: int, generator: torch.Generator | None = None,
+    def select(self, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None = None,
                markers: WindowMarkers | None = None) -> Selection:
         """``count`` picks of ``selector``'s rule across the shards, their rows read already.
 
@@ -211,33 +228,37 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
             raise ValueError(f"select at least one row or window, got {count}")
         with self._sampling(count * selector.spec.rows_per_pick):
             picks = self._shards.pick(selector.spec, count, generator)
+        assert picks is not None  # None answers a count of 0
         self._rows_sampled += picks.index.numel()
         windows = picks.windows if picks.windows.seq_len > 1 or markers is not None else None
         plan = ReadPlan(windows, markers, picks.columns, picks.spec)
         return Selection(SampledIndex(picks.index, plan), picks.extra, picks.scalars)
 
-    def note_written(self, selector: Selector, index: Any) -> None:
+    def note_written(self, selector: Selector[SelectionSpec], index: Any) -> None:
         """Nothing to do: each owner's cores follow its shard's commits."""
 
-    def update_selection(self, selector: Selector, index: Any, priority: Any, generation: Any = None) -> None:
+    def update_selection(self, selector: Selector[SelectionSpec], index: Any, priority: Any,
+                         generation: Any = None) -> None:
         """Priorities for global row ids, routed to the owners of the rows."""
         self._shards.update(selector.spec, torch.as_tensor(index).as_subclass(torch.Tensor), priority, generation)
 
-    def give_back(self, selector: Selector, index: Any) -> None:
+    def give_back(self, selector: Selector[SelectionSpec], index: Any) -> None:
         self._shards.give_back_ids(selector.spec, torch.as_tensor(index).as_subclass(torch.Tensor))
 
-    def _rand_given_ndim(self, batch_size: int) -> torch.Tensor:
+    def _rand_given_ndim(self, batch_size: int) -> SelectionIndex:
         return self.select(_UNIFORM, batch_size, getattr(self, "_rng", None)).index
 
     # -- reads -----------------------------------------------------------------------------
     def get(self, index: Any) -> Data:
         plan = plan_of(index)
         if plan is not None and plan.columns is not None:
-            columns, num_rows = plan.columns, plan.columns[0].shape[0]
+            columns, table, windows = plan.columns, plan.table, plan.windows
+            assert table is not None  # select reads the columns with their table
             extra = None
             if plan.markers is not None:
-                extra = plan.markers(plan.windows, dict(zip(plan.table.keys, columns)), plan.windows.mask())
-            return plan.table.unflatten(columns, torch.Size([num_rows]), device=self.device, extra=extra)
+                assert windows is not None  # select keeps the windows where markers are asked for
+                extra = plan.markers(windows, dict(zip(table.names, columns)), windows.mask())
+            return table.unflatten(columns, torch.Size([columns[0].shape[0]]), device=self.device, extra=extra)
         ids = torch.as_tensor(index).as_subclass(torch.Tensor)
         table, out = self._shards.read_ids(ids)
         lead = ids.shape
@@ -262,7 +283,8 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
                                       "with a TrajectoryWriter on `storage.local`")
         with self._appending(None, torch.as_tensor(cursor).numel(), lambda *_: None) if set_cursor else contextlib.nullcontext():
             self._local.set(cursor, data, set_cursor=set_cursor)
-        self._shards.rows.pop(self.shard_id, None)  # len() asks the shard again
+        if self.shard_id is not None:  # set with self._local
+            self._shards.rows.pop(self.shard_id, None)  # len() asks the shard again
 
     def _empty(self) -> None:
         raise NotImplementedError("empty each shard on its owner (`storage.local`)")

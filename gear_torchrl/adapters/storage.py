@@ -10,15 +10,16 @@ import contextlib
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
+from tensordict import TensorDictBase
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 
 from gear_torchrl.adapters.checkpointer import GearStorageCheckpointer
 from gear_torchrl.adapters.rate_gate import RateGate, RateLimitedStorage, check_sampler_is_gated
 from gear_torchrl.adapters.rate_limiters import RateLimiter
-from gear_torchrl.adapters.sampled_index import Selection, WindowMarkers, local_selection, plan_of
+from gear_torchrl.adapters.sampled_index import Selection, SelectionIndex, WindowMarkers, local_selection, plan_of
 from gear_torchrl.adapters.stats import Rates
 from gear_torchrl.adapters.torchrl_state import state_from_torchrl, torchrl_fields
 from gear_torchrl.errors import EmptyStoreError
@@ -26,11 +27,12 @@ from gear_torchrl.kernels import gather
 from gear_torchrl.selection.base import Selector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.store.rate_counters import LocalRateCounters, SharedRateCounters
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
-from gear_torchrl.store.spec import Data, NestedKey, stacked_rows
+from gear_torchrl.store.table_spec import Data, NestedKey, stacked_rows
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +106,10 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     died, are neither counted nor read.
     """
 
-    _default_checkpointer = GearStorageCheckpointer
+    _default_checkpointer = GearStorageCheckpointer  # type: ignore[assignment]  # any StorageCheckpointerBase serves
     _local_shard = Shard  # what holds the rows of a local store
+    _shard: Shard  # a SharedShard where the store is shared
+    device: torch.device  # TorchRL allows a string; ours is always a device
 
     def __new__(cls, *args: Any, ndim: int = 1, **kwargs: Any) -> GearStorage:  # noqa: PYI034
         if cls is GearStorage and ndim == 2:  # the [T, num_envs] layout: its own class, off the 1-D path
@@ -174,7 +178,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
 
     # -- size and shape -------------------------------------------------------------
     @property
-    def initialized(self) -> bool:
+    def initialized(self) -> bool:  # type: ignore[override]  # TorchRL sets it; here the shard knows
         return self._shard.spec is not None
 
     @property
@@ -189,7 +193,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         return self._shard.readable_rows()
 
     @property
-    def _total_shape(self) -> torch.Size:
+    def _total_shape(self) -> torch.Size | None:  # None: not laid out yet (an ndim=2 store before its first write)
         return torch.Size([self.max_size])
 
     @property
@@ -200,7 +204,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         return self.max_size
 
     @property
-    def shape(self) -> torch.Size:
+    def shape(self) -> torch.Size | None:  # None: not laid out yet (an ndim=2 store before its first write)
         return torch.Size([self._shard.readable_rows()])
 
     @property
@@ -208,17 +212,17 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         # A shared store's indices number its live rows oldest first: they never wrap.
         return not self.shared and self._shard.size == self.max_size
 
-    def flatten(self) -> GearStorage:
+    def flatten(self) -> TensorStorage:
         return self
 
-    def _rand_given_ndim(self, batch_size: int) -> torch.Tensor:
+    def _rand_given_ndim(self, batch_size: int) -> SelectionIndex:
         with self._sampling(batch_size), self._shard.picking():
             rows = self._shard.uniform_rows(batch_size, self._rng, self.device)
         self._drawn = rows  # in range by construction: ``get`` skips checking them (a wait for the GPU)
         return rows
 
     # -- selection (what our samplers ask for) ------------------------------------------
-    def select(self, selector: Selector, count: int, generator: torch.Generator | None = None,
+    def select(self, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None = None,
                markers: WindowMarkers | None = None) -> Selection:
         """``count`` picks of ``selector``'s rule over this store, drawn with ``generator``.
 
@@ -245,16 +249,17 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         """The checked rows of a TorchRL index given to a sampler (``mark_update``, ``give_back``); -1 skips."""
         return as_rows(index, self.max_size)
 
-    def note_written(self, selector: Selector, index: Any) -> None:
+    def note_written(self, selector: Selector[SelectionSpec], index: Any) -> None:
         """TorchRL's writer wrote rows ``index`` (``mark_update``): the selector's per-row state follows."""
         rows = self._selector_rows(index)
         selector.written(rows[rows >= 0], self._shard)
 
-    def update_selection(self, selector: Selector, index: Any, priority: Any, generation: Any = None) -> None:
+    def update_selection(self, selector: Selector[SelectionSpec], index: Any, priority: Any,
+                         generation: Any = None) -> None:
         """Priorities for rows (checked against the rows stored) of ``selector``'s rule."""
         selector.update(index, priority, generation, stored=self._shard.ring_rows)
 
-    def give_back(self, selector: Selector, index: Any) -> None:
+    def give_back(self, selector: Selector[SelectionSpec], index: Any) -> None:
         """Picks that were not used (a batch cut short): rules that consume rows take them back."""
         selector.give_back(self._selector_rows(index))
 
@@ -328,7 +333,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         first, n = int(positions[0]), rows
         for buffer in self._attached_entities:
             writer = getattr(buffer, "_writer", None)
-            if getattr(writer, "_storage", None) is not self or not hasattr(writer, "_write_count"):
+            if writer is None or getattr(writer, "_storage", None) is not self or not hasattr(writer, "_write_count"):
                 continue
             if int(writer._cursor) == (first + n) % self._writer_ring():
                 writer._cursor = first
@@ -350,7 +355,8 @@ class GearStorage(RateLimitedStorage, TensorStorage):
             return self._shard.read_windows(plan.windows, plan.markers)
         drawn, self._drawn = self._drawn, None
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(k, str) for k in index)):
-            return self.get(slice(None))[index]  # a key: that column of every row (TorchRL's Sequence unit)
+            # A key: that column of every row (TorchRL's Sequence unit); rows that are one tensor have no keys.
+            return cast(TensorDictBase, self.get(slice(None)))[index]
         return self._read_rows(index, drawn)
 
     def _read_rows(self, index: Index, drawn: torch.Tensor | None) -> Data:
@@ -419,7 +425,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
             self._note_mutation()
 
     @property
-    def _storage(self) -> Data:
+    def _storage(self) -> Data:  # type: ignore[override]  # TorchRL's is the data; here, views of the columns
         """Every row slot as views of the columns (``[max_size]``), where TorchRL's checkpointers look.
 
         Only a local store on the CPU has such views; elsewhere this is an AttributeError
@@ -431,7 +437,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
                 "local store with rows on the CPU that holds data; use the default GearStorageCheckpointer")
         return self._shard.slice_views(slice(None), all_slots=True)
 
-    def _init(self, row: Data) -> None:
+    def _init(self, row: Data) -> None:  # type: ignore[override]  # as LazyTensorStorage's: laid out for a row
         """Lay the columns out for rows like ``row``: TorchRL's checkpointers restore into a new storage so,
         then write every slot through ``_storage``."""
         self._shard.write(0, row, append=False)
@@ -473,21 +479,23 @@ class GearStorage(RateLimitedStorage, TensorStorage):
 
     # -- the rate limiter's counts and rule (RateLimitedStorage) ---------------------------------
     def _rate_counters(self) -> LocalRateCounters | SharedRateCounters:
-        return self._shard.rates if self.shared else LocalRateCounters()
+        shard = self._shard
+        return shard.rates if isinstance(shard, SharedShard) else LocalRateCounters()
 
     def _publish_rate_limiter(self, limiter: RateLimiter | None) -> None:
-        if self.shared:
-            self._shard.rates.publish_rule(None if limiter is None else limiter.numbers)
-            self._rule_version = self._shard.rates.rule_version
+        shard = self._shard
+        if isinstance(shard, SharedShard):
+            shard.rates.publish_rule(None if limiter is None else limiter.numbers)
+            self._rule_version = shard.rates.rule_version
 
     def _current_gate(self) -> RateGate | None:
         """A shared store's rule may have been set or changed by another process: follow it."""
-        if self.shared and self._shard.rates.rule_version != self._rule_version:
-            self._follow_published_rule()
+        shard = self._shard
+        if isinstance(shard, SharedShard) and shard.rates.rule_version != self._rule_version:
+            self._follow_published_rule(shard.rates)
         return self._gate
 
-    def _follow_published_rule(self) -> None:
-        rates = self._shard.rates
+    def _follow_published_rule(self, rates: SharedRateCounters) -> None:
         self._rule_version = rates.rule_version
         numbers = rates.rule()
         if numbers is None:
@@ -535,14 +543,16 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     @property
     def handle(self) -> SharedStoreHandle:
         """Small and picklable: ``GearStorage(0, handle=h)`` attaches to this store's rows."""
-        if not self.shared:
-            raise RuntimeError("only a shared GearStorage (shared=True) has a handle")
-        return self._shard.handle
+        shard = self._shard
+        if isinstance(shard, SharedShard):
+            return shard.handle
+        raise RuntimeError("only a shared GearStorage (shared=True) has a handle")
 
     def close(self) -> None:
         """Detach from a shared store; its owner also frees the shared memory."""
-        if self.shared:
-            self._shard.close()
+        shard = self._shard
+        if isinstance(shard, SharedShard):
+            shard.close()
 
     def __reduce__(self):
         if self.shared:  # another process attaches to the same rows

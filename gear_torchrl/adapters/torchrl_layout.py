@@ -28,11 +28,11 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, MemoryMappedTensor, TensorDict, is_tensorclass
+from tensordict import LazyStackedTensorDict, MemoryMappedTensor, TensorDict, TensorDictBase, is_tensorclass
 from torch.utils import _pytree as pytree
 from torch.utils._pytree import tree_leaves
 
@@ -40,8 +40,8 @@ from gear_torchrl.adapters.torchrl_state import slot_shape, state_of_slots
 from gear_torchrl.errors import CheckpointError
 from gear_torchrl.store.persistence import SHARD_MANIFEST, column_name, read_manifest, read_raw, tensor_file
 from gear_torchrl.store.shard import Shard
-from gear_torchrl.store.spec import Data, NestedKey, TableSpec, as_path
 from gear_torchrl.store.state_checks import checked_int, dtype_named
+from gear_torchrl.store.table_spec import Data, NestedKey, TableSpec, as_path
 
 TORCHRL_MANIFEST = "storage_metadata.json"
 TORCHRL_SAMPLER_MANIFEST = "sampler_metadata.json"
@@ -88,9 +88,11 @@ def write_torchrl_layout(directory: Path, state: dict[str, Any]) -> None:
     forget_torchrl_layout(directory)
     spec = None if state["spec"] is None else TableSpec.from_json(state["spec"])
     slots = slot_shape(state["capacity"], state.get("num_envs") or None)
-    reason = _not_expressible(spec)
     metadata: dict[str, Any] = {}
-    if reason is not None:
+    if spec is None:
+        _write_refusal(directory, "the saved GearStorage held no rows, and TorchRL's checkpointer has no layout for "
+                                  "an empty storage (it refuses to save one)")
+    elif (reason := _not_expressible(spec)) is not None:
         _write_refusal(directory, reason)
     elif spec.is_tensordict:
         _write_memmap_layout(directory, spec, state, slots)
@@ -100,11 +102,8 @@ def write_torchrl_layout(directory: Path, state: dict[str, Any]) -> None:
                                                "len": state["size"], _GEAR_MARK: SHARD_MANIFEST})
 
 
-def _not_expressible(spec: TableSpec | None) -> str | None:
+def _not_expressible(spec: TableSpec) -> str | None:
     """Why TorchRL's layout cannot hold rows of ``spec`` (None: it can)."""
-    if spec is None:
-        return ("the saved GearStorage held no rows, and TorchRL's checkpointer has no layout for an empty "
-                "storage (it refuses to save one)")
     if spec.is_tensordict:
         return None
     if spec.tree is None:  # one tensor
@@ -145,7 +144,7 @@ def _write_memmap_layout(directory: Path, spec: TableSpec, state: dict[str, Any]
     shutil.rmtree(staging, ignore_errors=True)
     try:
         mapped = _template(spec, state, slots).memmap_like(staging, num_threads=0, existsok=True)
-        files = [Path(_leaf(mapped, spec, c.key).filename).relative_to(staging.absolute()) for c in spec.columns]
+        files = [Path(_leaf(mapped, spec, key).filename).relative_to(staging.absolute()) for key in spec.names]
         del mapped
         for i, (c, relative) in enumerate(zip(spec.columns, files)):
             _link_column(tensor_file(directory, column_name(i)), directory / relative,
@@ -160,8 +159,9 @@ def _write_memmap_layout(directory: Path, spec: TableSpec, state: dict[str, Any]
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _template(spec: TableSpec, state: dict[str, Any], slots: torch.Size) -> Data:
-    """Every slot as ``spec`` rebuilds it, with leaves that take no memory (zero strides) and the rows' objects."""
+def _template(spec: TableSpec, state: dict[str, Any], slots: torch.Size) -> TensorDictBase:
+    """Every slot as ``spec`` (of TensorDict rows) rebuilds it, with leaves that take no memory (zero strides)
+    and the rows' objects."""
     tensors = [torch.zeros((), dtype=c.dtype).expand(*slots, *c.row_shape) for c in spec.columns]
     objects = []
     for saved in state.get("objects", []):
@@ -169,7 +169,7 @@ def _template(spec: TableSpec, state: dict[str, Any], slots: torch.Size) -> Data
         for row, obj in enumerate(saved):
             column[row] = obj
         objects.append(column.reshape(tuple(slots)))
-    return spec.unflatten(tensors, slots, device=torch.device("cpu"), objects=objects or None)
+    return cast(TensorDictBase, spec.unflatten(tensors, slots, device=torch.device("cpu"), objects=objects or None))
 
 
 def _leaf(node: Any, spec: TableSpec, key: NestedKey) -> MemoryMappedTensor:
@@ -331,7 +331,7 @@ def _pytree_slots(directory: Path, metadata: dict[str, Any], shard: Shard) -> Da
             f"{directory} holds TorchRL's checkpoint of pytree rows (leaves {sorted(metadata)}), which does not "
             "record the tree's structure: extend this buffer with one row of that structure first, then load "
             "(LazyTensorStorage requires the same)")
-    names = [".".join(as_path(c.key)) for c in spec.columns]
+    names = [".".join(as_path(key)) for key in spec.names]
     if set(names) != set(metadata):
         raise CheckpointError(f"{directory}'s pytree leaves {sorted(metadata)} differ from this storage's "
                               f"{sorted(names)}")

@@ -13,16 +13,16 @@ either, into a shard state.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 from torch.utils._pytree import tree_map
 
 from gear_torchrl.errors import CheckpointError, SpecMismatchError
 from gear_torchrl.store.env_shard import EnvShard
 from gear_torchrl.store.shard import Shard
-from gear_torchrl.store.spec import Data, TableSpec, key_name, lead_shape
+from gear_torchrl.store.table_spec import Data, TableSpec, key_name, lead_shape
 
 
 def torchrl_fields(shard: Shard) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def torchrl_fields(shard: Shard) -> dict[str, Any]:
     columns = [c.view(*slots, *c.shape[1:]) for c in shard.columns]
     if not shard.spec.is_tensordict:
         return {"_storage": columns[0], "initialized": True, "_len": shard.size}
-    rows = shard.spec.unflatten(columns, slots, device=None)
+    rows = cast(TensorDictBase, shard.spec.unflatten(columns, slots, device=None))
     return {"_storage": rows.state_dict(), "initialized": True, "_len": shard.size}
 
 
@@ -77,7 +77,7 @@ def state_of_slots(slots: Data, length: int, shard: Shard, cursor: int | None = 
     scratch = _scratch(shard)
     if length == 0:
         return scratch.state()
-    if shard.num_envs is not None:  # [T, num_envs] slots: their steps as flat rows t * num_envs + e
+    if isinstance(scratch, EnvShard):  # [T, num_envs] slots: their steps as flat rows t * num_envs + e
         slots, length, envs = _time_steps(slots, length, scratch)
         cursor = None if cursor is None else cursor * envs
     rows = _leading_rows(slots)

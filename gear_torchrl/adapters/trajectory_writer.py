@@ -15,7 +15,7 @@ from tensordict import TensorDictBase
 
 from gear_torchrl.adapters.storage import GearStorage
 from gear_torchrl.errors import SpecMismatchError
-from gear_torchrl.store.spec import Leaves, TableSpec
+from gear_torchrl.store.table_spec import Leaves, TableSpec
 
 _TRUNCATED = ("next", "truncated")
 
@@ -87,7 +87,7 @@ class TrajectoryWriter:
         leaves = shard.validated(data, single, spec=spec)  # raises before anything is staged
         if self._staged and (leaves.spec != self._spec or leaves.columns != self._staged[0].columns):
             raise SpecMismatchError("every step of an episode must carry the same keys as its first steps "
-                                    f"({sorted(map(str, self._spec.keys))}); this one brings others")
+                                    f"({sorted(map(str, self._staged[0].spec.keys))}); this one brings others")
         self._spec = leaves.spec
         if leaves.n == 0:
             return
@@ -97,10 +97,10 @@ class TrajectoryWriter:
             self._commit()
 
     def _mark_truncated(self) -> None:
-        column = self._spec.find(_TRUNCATED)
+        last = self._staged[-1]
+        column = last.spec.find(_TRUNCATED)
         if column is None:
             return
-        last = self._staged[-1]
         at = last.columns.index(column)
         flag = last.values[at].clone()
         flag[-1] = True

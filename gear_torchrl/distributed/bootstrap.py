@@ -84,14 +84,15 @@ def join(shard: SharedShard | None, *, group: dist.ProcessGroup | None, name: st
         raise ValueError("no rank owns a shard: build it with owns_shard=True on at least one rank")
     shard_id = None if mine is None else next(d.shard for d in descriptors if d.rank == mine.rank)
     membership = Membership(descriptors, secret, directory, shard_id, server, None)
-    if shard is not None:
-        membership.heartbeat = Heartbeat(directory, shard_id, lambda: _beat(membership, shard), heartbeat_s)
+    if shard is not None and shard_id is not None:
+        membership.heartbeat = Heartbeat(directory, shard_id, lambda: _beat(membership, shard_id, shard),
+                                         heartbeat_s)
     return membership
 
 
-def _beat(membership: Membership, shard: SharedShard) -> dict[str, Any]:
+def _beat(membership: Membership, shard_id: int, shard: SharedShard) -> dict[str, Any]:
     """An owner's periodic work: export its region to RDMA readers, report its statistics."""
-    mine = membership.descriptors[membership.shard_id]
+    mine = membership.descriptors[shard_id]
     if mine.rdma is not None and shard.mapped_columns():
         if membership.exporter is None:
             membership.exporter = _rdma_exporter(membership.control, mine.rdma["prefix"], shard.segment)

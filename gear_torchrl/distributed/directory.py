@@ -83,7 +83,7 @@ def exchange_descriptors(mine: ShardDescriptor | None, group: dist.ProcessGroup 
     """Every rank's shard descriptor (ranks without a shard give None), numbered in rank order."""
     gathered: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, None if mine is None else mine.to_json(), group=group)
-    descriptors = []
+    descriptors: list[ShardDescriptor] = []
     for text in gathered:
         if text is not None:
             d = ShardDescriptor.from_json(text)

@@ -48,7 +48,8 @@ class FanOut:
     def settle(self, outcomes: list[tuple[int, Any]], on_unavailable: Callable[[int], None],
                allow_skip: bool = True) -> list[tuple[int, Any]]:
         """The results among ``outcomes``; a failed shard is skipped or raised, a refusal raised, after all are seen."""
-        results, first_error = [], None
+        results: list[tuple[int, Any]] = []
+        first_error: Exception | None = None
         for shard, outcome in outcomes:
             if not isinstance(outcome, Exception):
                 results.append((shard, outcome))

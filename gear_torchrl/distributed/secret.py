@@ -52,10 +52,12 @@ def job_secret(group: dist.ProcessGroup | None = None) -> bytes:
     first = dist.get_rank(group) == 0
     drawn = secrets.token_bytes(32) if first and mine is None else None
     nonce = secrets.token_bytes(16)
-    message = [(drawn, nonce, _proof(mine or drawn, nonce) if first else None)]
+    held = mine if mine is not None else drawn  # rank 0 holds one either way
+    message = [(drawn, nonce, _proof(held, nonce) if first and held is not None else None)]
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast_object_list(message, src=src, group=group)  # the ranks' own connections, not the store
     drawn, nonce, proof = message[0]
+    assert proof is not None  # rank 0's, which it always sends
     secret = mine if mine is not None else drawn
     holds = problem is None and secret is not None and hmac.compare_digest(_proof(secret, nonce), proof)
     verdicts: list[bool | None] = [None] * dist.get_world_size(group)
@@ -66,6 +68,7 @@ def job_secret(group: dist.ProcessGroup | None = None) -> bytes:
     if differ:
         raise PermissionError(f"not every rank holds rank 0's secret (not: {', '.join(differ)}): set the same "
                               f"{SECRET_ENV} (or {SECRET_FILE_ENV}) on every rank, or on none")
+    assert secret is not None  # this rank holds rank 0's secret: it is not among those that differ
     return secret
 
 

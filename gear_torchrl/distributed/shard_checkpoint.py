@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from gear_torchrl.errors import CheckpointError
-from gear_torchrl.selection.registry import SelectorRegistry
+from gear_torchrl.selection.selector_registry import SelectorRegistry
 from gear_torchrl.selection.state_file import read_rows_state, save_rows_state
 from gear_torchrl.store.persistence import read_checkpoint, read_shard, save_shard, write_checkpoint
 from gear_torchrl.store.shared_shard import SharedShard

@@ -9,15 +9,16 @@ import json
 import socket
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.transports.base import RemoteShardError
-from gear_torchrl.distributed.wire import Message, Op
+from gear_torchrl.distributed.wire import EncodedMessage, Message, Op
 from gear_torchrl.errors import CheckpointError, EmptyStoreError, ShardUnavailableError
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
@@ -100,7 +101,8 @@ class ShardClient:
             return "closed the connection"
         return f"{type(exc).__name__}: {exc}"
 
-    def request(self, message: Message, into: list[torch.Tensor] | wire.Allocator | None = None) -> Message:
+    def request(self, message: Message | EncodedMessage,
+                into: list[torch.Tensor] | wire.Allocator | None = None) -> Message:
         with self._lock:
             sock = self._connection()
             try:
@@ -122,7 +124,7 @@ class ShardClient:
 
     def _remote_error(self, meta: dict[str, Any]) -> Exception:
         """An owner's refusal, as the type it had there where the learner knows it."""
-        kind = _REMOTE_TYPES.get(meta.get("type"), RemoteShardError)
+        kind = _REMOTE_TYPES.get(meta.get("type", ""), RemoteShardError)
         return kind(f"{self.descriptor.where}: {meta.get('message')}")
 
     def read(self, request: Windows, out: list[torch.Tensor]) -> None:
@@ -189,7 +191,7 @@ class Ask:
         """The picks the owner's reply carries (its rows are in ``columns`` already)."""
         return _picked_of(meta, arrays)
 
-    def request(self) -> Message:
+    def request(self) -> EncodedMessage:
         """The SELECT, its metadata encoded here: the rule's JSON once per rule, the rest by hand.
 
         Uniform rows read back at once go as SAMPLE_ROWS, which the owner answers in its extension.
@@ -197,11 +199,11 @@ class Ask:
         read = self.columns is not None
         if read and isinstance(self.spec, UniformSpec) and self.columns and _fits_int64(self.seed):
             ask = _SAMPLE_ROWS.pack(self.count, -1 if self.seed is None else self.seed, len(self.columns))
-            return Message(Op.SAMPLE_ROWS, b"", [ask])  # type: ignore[list-item]  (bytes go out as they are)
+            return EncodedMessage(Op.SAMPLE_ROWS, b"", [ask])
         meta = b'{"selection":%s,"count":%d,"seed":%s,"read":%s,"columns":%s}' % (
             _spec_json(self.spec), self.count, b"null" if self.seed is None else b"%d" % self.seed,
-            b"true" if read else b"false", b"%d" % len(self.columns) if read else b"null")
-        return Message(Op.SELECT, meta)
+            b"true" if read else b"false", b"%d" % len(self.columns) if self.columns is not None else b"null")
+        return EncodedMessage(Op.SELECT, meta)
 
 
 @dataclass
@@ -245,13 +247,28 @@ def _spec_json(spec: SelectionSpec) -> bytes:
     return json.dumps(spec.to_json(), separators=(",", ":")).encode()
 
 
-Request = Ask | Post  # what a Flight carries: a selection, or a request answered with nothing but OK
+Answer_co = TypeVar("Answer_co", covariant=True)
+Answer = TypeVar("Answer")
+
+
+class Request(Protocol[Answer_co]):
+    """What a Flight carries: a selection (``Ask``), or a request answered with nothing but OK (``Post``)."""
+
+    @property
+    def columns(self) -> list[torch.Tensor] | None: ...
+
+    @property
+    def first(self) -> int: ...
+
+    def request(self) -> Message | EncodedMessage: ...
+
+    def answer(self, meta: dict[str, Any], arrays: list[torch.Tensor]) -> Answer_co: ...
 
 
 _TICKETS = itertools.count(1)
 
 
-class Flight:
+class Flight(Generic[Answer]):
     """Selections sent to many owners at once, their replies owed until ``land``.
 
     ``land`` receives every reply at once (one native wait on all sockets, the
@@ -261,9 +278,9 @@ class Flight:
     reads past its owed reply, and ``land`` asks that owner again.
     """
 
-    def __init__(self, clients: list[ShardClient], asks: list[Request]) -> None:
+    def __init__(self, clients: list[ShardClient], asks: Sequence[Request[Answer]]) -> None:
         self.clients, self.asks = clients, asks
-        self._outcomes: list[Any] = [None] * len(clients)
+        self._outcomes: list[Answer | Exception | None] = [None] * len(clients)  # None: owed
         self._tickets = [0] * len(clients)
         for i, client in enumerate(clients):
             with client._lock:
@@ -280,7 +297,7 @@ class Flight:
         except (OSError, wire.ProtocolError) as exc:
             self._outcomes[i] = client._broken(exc)
 
-    def land(self) -> list[Picked | None | Exception]:
+    def land(self) -> list[Answer | Exception]:
         """Each owner's answer (picks, their rows in the ask's columns; None for a Post), or what went wrong."""
         with contextlib.ExitStack() as held:
             for client in self.clients:
@@ -290,18 +307,24 @@ class Flight:
                     self._send(i)  # its reply was read past meanwhile: ask again
             owed = [i for i, o in enumerate(self._outcomes) if o is None]
             if owed:
-                replies = _C.receive_replies([self.clients[i]._sock.fileno() for i in owed],
+                replies = _C.receive_replies([_owing(self.clients[i]).fileno() for i in owed],
                                              [self.asks[i].columns or [] for i in owed],
                                              [self.asks[i].first for i in owed],
                                              max(self.clients[i]._timeout for i in owed))
                 for i, (status, head, small) in zip(owed, replies):
                     self.clients[i]._awaiting = 0
                     self._outcomes[i] = _answer_of(self.clients[i], self.asks[i], status, head, small)
-        return self._outcomes
+        return cast("list[Answer | Exception]", self._outcomes)  # every owed answer was taken
 
 
-def _answer_of(client: ShardClient, ask: Request, status: int, head: torch.Tensor,
-               small: list[torch.Tensor]) -> Picked | None | Exception:
+def _owing(client: ShardClient) -> socket.socket:
+    """The connection of ``client``, which owes a reply: it was sent on just now, under the client's lock."""
+    assert client._sock is not None
+    return client._sock
+
+
+def _answer_of(client: ShardClient, ask: Request[Answer], status: int, head: torch.Tensor,
+               small: list[torch.Tensor]) -> Answer | Exception:
     """One owner's answer to ``ask`` (from its reply, as ``receive_replies`` got it), or what went wrong."""
     try:
         if status:

@@ -31,7 +31,7 @@ from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
 from gear_torchrl.distributed.shard_view import ShardView, spec_of
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.registry import SelectorRegistry
+from gear_torchrl.selection.selector_registry import SelectorRegistry
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store.shard import Windows
@@ -205,7 +205,8 @@ class _Session:
                 count, seed, columns = _sample_rows_request(request)
                 return self._select(_UNIFORM, count, seed, self._columns_asked(columns))
             if request.op == Op.READ:
-                return self._read(request)
+                self._read(request)
+                return None
             if request.op == Op.RELEASE:
                 return None
             if request.op == Op.UPDATE:
@@ -278,10 +279,12 @@ class _Session:
                    num_columns: int) -> None:
         """Reply with ``arrays``, then the rows of ``windows`` in the first ``num_columns`` columns;
         the read section ends once they left the ring."""
+        spec = self.shard.spec
+        assert spec is not None  # rows were picked or checked readable: the shard holds a table
         columns = self.shard.columns[:num_columns]
         views = [wire.as_bytes(a) for a in arrays]
         positions = windows.starts.numel() * windows.seq_len
-        sizes = [v.nbytes for v in views] + [positions * c.row_bytes for c in self.shard.spec.columns[:num_columns]]
+        sizes = [v.nbytes for v in views] + [positions * c.row_bytes for c in spec.columns[:num_columns]]
         self.rows.send([wire.header(Op.OK, meta, sizes), *views], columns, windows, release=self._release)
 
     def _release(self) -> None:
@@ -305,9 +308,9 @@ class _Session:
     def _describe(self) -> Message:
         shard = self.shard
         shard.mapped_columns()
-        published = shard.spec is not None
-        return Message(Op.OK, {"spec": shard.spec.to_json() if published else None, "capacity": shard.capacity,
-                               "offsets": shard.column_offsets() if published else None})
+        spec = shard.spec
+        return Message(Op.OK, {"spec": None if spec is None else spec.to_json(), "capacity": shard.capacity,
+                               "offsets": None if spec is None else shard.column_offsets()})
 
     def close(self) -> None:
         self.native.close()

@@ -33,7 +33,7 @@ from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store.shard import Windows
-from gear_torchrl.store.spec import TableSpec
+from gear_torchrl.store.table_spec import TableSpec
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class _Round:
     asks: dict[int, Ask]
     transports: dict[int, Any]  # each shard's transport, or what opening it raised
     together: list[int]  # the shards in ``flight``
-    flight: Flight
+    flight: Flight[Picked]
     unreached: list[tuple[int, Exception]]  # tcp shards that could not be asked
     draws: tuple[torch.Tensor, torch.Tensor] | None = None  # the generator's state before and after drawing it
 
@@ -180,7 +180,7 @@ class ShardSet:
             exact &= round_.batch is not None or not any(round_.counts)  # a later round: buffers of its own
             results = self._land_round(round_, got)
             for shard, (picked, ask) in results:
-                masses[shard] = picked.mass
+                masses[shard] = float(picked.mass)
                 self.rows[shard] = int(picked.scalars.get("rows", self.rows.get(shard, 0)))
                 _merge_min(scalars, picked.scalars)
                 exact &= picked.count == ask.count
@@ -243,10 +243,10 @@ class ShardSet:
             round_ = self._send_round(spec, count, count, generator)
         except Exception as exc:  # noqa: BLE001  (a batch ahead is optional: the next call says why)
             logger.debug("could not ask for the next batch ahead: %s", exc)
-            if before is not None:
+            if generator is not None and before is not None:
                 generator.set_state(before)
             return None
-        if before is not None:
+        if generator is not None and before is not None:
             round_.draws = (before, generator.get_state())
         return round_
 
@@ -259,12 +259,14 @@ class ShardSet:
         live, asks, transports = round_.live, round_.asks, round_.transports
         asked_together = set(round_.together) | {s for s, _ in round_.unreached}
         apart = [s for s in live if s not in asked_together]
-        outcomes = dict(round_.unreached)
+        outcomes: dict[int, Picked | Exception] = dict(round_.unreached)
         outcomes.update(self._fan_out.outcomes(apart, lambda s, _: self._select_apart(s, transports[s], asks[s]),
                                                [0] * len(apart)))
         outcomes.update(zip(round_.together, round_.flight.land()))
-        in_order = [(s, outcomes[s] if isinstance(outcomes[s], Exception) else (outcomes[s], asks[s]))
-                    for s in live]
+        in_order: list[tuple[int, tuple[Picked, Ask] | Exception]] = []
+        for s in live:
+            outcome = outcomes[s]
+            in_order.append((s, outcome if isinstance(outcome, Exception) else (outcome, asks[s])))
         try:
             return self._fan_out.settle(in_order, self._disconnect)
         except BaseException:
@@ -428,7 +430,7 @@ class ShardSet:
     # -- statistics --------------------------------------------------------------------------
     def stats(self, directory: Any, rates: Any, rows_sampled: int) -> dict[str, Any]:
         """Rows per shard (last answer, else heartbeat) and in all; inserts from heartbeats; rates."""
-        per_shard = []
+        per_shard: list[dict[str, Any]] = []
         for d in self.descriptors:
             beat = directory.stats(d.shard) if directory is not None else None
             per_shard.append({"shard": d.shard, "rank": d.rank, "failed": self.failed.get(d.shard),

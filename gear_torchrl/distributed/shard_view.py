@@ -18,7 +18,7 @@ import torch
 
 from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.registry import SelectorRegistry
+from gear_torchrl.selection.selector_registry import SelectorRegistry
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
 

@@ -17,11 +17,14 @@ import socket
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from gear_torchrl.kernels import _C
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 MAGIC = b"GEAR"
 VERSION = 1
@@ -58,8 +61,17 @@ class ProtocolError(ConnectionError):
 @dataclass
 class Message:
     op: int
-    meta: dict[str, Any] | bytes = field(default_factory=dict)  # bytes: its JSON, encoded by the sender
-    arrays: list[torch.Tensor] = field(default_factory=list)  # a sender may give bytes too
+    meta: dict[str, Any] = field(default_factory=dict)
+    arrays: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class EncodedMessage:
+    """A message to send whose metadata its sender encoded already (JSON bytes), with arrays as tensors or bytes."""
+
+    op: int
+    meta: bytes
+    arrays: list[torch.Tensor | bytes] = field(default_factory=list)
 
 
 def as_tensor_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -73,13 +85,14 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     """A tensor's bytes without a copy (it must be contiguous and on the CPU)."""
     if t.is_contiguous() and t.device.type == "cpu":
         try:
-            return memoryview(t.numpy()).cast("B")  # one call where numpy knows the dtype
+            # A numpy array is a buffer; its stubs say so from Python 3.12 on only.
+            return memoryview(cast("Buffer", t.numpy())).cast("B")  # one call where numpy knows the dtype
         except TypeError:
             pass  # bfloat16 and the like
-    return memoryview(as_tensor_bytes(t).numpy())
+    return memoryview(cast("Buffer", as_tensor_bytes(t).numpy()))
 
 
-def send(sock: socket.socket, message: Message) -> None:
+def send(sock: socket.socket, message: Message | EncodedMessage) -> None:
     views = [memoryview(a) if isinstance(a, bytes) else as_bytes(a) for a in message.arrays]
     send_buffers(sock, [header(message.op, message.meta, [v.nbytes for v in views]), *views])
 

@@ -9,6 +9,7 @@ the top of that file. Nothing here is a copy of the kernel.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +73,7 @@ def _device_address(column: torch.Tensor, index: int) -> int:
 
 def gather(columns: list[torch.Tensor], out: list[torch.Tensor], starts: torch.Tensor,
            valid_begin: torch.Tensor | None, valid_end: torch.Tensor | None, seq_len: int,
-           mask: torch.Tensor | None, hot_columns: list[torch.Tensor] | None = None,
+           mask: torch.Tensor | None, hot_columns: Sequence[torch.Tensor] = (),
            hot_owner: torch.Tensor | None = None) -> None:
     """Same contract as ``_C.gather`` for CUDA outputs (see csrc/gather.h)."""
     import cupy as cp

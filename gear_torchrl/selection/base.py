@@ -9,7 +9,7 @@ the store, never TorchRL: a local sampler and a shard owner run the same core.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -17,11 +17,17 @@ from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shard import Shard
 
+SpecT_co = TypeVar("SpecT_co", bound=SelectionSpec, covariant=True)  # a core's spec is set once, when made
 
-class Selector(ABC):
-    """One rule's state over one shard. Call ``follow`` and ``pick`` inside ``shard.picking()``."""
 
-    spec: SelectionSpec
+class Selector(ABC, Generic[SpecT_co]):
+    """One rule's state over one shard. Call ``follow`` and ``pick`` inside ``shard.picking()``.
+
+    A shard of ``None`` stands for a store that cannot select (TorchRL's own): row rules with per-row
+    state pick without one, rules that read the store need it (``needs_shard``).
+    """
+
+    spec: SpecT_co
     keeps_row_state = False  # whether it needs every write (``written``) and eviction (``forget``)
     _followed: tuple[int, int] = (0, 0)  # how far into the shard's commits it has looked
 
@@ -46,10 +52,12 @@ class Selector(ABC):
         """This shard's weight among shards: rows, windows or priority mass it could pick from."""
 
     @abstractmethod
-    def pick(self, shard: Shard, count: int, generator: torch.Generator | None) -> Picked:
+    def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         """``count`` picks (fewer only where the rule has fewer to give: queues, top-k)."""
 
-    def update(self, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None = None) -> None:
+    def update(self, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None = None,
+               stored: int | None = None) -> None:
+        """Raw priorities of ``rows`` (-1: skipped); ``stored``, where known, bounds the rows."""
         raise ValueError(f"a {self.spec.kind} selection keeps no priorities to update")
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
@@ -65,7 +73,7 @@ class Selector(ABC):
 
     def clear(self) -> None:
         """Back to the state of a new core (the store was emptied)."""
-        self.__init__(self.spec, *self._build_args())  # type: ignore[misc]
+        self.__init__(self.spec, *self._build_args())  # type: ignore[misc]  # re-made in place: its holders keep it
 
     def _build_args(self) -> tuple:
         return ()
@@ -97,7 +105,16 @@ class Selector(ABC):
         """Take a state ``checked_state_dict`` returned."""
 
 
-def pick_exactly(selector: Selector, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
+def needs_shard(selector: Selector[SelectionSpec], shard: Shard | None) -> Shard:
+    """``shard``, which ``selector``'s rule reads; a TypeError when there is none to read."""
+    if shard is None:
+        raise TypeError(f"a {selector.spec.kind} selection reads the store's shard: it needs a GearStorage "
+                        "or ShardedGearStorage")
+    return shard
+
+
+def pick_exactly(selector: Selector[SelectionSpec], shard: Shard | None, count: int,
+                 generator: torch.Generator | None) -> Picked:
     """``count`` picks, or an error saying why there are fewer (the short picks given back first)."""
     picked = selector.pick(shard, count, generator)
     if picked.count < count:

@@ -43,7 +43,7 @@ class CappedSpec(SelectionSpec):
     max_times: int
 
     @property
-    def merges_best(self) -> bool:  # type: ignore[override]
+    def merges_best(self) -> bool:  # type: ignore[override]  # a property: the inner rule decides
         return self.inner.merges_best
 
     def describe(self) -> str:
@@ -60,10 +60,10 @@ class CappedSpec(SelectionSpec):
         return CappedSelector(self, capacity)
 
 
-class CappedSelector(Selector):
+class CappedSelector(Selector[CappedSpec]):
     keeps_row_state = True
 
-    def __init__(self, spec: CappedSpec, capacity: int, inner: Selector | None = None) -> None:
+    def __init__(self, spec: CappedSpec, capacity: int, inner: Selector[SelectionSpec] | None = None) -> None:
         self.spec = spec
         self.capacity = capacity
         self.inner = inner if inner is not None else spec.inner.build(capacity)
@@ -85,7 +85,7 @@ class CappedSelector(Selector):
     def mass(self, shard: Shard) -> float:
         return self.inner.mass(shard)
 
-    def pick(self, shard: Shard, count: int, generator: torch.Generator | None) -> Picked:
+    def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         """Rounds of the inner rule's picks, keeping those under the cap, until ``count`` or none are left."""
         parts: list[Picked] = []
         need = count
@@ -100,6 +100,8 @@ class CappedSelector(Selector):
             need -= int(accepted.sum())
         if not parts:
             return self.inner.pick(shard, 0, generator)
+        if shard is None:  # a store that cannot select: no other shard to weigh this one against
+            return Picked.concat(parts, mass=parts[-1].mass)
         return Picked.concat(parts, mass=self.inner.mass(shard))
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:

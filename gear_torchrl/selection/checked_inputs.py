@@ -18,7 +18,7 @@ class IndexDtypeError(IndexError, TypeError):
 class Checked(NamedTuple):
     """An update's indices and priorities on the selector's device, and what checking them learned."""
 
-    index: torch.Tensor
+    rows: torch.Tensor
     priority: torch.Tensor | None
     skips: bool  # some index is -1
     max_priority: float  # 0.0 without priorities
@@ -78,7 +78,7 @@ def validated(index: Any, priority: Any, capacity: int, device: torch.device | s
 
 def as_rows(index: Any, capacity: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Checked int64 rows in ``[-1, capacity)``."""
-    return validated(index, None, capacity, device).index
+    return validated(index, None, capacity, device).rows
 
 
 def as_priority(priority: Any, count: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 
@@ -20,9 +21,11 @@ log = logging.getLogger(__name__)
 _CACHING_ALLOCATOR = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0")
 
 _Signature = tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
+Result = TypeVar("Result", torch.Tensor, None)
+_Captured = tuple[list[torch.Tensor], torch.cuda.CUDAGraph, Result]  # static inputs, the graph, its output
 
 
-class GraphedCall:
+class GraphedCall(Generic[Result]):
     """``fn(*tensors)``, replayed from a CUDA graph per input signature (shapes, dtypes, device).
 
     ``fn`` must not synchronize with the host or produce data-dependent shapes,
@@ -36,15 +39,15 @@ class GraphedCall:
     intermediates allocated for good.
     """
 
-    def __init__(self, fn: Callable[..., torch.Tensor | None], max_graphs: int = 8,
+    def __init__(self, fn: Callable[..., Result], max_graphs: int = 8,
                  max_elements: int = 1 << 16) -> None:
-        self.fn = fn
+        self.fn: Callable[..., Result] = fn
         self.max_graphs = max_graphs
         self.max_elements = max_elements
-        self._graphs: dict[_Signature, tuple[list[torch.Tensor], torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
+        self._graphs: dict[_Signature, _Captured[Result]] = {}
         self._capturable = _CACHING_ALLOCATOR
 
-    def __call__(self, *args: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, *args: torch.Tensor) -> Result:
         if (not (self._capturable and args[0].is_cuda) or args[0].numel() > self.max_elements
                 or torch.cuda.is_current_stream_capturing()):  # inside another capture: be part of it
             return self.fn(*args)
@@ -67,7 +70,7 @@ class GraphedCall:
                 graph.replay()
         return None if output is None else output.clone()
 
-    def _capture(self, args: tuple[torch.Tensor, ...]):
+    def _capture(self, args: tuple[torch.Tensor, ...]) -> _Captured[Result] | None:
         device = args[0].device
         inputs = [a.clone() for a in args]
         try:

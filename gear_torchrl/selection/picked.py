@@ -18,12 +18,13 @@ class Picked:
     seq_len: int
     valid_begin: torch.Tensor
     valid_end: torch.Tensor
-    mass: float  # the shard's total mass after picking: what the next batch is split by
+    mass: float | torch.Tensor  # the shard's total mass after picking: what the next batch is split by
+    # (from a core on a GPU, a 0-dim tensor there: a float would wait for the device)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per pick, named in EXTRA_DTYPES
     scalars: dict[str, Any] = field(default_factory=dict)  # e.g. min_mass (a float, or a device scalar locally)
 
     @classmethod
-    def rows(cls, rows: torch.Tensor, mass: float, **kw: Any) -> Picked:
+    def rows(cls, rows: torch.Tensor, mass: float | torch.Tensor, **kw: Any) -> Picked:
         return cls(rows, 1, torch.zeros_like(rows), torch.ones_like(rows), mass, **kw)
 
     @property
@@ -36,7 +37,7 @@ class Picked:
                       {k: v[keep] for k, v in self.extra.items()}, dict(self.scalars))
 
     @staticmethod
-    def concat(parts: list[Picked], mass: float) -> Picked:
+    def concat(parts: list[Picked], mass: float | torch.Tensor) -> Picked:
         """Picks of several rounds on one shard, in order; scalars are the last round's."""
         if len(parts) == 1:
             parts[0].mass = mass

@@ -7,7 +7,7 @@ lets an update for a row rewritten since it was drawn be dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -33,8 +33,20 @@ from gear_torchrl.store.state_checks import (
 _NONE = torch.empty(0, dtype=torch.int64)
 
 
+class ProportionalSpec(SelectionSpec):
+    """A rule that draws in proportion to ``(p + eps)^alpha`` (``PrioritySpec``, ``PriorityWindowSpec``);
+    each rule's dataclass declares the fields."""
+
+    alpha: float
+    eps: float
+
+    def check(self) -> None:
+        if not self.alpha >= 0:
+            raise ValueError(f"alpha must be non-negative, got {self.alpha}")
+
+
 @dataclass(frozen=True)
-class PrioritySpec(SelectionSpec):
+class PrioritySpec(ProportionalSpec):
     """Proportional prioritized rows: P(i) ~ (p_i + eps)^alpha."""
 
     kind: ClassVar[str] = "priorities"
@@ -42,15 +54,14 @@ class PrioritySpec(SelectionSpec):
     alpha: float
     eps: float = 1e-8
 
-    def check(self) -> None:
-        if not self.alpha >= 0:
-            raise ValueError(f"alpha must be non-negative, got {self.alpha}")
-
-    def build(self, capacity: int) -> PrioritySelector:
+    def build(self, capacity: int) -> PrioritySelector[PrioritySpec]:
         return PrioritySelector(self, capacity)
 
 
-class PrioritySelector(Selector):
+ProportionalT_co = TypeVar("ProportionalT_co", bound=ProportionalSpec, covariant=True)
+
+
+class PrioritySelector(Selector[ProportionalT_co]):
     """Per-row masses in trees (CPU: the extension's; a GPU: blocked prefix sums), drawn in proportion.
 
     ``alpha`` and ``eps`` may be changed by a restored state (TorchRL's samplers save them).
@@ -58,7 +69,7 @@ class PrioritySelector(Selector):
 
     keeps_row_state = True
 
-    def __init__(self, spec: PrioritySpec, capacity: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, spec: ProportionalT_co, capacity: int, device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.capacity = int(capacity)
         self.device = torch.device(device)
@@ -97,7 +108,7 @@ class PrioritySelector(Selector):
     def mass(self, shard: Shard) -> float:
         return self.total
 
-    def pick(self, shard: Shard, count: int, generator: torch.Generator | None) -> Picked:
+    def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         """Rows in proportion to their masses, with their masses and generations; none when all are 0."""
         if count == 0 or not self.trees.total > 0:  # on a GPU, the one wait for the device in a draw
             return Picked.rows(_NONE.to(self.device), self.total,

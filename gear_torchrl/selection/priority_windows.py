@@ -14,19 +14,21 @@ from typing import Any, ClassVar
 import torch
 
 from gear_torchrl.kernels import _C
+from gear_torchrl.selection.base import needs_shard
 from gear_torchrl.selection.checked_inputs import as_priority, as_rows
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
+from gear_torchrl.selection.priorities import PrioritySelector, ProportionalSpec
 from gear_torchrl.selection.random_draws import uniform
-from gear_torchrl.selection.specs import Path, SelectionSpec
+from gear_torchrl.selection.specs import Path
 from gear_torchrl.selection.windows import (
+    WindowGeometry,
     WindowSpec,
     check_episode_markers,
     no_window_reason,
     picked_windows,
     redraw_wrapping,
 )
-from gear_torchrl.store.episodes import EpisodeIndex
+from gear_torchrl.store.episodes import EpisodeIndex, Position
 from gear_torchrl.store.shard import Shard, Windows
 
 _NONE = torch.empty(0, dtype=torch.int64)
@@ -52,8 +54,18 @@ def key_priorities(spec: PriorityWindowSpec, rows: torch.Tensor, priority: Any) 
     return windows[:, spec.burn_in], priority
 
 
+def _step_index(shard: Shard) -> EpisodeIndex:
+    """The shard's index of episodes over its rows, where window keys are found (an ndim=2 store has none)."""
+    episodes = shard.episodes
+    if not isinstance(episodes, EpisodeIndex):
+        raise NotImplementedError("prioritized windows over an ndim=2 storage are not available yet: their keys "
+                                  "are step priorities, which do not yet follow the env columns' episodes; use "
+                                  "GearSequenceSampler, or an ndim=1 storage with a trajectory key")
+    return episodes
+
+
 @dataclass(frozen=True)
-class PriorityWindowSpec(SelectionSpec):
+class PriorityWindowSpec(WindowGeometry, ProportionalSpec):
     """Windows in proportion to their key step's priority (R2D2's sequence priorities)."""
 
     kind: ClassVar[str] = "priority_windows"
@@ -70,16 +82,14 @@ class PriorityWindowSpec(SelectionSpec):
     eta: float = 0.9
 
     def check(self) -> None:
-        WindowSpec.check(self)  # type: ignore[arg-type]
-        PrioritySpec.check(self)  # type: ignore[arg-type]
+        WindowGeometry.check(self)
+        ProportionalSpec.check(self)
         if self.reduction not in ("r2d2", "start"):
             raise ValueError(f"reduction must be 'r2d2' or 'start', got {self.reduction!r}")
         if not 0.0 <= self.eta <= 1.0:
             raise ValueError(f"eta must be in [0, 1], got {self.eta}")
 
     uniform_over: ClassVar[str] = "windows"
-    window_len = WindowSpec.window_len
-    rows_per_pick = WindowSpec.rows_per_pick
 
     @classmethod
     def over(cls, windows: WindowSpec, alpha: float, eps: float, reduction: str, eta: float) -> PriorityWindowSpec:
@@ -91,16 +101,17 @@ class PriorityWindowSpec(SelectionSpec):
         return PriorityWindowSelector(self, capacity)
 
 
-class PriorityWindowSelector(PrioritySelector):
+class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
     """Row masses as window keys; rows that may not key a window have none."""
 
+    max_raw_priority: float  # type: ignore[assignment]  # on the CPU alone: a float, not the rows' device tensor
+
     def __init__(self, spec: PriorityWindowSpec, capacity: int, device: torch.device | str = "cpu") -> None:
-        super().__init__(PrioritySpec(spec.alpha, spec.eps), capacity, "cpu")
-        self.spec = spec  # type: ignore[assignment]
+        super().__init__(spec, capacity, "cpu")
         self.row_mass = torch.ones(self.capacity, dtype=torch.float64)  # (p + eps)^alpha per row
-        self.max_raw_priority = 1.0  # type: ignore[assignment]
+        self.max_raw_priority = 1.0
         self._episodes: EpisodeIndex | None = None  # of the shard last picked from
-        self._seen: tuple[int, int] | None = None
+        self._seen: Position | None = None
 
     def _build_args(self) -> tuple:
         return (self.capacity,)
@@ -149,28 +160,26 @@ class PriorityWindowSelector(PrioritySelector):
     def mass(self, shard: Shard) -> float:
         if shard.size == 0 or not shard.tracks_episodes:
             return 0.0
-        self._refresh(shard.episodes)
+        self._refresh(_step_index(shard))
         return self.total
 
-    def pick(self, shard: Shard, count: int, generator: torch.Generator | None) -> Picked:
-        if shard.num_envs is not None:
-            raise NotImplementedError("prioritized windows over an ndim=2 storage are not available yet: their keys "
-                                      "are step priorities, which do not yet follow the env columns' episodes; use "
-                                      "GearSequenceSampler, or an ndim=1 storage with a trajectory key")
+    def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
+        shard = needs_shard(self, shard)
+        episodes = _step_index(shard)
         if shard.size:
             check_episode_markers(self.spec, shard)
         mass = self.mass(shard)
         scalars = {"min_mass": float(self.trees.minimum)}
         if count == 0 or not mass > 0:
             return Picked(_NONE, self.spec.window_len, _NONE, _NONE, mass, scalars=scalars)
-        windows = self._draw(shard.episodes, count, generator)
+        windows = self._draw(episodes, count, generator)
         if not self.spec.cross_ring_end:
-            windows = redraw_wrapping(lambda n: self._draw(shard.episodes, n, generator), windows, shard.capacity)
+            windows = redraw_wrapping(lambda n: self._draw(episodes, n, generator), windows, shard.capacity)
         keys = (windows.starts + self.spec.burn_in) % shard.capacity
         return picked_windows(windows, shard.capacity, mass, extra={"mass": self.trees.get(keys)}, scalars=scalars)
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
-        return no_window_reason(self.spec, shard.episodes)
+        return no_window_reason(self.spec, needs_shard(self, shard).episodes)
 
     def _draw(self, episodes: EpisodeIndex, count: int, generator: torch.Generator | None) -> Windows:
         """Windows by their key steps' priorities: the key step sits ``burn_in`` steps into its window."""

@@ -49,7 +49,7 @@ class QueueSpec(SelectionSpec):
         return QueueSelector(self, capacity)
 
 
-class QueueSelector(Selector):
+class QueueSelector(Selector[QueueSpec]):
     """Rows in write order (``"fifo"``) or newest first (``"lifo"``), each consumed once.
 
     Its mass is the rows still waiting: a batch across shards is split by them.
@@ -142,7 +142,7 @@ class QueueSelector(Selector):
     def mass(self, shard: Shard) -> float:
         return float(self._waiting)
 
-    def pick(self, shard: Shard, count: int, generator: torch.Generator | None) -> Picked:
+    def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         """Up to ``count`` rows from the queue's end (fewer when fewer wait)."""
         rows = self.take(min(count, self._waiting))
         return Picked.rows(rows, float(self._waiting))

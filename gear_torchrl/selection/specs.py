@@ -15,17 +15,17 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from gear_torchrl.store.table_spec import NestedKey, Path, as_path
+
 if TYPE_CHECKING:
     from gear_torchrl.selection.base import Selector
 
-Path = tuple[str, ...]  # a nested key, as the path of its names
 
-
-def as_path(key: str | tuple[str, ...] | list[str] | None) -> Path | None:
-    """A nested key as a tuple of names (None stays None)."""
+def optional_path(key: NestedKey | list[str] | None) -> Path | None:
+    """A rule's key setting as a path: unset stays None, and JSON's lists name the same key as tuples."""
     if key is None:
         return None
-    return (key,) if isinstance(key, str) else tuple(key)
+    return as_path(tuple(key) if isinstance(key, list) else key)
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class SelectionSpec:
         """Rows one pick covers: 1 for rows, the window length for windows."""
         return 1
 
-    def build(self, capacity: int) -> Selector:
+    def build(self, capacity: int) -> Selector[SelectionSpec]:
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -81,13 +81,13 @@ class SelectionSpec:
         """Raise ValueError naming a setting out of range."""
 
 
-def _typed(cls: type, name: str, value: Any) -> Any:
+def _typed(cls: type[SelectionSpec], name: str, value: Any) -> Any:
     """``value`` as the type field ``name`` of ``cls`` declares (JSON turned tuples into lists)."""
     declared = {f.name: f.type for f in dataclasses.fields(cls)}[name]
     if "Path" in declared:
         if value is not None and not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
             raise ValueError(f"{cls.kind}.{name} must be a list of key names, got {value!r}")
-        return as_path(value)
+        return optional_path(value)
     if declared == "bool":
         if not isinstance(value, bool):
             raise ValueError(f"{cls.kind}.{name} must be a bool, got {value!r}")

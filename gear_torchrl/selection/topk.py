@@ -36,7 +36,7 @@ class TopKSpec(SelectionSpec):
         return TopKSelector(self, capacity)
 
 
-class TopKSelector(Selector):
+class TopKSelector(Selector[TopKSpec]):
     """A max tree of scores; a pick is the best rows, best first, with their scores."""
 
     keeps_row_state = True
@@ -51,19 +51,20 @@ class TopKSelector(Selector):
         return (self.capacity,)
 
     def written(self, rows: torch.Tensor, shard: Shard | None) -> None:
-        if self.spec.key is None:
+        key = self.spec.key
+        if key is None:
             score = torch.full((rows.numel(),), self.spec.default_score, dtype=torch.float64)
         else:
-            score = self._scores_from(shard, rows)
+            score = self._scores_from(shard, key, rows)
         self.scores.set(rows, score)
 
-    def _scores_from(self, shard: Shard | None, rows: torch.Tensor) -> torch.Tensor:
-        column = None if shard is None else shard.column(self.spec.key)
+    def _scores_from(self, shard: Shard | None, key: Path, rows: torch.Tensor) -> torch.Tensor:
+        column = None if shard is None else shard.column(key)
         if column is None:
-            raise KeyError(f"top-k scores rows by {self.spec.key!r}, which the data does not have")
+            raise KeyError(f"top-k scores rows by {key!r}, which the data does not have")
         values = column.index_select(0, rows.to(column.device)).reshape(rows.numel(), -1)
         if values.shape[1] != 1:
-            raise ValueError(f"top-k: key {self.spec.key!r} holds {values.shape[1]} values per row, not one")
+            raise ValueError(f"top-k: key {key!r} holds {values.shape[1]} values per row, not one")
         return values[:, 0].double().cpu()
 
     def forget(self, rows: torch.Tensor) -> None:
@@ -83,7 +84,7 @@ class TopKSelector(Selector):
     def mass(self, shard: Shard) -> float:
         return float(shard.size)
 
-    def pick(self, shard: Shard, count: int, generator: torch.Generator | None) -> Picked:
+    def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         """The (at most) ``count`` best rows, best first, with their scores."""
         rows = self.scores.top(count)
         return Picked.rows(rows, float(rows.numel()), extra={"score": self.scores.get(rows)})

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.base import Selector, needs_shard
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shard import Shard
@@ -25,13 +25,14 @@ class UniformSpec(SelectionSpec):
         return UniformSelector(self)
 
 
-class UniformSelector(Selector):
+class UniformSelector(Selector[UniformSpec]):
     def __init__(self, spec: UniformSpec) -> None:
         self.spec = spec
 
     def mass(self, shard: Shard) -> float:
         return float(shard.size)
 
-    def pick(self, shard: Shard, count: int, generator: torch.Generator | None) -> Picked:
+    def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
+        shard = needs_shard(self, shard)
         rows = shard.uniform_rows(count, generator, torch.device("cpu")) if count and shard.size else _NONE
         return Picked.rows(rows, float(shard.size))

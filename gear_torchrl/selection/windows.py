@@ -7,30 +7,56 @@ then an offset inside each.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.base import Selector, needs_shard
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.random_draws import uniform
-from gear_torchrl.selection.specs import Path, SelectionSpec, as_path
+from gear_torchrl.selection.specs import Path, SelectionSpec
 from gear_torchrl.selection.trees import PriorityTrees
-from gear_torchrl.store.episodes import EpisodeIndex
+from gear_torchrl.store.episodes import Episodes, Position
 from gear_torchrl.store.shard import Shard, Windows
-
-if TYPE_CHECKING:
-    from gear_torchrl.selection.priority_windows import PriorityWindowSpec
+from gear_torchrl.store.table_spec import as_path
 
 _MAX_REJECTION_ROUNDS = 16
 _NONE = torch.empty(0, dtype=torch.int64)
 
 
-def check_episode_markers(spec: WindowSpec | PriorityWindowSpec, shard: Shard) -> None:
+class WindowGeometry(SelectionSpec):
+    """What every rule over windows of steps settles (``WindowSpec``, ``PriorityWindowSpec``): their lengths,
+    and the keys expected to delimit episodes. Each rule's dataclass declares the fields."""
+
+    seq_len: int
+    burn_in: int
+    strict_length: bool
+    include_open: bool
+    cross_ring_end: bool
+    traj_key: Path | None
+    end_key: Path | None
+
+    @property
+    def window_len(self) -> int:
+        return self.burn_in + self.seq_len
+
+    @property
+    def rows_per_pick(self) -> int:
+        return self.window_len
+
+    def check(self) -> None:
+        if self.seq_len < 1 or self.burn_in < 0:
+            raise ValueError(f"seq_len must be >= 1 and burn_in >= 0, got seq_len={self.seq_len}, "
+                             f"burn_in={self.burn_in}")
+
+
+def check_episode_markers(spec: WindowGeometry, shard: Shard) -> None:
     """Windows must not cross episodes: refuse when nothing in the data delimits them, or keys disagree."""
     if not shard.tracks_episodes:
+        assert shard.spec is not None  # a shard with rows has a table
         raise RuntimeError(f"windows need rows that are single steps (batch_size [] per row); these rows are "
                            f"{list(shard.spec.row_batch_shape)}. For [num_envs, T] batches of a batched env use "
                            "GearStorage(max_size, ndim=2)")
@@ -56,7 +82,7 @@ def _shown(path: tuple[str, ...]) -> str | tuple[str, ...]:
     return path[0] if len(path) == 1 else path
 
 
-def no_window_reason(spec: WindowSpec | PriorityWindowSpec, episodes: EpisodeIndex) -> str:
+def no_window_reason(spec: WindowGeometry, episodes: Episodes) -> str:
     longest = int(episodes.live().length.max()) if episodes.num_episodes else 0
     if spec.strict_length:
         return (f"no stored episode holds a window of {spec.window_len} steps (longest: {longest} steps); "
@@ -64,7 +90,7 @@ def no_window_reason(spec: WindowSpec | PriorityWindowSpec, episodes: EpisodeInd
     return "no episode can be sampled (include_open=False and every stored episode is still open?)"
 
 
-def picked_windows(windows: Windows, capacity: int, mass: float, **kw) -> Picked:
+def picked_windows(windows: Windows, capacity: int, mass: float, **kw: Any) -> Picked:
     return Picked(windows.starts % capacity, windows.seq_len, windows.valid_begin, windows.valid_end, mass, **kw)
 
 
@@ -74,7 +100,7 @@ def wraps(windows: Windows, capacity: int) -> torch.Tensor:
     return first + (windows.valid_end - windows.valid_begin) > capacity
 
 
-def redraw_wrapping(draw, windows: Windows, capacity: int) -> Windows:
+def redraw_wrapping(draw: Callable[[int], Windows], windows: Windows, capacity: int) -> Windows:
     """``windows`` with those that wrap the ring end drawn again (``draw(count)``), a bounded number of times."""
     for _ in range(_MAX_REJECTION_ROUNDS):
         wrapping = wraps(windows, capacity)
@@ -88,7 +114,7 @@ def redraw_wrapping(draw, windows: Windows, capacity: int) -> Windows:
 
 
 @dataclass(frozen=True)
-class WindowSpec(SelectionSpec):
+class WindowSpec(WindowGeometry):
     """Windows of ``burn_in + seq_len`` steps inside one episode each (see ``selection/windows.py``).
 
     ``traj_key`` / ``end_key``: what the reader expects to delimit episodes; checked
@@ -107,38 +133,28 @@ class WindowSpec(SelectionSpec):
     end_key: Path | None = None
 
     def check(self) -> None:
-        if self.seq_len < 1 or self.burn_in < 0:
-            raise ValueError(f"seq_len must be >= 1 and burn_in >= 0, got seq_len={self.seq_len}, "
-                             f"burn_in={self.burn_in}")
+        super().check()
         if self.uniform_over not in ("windows", "episodes"):
             raise ValueError(f"uniform_over must be 'windows' or 'episodes', got {self.uniform_over!r}")
-
-    @property
-    def window_len(self) -> int:
-        return self.burn_in + self.seq_len
-
-    @property
-    def rows_per_pick(self) -> int:
-        return self.window_len
 
     def build(self, capacity: int) -> WindowSelector:
         return WindowSelector(self)
 
 
-class WindowSelector(Selector):
+class WindowSelector(Selector[WindowSpec]):
     """Per-episode window counts in a tree over episode slots; per reader (it follows the reader's index)."""
 
     def __init__(self, spec: WindowSpec) -> None:
         self.spec = spec
         self.tree: PriorityTrees | None = None
-        self._seen: tuple[int, int] | None = None  # the episode index's position when last refreshed
+        self._seen: Position | None = None  # the episode index's position when last refreshed
 
     def _windows_in(self, length: torch.Tensor) -> torch.Tensor:
         if self.spec.strict_length:
             return (length - self.spec.window_len + 1).clamp_min(0)
         return length
 
-    def _weights(self, episodes: EpisodeIndex, slots: torch.Tensor) -> torch.Tensor:
+    def _weights(self, episodes: Episodes, slots: torch.Tensor) -> torch.Tensor:
         count = self._windows_in(episodes.length[slots])
         count = torch.where(episodes.slot_is_live(slots) & ~episodes.dead[slots], count, 0)
         if not self.spec.include_open:
@@ -147,8 +163,8 @@ class WindowSelector(Selector):
             count = (count > 0).to(count.dtype)
         return count.to(torch.float64)
 
-    def _refresh(self, episodes: EpisodeIndex) -> None:
-        """Bring the window-count tree up to the index's revision."""
+    def _refresh(self, episodes: Episodes) -> PriorityTrees:
+        """The window-count tree, brought up to the index's revision."""
         slots = episodes.changed_since(self._seen)
         if slots is None or self.tree is None or self.tree.capacity != episodes.start.numel():
             self.tree = PriorityTrees(episodes.start.numel())
@@ -156,15 +172,16 @@ class WindowSelector(Selector):
         if slots.numel():
             self.tree.set(slots, self._weights(episodes, slots))
         self._seen = episodes.position
+        return self.tree
 
     def mass(self, shard: Shard) -> float:
         """How many windows (or eligible episodes) the shard holds."""
         if shard.size == 0 or not shard.tracks_episodes:
             return 0.0
-        self._refresh(shard.episodes)
-        return float(self.tree.total)
+        return float(self._refresh(shard.episodes).total)
 
-    def pick(self, shard: Shard, count: int, generator: torch.Generator | None) -> Picked:
+    def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
+        shard = needs_shard(self, shard)
         if shard.size:
             check_episode_markers(self.spec, shard)
         mass = self.mass(shard)
@@ -176,12 +193,14 @@ class WindowSelector(Selector):
         return picked_windows(windows, shard.window_rows, mass)
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
-        return no_window_reason(self.spec, shard.episodes)
+        return no_window_reason(self.spec, needs_shard(self, shard).episodes)
 
-    def _draw(self, episodes: EpisodeIndex, count: int, generator: torch.Generator | None) -> Windows:
+    def _draw(self, episodes: Episodes, count: int, generator: torch.Generator | None) -> Windows:
         """Episodes by their window counts, then a uniform window inside each."""
+        tree = self.tree
+        assert tree is not None  # ``mass`` made it
         u = uniform((2, count), generator)
-        slots = self.tree.find(u[0] * self.tree.total)
+        slots = tree.find(u[0] * tree.total)
         placed = _C.uniform_windows(episodes.start, episodes.length, slots, u[1], self.spec.window_len,
                                     self.spec.burn_in, self.spec.strict_length)
         return Windows(placed[0], self.spec.window_len, *placed[1:])

@@ -17,22 +17,25 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
 from gear_torchrl.errors import CheckpointError
-from gear_torchrl.store.episodes import EpisodeIndex, EpisodeView
+from gear_torchrl.store.episodes import EpisodeIndex, EpisodeView, Position, Uid
 from gear_torchrl.store.episodes import check_state as check_column_state
 from gear_torchrl.store.state_checks import field
 
 _UIDS = itertools.count()
 
+# Each column's (revision, first_serial, next_serial, slots): what the joined slots were built from.
+_Key = tuple[tuple[int, int, int, int], ...]
+
 
 class _Slots(NamedTuple):
     """The columns' episode slots laid end to end, as of ``key``."""
 
-    key: tuple
+    key: _Key
     offsets: torch.Tensor  # int64 [E + 1]: column e's slots are [offsets[e], offsets[e + 1])
     start: torch.Tensor  # window row of each slot's first live step
     length: torch.Tensor
@@ -49,7 +52,7 @@ class EnvEpisodes:
         self.time_capacity = time_capacity
         self.num_envs = num_envs
         self.columns = [EpisodeIndex(time_capacity) for _ in range(num_envs)]
-        self.uid = (os.getpid(), "env-columns", next(_UIDS))
+        self.uid: Uid = (os.getpid(), "env-columns", next(_UIDS))
         self._slots: _Slots | None = None
 
     # -- window rows --------------------------------------------------------------
@@ -71,7 +74,7 @@ class EnvEpisodes:
             self._slots = self._laid_out(key)
         return self._slots
 
-    def _laid_out(self, key: tuple) -> _Slots:
+    def _laid_out(self, key: _Key) -> _Slots:
         sizes = torch.tensor([c.start.numel() for c in self.columns], dtype=torch.int64)
         offsets = torch.zeros(self.num_envs + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(sizes, 0)
@@ -123,17 +126,20 @@ class EnvEpisodes:
         return (local - now.first_serial[env]) % size < now.num_episodes[env]
 
     @property
-    def position(self) -> tuple:
+    def position(self) -> tuple[Uid, _Key]:
         """What a reader records after catching up; hand it back to ``changed_since``."""
         return (self.uid, self._current().key)
 
-    def changed_since(self, position: tuple | None) -> torch.Tensor | None:
+    def changed_since(self, position: Position | None) -> torch.Tensor | None:
         """Slots changed after ``position``; None when a reader must rebuild everything."""
         now = self._current()
-        if position is None or position[0] != self.uid or len(position[1]) != self.num_envs:
+        if position is None or position[0] != self.uid:
+            return None
+        seen_columns = cast(_Key, position[1])  # this index's own position: its columns' keys
+        if len(seen_columns) != self.num_envs:
             return None
         parts = []
-        for e, (column, seen) in enumerate(zip(self.columns, position[1])):
+        for e, (column, seen) in enumerate(zip(self.columns, seen_columns)):
             if seen[3] != column.start.numel():  # the column's slots were remapped: every global slot moved
                 return None
             changed = column.changed_since((column.uid, seen[0]))
@@ -148,8 +154,9 @@ class EnvEpisodes:
         if not views:
             empty = torch.empty(0, dtype=torch.int64)
             return EpisodeView(empty, empty, empty, empty.bool(), empty.bool(), env=empty)
-        return EpisodeView(*(torch.cat([getattr(v, name) for v in views])
-                             for name in ("serial", "start", "length", "closed", "dead")),
+        return EpisodeView(torch.cat([v.serial for v in views]), torch.cat([v.start for v in views]),
+                           torch.cat([v.length for v in views]), torch.cat([v.closed for v in views]),
+                           torch.cat([v.dead for v in views]),
                            env=torch.repeat_interleave(torch.arange(self.num_envs),
                                                        torch.tensor([v.serial.numel() for v in views])))
 

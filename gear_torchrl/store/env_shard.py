@@ -11,7 +11,7 @@ time. The number of env columns is fixed by the first write (``lay_out``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -25,6 +25,9 @@ from gear_torchrl.store.state_checks import field
 
 class EnvShard(Shard):
     """``capacity`` steps held as ``[capacity // num_envs, num_envs]`` (see the module docstring)."""
+
+    num_envs: int
+    episodes: EnvEpisodes
 
     def __init__(self, capacity: int, **kwargs: Any) -> None:
         super().__init__(capacity, **kwargs)
@@ -71,7 +74,9 @@ class EnvShard(Shard):
         """Which of ``n`` flat rows (whole time steps) end an episode of their env column."""
         flags = None
         for i in self._end_columns:
-            f = values[i].reshape(n, -1).any(-1)
+            flag = values[i]
+            assert flag is not None, "the end-flag columns are always among ``values``"
+            f = flag.reshape(n, -1).any(-1)
             flags = f if flags is None else flags | f
         steps = n // self.num_envs
         ends = torch.zeros(steps, self.num_envs, dtype=torch.bool) if flags is None \
@@ -168,6 +173,18 @@ class EnvShard(Shard):
         if state["num_envs"] and not self.num_envs:
             self.lay_out(state["num_envs"])
         super().load_state(state)
+
+
+@overload
+def _by_time(flat: torch.Tensor, envs: int) -> torch.Tensor: ...
+
+
+@overload
+def _by_time(flat: None, envs: int) -> None: ...
+
+
+@overload
+def _by_time(flat: torch.Tensor | None, envs: int) -> torch.Tensor | None: ...
 
 
 def _by_time(flat: torch.Tensor | None, envs: int) -> torch.Tensor | None:

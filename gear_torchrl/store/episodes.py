@@ -23,7 +23,7 @@ import os
 import secrets
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -35,6 +35,10 @@ _MIN_SLOTS = 64
 _UIDS = itertools.count()
 _PROCESS_TOKEN = secrets.token_hex(8)  # with the pid: no other process's index shares a uid
 _LOG_SLOTS = 1 << 16  # change-log budget; past it readers rebuild from scratch
+
+Uid = tuple[int, str, int]  # (pid, this process's token or the index's kind, counter): unique across processes
+# An index's uid and how far a reader had caught up with it (its own kind of progress): hand it back as it is.
+Position = tuple[Uid, object]
 
 
 @dataclass
@@ -56,6 +60,46 @@ def episode_ends(flags: torch.Tensor | None, traj: torch.Tensor | None, num_rows
         traj = traj.reshape(num_rows, -1)[:, 0].cpu()
         ends[:-1] |= traj[1:] != traj[:-1]
     return ends
+
+
+class Episodes(Protocol):
+    """A shard's episodes as readers see them: one ``EpisodeIndex``, or an ``EnvEpisodes`` of env columns.
+
+    Per-episode arrays are indexed by slot; ``changed_since`` names the slots to refresh.
+    """
+
+    @property
+    def start(self) -> torch.Tensor: ...
+
+    @property
+    def length(self) -> torch.Tensor: ...
+
+    @property
+    def closed(self) -> torch.Tensor: ...
+
+    @property
+    def dead(self) -> torch.Tensor: ...
+
+    @property
+    def has_dead(self) -> bool: ...
+
+    @property
+    def num_episodes(self) -> int: ...
+
+    @property
+    def position(self) -> Position: ...
+
+    def changed_since(self, position: Position | None) -> torch.Tensor | None: ...
+
+    def slot_is_live(self, slots: torch.Tensor) -> torch.Tensor: ...
+
+    def live(self) -> EpisodeView: ...
+
+    def clear(self) -> None: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    def load(self, state: dict[str, Any]) -> None: ...
 
 
 class EpisodeIndex:
@@ -96,18 +140,21 @@ class EpisodeIndex:
             self._log_floor = revision
 
     @property
-    def position(self) -> tuple[int, int]:
+    def position(self) -> tuple[Uid, int]:
         """What a reader records after catching up; hand it back to ``changed_since``."""
         return (self.uid, self.revision)
 
-    def changed_since(self, position: tuple[int, int] | None) -> torch.Tensor | None:
+    def changed_since(self, position: Position | None) -> torch.Tensor | None:
         """Slots changed after ``position``; None when a reader must rebuild everything
         (it never looked, looked at another index, or the log has moved past it)."""
-        if position is None or position[0] != self.uid or position[1] < self._log_floor:
+        if position is None or position[0] != self.uid:
+            return None
+        seen = cast(int, position[1])  # this index's own position: a revision
+        if seen < self._log_floor:
             return None
         parts = []
         for revision, slots in reversed(self._log):  # newest first: a reader that keeps up reads a few
-            if revision <= position[1]:
+            if revision <= seen:
                 break
             parts.append(slots)
         return torch.cat(parts).unique() if parts else torch.empty(0, dtype=torch.int64)
@@ -167,10 +214,11 @@ class EpisodeIndex:
         return self.num_episodes > 0 and not bool(self.closed[self._newest_slot()])
 
     # -- updates ---------------------------------------------------------------
-    def append(self, rows: torch.Tensor, ends: torch.Tensor, evicted: int,
+    def append(self, rows: torch.Tensor, ends: torch.Tensor | None, evicted: int,
                traj_first: int | None = None, traj_last: int | None = None, dead: bool = False) -> None:
         """Record ``rows`` (consecutive ring rows) as the newest steps.
 
+        ``ends`` flags the rows that end an episode (None for ``dead`` rows).
         ``evicted`` is how many stored steps these rows overwrite (the oldest
         ones). ``traj_first``/``traj_last`` are the trajectory ids of the
         first and last row, in trajectory-id mode. ``dead`` rows (a crashed
@@ -183,6 +231,7 @@ class EpisodeIndex:
         n = rows.numel()
         if n == 0:
             return
+        assert ends is not None, "only dead rows come without end flags"
         if traj_first is not None and self.open_traj != traj_first:
             self.close_open()  # before eviction, so an emptied episode is dropped, not kept open
         first_before, slots_before = self.first_serial, self.start.numel()
@@ -316,7 +365,7 @@ class EpisodeIndex:
         self._changed(None)
 
     # -- persistence -----------------------------------------------------------
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         view = self.live()
         return {
             "start": view.start,
@@ -327,7 +376,7 @@ class EpisodeIndex:
             "open_traj": self.open_traj,
         }
 
-    def load(self, state: dict) -> None:
+    def load(self, state: dict[str, Any]) -> None:
         """Restore from ``state()`` (checked with ``check_state`` first)."""
         self.first_serial = int(state["first_serial"])
         self.next_serial = int(state["next_serial"])

@@ -18,7 +18,7 @@ import torch
 
 from gear_torchrl.kernels.gather import HotRows
 from gear_torchrl.store.last_writes import last_write_positions
-from gear_torchrl.store.spec import TableSpec
+from gear_torchrl.store.table_spec import TableSpec
 
 
 class HotTier:
@@ -53,7 +53,8 @@ class HotTier:
         ``rows``: distinct CPU int64 rows in write order; ``run``: they are
         consecutive ring rows (an append).
         """
-        assert self.rows is not None, "allocate() first"
+        hot = self.rows
+        assert hot is not None, "allocate() first"
         tail = rows[-self.slots:]
         r0, m = int(tail[0]), tail.numel()
         if run and int(tail[-1]) == r0 + m - 1:
@@ -62,19 +63,19 @@ class HotTier:
             values = [v[-m:] for v in values]
             first = r0 % self.slots
             split = min(m, self.slots - first)
-            self._fill(slice(first, first + split), tail[:split], [v[:split] for v in values])
+            self._fill(hot, slice(first, first + split), tail[:split], [v[:split] for v in values])
             if split < m:
-                self._fill(slice(0, m - split), tail[split:], [v[split:] for v in values])
+                self._fill(hot, slice(0, m - split), tail[split:], [v[split:] for v in values])
         else:
             keep = last_write_positions(rows % self.slots, self.slots)
             where = (rows[keep] % self.slots).to(self.device, non_blocking=True)
-            self._fill(where, rows[keep], [v[keep] for v in values])
+            self._fill(hot, where, rows[keep], [v[keep] for v in values])
 
-    def _fill(self, where: slice | torch.Tensor, rows: torch.Tensor, values: list[torch.Tensor]) -> None:
+    def _fill(self, hot: HotRows, where: slice | torch.Tensor, rows: torch.Tensor, values: list[torch.Tensor]) -> None:
         # Slots are disowned while their data changes: if a copy fails, reads fall back to the host rows.
-        owner = self.rows.owner
+        owner = hot.owner
         owner[where] = -1
-        for column, value in zip(self.rows.columns, values):
+        for column, value in zip(hot.columns, values):
             column[where] = value.to(self.device, non_blocking=True)
         owner[where] = rows.to(self.device, non_blocking=True)
 

@@ -63,7 +63,7 @@ def write_raw(path: Path, tensor: torch.Tensor) -> str:
     ``torchrl_layout.py``) and anyone who mapped it keep the old bytes.
     """
     data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-    view, digest = memoryview(data), xxhash.xxh3_64()
+    view, digest = data.data, xxhash.xxh3_64()
     staging = path.with_name(f"{path.name}.tmp")
     with open(staging, "wb") as f:
         for at in range(0, len(view), _CHUNK):
@@ -96,7 +96,7 @@ def read_raw(path: Path, dtype: torch.dtype, shape: list[int], verify: bool = Tr
     pages = np.memmap(path, dtype=np.uint8, mode="c", shape=(nbytes,))
     digest = xxhash.xxh3_64()
     if verify:
-        view = memoryview(pages)
+        view = pages.data
         for at in range(0, nbytes, _CHUNK):
             digest.update(view[at: at + _CHUNK])
     out = torch.from_numpy(pages).view(dtype).reshape(shape)
@@ -217,6 +217,7 @@ def save_shard(shard: Shard, directory: str | Path, state: dict | None = None) -
     """
     state = dict(shard.state() if state is None else state)
     if state.get("objects"):
+        assert shard.spec is not None, "a state with non-tensor rows is the state of a laid-out shard"
         state["objects"], state["objects_wrapped"] = _objects_as_json(shard.spec.objects, state["objects"])
     tensors = {column_name(i): t for i, t in enumerate(state.pop("columns"))}
     episodes = dict(state.pop("episodes"))  # the caller's state stays whole

@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -20,18 +20,19 @@ from torch.utils._pytree import tree_leaves
 
 from gear_torchrl.errors import CheckpointError, EmptyStoreError, SpecMismatchError
 from gear_torchrl.kernels import _C, gather
-from gear_torchrl.store.episodes import EpisodeIndex, episode_ends
+from gear_torchrl.store.episodes import EpisodeIndex, Episodes, episode_ends
 from gear_torchrl.store.episodes import check_state as check_episode_state
 from gear_torchrl.store.hot_tier import HotTier
 from gear_torchrl.store.huge_pages import empty_huge
 from gear_torchrl.store.last_writes import last_write_positions
 from gear_torchrl.store.local_commits import CommitRecord
-from gear_torchrl.store.spec import Data, Leaves, NestedKey, TableSpec, as_path, key_name
 from gear_torchrl.store.state_checks import checked_int, field
+from gear_torchrl.store.table_spec import Data, Leaves, NestedKey, TableSpec, as_path, key_name
 
 logger = logging.getLogger(__name__)
 
-Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor | range
+# Rows as TorchRL addresses them; a sequence may nest (rows of any shape), a 1-tuple is a 1-D storage's index.
+Index = int | np.integer | slice | Sequence[Any] | np.ndarray | torch.Tensor | range
 
 DEFAULT_END_KEYS: tuple[NestedKey, ...] = (("next", "done"), ("next", "truncated"))
 COLLECTOR_TRAJ_KEY: NestedKey = ("collector", "traj_ids")
@@ -145,7 +146,9 @@ class Shard:
         self.written = 0  # rows [0, written) have ever been written
         self.rows_inserted = 0  # counters for stats(): rows appended, rows read
         self.rows_read = 0
-        self.episodes = EpisodeIndex(self.capacity)
+        # EnvShard holds an index per env column instead, and overrides each method here that casts this to
+        # EpisodeIndex for its own API (``commit``, ``_index_append``, ``_index_rebuild``).
+        self.episodes: Episodes = EpisodeIndex(self.capacity)
         self.commits = CommitRecord(self.capacity)  # what TrajectoryWriters wrote, for samplers to follow
         self._end_columns: list[int] = []  # spec positions of the end flags present in the data
         self._traj_column: int | None = None
@@ -205,6 +208,7 @@ class Shard:
         ``spec`` must be the store's spec plus new keys (``TableSpec.leaves`` builds it so).
         """
         old = self.spec
+        assert old is not None, "a write grows a shard that holds columns"
         k, j = len(old.columns), len(old.objects)
         if spec.columns[:k] != old.columns or spec.objects[:j] != old.objects:
             raise SpecMismatchError(f"the data's keys, dtypes or shapes differ from the store's: {old}")
@@ -272,7 +276,7 @@ class Shard:
         size_before = self.size
         rows = self._write_columns(leaves, rows, append=True)
         if self.tracks_episodes:
-            self.episodes.close_open()
+            cast(EpisodeIndex, self.episodes).close_open()
         self.commits.add(rows, size_before)
         return rows
 
@@ -291,7 +295,8 @@ class Shard:
         is_append = append and self._continues_ring(rows)
         values, columns, objects = leaves.values, leaves.columns, leaves.objects
         if is_append and leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
-            values, columns = [*values, self._torchrl_positions(rows)], (*columns, self.spec.find(_TORCHRL_INDEX))
+            values = [*values, self._torchrl_positions(rows)]
+            columns = (*columns, leaves.spec.position(_TORCHRL_INDEX))
         by_column = self._by_column(values, columns)
         size_before = self.size
         if is_append:
@@ -304,10 +309,10 @@ class Shard:
                 by_column = self._by_column(values, columns)
                 ends = None if ends is None else ends[keep]
         else:
-            keep = _last_writes(rows, self.capacity)
-            if keep is not None:
-                rows, values = rows[keep], [v[keep.to(v.device)] for v in values]
-                objects = [o[keep.numpy()] for o in objects]
+            latest = _last_writes(rows, self.capacity)
+            if latest is not None:
+                rows, values = rows[latest], [v[latest.to(v.device)] for v in values]
+                objects = [o[latest.numpy()] for o in objects]
             self._fill_to(int(rows.max()) + 1)
 
         self._copy_in(rows, values, columns, contiguous=is_append)
@@ -321,6 +326,7 @@ class Shard:
         if not self.tracks_episodes:
             return rows
         if is_append:
+            assert ends is not None, "computed above for a shard that tracks episodes"
             self._index_append(rows, ends, self._traj_ids(by_column), dropped_ends,
                                evicted=max(0, size_before + rows.numel() - self.capacity))
         else:
@@ -331,16 +337,17 @@ class Shard:
                       dropped_ends: torch.Tensor | None, evicted: int) -> None:
         """Record appended ``rows`` in the episode index; ``dropped_ends``: end flags of the write's
         first rows, which the ring could not hold (None: it held them all)."""
+        episodes = cast(EpisodeIndex, self.episodes)
         if dropped_ends is not None and bool(dropped_ends.any()):
-            self.episodes.close_open()
-        self.episodes.append(rows, ends, evicted=evicted, traj_first=None if traj is None else int(traj[0]),
-                             traj_last=None if traj is None else int(traj[-1]))
+            episodes.close_open()
+        episodes.append(rows, ends, evicted=evicted, traj_first=None if traj is None else int(traj[0]),
+                        traj_last=None if traj is None else int(traj[-1]))
 
     def _torchrl_positions(self, rows: torch.Tensor) -> torch.Tensor:
         """What TorchRL's writers store under ``"index"`` for ``rows``: their own positions."""
         return rows.clone()
 
-    def _by_column(self, values: list[torch.Tensor], columns: tuple[int, ...]) -> list[torch.Tensor | None]:
+    def _by_column(self, values: list[torch.Tensor], columns: Sequence[int]) -> list[torch.Tensor | None]:
         """``values`` at their column positions (None where a column is not written)."""
         out: list[torch.Tensor | None] = [None] * len(self.columns)
         for position, value in zip(columns, values):
@@ -411,8 +418,8 @@ class Shard:
                 column.index_copy_(0, rows.to(column.device), value)
         if self.hot is None:
             return
-        if len(values) == len(self.columns):
-            self.hot.admit(rows, self._by_column(values, columns), run=contiguous)
+        if len(values) == len(self.columns):  # every column is written: none is left None
+            self.hot.admit(rows, cast(list[torch.Tensor], self._by_column(values, columns)), run=contiguous)
         else:  # some columns only: the hot copies of these rows are stale (rare: not an append)
             self.hot.forget()
 
@@ -427,7 +434,9 @@ class Shard:
         """Which of ``n`` rows end an episode; ``values`` holds at least the flag and trajectory columns."""
         flags = None
         for i in self._end_columns:
-            f = values[i].reshape(n, -1).any(-1)
+            flag = values[i]
+            assert flag is not None, "the end-flag columns are always among ``values``"
+            f = flag.reshape(n, -1).any(-1)
             flags = f if flags is None else flags | f
         return episode_ends(flags, self._traj_ids(values), n)
 
@@ -435,6 +444,7 @@ class Shard:
         if self._traj_column is None:
             return None
         t = values[self._traj_column]
+        assert t is not None, "the trajectory column is always among ``values``"
         return t.reshape(t.shape[0], -1)[:, 0].cpu()
 
     def logical_order(self) -> torch.Tensor:
@@ -454,7 +464,7 @@ class Shard:
 
     def _index_rebuild(self, order: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None) -> None:
         """Rebuild the episode index over stored ``order`` (oldest first), its end flags and trajectory ids."""
-        self.episodes.rebuild(order, ends, traj_last=None if traj is None else int(traj[-1]))
+        cast(EpisodeIndex, self.episodes).rebuild(order, ends, traj_last=None if traj is None else int(traj[-1]))
 
     def _stored_ends(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Episode ends and trajectory ids of stored ``rows``, read from their flag columns."""
@@ -528,9 +538,9 @@ class Shard:
             self._allocate(spec)
         for column, saved in zip(self.columns, columns):
             column[: saved.shape[0]].copy_(saved)
-        for column, saved in zip(self.objects, objects):
-            column.fill(None)
-            column[: len(saved)] = _object_array(saved)
+        for held, saved_objects in zip(self.objects, objects):
+            held.fill(None)
+            held[: len(saved_objects)] = _object_array(saved_objects)
         if self.hot is not None:
             self.hot.forget()
         self.size = int(state["size"])
@@ -549,14 +559,12 @@ class Shard:
         """
         if self.spec is not None:
             raise RuntimeError("take_rows gives rows to a new shard; this one holds rows already")
-        columns: list[torch.Tensor | None] = [None] * len(leaves.spec.columns)
-        for position, value in zip(leaves.columns, leaves.values):
-            columns[position] = value
-        self._adopt(leaves.spec, columns)
+        columns = dict(zip(leaves.columns, leaves.values))
         for key in leaves.missing:  # only TorchRL's "index" may be missing (``validated``): each row's position
             i = leaves.spec.find(key)
             if i is not None:
-                self.columns[i] = self._torchrl_positions(torch.arange(leaves.n, dtype=torch.int64))
+                columns[i] = self._torchrl_positions(torch.arange(leaves.n, dtype=torch.int64))
+        self._adopt(leaves.spec, [columns[i] for i in range(len(leaves.spec.columns))])
         for position, objects in zip(leaves.object_columns, leaves.objects):
             self.objects[position][: leaves.n] = objects
         self.size, self.head, self.written = size, head, leaves.n
@@ -627,10 +635,11 @@ class Shard:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")
             scalar = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
             index_device = self.out_device if self.out_device.type == "cuda" else None
-            if not in_range:
-                index = as_index_tensor(index, self.ring_rows, "read", device=index_device)
-                self.check_readable(index)
-            rows = index
+            if in_range:
+                rows = cast(torch.Tensor, index)  # ``in_range`` promises a tensor of rows this store drew
+            else:
+                rows = as_index_tensor(index, self.ring_rows, "read", device=index_device)
+                self.check_readable(rows)
             self.claim_gather(rows.numel())
             lead = torch.Size([]) if scalar else rows.shape
             flat = gather.gather_rows(self.columns, rows.reshape(-1), self.out_device, self._hot_rows())
@@ -686,7 +695,8 @@ class Shard:
             flat, mask = gather.gather_windows(self.columns, plan.starts, plan.seq_len, self.out_device,
                                                plan.valid_begin, plan.valid_end, hot=self._hot_rows())
             self.rows_read += flat[0].shape[0]
-        extra = None if markers is None else markers(windows, dict(zip(self.spec.keys, flat)), mask)
+        # Windows are read where episodes are delimited by named flag columns: never a plain tensor's table.
+        extra = None if markers is None else markers(windows, dict(zip(self.spec.names, flat)), mask)
         objects = None
         if self.objects:  # padding positions hold no row: None, as a row never written
             at = torch.where(mask.cpu(), plan.rows(self.capacity), -1)

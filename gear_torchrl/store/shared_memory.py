@@ -105,7 +105,9 @@ class Janitor:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )
-        ready = self._proc.stdout.readline()  # the janitor is watching before any segment exists
+        assert self._proc.stdin is not None and self._proc.stdout is not None  # both are pipes
+        self._stdin, self._stdout = self._proc.stdin, self._proc.stdout
+        ready = self._stdout.readline()  # the janitor is watching before any segment exists
         if ready.strip() != b"ready":
             raise RuntimeError(f"the shared-memory janitor failed to start (said {ready!r})")
         self._inherited = False
@@ -115,17 +117,17 @@ class Janitor:
         """In a forked child (a DataLoader worker): close this copy of the pipe. Held open here, it would
         keep the janitor waiting after the owner closed the store or died, until the child ended."""
         self._inherited = True
-        self._proc.stdin.close()
-        self._proc.stdout.close()
+        self._stdin.close()
+        self._stdout.close()
 
     def release(self) -> None:
         """Remove the segments now (the owner closes the store)."""
         if self._inherited:  # the owner's janitor, not this process's
             return
         if self._proc.poll() is None:
-            self._proc.stdin.close()
+            self._stdin.close()
             self._proc.wait(timeout=30)
-        self._proc.stdout.close()
+        self._stdout.close()
 
 
 _JANITORS: weakref.WeakSet[Janitor] = weakref.WeakSet()

@@ -30,6 +30,7 @@ from gear_torchrl.store.commit_log import (
     control_bytes,
     reader_timeout_us,
 )
+from gear_torchrl.store.episodes import EpisodeIndex
 from gear_torchrl.store.live_rows import LiveRows, dead_runs_array
 from gear_torchrl.store.rate_counters import SharedRateCounters
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, Windows, as_index_tensor
@@ -41,7 +42,7 @@ from gear_torchrl.store.shared_memory import (
     page_round,
     segment_path,
 )
-from gear_torchrl.store.spec import Data, Leaves, NestedKey, TableSpec, key_name
+from gear_torchrl.store.table_spec import Data, Leaves, NestedKey, TableSpec, key_name
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class SharedShard(Shard):
     The creating process owns the segments: they are removed when it calls
     ``close()`` or exits, however it exits.
     """
+
+    episodes: EpisodeIndex
 
     def __init__(
         self,
@@ -173,6 +176,7 @@ class SharedShard(Shard):
             self._map_data()
             spec = leaves.spec if self.spec is None else self.spec.merged(leaves.spec)
             if spec is self.spec or self._lay_out(spec):
+                assert self.spec is not None, "laid out by now, by this process or another"
                 return leaves.placed_in(self.spec)
 
     # -- writes: reserve, copy, commit ---------------------------------------------------
@@ -199,12 +203,14 @@ class SharedShard(Shard):
         reservation = self.log.reserve(n)
         rows = (torch.arange(n, dtype=torch.int64) + reservation.position) % self.capacity
         if leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
-            values, columns = [*values, rows.clone()], (*columns, self.spec.find("index"))
+            values, columns = [*values, rows.clone()], (*columns, leaves.spec.position("index"))
         try:
             self._map_data()  # columns added since: these rows may hold an older lap's bytes there
             if len(columns) < len(self.columns):
+                spec = self.spec
+                assert spec is not None, "laid out by ``_placed``"
                 unwritten = [i for i in range(len(self.columns)) if i not in columns]
-                values = [*values, *(torch.zeros((n, *self.spec.columns[i].row_shape), dtype=self.spec.columns[i].dtype)
+                values = [*values, *(torch.zeros((n, *spec.columns[i].row_shape), dtype=spec.columns[i].dtype)
                                      for i in unwritten)]
                 columns = (*columns, *unwritten)
             self.log.await_readers(reservation)
@@ -418,6 +424,7 @@ class SharedShard(Shard):
         Counted at a pessimistic 0.5 GB/s: a large read (a scan of the whole store)
         is not revoked for being large, and a small one adds next to nothing.
         """
+        assert self.spec is not None, "rows are read from a shard that holds columns"
         self.log.claim_longer(num_rows * self.spec.row_bytes / _SLOW_GATHER_BYTES_PER_S)
 
     def check_readable(self, rows: torch.Tensor) -> None:

@@ -8,15 +8,18 @@ redrawn. The inner sampler must be able to ``exclude`` rows
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
+from gear_torchrl.adapters.sampled_index import SelectionIndex
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.errors import CheckpointError
+from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.capped import CappedSelector, CappedSpec
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.state_file import SAMPLER_FORMAT, StateDictFile, load_pickled
 from gear_torchrl.store.persistence import write_checkpoint
 from gear_torchrl.store.state_checks import checked_tensor, field, require_nonnegative
@@ -25,11 +28,28 @@ _INNER = "inner"  # where the wrapped sampler saves its state
 _PICKLED_COUNTS = "times_sampled.pt"  # the counts, before checkpoints carried checksums
 
 
+class _Excludable(Protocol):
+    """What the cap needs of the sampler it wraps: a core that can leave rows out, and that core's state."""
+
+    selector: Selector[SelectionSpec]
+    _rng: torch.Generator | None
+
+    def exclude(self, rows: torch.Tensor) -> None: ...
+    def _empty(self) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]: ...
+    def _assign(self, state: dict[str, Any]) -> None: ...
+    def dumps(self, path: str | Path) -> None: ...
+    def read_checkpoint(self, path: str | Path, rows: int | None = None) -> dict[str, Any]: ...
+
+
 class MaxTimesSampled(SelectsThroughStorage, StateDictFile, Sampler):
     """Rows leave ``sampler``'s draw after ``max_times`` samples, until written again (``selection/capped.py``).
 
     Over a ShardedGearStorage each owner counts its own rows.
     """
+
+    selector: CappedSelector
 
     def __init__(self, sampler: Sampler, max_times: int, max_capacity: int) -> None:
         if not callable(getattr(sampler, "exclude", None)):
@@ -37,10 +57,10 @@ class MaxTimesSampled(SelectsThroughStorage, StateDictFile, Sampler):
                             "use GearPrioritizedSampler (alpha=0 samples uniformly) or TopKSampler")
         if max_times < 1:
             raise ValueError(f"max_times must be >= 1, got {max_times}")
-        self.sampler = sampler
+        self.sampler = cast(_Excludable, sampler)  # checked above: it can exclude, so it is one of ours
         self.max_times = max_times
         self.max_capacity = max_capacity
-        inner = sampler.selector
+        inner = self.sampler.selector
         self.selector = CappedSelector(CappedSpec(inner.spec, max_times), max_capacity, inner=inner)
 
     @property
@@ -58,7 +78,7 @@ class MaxTimesSampled(SelectsThroughStorage, StateDictFile, Sampler):
     def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
         SelectsThroughStorage.mark_update(self, index, storage=storage)
 
-    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+    def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:
         selection = self._select(storage, batch_size)
         info = getattr(self.sampler, "info", None)
         return selection.index, ({} if info is None else info(selection))

@@ -8,7 +8,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.adapters.sampled_index import Selection
+from gear_torchrl.adapters.sampled_index import Selection, SelectionIndex
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.adapters.torchrl_layout import (
     TORCHRL_SAMPLER_MANIFEST,
@@ -17,7 +17,7 @@ from gear_torchrl.adapters.torchrl_layout import (
     write_torchrl_priorities,
 )
 from gear_torchrl.selection.checked_inputs import seeds_defaults
-from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
+from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec, ProportionalSpec
 from gear_torchrl.selection.state_file import StateDictFile
 from gear_torchrl.store.persistence import tensor_file
 from gear_torchrl.store.state_checks import checked_float, checked_int, field
@@ -42,6 +42,9 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
     ``selection/block_sums.py``): draws, weights and updates run there, for
     storages whose batches are on the GPU too.
     """
+
+    selector: PrioritySelector[ProportionalSpec]
+    _device: torch.device  # TorchRL's may be None; ours is always set
 
     def __init__(
         self,
@@ -69,23 +72,24 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
         self._sample_calls = 0
         # The last draw (rows, their generations, writes seen by then): TorchRL's update_tensordict_priority
         # passes no generation, and a row rewritten since its draw must not take the update.
-        self._last_draw: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._last_draw: tuple[SelectionIndex, torch.Tensor, int] | None = None
 
-    def _new_selector(self, alpha: float, eps: float) -> PrioritySelector:
+    def _new_selector(self, alpha: float, eps: float) -> PrioritySelector[ProportionalSpec]:
         """The core this sampler adapts (prioritized windows make another, over their windows)."""
         return PrioritySelector(PrioritySpec(alpha, eps), self._max_capacity, self._device)
 
     # -- TorchRL's knobs -------------------------------------------------------------
-    @property
+    # TorchRL keeps alpha and eps as attributes; here the core holds them, and TorchRL's code only reads them.
+    @property  # type: ignore[misc]  # read from the core
     def alpha(self) -> float:
         return self.selector.alpha
 
     @property
-    def _alpha(self) -> float:
+    def _alpha(self) -> float:  # type: ignore[override]  # read from the core
         return self.selector.alpha
 
     @property
-    def _eps(self) -> float:
+    def _eps(self) -> float:  # type: ignore[override]  # read from the core
         return self.selector.eps
 
     @property
@@ -131,7 +135,7 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
                 f"eps={self._eps}, total_mass={self.total_mass:.6g})")
 
     # -- sampling --------------------------------------------------------------------
-    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+    def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:  # type: ignore[override]  # TorchRL annotates Tensor; its samplers return (index, info)
         selection = self._select(storage, batch_size)
         return selection.index, self.info(selection)
 
@@ -197,10 +201,10 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
 
     exclude = forget
 
-    def add(self, index: int) -> None:
+    def add(self, index: torch.Tensor | int) -> None:
         """Nothing to do: ``mark_update`` already gave the new row its priority."""
 
-    def extend(self, index: torch.Tensor) -> None:
+    def extend(self, index: torch.Tensor | tuple) -> None:
         """Nothing to do: ``mark_update`` already gave the new rows their priority."""
 
     @property

@@ -7,7 +7,7 @@ window.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -16,9 +16,10 @@ from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler
 from gear_torchrl.adapters.samplers.sequence import GearSequenceSampler
 from gear_torchrl.selection.checked_inputs import as_rows, integer_rows, seeds_defaults
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec, key_priorities
+from gear_torchrl.selection.windows import WindowSpec
 
 
-class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler):
+class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler):  # type: ignore[misc]  # windows' sample
     """Windows drawn in proportion to their priority, with importance weights per step.
 
     Takes GearSequenceSampler's window options plus ``alpha``, ``beta``, ``eps``
@@ -31,6 +32,8 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
             weighs as its first training step).
         eta: R2D2's mix of max and mean.
     """
+
+    selector: PriorityWindowSelector
 
     def __init__(
         self,
@@ -47,7 +50,8 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
         if window_options.get("uniform_over", "windows") != "windows":
             raise ValueError("prioritized windows are drawn by priority: uniform_over does not apply")
         GearSequenceSampler.__init__(self, seq_len, **window_options)
-        self._windows, self._reduction_eta = self.selector.spec, (reduction, float(eta))
+        windows = cast(WindowSpec, self.selector.spec)  # of the WindowSelector it made, replaced below
+        self._windows, self._reduction_eta = windows, (reduction, float(eta))
         GearPrioritizedSampler.__init__(self, max_capacity, alpha, beta, eps)  # builds the core below, once
         self.window_reduction = reduction  # (TorchRL's `reduction` is the per-step reduce over extra dims)
         self.eta = eta

@@ -7,6 +7,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
+from gear_torchrl.adapters.sampled_index import SelectionIndex
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.selection.queue import QueueSelector, QueueSpec
 from gear_torchrl.selection.state_file import StateDictFile
@@ -22,6 +23,8 @@ class QueueSampler(SelectsThroughStorage, StateDictFile, Sampler):
     split by the rows waiting in each.
     """
 
+    selector: QueueSelector
+
     def __init__(self, max_capacity: int, order: Literal["fifo", "lifo"] = "fifo") -> None:
         self.max_capacity = max_capacity
         self.order = order
@@ -31,7 +34,7 @@ class QueueSampler(SelectsThroughStorage, StateDictFile, Sampler):
     def selector_capacity(self) -> int:
         return self.max_capacity
 
-    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+    def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:
         return self._select(storage, batch_size).index, {}
 
     def take(self, batch_size: int) -> torch.Tensor:

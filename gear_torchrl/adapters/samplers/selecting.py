@@ -14,9 +14,11 @@ import torch
 from gear_torchrl.adapters.sampled_index import Selection, WindowMarkers, local_selection
 from gear_torchrl.selection.base import Selector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
+from gear_torchrl.selection.specs import SelectionSpec
 
 
-def select_over_rows(storage: Any, selector: Selector, count: int, generator: torch.Generator | None) -> Selection:
+def select_over_rows(storage: Any, selector: Selector[SelectionSpec], count: int,
+                     generator: torch.Generator | None) -> Selection:
     """A row rule over a storage that cannot select (TorchRL's own): its rows are ``0..len-1``."""
     if selector.spec.rows_per_pick != 1 or not selector.keeps_row_state:
         raise TypeError(f"a {selector.spec.kind} selection needs a GearStorage or ShardedGearStorage (it reads "
@@ -29,7 +31,7 @@ def select_over_rows(storage: Any, selector: Selector, count: int, generator: to
 class SelectsThroughStorage:
     """Mixin for a TorchRL ``Sampler`` whose rule is ``self.selector``."""
 
-    selector: Selector
+    selector: Selector[SelectionSpec]
     _rng: torch.Generator | None = None
 
     def _select(self, storage: Any, count: int, markers: WindowMarkers | None = None) -> Selection:
@@ -56,7 +58,8 @@ class SelectsThroughStorage:
 
     @property
     def selector_capacity(self) -> int:
-        return self.selector.capacity  # type: ignore[attr-defined]
+        """Rows the rule keeps state for; asked only of rules that keep per-row state, which each say."""
+        raise NotImplementedError(f"{type(self).__name__} keeps per-row state and must say for how many rows")
 
     # -- state through the core --------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

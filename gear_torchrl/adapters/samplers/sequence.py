@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
-from gear_torchrl.adapters.sampled_index import WindowMarkers
+from gear_torchrl.adapters.sampled_index import SelectionIndex, WindowMarkers
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
-from gear_torchrl.selection.specs import as_path
+from gear_torchrl.selection.priority_windows import PriorityWindowSelector
+from gear_torchrl.selection.specs import optional_path
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
-from gear_torchrl.store.spec import NestedKey
+from gear_torchrl.store.table_spec import NestedKey
 
 
 class GearSequenceSampler(SelectsThroughStorage, Sampler):
@@ -47,6 +47,8 @@ class GearSequenceSampler(SelectsThroughStorage, Sampler):
             the first (still one episode; windows never span the write cursor).
     """
 
+    selector: WindowSelector | PriorityWindowSelector  # the latter in a GearPrioritizedSequenceSampler
+
     def __init__(
         self,
         seq_len: int | None = None,
@@ -68,7 +70,7 @@ class GearSequenceSampler(SelectsThroughStorage, Sampler):
     ) -> None:
         seq_len, num_windows = _torchrl_names(seq_len, slice_len, num_windows, num_slices, burn_in)
         spec = WindowSpec(seq_len, burn_in, strict_length, uniform_over, include_open, cross_ring_end,
-                          as_path(traj_key), as_path(end_key))
+                          optional_path(traj_key), optional_path(end_key))
         self.seq_len = seq_len
         self.burn_in = burn_in
         self.window_len = burn_in + seq_len
@@ -92,7 +94,7 @@ class GearSequenceSampler(SelectsThroughStorage, Sampler):
     def _refresh(self, episodes: Any) -> None:
         self.selector._refresh(episodes)
 
-    def sample(self, storage: Any, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    def sample(self, storage: Any, batch_size: int) -> tuple[SelectionIndex, dict[str, Any]]:
         selection = self._select(storage, self._num_windows(batch_size), self.markers)
         return selection.index, self.info(selection)
 
@@ -133,12 +135,14 @@ class GearSequenceSampler(SelectsThroughStorage, Sampler):
 def _torchrl_names(seq_len: int | None, slice_len: int | None, num_windows: int | None,
                    num_slices: int | None, burn_in: int) -> tuple[int, int | None]:
     """``seq_len`` and ``num_windows`` from ours or SliceSampler's names (one of each pair at most)."""
-    if (seq_len is None) == (slice_len is None):
+    if seq_len is not None and slice_len is None:
+        steps = seq_len
+    elif slice_len is not None and seq_len is None:
+        steps = slice_len - burn_in
+    else:
         raise TypeError("GearSequenceSampler takes one of seq_len (training steps per window) or slice_len "
                         f"(SliceSampler's: the whole window, burn_in included); got seq_len={seq_len}, "
                         f"slice_len={slice_len}")
     if num_windows is not None and num_slices is not None:
         raise TypeError(f"num_windows and num_slices name the same thing; got both ({num_windows}, {num_slices})")
-    if slice_len is not None:
-        seq_len = slice_len - burn_in
-    return seq_len, num_windows if num_slices is None else num_slices
+    return steps, num_windows if num_slices is None else num_slices

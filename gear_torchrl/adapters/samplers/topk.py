@@ -7,11 +7,12 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
+from gear_torchrl.adapters.sampled_index import SelectionIndex
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
-from gear_torchrl.selection.specs import as_path
+from gear_torchrl.selection.specs import optional_path
 from gear_torchrl.selection.state_file import StateDictFile
 from gear_torchrl.selection.topk import TopKSelector, TopKSpec
-from gear_torchrl.store.spec import NestedKey
+from gear_torchrl.store.table_spec import NestedKey
 
 
 class TopKSampler(SelectsThroughStorage, StateDictFile, Sampler):
@@ -29,11 +30,13 @@ class TopKSampler(SelectsThroughStorage, StateDictFile, Sampler):
             (new rows then score ``default_score``).
     """
 
+    selector: TopKSelector
+
     def __init__(self, max_capacity: int, key: NestedKey | None = None, default_score: float = 0.0) -> None:
         self.max_capacity = max_capacity
         self.key = key
         self.default_score = default_score
-        self.selector = TopKSelector(TopKSpec(as_path(key), float(default_score)), max_capacity)
+        self.selector = TopKSelector(TopKSpec(optional_path(key), float(default_score)), max_capacity)
 
     @property
     def selector_capacity(self) -> int:
@@ -43,7 +46,7 @@ class TopKSampler(SelectsThroughStorage, StateDictFile, Sampler):
     def _scores(self):
         return self.selector.scores
 
-    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+    def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:
         return self._select(storage, batch_size).index, {}
 
     def update_priority(self, index: Any, priority: Any, *, storage: Storage | None = None) -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
+from gear_torchrl.adapters.sampled_index import SelectionIndex
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.selection.state_file import StateDictFile
 from gear_torchrl.selection.uniform import UniformSelector, UniformSpec
@@ -21,10 +21,12 @@ class GearUniformSampler(SelectsThroughStorage, StateDictFile, Sampler):
     it asks the storage; over a ShardedGearStorage each owner draws its share.
     """
 
+    selector: UniformSelector
+
     def __init__(self) -> None:
         self.selector = UniformSelector(UniformSpec())
 
-    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+    def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:
         return self._select(storage, batch_size).index, {}
 
     def _foreign_state(self, path: Path) -> dict[str, Any] | None:

@@ -48,7 +48,7 @@ import torch
 from gear_torchrl.distributed.transports.base import ColumnLayout, Transport
 from gear_torchrl.distributed.transports.rdma_plan import (
     MAX_MSG_BYTES_LIMIT,
-    ReadPlan,
+    WorkRequests,
     plan_reads,
     region_end_of,
     valid_positions,
@@ -484,7 +484,7 @@ class ReadQueue(Protocol):
     max_msg_bytes: int
 
     def register(self, buffer: torch.Tensor) -> Registration: ...
-    def post_reads(self, plan: ReadPlan, begin: int, end: int, lkey: int, rkey: int) -> None: ...
+    def post_reads(self, plan: WorkRequests, begin: int, end: int, lkey: int, rkey: int) -> None: ...
     def poll(self, max_entries: int) -> Sequence[Completion]: ...
     def abort(self) -> None: ...
     def close(self) -> None: ...
@@ -590,7 +590,7 @@ class _VerbsQueue:
         return pv.mr.MR(self.device.pd, buffer.numel() * buffer.element_size(),
                         pv.enums.IBV_ACCESS_LOCAL_WRITE, address=buffer.data_ptr())
 
-    def post_reads(self, plan: ReadPlan, begin: int, end: int, lkey: int, rkey: int) -> None:
+    def post_reads(self, plan: WorkRequests, begin: int, end: int, lkey: int, rkey: int) -> None:
         """Post WRs ``[begin, end)`` of ``plan`` as one chain (one doorbell)."""
         pv = self.device.pv
         remote = plan.wr_remote_addr[begin:end].tolist()
@@ -805,6 +805,7 @@ class RdmaTransport(Transport):
             if self._registration is not None:
                 self._registration.close()
             self._staging, self._registration = staging, registration
+        assert self._registration is not None  # registered with the staging buffer
         return self._staging, self._registration.lkey
 
     def _fail(self, reason: str) -> None:

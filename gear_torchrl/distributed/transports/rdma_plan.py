@@ -52,7 +52,7 @@ class BytePieces:
 
 
 @dataclass(frozen=True)
-class ReadPlan:
+class WorkRequests:
     """Work requests to post: WR ``k`` reads ``wr_length[k]`` bytes at ``wr_remote_addr[k]``
     and scatters them, in order, into SGEs ``wr_sge_begin[k] : wr_sge_begin[k] + wr_num_sge[k]``.
     """
@@ -177,7 +177,7 @@ def _split_at_message_boundaries(run_offset: np.ndarray, length: np.ndarray,
     return source, start, stop - start
 
 
-def pack_work_requests(pieces: BytePieces, max_sge: int, max_msg_bytes: int) -> ReadPlan:
+def pack_work_requests(pieces: BytePieces, max_sge: int, max_msg_bytes: int) -> WorkRequests:
     """Group remote-contiguous pieces into WRs of at most ``max_sge`` SGEs and ``max_msg_bytes``.
 
     Pieces sorted by remote address form runs of contiguous remote bytes; a
@@ -189,7 +189,7 @@ def pack_work_requests(pieces: BytePieces, max_sge: int, max_msg_bytes: int) -> 
     if not 1 <= max_msg_bytes <= MAX_MSG_BYTES_LIMIT:
         raise ValueError(f"max_msg_bytes must be in [1, {MAX_MSG_BYTES_LIMIT}], got {max_msg_bytes}")
     if pieces.length.size == 0:
-        return ReadPlan(*(_empty() for _ in range(7)))
+        return WorkRequests(*(_empty() for _ in range(7)))
 
     order = np.lexsort((pieces.local_addr, pieces.remote_addr))
     remote, local, length = pieces.remote_addr[order], pieces.local_addr[order], pieces.length[order]
@@ -212,7 +212,7 @@ def pack_work_requests(pieces: BytePieces, max_sge: int, max_msg_bytes: int) -> 
     wr_head = index_in_group % max_sge == 0
     wr_first = np.flatnonzero(wr_head)
     wr_num_sge = np.diff(np.append(wr_first, source.size)).astype(_I64)
-    return ReadPlan(
+    return WorkRequests(
         wr_remote_addr=sge_remote[wr_first],
         wr_length=np.add.reduceat(chunk_len, wr_first).astype(_I64),
         wr_sge_begin=wr_first.astype(_I64),
@@ -224,7 +224,7 @@ def pack_work_requests(pieces: BytePieces, max_sge: int, max_msg_bytes: int) -> 
 
 
 def plan_reads(request: Windows, layout: ColumnLayout, remote_base: int,
-               out_addrs: Sequence[int], max_sge: int, max_msg_bytes: int) -> ReadPlan:
+               out_addrs: Sequence[int], max_sge: int, max_msg_bytes: int) -> WorkRequests:
     """All WRs that read ``request`` from the segment at ``remote_base`` into ``out_addrs``.
 
     ``out_addrs[c]`` is the local address of output position 0 of column ``c``;

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import numpy as np
 import torch
@@ -44,8 +44,10 @@ from gear_torchrl.errors import SpecMismatchError
 
 NestedKey = str | tuple[str, ...]
 # What a store holds and returns: a TensorDict, a tensor, a tensorclass instance or a pytree of tensors.
-Data = TensorDictBase | torch.Tensor | Any
+Data: TypeAlias = TensorDictBase | torch.Tensor | Any
 Path = tuple[str, ...]
+# A tensorclass: tensordict makes these classes at run time and ships no types for them.
+TensorClass: TypeAlias = type[Any]
 
 _NON_TENSOR = (NonTensorData, NonTensorStack)
 
@@ -118,7 +120,8 @@ class Leaves:
             return self
         if spec == self.spec:
             return replace(self, spec=spec)
-        columns = tuple(spec.find(self.spec.columns[p].key) for p in self.columns)
+        keys = self.spec.names  # not a plain tensor's: its spec cannot differ from the store's (``merged``)
+        columns = tuple(spec.position(keys[p]) for p in self.columns)
         objects = tuple(spec.objects.index(self.spec.objects[p]) for p in self.object_columns)
         return replace(self, spec=spec, columns=columns, object_columns=objects)
 
@@ -139,13 +142,18 @@ class TableSpec:
     node_batch: dict[Path, torch.Size] = field(default_factory=dict)
     objects: tuple[NestedKey, ...] = ()
     stacks: dict[Path, StackSpec] = field(default_factory=dict)
-    classes: dict[Path, type] = field(default_factory=dict)
+    classes: dict[Path, TensorClass] = field(default_factory=dict)
     tree: pytree.TreeSpec | None = None
 
     @property
     def keys(self) -> list[NestedKey | None]:
         """Keys of the tensor columns, in column order."""
         return [c.key for c in self.columns]
+
+    @property
+    def names(self) -> list[NestedKey]:
+        """``keys`` of a TensorDict's or pytree's table, where every column has one (a plain tensor's has none)."""
+        return cast(list[NestedKey], [c.key for c in self.columns])
 
     @property
     def row_bytes(self) -> int:
@@ -163,6 +171,13 @@ class TableSpec:
             if c.key is not None and as_path(c.key) == want:
                 return i
         return None
+
+    def position(self, key: NestedKey | None) -> int:
+        """Position of the tensor column ``key``, which this spec holds (raises KeyError if not)."""
+        i = None if key is None else self.find(key)
+        if i is None:
+            raise KeyError(f"the spec has no tensor column '{key_name(key)}'")
+        return i
 
     def object_batch(self, key: NestedKey) -> torch.Size:
         """Batch dims of one row of the non-tensor leaf ``key`` (its node's)."""
@@ -215,19 +230,24 @@ class TableSpec:
         walk = _Walk(0 if num_rows is None else 1, self)
         walk.visit(data, ())
         tensors, objects = walk.tensors, walk.objects
-        values, positions, missing = [], [], []
+        values: list[torch.Tensor] = []
+        positions: list[int] = []
+        missing: list[NestedKey] = []
         for i, c in enumerate(self.columns):
-            value = tensors.pop(c.key, None)
+            key = c.key
+            assert key is not None, "only a plain tensor's column has no key"
+            value = tensors.pop(key, None)
             if value is None:
-                if c.key in objects:
-                    raise SpecMismatchError(f"key '{key_name(c.key)}' holds a {type(objects[c.key]).__name__}; "
+                if key in objects:
+                    raise SpecMismatchError(f"key '{key_name(key)}' holds a {type(objects[key]).__name__}; "
                                             "the store holds a tensor there")
-                missing.append(c.key)
+                missing.append(key)
                 continue
             _check_leaf(c, value, num_rows)
             values.append(value)
             positions.append(i)
-        rows, object_positions = [], []
+        rows: list[np.ndarray] = []
+        object_positions: list[int] = []
         for j, key in enumerate(self.objects):
             value = objects.pop(key, None)
             if value is None:
@@ -243,7 +263,7 @@ class TableSpec:
             spec = self._grown(walk, tensors, objects, num_rows)
             for key, value in tensors.items():
                 values.append(value)
-                positions.append(spec.find(key))
+                positions.append(spec.position(key))
             for key, value in objects.items():
                 rows.append(_row_objects(value, num_rows, spec.object_batch(key)))
                 object_positions.append(spec.objects.index(key))
@@ -267,13 +287,13 @@ class TableSpec:
         if other.is_tensordict != self.is_tensordict or other.tree != self.tree or not self.is_tensordict:
             raise SpecMismatchError(f"the data's keys, dtypes or shapes differ from the store's: {self}")
         new_columns = []
-        for c in other.columns:
-            i = self.find(c.key)
+        for key, c in zip(other.names, other.columns):
+            i = self.find(key)
             if i is None:
                 new_columns.append(c)
             elif self.columns[i] != c:
                 held = self.columns[i]
-                raise SpecMismatchError(f"key '{key_name(c.key)}' is stored as {held.dtype} rows of shape "
+                raise SpecMismatchError(f"key '{key_name(key)}' is stored as {held.dtype} rows of shape "
                                         f"{list(held.row_shape)}; this write holds {c.dtype} rows of shape "
                                         f"{list(c.row_shape)}")
         new_objects = tuple(k for k in other.objects if k not in self.objects)
@@ -285,8 +305,9 @@ class TableSpec:
                    stacks: dict, classes: dict) -> TableSpec:
         """This spec plus new tensor ``columns`` and non-tensor ``objects``, at the end; a key may not
         sit above or below a stored one (a leaf where the store has a TensorDict, or the reverse)."""
-        stored = [as_path(c.key) for c in self.columns] + [as_path(k) for k in self.objects]
-        for key in [*(c.key for c in columns), *objects]:
+        new_keys = cast(list[NestedKey], [c.key for c in columns])  # a TensorDict's new columns: all named
+        stored = [as_path(k) for k in self.names] + [as_path(k) for k in self.objects]
+        for key in [*new_keys, *objects]:
             path = as_path(key)
             for other in stored:
                 shorter, longer = (path, other) if len(path) < len(other) else (other, path)
@@ -334,7 +355,7 @@ class TableSpec:
         if not self.is_tensordict:
             return tensors[0]
         root: dict = {}
-        pairs = [*zip(self.keys, tensors), *(extra or {}).items()]
+        pairs = [*zip(self.names, tensors), *(extra or {}).items()]
         if objects:
             pairs += [(k, _non_tensor(o, self.object_batch(k))) for k, o in zip(self.objects, objects)]
         for key, t in pairs:
@@ -435,7 +456,7 @@ class _Walk:
         self.objects: dict[NestedKey, TensorDictBase] = {}
         self.nodes: dict[Path, torch.Size] = {}
         self.stacks: dict[Path, StackSpec] = {}
-        self.classes: dict[Path, type] = {}
+        self.classes: dict[Path, TensorClass] = {}
 
     def visit(self, node: Any, path: Path) -> None:
         if is_tensorclass(node):
@@ -593,7 +614,7 @@ def _non_tensor(objects: np.ndarray, row_batch: torch.Size) -> TensorDictBase:
 # it among the classes this process has defined: first those gear stores were written with
 # (the newest of a name wins, as a function that defines it may run many times), then
 # tensordict's registry of every tensorclass.
-_SEEN_CLASSES: weakref.WeakValueDictionary[str, type] = weakref.WeakValueDictionary()
+_SEEN_CLASSES: weakref.WeakValueDictionary[str, TensorClass] = weakref.WeakValueDictionary()
 
 
 def class_name(cls: type) -> str:
@@ -601,12 +622,12 @@ def class_name(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _remember(classes: dict[Path, type]) -> None:
+def _remember(classes: dict[Path, TensorClass]) -> None:
     for cls in classes.values():
         _SEEN_CLASSES[class_name(cls)] = cls
 
 
-def _import_class(name: str) -> type:
+def _import_class(name: str) -> TensorClass:
     """A tensorclass from its ``module:qualname`` (what ``to_json`` saves): imported, else one this process defined."""
     module, _, qualname = name.partition(":")
     try:
@@ -624,7 +645,7 @@ def _import_class(name: str) -> type:
     return found
 
 
-def _registered_tensorclass(name: str) -> type | None:
+def _registered_tensorclass(name: str) -> TensorClass | None:
     """The tensorclass of that name among those tensordict registered when they were defined (its memmap
     loader looks there too), or None."""
     import tensordict.base
