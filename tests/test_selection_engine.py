@@ -26,7 +26,7 @@ from gear_torchrl.selection.capped import CappedSpec
 from gear_torchrl.selection.priorities import PrioritySpec
 from gear_torchrl.selection.priority_windows import PriorityWindowSpec
 from gear_torchrl.selection.queue import QueueSpec
-from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.selection.rules import spec_from_json
 from gear_torchrl.selection.topk import TopKSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.selection.windows import WindowSpec
@@ -40,7 +40,7 @@ SPECS = [UniformSpec(), WindowSpec(8, burn_in=2, strict_length=False, traj_key=(
 def test_specs_travel_as_json_and_come_back_equal(spec):
     import json
 
-    back = SelectionSpec.from_json(json.loads(json.dumps(spec.to_json())))
+    back = spec_from_json(json.loads(json.dumps(spec.to_json())))
     assert back == spec and hash(back) == hash(spec)
 
 
@@ -56,7 +56,7 @@ def test_specs_travel_as_json_and_come_back_equal(spec):
 ])
 def test_a_malformed_spec_is_refused_by_name(blob, problem):
     with pytest.raises((ValueError, TypeError), match=problem):
-        SelectionSpec.from_json(blob)
+        spec_from_json(blob)
 
 
 ROWS = 400
@@ -163,3 +163,68 @@ def test_a_shards_checkpoint_restores_its_cores_and_refuses_damage(tmp_path):
         for storage in (source, target, damaged):
             if storage is not None:
                 storage.close()
+
+
+def test_every_rule_with_a_kind_is_listed_in_rules():
+    """``selection/rules.py`` is the one list: a rule left out could not be read back by an owner or a checkpoint."""
+    import importlib
+    import pkgutil
+
+    import gear_torchrl.selection as package
+    from gear_torchrl.selection.rules import RULES
+    from gear_torchrl.selection.specs import SelectionSpec
+
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{module.name}")
+    found, todo = set(), list(SelectionSpec.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.kind:
+            found.add(cls)
+    assert found == set(RULES.values())
+    assert all(RULES[cls.kind] is cls for cls in found)
+
+
+STATEFUL = [PrioritySpec(0.6, 1e-6), QueueSpec("fifo"), TopKSpec(None, -1.0), CappedSpec(PrioritySpec(0.5), 2),
+            PriorityWindowSpec(4, alpha=0.7, reduction="start")]
+
+
+@pytest.mark.parametrize("spec", STATEFUL, ids=[s.kind for s in STATEFUL])
+def test_clearing_a_stateful_core_gives_a_new_cores_state(spec):
+    from gear_torchrl.selection.base import StatefulSelector
+
+    capacity = 32
+    core, new = spec.build(capacity), spec.build(capacity)
+    assert isinstance(core, StatefulSelector)
+    rows = torch.arange(10)
+    core.written(rows, None)
+    if spec.kind not in ("queue", "priority_windows"):
+        core.update(rows, torch.linspace(0.5, 3.0, 10))
+    changed = core.state_dict()
+    core.clear()
+    cleared, fresh = core.state_dict(), new.state_dict()
+    assert cleared.keys() == fresh.keys()
+    differs = [k for k in fresh if not _equal_states(changed[k], fresh[k])]
+    assert differs, "the writes changed nothing: the test would prove nothing"
+    left = [k for k in fresh if not _equal_states(cleared[k], fresh[k])]
+    assert not left, f"clear() left {left} as they were"
+
+
+def _equal_states(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal_states(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def test_only_rules_with_state_are_stateful_and_what_a_cap_wraps_can_exclude():
+    from gear_torchrl.selection.base import Selector, StatefulSelector
+
+    assert not hasattr(Selector, "exclude") and not hasattr(Selector, "export_rows")
+    for spec in SPECS:
+        core = spec.build(16)
+        assert isinstance(core, StatefulSelector) == (not spec.per_reader), spec.kind
+        if spec.can_exclude:
+            assert callable(getattr(core, "exclude", None)), spec.kind

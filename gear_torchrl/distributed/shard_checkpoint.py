@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from gear_torchrl.errors import CheckpointError
-from gear_torchrl.selection.selector_registry import SelectorRegistry
+from gear_torchrl.selection.selector_registry import SelectorRegistry, shared_core
 from gear_torchrl.selection.state_file import read_rows_state, save_rows_state
 from gear_torchrl.store.persistence import read_checkpoint, read_shard, save_shard, write_checkpoint
 from gear_torchrl.store.shared_shard import SharedShard
@@ -55,7 +55,7 @@ def load_shard(shard: SharedShard, registry: SelectorRegistry, directory: str | 
     shard.load_state(state)
     shard.refresh()  # this view sees its own commits: the cores start past them
     for spec, exported in saved:
-        core = spec.build(shard.capacity)
+        core = shared_core(spec, shard.capacity)
         unseen = exported.pop("unseen")
         core.import_rows(exported)
         core.caught_up(shard)

@@ -18,6 +18,7 @@ import torch
 
 from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.rules import spec_from_json
 from gear_torchrl.selection.selector_registry import SelectorRegistry
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
@@ -92,4 +93,4 @@ def spec_of(blob: Any) -> SelectionSpec:
 
 @functools.lru_cache(maxsize=256)
 def _checked_spec(text: str) -> SelectionSpec:
-    return SelectionSpec.from_json(json.loads(text))
+    return spec_from_json(json.loads(text))

@@ -1,10 +1,13 @@
-"""The one interface every selection core has (in the spirit of Reverb's selectors).
+"""The interfaces of a selection core (in the spirit of Reverb's selectors): picking, and the state of a rule that has one.
 
 A core runs one rule over one shard: it follows the shard's writes, reports
 its mass (what a batch is split across shards by), picks ``n`` rows or
-windows with a given ``torch.Generator``, takes priority updates, takes back
-picks that were not used, and saves and loads its state. It knows tensors and
-the store, never TorchRL: a local sampler and a shard owner run the same core.
+windows with a given ``torch.Generator``, takes priority updates and takes
+back picks that were not used. A rule with per-row state of its own
+(priorities, queue order, scores, counts) is a ``StatefulSelector``: it also
+saves and restores that state, and a shard owner shares one such core among
+its learners. A core knows tensors and the store, never TorchRL: a local
+sampler and a shard owner run the same core.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ SpecT_co = TypeVar("SpecT_co", bound=SelectionSpec, covariant=True)  # a core's 
 
 
 class Selector(ABC, Generic[SpecT_co]):
-    """One rule's state over one shard. Call ``follow`` and ``pick`` inside ``shard.picking()``.
+    """One rule over one shard. Call ``follow`` and ``pick`` inside ``shard.picking()``.
 
     A shard of ``None`` stands for a store that cannot select (TorchRL's own): row rules with per-row
     state pick without one, rules that read the store need it (``needs_shard``).
@@ -60,47 +63,54 @@ class Selector(ABC, Generic[SpecT_co]):
         """Raw priorities of ``rows`` (-1: skipped); ``stored``, where known, bounds the rows."""
         raise ValueError(f"a {self.spec.kind} selection keeps no priorities to update")
 
+    def give_back(self, rows: torch.Tensor) -> None:
+        """Rows of an earlier pick that were not used; only rules that consume rows care."""
+
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         """Why a pick of ``count`` came up with ``got``."""
         return f"{self.spec.kind}: asked for {count}, only {got} can be picked"
 
-    def give_back(self, rows: torch.Tensor) -> None:
-        """Rows of an earlier pick that were not used; only rules that consume rows care."""
+    def clear(self) -> None:
+        """Back to the state of a new core (the store was emptied): nothing, for a rule without state."""
 
-    def exclude(self, rows: torch.Tensor) -> None:
-        """Rows that may not be picked again until written (a cap on times sampled)."""
-        raise TypeError(f"a {self.spec.kind} selection cannot leave rows out of its draws")
 
+class StatefulSelector(Selector[SpecT_co]):
+    """A rule with per-row state of its own, which it saves and restores with the rows.
+
+    ``clear`` brings that state back to a new core's (the rules that can build it so call it
+    from ``__init__``, so a new core and an emptied one cannot differ).
+    """
+
+    keeps_row_state = True
+
+    @abstractmethod
     def clear(self) -> None:
         """Back to the state of a new core (the store was emptied)."""
-        self.__init__(self.spec, *self._build_args())  # type: ignore[misc]  # re-made in place: its holders keep it
 
-    def _build_args(self) -> tuple:
-        return ()
-
-    # -- state -----------------------------------------------------------------------
+    @abstractmethod
     def export_rows(self, rows: torch.Tensor) -> dict[str, Any]:
         """The state of ``rows`` (ring rows), in their order: what a store restored as rows ``0..n-1`` needs.
 
         A shared store's checkpoint compacts its rows; this is the state that follows them.
         """
-        raise NotImplementedError(f"a {self.spec.kind} selection keeps no state to save")
 
+    @abstractmethod
     def import_rows(self, state: dict[str, Any]) -> None:
         """Take ``export_rows``'s state for rows ``0..n-1`` (this core is new)."""
-        raise NotImplementedError(f"a {self.spec.kind} selection keeps no state to restore")
 
     def caught_up(self, shard: Shard) -> None:
         """Count every commit of ``shard`` so far as seen (its rows' state was just restored)."""
         _, _, self._followed = shard.rows_changed_since(self._followed)
 
+    @abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        """The whole state, as tensors and JSON scalars (what a sampler's ``dumps`` writes)."""
 
+    @abstractmethod
     def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
         """``state`` checked against this core (CheckpointError naming the problem); nothing changes."""
-        return {}
 
+    @abstractmethod
     def assign(self, state: dict[str, Any]) -> None:
         """Take a state ``checked_state_dict`` returned."""
 

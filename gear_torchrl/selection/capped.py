@@ -11,10 +11,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.base import Selector, StatefulSelector
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.priorities import PrioritySelector, ProportionalSpec
 from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.selection.topk import TopKSelector
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.state_checks import checked_tensor, field, require_nonnegative
 
@@ -60,13 +62,17 @@ class CappedSpec(SelectionSpec):
         return CappedSelector(self, capacity)
 
 
-class CappedSelector(Selector[CappedSpec]):
-    keeps_row_state = True
+class CappedSelector(StatefulSelector[CappedSpec]):
+    """Counts of picks per row, over the inner rule, which leaves a row out once its count reaches the cap."""
 
     def __init__(self, spec: CappedSpec, capacity: int, inner: Selector[SelectionSpec] | None = None) -> None:
         self.spec = spec
         self.capacity = capacity
-        self.inner = inner if inner is not None else spec.inner.build(capacity)
+        inner = inner if inner is not None else spec.inner.build(capacity)
+        if not isinstance(inner, (PrioritySelector, TopKSelector)):
+            raise TypeError(f"a {inner.spec.kind} selection cannot leave rows out of its draws, so it cannot be "
+                            "capped; cap priorities (alpha=0 draws uniformly) or top-k")
+        self.inner: PrioritySelector[ProportionalSpec] | TopKSelector = inner
         self.count = torch.zeros(capacity, dtype=torch.int64)
         self._followed = (0, 0)
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from gear_torchrl.errors import CheckpointError
-from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.base import StatefulSelector
 from gear_torchrl.selection.block_sums import BlockPrefixSums
 from gear_torchrl.selection.checked_inputs import as_generation, validated
 from gear_torchrl.selection.picked import Picked
@@ -61,19 +61,20 @@ class PrioritySpec(ProportionalSpec):
 ProportionalT_co = TypeVar("ProportionalT_co", bound=ProportionalSpec, covariant=True)
 
 
-class PrioritySelector(Selector[ProportionalT_co]):
+class PrioritySelector(StatefulSelector[ProportionalT_co]):
     """Per-row masses in trees (CPU: the extension's; a GPU: blocked prefix sums), drawn in proportion.
 
     ``alpha`` and ``eps`` may be changed by a restored state (TorchRL's samplers save them).
     """
 
-    keeps_row_state = True
-
     def __init__(self, spec: ProportionalT_co, capacity: int, device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.capacity = int(capacity)
         self.device = torch.device(device)
-        self.alpha, self.eps = spec.alpha, spec.eps
+        self.clear()
+
+    def clear(self) -> None:
+        self.alpha, self.eps = self.spec.alpha, self.spec.eps
         # The one place CPU and GPU differ: trees in the extension, or blocked prefix sums on the device.
         self.trees: PriorityTrees | BlockPrefixSums = (
             PriorityTrees(self.capacity) if self.device.type == "cpu" else BlockPrefixSums(self.capacity, self.device))
@@ -82,9 +83,6 @@ class PrioritySelector(Selector[ProportionalT_co]):
         self.max_raw_priority = torch.tensor(1.0, dtype=torch.float64, device=self.device)
         self.writes = 0  # calls to ``written``: none since a draw means none of its rows was rewritten
         self._followed = (0, 0)
-
-    def _build_args(self) -> tuple:
-        return self.capacity, self.device
 
     # -- following the store ---------------------------------------------------------
     def written(self, rows: torch.Tensor, shard: Shard | None) -> None:

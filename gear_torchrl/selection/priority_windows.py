@@ -108,13 +108,13 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
 
     def __init__(self, spec: PriorityWindowSpec, capacity: int, device: torch.device | str = "cpu") -> None:
         super().__init__(spec, capacity, "cpu")
+
+    def clear(self) -> None:
+        super().clear()
         self.row_mass = torch.ones(self.capacity, dtype=torch.float64)  # (p + eps)^alpha per row
         self.max_raw_priority = 1.0
         self._episodes: EpisodeIndex | None = None  # of the shard last picked from
         self._seen: Position | None = None
-
-    def _build_args(self) -> tuple:
-        return (self.capacity,)
 
     # -- which rows may key a window ----------------------------------------------------
     def _key_offsets(self, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from gear_torchrl.errors import CheckpointError
-from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.base import StatefulSelector
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
@@ -49,24 +49,19 @@ class QueueSpec(SelectionSpec):
         return QueueSelector(self, capacity)
 
 
-class QueueSelector(Selector[QueueSpec]):
+class QueueSelector(StatefulSelector[QueueSpec]):
     """Rows in write order (``"fifo"``) or newest first (``"lifo"``), each consumed once.
 
     Its mass is the rows still waiting: a batch across shards is split by them.
     """
 
-    keeps_row_state = True
-
     def __init__(self, spec: QueueSpec, capacity: int) -> None:
         self.spec = spec
         self.order = spec.order
         self.max_capacity = capacity
-        self._init()
+        self.clear()
 
-    def _build_args(self) -> tuple:
-        return (self.max_capacity,)
-
-    def _init(self) -> None:
+    def clear(self) -> None:
         self._generation = torch.zeros(self.max_capacity, dtype=torch.int64)
         self._queued = torch.zeros(self.max_capacity, dtype=torch.bool)  # row has a live entry
         self._taken = torch.zeros(self.max_capacity, dtype=torch.bool)  # consumed, not rewritten or evicted since

@@ -11,18 +11,19 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.base import Selector, StatefulSelector
 from gear_torchrl.selection.specs import SelectionSpec
 
 
 class SelectorRegistry:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._shared: dict[SelectionSpec, tuple[Selector, threading.Lock]] = {}
+        self._shared: dict[SelectionSpec, tuple[StatefulSelector[SelectionSpec], threading.Lock]] = {}
         self._lock = threading.Lock()
 
     @contextmanager
-    def using(self, spec: SelectionSpec, own: dict[SelectionSpec, Selector]) -> Iterator[Selector]:
+    def using(self, spec: SelectionSpec,
+              own: dict[SelectionSpec, Selector[SelectionSpec]]) -> Iterator[Selector[SelectionSpec]]:
         """The core for ``spec`` (made at first use), held for this reader alone while in use.
 
         ``own`` holds the reader's per-reader cores.
@@ -34,17 +35,26 @@ class SelectorRegistry:
             return
         with self._lock:
             if spec not in self._shared:
-                self._shared[spec] = (spec.build(self.capacity), threading.Lock())
+                self._shared[spec] = (shared_core(spec, self.capacity), threading.Lock())
             selector, lock = self._shared[spec]
         with lock:
             yield selector
 
-    def shared(self) -> list[tuple[SelectionSpec, Selector, threading.Lock]]:
+    def shared(self) -> list[tuple[SelectionSpec, StatefulSelector[SelectionSpec], threading.Lock]]:
         """Every shared core made so far, with its lock (what a checkpoint of the shard saves)."""
         with self._lock:
             return [(spec, selector, lock) for spec, (selector, lock) in self._shared.items()]
 
-    def adopt(self, spec: SelectionSpec, selector: Selector) -> None:
+    def adopt(self, spec: SelectionSpec, selector: StatefulSelector[SelectionSpec]) -> None:
         """Install a restored core for ``spec`` (a checkpoint load), replacing any made before."""
         with self._lock:
             self._shared[spec] = (selector, threading.Lock())
+
+
+def shared_core(spec: SelectionSpec, capacity: int) -> StatefulSelector[SelectionSpec]:
+    """The one core of a shard for ``spec``: a rule that is not per reader keeps state of its own."""
+    core = spec.build(capacity)
+    if not isinstance(core, StatefulSelector):
+        raise TypeError(f"a {spec.kind} selection keeps no state of its own, so it is per reader (its spec says "
+                        "per_reader), never shared")
+    return core

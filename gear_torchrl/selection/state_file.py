@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from gear_torchrl.errors import CheckpointError, UnverifiedCheckpointWarning
+from gear_torchrl.selection.rules import spec_from_json
 from gear_torchrl.store.persistence import read_checkpoint, write_checkpoint
 
 SAMPLER_FORMAT = "gear_torchrl.sampler/1"
@@ -132,11 +133,9 @@ def save_rows_state(directory: str | Path, spec: Any, state: dict[str, Any]) -> 
 
 def read_rows_state(directory: str | Path, rows: int) -> tuple[Any, dict[str, Any]]:
     """The spec and ``import_rows`` state saved at ``directory``, checked against ``rows`` restored rows."""
-    from gear_torchrl.selection.specs import SelectionSpec
-
     def checked(fields: dict, tensors: dict[str, torch.Tensor]) -> tuple[Any, dict[str, Any]]:
         try:
-            spec = SelectionSpec.from_json(fields.get("spec"))
+            spec = spec_from_json(fields.get("spec"))
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{directory}: the saved selection is damaged ({exc})") from None
         for name, t in tensors.items():

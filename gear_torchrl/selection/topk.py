@@ -13,7 +13,7 @@ import torch
 
 from gear_torchrl.errors import CheckpointError
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.base import StatefulSelector
 from gear_torchrl.selection.checked_inputs import as_priority, as_rows
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import Path, SelectionSpec
@@ -36,19 +36,17 @@ class TopKSpec(SelectionSpec):
         return TopKSelector(self, capacity)
 
 
-class TopKSelector(Selector[TopKSpec]):
+class TopKSelector(StatefulSelector[TopKSpec]):
     """A max tree of scores; a pick is the best rows, best first, with their scores."""
-
-    keeps_row_state = True
 
     def __init__(self, spec: TopKSpec, capacity: int) -> None:
         self.spec = spec
         self.capacity = capacity
-        self.scores = ScoreTree(capacity)
-        self._followed = (0, 0)
+        self.clear()
 
-    def _build_args(self) -> tuple:
-        return (self.capacity,)
+    def clear(self) -> None:
+        self.scores = ScoreTree(self.capacity)
+        self._followed = (0, 0)
 
     def written(self, rows: torch.Tensor, shard: Shard | None) -> None:
         key = self.spec.key

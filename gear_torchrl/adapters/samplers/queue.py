@@ -8,12 +8,12 @@ from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.adapters.sampled_index import SelectionIndex
-from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.adapters.samplers.selecting import SavesCoreState
 from gear_torchrl.selection.queue import QueueSelector, QueueSpec
 from gear_torchrl.selection.state_file import StateDictFile
 
 
-class QueueSampler(SelectsThroughStorage, StateDictFile, Sampler):
+class QueueSampler(SavesCoreState, StateDictFile, Sampler):
     """Consume rows in write order (``"fifo"``) or newest first (``"lifo"``).
 
     Rows committed by TrajectoryWriters (in this process or, over a shared

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from gear_torchrl.adapters.sampled_index import Selection, WindowMarkers, local_selection
-from gear_torchrl.selection.base import Selector, pick_exactly
+from gear_torchrl.selection.base import Selector, StatefulSelector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.specs import SelectionSpec
 
@@ -61,7 +61,15 @@ class SelectsThroughStorage:
         """Rows the rule keeps state for; asked only of rules that keep per-row state, which each say."""
         raise NotImplementedError(f"{type(self).__name__} keeps per-row state and must say for how many rows")
 
-    # -- state through the core --------------------------------------------------------
+    def _empty(self) -> None:
+        self.selector.clear()
+
+
+class SavesCoreState(SelectsThroughStorage):
+    """Mixin for a sampler whose state is its core's (queues, top-k): what ``StateDictFile`` saves and loads."""
+
+    selector: StatefulSelector[SelectionSpec]
+
     def state_dict(self) -> dict[str, Any]:
         return self.selector.state_dict()
 
@@ -70,6 +78,3 @@ class SelectsThroughStorage:
 
     def _assign(self, state: dict[str, Any]) -> None:
         self.selector.assign(state)
-
-    def _empty(self) -> None:
-        self.selector.clear()

@@ -8,14 +8,14 @@ from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.adapters.sampled_index import SelectionIndex
-from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.adapters.samplers.selecting import SavesCoreState
 from gear_torchrl.selection.specs import optional_path
 from gear_torchrl.selection.state_file import StateDictFile
 from gear_torchrl.selection.topk import TopKSelector, TopKSpec
 from gear_torchrl.store.table_spec import NestedKey
 
 
-class TopKSampler(SelectsThroughStorage, StateDictFile, Sampler):
+class TopKSampler(SavesCoreState, StateDictFile, Sampler):
     """Each batch is the ``batch_size`` highest-scoring rows, best first.
 
     Rows committed by TrajectoryWriters (in this process or, over a shared

@@ -29,6 +29,16 @@ class GearUniformSampler(SelectsThroughStorage, StateDictFile, Sampler):
     def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:
         return self._select(storage, batch_size).index, {}
 
+    # This rule keeps no state: it saves an empty one, so a buffer's checkpoint holds every sampler alike.
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
+        return {}
+
+    def _assign(self, state: dict[str, Any]) -> None:
+        pass
+
     def _foreign_state(self, path: Path) -> dict[str, Any] | None:
         """TorchRL's ``RandomSampler`` saves nothing, and this rule keeps nothing: a buffer saved with it loads."""
         return None if (path / self._state_file).exists() else {}
