@@ -94,7 +94,7 @@ def run_layout(name: str, rows: int, batch: int, repeats: int, scratch: str) -> 
     gather["gather_vs_index_select"] = round(gather["gather_GBps"] / gather["index_select_GBps"], 2)
     # TensorDictReplayBuffer stores its own int64 "index" key with every step: it is
     # part of the data all three storages hold, so it counts as raw bytes.
-    stored_row_bytes = shard.spec.row_bytes
+    stored_row_bytes = shard.table.row_bytes
     gear_bytes = shard.nbytes + sum(t.numel() * t.element_size() for t in
                                     (shard.episodes.start, shard.episodes.length, shard.episodes.closed))
     mem = {"raw_bytes_per_step": stored_row_bytes,

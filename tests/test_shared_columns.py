@@ -175,7 +175,7 @@ def test_an_async_collector_adds_keys_to_a_shared_store_while_a_learner_samples(
             if "loc" in batch.keys():
                 assert torch.equal(batch["loc"], torch.full_like(batch["loc"], 0.25))
                 assert torch.equal(batch["scale"], torch.ones_like(batch["scale"]))
-        assert rb.storage.shard.spec.find("observation") is not None
+        assert rb.storage.shard.table.find("observation") is not None
     finally:
         rb.storage.close()
 

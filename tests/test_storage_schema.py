@@ -136,12 +136,12 @@ def test_a_new_column_keeps_episodes_and_gathers_with_the_others():
 # -- the rule for appends, and bad input: an error naming the key, the store unchanged ----------------
 def _snapshot(storage: GearStorage) -> tuple:
     shard = storage.shard
-    return shard.spec, len(storage), [c.clone() for c in shard.columns]
+    return shard.table, len(storage), [c.clone() for c in shard.columns]
 
 
 def _assert_unchanged(storage: GearStorage, snap: tuple) -> None:
     spec, size, columns = snap
-    assert storage.shard.spec == spec and len(storage) == size and len(storage.shard.columns) == len(columns)
+    assert storage.shard.table == spec and len(storage) == size and len(storage.shard.columns) == len(columns)
     assert all(torch.equal(a, b) for a, b in zip(storage.shard.columns, columns))
 
 

@@ -179,7 +179,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     # -- size and shape -------------------------------------------------------------
     @property
     def initialized(self) -> bool:  # type: ignore[override]  # TorchRL sets it; here the shard knows
-        return self._shard.spec is not None
+        return self._shard.table is not None
 
     @property
     def _len(self) -> int:
@@ -398,7 +398,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         column = self._shard.column(key)
         if column is None:
             raise KeyError(f"key {key!r} is not stored; conditional patches can only target stored keys "
-                           f"({'nothing is stored yet' if self._shard.spec is None else self._shard.spec.keys})")
+                           f"({'nothing is stored yet' if self._shard.table is None else self._shard.table.keys})")
         return column
 
     def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[NestedKey, torch.Tensor]) -> None:
@@ -431,7 +431,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         Only a local store on the CPU has such views; elsewhere this is an AttributeError
         that says why (TorchRL's ``FlatStorageCheckpointer`` and its kin need them).
         """
-        if not self._shard.slice_views_possible or self._shard.spec is None:
+        if not self._shard.slice_views_possible or self._shard.table is None:
             raise AttributeError(
                 "GearStorage._storage (what TorchRL's own checkpointers read and write) exists only for a "
                 "local store with rows on the CPU that holds data; use the default GearStorageCheckpointer")
@@ -569,7 +569,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         Storage.__setstate__(self, state)
 
     def __repr__(self) -> str:
-        spec = self._shard.spec
+        spec = self._shard.table
         keys = "<empty>" if spec is None else ", ".join(
             f"{c.key}: {c.dtype} {tuple(c.row_shape)}" for c in spec.columns)
         return (f"{type(self).__name__}(len={len(self)}, max_size={self.max_size}, device={self.device}, memory={self.memory}, "

@@ -323,7 +323,7 @@ def _file_names(key: str) -> set[str]:
 
 def _pytree_slots(directory: Path, metadata: dict[str, Any], shard: Shard) -> Data:
     """TorchRL's pytree files as the structure ``shard`` holds (the files do not record it)."""
-    spec = shard.spec
+    spec = shard.table
     if set(metadata) == {_SINGLE_TENSOR} and (spec is None or (not spec.is_tensordict and spec.tree is None)):
         return _mapped(directory, _SINGLE_TENSOR, metadata[_SINGLE_TENSOR])
     if spec is None or spec.tree is None:

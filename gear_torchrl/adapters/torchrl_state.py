@@ -30,15 +30,15 @@ def torchrl_fields(shard: Shard) -> dict[str, Any]:
 
     None for pytrees, which TorchRL's state dicts cannot hold either.
     """
-    if shard.spec is not None and shard.spec.tree is not None:
+    if shard.table is not None and shard.table.tree is not None:
         return {}
-    if shard.spec is None:
+    if shard.table is None:
         return {"_storage": {}, "initialized": False, "_len": 0}
     slots = slot_shape(shard.capacity, shard.num_envs)
     columns = [c.view(*slots, *c.shape[1:]) for c in shard.columns]
-    if not shard.spec.is_tensordict:
+    if not shard.table.is_tensordict:
         return {"_storage": columns[0], "initialized": True, "_len": shard.size}
-    rows = cast(TensorDictBase, shard.spec.unflatten(columns, slots, device=None))
+    rows = cast(TensorDictBase, shard.table.unflatten(columns, slots, device=None))
     return {"_storage": rows.state_dict(), "initialized": True, "_len": shard.size}
 
 
@@ -88,8 +88,8 @@ def state_of_slots(slots: Data, length: int, shard: Shard, cursor: int | None = 
         leaves = shard.validated(_first_rows(slots, length), single=False)
     except (SpecMismatchError, TypeError) as err:
         raise CheckpointError(f"the TorchRL rows do not fit this storage: {err}") from None
-    if shard.spec is not None and leaves.spec != shard.spec:
-        raise CheckpointError(f"the TorchRL rows' columns differ from this storage's ({_difference(leaves.spec, shard.spec)}): "
+    if shard.table is not None and leaves.spec != shard.table:
+        raise CheckpointError(f"the TorchRL rows' columns differ from this storage's ({_difference(leaves.spec, shard.table)}): "
                               "load them into a new GearStorage, or one written with the same keys")
     head = (cursor or 0) % shard.capacity if full else length
     scratch.take_rows(leaves, length, head % shard.capacity)

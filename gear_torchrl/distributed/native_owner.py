@@ -66,7 +66,7 @@ class NativeOwner:
         columns = shard.mapped_columns()
         version = shard.mapped_layout_version
         if self._source is None or self._source[0] != version:
-            if shard.spec is None or not columns:
+            if shard.table is None or not columns:
                 return None
             header, reader = shard.log.native_words()
             self._source = version, header, reader, list(columns)

@@ -266,7 +266,7 @@ class _Session:
         starts, valid_begin, valid_end = (_viewed(a, torch.int64) for a in request.arrays)
         shard = self.shard
         with shard.reading():
-            if shard.spec is None or shard.size == 0:
+            if shard.table is None or shard.size == 0:
                 raise IndexError("the shard holds no rows yet")
             if starts.numel() * seq_len > MAX_READ_POSITIONS:
                 raise ValueError(f"a READ covers at most {MAX_READ_POSITIONS} rows")
@@ -279,7 +279,7 @@ class _Session:
                    num_columns: int) -> None:
         """Reply with ``arrays``, then the rows of ``windows`` in the first ``num_columns`` columns;
         the read section ends once they left the ring."""
-        spec = self.shard.spec
+        spec = self.shard.table
         assert spec is not None  # rows were picked or checked readable: the shard holds a table
         columns = self.shard.columns[:num_columns]
         views = [wire.as_bytes(a) for a in arrays]
@@ -308,7 +308,7 @@ class _Session:
     def _describe(self) -> Message:
         shard = self.shard
         shard.mapped_columns()
-        spec = shard.spec
+        spec = shard.table
         return Message(Op.OK, {"spec": None if spec is None else spec.to_json(), "capacity": shard.capacity,
                                "offsets": None if spec is None else shard.column_offsets()})
 

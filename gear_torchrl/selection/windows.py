@@ -56,9 +56,9 @@ class WindowGeometry(SelectionSpec):
 def check_episode_markers(spec: WindowGeometry, shard: Shard) -> None:
     """Windows must not cross episodes: refuse when nothing in the data delimits them, or keys disagree."""
     if not shard.tracks_episodes:
-        assert shard.spec is not None  # a shard with rows has a table
+        assert shard.table is not None  # a shard with rows has a table
         raise RuntimeError(f"windows need rows that are single steps (batch_size [] per row); these rows are "
-                           f"{list(shard.spec.row_batch_shape)}. For [num_envs, T] batches of a batched env use "
+                           f"{list(shard.table.row_batch_shape)}. For [num_envs, T] batches of a batched env use "
                            "GearStorage(max_size, ndim=2)")
     if shard.num_envs is not None and not spec.cross_ring_end:
         raise NotImplementedError("cross_ring_end=False is not available over an ndim=2 storage yet (its windows "

@@ -128,14 +128,14 @@ class EnvShard(Shard):
     def slice_views(self, index: Any, all_slots: bool = False) -> Any:
         """``[T, E]`` steps (every slot with ``all_slots``) at a basic ``index`` (slices, ints), as views of
         the columns, or None where a view cannot be had."""
-        if not self.slice_views_possible or self.spec is None:
+        if not self.slice_views_possible or self.table is None:
             return None
         steps = self.time_capacity if all_slots else self.time_rows
         grid = (self.time_capacity, self.num_envs)
         lead = torch.empty(steps, self.num_envs, device="meta")[index].shape
         views = [c.view(*grid, *c.shape[1:])[:steps][index] for c in self.columns]
         objects = [o.reshape(grid)[:steps][index] for o in self.objects]
-        return self.spec.unflatten(views, lead, device=self.out_device, objects=objects)
+        return self.table.unflatten(views, lead, device=self.out_device, objects=objects)
 
     # -- state -----------------------------------------------------------------------
     def state(self) -> dict:

@@ -217,8 +217,8 @@ def save_shard(shard: Shard, directory: str | Path, state: dict | None = None) -
     """
     state = dict(shard.state() if state is None else state)
     if state.get("objects"):
-        assert shard.spec is not None, "a state with non-tensor rows is the state of a laid-out shard"
-        state["objects"], state["objects_wrapped"] = _objects_as_json(shard.spec.objects, state["objects"])
+        assert shard.table is not None, "a state with non-tensor rows is the state of a laid-out shard"
+        state["objects"], state["objects_wrapped"] = _objects_as_json(shard.table.objects, state["objects"])
     tensors = {column_name(i): t for i, t in enumerate(state.pop("columns"))}
     episodes = dict(state.pop("episodes"))  # the caller's state stays whole
     for name in _EPISODE_TENSORS:

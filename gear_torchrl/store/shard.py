@@ -138,7 +138,7 @@ class Shard:
         self.hot = HotTier(min(hot_rows, self.capacity), self.out_device) if hot_rows else None
         self.end_keys = tuple(end_keys)
         self.traj_key = traj_key
-        self.spec: TableSpec | None = None
+        self.table: TableSpec | None = None
         self.columns: list[torch.Tensor] = []
         self.objects: list[np.ndarray] = []  # one per non-tensor leaf: an object per row (None: never written)
         self.size = 0  # rows [0, size) are readable
@@ -196,7 +196,7 @@ class Shard:
 
     def _take_spec(self, spec: TableSpec) -> None:
         """Make ``spec`` the layout, and find the end-flag and trajectory columns in it."""
-        self.spec = spec
+        self.table = spec
         if self.traj_key is None and spec.find(COLLECTOR_TRAJ_KEY) is not None:
             self.traj_key = COLLECTOR_TRAJ_KEY  # what TorchRL's collectors mark trajectories with
         self._end_columns = [i for k in self.end_keys if (i := spec.find(k)) is not None]
@@ -207,7 +207,7 @@ class Shard:
 
         ``spec`` must be the store's spec plus new keys (``TableSpec.leaves`` builds it so).
         """
-        old = self.spec
+        old = self.table
         assert old is not None, "a write grows a shard that holds columns"
         k, j = len(old.columns), len(old.objects)
         if spec.columns[:k] != old.columns or spec.objects[:j] != old.objects:
@@ -240,7 +240,7 @@ class Shard:
     @property
     def tracks_episodes(self) -> bool:
         """Episodes are tracked when rows are single steps."""
-        return self.spec is not None and len(self.spec.row_batch_shape) == 0
+        return self.table is not None and len(self.table.row_batch_shape) == 0
 
     @property
     def nbytes(self) -> int:
@@ -288,9 +288,9 @@ class Shard:
     def _write_columns(self, leaves: Leaves, rows: torch.Tensor, append: bool) -> torch.Tensor:
         # -- everything is checked: from here on the write happens --
         n = rows.numel()
-        if self.spec is None or (leaves.spec != self.spec and self._takes_any_layout):
+        if self.table is None or (leaves.spec != self.table and self._takes_any_layout):
             self._allocate(leaves.spec)
-        elif leaves.spec != self.spec:
+        elif leaves.spec != self.table:
             self._grow(leaves.spec)
         is_append = append and self._continues_ring(rows)
         values, columns, objects = leaves.values, leaves.columns, leaves.objects
@@ -363,7 +363,7 @@ class Shard:
         TorchRL's ``"index"``, which its writers store only sometimes: that one is filled
         with the rows' own positions, what TorchRL stores there.
         """
-        spec = spec or (None if self._takes_any_layout else self.spec) or TableSpec.from_data(data, batched=not single)
+        spec = spec or (None if self._takes_any_layout else self.table) or TableSpec.from_data(data, batched=not single)
         leaves = spec.leaves(data, None if single else _num_rows(data))
         if complete and leaves.missing:
             _refuse_missing(leaves)
@@ -375,7 +375,7 @@ class Shard:
         """Make rows ``[0, size)`` readable (TorchRL writers set ``_len`` after ``write_at``)."""
         if not 0 <= size <= self.capacity:
             raise ValueError(f"size {size} is outside [0, {self.capacity}]")
-        if size and self.spec is None:
+        if size and self.table is None:
             raise ValueError(f"cannot make {size} rows readable: nothing was written yet (no columns exist)")
         self._fill_to(size)
         if size != self.size:
@@ -390,7 +390,7 @@ class Shard:
     def _fill_to(self, end: int) -> None:
         """Zero rows ``[written, end)``: a write past them, or a length over them, must not expose
         memory no write ever filled. Appends never leave such a gap, so they never pay for this."""
-        if end <= self.written or self.spec is None:
+        if end <= self.written or self.table is None:
             return
         for column in self.columns:
             column[self.written:end].zero_()
@@ -496,7 +496,7 @@ class Shard:
             raise CheckpointError(f"state holds a storage of capacity {capacity}, this one has {self.capacity}")
         spec = _saved_spec(field(state, "spec", where))
         columns = _saved_columns(spec, field(state, "columns", where), capacity)
-        if self.spec is not None and spec is not None and spec != self.spec:
+        if self.table is not None and spec is not None and spec != self.table:
             raise CheckpointError("state's columns (keys, dtypes or shapes) differ from this storage's")
         saved = columns[0].shape[0] if columns else 0
         objects = _saved_objects(spec, state.get("objects", []), saved)
@@ -518,12 +518,12 @@ class Shard:
         The columns hold every row ever written and every readable row, so a
         loader can require ``size`` to be within the rows saved.
         """
-        saved = max(self.written, self.size) if self.spec is not None else 0
+        saved = max(self.written, self.size) if self.table is not None else 0
         state = {
             "capacity": self.capacity,
-            "spec": None if self.spec is None else self.spec.to_json(),
-            "size": self.size if self.spec is not None else 0,
-            "head": self.head if self.spec is not None else 0,
+            "spec": None if self.table is None else self.table.to_json(),
+            "size": self.size if self.table is not None else 0,
+            "head": self.head if self.table is not None else 0,
             "columns": [c[:saved] for c in self.columns],
             "episodes": self.episodes.state(),
         }
@@ -534,7 +534,7 @@ class Shard:
     def load_state(self, state: dict) -> None:
         """Restore from ``state()``; checks everything (``checked_state``) before changing anything."""
         spec, columns, objects = self.checked_state(state)
-        if self.spec is None and spec is not None:
+        if self.table is None and spec is not None:
             self._allocate(spec)
         for column, saved in zip(self.columns, columns):
             column[: saved.shape[0]].copy_(saved)
@@ -557,7 +557,7 @@ class Shard:
         For a new scratch shard whose ``state()`` is then loaded elsewhere: this is how another storage's
         slots (a TorchRL checkpoint's mapped files, a state dict) become a shard state with one copy, not two.
         """
-        if self.spec is not None:
+        if self.table is not None:
             raise RuntimeError("take_rows gives rows to a new shard; this one holds rows already")
         columns = dict(zip(leaves.columns, leaves.values))
         for key in leaves.missing:  # only TorchRL's "index" may be missing (``validated``): each row's position
@@ -631,7 +631,7 @@ class Shard:
         this store in the open read section): neither bounds nor readability are checked again.
         """
         with self.reading():
-            if self.spec is None or self.size == 0:
+            if self.table is None or self.size == 0:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")
             scalar = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
             index_device = self.out_device if self.out_device.type == "cuda" else None
@@ -646,7 +646,7 @@ class Shard:
             self.rows_read += rows.numel()
         if scalar or rows.ndim != 1:
             flat = [t.reshape((*lead, *t.shape[1:])) for t in flat]
-        return self.spec.unflatten(flat, lead, device=self.out_device, objects=self._objects_at(rows, lead))
+        return self.table.unflatten(flat, lead, device=self.out_device, objects=self._objects_at(rows, lead))
 
     @property
     def slice_views_possible(self) -> bool:
@@ -660,11 +660,11 @@ class Shard:
         What TorchRL's ``rb.set_`` / ``update_`` write into reaches the rows, as with
         ``LazyTensorStorage``; call ``after_inplace_write`` once written.
         """
-        if not self.slice_views_possible or self.spec is None or (index.step or 1) < 1:
+        if not self.slice_views_possible or self.table is None or (index.step or 1) < 1:
             return None
         views = [(c if all_slots else c[: self.size])[index] for c in self.columns]
         objects = [(o if all_slots else o[: self.size])[index] for o in self.objects]
-        return self.spec.unflatten(views, torch.Size([views[0].shape[0]]), device=self.out_device, objects=objects)
+        return self.table.unflatten(views, torch.Size([views[0].shape[0]]), device=self.out_device, objects=objects)
 
     def after_inplace_write(self) -> None:
         """Rows changed in place (``slice_views``, a column): episode ends and hot copies may be stale."""
@@ -689,19 +689,19 @@ class Shard:
         """
         plan = self._gather_plan(windows)
         with self.reading():
-            if self.spec is None or self.size == 0:
+            if self.table is None or self.size == 0:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")
             self.claim_gather(windows.starts.numel() * windows.seq_len)
             flat, mask = gather.gather_windows(self.columns, plan.starts, plan.seq_len, self.out_device,
                                                plan.valid_begin, plan.valid_end, hot=self._hot_rows())
             self.rows_read += flat[0].shape[0]
         # Windows are read where episodes are delimited by named flag columns: never a plain tensor's table.
-        extra = None if markers is None else markers(windows, dict(zip(self.spec.names, flat)), mask)
+        extra = None if markers is None else markers(windows, dict(zip(self.table.names, flat)), mask)
         objects = None
         if self.objects:  # padding positions hold no row: None, as a row never written
             at = torch.where(mask.cpu(), plan.rows(self.capacity), -1)
             objects = self._objects_at(at, at.shape)
-        return self.spec.unflatten(flat, torch.Size([flat[0].shape[0]]), device=self.out_device, extra=extra,
+        return self.table.unflatten(flat, torch.Size([flat[0].shape[0]]), device=self.out_device, extra=extra,
                                    objects=objects)
 
     def _objects_at(self, rows: torch.Tensor, lead: torch.Size) -> list[np.ndarray] | None:
@@ -722,7 +722,7 @@ class Shard:
 
     def column(self, key: NestedKey) -> torch.Tensor | None:
         """The buffer of one column, or None if the data has no such key."""
-        i = None if self.spec is None else self.spec.find(key)
+        i = None if self.table is None else self.table.find(key)
         return None if i is None else self.columns[i]
 
 

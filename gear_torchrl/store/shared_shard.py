@@ -140,7 +140,7 @@ class SharedShard(Shard):
         spec = TableSpec.from_json(layout["spec"])
         columns = [self._segments[k][o: o + self.capacity * c.row_bytes].view(c.dtype).view(self.capacity, *c.row_shape)
                    for (k, o), c in zip(layout["placement"], spec.columns)]
-        if self.spec is None:
+        if self.table is None:
             self._adopt(spec, columns)
         else:
             self._add_columns(spec, columns[len(self.columns):])
@@ -174,10 +174,10 @@ class SharedShard(Shard):
         """``leaves`` addressed to the store's columns, after laying out the keys the store lacks."""
         while True:
             self._map_data()
-            spec = leaves.spec if self.spec is None else self.spec.merged(leaves.spec)
-            if spec is self.spec or self._lay_out(spec):
-                assert self.spec is not None, "laid out by now, by this process or another"
-                return leaves.placed_in(self.spec)
+            spec = leaves.spec if self.table is None else self.table.merged(leaves.spec)
+            if spec is self.table or self._lay_out(spec):
+                assert self.table is not None, "laid out by now, by this process or another"
+                return leaves.placed_in(self.table)
 
     # -- writes: reserve, copy, commit ---------------------------------------------------
     def write(self, index: Index, data: Data, *, append: bool) -> torch.Tensor:
@@ -207,7 +207,7 @@ class SharedShard(Shard):
         try:
             self._map_data()  # columns added since: these rows may hold an older lap's bytes there
             if len(columns) < len(self.columns):
-                spec = self.spec
+                spec = self.table
                 assert spec is not None, "laid out by ``_placed``"
                 unwritten = [i for i in range(len(self.columns)) if i not in columns]
                 values = [*values, *(torch.zeros((n, *spec.columns[i].row_shape), dtype=spec.columns[i].dtype)
@@ -424,8 +424,8 @@ class SharedShard(Shard):
         Counted at a pessimistic 0.5 GB/s: a large read (a scan of the whole store)
         is not revoked for being large, and a small one adds next to nothing.
         """
-        assert self.spec is not None, "rows are read from a shard that holds columns"
-        self.log.claim_longer(num_rows * self.spec.row_bytes / _SLOW_GATHER_BYTES_PER_S)
+        assert self.table is not None, "rows are read from a shard that holds columns"
+        self.log.claim_longer(num_rows * self.table.row_bytes / _SLOW_GATHER_BYTES_PER_S)
 
     def check_readable(self, rows: torch.Tensor) -> None:
         rows = rows.reshape(-1).cpu()
@@ -528,14 +528,14 @@ class SharedShard(Shard):
             keep = ~view.dead
             rows = self.episodes.rows_of(self.episodes.slots_of(view.serial[keep]))
             mapped = self.mapped_columns()  # another process may have laid the columns out since we attached
-            if self.spec is not None:
+            if self.table is not None:
                 self.claim_gather(rows.numel())  # the whole store: writers wait that long on top, no longer
-            columns = [c[rows] for c in mapped] if self.spec is not None else []
+            columns = [c[rows] for c in mapped] if self.table is not None else []
         self.release()
         length = view.length[keep]
         return {
             "capacity": self.capacity,
-            "spec": None if self.spec is None else self.spec.to_json(),
+            "spec": None if self.table is None else self.table.to_json(),
             "size": rows.numel(),
             "head": rows.numel() % self.capacity,
             "columns": columns,

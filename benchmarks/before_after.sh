@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The hot paths before and after a change, in turns, on one thread: what "no speed lost" is measured with.
+#
+#   benchmarks/before_after.sh BEFORE [AFTER] [TURNS]      # commits (AFTER defaults to HEAD, TURNS to 2)
+#   .venv/bin/python benchmarks/before_after_table.py bench_out/before_after
+#
+# Each tree is a git worktree under bench_out/before_after/trees, given this checkout's built extension
+# (the C++ is the same on both sides unless the change is in csrc/: then rebuild and compare by hand).
+# Python runs with -S and the tree first on PYTHONPATH, so the editable install of this checkout cannot
+# shadow it. Each turn runs every benchmark on "before", then on "after": a loaded machine hits both alike.
+# BENCHES overrides the list, e.g. BENCHES="plain_path" for one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+before=${1:?usage: benchmarks/before_after.sh BEFORE [AFTER] [TURNS]}
+after=${2:-HEAD}
+turns=${3:-2}
+root=bench_out/before_after
+site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+extension=""
+for candidate in "$site"/gear_torchrl/kernels/_C*.so "$site"/gear_torchrl/_C*.so; do
+  if [ -e "$candidate" ]; then extension=$candidate; break; fi
+done
+[ -n "$extension" ] || { echo "no built extension under $site/gear_torchrl: run make build" >&2; exit 1; }
+kernel_source=csrc/cuda/gather_kernel.cuh
+py="$PWD/.venv/bin/python"  # the venv's, not the interpreter it links to
+
+declare -A args=(
+  [plain_path]="--repeats 7"
+  [prioritized_sampling]="--repeats 5"
+  [sequence_sampling]="--sizes 100000 1000000 --repeats 5"
+  [ndim2]="--repeats 5"
+  [shared_insert]="--writers 1 2 --seconds 2 --rounds 3"
+)
+benches=${BENCHES:-plain_path prioritized_sampling sequence_sampling ndim2 shared_insert}
+
+mkdir -p "$root/trees"
+for side in before after; do
+  commit=$([ "$side" = before ] && echo "$before" || echo "$after")
+  tree="$root/trees/$side"
+  git worktree remove --force "$tree" 2>/dev/null || true
+  git worktree add --detach -q "$tree" "$commit"
+  # The extension wherever that tree's loader looks for it (gear_torchrl/ before the kernels folder, kernels/ after).
+  cp "$extension" "$tree/gear_torchrl/"
+  [ -d "$tree/gear_torchrl/kernels" ] && cp "$extension" "$kernel_source" "$tree/gear_torchrl/kernels/"
+done
+
+export OMP_NUM_THREADS=1
+for turn in $(seq 1 "$turns"); do
+  for side in before after; do
+    tree=$(realpath "$root/trees/$side")
+    out=$(realpath -m "$root/$side.$turn")
+    mkdir -p "$out"
+    for bench in $benches; do
+      echo "turn $turn, $side: $bench"
+      (cd "$tree" && PYTHONPATH="$tree:$site" "$py" -S "benchmarks/$bench.py" ${args[$bench]} \
+        --out "$out/$bench.json" > "$out/$bench.txt" 2>&1) || { echo "  failed: see $out/$bench.txt" >&2; exit 1; }
+    done
+  done
+done
+for side in before after; do git worktree remove --force "$root/trees/$side"; done
+echo "results: $root/{before,after}.N/*.json"
