@@ -36,6 +36,11 @@ def rank_among_equals(index: torch.Tensor) -> torch.Tensor:
     return rank
 
 
+def _cannot_cap(what: str) -> TypeError:
+    return TypeError(f"a {what} cannot leave rows out of its draws, so it cannot be capped; cap priorities "
+                     "(alpha=0 draws uniformly) or top-k")
+
+
 @dataclass(frozen=True)
 class CappedSpec(SelectionSpec):
     """Another rule whose rows leave the draw after ``max_times`` picks, until written again."""
@@ -55,8 +60,7 @@ class CappedSpec(SelectionSpec):
         if self.max_times < 1:
             raise ValueError(f"max_times must be >= 1, got {self.max_times}")
         if not self.inner.can_exclude:
-            raise TypeError(f"a {type(self.inner).__name__} cannot leave rows out of its draws, so it cannot be "
-                            "capped; cap priorities (alpha=0 draws uniformly) or top-k")
+            raise _cannot_cap(type(self.inner).__name__)
 
     def build(self, capacity: int) -> CappedSelector:
         return CappedSelector(self, capacity)
@@ -70,8 +74,7 @@ class CappedSelector(StatefulSelector[CappedSpec]):
         self.capacity = capacity
         inner = inner if inner is not None else spec.inner.build(capacity)
         if not isinstance(inner, (PrioritySelector, TopKSelector)):
-            raise TypeError(f"a {inner.spec.kind} selection cannot leave rows out of its draws, so it cannot be "
-                            "capped; cap priorities (alpha=0 draws uniformly) or top-k")
+            raise _cannot_cap(f"{inner.spec.kind} selection")
         self.inner: PrioritySelector[ProportionalSpec] | TopKSelector = inner
         self.count = torch.zeros(capacity, dtype=torch.int64)
         self._followed = (0, 0)
