@@ -23,7 +23,7 @@ struct Reply {
 };
 
 // Receives one framed message (distributed/wire.py) on each fd, all sockets waited on together.
-// The last columns[i].size() arrays of an OK reply land in columns[i]'s tensors (contiguous, CPU)
+// The last columns[i].size() arrays of an OK or ROWS reply land in columns[i]'s tensors (contiguous, CPU)
 // from row first[i] on (a reply longer than the rows left is a protocol error); the others come
 // back in `small`. A socket that delivers nothing for timeout_s (negative: no limit) times out.
 std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& columns,

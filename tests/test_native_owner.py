@@ -140,6 +140,32 @@ def test_an_empty_store_and_bad_asks_get_pythons_answers_and_the_connection_goes
     assert picked.count == 8 and torch.equal(rows["obs"] + 4, picked.starts.float())  # emptied rows stay used
 
 
+def test_both_paths_reply_rows_with_a_tally_and_no_json(owner):
+    o = owner(64)
+    o.rb.extend(w.keyed_rows(10, 0))
+    ask = torch.tensor([6, 3, 1], dtype=torch.int64).view(torch.uint8)
+    o.table()  # (the owner maps the columns a learner described)
+    native = o.client.request(Message(Op.SAMPLE_ROWS, b"", [ask]))
+    log = o.storage.shard.log
+    log.commit(log.reserve(2), dead=True)  # rows a dead writer left: Python answers from now on
+    python = o.client.request(Message(Op.SAMPLE_ROWS, b"", [ask]))
+    assert o.python_picks == 1
+    for reply, rows in ((native, 10), (python, 12)):
+        assert (reply.op, reply.meta, len(reply.arrays)) == (Op.ROWS, {}, 3)  # tally, picks, one column
+        assert reply.arrays[0].view(torch.int64).tolist() == [rows, 6]
+        picks = reply.arrays[1].view(torch.int64)
+        assert picks.numel() == 6 and bool((picks < 10).all())
+
+
+def test_a_rows_reply_that_claims_more_picks_than_asked_for_does_not_parse():
+    ask = Ask(UNIFORM, 4, 1, [torch.empty(4, 2)])
+    head = wire.as_bytes(torch.frombuffer(bytearray(wire.header(Op.ROWS, b"", [16, 32, 32])), dtype=torch.uint8))
+    tally = torch.tensor([100, 4], dtype=torch.int64).view(torch.uint8)
+    assert ask.answer(Op.ROWS, head, [tally]).count == 4
+    with pytest.raises(ValueError, match="5 picks of 100 rows, to an ask for 4"):
+        ask.answer(Op.ROWS, head, [torch.tensor([100, 5], dtype=torch.int64).view(torch.uint8)])
+
+
 def test_columns_added_later_are_served_to_learners_that_know_them_and_to_those_that_do_not(owner):
     o = owner(64)
     o.rb.extend(w.keyed_rows(10, 0))

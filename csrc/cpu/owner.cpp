@@ -16,8 +16,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cinttypes>
-#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -139,7 +137,8 @@ at::Tensor draw_rows(const Request& q, int64_t lo, int64_t n, int64_t capacity) 
   return rows;
 }
 
-// The reply a SELECT of uniform rows gets (shard_server._select): picks, then each column's rows.
+// The ROWS reply (wire.Op.ROWS, shard_server._sample_rows): the tally (live rows, picks), the picks' ring
+// rows, then each column's rows; no JSON, so the learner lands it without parsing anything.
 // Returns 0 once sent, 1 when Python must answer, or -errno (the connection is broken).
 int64_t answer(int fd, const OwnedStore& s, const Request& q) {
   int64_t* header = s.header.data_ptr<int64_t>();
@@ -156,38 +155,34 @@ int64_t answer(int fd, const OwnedStore& s, const Request& q) {
   }
   const at::Tensor rows = draw_rows(q, section.lo, live, s.columns.front().size(0));
 
-  char meta[160];
-  const int meta_len = std::snprintf(meta, sizeof(meta),
-                                     "{\"seq_len\":1,\"mass\":%" PRId64 ".0,\"scalars\":{\"rows\":%" PRId64
-                                     "},\"extra\":[]}", live, live);
   const size_t count = static_cast<size_t>(q.count);
-  const size_t narrays = 3 + ncols;
+  const size_t narrays = 2 + ncols;
   std::vector<uint64_t> lengths(narrays, 8 * count);
-  for (size_t c = 0; c < ncols; ++c) lengths[3 + c] = count * static_cast<uint64_t>(row_bytes_of(s.columns[c]));
+  lengths[0] = 16;
+  for (size_t c = 0; c < ncols; ++c) lengths[2 + c] = count * static_cast<uint64_t>(row_bytes_of(s.columns[c]));
   uint64_t total = 0;
   for (uint64_t n : lengths) total += n;
-  const size_t head = kHeader + static_cast<size_t>(meta_len) + 8 * narrays;
+  const size_t head = kHeader + 8 * narrays;
   std::vector<char>& out = reply_buffer();
   if (out.size() < head + total) out.resize(head + total);
 
   std::memcpy(out.data(), "GEAR", 4);
-  put<uint16_t>(out, 4, kOk);
+  put<uint16_t>(out, 4, kRows);
   put<uint16_t>(out, 6, static_cast<uint16_t>(narrays));
-  put<uint32_t>(out, 8, static_cast<uint32_t>(meta_len));
+  put<uint32_t>(out, 8, 0);
   put<uint64_t>(out, 12, total);
-  std::memcpy(out.data() + kHeader, meta, static_cast<size_t>(meta_len));
-  for (size_t i = 0; i < narrays; ++i) put<uint64_t>(out, kHeader + meta_len + 8 * i, lengths[i]);
+  for (size_t i = 0; i < narrays; ++i) put<uint64_t>(out, kHeader + 8 * i, lengths[i]);
   size_t at = head;
-  std::memcpy(out.data() + at, rows.data_ptr<int64_t>(), 8 * count);
-  for (size_t i = 0; i < count; ++i) put<int64_t>(out, at + 8 * (count + i), 0);      // valid_begin
-  for (size_t i = 0; i < count; ++i) put<int64_t>(out, at + 8 * (2 * count + i), 1);  // valid_end
-  at += 24 * count;
+  put<int64_t>(out, at, live);
+  put<int64_t>(out, at + 8, q.count);
+  std::memcpy(out.data() + at + 16, rows.data_ptr<int64_t>(), 8 * count);
+  at += 16 + 8 * count;
   GatherArgs gather{std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), {}, rows};
   for (size_t c = 0; c < ncols; ++c) {  // the rows land in the reply, where the kernel copies them from
     std::vector<int64_t> shape = s.columns[c].sizes().vec();
     shape[0] = q.count;
     gather.out.push_back(at::from_blob(out.data() + at, shape, s.columns[c].options()));
-    at += lengths[3 + c];
+    at += lengths[2 + c];
   }
   gather_cpu(gather);
   if (!section.close()) return 1;  // held too long: Python draws again (the same rows, for a seed)
@@ -251,6 +246,7 @@ std::vector<std::pair<std::string, int64_t>> owner_constants() {
           {"commit_log.OPEN", kOpen},
           {"wire.Op.OK", kOk},
           {"wire.Op.SAMPLE_ROWS", kSampleRows},
+          {"wire.Op.ROWS", kRows},
           {"shard_server.MAX_READ_POSITIONS", kMaxPositions}};
 }
 

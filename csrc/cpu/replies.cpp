@@ -73,7 +73,7 @@ bool place_arrays(Pending& p) {
     p.lengths[i] = field<uint64_t>(h + kHeader + meta + 8 * i);
     total += p.lengths[i];
   }
-  const size_t ncols = op == kOk ? p.columns->size() : 0;
+  const size_t ncols = op == kOk || op == kRows ? p.columns->size() : 0;  // an error lands nowhere
   if (total != field<uint64_t>(h + 12) || count < ncols) {
     finish(p, -EPROTO);
     return false;

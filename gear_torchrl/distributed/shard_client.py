@@ -174,7 +174,9 @@ class Ask:
     The rows land in ``columns`` (whole tensors: a batch, or a buffer of this
     ask's own) from row ``first`` on, with room for ``count`` picks (the owner
     may pick fewer). ``columns=None`` asks for the picks alone, held readable on
-    the owner until a RELEASE.
+    the owner until a RELEASE. Uniform rows read back at once go as SAMPLE_ROWS:
+    their ring rows land in ``starts`` from ``first`` on as well, so a round's
+    replies fill one batch of picks and columns with nothing to parse or join.
     """
 
     spec: SelectionSpec
@@ -182,24 +184,53 @@ class Ask:
     seed: int | None
     columns: list[torch.Tensor] | None = None
     first: int = 0
+    starts: torch.Tensor | None = None  # int64, where a SAMPLE_ROWS reply's picks land (made when not given)
+
+    def __post_init__(self) -> None:
+        self.samples_rows = (self.columns is not None and isinstance(self.spec, UniformSpec) and bool(self.columns)
+                             and _fits_int64(self.seed))
+        if self.samples_rows and self.starts is None:
+            self.starts = torch.empty(self.first + self.count, dtype=torch.int64)
 
     def rows(self, positions: int) -> list[torch.Tensor]:
         """Where the first ``positions`` rows of this ask landed, one view per column."""
         return [c[self.first: self.first + positions] for c in self.columns or ()]
 
-    def answer(self, meta: dict[str, Any], arrays: list[torch.Tensor]) -> Picked:
-        """The picks the owner's reply carries (its rows are in ``columns`` already)."""
-        return _picked_of(meta, arrays)
+    @property
+    def landing(self) -> list[torch.Tensor]:
+        """Where the reply's last arrays land: the picks' ring rows (SAMPLE_ROWS), then the columns."""
+        if self.samples_rows:
+            assert self.starts is not None and self.columns is not None
+            return [self.starts, *self.columns]
+        return self.columns or []
+
+    def answer(self, op: int, head: memoryview, small: list[torch.Tensor]) -> Picked:
+        """The picks the owner's reply carries (its rows, and for ROWS its picks, landed already)."""
+        if op == Op.ROWS and self.samples_rows:
+            assert self.starts is not None
+            rows, count = _TALLY.unpack_from(wire.as_bytes(small[0])) if len(small) == 1 else (-1, -1)
+            if not (0 <= count <= self.count and rows >= 0):
+                raise ValueError(f"a ROWS reply of {count} picks of {rows} rows, to an ask for {self.count}")
+            return Picked.rows(self.starts[self.first: self.first + count], float(rows), scalars={"rows": rows})
+        return _picked_of(wire.parse_head(head.tobytes())[1], small)
+
+    def placed(self, picked: Picked) -> Picked:
+        """``picked`` (from a transport that answers apart) with its picks where a ROWS reply lands them."""
+        if self.samples_rows and picked.count:
+            assert self.starts is not None
+            picked.starts = self.starts[self.first: self.first + picked.count].copy_(picked.starts)
+        return picked
 
     def request(self) -> EncodedMessage:
         """The SELECT, its metadata encoded here: the rule's JSON once per rule, the rest by hand.
 
         Uniform rows read back at once go as SAMPLE_ROWS, which the owner answers in its extension.
         """
-        read = self.columns is not None
-        if read and isinstance(self.spec, UniformSpec) and self.columns and _fits_int64(self.seed):
+        if self.samples_rows:
+            assert self.columns is not None
             ask = _SAMPLE_ROWS.pack(self.count, -1 if self.seed is None else self.seed, len(self.columns))
             return EncodedMessage(Op.SAMPLE_ROWS, b"", [ask])
+        read = self.columns is not None
         meta = b'{"selection":%s,"count":%d,"seed":%s,"read":%s,"columns":%s}' % (
             _spec_json(self.spec), self.count, b"null" if self.seed is None else b"%d" % self.seed,
             b"true" if read else b"false", b"%d" % len(self.columns) if self.columns is not None else b"null")
@@ -211,13 +242,13 @@ class Post:
     """A request whose reply carries nothing back (an UPDATE, a GIVE_BACK), sent in a ``Flight`` with others."""
 
     message: Message
-    columns: None = None
+    landing: tuple[()] = ()
     first: int = 0
 
     def request(self) -> Message:
         return self.message
 
-    def answer(self, meta: dict[str, Any], arrays: list[torch.Tensor]) -> None:
+    def answer(self, op: int, head: memoryview, small: list[torch.Tensor]) -> None:
         return None
 
 
@@ -235,6 +266,8 @@ def give_back_message(spec: SelectionSpec, rows: torch.Tensor) -> Message:
 
 
 _SAMPLE_ROWS = struct.Struct("<3q")  # count, seed (-1: none), columns
+_OP = struct.Struct("<H")  # where a reply's head says what it is, at byte 4
+_TALLY = struct.Struct("<2q")  # a ROWS reply's first array: the shard's live rows, the picks
 
 
 def _fits_int64(seed: int | None) -> bool:
@@ -255,14 +288,14 @@ class Request(Protocol[Answer_co]):
     """What a Flight carries: a selection (``Ask``), or a request answered with nothing but OK (``Post``)."""
 
     @property
-    def columns(self) -> list[torch.Tensor] | None: ...
+    def landing(self) -> Sequence[torch.Tensor]: ...  # where the reply's last arrays land, from row ``first`` on
 
     @property
     def first(self) -> int: ...
 
     def request(self) -> Message | EncodedMessage: ...
 
-    def answer(self, meta: dict[str, Any], arrays: list[torch.Tensor]) -> Answer_co: ...
+    def answer(self, op: int, head: memoryview, small: list[torch.Tensor]) -> Answer_co: ...
 
 
 _TICKETS = itertools.count(1)
@@ -308,7 +341,7 @@ class Flight(Generic[Answer]):
             owed = [i for i, o in enumerate(self._outcomes) if o is None]
             if owed:
                 replies = _C.receive_replies([_owing(self.clients[i]).fileno() for i in owed],
-                                             [self.asks[i].columns or [] for i in owed],
+                                             [list(self.asks[i].landing) for i in owed],
                                              [self.asks[i].first for i in owed],
                                              max(self.clients[i]._timeout for i in owed))
                 for i, (status, head, small) in zip(owed, replies):
@@ -329,14 +362,17 @@ def _answer_of(client: ShardClient, ask: Request[Answer], status: int, head: tor
     try:
         if status:
             raise wire.socket_error(status)
-        op, meta, _ = wire.parse_head(head.numpy().tobytes())  # a few hundred bytes
+        blob = wire.as_bytes(head)
+        op = _OP.unpack_from(blob, 4)[0]
+        if op == Op.ERROR:
+            return client._remote_error(wire.parse_head(blob.tobytes())[1])
     except (OSError, wire.ProtocolError) as exc:
         return client._broken(exc)
-    if op == Op.ERROR:
-        return client._remote_error(meta)
     try:
-        return ask.answer(meta, small)
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        return ask.answer(op, blob, small)
+    except wire.ProtocolError as exc:
+        return client._broken(exc)
+    except (KeyError, TypeError, ValueError, RuntimeError, struct.error) as exc:
         return client._broken(wire.ProtocolError(f"a reply that does not parse: {exc}"))
 
 

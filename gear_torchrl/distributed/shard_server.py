@@ -203,7 +203,7 @@ class _Session:
                 return self._select(spec_of(meta["selection"]), int(meta["count"]), meta.get("seed"), columns)
             if request.op == Op.SAMPLE_ROWS:
                 count, seed, columns = _sample_rows_request(request)
-                return self._select(_UNIFORM, count, seed, self._columns_asked(columns))
+                return self._sample_rows(count, seed, self._columns_asked(columns))
             if request.op == Op.READ:
                 self._read(request)
                 return None
@@ -246,6 +246,18 @@ class _Session:
         self._send_rows(meta, arrays, Windows(arrays[0], picked.seq_len, arrays[1], arrays[2]), num_columns)
         return None
 
+    def _sample_rows(self, count: int, seed: object, num_columns: int) -> Message | None:
+        """The ROWS reply the extension sends (``csrc/cpu/owner.cpp``), for the requests it leaves to Python."""
+        if not 0 <= count <= MAX_READ_POSITIONS:
+            raise ValueError(f"cannot select {count} rows in one request")
+        picked = self.view.pick(_UNIFORM, count, seed)
+        tally = torch.tensor([int(picked.scalars["rows"]), picked.count], dtype=torch.int64)
+        arrays = [tally, picked.starts.contiguous()]
+        if not picked.count:
+            return Message(Op.ROWS, {}, arrays + [_NO_BYTES] * num_columns)
+        self._send_rows(b"", arrays, Windows.of_rows(arrays[1]), num_columns, Op.ROWS)
+        return None
+
     def _columns_asked(self, asked: object) -> int:
         """How many columns a reply of rows carries: those of the table the learner knows (None: all).
 
@@ -275,8 +287,8 @@ class _Session:
             shard.check_readable_windows(windows)
             self._send_rows({}, [], windows, self._columns_asked(request.meta.get("columns")))
 
-    def _send_rows(self, meta: dict[str, Any], arrays: list[torch.Tensor], windows: Windows,
-                   num_columns: int) -> None:
+    def _send_rows(self, meta: dict[str, Any] | bytes, arrays: list[torch.Tensor], windows: Windows,
+                   num_columns: int, op: int = Op.OK) -> None:
         """Reply with ``arrays``, then the rows of ``windows`` in the first ``num_columns`` columns;
         the read section ends once they left the ring."""
         spec = self.shard.table
@@ -285,7 +297,7 @@ class _Session:
         views = [wire.as_bytes(a) for a in arrays]
         positions = windows.starts.numel() * windows.seq_len
         sizes = [v.nbytes for v in views] + [positions * c.row_bytes for c in spec.columns[:num_columns]]
-        self.rows.send([wire.header(Op.OK, meta, sizes), *views], columns, windows, release=self._release)
+        self.rows.send([wire.header(op, meta, sizes), *views], columns, windows, release=self._release)
 
     def _release(self) -> None:
         self.view.release()

@@ -63,6 +63,7 @@ class _Round:
     live: list[int]
     counts: list[int]
     batch: list[torch.Tensor] | None  # the batch the shares fill, each its slice (first round only)
+    starts: torch.Tensor | None  # where the shares' picks land, each its slice (first round of rows only)
     asks: dict[int, Ask]
     transports: dict[int, Any]  # each shard's transport, or what opening it raised
     together: list[int]  # the shards in ``flight``
@@ -191,7 +192,9 @@ class ShardSet:
             if count == 0:
                 return None
             if remaining == 0:
-                picks = self._assemble(got, scalars, round_.batch if exact else None)
+                landed = exact and all(a.samples_rows for _, _, a in got)  # every pick in round_.starts already
+                picks = self._assemble(got, scalars, round_.batch if exact else None,
+                                       round_.starts if landed else None)
                 if self.options.prefetch and spec.per_reader:
                     self._ahead = self._send_ahead(spec, count, generator)
                 return picks
@@ -214,13 +217,15 @@ class ShardSet:
         live = self.live()
         counts = _split(remaining, [self._masses[spec].get(s, 0.0) for s in live], generator)
         seeds = _seeds(len(live), generator)
-        batch, firsts = None, {}
+        batch, starts, firsts = None, None, {}
         if remaining == count and any(counts):
             batch = self._empty_columns(self.table(next(s for s, k in zip(live, counts) if k)),
                                         count * spec.rows_per_pick)
+            starts = torch.empty(count, dtype=torch.int64) if spec.rows_per_pick == 1 else None
             firsts = {s: f * spec.rows_per_pick for s, f in zip(live, itertools.accumulate(counts, initial=0))}
         transports = {s: self._opened_transport(s) for s in live}
-        asks = {s: self._ask(s, spec, k, seed, batch, firsts.get(s)) for s, k, seed in zip(live, counts, seeds)}
+        asks = {s: self._ask(s, spec, k, seed, batch, firsts.get(s), starts)
+                for s, k, seed in zip(live, counts, seeds)}
         together = [s for s in live if getattr(transports[s], "replies_with_rows", False)]
         reached, unreached = [], []
         for s in together:
@@ -229,8 +234,8 @@ class ShardSet:
             except Exception as exc:  # noqa: BLE001  (an owner not reached: its outcome)
                 unreached.append((s, exc))
         flight = Flight([c for _, c in reached], [asks[s] for s, _ in reached])
-        return _Round((spec, count, generator), live, counts, batch, asks, transports, [s for s, _ in reached],
-                      flight, unreached)
+        return _Round((spec, count, generator), live, counts, batch, starts, asks, transports,
+                      [s for s, _ in reached], flight, unreached)
 
     def _send_ahead(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> _Round | None:
         """The next batch's first round, asked for now; None where it cannot be (the next call will say why).
@@ -278,8 +283,9 @@ class ShardSet:
             raise
 
     def _ask(self, shard: int, spec: SelectionSpec, count: int, seed: int | None,
-             batch: list[torch.Tensor] | None, first: int | None) -> Ask:
-        """``shard``'s share: its rows into ``batch`` from row ``first`` on, else into a buffer of its own."""
+             batch: list[torch.Tensor] | None, first: int | None, starts: torch.Tensor | None = None) -> Ask:
+        """``shard``'s share: its rows into ``batch`` from row ``first`` on (rows' picks into ``starts``),
+        else into buffers of its own."""
         if not count:
             return Ask(spec, 0, seed)
         rows = count * spec.rows_per_pick
@@ -288,7 +294,7 @@ class ShardSet:
             return Ask(spec, count, seed, self._empty_columns(self.table(shard), rows, zeroed))
         for c in batch if zeroed else ():
             c[first: first + rows].zero_()
-        return Ask(spec, count, seed, batch, first)
+        return Ask(spec, count, seed, batch, first, starts)
 
     def _opened_transport(self, shard: int) -> Transport | Exception:
         """The shard's transport; what opening it raised stands for that shard's answer."""
@@ -300,7 +306,7 @@ class ShardSet:
     def _select_apart(self, shard: int, transport: Transport | Exception, ask: Ask) -> Picked:
         if isinstance(transport, Exception):
             raise transport
-        return transport.select(self.client(shard) if transport.speaks_to_owner else None, ask)
+        return ask.placed(transport.select(self.client(shard) if transport.speaks_to_owner else None, ask))
 
     def _pick_best(self, spec: SelectionSpec, count: int) -> ShardPicks | None:
         """The ``count`` best-scoring rows of all live shards, best first: each owner's best ``count``, merged.
@@ -363,12 +369,16 @@ class ShardSet:
         self._fan_out.settle([(s, outcomes[s]) for s in owners], self._disconnect)
 
     def _assemble(self, got: list[tuple[int, Picked, Ask]], scalars: dict[str, float],
-                  batch: list[torch.Tensor] | None) -> ShardPicks:
-        """The batch in pick order: global ids, windows, columns (``batch`` when every share filled its slice)."""
+                  batch: list[torch.Tensor] | None, starts: torch.Tensor | None = None) -> ShardPicks:
+        """The batch in pick order: global ids, windows, columns (``batch`` when every share filled its
+        slice; ``starts`` when every pick landed there too)."""
         picks = [p for _, p, _ in got]
         seq_len = picks[0].seq_len
-        windows = Windows(_cat([p.starts for p in picks]), seq_len, _cat([p.valid_begin for p in picks]),
-                          _cat([p.valid_end for p in picks]))
+        if seq_len == 1:
+            windows = Windows.of_rows(starts if starts is not None else _cat([p.starts for p in picks]))
+        else:
+            windows = Windows(_cat([p.starts for p in picks]), seq_len, _cat([p.valid_begin for p in picks]),
+                              _cat([p.valid_end for p in picks]))
         if seq_len == 1:  # rows are their starts: one pass tags them all with their shards
             owners = np.repeat(np.array([s for s, _, _ in got]), [p.count for p in picks])
             index = global_ids.encode_many(torch.from_numpy(owners), windows.starts)

@@ -52,6 +52,7 @@ class Op:
     DUMP = 8  # save the shard and its shared selection state under a directory
     LOAD = 9  # restore them from one, into the empty shard
     SAMPLE_ROWS = 10  # uniform rows, read back at once: a SELECT the owner answers in the extension
+    ROWS = 11  # SAMPLE_ROWS's reply: no JSON; the tally (live rows, picks), the picks, then each column's rows
 
 
 class ProtocolError(ConnectionError):
@@ -93,6 +94,10 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def send(sock: socket.socket, message: Message | EncodedMessage) -> None:
+    if all(isinstance(a, bytes) for a in message.arrays):  # a small request: one buffer, one call
+        arrays = cast("list[bytes]", message.arrays)
+        sock.sendall(header(message.op, message.meta, [len(a) for a in arrays]) + b"".join(arrays))
+        return
     views = [memoryview(a) if isinstance(a, bytes) else as_bytes(a) for a in message.arrays]
     send_buffers(sock, [header(message.op, message.meta, [v.nbytes for v in views]), *views])
 
