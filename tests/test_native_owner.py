@@ -159,11 +159,10 @@ def test_both_paths_reply_rows_with_a_tally_and_no_json(owner):
 
 def test_a_rows_reply_that_claims_more_picks_than_asked_for_does_not_parse():
     ask = Ask(UNIFORM, 4, 1, [torch.empty(4, 2)])
-    head = wire.as_bytes(torch.frombuffer(bytearray(wire.header(Op.ROWS, b"", [16, 32, 32])), dtype=torch.uint8))
-    tally = torch.tensor([100, 4], dtype=torch.int64).view(torch.uint8)
-    assert ask.answer(Op.ROWS, head, [tally]).count == 4
+    head = torch.frombuffer(bytearray(wire.header(Op.ROWS, b"", [16, 32, 32])), dtype=torch.uint8)
+    assert ask.answer(Op.ROWS, [100, 4], head, []).count == 4
     with pytest.raises(ValueError, match="5 picks of 100 rows, to an ask for 4"):
-        ask.answer(Op.ROWS, head, [torch.tensor([100, 5], dtype=torch.int64).view(torch.uint8)])
+        ask.answer(Op.ROWS, [100, 5], head, [])
 
 
 def test_columns_added_later_are_served_to_learners_that_know_them_and_to_those_that_do_not(owner):

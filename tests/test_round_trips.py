@@ -52,8 +52,8 @@ def test_replies_of_many_sockets_land_in_their_rows_of_one_batch(pairs):
 
     threading.Thread(target=send_late).start()
     got = _C.receive_replies([a.fileno() for a, _ in pairs[:3]], [batch] * 3, [0, 2, 4], 5.0)
-    for i, (status, head, small) in enumerate(got):
-        assert status == 0
+    for i, (status, op, tally, head, small) in enumerate(got):
+        assert (status, op, tally) == (0, wire.Op.OK, [])
         op, meta, lengths = wire.parse_head(head.numpy().tobytes())
         assert (op, meta, lengths) == (wire.Op.OK, {"shard": i}, [8 * (i + 1), 16, 16])
         assert [s.view(torch.int64).tolist() for s in small] == [list(range(i + 1))]
@@ -70,8 +70,19 @@ def test_each_failing_socket_is_its_own_outcome_and_the_others_still_land(pairs)
     pairs[2][1].sendall(b"NOPE" + good[4:])  # not our framing
     pairs[3][1].sendall(_framed(wire.Op.OK, {}, [torch.arange(9, dtype=torch.int64)]))  # more rows than room
     got = _C.receive_replies([a.fileno() for a, _ in pairs], [batch] * 4, [0, 2, 2, 2], 5.0)
-    assert [status for status, _, _ in got] == [0, -errno.ECONNRESET, -errno.EPROTO, -errno.EPROTO]
+    assert [status for status, *_ in got] == [0, -errno.ECONNRESET, -errno.EPROTO, -errno.EPROTO]
     assert batch[0].tolist() == [7, 8, 0, 0]  # the refused replies wrote nothing
+
+
+def test_a_rows_reply_gives_its_tally_as_numbers_and_lands_its_picks_with_the_rows(pairs):
+    picks, rows = torch.full((4,), -1, dtype=torch.int64), torch.zeros(4, 2)
+    tally = torch.tensor([50, 2], dtype=torch.int64)
+    pairs[0][1].sendall(_framed(wire.Op.ROWS, {}, [tally, torch.tensor([7, 9]), torch.ones(2, 2)]))
+    pairs[1][1].sendall(_framed(wire.Op.ROWS, {}, [torch.tensor([1], dtype=torch.int64), torch.tensor([3])]))
+    got = _C.receive_replies([pairs[0][0].fileno(), pairs[1][0].fileno()], [[picks, rows], [picks]], [1, 0], 5.0)
+    (status, op, counts, _, small), (bad, *_) = got
+    assert (status, op, counts, small, bad) == (0, wire.Op.ROWS, [50, 2], [], -errno.EPROTO)  # a tally is 16 bytes
+    assert picks.tolist() == [-1, 7, 9, -1] and rows[1:3].eq(1).all() and rows[0].eq(0).all()
 
 
 def test_a_silent_socket_times_out_alone(pairs):
@@ -79,7 +90,7 @@ def test_a_silent_socket_times_out_alone(pairs):
     pairs[0][1].sendall(_framed(wire.Op.OK, {}, [torch.tensor([1, 2], dtype=torch.int64)]))
     start = time.monotonic()
     got = _C.receive_replies([pairs[0][0].fileno(), pairs[1][0].fileno()], [batch, []], [0, 0], 0.3)
-    assert [status for status, _, _ in got] == [0, -errno.ETIMEDOUT]
+    assert [status for status, *_ in got] == [0, -errno.ETIMEDOUT]
     assert 0.25 < time.monotonic() - start < 3.0
     assert batch[0].tolist() == [1, 2]
 
@@ -87,8 +98,8 @@ def test_a_silent_socket_times_out_alone(pairs):
 def test_a_refusal_carries_no_rows_and_writes_none(pairs):
     batch = [torch.full((3,), -1, dtype=torch.int64)]
     pairs[0][1].sendall(_framed(wire.Op.ERROR, {"type": "ValueError", "message": "no"}, []))
-    (status, head, small), = _C.receive_replies([pairs[0][0].fileno()], [batch], [0], 5.0)
-    assert status == 0 and small == []
+    (status, op, tally, head, small), = _C.receive_replies([pairs[0][0].fileno()], [batch], [0], 5.0)
+    assert (status, op, tally, small) == (0, wire.Op.ERROR, [], [])
     assert wire.parse_head(head.numpy().tobytes())[:2] == (wire.Op.ERROR, {"type": "ValueError", "message": "no"})
     assert batch[0].tolist() == [-1, -1, -1]
 

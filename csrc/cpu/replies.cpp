@@ -74,11 +74,18 @@ bool place_arrays(Pending& p) {
     total += p.lengths[i];
   }
   const size_t ncols = op == kOk || op == kRows ? p.columns->size() : 0;  // an error lands nowhere
-  if (total != field<uint64_t>(h + 12) || count < ncols) {
+  const size_t tallied = op == kRows ? 1 : 0;
+  if (total != field<uint64_t>(h + 12) || count < ncols + tallied || (tallied && p.lengths[0] != 16)) {
     finish(p, -EPROTO);
     return false;
   }
+  p.reply.op = op;
   for (size_t i = 0; i < count; ++i) {
+    if (i < tallied) {
+      p.reply.tally.assign(2, 0);
+      p.targets.push_back(reinterpret_cast<char*>(p.reply.tally.data()));
+      continue;
+    }
     if (i + ncols < count) {
       p.reply.small.push_back(at::empty({static_cast<int64_t>(p.lengths[i])}, at::kByte));
       p.targets.push_back(static_cast<char*>(p.reply.small.back().data_ptr()));

@@ -204,15 +204,15 @@ class Ask:
             return [self.starts, *self.columns]
         return self.columns or []
 
-    def answer(self, op: int, head: memoryview, small: list[torch.Tensor]) -> Picked:
+    def answer(self, op: int, tally: list[int], head: torch.Tensor, small: list[torch.Tensor]) -> Picked:
         """The picks the owner's reply carries (its rows, and for ROWS its picks, landed already)."""
         if op == Op.ROWS and self.samples_rows:
             assert self.starts is not None
-            rows, count = _TALLY.unpack_from(wire.as_bytes(small[0])) if len(small) == 1 else (-1, -1)
-            if not (0 <= count <= self.count and rows >= 0):
+            rows, count = tally
+            if small or not (0 <= count <= self.count and rows >= 0):
                 raise ValueError(f"a ROWS reply of {count} picks of {rows} rows, to an ask for {self.count}")
             return Picked.rows(self.starts[self.first: self.first + count], float(rows), scalars={"rows": rows})
-        return _picked_of(wire.parse_head(head.tobytes())[1], small)
+        return _picked_of(wire.parse_head(head.numpy().tobytes())[1], small)
 
     def placed(self, picked: Picked) -> Picked:
         """``picked`` (from a transport that answers apart) with its picks where a ROWS reply lands them."""
@@ -248,7 +248,7 @@ class Post:
     def request(self) -> Message:
         return self.message
 
-    def answer(self, op: int, head: memoryview, small: list[torch.Tensor]) -> None:
+    def answer(self, op: int, tally: list[int], head: torch.Tensor, small: list[torch.Tensor]) -> None:
         return None
 
 
@@ -266,8 +266,6 @@ def give_back_message(spec: SelectionSpec, rows: torch.Tensor) -> Message:
 
 
 _SAMPLE_ROWS = struct.Struct("<3q")  # count, seed (-1: none), columns
-_OP = struct.Struct("<H")  # where a reply's head says what it is, at byte 4
-_TALLY = struct.Struct("<2q")  # a ROWS reply's first array: the shard's live rows, the picks
 
 
 def _fits_int64(seed: int | None) -> bool:
@@ -295,7 +293,7 @@ class Request(Protocol[Answer_co]):
 
     def request(self) -> Message | EncodedMessage: ...
 
-    def answer(self, op: int, head: memoryview, small: list[torch.Tensor]) -> Answer_co: ...
+    def answer(self, op: int, tally: list[int], head: torch.Tensor, small: list[torch.Tensor]) -> Answer_co: ...
 
 
 _TICKETS = itertools.count(1)
@@ -344,9 +342,9 @@ class Flight(Generic[Answer]):
                                              [list(self.asks[i].landing) for i in owed],
                                              [self.asks[i].first for i in owed],
                                              max(self.clients[i]._timeout for i in owed))
-                for i, (status, head, small) in zip(owed, replies):
+                for i, reply in zip(owed, replies):
                     self.clients[i]._awaiting = 0
-                    self._outcomes[i] = _answer_of(self.clients[i], self.asks[i], status, head, small)
+                    self._outcomes[i] = _answer_of(self.clients[i], self.asks[i], *reply)
         return cast("list[Answer | Exception]", self._outcomes)  # every owed answer was taken
 
 
@@ -356,20 +354,18 @@ def _owing(client: ShardClient) -> socket.socket:
     return client._sock
 
 
-def _answer_of(client: ShardClient, ask: Request[Answer], status: int, head: torch.Tensor,
-               small: list[torch.Tensor]) -> Answer | Exception:
+def _answer_of(client: ShardClient, ask: Request[Answer], status: int, op: int, tally: list[int],
+               head: torch.Tensor, small: list[torch.Tensor]) -> Answer | Exception:
     """One owner's answer to ``ask`` (from its reply, as ``receive_replies`` got it), or what went wrong."""
     try:
         if status:
             raise wire.socket_error(status)
-        blob = wire.as_bytes(head)
-        op = _OP.unpack_from(blob, 4)[0]
         if op == Op.ERROR:
-            return client._remote_error(wire.parse_head(blob.tobytes())[1])
+            return client._remote_error(wire.parse_head(head.numpy().tobytes())[1])
     except (OSError, wire.ProtocolError) as exc:
         return client._broken(exc)
     try:
-        return ask.answer(op, blob, small)
+        return ask.answer(op, tally, head, small)
     except wire.ProtocolError as exc:
         return client._broken(exc)
     except (KeyError, TypeError, ValueError, RuntimeError, struct.error) as exc:
