@@ -5,10 +5,12 @@
 #   .venv/bin/python benchmarks/before_after_table.py bench_out/before_after
 #
 # Each tree is a git worktree under bench_out/before_after/trees, given this checkout's built extension
-# (the C++ is the same on both sides unless the change is in csrc/: then rebuild and compare by hand).
+# (or BEFORE_EXTENSION on the before side: see below).
 # Python runs with -S and the tree first on PYTHONPATH, so the editable install of this checkout cannot
 # shadow it. Each turn runs every benchmark on "before", then on "after": a loaded machine hits both alike.
-# BENCHES overrides the list, e.g. BENCHES="plain_path" for one.
+# BENCHES overrides the list, e.g. BENCHES="plain_path" for one, or BENCHES="sharded_cost" for the sharded
+# store's (uniform rows from 1 to 8 owners). A change in csrc/: build BEFORE's extension and name it in
+# BEFORE_EXTENSION, so that each side runs its own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 before=${1:?usage: benchmarks/before_after.sh BEFORE [AFTER] [TURNS]}
@@ -30,6 +32,7 @@ declare -A args=(
   [sequence_sampling]="--sizes 100000 1000000 --repeats 5"
   [ndim2]="--repeats 5"
   [shared_insert]="--writers 1 2 --seconds 2 --rounds 3"
+  [sharded_cost]="--worlds own 1 2 4 8 --batches 256 4096 --rounds 3"
 )
 benches=${BENCHES:-plain_path prioritized_sampling sequence_sampling ndim2 shared_insert}
 
@@ -40,8 +43,10 @@ for side in before after; do
   git worktree remove --force "$tree" 2>/dev/null || true
   git worktree add --detach -q "$tree" "$commit"
   # The extension wherever that tree's loader looks for it (gear_torchrl/ before the kernels folder, kernels/ after).
-  cp "$extension" "$tree/gear_torchrl/"
-  [ -d "$tree/gear_torchrl/kernels" ] && cp "$extension" "$kernel_source" "$tree/gear_torchrl/kernels/"
+  built=$([ "$side" = before ] && echo "${BEFORE_EXTENSION:-$extension}" || echo "$extension")
+  cp "$built" "$tree/gear_torchrl/$(basename "$extension")"
+  [ -d "$tree/gear_torchrl/kernels" ] && cp "$built" "$tree/gear_torchrl/kernels/$(basename "$extension")" \
+    && cp "$kernel_source" "$tree/gear_torchrl/kernels/"
 done
 
 export OMP_NUM_THREADS=1
@@ -52,7 +57,7 @@ for turn in $(seq 1 "$turns"); do
     mkdir -p "$out"
     for bench in $benches; do
       echo "turn $turn, $side: $bench"
-      (cd "$tree" && PYTHONPATH="$tree:$site" "$py" -S "benchmarks/$bench.py" ${args[$bench]} \
+      (cd "$tree" && PYTHONPATH="$tree:$tree/benchmarks:$site" "$py" -S "benchmarks/$bench.py" ${args[$bench]} \
         --out "$out/$bench.json" > "$out/$bench.txt" 2>&1) || { echo "  failed: see $out/$bench.txt" >&2; exit 1; }
     done
   done

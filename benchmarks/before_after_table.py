@@ -46,6 +46,19 @@ def figures() -> list[tuple[str, str, Pick]]:
                     lambda d, w=writers: float(_first(d["rows"], writers=w)["gear steps/s"])))
         out.append((f"shared insert, {writers} writer(s), x TorchRL", "shared_insert",
                     lambda d, w=writers: float(_first(d["rows"], writers=w)["insert ratio"].rstrip("x"))))
+    for world in ("own", "1", "2", "4", "8"):
+        row = lambda d, w=world, b=256: _first(d["rows"], world=w, batch=b)
+        out.append((f"sharded rows, world {world}, batch 256: learner us CPU", "sharded_cost",
+                    lambda d, row=row: float(row(d)["learner us"])))
+        out.append((f"sharded rows, world {world}, batch 256: learner / LazyTensorStorage", "sharded_cost",
+                    lambda d, row=row: float(row(d)["learner / local"])))
+        if world != "own":
+            out.append((f"sharded rows, world {world}, batch 256: raw floor, learner us", "sharded_cost",
+                        lambda d, row=row: float(row(d)["raw learner us"])))
+            out.append((f"sharded rows, world {world}, batch 256: owner us per request", "sharded_cost",
+                        lambda d, row=row: float(row(d)["owner us"])))
+        out.append((f"sharded rows, world {world}, batch 4096: M steps/s", "sharded_cost",
+                    lambda d, w=world: float(_first(d["rows"], world=w, batch=4096)["M steps/s"])))
     return out
 
 
