@@ -94,8 +94,8 @@ def test_the_extension_draws_what_the_python_path_draws_and_sends_the_rows(owner
     assert torch.equal(picked.starts, expected)
     assert torch.equal(rows["obs"], picked.starts.float())  # each row holds its own number
     assert picked.mass == 100.0 and picked.scalars["rows"] == 100 and picked.seq_len == 1
-    assert torch.equal(picked.valid_begin, torch.zeros(64, dtype=torch.int64))
-    assert torch.equal(picked.valid_end, torch.ones(64, dtype=torch.int64))
+    assert torch.equal(picked.windows.valid_begin, torch.zeros(64, dtype=torch.int64))
+    assert torch.equal(picked.windows.valid_end, torch.ones(64, dtype=torch.int64))
     again, _ = o.sample(64, seed=1234)
     assert torch.equal(again.starts, picked.starts), "a seed draws the same rows again"
     unseeded, rows = o.sample(64, seed=None)

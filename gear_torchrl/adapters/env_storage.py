@@ -23,7 +23,7 @@ from gear_torchrl.errors import EmptyStoreError
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.store.env_shard import EnvShard
-from gear_torchrl.store.shard import Index, Windows
+from gear_torchrl.store.shard import Index
 from gear_torchrl.store.table_spec import Data, lead_shape
 
 
@@ -168,7 +168,7 @@ class EnvColumnsStorage(GearStorage):
         if picked.seq_len == 1 and markers is None:
             rows = picked.starts.to(self.device)
             return Selection((rows // envs, rows % envs), picked.extra, picked.scalars)
-        windows = Windows(picked.starts, picked.seq_len, picked.valid_begin, picked.valid_end)
+        windows = picked.windows
         coordinates = torch.stack(self._shard.window_coordinates(windows), -1).to(self.device)
         return Selection(SampledIndex(coordinates, ReadPlan(windows, markers)), picked.extra, picked.scalars)
 

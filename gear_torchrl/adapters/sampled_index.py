@@ -123,7 +123,7 @@ def local_selection(picked: Picked, capacity: int, device: torch.device,
     """One local shard's picks as a selection: rows as they are, windows as a SampledIndex of every position."""
     if picked.seq_len == 1 and markers is None:
         return Selection(picked.starts, picked.extra, picked.scalars)
-    windows = Windows(picked.starts, picked.seq_len, picked.valid_begin, picked.valid_end)
+    windows = picked.windows
     # On the storage's device already: TorchRL would otherwise move it (a copy, which keeps the plan all the same).
     rows = windows.rows(capacity).to(device)
     return Selection(SampledIndex(rows, ReadPlan(windows, markers)), picked.extra, picked.scalars)

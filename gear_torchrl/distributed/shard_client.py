@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import itertools
@@ -218,7 +219,8 @@ class Ask:
         """``picked`` (from a transport that answers apart) with its picks where a ROWS reply lands them."""
         if self.samples_rows and picked.count:
             assert self.starts is not None
-            picked.starts = self.starts[self.first: self.first + picked.count].copy_(picked.starts)
+            placed = self.starts[self.first: self.first + picked.count].copy_(picked.starts)
+            picked.windows = dataclasses.replace(picked.windows, starts=placed)
         return picked
 
     def request(self) -> EncodedMessage:
@@ -380,5 +382,6 @@ def _picked_of(meta: dict[str, Any], arrays: list[torch.Tensor]) -> Picked:
     if unknown or len(names) != len(rest):
         raise ValueError(f"per-pick values this learner does not know: {sorted(set(names) - set(EXTRA_DTYPES))}")
     values = {n: a.view(EXTRA_DTYPES[n]) for n, a in zip(names, rest)}
-    return Picked(starts.view(torch.int64), int(meta["seq_len"]), valid_begin.view(torch.int64),
-                  valid_end.view(torch.int64), float(meta["mass"]), values, meta["scalars"])
+    windows = Windows(starts.view(torch.int64), int(meta["seq_len"]), valid_begin.view(torch.int64),
+                      valid_end.view(torch.int64))
+    return Picked(windows, float(meta["mass"]), values, meta["scalars"])

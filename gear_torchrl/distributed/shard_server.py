@@ -236,14 +236,15 @@ class _Session:
         picked = self.view.pick(spec, count, seed)
         names = sorted(picked.extra)
         meta = {"seq_len": picked.seq_len, "mass": picked.mass, "scalars": picked.scalars, "extra": names}
-        arrays = [a.contiguous() for a in (picked.starts, picked.valid_begin, picked.valid_end,
-                                             *(picked.extra[n].cpu() for n in names))]
+        windows = picked.windows.contiguous()
+        arrays = [windows.starts, windows.valid_begin, windows.valid_end,
+                  *(picked.extra[n].cpu().contiguous() for n in names)]
         if num_columns is None:
             self.holding = bool(picked.count)  # until the learner's one-sided read is done (RELEASE), or the timeout
             return Message(Op.OK, meta, arrays)
         if not picked.count:  # the rows asked for, none of them: every column, empty
             return Message(Op.OK, meta, arrays + [_NO_BYTES] * num_columns)
-        self._send_rows(meta, arrays, Windows(arrays[0], picked.seq_len, arrays[1], arrays[2]), num_columns)
+        self._send_rows(meta, arrays, windows, num_columns)
         return None
 
     def _sample_rows(self, count: int, seed: object, num_columns: int) -> Message | None:
@@ -255,7 +256,7 @@ class _Session:
         arrays = [tally, picked.starts.contiguous()]
         if not picked.count:
             return Message(Op.ROWS, {}, arrays + [_NO_BYTES] * num_columns)
-        self._send_rows(b"", arrays, Windows.of_rows(arrays[1]), num_columns, Op.ROWS)
+        self._send_rows(b"", arrays, picked.windows.contiguous(), num_columns, Op.ROWS)
         return None
 
     def _columns_asked(self, asked: object) -> int:

@@ -374,18 +374,13 @@ class ShardSet:
         slice; ``starts`` when every pick landed there too)."""
         picks = [p for _, p, _ in got]
         seq_len = picks[0].seq_len
-        if seq_len == 1:
-            windows = Windows.of_rows(starts if starts is not None else _cat([p.starts for p in picks]))
-        else:
-            windows = Windows(_cat([p.starts for p in picks]), seq_len, _cat([p.valid_begin for p in picks]),
-                              _cat([p.valid_end for p in picks]))
+        windows = Windows.of_rows(starts) if starts is not None else Windows.cat([p.windows for p in picks])
         if seq_len == 1:  # rows are their starts: one pass tags them all with their shards
             owners = np.repeat(np.array([s for s, _, _ in got]), [p.count for p in picks])
             index = global_ids.encode_many(torch.from_numpy(owners), windows.starts)
         else:
             capacity = {d.shard: d.capacity for d in self.descriptors}
-            index = torch.cat([global_ids.encode(s, Windows(p.starts, seq_len, p.valid_begin, p.valid_end)
-                                                 .rows(capacity[s])) for s, p, _ in got])
+            index = torch.cat([global_ids.encode(s, p.windows.rows(capacity[s])) for s, p, _ in got])
         if batch is None:
             parts = [a.rows(p.count * seq_len) for _, p, a in got]
             batch = parts[0] if len(parts) == 1 else [torch.cat(c) for c in zip(*parts)]
@@ -564,11 +559,6 @@ class ShardSet:
         self._transports.clear()
         self._clients.clear()
         self._fan_out.close()
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``parts`` end to end (one part as it is: no copy)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _split(count: int, masses: list[float], generator: torch.Generator | None) -> list[int]:

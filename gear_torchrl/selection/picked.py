@@ -1,10 +1,16 @@
-"""What a selection core returns: picks on one shard, as windows of ring rows (rows: windows of length one)."""
+"""What a selection core returns: picks on one shard, as windows of ring rows (rows: windows of length one).
+
+The windows are the one type that carries picks from a core to a kernel (``Windows``); a
+``Picked`` adds only what the rule says of them: the shard's mass, per-pick values, scalars.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from gear_torchrl.store.shard import Windows
 
 # The per-pick values a core may return, and their dtypes (the wire carries bytes only).
 EXTRA_DTYPES = {"mass": torch.float64, "score": torch.float64, "generation": torch.int64}
@@ -14,10 +20,7 @@ EXTRA_DTYPES = {"mass": torch.float64, "score": torch.float64, "generation": tor
 class Picked:
     """One shard's share of a batch."""
 
-    starts: torch.Tensor  # int64 [P], ring row of each pick's first position
-    seq_len: int
-    valid_begin: torch.Tensor
-    valid_end: torch.Tensor
+    windows: Windows  # each pick's window of ring rows (rows: windows of length one)
     mass: float | torch.Tensor  # the shard's total mass after picking: what the next batch is split by
     # (from a core on a GPU, a 0-dim tensor there: a float would wait for the device)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per pick, named in EXTRA_DTYPES
@@ -25,16 +28,25 @@ class Picked:
 
     @classmethod
     def rows(cls, rows: torch.Tensor, mass: float | torch.Tensor, **kw: Any) -> Picked:
-        return cls(rows, 1, torch.zeros_like(rows), torch.ones_like(rows), mass, **kw)
+        return cls(Windows.of_rows(rows), mass, **kw)
+
+    @property
+    def starts(self) -> torch.Tensor:
+        """Int64 [P]: the ring row of each pick's first position (for rows, the rows)."""
+        return self.windows.starts
+
+    @property
+    def seq_len(self) -> int:
+        return self.windows.seq_len
 
     @property
     def count(self) -> int:
-        return self.starts.numel()
+        return self.windows.starts.numel()
 
     def subset(self, keep: torch.Tensor) -> Picked:
         """The picks where ``keep`` is true."""
-        return Picked(self.starts[keep], self.seq_len, self.valid_begin[keep], self.valid_end[keep], self.mass,
-                      {k: v[keep] for k, v in self.extra.items()}, dict(self.scalars))
+        return Picked(self.windows.subset(keep), self.mass, {k: v[keep] for k, v in self.extra.items()},
+                      dict(self.scalars))
 
     @staticmethod
     def concat(parts: list[Picked], mass: float | torch.Tensor) -> Picked:
@@ -42,7 +54,5 @@ class Picked:
         if len(parts) == 1:
             parts[0].mass = mass
             return parts[0]
-        cat = lambda name: torch.cat([getattr(p, name) for p in parts])
         extra = {k: torch.cat([p.extra[k] for p in parts]) for k in parts[0].extra}
-        return Picked(cat("starts"), parts[0].seq_len, cat("valid_begin"), cat("valid_end"), mass, extra,
-                      dict(parts[-1].scalars))
+        return Picked(Windows.cat([p.windows for p in parts]), mass, extra, dict(parts[-1].scalars))

@@ -171,7 +171,7 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         mass = self.mass(shard)
         scalars = {"min_mass": float(self.trees.minimum)}
         if count == 0 or not mass > 0:
-            return Picked(_NONE, self.spec.window_len, _NONE, _NONE, mass, scalars=scalars)
+            return Picked(Windows(_NONE, self.spec.window_len, _NONE, _NONE), mass, scalars=scalars)
         windows = self._draw(episodes, count, generator)
         if not self.spec.cross_ring_end:
             windows = redraw_wrapping(lambda n: self._draw(episodes, n, generator), windows, shard.capacity)

@@ -7,6 +7,7 @@ then an offset inside each.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -91,7 +92,7 @@ def no_window_reason(spec: WindowGeometry, episodes: Episodes) -> str:
 
 
 def picked_windows(windows: Windows, capacity: int, mass: float, **kw: Any) -> Picked:
-    return Picked(windows.starts % capacity, windows.seq_len, windows.valid_begin, windows.valid_end, mass, **kw)
+    return Picked(dataclasses.replace(windows, starts=windows.starts % capacity), mass, **kw)
 
 
 def wraps(windows: Windows, capacity: int) -> torch.Tensor:
@@ -186,7 +187,7 @@ class WindowSelector(Selector[WindowSpec]):
             check_episode_markers(self.spec, shard)
         mass = self.mass(shard)
         if count == 0 or not mass > 0:
-            return Picked(_NONE, self.spec.window_len, _NONE, _NONE, mass)
+            return Picked(Windows(_NONE, self.spec.window_len, _NONE, _NONE), mass)
         windows = self._draw(shard.episodes, count, generator)
         if not self.spec.cross_ring_end:
             windows = redraw_wrapping(lambda n: self._draw(shard.episodes, n, generator), windows, shard.capacity)

@@ -58,6 +58,23 @@ class Windows:
         rows = rows.reshape(-1).to(torch.int64)
         return cls(rows, 1, torch.zeros_like(rows), torch.ones_like(rows))
 
+    @staticmethod
+    def cat(parts: Sequence[Windows]) -> Windows:
+        """``parts`` (of one length) end to end; one part as it is."""
+        if len(parts) == 1:
+            return parts[0]
+        return Windows(torch.cat([p.starts for p in parts]), parts[0].seq_len,
+                       torch.cat([p.valid_begin for p in parts]), torch.cat([p.valid_end for p in parts]))
+
+    def subset(self, keep: torch.Tensor) -> Windows:
+        """The windows where ``keep`` is true (or at the positions it lists)."""
+        return Windows(self.starts[keep], self.seq_len, self.valid_begin[keep], self.valid_end[keep])
+
+    def contiguous(self) -> Windows:
+        """Its tensors contiguous (what goes on the wire)."""
+        return Windows(self.starts.contiguous(), self.seq_len, self.valid_begin.contiguous(),
+                       self.valid_end.contiguous())
+
     @property
     def num_positions(self) -> int:
         return self.starts.numel() * self.seq_len

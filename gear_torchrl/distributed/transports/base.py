@@ -57,7 +57,7 @@ class Transport(ABC):
         if ask.columns is None or not picked.count:
             return picked
         out = ask.rows(picked.count * picked.seq_len)
-        self.read(Windows(picked.starts, picked.seq_len, picked.valid_begin, picked.valid_end), out)
+        self.read(picked.windows, out)
         client.release()
         return picked
 

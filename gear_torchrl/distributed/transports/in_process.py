@@ -39,12 +39,12 @@ class InProcessTransport(Transport):
         picked = self._view.pick(ask.spec, ask.count, ask.seed)
         try:
             if ask.columns is not None and picked.count:
-                self._gather(picked, ask.rows(picked.count * picked.seq_len))
+                self._gather(picked.windows, ask.rows(picked.count * picked.seq_len))
         finally:
             self._view.release()
         return picked
 
-    def _gather(self, w: Windows | Picked, out: list[torch.Tensor]) -> None:
+    def _gather(self, w: Windows, out: list[torch.Tensor]) -> None:
         gather.gather_windows(self._view.shard.columns[: len(out)], w.starts, w.seq_len, _CPU, w.valid_begin,
                               w.valid_end, out=out)
 
