@@ -370,7 +370,7 @@ def _answer_of(client: ShardClient, ask: Request[Answer], status: int, op: int, 
         return ask.answer(op, tally, head, small)
     except wire.ProtocolError as exc:
         return client._broken(exc)
-    except (KeyError, TypeError, ValueError, RuntimeError, struct.error) as exc:
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         return client._broken(wire.ProtocolError(f"a reply that does not parse: {exc}"))
 
 
