@@ -25,9 +25,10 @@ struct Reply {
 };
 
 // Receives one framed message (distributed/wire.py) on each fd, all sockets waited on together.
-// The last columns[i].size() arrays of an OK or ROWS reply land in columns[i]'s tensors (contiguous, CPU)
-// from row first[i] on (a reply longer than the rows left is a protocol error); the others come
-// back in `small`, but for a ROWS reply's tally (two int64), which comes back as numbers. A socket that delivers nothing for timeout_s (negative: no limit) times out.
+// The last columns[i].size() arrays of an OK or ROWS reply land in columns[i]'s tensors (contiguous,
+// CPU) from row first[i] on (a reply longer than the rows left is a protocol error); the others come
+// back in `small`, but for a ROWS reply's tally (two int64), which comes back as numbers. A socket
+// that delivers nothing for timeout_s (negative: no limit) times out.
 std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& columns,
                                    const std::vector<int64_t>& first, double timeout_s);
 

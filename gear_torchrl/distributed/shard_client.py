@@ -11,7 +11,7 @@ import socket
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
@@ -186,6 +186,7 @@ class Ask:
     columns: list[torch.Tensor] | None = None
     first: int = 0
     starts: torch.Tensor | None = None  # int64, where a SAMPLE_ROWS reply's picks land (made when not given)
+    samples_rows: bool = field(init=False)  # uniform rows read back at once: asked as SAMPLE_ROWS
 
     def __post_init__(self) -> None:
         self.samples_rows = (self.columns is not None and isinstance(self.spec, UniformSpec) and bool(self.columns)

@@ -253,10 +253,11 @@ class _Session:
             raise ValueError(f"cannot select {count} rows in one request")
         picked = self.view.pick(_UNIFORM, count, seed)
         tally = torch.tensor([int(picked.scalars["rows"]), picked.count], dtype=torch.int64)
-        arrays = [tally, picked.starts.contiguous()]
+        windows = picked.windows.contiguous()
+        arrays = [tally, windows.starts]
         if not picked.count:
             return Message(Op.ROWS, {}, arrays + [_NO_BYTES] * num_columns)
-        self._send_rows(b"", arrays, picked.windows.contiguous(), num_columns, Op.ROWS)
+        self._send_rows(b"", arrays, windows, num_columns, Op.ROWS)
         return None
 
     def _columns_asked(self, asked: object) -> int:
