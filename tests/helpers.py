@@ -26,6 +26,11 @@ def make_steps(n: int, seed: int, done_prob: float = 0.1, obs_dim: int = 4) -> T
     )
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality: unwritten slots hold whatever memory held, NaN included."""
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
 def assert_same_td(a, b) -> None:
     """Same keys, dtypes, shapes, batch sizes and values (bit-for-bit)."""
     keys_a = set(a.keys(include_nested=True, leaves_only=True))

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from helpers import make_steps
+from helpers import make_steps, same_bytes
 from tensordict import TensorDict
 from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
@@ -30,8 +30,7 @@ def assert_unchanged(storage: GearStorage, snap) -> None:
     for name in ("start", "length", "closed"):
         assert torch.equal(now[0]["episodes"][name], meta["episodes"][name])
     assert now[0]["episodes"]["next_serial"] == meta["episodes"]["next_serial"]
-    as_bytes = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731 - NaN-safe, bit-for-bit
-    assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(now[1], columns))
+    assert all(same_bytes(a, b) for a, b in zip(now[1], columns))
     assert now[2] == cursor
     assert now[3] == revision
 
