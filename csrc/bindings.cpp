@@ -1,6 +1,7 @@
 // Python face of the extension: raw tensors in, raw tensors out.
 #include <torch/extension.h>
 
+#include "episodes.h"
 #include "gather.h"
 #include "owner.h"
 #include "recv.h"
@@ -74,7 +75,7 @@ bool built_with_cuda() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "gear_torchrl kernels: gather, trees, window geometry";
+  m.doc() = "gear_torchrl kernels: gather, trees, window geometry, episode indices";
   m.def("gather", &gather, "Fill `out` from `columns` for windows (rows are windows of length 1)",
         py::arg("columns"), py::arg("out"), py::arg("starts"), py::arg("valid_begin") = py::none(),
         py::arg("valid_end") = py::none(), py::arg("seq_len") = 1, py::arg("mask") = py::none(),
@@ -137,6 +138,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mass"), py::arg("keep") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("sum_tree_find", &gear::sum_tree_find, py::arg("tree"), py::arg("mass"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("episodes_append", &gear::episodes_append,
+        "Evict the oldest steps of every column and record new ones (see episodes.h)", py::arg("start"),
+        py::arg("length"), py::arg("closed"), py::arg("dead"), py::arg("first"), py::arg("next"), py::arg("rows"),
+        py::arg("ends"), py::arg("evicted"), py::arg("ring_rows"), py::arg("dead_rows") = false);
   m.def("place_windows", &gear::place_windows, "Windows at positions `first` of episode slots",
         py::arg("episode_start"), py::arg("episode_length"), py::arg("slots"), py::arg("first"),
         py::arg("window_len"));

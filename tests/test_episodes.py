@@ -1,6 +1,7 @@
 """The episode index stays equal to a brute-force split of the stored steps."""
 from __future__ import annotations
 
+import pytest
 import torch
 from episode_model import model_episodes
 from hypothesis import given, settings
@@ -8,6 +9,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from gear_torchrl import GearStorage
+from gear_torchrl.store.env_shard import EnvShard
 from gear_torchrl.store.shard import Shard
 
 
@@ -108,3 +110,63 @@ def test_per_episode_memory_grows_with_episodes_not_rows():
     storage.set(torch.arange(50_000), steps_td(0, ([False] * 999 + [True]) * 50))
     assert storage.shard.episodes.num_episodes == 50
     assert storage.shard.episodes.start.numel() <= 64
+
+
+# -- a [T, num_envs] store: every env column is its own index, all updated in one pass ---------------
+def env_steps_td(first: int, dones: list[list[bool]], traj: list[list[int]] | None) -> TensorDict:
+    """``len(dones)`` time steps of ``len(dones[0])`` envs, as the flat rows ``t * envs + e``."""
+    steps, envs = len(dones), len(dones[0])
+    td = TensorDict({"step": torch.arange(first, first + steps).repeat_interleave(envs),
+                     ("next", "done"): torch.tensor(dones).view(steps * envs, 1)}, [steps * envs])
+    if traj is not None:
+        td["traj"] = torch.tensor(traj).view(steps * envs)
+    return td
+
+
+@settings(max_examples=120, deadline=None)
+@given(time_capacity=st.integers(1, 8), envs=st.integers(1, 4), use_traj=st.booleans(),
+       batches=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 2**32 - 1)), min_size=1, max_size=8))
+def test_env_columns_each_equal_the_model_and_readers_hear_of_every_change(time_capacity, envs, use_traj,
+                                                                           batches):
+    shard = EnvShard(time_capacity * envs, traj_key="traj" if use_traj else None)
+    shard.lay_out(envs)
+    history: list[list[tuple[int, bool, int | None]]] = [[] for _ in range(envs)]
+    g = 0
+    for steps, seed in batches:
+        gen = torch.Generator().manual_seed(seed)
+        dones = (torch.rand(steps, envs, generator=gen) < 0.3).tolist()
+        trajs = torch.randint(0, 2, (steps, envs), generator=gen).tolist() if use_traj else None
+        index = shard.episodes
+        before = (index.start.clone(), index.length.clone(), index.closed.clone(), index.position)
+        rows = (torch.arange(g * envs, (g + steps) * envs)) % (time_capacity * envs)
+        shard.write(rows, env_steps_td(g, dones, trajs), append=True)
+        for e in range(envs):
+            history[e] += [(g + t, dones[t][e], trajs[t][e] if trajs else None) for t in range(steps)]
+        g += steps
+        view = index.live()
+        assert view.env is not None
+        for e in range(envs):
+            mine = view.env == e
+            got = list(zip(view.start[mine].tolist(), view.length[mine].tolist(), view.closed[mine].tolist()))
+            assert got == model_episodes(history[e], time_capacity), f"env column {e}"
+        changed = index.changed_since(before[3])
+        if changed is None or index.start.numel() != before[0].numel():
+            continue  # the records were remapped: readers rebuild
+        differs = (index.start != before[0]) | (index.length != before[1]) | (index.closed != before[2])
+        assert set(differs.nonzero().flatten().tolist()) <= set(changed.tolist())
+
+
+def test_the_kernel_refuses_records_without_room_and_changes_nothing():
+    from gear_torchrl.kernels import _C
+    start, length = torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64)
+    closed, dead = torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.bool)
+    first, nxt = torch.tensor([0]), torch.tensor([1])  # one live episode, closed
+    length[0, 0] = 3
+    ends = torch.tensor([[True], [True], [False]])  # three new episodes: four live, two slots
+    with pytest.raises(RuntimeError, match="needs room for 4 episodes, its records have 2 slots"):
+        _C.episodes_append(start, length, closed, dead, first, nxt, torch.arange(3, 6), ends, 0, 8)
+    assert first.tolist() == [0] and nxt.tolist() == [1] and length.tolist() == [[3, 0]]
+    # One new step, overwriting the three stored ones: the old episode goes, the new one takes the next slot.
+    changed = _C.episodes_append(start, length, closed, dead, first, nxt, torch.tensor([3]), ends[2:], 3, 8)
+    assert (first.tolist(), nxt.tolist()) == ([1], [2]) and start[0, 1] == 3 and length[0, 1] == 1
+    assert sorted(changed.tolist()) == [0, 1] and not closed[0, 1]

@@ -1,10 +1,14 @@
-"""Episodes of a ``[T, num_envs]`` store: one episode index per env column, read as one.
+"""Episodes of a ``[T, num_envs]`` store: one episode index per env column, kept as one.
 
 Each env column is a ring of ``time_capacity`` steps, written a time step at a
-time in lockstep with the others, so each keeps a plain :class:`EpisodeIndex`
-over its time rows (appends, eviction, rebuilds and state exactly as in a 1-D
-store). Readers that keep something per episode (a window sampler's tree) see
-the columns' episode slots one after the other, as one index.
+time in lockstep with the others. Its episodes follow exactly the rules of a
+1-D :class:`EpisodeIndex` (serials that only grow, live ones tiling the
+column's stored steps, eviction by lengths alone), but the columns' records
+are held side by side, ``[num_envs, slots]``, so a write of time steps
+updates every column in a few array operations instead of a loop over
+columns (an ``ndim=2`` append is as cheap as a 1-D one). Readers that keep
+something per episode (a window sampler's tree) see slot ``e * slots + s``:
+the columns one after the other, as one index.
 
 Window rows: a window inside env ``e`` must step through time in that column
 only, also across the time ring's end. Episode starts are therefore handed
@@ -17,32 +21,21 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
+import numpy as np
 import torch
 
 from gear_torchrl.errors import CheckpointError
-from gear_torchrl.store.episodes import EpisodeIndex, EpisodeView, Position, Uid
+from gear_torchrl.kernels import _C
+from gear_torchrl.store.change_log import ChangeLog
+from gear_torchrl.store.episodes import EpisodeView, Position, Uid
 from gear_torchrl.store.episodes import check_state as check_column_state
 from gear_torchrl.store.state_checks import field
 
+_MIN_SLOTS = 64
 _UIDS = itertools.count()
-
-# Each column's (revision, first_serial, next_serial, slots): what the joined slots were built from.
-_Key = tuple[tuple[int, int, int, int], ...]
-
-
-class _Slots(NamedTuple):
-    """The columns' episode slots laid end to end, as of ``key``."""
-
-    key: _Key
-    offsets: torch.Tensor  # int64 [E + 1]: column e's slots are [offsets[e], offsets[e + 1])
-    start: torch.Tensor  # window row of each slot's first live step
-    length: torch.Tensor
-    closed: torch.Tensor
-    dead: torch.Tensor
-    first_serial: torch.Tensor  # per column, for ``slot_is_live``
-    num_episodes: torch.Tensor
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 class EnvEpisodes:
@@ -51,9 +44,27 @@ class EnvEpisodes:
     def __init__(self, time_capacity: int, num_envs: int) -> None:
         self.time_capacity = time_capacity
         self.num_envs = num_envs
-        self.columns = [EpisodeIndex(time_capacity) for _ in range(num_envs)]
         self.uid: Uid = (os.getpid(), "env-columns", next(_UIDS))
-        self._slots: _Slots | None = None
+        # Per column, as an EpisodeIndex keeps them: live episodes are serials [first_serial, next_serial).
+        self.first_serial = torch.zeros(num_envs, dtype=torch.int64)
+        self.next_serial = torch.zeros(num_envs, dtype=torch.int64)
+        self.open_traj: list[int | None] = [None] * num_envs  # trajectory id of each column's open episode
+        self.changes = ChangeLog()
+        self._alloc(_MIN_SLOTS)
+
+    def _alloc(self, slots: int) -> None:
+        """Per-episode records, ``[num_envs, slots]``: episode ``serial`` of column ``e`` at ``[e, serial % slots]``."""
+        shape = (self.num_envs, slots)
+        self._start = torch.zeros(shape, dtype=torch.int64)  # time row of the first live step
+        self._length = torch.zeros(shape, dtype=torch.int64)
+        self._closed = torch.zeros(shape, dtype=torch.bool)
+        self._dead = torch.zeros(shape, dtype=torch.bool)  # never set: only shared stores have crashed writers
+        self._window_starts: tuple[int, torch.Tensor] | None = None  # (revision, starts as window rows)
+
+    @property
+    def slots(self) -> int:
+        """Slots per column."""
+        return self._start.shape[1]
 
     # -- window rows --------------------------------------------------------------
     @property
@@ -67,98 +78,56 @@ class EnvEpisodes:
         rows = rows % self.window_rows
         return (rows % block) % self.time_capacity, rows // block
 
-    # -- what readers see: the columns' slots end to end -----------------------------
-    def _current(self) -> _Slots:
-        key = tuple((c.revision, c.first_serial, c.next_serial, c.start.numel()) for c in self.columns)
-        if self._slots is None or self._slots.key != key:
-            self._slots = self._laid_out(key)
-        return self._slots
-
-    def _laid_out(self, key: _Key) -> _Slots:
-        sizes = torch.tensor([c.start.numel() for c in self.columns], dtype=torch.int64)
-        offsets = torch.zeros(self.num_envs + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(sizes, 0)
-        env = torch.repeat_interleave(torch.arange(self.num_envs), sizes)
-        start = self._joined("start") + env * 2 * self.time_capacity  # time rows to window rows
-        return _Slots(key, offsets, start, self._joined("length"), self._joined("closed"), self._joined("dead"),
-                      torch.tensor([c.first_serial for c in self.columns], dtype=torch.int64),
-                      torch.tensor([c.num_episodes for c in self.columns], dtype=torch.int64))
-
-    def _joined(self, name: str) -> torch.Tensor:
-        """The columns' per-slot array ``name``, end to end."""
-        parts = [getattr(c, name) for c in self.columns]
-        if not parts:
-            return torch.empty(0, dtype=torch.bool if name in ("closed", "dead") else torch.int64)
-        return torch.cat(parts)
-
+    # -- what readers see: slot ``e * slots + s`` ------------------------------------
     @property
     def start(self) -> torch.Tensor:
-        return self._current().start
+        """Each slot's first live step, as a window row."""
+        if self._window_starts is None or self._window_starts[0] != self.changes.revision:
+            block = 2 * self.time_capacity * torch.arange(self.num_envs).unsqueeze(1)
+            self._window_starts = (self.changes.revision, (self._start + block).reshape(-1))
+        return self._window_starts[1]
 
     @property
     def length(self) -> torch.Tensor:
-        return self._current().length
+        return self._length.reshape(-1)
 
     @property
     def closed(self) -> torch.Tensor:
-        return self._current().closed
+        return self._closed.reshape(-1)
 
     @property
     def dead(self) -> torch.Tensor:
-        return self._current().dead
+        return self._dead.reshape(-1)
 
     @property
     def has_dead(self) -> bool:
-        return any(c.has_dead for c in self.columns)
+        return bool(self._dead.any())
 
     @property
     def num_episodes(self) -> int:
-        return sum(c.num_episodes for c in self.columns)
-
-    def _env_of(self, slots: torch.Tensor, slots_now: _Slots) -> torch.Tensor:
-        return torch.searchsorted(slots_now.offsets[1:], slots, right=True)
+        return int((self.next_serial - self.first_serial).sum())
 
     def slot_is_live(self, slots: torch.Tensor) -> torch.Tensor:
-        now = self._current()
-        env = self._env_of(slots, now)
-        local = slots - now.offsets[env]
-        size = now.offsets[1:][env] - now.offsets[env]
-        return (local - now.first_serial[env]) % size < now.num_episodes[env]
+        env, local = slots // self.slots, slots % self.slots
+        return (local - self.first_serial[env]) % self.slots < (self.next_serial - self.first_serial)[env]
 
     @property
-    def position(self) -> tuple[Uid, _Key]:
+    def position(self) -> tuple[Uid, int]:
         """What a reader records after catching up; hand it back to ``changed_since``."""
-        return (self.uid, self._current().key)
+        return (self.uid, self.changes.revision)
 
     def changed_since(self, position: Position | None) -> torch.Tensor | None:
         """Slots changed after ``position``; None when a reader must rebuild everything."""
-        now = self._current()
         if position is None or position[0] != self.uid:
             return None
-        seen_columns = cast(_Key, position[1])  # this index's own position: its columns' keys
-        if len(seen_columns) != self.num_envs:
-            return None
-        parts = []
-        for e, (column, seen) in enumerate(zip(self.columns, seen_columns)):
-            if seen[3] != column.start.numel():  # the column's slots were remapped: every global slot moved
-                return None
-            changed = column.changed_since((column.uid, seen[0]))
-            if changed is None:
-                return None
-            parts.append(changed + now.offsets[e])
-        return torch.cat(parts).unique() if parts else torch.empty(0, dtype=torch.int64)
+        return self.changes.since(cast(int, position[1]))
 
     def live(self) -> EpisodeView:
         """Live episodes, env column after env column (oldest first in each); ``start`` in time rows."""
-        views = [c.live() for c in self.columns]
-        if not views:
-            empty = torch.empty(0, dtype=torch.int64)
-            return EpisodeView(empty, empty, empty, empty.bool(), empty.bool(), env=empty)
-        return EpisodeView(torch.cat([v.serial for v in views]), torch.cat([v.start for v in views]),
-                           torch.cat([v.length for v in views]), torch.cat([v.closed for v in views]),
-                           torch.cat([v.dead for v in views]),
-                           env=torch.repeat_interleave(torch.arange(self.num_envs),
-                                                       torch.tensor([v.serial.numel() for v in views])))
+        e, serial = (torch.from_numpy(a) for a in _ranges(self.first_serial.numpy(), self.next_serial.numpy()))
+        s = serial % self.slots
+        return EpisodeView(serial, self._start[e, s], self._length[e, s], self._closed[e, s],
+                           self._dead[e, s], env=e)
 
     # -- updates (time steps of every column at once) ---------------------------------
     def append(self, time_rows: torch.Tensor, ends: torch.Tensor, evicted: int, traj: torch.Tensor | None,
@@ -168,38 +137,104 @@ class EnvEpisodes:
         ``ends``/``traj``: ``[steps, num_envs]``; ``evicted``: time rows they overwrite;
         ``dropped_ends``: end flags of earlier steps of this write the ring could not hold.
         """
-        for e, column in enumerate(self.columns):
-            if dropped_ends is not None and bool(dropped_ends[:, e].any()):
-                column.close_open()
-            column.append(time_rows, ends[:, e], evicted=evicted,
-                          traj_first=None if traj is None else int(traj[0, e]),
-                          traj_last=None if traj is None else int(traj[-1, e]))
+        closing = np.zeros(self.num_envs, dtype=bool)
+        if dropped_ends is not None:
+            closing |= dropped_ends.reshape(-1, self.num_envs).any(0).cpu().numpy()
+        if time_rows.numel() and traj is not None:  # a new trajectory id closes the column's open episode
+            closing |= [seen is None or seen != now for seen, now in zip(self.open_traj, traj[0].tolist())]
+        closed = self._close_open(closing) if closing.any() else _NO_SLOTS
+        if not time_rows.numel():
+            self.changes.record(closed)
+            return
+        changed = self._record(time_rows, ends, evicted)
+        self.open_traj = traj[-1].tolist() if traj is not None else [None] * self.num_envs
+        self.changes.record(changed if changed is None or not closed.numel() else torch.cat((closed, changed)))
 
     def rebuild(self, time_order: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None) -> None:
         """Recompute every column from scratch: ``time_order`` oldest first, ``ends``/``traj`` ``[steps, num_envs]``."""
-        for e, column in enumerate(self.columns):
-            column.rebuild(time_order, ends[:, e], traj_last=None if traj is None else int(traj[-1, e]))
+        self.clear()
+        if time_order.numel():
+            self._record(time_order, ends, evicted=0)
+            self.open_traj = traj[-1].tolist() if traj is not None else [None] * self.num_envs
+            self.changes.record(None)
 
     def clear(self) -> None:
-        for column in self.columns:
-            column.clear()
+        # Serials keep growing: a reference to an old episode never matches a new one.
+        self.first_serial = self.next_serial.clone()
+        self.open_traj = [None] * self.num_envs
+        self.changes.record(None)
+
+    def _newest(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each column's newest slot, and whether it holds an open live episode."""
+        first, next_ = self.first_serial.numpy(), self.next_serial.numpy()
+        newest = (next_ - 1) % self.slots
+        return newest, (next_ > first) & ~self._closed.numpy()[np.arange(self.num_envs), newest]
+
+    def _close_open(self, columns: np.ndarray) -> torch.Tensor:
+        """Close the open episode of the ``columns`` flagged; the reader slots that changed."""
+        newest, is_open = self._newest()
+        env = np.flatnonzero(columns & is_open)
+        self._closed.numpy()[env, newest[env]] = True
+        return torch.from_numpy(env * self.slots + newest[env])
+
+    def _record(self, rows: torch.Tensor, ends: torch.Tensor, evicted: int) -> torch.Tensor | None:
+        """Drop the ``evicted`` oldest steps of every column and record ``rows`` (``ends``: ``[steps, num_envs]``)
+        as its newest; the reader slots that changed, None when the records had to be remapped."""
+        ends = ends.cpu().contiguous()
+        # Episodes each column may then hold (numpy: a small reduction costs a fraction of torch's).
+        room = (self.next_serial - self.first_serial).numpy() + ends.numpy()[:-1].sum(0) + 1
+        remapped = self._reserve(int(room.max()))
+        changed = _C.episodes_append(self._start, self._length, self._closed, self._dead, self.first_serial,
+                                     self.next_serial, rows.cpu().contiguous(), ends, evicted, self.time_capacity)
+        return None if remapped else changed
+
+    def _reserve(self, live: int) -> bool:
+        """Grow every column's records so ``live`` episodes have distinct slots; True when they moved."""
+        if live <= self.slots:
+            return False
+        view = self.live()
+        slots = self.slots
+        while slots < live:
+            slots *= 2
+        self._alloc(slots)
+        assert view.env is not None
+        env, slot = view.env, view.serial % slots
+        self._start[env, slot], self._length[env, slot], self._closed[env, slot] = view.start, view.length, view.closed
+        self._dead[env, slot] = view.dead
+        return True
 
     # -- persistence -----------------------------------------------------------
     # The columns' states side by side: the per-episode tensors (``start``, ``length``, ``closed``)
     # laid end to end, as a 1-D index saves them (checkpoints store them as files), the rest per column.
     def state(self) -> dict[str, Any]:
-        states = [c.state() for c in self.columns]
-        state: dict[str, Any] = {"num_envs": self.num_envs, "episodes_per_env": [s["start"].numel() for s in states]}
-        for name, dtype in _TENSORS.items():
-            state[name] = torch.cat([s[name] for s in states]) if states else torch.empty(0, dtype=dtype)
-        for name in _SCALARS:
-            state[name] = [s[name] for s in states]
-        return state
+        view = self.live()
+        return {"num_envs": self.num_envs, "episodes_per_env": (self.next_serial - self.first_serial).tolist(),
+                "start": view.start, "length": view.length, "closed": view.closed,
+                "first_serial": self.first_serial.tolist(), "next_serial": self.next_serial.tolist(),
+                "open_traj": list(self.open_traj)}
 
     def load(self, state: dict[str, Any]) -> None:
         """Restore from ``state()`` (checked with ``check_state`` first)."""
-        for column, saved in zip(self.columns, column_states(state)):
-            column.load(saved)
+        self.first_serial = torch.tensor(state["first_serial"], dtype=torch.int64).reshape(self.num_envs)
+        self.next_serial = torch.tensor(state["next_serial"], dtype=torch.int64).reshape(self.num_envs)
+        self.open_traj = [None if t is None else int(t) for t in state["open_traj"]]
+        slots = _MIN_SLOTS
+        while slots < max(state["episodes_per_env"], default=0):
+            slots *= 2
+        self._alloc(slots)
+        env, serial = (torch.from_numpy(a) for a in _ranges(self.first_serial.numpy(), self.next_serial.numpy()))
+        slot = serial % slots
+        for name, records in (("start", self._start), ("length", self._length), ("closed", self._closed)):
+            records[env, slot] = torch.as_tensor(state[name], dtype=records.dtype)
+        self.changes.record(None)
+
+
+def _ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(e, v)`` for every ``v`` in ``[lo[e], hi[e])``, ``e`` after ``e``."""
+    counts = np.maximum(hi - lo, 0)
+    env = np.repeat(np.arange(lo.size), counts)
+    offsets = np.cumsum(counts) - counts
+    return env, np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(offsets - lo, counts)
 
 
 _TENSORS = {"start": torch.int64, "length": torch.int64, "closed": torch.bool}

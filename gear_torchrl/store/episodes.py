@@ -21,20 +21,19 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-import numpy as np
 import torch
 
 from gear_torchrl.errors import CheckpointError
+from gear_torchrl.kernels import _C
+from gear_torchrl.store.change_log import ChangeLog
 from gear_torchrl.store.state_checks import checked_int, checked_tensor, field
 
 _MIN_SLOTS = 64
 _UIDS = itertools.count()
 _PROCESS_TOKEN = secrets.token_hex(8)  # with the pid: no other process's index shares a uid
-_LOG_SLOTS = 1 << 16  # change-log budget; past it readers rebuild from scratch
 
 Uid = tuple[int, str, int]  # (pid, this process's token or the index's kind, counter): unique across processes
 # An index's uid and how far a reader had caught up with it (its own kind of progress): hand it back as it is.
@@ -111,10 +110,7 @@ class EpisodeIndex:
         self.first_serial = 0
         self.next_serial = 0
         self.open_traj: int | None = None  # trajectory id of the open episode
-        self.revision = 0
-        self._log: deque[tuple[int, torch.Tensor]] = deque()  # (revision, changed slots), oldest first
-        self._log_slots = 0  # slots the log holds: kept as a count, so a write costs O(1) however long the log
-        self._log_floor = 0  # changes before this revision are no longer in the log
+        self.changes = ChangeLog()
         self._alloc(_MIN_SLOTS)
 
     def _alloc(self, slots: int) -> None:
@@ -124,20 +120,13 @@ class EpisodeIndex:
         self.dead = torch.zeros(slots, dtype=torch.bool)
 
     # -- change log --------------------------------------------------------------
+    @property
+    def revision(self) -> int:
+        return self.changes.revision
+
     def _changed(self, slots: torch.Tensor | None) -> None:
         """Record that ``slots`` changed (None: everything, e.g. the slots were remapped)."""
-        self.revision += 1
-        if slots is None:
-            self._log.clear()
-            self._log_slots = 0
-            self._log_floor = self.revision
-            return
-        self._log.append((self.revision, slots))
-        self._log_slots += slots.numel()
-        while self._log_slots > _LOG_SLOTS:
-            revision, dropped = self._log.popleft()
-            self._log_slots -= dropped.numel()
-            self._log_floor = revision
+        self.changes.record(slots)
 
     @property
     def position(self) -> tuple[Uid, int]:
@@ -149,15 +138,7 @@ class EpisodeIndex:
         (it never looked, looked at another index, or the log has moved past it)."""
         if position is None or position[0] != self.uid:
             return None
-        seen = cast(int, position[1])  # this index's own position: a revision
-        if seen < self._log_floor:
-            return None
-        parts = []
-        for revision, slots in reversed(self._log):  # newest first: a reader that keeps up reads a few
-            if revision <= seen:
-                break
-            parts.append(slots)
-        return torch.cat(parts).unique() if parts else torch.empty(0, dtype=torch.int64)
+        return self.changes.since(cast(int, position[1]))  # this index's own position: a revision
 
     def rows_of(self, slots: torch.Tensor) -> torch.Tensor:
         """Every ring row of the episodes in ``slots``, episode after episode."""
@@ -228,81 +209,30 @@ class EpisodeIndex:
             self.close_open()
             ends = torch.zeros(rows.numel(), dtype=torch.bool)
             ends[-1] = True
-        n = rows.numel()
-        if n == 0:
+        if rows.numel() == 0:
             return
         assert ends is not None, "only dead rows come without end flags"
         if traj_first is not None and self.open_traj != traj_first:
             self.close_open()  # before eviction, so an emptied episode is dropped, not kept open
-        first_before, slots_before = self.first_serial, self.start.numel()
-        self._evict(evicted)
-        if n == 1 and not dead:  # one step (rb.add): the same bookkeeping in Python ints
-            self._append_one(int(rows[0]), bool(ends[0]), first_before, slots_before, traj_last)
-            return
-        continuing = self._newest_open()
-        # Small arrays, many calls (one per write, per env column for ndim=2): numpy on the
-        # tensors' memory costs a fraction of torch's per-op overhead.
-        ends_np, rows_np = ends.cpu().numpy(), rows.cpu().numpy()  # (a GPU store's flags come from the GPU)
-        end_at = np.flatnonzero(ends_np[:-1])  # rows that end an episode before the last row
-        first_pos = np.concatenate(([0], end_at + 1))
-        last_pos = np.concatenate((end_at, [n - 1]))
-        counts = last_pos - first_pos + 1
-        base = self.next_serial - 1 if continuing else self.next_serial
-        new_last = base + end_at.size
-        self._reserve(new_last + 1 - self.first_serial)
-        size = self.start.numel()
-        start, length, closed, dead_flags = (t.numpy() for t in (self.start, self.length, self.closed, self.dead))
-        slots = np.arange(base, new_last + 1) % size
-        if continuing:
-            slot0 = slots[0]
-            if length[slot0] == 0:
-                start[slot0] = rows_np[0]
-            length[slot0] += counts[0]
-            closed[slot0] = ends_np[last_pos[0]]
-            slots, first_pos, last_pos, counts = slots[1:], first_pos[1:], last_pos[1:], counts[1:]
-        start[slots] = rows_np[first_pos]
-        length[slots] = counts
-        closed[slots] = ends_np[last_pos]
-        dead_flags[slots] = dead
-        self.next_serial = new_last + 1
+        self._record(rows, ends, evicted, dead)
         self.open_traj = traj_last
-        if size != slots_before:
-            self._changed(None)  # _reserve remapped every slot
-        else:
-            changed = np.concatenate((np.arange(first_before, self.first_serial + 1),
-                                      np.arange(base, self.next_serial))) % size
-            self._changed(torch.from_numpy(changed))
-
-    def _append_one(self, row: int, end: bool, first_before: int, slots_before: int, traj: int | None) -> None:
-        """``append`` of a single live row (after eviction), without tensor arithmetic on one element."""
-        if self._newest_open():
-            base = self.next_serial - 1
-            slot = self._newest_slot()
-            if int(self.length[slot]) == 0:
-                self.start[slot] = row
-            self.length[slot] += 1
-        else:
-            base = self.next_serial
-            self._reserve(base + 1 - self.first_serial)
-            slot = base % self.start.numel()
-            self.start[slot] = row
-            self.length[slot] = 1
-            self.dead[slot] = False
-            self.next_serial = base + 1
-        self.closed[slot] = end
-        self.open_traj = traj
-        if self.start.numel() != slots_before:
-            self._changed(None)  # _reserve remapped every slot
-        else:
-            slots = self.start.numel()  # the dropped or trimmed oldest episodes, and this one
-            self._changed(torch.tensor([*(i % slots for i in range(first_before, self.first_serial + 1)), slot]))
 
     def evict(self, k: int) -> None:
         """Drop the ``k`` oldest steps (another process is about to overwrite them)."""
-        first_before = self.first_serial
-        self._evict(k)
         if k > 0:
-            self._changed(self._slots(first_before, min(self.first_serial + 1, self.next_serial)))
+            self._record(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bool), k)
+
+    def _record(self, rows: torch.Tensor, ends: torch.Tensor, evicted: int, dead: bool = False) -> None:
+        """Drop the ``evicted`` oldest steps, then record ``rows`` as the newest. The rules are the
+        kernel's, shared with the env columns of a ``[T, num_envs]`` store (``csrc/episodes.h``)."""
+        ends = ends.cpu().reshape(-1, 1)
+        remapped = self._reserve(self.num_episodes + int(ends[:-1].sum()) + (rows.numel() > 0))
+        serials = torch.tensor([self.first_serial, self.next_serial], dtype=torch.int64)
+        changed = _C.episodes_append(self.start.view(1, -1), self.length.view(1, -1), self.closed.view(1, -1),
+                                     self.dead.view(1, -1), serials[:1], serials[1:], rows.cpu().contiguous(),
+                                     ends, evicted, self.capacity, dead)
+        self.first_serial, self.next_serial = serials.tolist()
+        self._changed(None if remapped else changed)  # remapped: every slot moved
 
     @property
     def has_dead(self) -> bool:
@@ -313,32 +243,10 @@ class EpisodeIndex:
             self._dead_known = (key, dead)
         return self._dead_known[1]
 
-    def _evict(self, k: int) -> None:
-        """Drop the ``k`` oldest steps: whole oldest episodes, then the head of the next."""
-        if k <= 0:
-            return
-        m = min(k, self.num_episodes)
-        size = self.start.numel()
-        length = self.length.numpy()
-        cum = np.cumsum(length[np.arange(self.first_serial, self.first_serial + m) % size])
-        whole = int(np.searchsorted(cum, k, side="right"))
-        if whole == self.num_episodes and self._newest_open():
-            # Every stored step goes, the open episode's too: it stays live, empty,
-            # and the rows being written continue it.
-            length[self._newest_slot()] = 0
-            self.first_serial = self.next_serial - 1
-            return
-        trim = k - (int(cum[whole - 1]) if whole else 0)
-        self.first_serial += whole
-        if trim:
-            slot = self.first_serial % size
-            self.start[slot] = (self.start[slot] + trim) % self.capacity
-            length[slot] -= trim
-
-    def _reserve(self, live: int) -> None:
-        """Grow the per-episode arrays so ``live`` episodes have distinct slots."""
+    def _reserve(self, live: int) -> bool:
+        """Grow the per-episode arrays so ``live`` episodes have distinct slots; True when they moved."""
         if live <= self.start.numel():
-            return
+            return False
         view = self.live()
         slots = self.start.numel()
         while slots < live:
@@ -347,6 +255,7 @@ class EpisodeIndex:
         new = view.serial % slots
         self.start[new], self.length[new], self.closed[new] = view.start, view.length, view.closed
         self.dead[new] = view.dead
+        return True
 
     def close_open(self) -> None:
         if self._newest_open():
