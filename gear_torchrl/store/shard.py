@@ -277,12 +277,13 @@ class Shard:
         """
         single = isinstance(index, (int, np.integer))
         rows = as_index_tensor([index] if single else index, self.capacity, "write")
-        leaves = self.validated(data, single, complete=append and self._continues_ring(rows))
+        at_cursor = append and self._continues_ring(rows)
+        leaves = self.validated(data, single, complete=at_cursor)
         if rows.numel() != leaves.n:
             raise IndexError(f"{rows.numel()} write indices for {leaves.n} rows of data")
         if leaves.n == 0:
             return rows
-        return self._write_columns(leaves, rows, append)
+        return self._write_columns(leaves, rows, append, at_cursor)
 
     def commit(self, leaves: Leaves) -> torch.Tensor:
         """Append checked rows (``validated``) as one unit whose last row ends an episode.
@@ -291,7 +292,7 @@ class Shard:
         """
         rows = (torch.arange(leaves.n, dtype=torch.int64) + self.head) % self.capacity
         size_before = self.size
-        rows = self._write_columns(leaves, rows, append=True)
+        rows = self._write_columns(leaves, rows, append=True, at_cursor=self._continues_ring(rows))
         if self.tracks_episodes:
             cast(EpisodeIndex, self.episodes).close_open()
         self.commits.add(rows, size_before)
@@ -302,21 +303,21 @@ class Shard:
         consistent = self.size == self.capacity or self.head == self.size
         return rows.numel() > 0 and consistent and _is_ring_run(rows, self.head, self.capacity)
 
-    def _write_columns(self, leaves: Leaves, rows: torch.Tensor, append: bool) -> torch.Tensor:
+    def _write_columns(self, leaves: Leaves, rows: torch.Tensor, append: bool, at_cursor: bool) -> torch.Tensor:
+        """``at_cursor``: an append of the ring's next rows (``_continues_ring``), which moves the cursor."""
         # -- everything is checked: from here on the write happens --
         n = rows.numel()
         if self.table is None or (leaves.spec != self.table and self._takes_any_layout):
             self._allocate(leaves.spec)
         elif leaves.spec != self.table:
             self._grow(leaves.spec)
-        is_append = append and self._continues_ring(rows)
         values, columns, objects = leaves.values, leaves.columns, leaves.objects
-        if is_append and leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
+        if at_cursor and leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
             values = [*values, self._torchrl_positions(rows)]
             columns = (*columns, leaves.spec.position(_TORCHRL_INDEX))
         by_column = self._by_column(values, columns)
         size_before = self.size
-        if is_append:
+        if at_cursor:
             ends = self._ends(by_column, n) if self.tracks_episodes else None
             dropped_ends = None
             if n > self.capacity:  # only the last `capacity` rows survive
@@ -332,17 +333,17 @@ class Shard:
                 objects = [o[latest.numpy()] for o in objects]
             self._fill_to(int(rows.max()) + 1)
 
-        self._copy_in(rows, values, columns, contiguous=is_append)
+        self._copy_in(rows, values, columns, contiguous=at_cursor)
         self._copy_objects(rows, objects, leaves.object_columns)
         self.rows_inserted += n
         self.written = max(self.written, int(rows.max()) + 1)
         if append:  # a cursor away from the head overwrites rows: only rows past the end add to the size
-            grown = self.size + n if is_append else max(self.size, int(rows.max()) + 1)
+            grown = self.size + n if at_cursor else max(self.size, int(rows.max()) + 1)
             self.size = min(grown, self.capacity)
             self.head = (int(rows[-1]) + 1) % self.capacity
         if not self.tracks_episodes:
             return rows
-        if is_append:
+        if at_cursor:
             assert ends is not None, "computed above for a shard that tracks episodes"
             self._index_append(rows, ends, self._traj_ids(by_column), dropped_ends,
                                evicted=max(0, size_before + rows.numel() - self.capacity))
