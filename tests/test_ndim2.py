@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 from helpers import assert_same_td
-from tensordict import TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torchrl.data import (
     LazyTensorStorage,
     RandomSampler,
@@ -101,6 +101,31 @@ def test_extend_and_reads_match_lazy_tensor_storage_through_wraps(dim_extend, bu
     t, e = torch.tensor([0, 9, 4, -1]), torch.tensor([3, 0, 2, 1])
     for index in ((t, e), 5, -1, slice(2, 7), torch.tensor([1, 8]), (slice(None), 2), (3, slice(1, None))):
         assert_same_td(ours.storage[index], theirs.storage[index])
+
+
+def test_non_tensor_leaves_and_pytrees_land_as_lazy_tensor_storage_keeps_them():
+    """[T, E] steps land without being flattened first: non-tensor rows and pytree leaves still end up
+    at their own (t, e), also when a write wraps the time ring (pytrees: up to the ring's end)."""
+    envs = BatchedEnvs(traj_ids=False)
+    theirs, ours = _pair(40, TensorDictReplayBuffer, dim_extend=1)
+    trees = [ReplayBuffer(storage=cls(40, ndim=2), dim_extend=1) for cls in (LazyTensorStorage, GearStorage)]
+    for steps in (3, 6, 4, 9):  # the last two wrap the time ring of 10
+        data = envs.batch(steps)
+        data["label"] = NonTensorStack(*[NonTensorStack(*[NonTensorData(f"e{e} t{int(data['step'][e, t])}")
+                                                          for t in range(steps)]) for e in range(ENVS)])
+        ours.extend(data.clone())
+        theirs.extend(data.clone())
+        labels = [list(time_row) for time_row in ours.storage[:]["label"]]
+        assert labels == [[f"e{e} t{int(s)}" for e, s in enumerate(step)] for step in theirs.storage[:]["step"]]
+        assert_same_td(ours.storage[:].exclude("label"), theirs.storage[:].exclude("label"))
+        if len(trees[0]) + steps * ENVS > 40:
+            continue  # LazyTensorStorage(ndim=2) cannot wrap a pytree's time ring (its cursor runs past the end)
+        tree = {"obs": data["obs"], "nested": [data["step"], data["next", "done"]]}
+        for rb in trees:
+            rb.extend(tree)
+        for a, b in zip(torch.utils._pytree.tree_leaves(trees[0].storage[:]),
+                        torch.utils._pytree.tree_leaves(trees[1].storage[:])):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.filterwarnings("ignore:Using `add\\(\\)`")  # TorchRL's hint for a batch of one step of every env

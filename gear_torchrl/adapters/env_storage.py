@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_map
 from torchrl.data.replay_buffers.storages import TensorStorage
 
 from gear_torchrl.adapters.sampled_index import ReadPlan, SampledIndex, Selection, WindowMarkers
@@ -120,7 +119,7 @@ class EnvColumnsStorage(GearStorage):
             if lead != rows.shape:
                 raise ValueError(f"the data's batch shape {tuple(lead)} does not match the {tuple(rows.shape)} steps "
                                  f"its index names in this [{shard.time_capacity}, {shard.num_envs}] storage")
-            shard.write(rows.reshape(-1), _flattened(data, rows.ndim), append=append)
+            shard.write(rows.reshape(-1), data, append=append, lead=rows.shape if rows.ndim > 1 else None)
         except BaseException:
             if laid_out_now:
                 shard.forget_layout()
@@ -218,15 +217,6 @@ def _envs_in(data: Any, time_dims: int) -> int | None:
     """How many envs ``data`` holds after its ``time_dims`` leading dims (0 or 1), or None if it has no such dim."""
     lead = lead_shape(data)
     return lead[time_dims] if len(lead) > time_dims else None
-
-
-def _flattened(data: Any, dims: int) -> Any:
-    """``data`` with its ``dims`` leading dims made one."""
-    if dims == 1:
-        return data
-    if hasattr(data, "batch_size"):
-        return data.flatten(0, dims - 1)
-    return tree_map(lambda x: x.flatten(0, dims - 1) if isinstance(x, torch.Tensor) else x, data)
 
 
 def _checked(index: torch.Tensor, bound: int, what: str) -> torch.Tensor:

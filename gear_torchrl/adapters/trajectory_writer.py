@@ -83,7 +83,7 @@ class TrajectoryWriter:
     def _stage(self, data: TensorDictBase, single: bool) -> None:
         self.storage.check_writable_here()
         shard = self.storage.shard
-        spec = shard.table or self._spec or TableSpec.from_data(data, batched=not single)
+        spec = shard.table or self._spec or TableSpec.from_data(data, 0 if single else 1)
         leaves = shard.validated(data, single, spec=spec)  # raises before anything is staged
         if self._staged and (leaves.spec != self._spec or leaves.columns != self._staged[0].columns):
             raise SpecMismatchError("every step of an episode must carry the same keys as its first steps "

@@ -81,7 +81,7 @@ class EnvShard(Shard):
         steps = n // self.num_envs
         ends = torch.zeros(steps, self.num_envs, dtype=torch.bool) if flags is None \
             else flags.reshape(steps, self.num_envs).cpu().clone()
-        traj = self._traj_ids(values)
+        traj = self._traj_ids(values, n)
         if traj is not None and steps > 1:  # an id that changes down a column ends that column's episode
             traj = traj.reshape(steps, self.num_envs)
             ends[:-1] |= traj[1:] != traj[:-1]

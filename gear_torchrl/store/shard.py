@@ -270,15 +270,17 @@ class Shard:
     # any other write (``storage[i] = ...``, ``write_at``, ``rb.write_all``) changes only the
     # keys it carries in the rows it names. Either may bring keys the store lacks: they
     # become new columns, which read zeros (None for non-tensor leaves) in rows written before.
-    def write(self, index: Index, data: Data, *, append: bool) -> torch.Tensor:
+    def write(self, index: Index, data: Data, *, append: bool, lead: torch.Size | None = None) -> torch.Tensor:
         """Write rows; ``append`` moves the ring's cursor and length like TorchRL's writers.
 
+        ``lead``: the data's leading dims that hold its rows, when more than one (an
+        ``ndim=2`` store's ``[T, E]`` steps, rows ``index`` in row-major order).
         Returns the rows written.
         """
         single = isinstance(index, (int, np.integer))
         rows = as_index_tensor([index] if single else index, self.capacity, "write")
         at_cursor = append and self._continues_ring(rows)
-        leaves = self.validated(data, single, complete=at_cursor)
+        leaves = self.validated(data, single, complete=at_cursor, lead=lead)
         if rows.numel() != leaves.n:
             raise IndexError(f"{rows.numel()} write indices for {leaves.n} rows of data")
         if leaves.n == 0:
@@ -307,6 +309,8 @@ class Shard:
         """``at_cursor``: an append of the ring's next rows (``_continues_ring``), which moves the cursor."""
         # -- everything is checked: from here on the write happens --
         n = rows.numel()
+        if not (at_cursor and self.head + n <= self.capacity and self.hot is None):
+            leaves = leaves.flat()  # only one run of rows is written straight from rows of several dims
         if self.table is None or (leaves.spec != self.table and self._takes_any_layout):
             self._allocate(leaves.spec)
         elif leaves.spec != self.table:
@@ -345,7 +349,7 @@ class Shard:
             return rows
         if at_cursor:
             assert ends is not None, "computed above for a shard that tracks episodes"
-            self._index_append(rows, ends, self._traj_ids(by_column), dropped_ends,
+            self._index_append(rows, ends, self._traj_ids(by_column, rows.numel()), dropped_ends,
                                evicted=max(0, size_before + rows.numel() - self.capacity))
         else:
             self.rebuild_episodes()
@@ -372,7 +376,8 @@ class Shard:
             out[position] = value
         return out
 
-    def validated(self, data: Data, single: bool, spec: TableSpec | None = None, *, complete: bool = True) -> Leaves:
+    def validated(self, data: Data, single: bool, spec: TableSpec | None = None, *, complete: bool = True,
+                  lead: torch.Size | None = None) -> Leaves:
         """``data`` as checked rows (``Leaves``, with a row dim even when ``single``); raises before any change.
 
         The spec is ``spec``, else the shard's (unless emptied: it takes any layout then), else
@@ -381,8 +386,10 @@ class Shard:
         TorchRL's ``"index"``, which its writers store only sometimes: that one is filled
         with the rows' own positions, what TorchRL stores there.
         """
-        spec = spec or (None if self._takes_any_layout else self.table) or TableSpec.from_data(data, batched=not single)
-        leaves = spec.leaves(data, None if single else _num_rows(data))
+        rows = None if single else lead if lead is not None else torch.Size([_num_rows(data)])
+        spec = spec or (None if self._takes_any_layout else self.table) or \
+            TableSpec.from_data(data, 0 if rows is None else len(rows))
+        leaves = spec.leaves(data, rows)
         if complete and leaves.missing:
             _refuse_missing(leaves)
         if single:
@@ -427,7 +434,7 @@ class Shard:
             if value.untyped_storage().data_ptr() == column.untyped_storage().data_ptr():
                 value = value.clone()  # rows read as views of this column (``rb[:]``), written back
             if contiguous and first + n <= self.capacity:
-                column[first:first + n].copy_(value)
+                column[first:first + n].view(value.shape).copy_(value)  # rows of several dims land as they are
             elif contiguous:
                 split = self.capacity - first
                 column[first:].copy_(value[:split])
@@ -456,14 +463,15 @@ class Shard:
             assert flag is not None, "the end-flag columns are always among ``values``"
             f = flag.reshape(n, -1).any(-1)
             flags = f if flags is None else flags | f
-        return episode_ends(flags, self._traj_ids(values), n)
+        return episode_ends(flags, self._traj_ids(values, n), n)
 
-    def _traj_ids(self, values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    def _traj_ids(self, values: Sequence[torch.Tensor | None], n: int) -> torch.Tensor | None:
+        """The trajectory id of each of the ``n`` rows ``values`` write (None without a trajectory key)."""
         if self._traj_column is None:
             return None
         t = values[self._traj_column]
         assert t is not None, "the trajectory column is always among ``values``"
-        return t.reshape(t.shape[0], -1)[:, 0].cpu()
+        return t.reshape(n, -1)[:, 0].cpu()
 
     def logical_order(self) -> torch.Tensor:
         """Stored rows oldest first."""
@@ -488,7 +496,7 @@ class Shard:
         """Episode ends and trajectory ids of stored ``rows``, read from their flag columns."""
         needed = {*self._end_columns, *([] if self._traj_column is None else [self._traj_column])}
         values = [c.index_select(0, rows.to(c.device)) if i in needed else None for i, c in enumerate(self.columns)]
-        return self._ends(values, rows.numel()), self._traj_ids(values)
+        return self._ends(values, rows.numel()), self._traj_ids(values, rows.numel())
 
     def clear(self) -> None:
         """Forget all rows; the spec and buffers stay, like TorchRL's ``_empty``."""

@@ -180,15 +180,15 @@ class SharedShard(Shard):
                 return leaves.placed_in(self.table)
 
     # -- writes: reserve, copy, commit ---------------------------------------------------
-    def write(self, index: Index, data: Data, *, append: bool) -> torch.Tensor:
+    def write(self, index: Index, data: Data, *, append: bool, lead: torch.Size | None = None) -> torch.Tensor:
         """Append ``data`` as one commit; ``index`` (a writer's cursor) only gives the row count."""
         if not append:
             raise NotImplementedError(
                 "a shared GearStorage takes appends only (extend, add, TrajectoryWriter): an in-place "
                 "write (write_at, storage[i] = ...) could change rows another process is reading")
         self._map_data()  # check against the layout other processes may have grown since
-        leaves = self.validated(data, isinstance(index, (int, np.integer)))
-        return self.commit(leaves)
+        leaves = self.validated(data, isinstance(index, (int, np.integer)), lead=lead)
+        return self.commit(leaves.flat())
 
     def commit(self, leaves: Leaves) -> torch.Tensor:
         """Write checked rows (``validated``) as one unit, readable all at once.

@@ -105,6 +105,7 @@ class Leaves:
     object_columns: tuple[int, ...]  # their positions in ``spec.objects``
     missing: tuple[NestedKey, ...]  # stored keys the write does not carry
     n: int  # rows written
+    row_dims: int = 1  # leading dims of each value that hold the rows (more than one: ``[T, E]`` steps)
 
     @classmethod
     def whole(cls, spec: TableSpec, values: list[torch.Tensor], objects: list[np.ndarray] | None = None) -> Leaves:
@@ -112,6 +113,12 @@ class Leaves:
         objects = objects or []
         return cls(spec, values, tuple(range(len(values))), objects, tuple(range(len(objects))), (),
                    values[0].shape[0] if values else len(objects[0]))
+
+    def flat(self) -> Leaves:
+        """The same write with one row dim (each value's row dims made one: a copy unless they view as one)."""
+        if self.row_dims == 1:
+            return self
+        return replace(self, values=[v.flatten(0, self.row_dims - 1) for v in self.values], row_dims=1)
 
     def placed_in(self, spec: TableSpec) -> Leaves:
         """The same write addressed to ``spec``'s columns, a spec holding every key it writes (a store
@@ -185,9 +192,9 @@ class TableSpec:
 
     # -- construction -------------------------------------------------------
     @classmethod
-    def from_data(cls, data: Data, batched: bool) -> TableSpec:
-        """Spec of ``data``; ``batched`` means dim 0 of every leaf is the row dim."""
-        lead = 1 if batched else 0
+    def from_data(cls, data: Data, row_dims: int) -> TableSpec:
+        """Spec of ``data`` whose leaves' first ``row_dims`` dims hold its rows (0: one row)."""
+        lead = row_dims
         if isinstance(data, torch.Tensor):
             return cls((ColumnSpec(None, data.dtype, data.shape[lead:]),), False, {(): torch.Size([])})
         if isinstance(data, _NON_TENSOR):
@@ -206,28 +213,31 @@ class TableSpec:
         return cls(columns, False, {(): torch.Size([])}, tree=tree)
 
     # -- checking a write -----------------------------------------------------
-    def leaves(self, data: Data, num_rows: int | None) -> Leaves:
+    def leaves(self, data: Data, rows: torch.Size | None) -> Leaves:
         """``data`` as the columns it writes, checked against this spec; raises before any change.
 
-        ``num_rows``: rows written (None: one row, no row dim). A stored key with
+        ``rows``: the leading dims that hold the rows written (None: one row, no row
+        dim); more than one (an ``ndim=2`` store's ``[T, E]`` steps) are kept as they
+        are, so the write can land without a flattened copy. A stored key with
         another dtype, shape or nesting raises SpecMismatchError naming it; keys the
         store lacks become new columns of ``Leaves.spec``; stored keys the data lacks
         are listed in ``Leaves.missing``.
         """
-        n = 1 if num_rows is None else num_rows
+        n = 1 if rows is None else rows.numel()
+        row_dims = 1 if rows is None else len(rows)
         if self.tree is not None:
-            return self._tree_write(data, num_rows)
+            return self._tree_write(data, rows)
         if not self.is_tensordict:
             if not isinstance(data, torch.Tensor):
                 raise SpecMismatchError(f"this store holds a tensor, got {type(data).__name__}")
-            _check_leaf(self.columns[0], data, num_rows)
-            return Leaves(self, [data], (0,), [], (), (), n)
+            _check_leaf(self.columns[0], data, rows)
+            return Leaves(self, [data], (0,), [], (), (), n, row_dims)
         if not (isinstance(data, TensorDictBase) or is_tensorclass(data)) or isinstance(data, _NON_TENSOR):
             raise SpecMismatchError(f"this store holds a TensorDict, got {type(data).__name__}")
         stored_class = self.classes.get(())
         if stored_class is not None and is_tensorclass(data) and type(data) is not stored_class:
             raise SpecMismatchError(f"this store holds {stored_class.__name__} rows, got {type(data).__name__}")
-        walk = _Walk(0 if num_rows is None else 1, self)
+        walk = _Walk(0 if rows is None else len(rows), self)
         walk.visit(data, ())
         tensors, objects = walk.tensors, walk.objects
         values: list[torch.Tensor] = []
@@ -243,10 +253,10 @@ class TableSpec:
                                             "the store holds a tensor there")
                 missing.append(key)
                 continue
-            _check_leaf(c, value, num_rows)
+            _check_leaf(c, value, rows)
             values.append(value)
             positions.append(i)
-        rows: list[np.ndarray] = []
+        row_objects: list[np.ndarray] = []
         object_positions: list[int] = []
         for j, key in enumerate(self.objects):
             value = objects.pop(key, None)
@@ -256,22 +266,23 @@ class TableSpec:
                                             "data there")
                 missing.append(key)
                 continue
-            rows.append(_row_objects(value, num_rows, self.object_batch(key)))
+            row_objects.append(_row_objects(value, rows, self.object_batch(key)))
             object_positions.append(j)
         spec = self
         if tensors or objects:  # keys the store does not hold: new columns
-            spec = self._grown(walk, tensors, objects, num_rows)
+            spec = self._grown(walk, tensors, objects, rows)
             for key, value in tensors.items():
                 values.append(value)
                 positions.append(spec.position(key))
             for key, value in objects.items():
-                rows.append(_row_objects(value, num_rows, spec.object_batch(key)))
+                row_objects.append(_row_objects(value, rows, spec.object_batch(key)))
                 object_positions.append(spec.objects.index(key))
-        return Leaves(spec, values, tuple(positions), rows, tuple(object_positions), tuple(missing), n)
+        return Leaves(spec, values, tuple(positions), row_objects, tuple(object_positions), tuple(missing), n,
+                      row_dims)
 
-    def _grown(self, walk: _Walk, tensors: dict, objects: dict, num_rows: int | None) -> TableSpec:
+    def _grown(self, walk: _Walk, tensors: dict, objects: dict, rows: torch.Size | None) -> TableSpec:
         """This spec plus the new keys ``tensors`` and ``objects`` (checked against the stored nesting)."""
-        lead = 0 if num_rows is None else 1
+        lead = 0 if rows is None else len(rows)
         new_columns = tuple(ColumnSpec(k, v.dtype, v.shape[lead:]) for k, v in tensors.items())
         _remember(walk.classes)
         return self._with_keys(new_columns, tuple(objects), walk.nodes, walk.stacks, walk.classes)
@@ -325,7 +336,7 @@ class TableSpec:
             classes={**classes, **self.classes},
         )
 
-    def _tree_write(self, data: Data, num_rows: int | None) -> Leaves:
+    def _tree_write(self, data: Data, rows: torch.Size | None) -> Leaves:
         if isinstance(data, (torch.Tensor, TensorDictBase)) or is_tensorclass(data):
             raise SpecMismatchError(f"this store holds pytrees of tensors, got {type(data).__name__}")
         leaves, tree = _tree_leaves(data)
@@ -337,8 +348,9 @@ class TableSpec:
                                     "pytrees keeps the structure of its first write)")
         values = list(leaves.values())
         for c, value in zip(self.columns, values):
-            _check_leaf(c, value, num_rows)
-        return Leaves(self, values, tuple(range(len(values))), [], (), (), 1 if num_rows is None else num_rows)
+            _check_leaf(c, value, rows)
+        return Leaves(self, values, tuple(range(len(values))), [], (), (), 1 if rows is None else rows.numel(),
+                      1 if rows is None else len(rows))
 
     # -- rebuilding what was written ------------------------------------------------
     def unflatten(self, tensors: list[torch.Tensor], lead: torch.Size, device: torch.device | None,
@@ -553,35 +565,39 @@ def _path_part(entry: Any) -> str:
     return str(entry)
 
 
-def _check_leaf(c: ColumnSpec, value: torch.Tensor, num_rows: int | None) -> None:
+def _check_leaf(c: ColumnSpec, value: torch.Tensor, rows: torch.Size | None) -> None:
     if value.dtype != c.dtype:
         raise SpecMismatchError(f"key '{key_name(c.key)}' has dtype {value.dtype}, the store holds {c.dtype}")
-    expected = c.row_shape if num_rows is None else torch.Size([num_rows, *c.row_shape])
+    expected = c.row_shape if rows is None else torch.Size([*rows, *c.row_shape])
     if value.shape != expected:
         raise SpecMismatchError(f"key '{key_name(c.key)}' has shape {tuple(value.shape)}, expected {tuple(expected)}")
 
 
 # -- non-tensor leaves: one object per row ----------------------------------------------
 
-def _row_objects(value: TensorDictBase, num_rows: int | None, row_batch: torch.Size) -> np.ndarray:
+def _row_objects(value: TensorDictBase, rows: torch.Size | None, row_batch: torch.Size) -> np.ndarray:
     """A non-tensor leaf as one object per row (``NonTensorData``, or a stack for rows with batch dims).
 
     Each row gets an object of its own, so an in-place change to one row's never reaches another's.
     """
-    if num_rows is None:
-        rows = [value]
-    elif isinstance(value, NonTensorStack) and value.stack_dim == 0:
-        rows = value.tensordicts
-    elif isinstance(value, NonTensorData):
-        rows = [value] * num_rows
-    else:
-        rows = value.unbind(0)
-    if len(rows) != (1 if num_rows is None else num_rows):
-        raise SpecMismatchError(f"a non-tensor leaf holds {len(rows)} rows, expected {num_rows}")
-    out = np.empty(len(rows), dtype=object)
-    for i, row in enumerate(rows):
+    expected = 1 if rows is None else rows.numel()
+    objects = [value] if rows is None else _split_rows(value, len(rows), expected)
+    if len(objects) != expected:
+        raise SpecMismatchError(f"a non-tensor leaf holds {len(objects)} rows, expected {expected}")
+    out = np.empty(len(objects), dtype=object)
+    for i, row in enumerate(objects):
         out[i] = _own_copy(row, row_batch)
     return out
+
+
+def _split_rows(value: TensorDictBase, dims: int, n: int) -> list[TensorDictBase]:
+    """A non-tensor leaf's ``n`` rows along its ``dims`` leading dims, in row-major order."""
+    if isinstance(value, NonTensorData):  # one object for every row
+        return [value] * n
+    parts = list(value.tensordicts if isinstance(value, NonTensorStack) and value.stack_dim == 0 else value.unbind(0))
+    if dims == 1:
+        return parts
+    return [row for part in parts for row in _split_rows(part, dims - 1, n // max(len(parts), 1))]
 
 
 def _own_copy(row: TensorDictBase, row_batch: torch.Size) -> TensorDictBase:
