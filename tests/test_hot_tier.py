@@ -24,7 +24,7 @@ def test_slots_hold_the_last_row_written_to_them(slots):
     capacity = 250
     gen = torch.Generator().manual_seed(slots)
     spec = TableSpec.from_data(TensorDict({"x": torch.zeros(1, 3), "y": torch.zeros(1, dtype=torch.int64)}, [1]),
-                               batched=True)
+                               row_dims=1)
     tier = HotTier(slots, torch.device("cpu"))
     tier.allocate(spec)
     host_x = torch.zeros(capacity, 3)
