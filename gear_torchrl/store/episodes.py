@@ -24,6 +24,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+import numpy as np
 import torch
 
 from gear_torchrl.errors import CheckpointError
@@ -226,7 +227,8 @@ class EpisodeIndex:
         """Drop the ``evicted`` oldest steps, then record ``rows`` as the newest. The rules are the
         kernel's, shared with the env columns of a ``[T, num_envs]`` store (``csrc/episodes.h``)."""
         ends = ends.cpu().reshape(-1, 1)
-        remapped = self._reserve(self.num_episodes + int(ends[:-1].sum()) + (rows.numel() > 0))
+        # numpy: one small count costs a fraction of a torch reduction
+        remapped = self._reserve(self.num_episodes + int(np.count_nonzero(ends.numpy()[:-1])) + (rows.numel() > 0))
         serials = torch.tensor([self.first_serial, self.next_serial], dtype=torch.int64)
         changed = _C.episodes_append(self.start.view(1, -1), self.length.view(1, -1), self.closed.view(1, -1),
                                      self.dead.view(1, -1), serials[:1], serials[1:], rows.cpu().contiguous(),

@@ -434,7 +434,10 @@ class Shard:
             if value.untyped_storage().data_ptr() == column.untyped_storage().data_ptr():
                 value = value.clone()  # rows read as views of this column (``rb[:]``), written back
             if contiguous and first + n <= self.capacity:
-                column[first:first + n].view(value.shape).copy_(value)  # rows of several dims land as they are
+                target = column[first:first + n]
+                if value.dim() != target.dim():  # rows of several dims land as they are
+                    target = target.view(value.shape)
+                target.copy_(value)
             elif contiguous:
                 split = self.capacity - first
                 column[first:].copy_(value[:split])
