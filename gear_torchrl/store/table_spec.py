@@ -194,22 +194,21 @@ class TableSpec:
     @classmethod
     def from_data(cls, data: Data, row_dims: int) -> TableSpec:
         """Spec of ``data`` whose leaves' first ``row_dims`` dims hold its rows (0: one row)."""
-        lead = row_dims
         if isinstance(data, torch.Tensor):
-            return cls((ColumnSpec(None, data.dtype, data.shape[lead:]),), False, {(): torch.Size([])})
+            return cls((ColumnSpec(None, data.dtype, data.shape[row_dims:]),), False, {(): torch.Size([])})
         if isinstance(data, _NON_TENSOR):
             raise TypeError(f"a {type(data).__name__} alone cannot be stored: put it in a TensorDict beside tensors")
         if isinstance(data, TensorDictBase) or is_tensorclass(data):
-            walk = _Walk(lead, None)
+            walk = _Walk(row_dims, None)
             walk.visit(data, ())
             if not walk.tensors:
                 raise ValueError("cannot store a TensorDict with no tensor leaves (non-tensor leaves are kept "
                                  "beside tensor columns)")
-            columns = tuple(ColumnSpec(k, v.dtype, v.shape[lead:]) for k, v in walk.tensors.items())
+            columns = tuple(ColumnSpec(k, v.dtype, v.shape[row_dims:]) for k, v in walk.tensors.items())
             _remember(walk.classes)
             return cls(columns, True, walk.nodes, tuple(walk.objects), walk.stacks, walk.classes)
         leaves, tree = _tree_leaves(data)
-        columns = tuple(ColumnSpec(k, v.dtype, v.shape[lead:]) for k, v in leaves.items())
+        columns = tuple(ColumnSpec(k, v.dtype, v.shape[row_dims:]) for k, v in leaves.items())
         return cls(columns, False, {(): torch.Size([])}, tree=tree)
 
     # -- checking a write -----------------------------------------------------
@@ -226,7 +225,8 @@ class TableSpec:
         n = 1 if rows is None else rows.numel()
         row_dims = 1 if rows is None else len(rows)
         if self.tree is not None:
-            return self._tree_write(data, rows)
+            tree_values = self._tree_values(data, rows)
+            return Leaves(self, tree_values, tuple(range(len(tree_values))), [], (), (), n, row_dims)
         if not self.is_tensordict:
             if not isinstance(data, torch.Tensor):
                 raise SpecMismatchError(f"this store holds a tensor, got {type(data).__name__}")
@@ -336,7 +336,8 @@ class TableSpec:
             classes={**classes, **self.classes},
         )
 
-    def _tree_write(self, data: Data, rows: torch.Size | None) -> Leaves:
+    def _tree_values(self, data: Data, rows: torch.Size | None) -> list[torch.Tensor]:
+        """A pytree's leaves, checked against this spec's structure and columns."""
         if isinstance(data, (torch.Tensor, TensorDictBase)) or is_tensorclass(data):
             raise SpecMismatchError(f"this store holds pytrees of tensors, got {type(data).__name__}")
         leaves, tree = _tree_leaves(data)
@@ -349,8 +350,7 @@ class TableSpec:
         values = list(leaves.values())
         for c, value in zip(self.columns, values):
             _check_leaf(c, value, rows)
-        return Leaves(self, values, tuple(range(len(values))), [], (), (), 1 if rows is None else rows.numel(),
-                      1 if rows is None else len(rows))
+        return values
 
     # -- rebuilding what was written ------------------------------------------------
     def unflatten(self, tensors: list[torch.Tensor], lead: torch.Size, device: torch.device | None,
