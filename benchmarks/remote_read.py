@@ -80,7 +80,7 @@ def _learner(storage, shards: int, rounds: int, out) -> None:
 
     from gear_torchrl import GearSequenceSampler
     from gear_torchrl.kernels import _C
-    from gear_torchrl.store.shard import Windows
+    from gear_torchrl.store.windows import Windows
 
     store = dist.distributed_c10d._get_default_store()
     raw = [socket.create_connection(("127.0.0.1", int(store.get(f"raw/{r}")))) for r in range(shards)]
@@ -135,7 +135,7 @@ def _learner(storage, shards: int, rounds: int, out) -> None:
 
 
 def _windows(starts: torch.Tensor):
-    from gear_torchrl.store.shard import Windows
+    from gear_torchrl.store.windows import Windows
 
     return Windows(starts, SEQ_LEN, torch.zeros_like(starts), torch.full_like(starts, SEQ_LEN))
 

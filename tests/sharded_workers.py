@@ -400,7 +400,7 @@ def _rate_limited(storage) -> dict:
 
 def _refusals(storage) -> dict:
     from gear_torchrl.distributed.shard_client import ShardClient
-    from gear_torchrl.store.shard import Windows
+    from gear_torchrl.store.windows import Windows
 
     found = {}
     try:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from gear_torchrl import GearStorage
-from gear_torchrl.store.env_shard import EnvShard
+from gear_torchrl.store.addressing import EnvColumns
 from gear_torchrl.store.shard import Shard
 
 
@@ -128,8 +128,8 @@ def env_steps_td(first: int, dones: list[list[bool]], traj: list[list[int]] | No
        batches=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 2**32 - 1)), min_size=1, max_size=8))
 def test_env_columns_each_equal_the_model_and_readers_hear_of_every_change(time_capacity, envs, use_traj,
                                                                            batches):
-    shard = EnvShard(time_capacity * envs, traj_key="traj" if use_traj else None)
-    shard.lay_out(envs)
+    shard = Shard(time_capacity * envs, traj_key="traj" if use_traj else None, addressing=EnvColumns)
+    shard.addressing.lay_out(envs)
     history: list[list[tuple[int, bool, int | None]]] = [[] for _ in range(envs)]
     g = 0
     for steps, seed in batches:

@@ -50,7 +50,7 @@ from gear_torchrl.distributed.transports.rdma_plan import (
     valid_positions,
 )
 from gear_torchrl.errors import ShardUnavailableError
-from gear_torchrl.store.shard import Windows
+from gear_torchrl.store.windows import Windows
 
 GiB = 1 << 30
 REMOTE_BASE = 1 << 40  # fake addresses: planning is arithmetic only

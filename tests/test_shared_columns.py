@@ -184,8 +184,8 @@ def test_a_shard_that_adds_a_key_keeps_serving_learners_that_know_the_older_tabl
     from gear_torchrl.distributed.directory import ShardDescriptor
     from gear_torchrl.distributed.shard_client import ShardClient
     from gear_torchrl.distributed.shard_server import ShardServer
-    from gear_torchrl.store.shard import Windows
     from gear_torchrl.store.table_spec import TableSpec
+    from gear_torchrl.store.windows import Windows
 
     storage = GearStorage(64, shared=True)
     rb = TensorDictReplayBuffer(storage=storage)

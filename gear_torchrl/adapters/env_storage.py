@@ -5,12 +5,12 @@ TorchRL addresses such a storage by time row first: an integer or 1-D index
 names time rows (every env's step at those times), and single steps are
 ``(t, e)`` coordinates, a tuple of two index tensors (what TorchRL's samplers
 return) or an ``[N, 2]`` tensor (what its writers report). This glue turns each
-of those into flat rows of an :class:`EnvShard` (step ``(t, e)`` is row
-``t * num_envs + e``) and back; the shard does the rest.
+of those into flat rows of a shard addressed as :class:`EnvColumns` (step
+``(t, e)`` is row ``t * num_envs + e``) and back; the shard does the rest.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from gear_torchrl.adapters.storage import GearStorage
 from gear_torchrl.errors import EmptyStoreError
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.store.env_shard import EnvShard
+from gear_torchrl.store.addressing import EnvColumns
 from gear_torchrl.store.shard import Index
 from gear_torchrl.store.table_spec import Data, lead_shape
 
@@ -39,8 +39,7 @@ class EnvColumnsStorage(GearStorage):
     """
 
     ndim = 2
-    _local_shard = EnvShard
-    _shard: EnvShard  # never shared (refused in __init__)
+    _addressing = EnvColumns
 
     def __init__(self, max_size: int, **kwargs: Any) -> None:
         _refuse_unsupported(kwargs)
@@ -49,8 +48,18 @@ class EnvColumnsStorage(GearStorage):
         self._first_write_ring = self.max_size  # the writer's ring for a write before the layout is known
 
     @property
+    def _columns(self) -> EnvColumns:
+        """The shard's addressing: its env columns."""
+        return cast(EnvColumns, self._shard.addressing)
+
+    @property
     def _envs(self) -> int:
-        return self._shard.num_envs
+        return self._columns.num_envs
+
+    @property
+    def _time_rows(self) -> int:
+        """Readable time rows."""
+        return self._shard.size // self._envs if self._envs else 0
 
     # -- size and shape (TorchRL's, for ndim=2) ------------------------------------------
     @property
@@ -64,15 +73,15 @@ class EnvColumnsStorage(GearStorage):
 
     @property
     def _total_shape(self) -> torch.Size | None:
-        return torch.Size([self._shard.time_capacity, self._envs]) if self._envs else None
+        return torch.Size([self._columns.time_capacity, self._envs]) if self._envs else None
 
     @property
     def _len_along_dim0(self) -> int:
-        return self._shard.time_rows
+        return self._time_rows
 
     def _max_size_along_dim0(self, *, single_data: Any = None, batched_data: Any = None) -> int:
         if self._envs:
-            return self._shard.time_capacity
+            return self._columns.time_capacity
         if single_data is None and batched_data is None:
             raise ValueError("single_data or batched_data must be passed.")
         envs = _envs_in(single_data, 0) if single_data is not None else _envs_in(batched_data, 1)
@@ -80,7 +89,7 @@ class EnvColumnsStorage(GearStorage):
 
     @property
     def shape(self) -> torch.Size | None:
-        return torch.Size([self._shard.time_rows, self._envs]) if self._envs else None
+        return torch.Size([self._time_rows, self._envs]) if self._envs else None
 
     def flatten(self) -> TensorStorage:
         """The stored steps as a 1-D TorchRL storage (views of the same rows), as ``LazyTensorStorage.flatten``."""
@@ -110,23 +119,23 @@ class EnvColumnsStorage(GearStorage):
                                  f"{lead_shape(data)} for {'a time row' if _is_int(cursor) else 'time rows'}. "
                                  "Batched envs give [num_envs, T]: extend a buffer with dim_extend=1 (TorchRL's "
                                  "default for ndim=2) or transpose")
-            laid_out_now = shard.lay_out(envs)
+            laid_out_now = self._columns.lay_out(envs)
         elif not self._envs:
             raise ValueError("the first write to an ndim=2 storage must name time rows (rb.extend / rb.add)")
         try:
-            rows = _steps_written_at(cursor, shard.num_envs, shard.time_capacity)
+            rows = _steps_written_at(cursor, self._envs, self._columns.time_capacity)
             lead = lead_shape(data)[: rows.ndim]
             if lead != rows.shape:
                 raise ValueError(f"the data's batch shape {tuple(lead)} does not match the {tuple(rows.shape)} steps "
-                                 f"its index names in this [{shard.time_capacity}, {shard.num_envs}] storage")
+                                 f"its index names in this [{self._columns.time_capacity}, {self._envs}] storage")
             shard.write(rows.reshape(-1), data, append=append, lead=rows.shape if rows.ndim > 1 else None)
         except BaseException:
             if laid_out_now:
-                shard.forget_layout()
+                self._columns.forget_layout()
             raise
 
     def _writer_ring(self) -> int:
-        return self._shard.time_capacity or self._first_write_ring
+        return self._columns.time_capacity or self._first_write_ring
 
     def _steps_in(self, positions: torch.Tensor, data: Data) -> int:
         """Time rows times envs: every env's step at each time row (``[num_envs]`` data for one time row)."""
@@ -135,7 +144,7 @@ class EnvColumnsStorage(GearStorage):
 
     def _sync_cursor_from_shard(self) -> None:
         shard = self._shard
-        self._set_last_cursor((shard.head // shard.num_envs - 1) % shard.time_capacity if shard.size else None)
+        self._set_last_cursor((shard.head // self._envs - 1) % self._columns.time_capacity if shard.size else None)
 
     # -- reads -------------------------------------------------------------------------
     def _read_rows(self, index: Any, drawn: Any) -> Data:
@@ -143,7 +152,7 @@ class EnvColumnsStorage(GearStorage):
             views = self._shard.slice_views(index)
             if views is not None:
                 return views
-        return self._shard.read(_steps_read_at(index, self._shard.time_rows, self._envs), in_range=True)
+        return self._shard.read(_steps_read_at(index, self._time_rows, self._envs), in_range=True)
 
     def __getitems__(self, indices: list[int]) -> Data:
         """Steps ``indices`` of ``[0, len)``, time-major (step ``i`` is ``(i // num_envs, i % num_envs)``), in one
@@ -152,7 +161,7 @@ class EnvColumnsStorage(GearStorage):
 
     def contains(self, item: Any) -> bool | torch.Tensor:
         """Whether time row(s) ``item`` are stored (TorchRL's dim-0 meaning)."""
-        steps = self._shard.time_rows
+        steps = self._time_rows
         if isinstance(item, int):
             return -steps <= item < steps
         if isinstance(item, torch.Tensor):
@@ -168,7 +177,7 @@ class EnvColumnsStorage(GearStorage):
             rows = picked.starts.to(self.device)
             return Selection((rows // envs, rows % envs), picked.extra, picked.scalars)
         windows = picked.windows
-        coordinates = torch.stack(self._shard.window_coordinates(windows), -1).to(self.device)
+        coordinates = torch.stack(self._columns.window_coordinates(windows), -1).to(self.device)
         return Selection(SampledIndex(coordinates, ReadPlan(windows, markers)), picked.extra, picked.scalars)
 
     def _selector_rows(self, index: Any) -> torch.Tensor:

@@ -15,8 +15,8 @@ from typing import Any, SupportsIndex
 import torch
 
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.store.shard import Windows
 from gear_torchrl.store.table_spec import NestedKey, TableSpec, as_path
+from gear_torchrl.store.windows import Windows
 
 
 @dataclass(frozen=True)

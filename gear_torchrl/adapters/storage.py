@@ -28,6 +28,7 @@ from gear_torchrl.selection.base import Selector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.store.addressing import Addressing, StepRows
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.store.rate_counters import LocalRateCounters, SharedRateCounters
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard
@@ -107,7 +108,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     """
 
     _default_checkpointer = GearStorageCheckpointer  # type: ignore[assignment]  # any StorageCheckpointerBase serves
-    _local_shard = Shard  # what holds the rows of a local store
+    _addressing: type[Addressing] = StepRows  # what a ring row is: a step of one stream
     _shard: Shard  # a SharedShard where the store is shared
     device: torch.device  # TorchRL allows a string; ours is always a device
 
@@ -163,9 +164,9 @@ class GearStorage(RateLimitedStorage, TensorStorage):
             self._shard = SharedShard(self.max_size, handle=handle, register_host=on_gpu, out_device=device,
                                       end_keys=end_keys, traj_key=traj_key, reader_timeout_s=reader_timeout)
         else:
-            self._shard = self._local_shard(self.max_size, device=device if memory == "device" else "cpu",
-                                            register_host=on_gpu and memory == "host", out_device=device,
-                                            end_keys=end_keys, traj_key=traj_key, hot_rows=hot_rows)
+            self._shard = Shard(self.max_size, device=device if memory == "device" else "cpu",
+                                register_host=on_gpu and memory == "host", out_device=device, end_keys=end_keys,
+                                traj_key=traj_key, hot_rows=hot_rows, addressing=self._addressing)
         self._last_cursor = None
         self._home_pid = os.getpid()  # a copy in another process (pickled, forked) is not these rows
         self._warned_copy = False

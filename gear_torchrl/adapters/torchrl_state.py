@@ -20,7 +20,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch.utils._pytree import tree_map
 
 from gear_torchrl.errors import CheckpointError, SpecMismatchError
-from gear_torchrl.store.env_shard import EnvShard
+from gear_torchrl.store.addressing import EnvColumns
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.table_spec import Data, TableSpec, key_name, lead_shape
 
@@ -77,8 +77,8 @@ def state_of_slots(slots: Data, length: int, shard: Shard, cursor: int | None = 
     scratch = _scratch(shard)
     if length == 0:
         return scratch.state()
-    if isinstance(scratch, EnvShard):  # [T, num_envs] slots: their steps as flat rows t * num_envs + e
-        slots, length, envs = _time_steps(slots, length, scratch)
+    if isinstance(scratch.addressing, EnvColumns):  # [T, num_envs] slots: their steps as flat rows t * E + e
+        slots, length, envs = _time_steps(slots, length, scratch.addressing)
         cursor = None if cursor is None else cursor * envs
     rows = _leading_rows(slots)
     if not 0 < length <= min(shard.capacity, rows):
@@ -112,13 +112,13 @@ def _difference(saved: TableSpec, own: TableSpec) -> str:
 
 def _scratch(shard: Shard) -> Shard:
     """An empty local shard configured as ``shard`` (episodes from the same keys), to derive a state in."""
-    kind = Shard if shard.num_envs is None else EnvShard
-    return kind(shard.capacity, end_keys=shard.end_keys, traj_key=shard.traj_key)
+    return Shard(shard.capacity, end_keys=shard.end_keys, traj_key=shard.traj_key,
+                 addressing=type(shard.addressing))
 
 
-def _time_steps(data: Data, length: int, scratch: EnvShard) -> tuple[Data, int, int]:
+def _time_steps(data: Data, length: int, scratch: EnvColumns) -> tuple[Data, int, int]:
     """ndim=2 slots ``[T, num_envs]`` as flat rows, how many whole time steps of them ``length`` steps make,
-    and the number of envs; ``scratch`` is laid out for them."""
+    and the number of envs; ``scratch`` (a scratch shard's addressing) is laid out for them."""
     lead = lead_shape(data)
     if len(lead) < 2:
         raise CheckpointError(f"the TorchRL state holds rows of shape {tuple(lead)}, not [T, num_envs] steps "

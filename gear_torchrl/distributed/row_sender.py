@@ -21,7 +21,7 @@ import torch
 
 from gear_torchrl.distributed import wire
 from gear_torchrl.kernels import _C, gather
-from gear_torchrl.store.shard import Windows
+from gear_torchrl.store.windows import Windows
 
 _SO_MEMINFO = getattr(socket, "SO_MEMINFO", 55)  # Linux: the socket's memory counters (sock_diag's sk_meminfo)
 _MEMINFO = struct.Struct("9I")

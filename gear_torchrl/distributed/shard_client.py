@@ -25,7 +25,7 @@ from gear_torchrl.kernels import _C
 from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
-from gear_torchrl.store.shard import Windows
+from gear_torchrl.store.windows import Windows
 
 # What a socket cannot be made without; they say nothing about the shard.
 _SHORTAGES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}

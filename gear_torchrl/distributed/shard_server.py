@@ -34,8 +34,8 @@ from gear_torchrl.kernels import _C
 from gear_torchrl.selection.selector_registry import SelectorRegistry
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
-from gear_torchrl.store.shard import Windows
 from gear_torchrl.store.shared_shard import SharedStoreHandle
+from gear_torchrl.store.windows import Windows
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from gear_torchrl.selection.checked_inputs import as_generation, as_priority
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
-from gear_torchrl.store.shard import Windows
 from gear_torchrl.store.table_spec import TableSpec
+from gear_torchrl.store.windows import Windows
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from gear_torchrl.store.shard import Windows
+from gear_torchrl.store.windows import Windows
 
 # The per-pick values a core may return, and their dtypes (the wire carries bytes only).
 EXTRA_DTYPES = {"mass": torch.float64, "score": torch.float64, "generation": torch.int64}

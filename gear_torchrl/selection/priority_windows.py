@@ -29,7 +29,8 @@ from gear_torchrl.selection.windows import (
     redraw_wrapping,
 )
 from gear_torchrl.store.episodes import EpisodeIndex, Position
-from gear_torchrl.store.shard import Shard, Windows
+from gear_torchrl.store.shard import Shard
+from gear_torchrl.store.windows import Windows
 
 _NONE = torch.empty(0, dtype=torch.int64)
 

@@ -21,8 +21,9 @@ from gear_torchrl.selection.random_draws import uniform
 from gear_torchrl.selection.specs import Path, SelectionSpec
 from gear_torchrl.selection.trees import PriorityTrees
 from gear_torchrl.store.episodes import Episodes, Position
-from gear_torchrl.store.shard import Shard, Windows
+from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.table_spec import as_path
+from gear_torchrl.store.windows import Windows
 
 _MAX_REJECTION_ROUNDS = 16
 _NONE = torch.empty(0, dtype=torch.int64)

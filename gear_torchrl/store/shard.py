@@ -11,7 +11,7 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, cast
 
 import numpy as np
@@ -19,15 +19,16 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from gear_torchrl.errors import CheckpointError, EmptyStoreError, SpecMismatchError
-from gear_torchrl.kernels import _C, gather
-from gear_torchrl.store.episodes import EpisodeIndex, Episodes, episode_ends
-from gear_torchrl.store.episodes import check_state as check_episode_state
+from gear_torchrl.kernels import gather
+from gear_torchrl.store.addressing import Addressing, StepRows
+from gear_torchrl.store.episodes import Episodes
 from gear_torchrl.store.hot_tier import HotTier
 from gear_torchrl.store.huge_pages import empty_huge
 from gear_torchrl.store.last_writes import last_write_positions
 from gear_torchrl.store.local_commits import CommitRecord
 from gear_torchrl.store.state_checks import checked_int, field
 from gear_torchrl.store.table_spec import Data, Leaves, NestedKey, TableSpec, as_path, key_name
+from gear_torchrl.store.windows import Windows
 
 logger = logging.getLogger(__name__)
 
@@ -37,55 +38,12 @@ Index = int | np.integer | slice | Sequence[Any] | np.ndarray | torch.Tensor | r
 DEFAULT_END_KEYS: tuple[NestedKey, ...] = (("next", "done"), ("next", "truncated"))
 COLLECTOR_TRAJ_KEY: NestedKey = ("collector", "traj_ids")
 _TORCHRL_INDEX = "index"  # TorchRL's TensorDict writers store each row's position there
+_NO_ENV_COMMITS = ("a TrajectoryWriter appends the steps of one episode; an ndim=2 storage takes time steps of "
+                   "every env at once: write [T, num_envs] batches with rb.extend")
 
 
 # Given windows, their batch's gathered columns (by key) and validity mask: keys to add or replace.
 Markers = Callable[["Windows", dict[NestedKey, torch.Tensor], torch.Tensor], dict[NestedKey, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class Windows:
-    """``seq_len`` ring rows from each start; positions outside ``[valid_begin, valid_end)`` are padding."""
-
-    starts: torch.Tensor  # int64 [W], ring row of position 0 (may be negative: wraps)
-    seq_len: int
-    valid_begin: torch.Tensor  # int64 [W]
-    valid_end: torch.Tensor  # int64 [W]
-
-    @classmethod
-    def of_rows(cls, rows: torch.Tensor) -> Windows:
-        """Rows as windows of length one."""
-        rows = rows.reshape(-1).to(torch.int64)
-        return cls(rows, 1, torch.zeros_like(rows), torch.ones_like(rows))
-
-    @staticmethod
-    def cat(parts: Sequence[Windows]) -> Windows:
-        """``parts`` (of one length) end to end; one part as it is."""
-        if len(parts) == 1:
-            return parts[0]
-        return Windows(torch.cat([p.starts for p in parts]), parts[0].seq_len,
-                       torch.cat([p.valid_begin for p in parts]), torch.cat([p.valid_end for p in parts]))
-
-    def subset(self, keep: torch.Tensor) -> Windows:
-        """The windows where ``keep`` is true (or at the positions it lists)."""
-        return Windows(self.starts[keep], self.seq_len, self.valid_begin[keep], self.valid_end[keep])
-
-    def contiguous(self) -> Windows:
-        """Its tensors contiguous (what goes on the wire)."""
-        return Windows(self.starts.contiguous(), self.seq_len, self.valid_begin.contiguous(),
-                       self.valid_end.contiguous())
-
-    @property
-    def num_positions(self) -> int:
-        return self.starts.numel() * self.seq_len
-
-    def rows(self, capacity: int) -> torch.Tensor:
-        """Flat ring rows of every position, padding included: [W * seq_len]."""
-        return _C.window_rows(self.starts, self.seq_len, capacity)
-
-    def mask(self) -> torch.Tensor:
-        """Which positions hold data (not padding): bool [W * seq_len]."""
-        return _C.window_mask(self.valid_begin, self.valid_end, self.seq_len)
 
 
 def as_index_tensor(index: Index, bound: int, what: str, device: torch.device | None = None) -> torch.Tensor:
@@ -132,8 +90,6 @@ class Shard:
     ``traj_key`` set, an episode also ends where that id changes.
     """
 
-    num_envs: int | None = None  # rows are steps of one stream (an EnvShard: steps of num_envs env columns)
-
     def __init__(
         self,
         capacity: int,
@@ -144,6 +100,7 @@ class Shard:
         end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
         traj_key: NestedKey | None = None,
         hot_rows: int = 0,
+        addressing: type[Addressing] = StepRows,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
@@ -163,12 +120,20 @@ class Shard:
         self.written = 0  # rows [0, written) have ever been written
         self.rows_inserted = 0  # counters for stats(): rows appended, rows read
         self.rows_read = 0
-        # EnvShard holds an index per env column instead, and overrides each method here that casts this to
-        # EpisodeIndex for its own API (``commit``, ``_index_append``, ``_index_rebuild``).
-        self.episodes: Episodes = EpisodeIndex(self.capacity)
+        self.addressing = addressing(self.capacity)  # what a row is: a step of one stream, or of an env column
         self.commits = CommitRecord(self.capacity)  # what TrajectoryWriters wrote, for samplers to follow
         self._end_columns: list[int] = []  # spec positions of the end flags present in the data
         self._traj_column: int | None = None
+
+    @property
+    def episodes(self) -> Episodes:
+        """The episode index over the readable rows (the addressing's: episodes follow its steps)."""
+        return self.addressing.episodes
+
+    @property
+    def num_envs(self) -> int | None:
+        """Env columns of a ``[T, num_envs]`` shard (0 until laid out); None when rows are one stream's steps."""
+        return self.addressing.num_envs
 
     # -- layout ------------------------------------------------------------------
     def _allocate(self, spec: TableSpec) -> None:
@@ -292,11 +257,13 @@ class Shard:
 
         This is how a :class:`TrajectoryWriter` hands over an episode or a chunk of one.
         """
+        if not isinstance(self.addressing, StepRows):
+            raise NotImplementedError(_NO_ENV_COMMITS)
         rows = (torch.arange(leaves.n, dtype=torch.int64) + self.head) % self.capacity
         size_before = self.size
         rows = self._write_columns(leaves, rows, append=True, at_cursor=self._continues_ring(rows))
         if self.tracks_episodes:
-            cast(EpisodeIndex, self.episodes).close_open()
+            self.addressing.episodes.close_open()
         self.commits.add(rows, size_before)
         return rows
 
@@ -317,7 +284,7 @@ class Shard:
             self._grow(leaves.spec)
         values, columns, objects = leaves.values, leaves.columns, leaves.objects
         if at_cursor and leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
-            values = [*values, self._torchrl_positions(rows)]
+            values = [*values, self.addressing.torchrl_positions(rows)]
             columns = (*columns, leaves.spec.position(_TORCHRL_INDEX))
         by_column = self._by_column(values, columns)
         size_before = self.size
@@ -349,25 +316,11 @@ class Shard:
             return rows
         if at_cursor:
             assert ends is not None, "computed above for a shard that tracks episodes"
-            self._index_append(rows, ends, self._traj_ids(by_column, rows.numel()), dropped_ends,
-                               evicted=max(0, size_before + rows.numel() - self.capacity))
+            self.addressing.append(rows, ends, self._traj_ids(by_column, rows.numel()), dropped_ends,
+                                   evicted=max(0, size_before + rows.numel() - self.capacity))
         else:
             self.rebuild_episodes()
         return rows
-
-    def _index_append(self, rows: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None,
-                      dropped_ends: torch.Tensor | None, evicted: int) -> None:
-        """Record appended ``rows`` in the episode index; ``dropped_ends``: end flags of the write's
-        first rows, which the ring could not hold (None: it held them all)."""
-        episodes = cast(EpisodeIndex, self.episodes)
-        if dropped_ends is not None and bool(dropped_ends.any()):
-            episodes.close_open()
-        episodes.append(rows, ends, evicted=evicted, traj_first=None if traj is None else int(traj[0]),
-                        traj_last=None if traj is None else int(traj[-1]))
-
-    def _torchrl_positions(self, rows: torch.Tensor) -> torch.Tensor:
-        """What TorchRL's writers store under ``"index"`` for ``rows``: their own positions."""
-        return rows.clone()
 
     def _by_column(self, values: list[torch.Tensor], columns: Sequence[int]) -> list[torch.Tensor | None]:
         """``values`` at their column positions (None where a column is not written)."""
@@ -466,7 +419,7 @@ class Shard:
             assert flag is not None, "the end-flag columns are always among ``values``"
             f = flag.reshape(n, -1).any(-1)
             flags = f if flags is None else flags | f
-        return episode_ends(flags, self._traj_ids(values, n), n)
+        return self.addressing.ends(flags, self._traj_ids(values, n), n)
 
     def _traj_ids(self, values: Sequence[torch.Tensor | None], n: int) -> torch.Tensor | None:
         """The trajectory id of each of the ``n`` rows ``values`` write (None without a trajectory key)."""
@@ -489,11 +442,7 @@ class Shard:
             self.episodes.clear()
             return
         ends, traj = self._stored_ends(order)
-        self._index_rebuild(order, ends, traj)
-
-    def _index_rebuild(self, order: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None) -> None:
-        """Rebuild the episode index over stored ``order`` (oldest first), its end flags and trajectory ids."""
-        cast(EpisodeIndex, self.episodes).rebuild(order, ends, traj_last=None if traj is None else int(traj[-1]))
+        self.addressing.rebuild(order, ends, traj)
 
     def _stored_ends(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Episode ends and trajectory ids of stored ``rows``, read from their flag columns."""
@@ -532,14 +481,8 @@ class Shard:
         why = f" (the state saves {saved} rows of a {capacity}-row storage)"
         size = checked_int(field(state, "size", where), "size", hi=saved, why=why)
         head = checked_int(field(state, "head", where), "head", hi=min(saved, capacity - 1), why=why)
-        self._check_episode_state(field(state, "episodes", where), size, head,
-                                  tracked=spec is not None and len(spec.row_batch_shape) == 0)
+        self.addressing.check_state(state, size, head, tracked=spec is not None and len(spec.row_batch_shape) == 0)
         return spec, columns, objects
-
-    def _check_episode_state(self, episodes: Any, size: int, head: int, tracked: bool) -> None:
-        """Raise CheckpointError unless ``episodes`` indexes a saved ring of ``size`` rows whose cursor is ``head``."""
-        check_episode_state(episodes, self.capacity, size, oldest_row=head if size == self.capacity else 0,
-                            tracked=tracked)
 
     def state(self) -> dict:
         """Everything needed to restore the shard exactly; tensors are views, not copies.
@@ -555,6 +498,7 @@ class Shard:
             "head": self.head if self.table is not None else 0,
             "columns": [c[:saved] for c in self.columns],
             "episodes": self.episodes.state(),
+            **self.addressing.state(),
         }
         if self.objects:  # non-tensor leaves: the rows' objects themselves
             state["objects"] = [o[:saved].tolist() for o in self.objects]
@@ -563,6 +507,7 @@ class Shard:
     def load_state(self, state: dict) -> None:
         """Restore from ``state()``; checks everything (``checked_state``) before changing anything."""
         spec, columns, objects = self.checked_state(state)
+        self.addressing.load_state(state)
         if self.table is None and spec is not None:
             self._allocate(spec)
         for column, saved in zip(self.columns, columns):
@@ -592,7 +537,7 @@ class Shard:
         for key in leaves.missing:  # only TorchRL's "index" may be missing (``validated``): each row's position
             i = leaves.spec.find(key)
             if i is not None:
-                columns[i] = self._torchrl_positions(torch.arange(leaves.n, dtype=torch.int64))
+                columns[i] = self.addressing.torchrl_positions(torch.arange(leaves.n, dtype=torch.int64))
         self._adopt(leaves.spec, [columns[i] for i in range(len(leaves.spec.columns))])
         for position, objects in zip(leaves.object_columns, leaves.objects):
             self.objects[position][: leaves.n] = objects
@@ -682,18 +627,24 @@ class Shard:
         """Whether ``slice_views`` can hand out the rows themselves (CPU rows read on the CPU)."""
         return self.out_device == self.device and self.hot is None
 
-    def slice_views(self, index: slice, all_slots: bool = False) -> Data | None:
-        """Rows ``[0, size)[index]`` (every slot, with ``all_slots``) as views of the columns, or None
-        where a view cannot be had.
+    def slice_views(self, index: Any, all_slots: bool = False) -> Data | None:
+        """Rows ``[0, size)`` (every slot, with ``all_slots``), shaped as the addressing lays them out
+        (``[size]`` or ``[T, num_envs]``), at a basic ``index`` (slices, ints) as views of the columns,
+        or None where a view cannot be had.
 
         What TorchRL's ``rb.set_`` / ``update_`` write into reaches the rows, as with
         ``LazyTensorStorage``; call ``after_inplace_write`` once written.
         """
-        if not self.slice_views_possible or self.table is None or (index.step or 1) < 1:
+        parts = index if isinstance(index, tuple) else (index,)
+        if not self.slice_views_possible or self.table is None or \
+                any(isinstance(p, slice) and (p.step or 1) < 1 for p in parts):
             return None
-        views = [(c if all_slots else c[: self.size])[index] for c in self.columns]
-        objects = [(o if all_slots else o[: self.size])[index] for o in self.objects]
-        return self.table.unflatten(views, torch.Size([views[0].shape[0]]), device=self.out_device, objects=objects)
+        rows = self.capacity if all_slots else self.size
+        grid = self.addressing.grid(rows)
+        lead = torch.empty(grid, device="meta")[index].shape
+        views = [c[:rows].view(*grid, *c.shape[1:])[index] for c in self.columns]
+        objects = [o[:rows].reshape(grid)[index] for o in self.objects]
+        return self.table.unflatten(views, lead, device=self.out_device, objects=objects)
 
     def after_inplace_write(self) -> None:
         """Rows changed in place (``slice_views``, a column): episode ends and hot copies may be stale."""
@@ -704,19 +655,15 @@ class Shard:
 
     @property
     def window_rows(self) -> int:
-        """Episode starts, and so window starts, are rows of ``[0, window_rows)``: here the ring's rows."""
-        return self.capacity
-
-    def _gather_plan(self, windows: Windows) -> Windows:
-        """``windows`` (starts in ``[0, window_rows)``) as the gather kernel reads them: runs of ring rows."""
-        return windows
+        """Episode starts, and so window starts, are rows of ``[0, window_rows)`` (the addressing's)."""
+        return self.addressing.window_rows
 
     def read_windows(self, windows: Windows, markers: Markers | None = None) -> Data:
         """Windows as a flat batch of ``W * seq_len`` rows on ``out_device``, padding zero-filled.
 
         ``markers`` adds keys derived from the gathered columns (a window sampler's trajectory markers).
         """
-        plan = self._gather_plan(windows)
+        plan = self.addressing.gather_plan(windows)
         with self.reading():
             if self.table is None or self.size == 0:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")

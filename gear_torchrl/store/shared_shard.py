@@ -33,7 +33,7 @@ from gear_torchrl.store.commit_log import (
 from gear_torchrl.store.episodes import EpisodeIndex
 from gear_torchrl.store.live_rows import LiveRows, dead_runs_array
 from gear_torchrl.store.rate_counters import SharedRateCounters
-from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, Windows, as_index_tensor
+from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, as_index_tensor
 from gear_torchrl.store.shared_memory import (
     Janitor,
     create_segment,
@@ -43,6 +43,7 @@ from gear_torchrl.store.shared_memory import (
     segment_path,
 )
 from gear_torchrl.store.table_spec import Data, Leaves, NestedKey, TableSpec, key_name
+from gear_torchrl.store.windows import Windows
 
 logger = logging.getLogger(__name__)
 

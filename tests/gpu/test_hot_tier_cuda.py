@@ -116,7 +116,7 @@ try:
     from tensordict import TensorDict
 
     from gear_torchrl import GearStorage
-    from gear_torchrl.store.shard import Windows
+    from gear_torchrl.store.windows import Windows
     HAVE_TORCHRL = True
 except ImportError as err:  # the GPU machine needs the carried torchrl/tensordict wheels
     HAVE_TORCHRL, WHY = False, str(err)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.store.shard import Windows
+from gear_torchrl.store.windows import Windows
 
 if TYPE_CHECKING:
     from gear_torchrl.distributed.shard_client import Ask

@@ -11,7 +11,7 @@ from gear_torchrl.distributed.transports.base import Transport
 from gear_torchrl.kernels import gather
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
-from gear_torchrl.store.shard import Windows
+from gear_torchrl.store.windows import Windows
 
 _CPU = torch.device("cpu")
 

@@ -5,8 +5,8 @@ import torch
 
 from gear_torchrl.distributed.transports.base import Transport
 from gear_torchrl.kernels import gather
-from gear_torchrl.store.shard import Windows
 from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
+from gear_torchrl.store.windows import Windows
 
 
 class LocalTransport(Transport):

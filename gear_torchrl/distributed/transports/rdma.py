@@ -54,7 +54,7 @@ from gear_torchrl.distributed.transports.rdma_plan import (
     valid_positions,
 )
 from gear_torchrl.errors import ShardUnavailableError
-from gear_torchrl.store.shard import Windows
+from gear_torchrl.store.windows import Windows
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from gear_torchrl.distributed.transports.base import ColumnLayout
-from gear_torchrl.store.shard import Windows
+from gear_torchrl.store.windows import Windows
 
 # ibv_sge.length and ibv_send_wr byte counts are 32-bit; keep every WR below 2 GiB.
 MAX_MSG_BYTES_LIMIT = 1 << 31

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from gear_torchrl.distributed.transports.base import Transport
-from gear_torchrl.store.shard import Windows
+from gear_torchrl.store.windows import Windows
 
 
 class TcpTransport(Transport):

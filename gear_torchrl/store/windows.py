@@ -1,0 +1,58 @@
+"""Windows: ``seq_len`` consecutive ring rows from each start, with the range that holds data.
+
+What every sample carries from the selector to the gather kernel, local or
+remote: rows are windows of length one.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gear_torchrl.kernels import _C
+
+
+@dataclass(frozen=True)
+class Windows:
+    """``seq_len`` ring rows from each start; positions outside ``[valid_begin, valid_end)`` are padding."""
+
+    starts: torch.Tensor  # int64 [W], ring row of position 0 (may be negative: wraps)
+    seq_len: int
+    valid_begin: torch.Tensor  # int64 [W]
+    valid_end: torch.Tensor  # int64 [W]
+
+    @classmethod
+    def of_rows(cls, rows: torch.Tensor) -> Windows:
+        """Rows as windows of length one."""
+        rows = rows.reshape(-1).to(torch.int64)
+        return cls(rows, 1, torch.zeros_like(rows), torch.ones_like(rows))
+
+    @staticmethod
+    def cat(parts: Sequence[Windows]) -> Windows:
+        """``parts`` (of one length) end to end; one part as it is."""
+        if len(parts) == 1:
+            return parts[0]
+        return Windows(torch.cat([p.starts for p in parts]), parts[0].seq_len,
+                       torch.cat([p.valid_begin for p in parts]), torch.cat([p.valid_end for p in parts]))
+
+    def subset(self, keep: torch.Tensor) -> Windows:
+        """The windows where ``keep`` is true (or at the positions it lists)."""
+        return Windows(self.starts[keep], self.seq_len, self.valid_begin[keep], self.valid_end[keep])
+
+    def contiguous(self) -> Windows:
+        """Its tensors contiguous (what goes on the wire)."""
+        return Windows(self.starts.contiguous(), self.seq_len, self.valid_begin.contiguous(),
+                       self.valid_end.contiguous())
+
+    @property
+    def num_positions(self) -> int:
+        return self.starts.numel() * self.seq_len
+
+    def rows(self, capacity: int) -> torch.Tensor:
+        """Flat ring rows of every position, padding included: [W * seq_len]."""
+        return _C.window_rows(self.starts, self.seq_len, capacity)
+
+    def mask(self) -> torch.Tensor:
+        """Which positions hold data (not padding): bool [W * seq_len]."""
+        return _C.window_mask(self.valid_begin, self.valid_end, self.seq_len)
