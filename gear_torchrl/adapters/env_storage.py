@@ -35,7 +35,10 @@ class EnvColumnsStorage(GearStorage):
     them. The episode index keeps each env column's episodes apart, so windows of
     :class:`GearSequenceSampler` never cross envs or episodes.
 
-    Local CPU stores only, so far: ``shared`` stores and GPU devices are refused.
+    A ``shared`` store takes ``[T, num_envs]`` appends from every process (the number
+    of envs is published with the columns, so all must agree); its indices from
+    outside this library's samplers number the live time steps oldest first, as a
+    1-D shared store numbers its rows. GPU devices are refused so far.
     """
 
     ndim = 2
@@ -59,7 +62,7 @@ class EnvColumnsStorage(GearStorage):
     @property
     def _time_rows(self) -> int:
         """Readable time rows."""
-        return self._shard.size // self._envs if self._envs else 0
+        return self._shard.readable_rows() // self._envs if self._envs else 0
 
     # -- size and shape (TorchRL's, for ndim=2) ------------------------------------------
     @property
@@ -148,11 +151,17 @@ class EnvColumnsStorage(GearStorage):
 
     # -- reads -------------------------------------------------------------------------
     def _read_rows(self, index: Any, drawn: Any) -> Data:
+        if index is drawn:  # (t, e) of ring rows this store's sampler picked, in its open read section
+            t, e = index
+            return self._shard.read(t.cpu() * self._envs + e.cpu(), in_range=True)
         if _is_basic(index):  # slices and ints: views, so in-place writes reach the rows (as LazyTensorStorage)
             views = self._shard.slice_views(index)
             if views is not None:
                 return views
-        return self._shard.read(_steps_read_at(index, self._time_rows, self._envs), in_range=True)
+            if self.shared and isinstance(index if not isinstance(index, tuple) else index[0], slice):
+                return self._shard.read(index)  # a scan: the live steps it numbers hold for the sample's reads
+        steps = _steps_read_at(index, self._time_rows, self._envs)  # checked: steps of [0, len)
+        return self._shard.read(steps, in_range=not self.shared)  # a shared store numbers its live steps
 
     def __getitems__(self, indices: list[int]) -> Data:
         """Steps ``indices`` of ``[0, len)``, time-major (step ``i`` is ``(i // num_envs, i % num_envs)``), in one
@@ -189,11 +198,6 @@ class EnvColumnsStorage(GearStorage):
 
 # -- TorchRL's indices over [T, num_envs] steps ------------------------------------------
 def _refuse_unsupported(kwargs: dict[str, Any]) -> None:
-    if kwargs.get("shared") or kwargs.get("shared_init") or kwargs.get("handle") is not None:
-        raise NotImplementedError(
-            "GearStorage(ndim=2) cannot be shared yet: a shared store's commit log, rate limiters and live-row "
-            "numbering count single rows appended by many writers, not time steps of env columns. Use a local "
-            "ndim=2 storage, or a shared ndim=1 storage with traj_key=('collector', 'traj_ids')")
     device = torch.device(kwargs.get("device", "cpu"))
     if device.type != "cpu" or kwargs.get("memory", "host") != "host" or kwargs.get("hot_rows", 0):
         raise NotImplementedError(

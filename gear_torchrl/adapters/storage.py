@@ -112,8 +112,9 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     _shard: Shard  # a SharedShard where the store is shared
     device: torch.device  # TorchRL allows a string; ours is always a device
 
-    def __new__(cls, *args: Any, ndim: int = 1, **kwargs: Any) -> GearStorage:  # noqa: PYI034
-        if cls is GearStorage and ndim == 2:  # the [T, num_envs] layout: its own class, off the 1-D path
+    def __new__(cls, *args: Any, ndim: int = 1, handle: SharedStoreHandle | None = None,  # noqa: PYI034
+                **kwargs: Any) -> GearStorage:
+        if cls is GearStorage and (ndim if handle is None else handle.ndim) == 2:  # [T, num_envs] steps
             from gear_torchrl.adapters.env_storage import EnvColumnsStorage
 
             cls = EnvColumnsStorage  # noqa: PLW0642  (the [T, num_envs] layout is a subclass of its own)
@@ -155,14 +156,15 @@ class GearStorage(RateLimitedStorage, TensorStorage):
             raise ValueError("a shared GearStorage lives in host shared memory; memory='device' cannot be shared")
         _check_hot_rows(hot_rows, device, memory, shared)
         if handle is not None:
-            max_size = handle.capacity
+            max_size, ndim = handle.capacity, handle.ndim
         Storage.__init__(self, max_size, checkpointer=checkpointer, compilable=compilable)
         self.device = device
         self.memory = memory
         on_gpu = device.type == "cuda"
         if shared:
             self._shard = SharedShard(self.max_size, handle=handle, register_host=on_gpu, out_device=device,
-                                      end_keys=end_keys, traj_key=traj_key, reader_timeout_s=reader_timeout)
+                                      end_keys=end_keys, traj_key=traj_key, reader_timeout_s=reader_timeout,
+                                      addressing=self._addressing)
         else:
             self._shard = Shard(self.max_size, device=device if memory == "device" else "cpu",
                                 register_host=on_gpu and memory == "host", out_device=device, end_keys=end_keys,
@@ -171,7 +173,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         self._home_pid = os.getpid()  # a copy in another process (pickled, forked) is not these rows
         self._warned_copy = False
         self._rates = Rates()
-        self._drawn: torch.Tensor | None = None
+        self._drawn: Any = None  # the index this store's sampler drew last: ``get`` reads it unchecked
         self.__dict__["_storage_keys"] = None
         self._rule_version = -1  # of a shared store's published rule, as this process last read it
         if rate_limiter is not None:
@@ -238,7 +240,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
             picked = pick_exactly(selector, shard, count, generator)
         selection = self._selection(picked, markers)
         index = selection.index
-        if isinstance(index, torch.Tensor) and plan_of(index) is None and index.device == self.device:
+        if plan_of(index) is None and (not isinstance(index, torch.Tensor) or index.device == self.device):
             self._drawn = index  # rows picked here are in range: ``get`` skips checking them
         return selection
 
@@ -360,7 +362,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
             return cast(TensorDictBase, self.get(slice(None)))[index]
         return self._read_rows(index, drawn)
 
-    def _read_rows(self, index: Index, drawn: torch.Tensor | None) -> Data:
+    def _read_rows(self, index: Index, drawn: Any) -> Data:
         """Rows at TorchRL's ``index`` (``drawn``: what ``_rand_given_ndim`` drew last, in range already)."""
         if isinstance(index, tuple) and len(index) == 1:
             index = index[0]
@@ -607,6 +609,7 @@ def _positions(cursor: Index, capacity: int) -> torch.Tensor:
 
 def _attach(handle: SharedStoreHandle, device: str) -> GearStorage:
     return GearStorage(handle.capacity, device=device, handle=handle)
+
 
 
 def _check_hot_rows(hot_rows: int, device: torch.device, memory: str, shared: bool) -> None:

@@ -33,6 +33,7 @@ class Addressing(ABC):
     """How the ``capacity`` rows of a ring are steps (see the module docstring)."""
 
     episodes: Episodes
+    ndim: int  # TorchRL's ``ndim`` of a storage addressed so
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -51,6 +52,18 @@ class Addressing(ABC):
                dropped_ends: torch.Tensor | None, evicted: int) -> None:
         """Record appended ``rows`` in the episode index, ``evicted`` oldest rows dropped;
         ``dropped_ends``: end flags of the write's first rows the ring could not hold (None: it held them all)."""
+
+    @abstractmethod
+    def append_dead(self, rows: torch.Tensor) -> None:
+        """Record appended ``rows`` as a crashed writer's: one closed episode that no sampler picks."""
+
+    @abstractmethod
+    def evict(self, rows: int) -> None:
+        """Drop the ``rows`` oldest rows from the episode index (another process is about to overwrite them)."""
+
+    @abstractmethod
+    def closed_ends(self) -> torch.Tensor:
+        """Ring rows that end a closed live episode (not a crashed writer's): what a copy of the store keeps."""
 
     @abstractmethod
     def rebuild(self, order: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None) -> None:
@@ -89,6 +102,7 @@ class StepRows(Addressing):
     """Row ``i`` of the ring is a step of one stream; episodes are runs of rows."""
 
     episodes: EpisodeIndex
+    ndim = 1
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -107,6 +121,17 @@ class StepRows(Addressing):
             self.episodes.close_open()
         self.episodes.append(rows, ends, evicted=evicted, traj_first=None if traj is None else int(traj[0]),
                              traj_last=None if traj is None else int(traj[-1]))
+
+    def append_dead(self, rows: torch.Tensor) -> None:
+        self.episodes.append(rows, None, evicted=0, dead=True)
+
+    def evict(self, rows: int) -> None:
+        self.episodes.evict(rows)
+
+    def closed_ends(self) -> torch.Tensor:
+        view = self.episodes.live()
+        keep = view.closed & ~view.dead
+        return (view.start[keep] + view.length[keep] - 1) % self.capacity
 
     def rebuild(self, order: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None) -> None:
         self.episodes.rebuild(order, ends, traj_last=None if traj is None else int(traj[-1]))
@@ -137,6 +162,7 @@ class EnvColumns(Addressing):
     """
 
     episodes: EnvEpisodes
+    ndim = 2
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -192,6 +218,19 @@ class EnvColumns(Addressing):
         self.episodes.append(rows[::envs] // envs, _by_time(ends, envs), evicted // envs, _by_time(traj, envs),
                              _by_time(dropped_ends, envs))
 
+    def append_dead(self, rows: torch.Tensor) -> None:
+        self.episodes.append_dead(rows[:: self._envs] // self._envs)
+
+    def evict(self, rows: int) -> None:
+        self.episodes.evict(rows // self._envs)
+
+    def closed_ends(self) -> torch.Tensor:
+        view = self.episodes.live()
+        assert view.env is not None, "env columns' episodes know their env"
+        keep = view.closed & ~view.dead
+        last = (view.start[keep] + view.length[keep] - 1) % self.time_capacity
+        return last * self._envs + view.env[keep]
+
     def rebuild(self, order: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None) -> None:
         envs = self._envs
         self.episodes.rebuild(order[::envs] // envs, _by_time(ends, envs), _by_time(traj, envs))
@@ -243,8 +282,18 @@ class EnvColumns(Addressing):
                                 oldest_time_row=head // num_envs if size == self.capacity else 0, tracked=tracked)
 
     def load_state(self, state: dict) -> None:
-        if state["num_envs"] and not self._envs:
+        """Lay out the ``num_envs`` a state (or a shared store's published layout) holds; raises ValueError
+        when this store holds another number."""
+        if state.get("num_envs"):
             self.lay_out(state["num_envs"])
+
+
+def addressing_of(ndim: int) -> type[Addressing]:
+    """The addressing of TorchRL's ``ndim`` (1: steps, 2: ``[T, num_envs]`` steps)."""
+    kinds: dict[int, type[Addressing]] = {StepRows.ndim: StepRows, EnvColumns.ndim: EnvColumns}
+    if ndim not in kinds:
+        raise ValueError(f"ndim={ndim}: ndim=1 ([steps] rows) and ndim=2 ([T, num_envs] steps) are supported")
+    return kinds[ndim]
 
 
 @overload

@@ -58,7 +58,7 @@ class EnvEpisodes:
         self._start = torch.zeros(shape, dtype=torch.int64)  # time row of the first live step
         self._length = torch.zeros(shape, dtype=torch.int64)
         self._closed = torch.zeros(shape, dtype=torch.bool)
-        self._dead = torch.zeros(shape, dtype=torch.bool)  # never set: only shared stores have crashed writers
+        self._dead = torch.zeros(shape, dtype=torch.bool)  # a crashed writer's steps (shared stores)
         self._window_starts: tuple[int, torch.Tensor] | None = None  # (revision, starts as window rows)
 
     @property
@@ -98,10 +98,6 @@ class EnvEpisodes:
     @property
     def dead(self) -> torch.Tensor:
         return self._dead.reshape(-1)
-
-    @property
-    def has_dead(self) -> bool:
-        return bool(self._dead.any())
 
     @property
     def num_episodes(self) -> int:
@@ -150,6 +146,21 @@ class EnvEpisodes:
         self.open_traj = traj[-1].tolist() if traj is not None else [None] * self.num_envs
         self.changes.record(changed if changed is None or not closed.numel() else torch.cat((closed, changed)))
 
+    def append_dead(self, time_rows: torch.Tensor) -> None:
+        """Record ``time_rows`` (consecutive) of every column as one closed episode a crashed writer left."""
+        closed = self._close_open(np.ones(self.num_envs, dtype=bool))
+        ends = torch.zeros(time_rows.numel(), self.num_envs, dtype=torch.bool)
+        ends[-1] = True
+        changed = self._record(time_rows, ends, evicted=0, dead=True)
+        self.open_traj = [None] * self.num_envs
+        self.changes.record(changed if changed is None or not closed.numel() else torch.cat((closed, changed)))
+
+    def evict(self, time_rows: int) -> None:
+        """Drop the ``time_rows`` oldest steps of every column (another process is about to overwrite them)."""
+        if time_rows > 0:
+            no_rows = torch.empty(0, dtype=torch.int64)
+            self.changes.record(self._record(no_rows, torch.empty(0, self.num_envs, dtype=torch.bool), time_rows))
+
     def rebuild(self, time_order: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None) -> None:
         """Recompute every column from scratch: ``time_order`` oldest first, ``ends``/``traj`` ``[steps, num_envs]``."""
         self.clear()
@@ -175,9 +186,11 @@ class EnvEpisodes:
         newest, is_open = self._newest()
         env = np.flatnonzero(columns & is_open)
         self._closed.numpy()[env, newest[env]] = True
+        emptied = env[self._length.numpy()[env, newest[env]] == 0]  # by eviction: the only live one, it leaves
+        self.first_serial.numpy()[emptied] = self.next_serial.numpy()[emptied]
         return torch.from_numpy(env * self.slots + newest[env])
 
-    def _record(self, rows: torch.Tensor, ends: torch.Tensor, evicted: int) -> torch.Tensor | None:
+    def _record(self, rows: torch.Tensor, ends: torch.Tensor, evicted: int, dead: bool = False) -> torch.Tensor | None:
         """Drop the ``evicted`` oldest steps of every column and record ``rows`` (``ends``: ``[steps, num_envs]``)
         as its newest; the reader slots that changed, None when the records had to be remapped."""
         ends = ends.cpu().contiguous()
@@ -185,7 +198,8 @@ class EnvEpisodes:
         room = (self.next_serial - self.first_serial).numpy() + ends.numpy()[:-1].sum(0) + 1
         remapped = self._reserve(int(room.max()))
         changed = _C.episodes_append(self._start, self._length, self._closed, self._dead, self.first_serial,
-                                     self.next_serial, rows.cpu().contiguous(), ends, evicted, self.time_capacity)
+                                     self.next_serial, rows.cpu().contiguous(), ends, evicted, self.time_capacity,
+                                     dead)
         return None if remapped else changed
 
     def _reserve(self, live: int) -> bool:

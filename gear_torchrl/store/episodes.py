@@ -81,9 +81,6 @@ class Episodes(Protocol):
     def dead(self) -> torch.Tensor: ...
 
     @property
-    def has_dead(self) -> bool: ...
-
-    @property
     def num_episodes(self) -> int: ...
 
     @property
@@ -236,15 +233,6 @@ class EpisodeIndex:
         self.first_serial, self.next_serial = serials.tolist()
         self._changed(None if remapped else changed)  # remapped: every slot moved
 
-    @property
-    def has_dead(self) -> bool:
-        # Asked on every remote read: recomputed only when the index changed.
-        key = (self.revision, self.first_serial, self.next_serial, id(self.dead))
-        if getattr(self, "_dead_known", (None,))[0] != key:
-            dead = self.num_episodes > 0 and bool(self.dead[self._slots(self.first_serial, self.next_serial)].any())
-            self._dead_known = (key, dead)
-        return self._dead_known[1]
-
     def _reserve(self, live: int) -> bool:
         """Grow the per-episode arrays so ``live`` episodes have distinct slots; True when they moved."""
         if live <= self.start.numel():
@@ -261,8 +249,11 @@ class EpisodeIndex:
 
     def close_open(self) -> None:
         if self._newest_open():
-            self.closed[self._newest_slot()] = True
-            self._changed(torch.tensor([self._newest_slot()]))
+            newest = self._newest_slot()
+            self.closed[newest] = True
+            if int(self.length[newest]) == 0:  # emptied by eviction (then it is the only live one): it leaves
+                self.first_serial = self.next_serial
+            self._changed(torch.tensor([newest]))
 
     def rebuild(self, order: torch.Tensor, ends: torch.Tensor, traj_last: int | None = None) -> None:
         """Recompute the index from scratch for rows ``order`` (oldest first)."""

@@ -435,14 +435,15 @@ class Shard:
             return torch.arange(self.size, dtype=torch.int64)
         return (torch.arange(self.capacity, dtype=torch.int64) + self.head) % self.capacity
 
-    def rebuild_episodes(self) -> None:
-        """Re-derive the episode index from the stored flags (after a write that was not an append)."""
+    def rebuild_episodes(self, ends: torch.Tensor | None = None) -> None:
+        """Re-derive the episode index from the stored flags (after a write that was not an append);
+        ``ends`` (over rows oldest first) marks further episode ends."""
         order = self.logical_order()
         if order.numel() == 0:
             self.episodes.clear()
             return
-        ends, traj = self._stored_ends(order)
-        self.addressing.rebuild(order, ends, traj)
+        flagged, traj = self._stored_ends(order)
+        self.addressing.rebuild(order, flagged if ends is None else flagged | ends, traj)
 
     def _stored_ends(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Episode ends and trajectory ids of stored ``rows``, read from their flag columns."""
@@ -523,10 +524,11 @@ class Shard:
         self.episodes.load(state["episodes"])
         self.commits.clear()
 
-    def take_rows(self, leaves: Leaves, size: int, head: int) -> None:
+    def take_rows(self, leaves: Leaves, size: int, head: int, ends: torch.Tensor | None = None) -> None:
         """Hold ``leaves`` (checked rows, ``validated``) as rows ``[0, leaves.n)`` in place, without copying
         them: ``size`` readable, the next append at ``head`` (the oldest row once the ring is full). The
-        episode index is derived from their flags.
+        episode index is derived from their flags, and ``ends`` (bool over the rows oldest first: episode
+        ends no flag marks, such as a shared store's commits).
 
         For a new scratch shard whose ``state()`` is then loaded elsewhere: this is how another storage's
         slots (a TorchRL checkpoint's mapped files, a state dict) become a shard state with one copy, not two.
@@ -543,7 +545,7 @@ class Shard:
             self.objects[position][: leaves.n] = objects
         self.size, self.head, self.written = size, head, leaves.n
         if self.tracks_episodes:
-            self.rebuild_episodes()
+            self.rebuild_episodes(ends)
 
     # -- reads -----------------------------------------------------------------------
     # A sampler picks rows inside ``picking()`` and the storage then reads them. Here

@@ -4,11 +4,13 @@ Columns live in one shared segment (each column page-aligned, so CUDA can
 register it), the commit protocol in a control segment (``commit_log``).
 Every process keeps its own episode index: on ``refresh`` it replays the
 commits published since its last look, in ring order, reading episode ends
-from the stored flag columns. The index code, the gather and the samplers
-are the local shard's; only where rows come from differs.
+from the stored flag columns. The index code, the gather, the samplers and
+the addressing (steps of one stream, or ``[T, num_envs]`` steps, published
+with the columns' layout) are the local shard's; only where rows come from
+differs.
 
-Each commit is a segment of its own: its last row ends an episode unless a
-trajectory key says the next commit continues it, since the next rows in
+Each commit is a segment of its own: its last time step ends an episode unless
+a trajectory key says the next commit continues it, since the next rows in
 the ring may be another process's.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from gear_torchrl.errors import EmptyStoreError, ReadRevokedError, SpecMismatchError
 from gear_torchrl.kernels import _C
+from gear_torchrl.store.addressing import Addressing, StepRows, addressing_of
 from gear_torchrl.store.commit_log import (
     DEFAULT_READER_TIMEOUT_S,
     CommitLog,
@@ -30,7 +33,6 @@ from gear_torchrl.store.commit_log import (
     control_bytes,
     reader_timeout_us,
 )
-from gear_torchrl.store.episodes import EpisodeIndex
 from gear_torchrl.store.live_rows import LiveRows, dead_runs_array
 from gear_torchrl.store.rate_counters import SharedRateCounters
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, as_index_tensor
@@ -60,6 +62,7 @@ class SharedStoreHandle:
     capacity: int
     end_keys: tuple[NestedKey, ...]
     traj_key: NestedKey | None
+    ndim: int = 1  # TorchRL's: 2 holds [T, num_envs] steps
 
 
 class SharedShard(Shard):
@@ -68,8 +71,6 @@ class SharedShard(Shard):
     The creating process owns the segments: they are removed when it calls
     ``close()`` or exits, however it exits.
     """
-
-    episodes: EpisodeIndex
 
     def __init__(
         self,
@@ -81,11 +82,13 @@ class SharedShard(Shard):
         end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
         traj_key: NestedKey | None = None,
         reader_timeout_s: float = DEFAULT_READER_TIMEOUT_S,
+        addressing: type[Addressing] = StepRows,
     ) -> None:
         if handle is not None:
             capacity, end_keys, traj_key = handle.capacity, handle.end_keys, handle.traj_key
+            addressing = addressing_of(handle.ndim)
         super().__init__(capacity, register_host=register_host, out_device=out_device,
-                         end_keys=end_keys, traj_key=traj_key)
+                         end_keys=end_keys, traj_key=traj_key, addressing=addressing)
         self.is_owner = handle is None
         self._janitor: Janitor | None = None
         if handle is None:
@@ -120,14 +123,15 @@ class SharedShard(Shard):
 
     @property
     def handle(self) -> SharedStoreHandle:
-        return SharedStoreHandle(self.store_id, self.capacity, self.end_keys, self.traj_key)
+        return SharedStoreHandle(self.store_id, self.capacity, self.end_keys, self.traj_key, self.addressing.ndim)
 
     # -- the columns' segments ---------------------------------------------------------------
     # The first write lays its columns out in segment "data"; a later write that brings new
     # keys lays those out in a segment of its own ("data1", "data2", ...), zero-filled, so
     # every row written before reads zeros there. The control segment holds the layout:
-    # the spec and where each column lives. Each process maps what was added on its next
-    # access (``_map_data``: one integer read when nothing changed).
+    # the spec, where each column lives and the addressing's layout (its number of env
+    # columns). Each process maps what was added on its next access (``_map_data``: one
+    # integer read when nothing changed).
     def _map_data(self) -> None:
         """Map the columns some process laid out or added since this process last looked."""
         if self.log.layout_version == self._layout_version:
@@ -135,6 +139,7 @@ class SharedShard(Shard):
         version, layout = self.log.read_layout()
         if layout is None:
             return
+        self.addressing.load_state(layout)  # first: a write laid out for another number of envs is refused
         for index in range(len(self._segments), len(layout["segments"])):
             self._segments.append(map_tensor(segment_path(self.store_id, _segment_name(index))))
         self.segment = self._segments[0]
@@ -166,7 +171,8 @@ class SharedShard(Shard):
 
         sizes = [int(t.numel()) for t in self._segments]
         layout = {"spec": spec.to_json(), "segments": [*sizes, total],
-                  "placement": [*map(list, self._placement), *([index, o] for o in offsets)]}
+                  "placement": [*map(list, self._placement), *([index, o] for o in offsets)],
+                  **self.addressing.state()}
         published = self.log.publish_layout(layout, self._layout_version, create, lambda: path.unlink(missing_ok=True))
         self._map_data()
         return published
@@ -204,7 +210,7 @@ class SharedShard(Shard):
         reservation = self.log.reserve(n)
         rows = (torch.arange(n, dtype=torch.int64) + reservation.position) % self.capacity
         if leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
-            values, columns = [*values, rows.clone()], (*columns, leaves.spec.position("index"))
+            values, columns = [*values, self.addressing.torchrl_positions(rows)], (*columns, leaves.spec.position("index"))
         try:
             self._map_data()  # columns added since: these rows may hold an older lap's bytes there
             if len(columns) < len(self.columns):
@@ -334,7 +340,7 @@ class SharedShard(Shard):
         under writers that lap the store, an index names a live row, not a fixed one.
         """
         if scan is not None:
-            offsets = as_index_tensor(index, len(scan), "read")
+            offsets = self._scan_offsets(index, len(scan))
             return offsets, scan.positions(offsets.reshape(-1).cpu())
         live = self._live_rows()
         if len(live) == 0:
@@ -342,6 +348,13 @@ class SharedShard(Shard):
         count = len(live) if self._numbered is None else self._numbered
         offsets = as_index_tensor(index, count, "read")
         return offsets, live.positions(torch.remainder(offsets.reshape(-1) + (len(live) - count), len(live)))
+
+    def _scan_offsets(self, index: Index, live: int) -> torch.Tensor:
+        """The live rows a scan's ``index`` names: a slice (and more) into ``[T, num_envs]`` steps for env
+        columns; rows of ``[0, live)`` otherwise (the steps a scan's later reads name are flat already)."""
+        if self.num_envs is not None and isinstance(index, (slice, tuple)):
+            return torch.arange(live, dtype=torch.int64).view(self.addressing.grid(live))[index]
+        return as_index_tensor(index, live, "read")
 
     def _drop_scan(self) -> None:
         """Forget a scan's numbering, and end the read section it held (nothing was read under it since)."""
@@ -359,9 +372,15 @@ class SharedShard(Shard):
         return (live.positions(offsets) % self.capacity).to(device)
 
     def _dead(self, rows: torch.Tensor) -> torch.Tensor:
-        """Which of ``rows`` a writer that died left half-written."""
-        slots, _, _ = self.episodes.locate(rows)
-        return self.episodes.dead[slots]
+        """Which of ``rows`` (readable ring rows) a writer that died left half-written."""
+        runs = dead_runs_array(self._dead_runs)
+        position = (self._hi - 1 - (self._hi - 1 - rows.reshape(-1).cpu()) % self.capacity).numpy()
+        run = np.searchsorted(runs[:, 0], position, side="right") - 1
+        return torch.from_numpy((run >= 0) & (position < runs[np.maximum(run, 0), 1])).reshape(rows.shape)
+
+    @property
+    def _has_dead(self) -> bool:
+        return bool(self._dead_runs)
 
     @property
     def ring_rows(self) -> int:
@@ -436,19 +455,20 @@ class SharedShard(Shard):
         stale = position < self._lo
         if bool(stale.any()):
             raise IndexError(f"row {int(rows[stale][0])} is not readable: it was evicted or is being rewritten")
-        if self.episodes.has_dead:
+        if self._has_dead:
             dead = self._dead(rows)
             if bool(dead.any()):
                 raise IndexError(f"row {int(rows[dead][0])} was left half-written by a writer that died")
 
     def check_readable_windows(self, windows: Windows) -> None:
         # The readable rows are the ring interval of positions [lo, hi): one C++ pass, no row list.
-        row = _C.first_row_outside(windows.starts, windows.valid_begin, windows.valid_end, windows.seq_len,
+        plan = self.addressing.gather_plan(windows)  # runs of ring rows
+        row = _C.first_row_outside(plan.starts, plan.valid_begin, plan.valid_end, plan.seq_len,
                                    self.capacity, self._lo % self.capacity, self._hi - self._lo)
         if row >= 0:
             raise IndexError(f"row {row} is not readable: it was evicted or is being rewritten")
-        if self.episodes.has_dead:
-            self.check_readable(windows.rows(self.capacity)[windows.mask()])  # names the half-written row
+        if self._has_dead:
+            self.check_readable(plan.rows(self.capacity)[windows.mask()])  # names the half-written row  # names the half-written row
 
     def refresh(self) -> None:
         """Open a read section and replay what was published since the last one."""
@@ -462,6 +482,7 @@ class SharedShard(Shard):
             self.episodes.clear()
             self._lo = self._hi = int(snapshot.records[0, 0]) if len(snapshot.records) else snapshot.published_end
         lo = max(snapshot.evicted_end - self.capacity, snapshot.floor, 0)
+        lo = -(-lo // (self.num_envs or 1)) * (self.num_envs or 1)  # whole time steps (evictions run a block ahead)
         for position, end, dead, record_ends in _runs(snapshot.records):
             self._evict_to(min(lo, position))
             first = max(position, lo)
@@ -479,15 +500,15 @@ class SharedShard(Shard):
         """Append positions ``[first, end)``: dead rows, or committed records ending at ``record_ends``."""
         rows = torch.arange(first, end, dtype=torch.int64) % self.capacity
         if dead:
-            self.episodes.append(rows, None, evicted=0, dead=True)
+            self.addressing.append_dead(rows)
             self._dead_runs.append((first, end))
             return
         ends, traj = self._stored_ends(rows)
-        if traj is None:  # the next commit in the ring may be another writer's
-            ends[torch.from_numpy(record_ends[record_ends > first] - 1 - first)] = True
-        self.episodes.append(rows, ends, evicted=0,
-                             traj_first=None if traj is None else int(traj[0]),
-                             traj_last=None if traj is None else int(traj[-1]))
+        if traj is None:  # the next commit in the ring may be another writer's: its last time step ends episodes
+            step = self.num_envs or 1
+            last = (record_ends[record_ends > first] - first) // step - 1
+            ends.view(-1, step)[torch.from_numpy(last)] = True
+        self.addressing.append(rows, ends, traj, None, evicted=0)
 
     def rows_changed_since(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         old_lo, old_hi = position
@@ -495,7 +516,7 @@ class SharedShard(Shard):
         gone = torch.arange(max(old_lo, gone_end - self.capacity), max(old_lo, gone_end), dtype=torch.int64)
         gone %= self.capacity
         new = torch.arange(max(old_hi, self._lo), self._hi, dtype=torch.int64) % self.capacity
-        if new.numel() and self.episodes.has_dead:
+        if new.numel() and self._has_dead:
             dead = self._dead(new)
             gone, new = torch.cat([gone, new[dead]]), new[~dead]
         return gone, new, (self._lo, self._hi)
@@ -503,14 +524,14 @@ class SharedShard(Shard):
     def _evict_to(self, position: int) -> None:
         k = min(position, self._hi) - self._lo
         if k > 0:
-            self.episodes.evict(k)
+            self.addressing.evict(k)
             self._lo += k
         self._dead_runs = [(max(a, self._lo), b) for a, b in self._dead_runs if b > self._lo]
 
     def logical_order(self) -> torch.Tensor:
         return torch.arange(self._lo, self._hi, dtype=torch.int64) % self.capacity
 
-    def rebuild_episodes(self) -> None:
+    def rebuild_episodes(self, ends: torch.Tensor | None = None) -> None:
         raise NotImplementedError("a shared shard's episodes come from its commits")
 
     def state(self) -> dict:
@@ -525,24 +546,19 @@ class SharedShard(Shard):
     def snapshot(self) -> tuple[dict, torch.Tensor]:
         """``state()`` and the ring row each saved row came from (what per-row state elsewhere follows)."""
         with self.picking():  # ends the read section itself if anything here raises
-            view = self.episodes.live()
-            keep = ~view.dead
-            rows = self.episodes.rows_of(self.episodes.slots_of(view.serial[keep]))
+            live = self._live_rows()
+            rows = live.positions(torch.arange(len(live), dtype=torch.int64)) % self.capacity  # oldest first
+            ends = torch.isin(rows, self.addressing.closed_ends())  # commits end episodes the flags do not
             mapped = self.mapped_columns()  # another process may have laid the columns out since we attached
             if self.table is not None:
                 self.claim_gather(rows.numel())  # the whole store: writers wait that long on top, no longer
             columns = [c[rows] for c in mapped] if self.table is not None else []
         self.release()
-        length = view.length[keep]
-        return {
-            "capacity": self.capacity,
-            "spec": None if self.table is None else self.table.to_json(),
-            "size": rows.numel(),
-            "head": rows.numel() % self.capacity,
-            "columns": columns,
-            "episodes": {"start": torch.cumsum(length, 0) - length, "length": length, "closed": view.closed[keep],
-                         "first_serial": 0, "next_serial": int(length.numel()), "open_traj": None},
-        }, rows
+        copy = Shard(self.capacity, end_keys=self.end_keys, traj_key=self.traj_key, addressing=type(self.addressing))
+        copy.addressing.load_state(self.addressing.state())
+        if self.table is not None:
+            copy.take_rows(Leaves.whole(self.table, columns), rows.numel(), rows.numel() % self.capacity, ends=ends)
+        return copy.state(), rows
 
     def load_state(self, state: dict) -> None:
         """Commit a saved shard's episodes into this empty shared store, oldest first, one commit each.
@@ -556,17 +572,17 @@ class SharedShard(Shard):
         if spec is None or not columns:
             return
         _refuse_objects(spec)
-        episodes = state["episodes"]
-        starts = torch.as_tensor(episodes["start"], dtype=torch.int64)
-        lengths = torch.as_tensor(episodes["length"], dtype=torch.int64)
-        if bool((lengths < 0).any()):
-            raise ValueError("the checkpoint's episode index has negative lengths: it is damaged")
-        first_of_each = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-        rows = (starts.repeat_interleave(lengths) + torch.arange(int(lengths.sum())) - first_of_each) % self.capacity
-        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < columns[0].shape[0]:
-            raise ValueError("the checkpoint's episode index names rows its columns do not hold: it is damaged")
-        for episode_rows in torch.split(rows, lengths.tolist()):
-            self.commit(Leaves.whole(spec, [c[episode_rows] for c in columns]))
+        saved = type(self.addressing)(self.capacity)  # the saved episode index, to cut commits where it ends
+        saved.load_state(state)
+        saved.episodes.load(state["episodes"])
+        size, head = int(state["size"]), int(state["head"])
+        rows = (torch.arange(size, dtype=torch.int64) + (head if size == self.capacity else 0)) % self.capacity
+        step = saved.num_envs or 1
+        ends_every_env = torch.isin(rows, saved.closed_ends()).view(-1, step).all(1)
+        cuts = ((torch.nonzero(ends_every_env).reshape(-1) + 1) * step).tolist()
+        self.addressing.load_state(state)  # published with the columns' layout by the first commit
+        for commit_rows in torch.tensor_split(rows, [c for c in cuts if c < size]):
+            self.commit(Leaves.whole(spec, [c[commit_rows] for c in columns]))
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
