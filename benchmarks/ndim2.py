@@ -2,7 +2,8 @@
 
 Extends of ``[num_envs, T]`` batches (``dim_extend=1``, as batched-env collectors give
 them), uniform steps, and windows (``GearSequenceSampler`` against TorchRL's
-``SliceSampler`` over the same storage shape). Interleaved medians, one thread.
+``SliceSampler`` over the same storage shape), through a local and a shared
+(``shared=True``) GearStorage. Interleaved medians, one thread.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ndim2.py [--envs 16] [--steps 65536] [--out FILE]
 """
@@ -38,7 +39,9 @@ def main() -> None:
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     chunk = env_batch(args.envs, 200, 0)
     fns = {}
-    for label, make in (("GearStorage", GearStorage), ("LazyTensorStorage", LazyTensorStorage)):
+    stores = (("GearStorage", GearStorage), ("LazyTensorStorage", LazyTensorStorage),
+              ("shared GearStorage", lambda n, ndim: GearStorage(n, ndim=ndim, shared=True)))
+    for label, make in stores:
         def buffer(sampler=None, batch=256, make=make):
             rb = TensorDictReplayBuffer(storage=make(args.steps, ndim=2), dim_extend=1, batch_size=batch,
                                         **({} if sampler is None else {"sampler": sampler}))
@@ -46,8 +49,8 @@ def main() -> None:
                 rb.extend(env_batch(args.envs, 200, first))
             return rb
         uniform = buffer()
-        windows_sampler = (GearSequenceSampler(32, strict_length=True) if label == "GearStorage"
-                           else SliceSampler(slice_len=32, end_key=("next", "done"), strict_length=True))
+        windows_sampler = (SliceSampler(slice_len=32, end_key=("next", "done"), strict_length=True)
+                           if label == "LazyTensorStorage" else GearSequenceSampler(32, strict_length=True))
         windows = buffer(windows_sampler, batch=64 * 32)
         fns[f"extend [{args.envs}, 200] / {label}"] = lambda rb=uniform: rb.extend(chunk)
         fns[f"256 uniform steps / {label}"] = uniform.sample
@@ -55,9 +58,11 @@ def main() -> None:
     times = interleaved_medians(fns, repeats=args.repeats, inner=10)
     results = []
     for op in (f"extend [{args.envs}, 200]", "256 uniform steps", "64 windows of 32"):
-        gear, lazy = times[f"{op} / GearStorage"], times[f"{op} / LazyTensorStorage"]
-        results.append({"op": op, "gear_ms": round(gear * 1e3, 3), "torchrl_ms": round(lazy * 1e3, 3),
-                        "gear_speedup": round(lazy / gear, 2)})
+        lazy = times[f"{op} / LazyTensorStorage"]
+        for label, suffix in (("GearStorage", ""), ("shared GearStorage", " (shared)")):
+            gear = times[f"{op} / {label}"]
+            results.append({"op": op + suffix, "gear_ms": round(gear * 1e3, 3), "torchrl_ms": round(lazy * 1e3, 3),
+                            "gear_speedup": round(lazy / gear, 2)})
     print(f"ndim=2, {args.envs} envs, {args.steps:,} steps stored; one thread, median of {args.repeats}")
     print(table(results, ["op", "gear_ms", "torchrl_ms", "gear_speedup"]))
     write_json(args.out, {"benchmark": "ndim2", "envs": args.envs, "steps": args.steps, "results": results})

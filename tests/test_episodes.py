@@ -149,6 +149,15 @@ def test_env_columns_each_equal_the_model_and_readers_hear_of_every_change(time_
             mine = view.env == e
             got = list(zip(view.start[mine].tolist(), view.length[mine].tolist(), view.closed[mine].tolist()))
             assert got == model_episodes(history[e], time_capacity), f"env column {e}"
+        # Every stored step is found in its own episode, at its offset; rows_of lists them back.
+        live_slots = torch.arange(envs * index.slots)[index.slot_is_live(torch.arange(envs * index.slots))]
+        rows = index.rows_of(live_slots)
+        slots, offset, found = index.locate(rows)
+        owner = live_slots.repeat_interleave(index.length[live_slots])
+        assert bool(found.all()) and torch.equal(slots, owner)
+        assert torch.equal(offset, torch.cat([torch.arange(n) for n in index.length[live_slots].tolist()] or
+                                             [torch.empty(0, dtype=torch.int64)]))
+        assert sorted(rows.tolist()) == sorted(set(rows.tolist())) and rows.numel() == min(g, time_capacity) * envs
         changed = index.changed_since(before[3])
         if changed is None or index.start.numel() != before[0].numel():
             continue  # the records were remapped: readers rebuild

@@ -340,6 +340,29 @@ def test_prioritized_sampler_over_env_columns():
     assert rb.sampler.total_mass == pytest.approx(1.0, rel=1e-6)  # that one step, now at priority 1
 
 
+def test_prioritized_windows_over_env_columns_follow_their_keys_priorities():
+    envs = BatchedEnvs()
+    rb = TensorDictReplayBuffer(storage=GearStorage(40, ndim=2), batch_size=12, dim_extend=1,
+                                sampler=GearPrioritizedSequenceSampler(40, seq_len=2, alpha=1.0, reduction="start"),
+                                generator=torch.Generator().manual_seed(0))
+    for steps in (6, 7):  # the second write wraps the time ring of 10
+        rb.extend(envs.batch(steps))
+    batch = rb.sample()
+    for window in batch.reshape(-1, 2).unbind(0):  # one env column, one episode, consecutive steps
+        assert (window["env"] == window["env"][0]).all() and (window["step"].diff() == 1).all()
+        assert (window["collector", "traj_ids"] == window["collector", "traj_ids"][0]).all()
+    t, e = batch["index"].unbind(-1)
+    assert torch.equal(batch["env"], e) and torch.equal(rb.storage[(t, e)]["obs"], batch["obs"])
+    key = batch["index"][0]  # the first window's first step keys it (no burn-in)
+    every = torch.stack(torch.meshgrid(torch.arange(10), torch.arange(ENVS), indexing="ij"), -1).reshape(-1, 2)
+    priority = torch.where((every == key).all(-1), 5.0, 0.0)  # every key's mass to zero but that one's
+    rb.update_priority(every, priority)
+    again = rb.sample()
+    assert bool((again["index"].view(-1, 2, 2)[:, 0] == key).all())
+    assert torch.equal(again["obs"].view(-1, 2, 3)[0], batch["obs"][:2])
+    assert rb.sampler.total_mass == pytest.approx(5.0, rel=1e-5)
+
+
 def test_a_priority_update_skips_steps_rewritten_since_they_were_drawn():
     envs = BatchedEnvs()
     rb = TensorDictReplayBuffer(storage=GearStorage(40, ndim=2), batch_size=16,
@@ -518,11 +541,10 @@ def test_what_does_not_follow_env_columns_yet_is_refused():
         writer = TrajectoryWriter(storage)
         writer.extend(BatchedEnvs().batch(3)[0])
         writer.end_episode()
-    for sampler, reason in ((GearPrioritizedSequenceSampler(40, seq_len=2), "prioritized windows"),
-                            (GearSequenceSampler(seq_len=2, cross_ring_end=False), "cross_ring_end=False")):
-        rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=4)
-        with pytest.raises(NotImplementedError, match=reason):
-            rb.sample()
+    rb = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(seq_len=2, cross_ring_end=False),
+                                batch_size=4)
+    with pytest.raises(NotImplementedError, match="cross_ring_end=False"):
+        rb.sample()
     assert len(storage) == 20
 
 

@@ -15,9 +15,21 @@ import torch
 from helpers import assert_same_td
 from ndim2_workers import ENVS, EnvSteps, extend_batches
 from tensordict import TensorDict
-from torchrl.data import RandomSampler, SliceSampler, TensorDictReplayBuffer
+from torchrl.data import (
+    LazyTensorStorage,
+    RandomSampler,
+    SamplerWithoutReplacement,
+    SliceSampler,
+    TensorDictReplayBuffer,
+)
 
-from gear_torchrl import GearSequenceSampler, GearStorage, GearUniformSampler
+from gear_torchrl import (
+    GearPrioritizedSequenceSampler,
+    GearSequenceSampler,
+    GearStorage,
+    GearUniformSampler,
+    TrajectoryWriter,
+)
 
 pytestmark = pytest.mark.usefixtures("no_shm_leaks")
 CTX = mp.get_context("spawn")
@@ -80,10 +92,10 @@ def test_two_writer_processes_append_time_steps_and_windows_never_cross_them(tra
             assert p.exitcode == 0, f"{p.name} exited with {p.exitcode}"
         # 2 x 12 batches of 3-5 steps wrap the ring; eviction runs a block (whole time steps) ahead of writers
         assert len(storage) % ENVS == 0 and 4 * 62 <= len(storage) <= 4 * 64 and storage.shard.num_envs == ENVS
-        sampler = GearSequenceSampler(seq_len=3)
-        batch = _buffer(storage, sampler, batch_size=3 * 64).sample()
-        for window in batch.reshape(-1, 3).unbind(0):
-            _assert_window_in_one_episode(window, traj_ids)
+        for sampler in (GearSequenceSampler(seq_len=3), GearPrioritizedSequenceSampler(4 * 64, seq_len=3)):
+            batch = _buffer(storage, sampler, batch_size=3 * 64).sample()
+            for window in batch.reshape(-1, 3).unbind(0):
+                _assert_window_in_one_episode(window, traj_ids)
         rows = _buffer(storage, GearUniformSampler(), batch_size=64).sample()
         assert set(rows["writer"].unique().tolist()) <= {1, 2}
         assert (rows["obs"][:, 0] == rows["step"] * 10 + rows["env"] + 1000 * rows["writer"]).all()
@@ -118,6 +130,16 @@ def test_another_process_with_another_number_of_envs_is_refused_and_changes_noth
         assert len(storage) == 12 and len(other) == 12
         _buffer(other).extend(EnvSteps(seed=1).batch(2))
         assert len(storage) == 20
+    finally:
+        storage.close()
+
+
+def test_a_trajectory_writer_is_refused_before_it_stages_anything():
+    storage = GearStorage(40, ndim=2, shared=True)
+    try:
+        with pytest.raises(NotImplementedError, match="TrajectoryWriter appends the steps of one episode"):
+            TrajectoryWriter(storage)
+        assert len(storage) == 0 and storage.shard.rows_inserted == 0
     finally:
         storage.close()
 
@@ -160,5 +182,25 @@ def test_torchrl_slice_sampler_reads_windows_of_live_steps(variant):
             rb.extend(envs.batch(steps))
         for window in rb.sample().reshape(-1, 4).unbind(0):
             _assert_window_in_one_episode(window, traj_ids=True)
+    finally:
+        storage.close()
+
+
+@pytest.mark.parametrize("sampler", [RandomSampler, SamplerWithoutReplacement,
+                                     lambda: SliceSampler(slice_len=4, traj_key=("collector", "traj_ids"))])
+def test_before_the_ring_wraps_torchrl_samplers_draw_what_lazy_tensor_storage_draws(sampler):
+    """Live time steps numbered oldest first are LazyTensorStorage's slots until the ring wraps."""
+    storage = GearStorage(40, ndim=2, shared=True)
+    try:
+        ours, theirs = (TensorDictReplayBuffer(storage=s, sampler=sampler(), batch_size=8, dim_extend=1,
+                                               generator=torch.Generator().manual_seed(0))
+                        for s in (storage, LazyTensorStorage(40, ndim=2)))
+        envs = EnvSteps()
+        for steps in (3, 4):
+            data = envs.batch(steps)
+            ours.extend(data.clone())
+            theirs.extend(data.clone())
+        for _ in range(3):
+            assert_same_td(ours.sample(), theirs.sample())
     finally:
         storage.close()

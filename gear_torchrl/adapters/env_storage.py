@@ -193,7 +193,7 @@ class EnvColumnsStorage(GearStorage):
         return as_rows(_coordinate_rows(index, self._envs), self.max_size)
 
     def update_selection(self, selector: Any, index: Any, priority: Any, generation: Any = None) -> None:
-        super().update_selection(selector, _coordinate_rows(index, self._envs), priority, generation)
+        self.update_rows(selector, _coordinate_rows(index, self._envs), priority, generation)
 
 
 # -- TorchRL's indices over [T, num_envs] steps ------------------------------------------

@@ -112,12 +112,15 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     _shard: Shard  # a SharedShard where the store is shared
     device: torch.device  # TorchRL allows a string; ours is always a device
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "ndim" in cls.__dict__:  # the glue of another TorchRL layout (adapters/__init__.py imports it)
+            _LAYOUTS[cls.ndim] = cls
+
     def __new__(cls, *args: Any, ndim: int = 1, handle: SharedStoreHandle | None = None,  # noqa: PYI034
                 **kwargs: Any) -> GearStorage:
-        if cls is GearStorage and (ndim if handle is None else handle.ndim) == 2:  # [T, num_envs] steps
-            from gear_torchrl.adapters.env_storage import EnvColumnsStorage
-
-            cls = EnvColumnsStorage  # noqa: PLW0642  (the [T, num_envs] layout is a subclass of its own)
+        if cls is GearStorage:  # an attached store takes the layout of the store it attaches to
+            cls = _LAYOUTS.get(ndim if handle is None else handle.ndim, cls)  # noqa: PLW0642
         return super().__new__(cls)
 
     def __init__(
@@ -259,8 +262,13 @@ class GearStorage(RateLimitedStorage, TensorStorage):
 
     def update_selection(self, selector: Selector[SelectionSpec], index: Any, priority: Any,
                          generation: Any = None) -> None:
-        """Priorities for rows (checked against the rows stored) of ``selector``'s rule."""
-        selector.update(index, priority, generation, stored=self._shard.ring_rows)
+        """Priorities for the rows TorchRL's ``index`` names (checked against the rows stored)."""
+        self.update_rows(selector, index, priority, generation)
+
+    def update_rows(self, selector: Selector[SelectionSpec], rows: Any, priority: Any,
+                    generation: Any = None) -> None:
+        """Priorities for this store's ``rows`` (checked against the rows stored) of ``selector``'s rule."""
+        selector.update(rows, priority, generation, stored=self._shard.ring_rows)
 
     def give_back(self, selector: Selector[SelectionSpec], index: Any) -> None:
         """Picks that were not used (a batch cut short): rules that consume rows take them back."""
@@ -605,6 +613,9 @@ def _refuse_unfollowing_sampler(storage: GearStorage, sampler: Any) -> None:
 def _positions(cursor: Index, capacity: int) -> torch.Tensor:
     """The rows a TorchRL writer handed out for an append, flat (it passes an int, a tensor or a slice)."""
     return torch.arange(capacity)[cursor] if isinstance(cursor, slice) else torch.as_tensor(cursor).reshape(-1)
+
+
+_LAYOUTS: dict[int, type[GearStorage]] = {}  # TorchRL's ndim -> its glue, if not GearStorage's own (ndim=1)
 
 
 def _attach(handle: SharedStoreHandle, device: str) -> GearStorage:

@@ -43,6 +43,9 @@ class TrajectoryWriter:
             raise TypeError(f"TrajectoryWriter got unexpected keyword arguments {sorted(removed)}")
         if max_chunk is not None and max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+        if storage.ndim != 1:
+            raise NotImplementedError("a TrajectoryWriter appends the steps of one episode; an ndim=2 storage takes "
+                                      "time steps of every env at once: write [T, num_envs] batches with rb.extend")
         self.storage = storage
         self.max_chunk = max_chunk
         self._spec: TableSpec | None = None

@@ -1,7 +1,7 @@
 """Windows drawn in proportion to priority (R2D2's sequence priorities).
 
 A window is keyed by the ring row of its first training step (after the
-burn-in). A float64 tree holds one mass per row: the row's priority mass if
+burn-in): in a ``[T, num_envs]`` store, that step's row ``t * num_envs + e``. A float64 tree holds one mass per row: the row's priority mass if
 a window may start its training steps there, else zero. Which rows may do so
 follows the episode index's change log, so a pick costs O(count · log N).
 """
@@ -28,7 +28,7 @@ from gear_torchrl.selection.windows import (
     picked_windows,
     redraw_wrapping,
 )
-from gear_torchrl.store.episodes import EpisodeIndex, Position
+from gear_torchrl.store.episodes import Episodes, Position
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.windows import Windows
 
@@ -53,16 +53,6 @@ def key_priorities(spec: PriorityWindowSpec, rows: torch.Tensor, priority: Any) 
         steps = priority.view(-1, spec.window_len)
         priority = spec.eta * steps.max(1).values + (1 - spec.eta) * steps.mean(1)
     return windows[:, spec.burn_in], priority
-
-
-def _step_index(shard: Shard) -> EpisodeIndex:
-    """The shard's index of episodes over its rows, where window keys are found (an ndim=2 store has none)."""
-    episodes = shard.episodes
-    if not isinstance(episodes, EpisodeIndex):
-        raise NotImplementedError("prioritized windows over an ndim=2 storage are not available yet: their keys "
-                                  "are step priorities, which do not yet follow the env columns' episodes; use "
-                                  "GearSequenceSampler, or an ndim=1 storage with a trajectory key")
-    return episodes
 
 
 @dataclass(frozen=True)
@@ -114,7 +104,7 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         super().clear()
         self.row_mass = torch.ones(self.capacity, dtype=torch.float64)  # (p + eps)^alpha per row
         self.max_raw_priority = 1.0
-        self._episodes: EpisodeIndex | None = None  # of the shard last picked from
+        self._episodes: Episodes | None = None  # of the shard last picked from
         self._seen: Position | None = None
 
     # -- which rows may key a window ----------------------------------------------------
@@ -125,7 +115,7 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
                     (length - self.spec.seq_len + 1).clamp_min(self.spec.burn_in))
         return torch.zeros_like(length), length
 
-    def _valid_keys(self, episodes: EpisodeIndex, rows: torch.Tensor) -> torch.Tensor:
+    def _valid_keys(self, episodes: Episodes, rows: torch.Tensor) -> torch.Tensor:
         slots, offset, found = episodes.locate(rows)
         lo, hi = self._key_offsets(episodes.length[slots])
         valid = found & (offset >= lo) & (offset < hi)
@@ -133,7 +123,7 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
             valid &= episodes.closed[slots]
         return valid
 
-    def _refresh(self, episodes: EpisodeIndex) -> None:
+    def _refresh(self, episodes: Episodes) -> None:
         """Re-derive the masses of the rows of every episode that changed since the last look."""
         slots = episodes.changed_since(self._seen)
         if slots is None or episodes is not self._episodes:
@@ -145,7 +135,7 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         self._seen = episodes.position
         self._episodes = episodes
 
-    def _set_masses(self, episodes: EpisodeIndex, rows: torch.Tensor) -> None:
+    def _set_masses(self, episodes: Episodes, rows: torch.Tensor) -> None:
         valid = self._valid_keys(episodes, rows)
         self.trees.set(rows[valid], self.row_mass[rows[valid]])
         self.trees.remove(rows[~valid])  # no mass, and out of the minimum
@@ -161,12 +151,12 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
     def mass(self, shard: Shard) -> float:
         if shard.size == 0 or not shard.tracks_episodes:
             return 0.0
-        self._refresh(_step_index(shard))
+        self._refresh(shard.episodes)
         return self.total
 
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         shard = needs_shard(self, shard)
-        episodes = _step_index(shard)
+        episodes = shard.episodes
         if shard.size:
             check_episode_markers(self.spec, shard)
         mass = self.mass(shard)
@@ -176,13 +166,14 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         windows = self._draw(episodes, count, generator)
         if not self.spec.cross_ring_end:
             windows = redraw_wrapping(lambda n: self._draw(episodes, n, generator), windows, shard.capacity)
-        keys = (windows.starts + self.spec.burn_in) % shard.capacity
-        return picked_windows(windows, shard.capacity, mass, extra={"mass": self.trees.get(keys)}, scalars=scalars)
+        keys = shard.addressing.ring_rows(windows.starts + self.spec.burn_in)
+        return picked_windows(windows, shard.window_rows, mass, extra={"mass": self.trees.get(keys)},
+                              scalars=scalars)
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return no_window_reason(self.spec, needs_shard(self, shard).episodes)
 
-    def _draw(self, episodes: EpisodeIndex, count: int, generator: torch.Generator | None) -> Windows:
+    def _draw(self, episodes: Episodes, count: int, generator: torch.Generator | None) -> Windows:
         """Windows by their key steps' priorities: the key step sits ``burn_in`` steps into its window."""
         keys = self.trees.find(uniform(count, generator) * self.trees.total)
         slots, key_offset, _ = episodes.locate(keys)

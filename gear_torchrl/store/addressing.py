@@ -79,6 +79,10 @@ class Addressing(ABC):
         """Episode starts, and so window starts, are rows of ``[0, window_rows)``."""
 
     @abstractmethod
+    def ring_rows(self, window_rows: torch.Tensor) -> torch.Tensor:
+        """The ring row each window row (any integer: taken modulo ``window_rows``) names."""
+
+    @abstractmethod
     def gather_plan(self, windows: Windows) -> Windows:
         """``windows`` (starts in ``[0, window_rows)``) as the gather kernel reads them: runs of ring rows."""
 
@@ -142,6 +146,9 @@ class StepRows(Addressing):
     @property
     def window_rows(self) -> int:
         return self.capacity
+
+    def ring_rows(self, window_rows: torch.Tensor) -> torch.Tensor:
+        return window_rows % self.capacity
 
     def gather_plan(self, windows: Windows) -> Windows:
         return windows
@@ -248,11 +255,15 @@ class EnvColumns(Addressing):
         """``(t, e)`` of every window position, padding included: ``[W * seq_len]`` each."""
         return self.episodes.coordinates(_C.window_rows(windows.starts, windows.seq_len, self.window_rows))
 
+    def ring_rows(self, window_rows: torch.Tensor) -> torch.Tensor:
+        t, e = self.episodes.coordinates(window_rows)
+        return t * self._envs + e
+
     def gather_plan(self, windows: Windows) -> Windows:
         """Each position as a window of one flat row, empty where it is padding (the same kernel reads it)."""
-        t, e = self.window_coordinates(windows)
+        rows = self.ring_rows(_C.window_rows(windows.starts, windows.seq_len, self.window_rows))
         valid = windows.mask().to(torch.int64)
-        return Windows(t * self._envs + e, 1, torch.zeros_like(valid), valid)
+        return Windows(rows, 1, torch.zeros_like(valid), valid)
 
     def grid(self, rows: int) -> tuple[int, ...]:
         return (rows // self._envs, self._envs)

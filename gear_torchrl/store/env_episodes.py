@@ -118,6 +118,41 @@ class EnvEpisodes:
             return None
         return self.changes.since(cast(int, position[1]))
 
+    def rows_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every ring row (``t * num_envs + e``) of the episodes in reader ``slots``, episode after episode."""
+        env, local = slots // self.slots, slots % self.slots
+        length = self._length[env, local]
+        first_of_each = torch.repeat_interleave(torch.cumsum(length, 0) - length, length)
+        offset = torch.arange(int(length.sum())) - first_of_each
+        time = (self._start[env, local].repeat_interleave(length) + offset) % self.time_capacity
+        return time * self.num_envs + env.repeat_interleave(length)
+
+    def locate(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Reader slot and step offset of each ring row ``t * num_envs + e``, and whether a live episode holds it.
+
+        A column's live episodes tile its stored steps from the oldest one's start, so a
+        binary search over the columns' cumulative lengths (laid end to end) finds a row's
+        episode, as in a 1-D index.
+        """
+        if getattr(self, "_located", (None,))[0] != self.changes.revision:
+            view = self.live()
+            per_env = self.next_serial - self.first_serial
+            self._located = (self.changes.revision, view, torch.cumsum(view.length, 0), per_env,
+                             torch.cumsum(per_env, 0) - per_env)
+        _, view, ends, per_env, first_of_env = self._located
+        if view.serial.numel() == 0:
+            zeros = torch.zeros_like(rows)
+            return zeros, zeros, torch.zeros(rows.shape, dtype=torch.bool)
+        t, e = rows // self.num_envs, rows % self.num_envs
+        oldest = first_of_env[e].clamp_max(ends.numel() - 1)  # the column's oldest episode, where it has one
+        column_base = ends[oldest] - view.length[oldest]
+        logical = column_base + (t - view.start[oldest]) % self.time_capacity
+        i = torch.searchsorted(ends, logical, right=True)
+        found = (per_env[e] > 0) & (i < first_of_env[e] + per_env[e])
+        i = i.clamp_max(ends.numel() - 1)
+        offset = logical - (ends[i] - view.length[i])
+        return e * self.slots + view.serial[i] % self.slots, offset, found
+
     def live(self) -> EpisodeView:
         """Live episodes, env column after env column (oldest first in each); ``start`` in time rows."""
         e, serial = (torch.from_numpy(a) for a in _ranges(self.first_serial.numpy(), self.next_serial.numpy()))

@@ -38,8 +38,6 @@ Index = int | np.integer | slice | Sequence[Any] | np.ndarray | torch.Tensor | r
 DEFAULT_END_KEYS: tuple[NestedKey, ...] = (("next", "done"), ("next", "truncated"))
 COLLECTOR_TRAJ_KEY: NestedKey = ("collector", "traj_ids")
 _TORCHRL_INDEX = "index"  # TorchRL's TensorDict writers store each row's position there
-_NO_ENV_COMMITS = ("a TrajectoryWriter appends the steps of one episode; an ndim=2 storage takes time steps of "
-                   "every env at once: write [T, num_envs] batches with rb.extend")
 
 
 # Given windows, their batch's gathered columns (by key) and validity mask: keys to add or replace.
@@ -257,8 +255,7 @@ class Shard:
 
         This is how a :class:`TrajectoryWriter` hands over an episode or a chunk of one.
         """
-        if not isinstance(self.addressing, StepRows):
-            raise NotImplementedError(_NO_ENV_COMMITS)
+        assert isinstance(self.addressing, StepRows), "a TrajectoryWriter refuses [T, num_envs] stores"
         rows = (torch.arange(leaves.n, dtype=torch.int64) + self.head) % self.capacity
         size_before = self.size
         rows = self._write_columns(leaves, rows, append=True, at_cursor=self._continues_ring(rows))

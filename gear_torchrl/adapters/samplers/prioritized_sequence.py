@@ -83,11 +83,17 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
             if not getattr(storage, "owners_seed_new_rows", False):
                 self.mark_update(index)
             return
-        rows = integer_rows(index).reshape(-1).as_subclass(torch.Tensor)
-        if not getattr(storage, "owners_seed_new_rows", False):  # global row ids: the owners check them
-            rows = as_rows(rows, self._max_capacity)
+        if getattr(storage, "owners_seed_new_rows", False):  # global row ids: the owners check them
+            rows = integer_rows(index).reshape(-1).as_subclass(torch.Tensor)
+        elif callable(getattr(storage, "_selector_rows", None)):  # the store's rows ((t, e) of ndim=2: t * E + e)
+            rows = storage._selector_rows(index)
+        else:
+            rows = as_rows(integer_rows(index).reshape(-1).as_subclass(torch.Tensor), self._max_capacity)
         targets, priority = key_priorities(self.selector.spec, rows, priority)
-        self._update(storage, targets, priority)
+        if callable(getattr(storage, "update_rows", None)):  # window keys are the store's rows already
+            storage.update_rows(self.selector, targets, priority)
+        else:
+            self._update(storage, targets, priority)
 
     def _is_seeding(self, index: Any, priority: Any, storage: Any) -> bool:
         """Whether TorchRL's buffer is giving every stored row the default priority (rows 0..len-1)."""
