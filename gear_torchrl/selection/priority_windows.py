@@ -1,9 +1,10 @@
 """Windows drawn in proportion to priority (R2D2's sequence priorities).
 
 A window is keyed by the ring row of its first training step (after the
-burn-in): in a ``[T, num_envs]`` store, that step's row ``t * num_envs + e``. A float64 tree holds one mass per row: the row's priority mass if
-a window may start its training steps there, else zero. Which rows may do so
-follows the episode index's change log, so a pick costs O(count · log N).
+burn-in; in a ``[T, num_envs]`` store, that step's row ``t * num_envs + e``).
+A float64 tree holds one mass per row: the row's priority mass if a window
+may start its training steps there, else zero. Which rows may do so follows
+the episode index's change log, so a pick costs O(count · log N).
 """
 from __future__ import annotations
 
