@@ -43,6 +43,11 @@ class Addressing(ABC):
     def num_envs(self) -> int | None:
         """Env columns (0 until the first write lays them out), or None: rows are one stream's steps."""
 
+    @property
+    def rows_per_step(self) -> int:
+        """Ring rows one time step takes: 1, or ``num_envs`` (commits and evictions come in whole steps)."""
+        return self.num_envs or 1
+
     @abstractmethod
     def ends(self, flags: torch.Tensor | None, traj: torch.Tensor | None, n: int) -> torch.Tensor:
         """Which of ``n`` consecutive rows end an episode, given their end flags and trajectory ids."""

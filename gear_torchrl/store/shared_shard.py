@@ -482,7 +482,8 @@ class SharedShard(Shard):
             self.episodes.clear()
             self._lo = self._hi = int(snapshot.records[0, 0]) if len(snapshot.records) else snapshot.published_end
         lo = max(snapshot.evicted_end - self.capacity, snapshot.floor, 0)
-        lo = -(-lo // (self.num_envs or 1)) * (self.num_envs or 1)  # whole time steps (evictions run a block ahead)
+        step = self.addressing.rows_per_step
+        lo = -(-lo // step) * step  # whole time steps (evictions run a block ahead)
         for position, end, dead, record_ends in _runs(snapshot.records):
             self._evict_to(min(lo, position))
             first = max(position, lo)
@@ -505,7 +506,7 @@ class SharedShard(Shard):
             return
         ends, traj = self._stored_ends(rows)
         if traj is None:  # the next commit in the ring may be another writer's: its last time step ends episodes
-            step = self.num_envs or 1
+            step = self.addressing.rows_per_step
             last = (record_ends[record_ends > first] - first) // step - 1
             ends.view(-1, step)[torch.from_numpy(last)] = True
         self.addressing.append(rows, ends, traj, None, evicted=0)
@@ -577,7 +578,7 @@ class SharedShard(Shard):
         saved.episodes.load(state["episodes"])
         size, head = int(state["size"]), int(state["head"])
         rows = (torch.arange(size, dtype=torch.int64) + (head if size == self.capacity else 0)) % self.capacity
-        step = saved.num_envs or 1
+        step = saved.rows_per_step
         ends_every_env = torch.isin(rows, saved.closed_ends()).view(-1, step).all(1)
         cuts = ((torch.nonzero(ends_every_env).reshape(-1) + 1) * step).tolist()
         self.addressing.load_state(state)  # published with the columns' layout by the first commit
