@@ -69,7 +69,7 @@ def stage_then_hang(storage, ready, mid_copy: bool) -> None:
     writer = TrajectoryWriter(storage)
     writer.extend(episode(-1, 10)[:5])
     if mid_copy:
-        storage.shard.log.reserve(5)  # reserved rows that will never be committed
+        storage.shard.visibility.log.reserve(5)  # reserved rows that will never be committed
     ready.set()
     time.sleep(120)
 
@@ -150,7 +150,7 @@ def stop_mid_read(storage, ready, result_queue) -> None:
     from gear_torchrl import ReadRevokedError
 
     with storage.shard.picking():
-        rows = storage.shard.uniform_rows(64, None, torch.device("cpu"))
+        rows = storage.shard.visibility.uniform_rows(64, None, torch.device("cpu"))
     ready.set()
     os.kill(os.getpid(), signal.SIGSTOP)
     try:
@@ -164,7 +164,7 @@ def stop_mid_read(storage, ready, result_queue) -> None:
 def reserve_then_hang(storage, num_rows: int, ready) -> None:
     """Hold a reservation of ``num_rows`` rows, as a writer killed in the middle of a large extend."""
     storage.set(torch.arange(1), episode(-7, 1))  # attaches and maps the data segment
-    storage.shard.log.reserve(num_rows)
+    storage.shard.visibility.log.reserve(num_rows)
     ready.set()
     time.sleep(120)
 
@@ -175,7 +175,7 @@ def attach_and_write(handle, result_queue) -> None:
 
     storage = GearStorage(0, handle=handle)
     result_queue.put("attached")
-    while storage.shard.log.owner_pid and os.path.exists(f"/proc/{storage.shard.log.owner_pid}"):
+    while storage.shard.visibility.log.owner_pid and os.path.exists(f"/proc/{storage.shard.visibility.log.owner_pid}"):
         time.sleep(0.01)
     try:
         storage.set(torch.arange(4), episode(1, 4))
@@ -225,15 +225,15 @@ def read_after_growth(storage, ready, go, results) -> None:
 
 def die_adding_a_key(storage) -> None:
     """Lay a new column's segment out, then die before its layout is published (inside the store's lock)."""
-    from gear_torchrl.store import shared_shard
+    from gear_torchrl.store import shared_commits
 
-    real = shared_shard.create_segment
+    real = shared_commits.create_segment
 
     def create_then_die(path, nbytes):
         real(path, nbytes)
         os._exit(3)
 
-    shared_shard.create_segment = create_then_die
+    shared_commits.create_segment = create_then_die
     extend_with_keys(storage, 3, 100, {"v": 9.0})
 
 

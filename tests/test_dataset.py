@@ -180,7 +180,7 @@ def test_the_owner_closes_its_store_while_forked_workers_still_run(no_shm_leaks)
     from gear_torchrl.store.shared_memory import store_segments
 
     rb = _shared_buffer()
-    store_id = rb.storage.shard.store_id
+    store_id = rb.storage.shard.visibility.store_id
     batches = iter(GearDataset(rb).loader(num_workers=2, multiprocessing_context="fork", timeout=60))
     next(batches)
     rb.storage.close()  # the workers' copies of the janitor's pipe must not keep it waiting

@@ -49,8 +49,8 @@ def _write_for(storage: GearStorage, seconds: float, first_id: int = 0) -> int:
 def _pick_and_hold(storage: GearStorage, claim_s: float = 0.0) -> torch.Tensor:
     """32 rows picked as a sampler picks them: their read section stays open until they are read."""
     with storage.shard.picking():
-        rows = storage.shard.uniform_rows(32, None, torch.device("cpu"))
-        storage.shard.log.claim_longer(claim_s)
+        rows = storage.shard.visibility.uniform_rows(32, None, torch.device("cpu"))
+        storage.shard.visibility.log.claim_longer(claim_s)
     return rows
 
 
@@ -170,7 +170,7 @@ def _check_torchrl_samplers(storage: GearStorage) -> None:
 def test_torchrl_samplers_see_only_live_rows_of_a_wrapped_shared_store():
     storage = _wrapped_store()
     try:
-        assert storage.shard.log.inserts > 2 * storage.max_size
+        assert storage.shard.visibility.log.inserts > 2 * storage.max_size
         _check_torchrl_samplers(storage)
     finally:
         storage.close()

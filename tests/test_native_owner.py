@@ -116,7 +116,7 @@ def test_a_store_that_wrapped_is_read_from_its_live_rows(owner):
 def test_what_the_extension_does_not_answer_python_does(owner):
     o = owner(64)
     o.rb.extend(w.keyed_rows(10, 0))
-    log = o.storage.shard.log
+    log = o.storage.shard.visibility.log
     dead = log.reserve(5)  # a writer that died: its rows are published dead, never sampled
     log.commit(dead, dead=True)
     o.rb.extend(w.keyed_rows(10, 15))
@@ -146,7 +146,7 @@ def test_both_paths_reply_rows_with_a_tally_and_no_json(owner):
     ask = torch.tensor([6, 3, 1], dtype=torch.int64).view(torch.uint8)
     o.table()  # (the owner maps the columns a learner described)
     native = o.client.request(Message(Op.SAMPLE_ROWS, b"", [ask]))
-    log = o.storage.shard.log
+    log = o.storage.shard.visibility.log
     log.commit(log.reserve(2), dead=True)  # rows a dead writer left: Python answers from now on
     python = o.client.request(Message(Op.SAMPLE_ROWS, b"", [ask]))
     assert o.python_picks == 1

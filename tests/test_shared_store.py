@@ -69,7 +69,7 @@ def test_rejected_writes_leave_the_store_as_it_was():
             storage.set(torch.arange(4), w.episode(3, 4), set_cursor=False)
         with pytest.raises(IndexError, match="out of range"):
             storage.get(torch.tensor([4]))
-        assert len(storage) == 4 and storage.shard.log.inserts == 4
+        assert len(storage) == 4 and storage.shard.visibility.log.inserts == 4
         w.verify(storage.get(torch.arange(4)))
     finally:
         storage.close()
@@ -102,7 +102,7 @@ def test_four_writers_and_a_sampling_reader_see_only_whole_rows():
         _join(writers)
         written = dict(results.get(timeout=10) for _ in writers)
         assert batches > 0
-        assert storage.shard.log.inserts == sum(written.values())
+        assert storage.shard.visibility.log.inserts == sum(written.values())
         snapshot = storage.stats()  # inserts: every writer's; samples: this process's reads
         assert snapshot["inserts"] == sum(written.values()) and snapshot["samples"] == batches * (256 + 64)
         # The ring is full but for the block evicted ahead of the writers, and nothing else is missing.
@@ -132,7 +132,7 @@ def test_a_writer_killed_mid_episode_leaves_nothing_sampleable():
         assert ready.wait(60)
         copying.start()
         assert reserved.wait(60)
-        assert storage.shard.log.reserved_end == 15
+        assert storage.shard.visibility.log.reserved_end == 15
         storage.set(torch.arange(6), w.episode(2, 6))  # committed after the hung reservation
         assert len(storage) == 10  # the hung reservation holds back what follows it
         for p in (staged, copying):
@@ -337,7 +337,7 @@ def test_a_writer_that_dies_after_admission_leaves_nothing_counted():
         child.start()
         _join([child])
         assert limiter.inserts == 10 and limiter.can_insert(90)  # the dead writer's 80 rows are forgotten
-        assert storage.shard.rates.counts().admitted == 0
+        assert storage.shard.visibility.rates.counts().admitted == 0
     finally:
         storage.close()
 

@@ -22,7 +22,7 @@ from gear_torchrl.errors import EmptyStoreError
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.store.addressing import EnvColumns
-from gear_torchrl.store.shard import Index
+from gear_torchrl.store.indices import Index
 from gear_torchrl.store.table_spec import Data, lead_shape
 
 

@@ -30,9 +30,10 @@ from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.addressing import Addressing, StepRows
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
+from gear_torchrl.store.indices import Index
 from gear_torchrl.store.rate_counters import LocalRateCounters, SharedRateCounters
-from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard
-from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
+from gear_torchrl.store.shard import DEFAULT_END_KEYS, Shard
+from gear_torchrl.store.shared_commits import SharedCommits, SharedStoreHandle, shared_shard
 from gear_torchrl.store.table_spec import Data, NestedKey, stacked_rows
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
 
     _default_checkpointer = GearStorageCheckpointer  # type: ignore[assignment]  # any StorageCheckpointerBase serves
     _addressing: type[Addressing] = StepRows  # what a ring row is: a step of one stream
-    _shard: Shard  # a SharedShard where the store is shared
+    _shard: Shard  # with a SharedCommits part where the store is shared
     device: torch.device  # TorchRL allows a string; ours is always a device
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -165,9 +166,9 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         self.memory = memory
         on_gpu = device.type == "cuda"
         if shared:
-            self._shard = SharedShard(self.max_size, handle=handle, register_host=on_gpu, out_device=device,
-                                      end_keys=end_keys, traj_key=traj_key, reader_timeout_s=reader_timeout,
-                                      addressing=self._addressing)
+            self._shard = shared_shard(self.max_size, handle=handle, register_host=on_gpu, out_device=device,
+                                       end_keys=end_keys, traj_key=traj_key, reader_timeout_s=reader_timeout,
+                                       addressing=self._addressing)
         else:
             self._shard = Shard(self.max_size, device=device if memory == "device" else "cpu",
                                 register_host=on_gpu and memory == "host", out_device=device, end_keys=end_keys,
@@ -223,7 +224,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
 
     def _rand_given_ndim(self, batch_size: int) -> SelectionIndex:
         with self._sampling(batch_size), self._shard.picking():
-            rows = self._shard.uniform_rows(batch_size, self._rng, self.device)
+            rows = self._shard.visibility.uniform_rows(batch_size, self._rng, self.device)
         self._drawn = rows  # in range by construction: ``get`` skips checking them (a wait for the GPU)
         return rows
 
@@ -490,20 +491,20 @@ class GearStorage(RateLimitedStorage, TensorStorage):
 
     # -- the rate limiter's counts and rule (RateLimitedStorage) ---------------------------------
     def _rate_counters(self) -> LocalRateCounters | SharedRateCounters:
-        shard = self._shard
-        return shard.rates if isinstance(shard, SharedShard) else LocalRateCounters()
+        shared = self._shared
+        return LocalRateCounters() if shared is None else shared.rates
 
     def _publish_rate_limiter(self, limiter: RateLimiter | None) -> None:
-        shard = self._shard
-        if isinstance(shard, SharedShard):
-            shard.rates.publish_rule(None if limiter is None else limiter.numbers)
-            self._rule_version = shard.rates.rule_version
+        shared = self._shared
+        if shared is not None:
+            shared.rates.publish_rule(None if limiter is None else limiter.numbers)
+            self._rule_version = shared.rates.rule_version
 
     def _current_gate(self) -> RateGate | None:
         """A shared store's rule may have been set or changed by another process: follow it."""
-        shard = self._shard
-        if isinstance(shard, SharedShard) and shard.rates.rule_version != self._rule_version:
-            self._follow_published_rule(shard.rates)
+        shared = self._shared
+        if shared is not None and shared.rates.rule_version != self._rule_version:
+            self._follow_published_rule(shared.rates)
         return self._gate
 
     def _follow_published_rule(self, rates: SharedRateCounters) -> None:
@@ -537,7 +538,13 @@ class GearStorage(RateLimitedStorage, TensorStorage):
 
     @property
     def shared(self) -> bool:
-        return isinstance(self._shard, SharedShard)
+        return self._shared is not None
+
+    @property
+    def _shared(self) -> SharedCommits | None:
+        """The shared commit log the rows are read through; None for a local store."""
+        visibility = self._shard.visibility
+        return visibility if isinstance(visibility, SharedCommits) else None
 
     @property
     def shared_init(self) -> bool:
@@ -554,16 +561,14 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     @property
     def handle(self) -> SharedStoreHandle:
         """Small and picklable: ``GearStorage(0, handle=h)`` attaches to this store's rows."""
-        shard = self._shard
-        if isinstance(shard, SharedShard):
-            return shard.handle
+        shared = self._shared
+        if shared is not None:
+            return shared.handle
         raise RuntimeError("only a shared GearStorage (shared=True) has a handle")
 
     def close(self) -> None:
         """Detach from a shared store; its owner also frees the shared memory."""
-        shard = self._shard
-        if isinstance(shard, SharedShard):
-            shard.close()
+        self._shard.close()
 
     def __reduce__(self):
         if self.shared:  # another process attaches to the same rows

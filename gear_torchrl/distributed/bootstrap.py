@@ -26,7 +26,7 @@ from gear_torchrl.distributed.sealed_store import SealedStore
 from gear_torchrl.distributed.secret import job_secret
 from gear_torchrl.distributed.shard_server import ShardServer
 from gear_torchrl.distributed.transports.registry import rdma_unavailable_reason
-from gear_torchrl.store.shared_shard import SharedShard
+from gear_torchrl.store.shared_commits import SharedCommits
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,9 @@ class Membership:
             self.server.close()
 
 
-def join(shard: SharedShard | None, *, group: dist.ProcessGroup | None, name: str, serve_on: str | None,
+def join(shard: SharedCommits | None, *, group: dist.ProcessGroup | None, name: str, serve_on: str | None,
          timeout: float, heartbeat_s: float) -> Membership:
-    """Every rank calls this at once (a collective); ``shard`` is this rank's own, or None."""
+    """Every rank calls this at once (a collective); ``shard`` is this rank's own shared store, or None."""
     directory = Directory(process_group_store(group), name)
     secret = job_secret(group)
     server = None
@@ -90,7 +90,7 @@ def join(shard: SharedShard | None, *, group: dist.ProcessGroup | None, name: st
     return membership
 
 
-def _beat(membership: Membership, shard_id: int, shard: SharedShard) -> dict[str, Any]:
+def _beat(membership: Membership, shard_id: int, shard: SharedCommits) -> dict[str, Any]:
     """An owner's periodic work: export its region to RDMA readers, report its statistics."""
     mine = membership.descriptors[shard_id]
     if mine.rdma is not None and shard.mapped_columns():
@@ -100,7 +100,7 @@ def _beat(membership: Membership, shard_id: int, shard: SharedShard) -> dict[str
     return {"rows": shard.readable_rows(), "capacity": shard.capacity, "inserts": shard.log.inserts}
 
 
-def _describe(shard: SharedShard, server: ShardServer, rank: int, rdma: dict | None) -> ShardDescriptor:
+def _describe(shard: SharedCommits, server: ShardServer, rank: int, rdma: dict | None) -> ShardDescriptor:
     handle = shard.handle
     bound, port = server.address
     return ShardDescriptor(shard=-1, rank=rank, host=host_id(), addr=advertised_address(bound), port=port,

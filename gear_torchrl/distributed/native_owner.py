@@ -39,7 +39,7 @@ class NativeOwner:
     def serve(self, conn: socket.socket) -> Message | None:
         """Answer SAMPLE_ROWS until another op is next (None: read it as usual) or one needs Python
         (returned, as a request to answer)."""
-        log = self.view.shard.log
+        log = self.view.shared.log
         while not log.reading:
             source = self._mapped()
             if source is None:
@@ -62,13 +62,13 @@ class NativeOwner:
 
     def _mapped(self) -> _Source | None:
         """What the extension reads, for the layout published now; None before any (Python says it is empty)."""
-        shard = self.view.shard
-        columns = shard.mapped_columns()
-        version = shard.mapped_layout_version
+        shared = self.view.shared
+        columns = shared.mapped_columns()
+        version = shared.mapped_layout_version
         if self._source is None or self._source[0] != version:
-            if shard.table is None or not columns:
+            if self.view.shard.table is None or not columns:
                 return None
-            header, reader = shard.log.native_words()
+            header, reader = shared.log.native_words()
             self._source = version, header, reader, list(columns)
         return self._source
 

@@ -16,19 +16,20 @@ from gear_torchrl.errors import CheckpointError
 from gear_torchrl.selection.selector_registry import SelectorRegistry, shared_core
 from gear_torchrl.selection.state_file import read_rows_state, save_rows_state
 from gear_torchrl.store.persistence import read_checkpoint, read_shard, save_shard, write_checkpoint
-from gear_torchrl.store.shared_shard import SharedShard
+from gear_torchrl.store.shard import Shard
+from gear_torchrl.store.shared_commits import shared_part
 
 _ROWS, _CORES = "rows", "selectors"
 
 
-def dump_shard(shard: SharedShard, registry: SelectorRegistry, directory: str | Path) -> None:
+def dump_shard(shard: Shard, registry: SelectorRegistry, directory: str | Path) -> None:
     """Save ``shard`` and its owner's shared cores under ``directory`` (cores hold still meanwhile)."""
     directory = Path(directory)
     cores = registry.shared()
     for _, _, lock in cores:
         lock.acquire()
     try:
-        state, rows = shard.snapshot()
+        state, rows = shared_part(shard).snapshot()
         exports = []
         for spec, core, _ in cores:
             exported = core.export_rows(rows)
@@ -43,7 +44,7 @@ def dump_shard(shard: SharedShard, registry: SelectorRegistry, directory: str | 
         save_rows_state(directory / _CORES / str(i), spec, exported)
 
 
-def load_shard(shard: SharedShard, registry: SelectorRegistry, directory: str | Path) -> None:
+def load_shard(shard: Shard, registry: SelectorRegistry, directory: str | Path) -> None:
     """Restore what ``dump_shard`` saved into the empty ``shard``; everything is checked before any change."""
     directory = Path(directory)
     state = read_shard(shard, directory / _ROWS)

@@ -34,7 +34,7 @@ from gear_torchrl.kernels import _C
 from gear_torchrl.selection.selector_registry import SelectorRegistry
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
-from gear_torchrl.store.shared_shard import SharedStoreHandle
+from gear_torchrl.store.shared_commits import SharedStoreHandle
 from gear_torchrl.store.windows import Windows
 
 logger = logging.getLogger(__name__)
@@ -265,7 +265,7 @@ class _Session:
 
         Columns added to the store since come after them, so a learner that described it earlier reads on.
         """
-        held = len(self.shard.mapped_columns())
+        held = len(self.view.shared.mapped_columns())
         if asked is None:
             return held
         if isinstance(asked, bool) or not isinstance(asked, int) or not 0 < asked <= held:
@@ -320,11 +320,11 @@ class _Session:
         return Message(Op.OK)
 
     def _describe(self) -> Message:
-        shard = self.shard
-        shard.mapped_columns()
-        spec = shard.table
-        return Message(Op.OK, {"spec": None if spec is None else spec.to_json(), "capacity": shard.capacity,
-                               "offsets": None if spec is None else shard.column_offsets()})
+        shared = self.view.shared
+        shared.mapped_columns()
+        spec = self.shard.table
+        return Message(Op.OK, {"spec": None if spec is None else spec.to_json(), "capacity": self.shard.capacity,
+                               "offsets": None if spec is None else shared.column_offsets()})
 
     def close(self) -> None:
         self.native.close()

@@ -21,14 +21,15 @@ from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.rules import spec_from_json
 from gear_torchrl.selection.selector_registry import SelectorRegistry
 from gear_torchrl.selection.specs import SelectionSpec
-from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
+from gear_torchrl.store.shared_commits import SharedStoreHandle, shared_part, shared_shard
 
 
 class ShardView:
     """Picks, priority updates and gives-back of one learner on a served shard."""
 
     def __init__(self, handle: SharedStoreHandle, selectors: SelectorRegistry) -> None:
-        self.shard = SharedShard(handle.capacity, handle=handle)
+        self.shard = shared_shard(handle.capacity, handle=handle)
+        self.shared = shared_part(self.shard)  # its segments and commit log, which native readers address
         self.selectors = selectors
         self._own: dict[SelectionSpec, Selector] = {}
 

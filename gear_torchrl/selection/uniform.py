@@ -34,5 +34,5 @@ class UniformSelector(Selector[UniformSpec]):
 
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         shard = needs_shard(self, shard)
-        rows = shard.uniform_rows(count, generator, torch.device("cpu")) if count and shard.size else _NONE
+        rows = shard.visibility.uniform_rows(count, generator, torch.device("cpu")) if count and shard.size else _NONE
         return Picked.rows(rows, float(shard.size))

@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from gear_torchrl.errors import CheckpointError, UnverifiedCheckpointWarning
-from gear_torchrl.store.shared_shard import SharedShard
+from gear_torchrl.store.shared_commits import SharedCommits
 from gear_torchrl.store.state_checks import checked_int, dtype_named, field
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ def save_shard(shard: Shard, directory: str | Path, state: dict | None = None) -
     for name in _EPISODE_TENSORS:
         tensors[f"episodes_{name}"] = episodes.pop(name)
     # A shared store saves its live rows compacted to 0..n-1: a sampler's per-row state does not follow them.
-    fields = {**state, "episodes": episodes, "compacted": isinstance(shard, SharedShard)}
+    fields = {**state, "episodes": episodes, "compacted": isinstance(shard.visibility, SharedCommits)}
     write_checkpoint(directory, SHARD_MANIFEST, SHARD_FORMAT, fields, tensors)
 
 

@@ -1,16 +1,18 @@
-"""One shard: a ring of rows, one contiguous buffer per column.
+"""One shard: a ring of rows, one contiguous buffer per column, built from two parts.
 
-The shard knows tensors, not TorchRL. Rows are addressed exactly as TorchRL
-storages address them: row ``i`` of ``[0, size)``. Every write is validated
-in full (spec, indices) before the first byte changes, so a rejected write
-leaves the shard as it was.
+The shard knows tensors, not TorchRL. Its addressing (``store/addressing.py``)
+says what a row is, its visibility (``store/visibility.py``) which rows are
+committed and readable and how writes get there; the ring, its layout and
+its gathers are here, the same for every combination. Every write is
+validated in full (spec, indices) before the first byte changes, so a
+rejected write leaves the shard as it was.
 """
 from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, cast
 
@@ -24,68 +26,29 @@ from gear_torchrl.store.addressing import Addressing, StepRows
 from gear_torchrl.store.episodes import Episodes
 from gear_torchrl.store.hot_tier import HotTier
 from gear_torchrl.store.huge_pages import empty_huge
-from gear_torchrl.store.last_writes import last_write_positions
-from gear_torchrl.store.local_commits import CommitRecord
+from gear_torchrl.store.indices import TORCHRL_INDEX, Index, as_index_tensor
+from gear_torchrl.store.own_writes import OwnWrites
 from gear_torchrl.store.state_checks import checked_int, field
 from gear_torchrl.store.table_spec import Data, Leaves, NestedKey, TableSpec, as_path, key_name
+from gear_torchrl.store.visibility import Visibility
 from gear_torchrl.store.windows import Windows
 
 logger = logging.getLogger(__name__)
 
-# Rows as TorchRL addresses them; a sequence may nest (rows of any shape), a 1-tuple is a 1-D storage's index.
-Index = int | np.integer | slice | Sequence[Any] | np.ndarray | torch.Tensor | range
-
 DEFAULT_END_KEYS: tuple[NestedKey, ...] = (("next", "done"), ("next", "truncated"))
 COLLECTOR_TRAJ_KEY: NestedKey = ("collector", "traj_ids")
-_TORCHRL_INDEX = "index"  # TorchRL's TensorDict writers store each row's position there
 
 
 # Given windows, their batch's gathered columns (by key) and validity mask: keys to add or replace.
 Markers = Callable[["Windows", dict[NestedKey, torch.Tensor], torch.Tensor], dict[NestedKey, torch.Tensor]]
 
 
-def as_index_tensor(index: Index, bound: int, what: str, device: torch.device | None = None) -> torch.Tensor:
-    """``index`` as int64 rows in ``[0, bound)``; negatives count from ``bound``.
-
-    The rows stay on a CUDA device when ``device`` is that device (checking
-    their bounds then costs one synchronization), else they come to the CPU.
-
-    Bool masks select rows; a 1-tuple (TorchRL's per-dimension index of a
-    1-D storage) is its only element. Raises IndexError naming the first bad index.
-    """
-    if isinstance(index, tuple):
-        if len(index) != 1:
-            raise IndexError(f"a {what} index into a 1-D storage takes one dimension, got {len(index)}")
-        index = index[0]
-    if isinstance(index, slice):
-        return torch.arange(*index.indices(bound), dtype=torch.int64)
-    if isinstance(index, range):
-        index = torch.arange(index.start, index.stop, index.step, dtype=torch.int64)
-    rows = torch.as_tensor(index)
-    if rows.device != (device or torch.device("cpu")):
-        rows = rows.to(device or "cpu")
-    if rows.dtype == torch.bool:
-        if rows.shape != (bound,):
-            raise IndexError(f"a boolean {what} index must have shape ({bound},), got {tuple(rows.shape)}")
-        return rows.nonzero().squeeze(1)
-    if rows.is_floating_point() or rows.is_complex():
-        raise IndexError(f"{what} indices must be integers, got {rows.dtype}")
-    rows = rows.to(torch.int64)
-    if rows.numel():
-        lo, hi = torch.stack([rows.min(), rows.max()]).tolist()
-        if lo < -bound or hi >= bound:
-            bad = lo if lo < -bound else hi
-            raise IndexError(f"{what} index {bad} is out of range for {bound} rows")
-        if lo < 0:
-            rows = torch.where(rows < 0, rows + bound, rows)
-    return rows
-
-
 class Shard:
-    """Columns in a ring plus the episode index over them.
+    """Columns in a ring, read through an addressing part and a visibility part.
 
     ``end_keys`` (any that exist) mark the last step of an episode; with
-    ``traj_key`` set, an episode also ends where that id changes.
+    ``traj_key`` set, an episode also ends where that id changes. Without a
+    ``visibility``, the rows are this process's own writes (``OwnWrites``).
     """
 
     def __init__(
@@ -99,6 +62,7 @@ class Shard:
         traj_key: NestedKey | None = None,
         hot_rows: int = 0,
         addressing: type[Addressing] = StepRows,
+        visibility: Visibility | None = None,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
@@ -113,15 +77,12 @@ class Shard:
         self.table: TableSpec | None = None
         self.columns: list[torch.Tensor] = []
         self.objects: list[np.ndarray] = []  # one per non-tensor leaf: an object per row (None: never written)
-        self.size = 0  # rows [0, size) are readable
-        self.head = 0  # next row an append writes
-        self.written = 0  # rows [0, written) have ever been written
-        self.rows_inserted = 0  # counters for stats(): rows appended, rows read
-        self.rows_read = 0
-        self.addressing = addressing(self.capacity)  # what a row is: a step of one stream, or of an env column
-        self.commits = CommitRecord(self.capacity)  # what TrajectoryWriters wrote, for samplers to follow
+        self.rows_read = 0  # for stats(), beside the visibility's rows_inserted
         self._end_columns: list[int] = []  # spec positions of the end flags present in the data
         self._traj_column: int | None = None
+        self.addressing = addressing(self.capacity)  # what a row is: a step of one stream, or of an env column
+        self.visibility = visibility if visibility is not None else OwnWrites()  # what is committed and readable
+        self.visibility.bind(self)
 
     @property
     def episodes(self) -> Episodes:
@@ -133,9 +94,25 @@ class Shard:
         """Env columns of a ``[T, num_envs]`` shard (0 until laid out); None when rows are one stream's steps."""
         return self.addressing.num_envs
 
+    @property
+    def size(self) -> int:
+        """Readable rows."""
+        return self.visibility.size
+
+    @property
+    def head(self) -> int:
+        """The ring row the next append writes."""
+        return self.visibility.head
+
+    @property
+    def rows_inserted(self) -> int:
+        """Rows appended so far (every process's, in a shared store)."""
+        return self.visibility.rows_inserted
+
     # -- layout ------------------------------------------------------------------
-    def _allocate(self, spec: TableSpec) -> None:
-        self._adopt(spec, [self._new_column(c.row_shape, c.dtype) for c in spec.columns])
+    def allocate(self, spec: TableSpec) -> None:
+        """Lay the ring out for ``spec``: one unfilled buffer per column."""
+        self.adopt(spec, [self._new_column(c.row_shape, c.dtype) for c in spec.columns])
 
     def _new_column(self, row_shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An unfilled buffer of ``capacity`` rows, in this shard's memory tier."""
@@ -148,7 +125,7 @@ class Shard:
             return empty_huge(shape, dtype)
         return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def _adopt(self, spec: TableSpec, columns: list[torch.Tensor]) -> None:
+    def adopt(self, spec: TableSpec, columns: list[torch.Tensor]) -> None:
         """Take ``columns`` as the table's buffers (page-aligned when ``register_host``)."""
         if self.hot is not None:  # first: running out of GPU memory leaves the shard as it was
             self.hot.allocate(spec)
@@ -182,8 +159,9 @@ class Shard:
         self._end_columns = [i for k in self.end_keys if (i := spec.find(k)) is not None]
         self._traj_column = spec.find(self.traj_key) if self.traj_key is not None else None
 
-    def _grow(self, spec: TableSpec) -> None:
-        """Add the columns ``spec`` has beyond the store's: rows written so far read zeros (None if non-tensor).
+    def grow(self, spec: TableSpec, written: int) -> None:
+        """Add the columns ``spec`` has beyond the store's: rows ``[0, written)`` read zeros there
+        (None if non-tensor).
 
         ``spec`` must be the store's spec plus new keys (``TableSpec.leaves`` builds it so).
         """
@@ -196,21 +174,16 @@ class Shard:
         if self.hot is not None:  # GPU memory first: if it runs out, the shard is as it was
             self.hot.allocate(spec)
         for column in new:
-            column[: self.written].zero_()
-        self._add_columns(spec, new)
+            column[:written].zero_()
+        self.add_columns(spec, new)
 
-    def _add_columns(self, spec: TableSpec, new: list[torch.Tensor]) -> None:
+    def add_columns(self, spec: TableSpec, new: list[torch.Tensor]) -> None:
         """Take ``spec`` (the store's plus new keys) with ``new`` as the buffers of its new tensor columns."""
         self._register(new)
         self.columns = self.columns + new
         self.objects = self.objects + [np.full(self.capacity, None, dtype=object)
                                        for _ in spec.objects[len(self.objects):]]
         self._take_spec(spec)
-
-    @property
-    def _takes_any_layout(self) -> bool:
-        """Emptied (``clear``): like LazyTensorStorage, the next write may bring other keys."""
-        return self.written == 0
 
     @property
     def has_episode_markers(self) -> bool:
@@ -227,12 +200,7 @@ class Shard:
         """Bytes of the rows (the hot tier's copies not included)."""
         return sum(c.numel() * c.element_size() for c in self.columns)
 
-    # -- writes --------------------------------------------------------------------
-    # The rule for keys (docs/decisions.md, "Columns"): an append at the cursor (TorchRL's
-    # writers, TrajectoryWriter) replaces whole rows, so it must carry every stored key;
-    # any other write (``storage[i] = ...``, ``write_at``, ``rb.write_all``) changes only the
-    # keys it carries in the rows it names. Either may bring keys the store lacks: they
-    # become new columns, which read zeros (None for non-tensor leaves) in rows written before.
+    # -- writes: the visibility's protocol ---------------------------------------------
     def write(self, index: Index, data: Data, *, append: bool, lead: torch.Size | None = None) -> torch.Tensor:
         """Write rows; ``append`` moves the ring's cursor and length like TorchRL's writers.
 
@@ -240,86 +208,16 @@ class Shard:
         ``ndim=2`` store's ``[T, E]`` steps, rows ``index`` in row-major order).
         Returns the rows written.
         """
-        single = isinstance(index, (int, np.integer))
-        rows = as_index_tensor([index] if single else index, self.capacity, "write")
-        at_cursor = append and self._continues_ring(rows)
-        leaves = self.validated(data, single, complete=at_cursor, lead=lead)
-        if rows.numel() != leaves.n:
-            raise IndexError(f"{rows.numel()} write indices for {leaves.n} rows of data")
-        if leaves.n == 0:
-            return rows
-        return self._write_columns(leaves, rows, append, at_cursor)
+        return self.visibility.write(index, data, append=append, lead=lead)
 
     def commit(self, leaves: Leaves) -> torch.Tensor:
         """Append checked rows (``validated``) as one unit whose last row ends an episode.
 
         This is how a :class:`TrajectoryWriter` hands over an episode or a chunk of one.
         """
-        assert isinstance(self.addressing, StepRows), "a TrajectoryWriter refuses [T, num_envs] stores"
-        rows = (torch.arange(leaves.n, dtype=torch.int64) + self.head) % self.capacity
-        size_before = self.size
-        rows = self._write_columns(leaves, rows, append=True, at_cursor=self._continues_ring(rows))
-        if self.tracks_episodes:
-            self.addressing.episodes.close_open()
-        self.commits.add(rows, size_before)
-        return rows
+        return self.visibility.commit(leaves)
 
-    def _continues_ring(self, rows: torch.Tensor) -> bool:
-        """Whether writing ``rows`` appends at the cursor: the ring's next rows, in order."""
-        consistent = self.size == self.capacity or self.head == self.size
-        return rows.numel() > 0 and consistent and _is_ring_run(rows, self.head, self.capacity)
-
-    def _write_columns(self, leaves: Leaves, rows: torch.Tensor, append: bool, at_cursor: bool) -> torch.Tensor:
-        """``at_cursor``: an append of the ring's next rows (``_continues_ring``), which moves the cursor."""
-        # -- everything is checked: from here on the write happens --
-        n = rows.numel()
-        if not (at_cursor and self.head + n <= self.capacity and self.hot is None):
-            leaves = leaves.flat()  # only one run of rows is written straight from rows of several dims
-        if self.table is None or (leaves.spec != self.table and self._takes_any_layout):
-            self._allocate(leaves.spec)
-        elif leaves.spec != self.table:
-            self._grow(leaves.spec)
-        values, columns, objects = leaves.values, leaves.columns, leaves.objects
-        if at_cursor and leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
-            values = [*values, self.addressing.torchrl_positions(rows)]
-            columns = (*columns, leaves.spec.position(_TORCHRL_INDEX))
-        by_column = self._by_column(values, columns)
-        size_before = self.size
-        if at_cursor:
-            ends = self._ends(by_column, n) if self.tracks_episodes else None
-            dropped_ends = None
-            if n > self.capacity:  # only the last `capacity` rows survive
-                keep = slice(n - self.capacity, n)
-                dropped_ends = None if ends is None else ends[: n - self.capacity]
-                rows, values, objects = rows[keep], [v[keep] for v in values], [o[keep] for o in objects]
-                by_column = self._by_column(values, columns)
-                ends = None if ends is None else ends[keep]
-        else:
-            latest = _last_writes(rows, self.capacity)
-            if latest is not None:
-                rows, values = rows[latest], [v[latest.to(v.device)] for v in values]
-                objects = [o[latest.numpy()] for o in objects]
-            self._fill_to(int(rows.max()) + 1)
-
-        self._copy_in(rows, values, columns, contiguous=at_cursor)
-        self._copy_objects(rows, objects, leaves.object_columns)
-        self.rows_inserted += n
-        self.written = max(self.written, int(rows.max()) + 1)
-        if append:  # a cursor away from the head overwrites rows: only rows past the end add to the size
-            grown = self.size + n if at_cursor else max(self.size, int(rows.max()) + 1)
-            self.size = min(grown, self.capacity)
-            self.head = (int(rows[-1]) + 1) % self.capacity
-        if not self.tracks_episodes:
-            return rows
-        if at_cursor:
-            assert ends is not None, "computed above for a shard that tracks episodes"
-            self.addressing.append(rows, ends, self._traj_ids(by_column, rows.numel()), dropped_ends,
-                                   evicted=max(0, size_before + rows.numel() - self.capacity))
-        else:
-            self.rebuild_episodes()
-        return rows
-
-    def _by_column(self, values: list[torch.Tensor], columns: Sequence[int]) -> list[torch.Tensor | None]:
+    def by_column(self, values: list[torch.Tensor], columns: Sequence[int]) -> list[torch.Tensor | None]:
         """``values`` at their column positions (None where a column is not written)."""
         out: list[torch.Tensor | None] = [None] * len(self.columns)
         for position, value in zip(columns, values):
@@ -337,7 +235,7 @@ class Shard:
         with the rows' own positions, what TorchRL stores there.
         """
         rows = None if single else lead if lead is not None else torch.Size([_num_rows(data)])
-        spec = spec or (None if self._takes_any_layout else self.table) or \
+        spec = spec or (None if self.visibility.takes_any_layout else self.table) or \
             TableSpec.from_data(data, 0 if rows is None else len(rows))
         leaves = spec.leaves(data, rows)
         if complete and leaves.missing:
@@ -348,32 +246,13 @@ class Shard:
 
     def set_size(self, size: int) -> None:
         """Make rows ``[0, size)`` readable (TorchRL writers set ``_len`` after ``write_at``)."""
-        if not 0 <= size <= self.capacity:
-            raise ValueError(f"size {size} is outside [0, {self.capacity}]")
-        if size and self.table is None:
-            raise ValueError(f"cannot make {size} rows readable: nothing was written yet (no columns exist)")
-        self._fill_to(size)
-        if size != self.size:
-            self.size = size
-            if self.tracks_episodes:
-                self.rebuild_episodes()
+        self.visibility.set_size(size)
 
     def fill_unwritten(self) -> None:
         """Zero every slot no write reached: a write through ``slice_views(all_slots=True)`` may land anywhere."""
-        self._fill_to(self.capacity)
+        self.visibility.fill_to(self.capacity)
 
-    def _fill_to(self, end: int) -> None:
-        """Zero rows ``[written, end)``: a write past them, or a length over them, must not expose
-        memory no write ever filled. Appends never leave such a gap, so they never pay for this."""
-        if end <= self.written or self.table is None:
-            return
-        for column in self.columns:
-            column[self.written:end].zero_()
-        for objects in self.objects:
-            objects[self.written:end] = None
-        self.written = end
-
-    def _copy_in(self, rows: torch.Tensor, values: list[torch.Tensor], columns: Sequence[int],
+    def copy_in(self, rows: torch.Tensor, values: list[torch.Tensor], columns: Sequence[int],
                  contiguous: bool) -> None:
         """Copy ``values`` into the columns at positions ``columns``, rows ``rows``."""
         n = rows.numel()
@@ -397,18 +276,18 @@ class Shard:
         if self.hot is None:
             return
         if len(values) == len(self.columns):  # every column is written: none is left None
-            self.hot.admit(rows, cast(list[torch.Tensor], self._by_column(values, columns)), run=contiguous)
+            self.hot.admit(rows, cast(list[torch.Tensor], self.by_column(values, columns)), run=contiguous)
         else:  # some columns only: the hot copies of these rows are stale (rare: not an append)
             self.hot.forget()
 
-    def _copy_objects(self, rows: torch.Tensor, objects: list[np.ndarray], columns: Sequence[int]) -> None:
+    def copy_objects(self, rows: torch.Tensor, objects: list[np.ndarray], columns: Sequence[int]) -> None:
         """Put the rows' non-tensor objects in place (kept in this process, beside the columns)."""
         if objects:
             at = rows.cpu().numpy()
             for position, values in zip(columns, objects):
                 self.objects[position][at] = values
 
-    def _ends(self, values: Sequence[torch.Tensor | None], n: int) -> torch.Tensor:
+    def ends(self, values: Sequence[torch.Tensor | None], n: int) -> torch.Tensor:
         """Which of ``n`` rows end an episode; ``values`` holds at least the flag and trajectory columns."""
         flags = None
         for i in self._end_columns:
@@ -416,9 +295,9 @@ class Shard:
             assert flag is not None, "the end-flag columns are always among ``values``"
             f = flag.reshape(n, -1).any(-1)
             flags = f if flags is None else flags | f
-        return self.addressing.ends(flags, self._traj_ids(values, n), n)
+        return self.addressing.ends(flags, self.traj_ids(values, n), n)
 
-    def _traj_ids(self, values: Sequence[torch.Tensor | None], n: int) -> torch.Tensor | None:
+    def traj_ids(self, values: Sequence[torch.Tensor | None], n: int) -> torch.Tensor | None:
         """The trajectory id of each of the ``n`` rows ``values`` write (None without a trajectory key)."""
         if self._traj_column is None:
             return None
@@ -426,37 +305,15 @@ class Shard:
         assert t is not None, "the trajectory column is always among ``values``"
         return t.reshape(n, -1)[:, 0].cpu()
 
-    def logical_order(self) -> torch.Tensor:
-        """Stored rows oldest first."""
-        if self.size < self.capacity:
-            return torch.arange(self.size, dtype=torch.int64)
-        return (torch.arange(self.capacity, dtype=torch.int64) + self.head) % self.capacity
-
-    def rebuild_episodes(self, ends: torch.Tensor | None = None) -> None:
-        """Re-derive the episode index from the stored flags (after a write that was not an append);
-        ``ends`` (over rows oldest first) marks further episode ends."""
-        order = self.logical_order()
-        if order.numel() == 0:
-            self.episodes.clear()
-            return
-        flagged, traj = self._stored_ends(order)
-        self.addressing.rebuild(order, flagged if ends is None else flagged | ends, traj)
-
-    def _stored_ends(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def stored_ends(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Episode ends and trajectory ids of stored ``rows``, read from their flag columns."""
         needed = {*self._end_columns, *([] if self._traj_column is None else [self._traj_column])}
         values = [c.index_select(0, rows.to(c.device)) if i in needed else None for i, c in enumerate(self.columns)]
-        return self._ends(values, rows.numel()), self._traj_ids(values, rows.numel())
+        return self.ends(values, rows.numel()), self.traj_ids(values, rows.numel())
 
     def clear(self) -> None:
         """Forget all rows; the spec and buffers stay, like TorchRL's ``_empty``."""
-        self.size = 0
-        self.head = 0
-        self.written = 0
-        self.episodes.clear()
-        self.commits.clear()
-        for objects in self.objects:  # let go of the rows' objects (tensor columns keep their bytes)
-            objects.fill(None)
+        self.visibility.clear()
 
     # -- state -------------------------------------------------------------------------
     def checked_state(self, state: dict) -> tuple[TableSpec | None, list[torch.Tensor], list[list]]:
@@ -483,17 +340,20 @@ class Shard:
         return spec, columns, objects
 
     def state(self) -> dict:
-        """Everything needed to restore the shard exactly; tensors are views, not copies.
+        """The readable rows as a local shard's state: everything needed to restore them; tensors are views."""
+        return self.visibility.state()
 
-        The columns hold every row ever written and every readable row, so a
-        loader can require ``size`` to be within the rows saved.
-        """
-        saved = max(self.written, self.size) if self.table is not None else 0
+    def load_state(self, state: dict) -> None:
+        """Restore from ``state()``; checks everything (``checked_state``) before changing anything."""
+        self.visibility.load_state(state)
+
+    def ring_state(self, saved: int, size: int, head: int) -> dict:
+        """A state of the ring's first ``saved`` rows, ``size`` readable, the next append at ``head``."""
         state = {
             "capacity": self.capacity,
             "spec": None if self.table is None else self.table.to_json(),
-            "size": self.size if self.table is not None else 0,
-            "head": self.head if self.table is not None else 0,
+            "size": size,
+            "head": head,
             "columns": [c[:saved] for c in self.columns],
             "episodes": self.episodes.state(),
             **self.addressing.state(),
@@ -502,12 +362,12 @@ class Shard:
             state["objects"] = [o[:saved].tolist() for o in self.objects]
         return state
 
-    def load_state(self, state: dict) -> None:
-        """Restore from ``state()``; checks everything (``checked_state``) before changing anything."""
-        spec, columns, objects = self.checked_state(state)
+    def load_ring(self, state: dict, spec: TableSpec | None, columns: list[torch.Tensor],
+                  objects: list[list]) -> None:
+        """Copy a checked state's rows (``checked_state``) into the ring, laying it out if it is new."""
         self.addressing.load_state(state)
         if self.table is None and spec is not None:
-            self._allocate(spec)
+            self.allocate(spec)
         for column, saved in zip(self.columns, columns):
             column[: saved.shape[0]].copy_(saved)
         for held, saved_objects in zip(self.objects, objects):
@@ -515,11 +375,6 @@ class Shard:
             held[: len(saved_objects)] = _object_array(saved_objects)
         if self.hot is not None:
             self.hot.forget()
-        self.size = int(state["size"])
-        self.head = int(state["head"])
-        self.written = columns[0].shape[0] if columns else 0
-        self.episodes.load(state["episodes"])
-        self.commits.clear()
 
     def take_rows(self, leaves: Leaves, size: int, head: int, ends: torch.Tensor | None = None) -> None:
         """Hold ``leaves`` (checked rows, ``validated``) as rows ``[0, leaves.n)`` in place, without copying
@@ -527,41 +382,46 @@ class Shard:
         episode index is derived from their flags, and ``ends`` (bool over the rows oldest first: episode
         ends no flag marks, such as a shared store's commits).
 
-        For a new scratch shard whose ``state()`` is then loaded elsewhere: this is how another storage's
-        slots (a TorchRL checkpoint's mapped files, a state dict) become a shard state with one copy, not two.
+        For a new local scratch shard whose ``state()`` is then loaded elsewhere: this is how another
+        storage's slots (a TorchRL checkpoint's mapped files, a state dict) become a shard state with one
+        copy, not two.
         """
         if self.table is not None:
             raise RuntimeError("take_rows gives rows to a new shard; this one holds rows already")
+        if not isinstance(self.visibility, OwnWrites):
+            raise TypeError("take_rows builds a local scratch shard; a shared one takes rows by commits")
+        self.visibility.take_rows(leaves, size, head, ends)
+
+    def adopt_rows(self, leaves: Leaves) -> None:
+        """Take ``leaves``' buffers as the ring's rows ``[0, leaves.n)`` (``take_rows``)."""
         columns = dict(zip(leaves.columns, leaves.values))
         for key in leaves.missing:  # only TorchRL's "index" may be missing (``validated``): each row's position
             i = leaves.spec.find(key)
             if i is not None:
                 columns[i] = self.addressing.torchrl_positions(torch.arange(leaves.n, dtype=torch.int64))
-        self._adopt(leaves.spec, [columns[i] for i in range(len(leaves.spec.columns))])
+        self.adopt(leaves.spec, [columns[i] for i in range(len(leaves.spec.columns))])
         for position, objects in zip(leaves.object_columns, leaves.objects):
             self.objects[position][: leaves.n] = objects
-        self.size, self.head, self.written = size, head, leaves.n
-        if self.tracks_episodes:
-            self.rebuild_episodes(ends)
 
-    # -- reads -----------------------------------------------------------------------
-    # A sampler picks rows inside ``picking()`` and the storage then reads them. Here
-    # nothing can change between the two; a shared shard refreshes its view of what
-    # other processes committed, and holds back evictions until the read is done.
-    @contextmanager
-    def picking(self) -> Iterator[None]:
-        yield
+    # -- reads ------------------------------------------------------------------------
+    # A sampler picks rows inside ``picking()`` and the storage then reads them under
+    # ``reading()``. What these do is the visibility's: nothing for this process's own
+    # writes; a shared store's catch up with other processes' commits and hold
+    # evictions back until the read is done.
+    def picking(self) -> AbstractContextManager[None]:
+        return self.visibility.picking()
+
+    def reading(self) -> AbstractContextManager[None]:
+        """Around a gather of rows picked earlier (see ``picking``)."""
+        return self.visibility.reading()
 
     def refresh(self) -> None:
-        """Catch up with rows other processes committed (nothing to do for a local shard)."""
-
-    @contextmanager
-    def reading(self) -> Iterator[None]:
-        """Around a gather of rows picked earlier (see ``picking``)."""
-        yield
+        """Catch up with rows other processes committed."""
+        self.visibility.refresh()
 
     def release(self) -> None:
         """End the read section ``picking`` opened, for rows read by other means (a remote learner)."""
+        self.visibility.release()
 
     def rows_changed_since(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         """Rows commits overwrote and added since ``position`` (start from ``(0, 0)``).
@@ -571,60 +431,56 @@ class Shard:
         TrajectoryWriter's commits: TorchRL's writer reports its own writes. A
         shared shard reports every process's commits, less rows left by crashed writers.
         """
-        return self.commits.since(position)
+        return self.visibility.rows_changed_since(position)
 
     def readable_rows(self) -> int:
         """How many rows a reader finds now."""
-        return self.size
-
-    def uniform_rows(self, n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-        """``n`` readable ring rows drawn uniformly with replacement (call inside ``picking``)."""
-        if self.size == 0:
-            raise EmptyStoreError("cannot sample from an empty storage: write some data first")
-        return torch.randint(0, self.size, (n,), generator=generator, device=device)
+        return self.visibility.readable_rows()
 
     @property
     def ring_rows(self) -> int:
         """Read indices are ring rows in ``[0, ring_rows)``."""
-        return self.size
-
-    def claim_gather(self, num_rows: int) -> None:
-        """About to gather ``num_rows`` rows in the open read section (a shared shard tells its writers)."""
-
-    def check_readable(self, rows: torch.Tensor) -> None:
-        """Raise if any of ``rows`` (in range) holds no readable data."""
+        return self.visibility.ring_rows
 
     def check_readable_windows(self, windows: Windows) -> None:
         """``check_readable`` of the windows' valid positions (starts in range)."""
+        self.visibility.check_readable_windows(windows)
 
     def read(self, index: Index, *, in_range: bool = False) -> Data:
         """Rows at ``index`` (int, slice, sequence, array or tensor of any shape), on ``out_device``.
 
-        ``in_range``: ``index`` is a tensor of rows in ``[0, ring_rows)`` already, readable (drawn by
-        this store in the open read section): neither bounds nor readability are checked again.
+        ``in_range``: ``index`` is a tensor of ring rows in ``[0, ring_rows)``, readable (drawn by this
+        store in the open read section): read as they are. Any other index is the visibility's to map
+        (a shared store numbers its live rows) and check (``ring_index``) first.
         """
+        if not in_range:
+            return self.visibility.read(index)
+        rows = cast(torch.Tensor, index)
         with self.reading():
             if self.table is None or self.size == 0:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")
-            scalar = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
-            index_device = self.out_device if self.out_device.type == "cuda" else None
-            if in_range:
-                rows = cast(torch.Tensor, index)  # ``in_range`` promises a tensor of rows this store drew
-            else:
-                rows = as_index_tensor(index, self.ring_rows, "read", device=index_device)
-                self.check_readable(rows)
-            self.claim_gather(rows.numel())
-            lead = torch.Size([]) if scalar else rows.shape
+            self.visibility.claim_gather(rows.numel())
             flat = gather.gather_rows(self.columns, rows.reshape(-1), self.out_device, self._hot_rows())
             self.rows_read += rows.numel()
-        if scalar or rows.ndim != 1:
-            flat = [t.reshape((*lead, *t.shape[1:])) for t in flat]
-        return self.table.unflatten(flat, lead, device=self.out_device, objects=self._objects_at(rows, lead))
+        if rows.ndim != 1:
+            flat = [t.reshape((*rows.shape, *t.shape[1:])) for t in flat]
+        return self.table.unflatten(flat, rows.shape, device=self.out_device, objects=self._objects_at(rows, rows.shape))
+
+    def ring_index(self, index: Index) -> torch.Tensor:
+        """``index`` as ring rows of ``[0, ring_rows)`` (negatives count from the end), each checked
+        readable: what ``read(..., in_range=True)`` takes. Raises IndexError naming the first bad one."""
+        if self.table is None or self.size == 0:
+            raise EmptyStoreError("cannot read from an empty storage: write some data first")
+        index_device = self.out_device if self.out_device.type == "cuda" else None
+        rows = as_index_tensor(index, self.ring_rows, "read", device=index_device)
+        self.visibility.check_readable(rows)
+        return rows
 
     @property
     def slice_views_possible(self) -> bool:
-        """Whether ``slice_views`` can hand out the rows themselves (CPU rows read on the CPU)."""
-        return self.out_device == self.device and self.hot is None
+        """Whether ``slice_views`` can hand out the rows themselves (CPU rows read on the CPU, writable
+        in place: other processes read a shared store's rows, so a slice of it is a copy)."""
+        return self.out_device == self.device and self.hot is None and self.visibility.in_place_writes
 
     def slice_views(self, index: Any, all_slots: bool = False) -> Data | None:
         """Rows ``[0, size)`` (every slot, with ``all_slots``), shaped as the addressing lays them out
@@ -649,8 +505,7 @@ class Shard:
         """Rows changed in place (``slice_views``, a column): episode ends and hot copies may be stale."""
         if self.hot is not None:
             self.hot.forget()
-        if self.tracks_episodes:
-            self.rebuild_episodes()
+        self.visibility.after_inplace_write()
 
     @property
     def window_rows(self) -> int:
@@ -666,7 +521,7 @@ class Shard:
         with self.reading():
             if self.table is None or self.size == 0:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")
-            self.claim_gather(windows.starts.numel() * windows.seq_len)
+            self.visibility.claim_gather(windows.starts.numel() * windows.seq_len)
             flat, mask = gather.gather_windows(self.columns, plan.starts, plan.seq_len, self.out_device,
                                                plan.valid_begin, plan.valid_end, hot=self._hot_rows())
             self.rows_read += flat[0].shape[0]
@@ -691,6 +546,10 @@ class Shard:
             rows_objects[flat < 0] = None
             picked.append(rows_objects.reshape(at.shape))
         return picked
+
+    def close(self) -> None:
+        """Let go of what the rows live in beyond this process (a shared store's segments)."""
+        self.visibility.close()
 
     def _hot_rows(self) -> gather.HotRows | None:
         return None if self.hot is None else self.hot.rows
@@ -770,24 +629,6 @@ def _num_rows(data: Data) -> int:
     return batch_size[0]
 
 
-def _is_ring_run(rows: torch.Tensor, head: int, capacity: int) -> bool:
-    """Whether ``rows`` are ``head, head+1, ...`` around the ring."""
-    if int(rows[0]) != head:
-        return False
-    if rows.numel() == 1:
-        return True
-    expected = (torch.arange(rows.numel(), dtype=torch.int64) + head) % capacity
-    return torch.equal(rows, expected)
-
-
-def _last_writes(rows: torch.Tensor, capacity: int) -> torch.Tensor | None:
-    """Positions to keep when rows are written twice in one call (the last write wins), or None."""
-    n = rows.numel()
-    if n <= capacity and (n < 2 or torch.unique(rows).numel() == n):
-        return None
-    return last_write_positions(rows, capacity)
-
-
 def _refuse_missing(leaves: Leaves) -> None:
     """An append that leaves out stored keys (TorchRL's ``"index"`` aside) would keep stale values."""
     missing = [key_name(k) for k in leaves.missing if not _is_torchrl_index(leaves.spec, k)]
@@ -800,8 +641,8 @@ def _refuse_missing(leaves: Leaves) -> None:
 
 def _is_torchrl_index(spec: TableSpec, key: NestedKey) -> bool:
     """Whether ``key`` is TorchRL's ``"index"`` column: each row's own position, one int64."""
-    i = spec.find(_TORCHRL_INDEX)
-    return i is not None and as_path(key) == (_TORCHRL_INDEX,) and spec.columns[i].dtype == torch.int64 \
+    i = spec.find(TORCHRL_INDEX)
+    return i is not None and as_path(key) == (TORCHRL_INDEX,) and spec.columns[i].dtype == torch.int64 \
         and spec.columns[i].row_shape == torch.Size([])
 
 

@@ -29,7 +29,7 @@ class InProcessTransport(Transport):
     def read(self, request: Windows, out: list[torch.Tensor]) -> None:
         shard = self._view.shard
         with shard.reading():
-            if not shard.mapped_columns():
+            if not self._view.shared.mapped_columns():
                 raise IndexError("the shard holds no rows yet")
             shard.check_readable_windows(request)
             self._gather(request, out)

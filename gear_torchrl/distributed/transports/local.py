@@ -5,7 +5,7 @@ import torch
 
 from gear_torchrl.distributed.transports.base import Transport
 from gear_torchrl.kernels import gather
-from gear_torchrl.store.shared_shard import SharedShard, SharedStoreHandle
+from gear_torchrl.store.shared_commits import SharedStoreHandle, shared_part, shared_shard
 from gear_torchrl.store.windows import Windows
 
 
@@ -19,14 +19,14 @@ class LocalTransport(Transport):
     name = "local"
 
     def __init__(self, handle: SharedStoreHandle) -> None:
-        self._shard = SharedShard(handle.capacity, handle=handle)
+        self._shared = shared_part(shared_shard(handle.capacity, handle=handle))
 
     def read(self, request: Windows, out: list[torch.Tensor]) -> None:
-        columns = self._shard.mapped_columns()
+        columns = self._shared.mapped_columns()
         if not columns:
             raise RuntimeError("the shard has published no rows yet")
         gather.gather_windows(columns, request.starts, request.seq_len, torch.device("cpu"),
                               request.valid_begin, request.valid_end, out=out)
 
     def close(self) -> None:
-        self._shard.close()
+        self._shared.close()

@@ -11,8 +11,8 @@ from typing import Any
 
 from gear_torchrl.distributed.directory import ShardDescriptor, host_id
 from gear_torchrl.distributed.transports.base import ColumnLayout, Transport
+from gear_torchrl.store.shared_commits import SharedStoreHandle
 from gear_torchrl.store.shared_memory import segment_path
-from gear_torchrl.store.shared_shard import SharedStoreHandle
 
 
 @dataclass

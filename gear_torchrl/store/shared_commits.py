@@ -1,12 +1,13 @@
-"""A shard in named shared memory that many processes write and read at once.
+"""A shared store's visibility: rows any process committed to a shared commit log.
 
-Columns live in one shared segment (each column page-aligned, so CUDA can
-register it), the commit protocol in a control segment (``commit_log``).
+A shard with this part lives in named shared memory that many processes write
+and read at once. Columns live in shared segments (each column page-aligned,
+so CUDA can register it), the commit protocol in a control segment (``commit_log``).
 Every process keeps its own episode index: on ``refresh`` it replays the
 commits published since its last look, in ring order, reading episode ends
-from the stored flag columns. The index code, the gather, the samplers and
-the addressing (steps of one stream, or ``[T, num_envs]`` steps, published
-with the columns' layout) are the local shard's; only where rows come from
+from the stored flag columns. The ring, the gather, the samplers and the
+addressing (steps of one stream, or ``[T, num_envs]`` steps, published with
+the columns' layout) are those of every shard; only where rows come from
 differs.
 
 Each commit is a segment of its own: its last time step ends an episode unless
@@ -33,9 +34,10 @@ from gear_torchrl.store.commit_log import (
     control_bytes,
     reader_timeout_us,
 )
+from gear_torchrl.store.indices import Index, as_index_tensor
 from gear_torchrl.store.live_rows import LiveRows, dead_runs_array
 from gear_torchrl.store.rate_counters import SharedRateCounters
-from gear_torchrl.store.shard import DEFAULT_END_KEYS, Index, Shard, as_index_tensor
+from gear_torchrl.store.shard import DEFAULT_END_KEYS, Shard
 from gear_torchrl.store.shared_memory import (
     Janitor,
     create_segment,
@@ -45,6 +47,7 @@ from gear_torchrl.store.shared_memory import (
     segment_path,
 )
 from gear_torchrl.store.table_spec import Data, Leaves, NestedKey, TableSpec, key_name
+from gear_torchrl.store.visibility import Visibility
 from gear_torchrl.store.windows import Windows
 
 logger = logging.getLogger(__name__)
@@ -65,39 +68,59 @@ class SharedStoreHandle:
     ndim: int = 1  # TorchRL's: 2 holds [T, num_envs] steps
 
 
-class SharedShard(Shard):
-    """Create a shared store (``handle=None``) or attach to one.
+def shared_shard(
+    capacity: int,
+    *,
+    handle: SharedStoreHandle | None = None,
+    register_host: bool = False,
+    out_device: torch.device | str | None = None,
+    end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
+    traj_key: NestedKey | None = None,
+    reader_timeout_s: float = DEFAULT_READER_TIMEOUT_S,
+    addressing: type[Addressing] = StepRows,
+) -> Shard:
+    """A shard whose rows live in shared memory: a new store (``handle=None``) or the one ``handle`` names.
 
     The creating process owns the segments: they are removed when it calls
-    ``close()`` or exits, however it exits.
+    ``close()`` or exits, however it exits. Attaching takes the capacity, keys
+    and addressing from the handle.
     """
+    if handle is not None:
+        capacity, end_keys, traj_key = handle.capacity, handle.end_keys, handle.traj_key
+        addressing = addressing_of(handle.ndim)
+    return Shard(capacity, register_host=register_host, out_device=out_device, end_keys=end_keys,
+                 traj_key=traj_key, addressing=addressing, visibility=SharedCommits(handle, reader_timeout_s))
 
-    def __init__(
-        self,
-        capacity: int,
-        *,
-        handle: SharedStoreHandle | None = None,
-        register_host: bool = False,
-        out_device: torch.device | str | None = None,
-        end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
-        traj_key: NestedKey | None = None,
-        reader_timeout_s: float = DEFAULT_READER_TIMEOUT_S,
-        addressing: type[Addressing] = StepRows,
-    ) -> None:
-        if handle is not None:
-            capacity, end_keys, traj_key = handle.capacity, handle.end_keys, handle.traj_key
-            addressing = addressing_of(handle.ndim)
-        super().__init__(capacity, register_host=register_host, out_device=out_device,
-                         end_keys=end_keys, traj_key=traj_key, addressing=addressing)
+
+def shared_part(shard: Shard) -> SharedCommits:
+    """``shard``'s shared commit log (its segments, counters and handle); TypeError for a local shard."""
+    if not isinstance(shard.visibility, SharedCommits):
+        raise TypeError("this shard holds this process's writes only: it has no shared commit log")
+    return shard.visibility
+
+
+class SharedCommits(Visibility):
+    """The shared commit log a shard's rows are read through (``shared_shard`` builds such a shard)."""
+
+    def __init__(self, handle: SharedStoreHandle | None, reader_timeout_s: float = DEFAULT_READER_TIMEOUT_S) -> None:
+        if handle is None:
+            reader_timeout_us(reader_timeout_s)  # refuse a bad value before any segment exists
+        self._attach_to = handle
+        self._reader_timeout_s = reader_timeout_s
+
+    def bind(self, shard: Shard) -> None:
+        """Create the store's segments (no handle) or attach to them."""
+        super().bind(shard)
+        handle = self._attach_to
+        self.capacity = shard.capacity
         self.is_owner = handle is None
         self._janitor: Janitor | None = None
         if handle is None:
-            reader_timeout_us(reader_timeout_s)  # refuse a bad value before any segment exists
             self.store_id = new_store_id()
             self._janitor = Janitor(self.store_id)
             path = segment_path(self.store_id, "control")
             create_segment(path, control_bytes())
-            self.log = CommitLog(path, create_capacity=self.capacity, reader_timeout_s=reader_timeout_s)
+            self.log = CommitLog(path, create_capacity=self.capacity, reader_timeout_s=self._reader_timeout_s)
         else:
             self.store_id = handle.store_id
             self.log = CommitLog(segment_path(self.store_id, "control"))
@@ -123,7 +146,8 @@ class SharedShard(Shard):
 
     @property
     def handle(self) -> SharedStoreHandle:
-        return SharedStoreHandle(self.store_id, self.capacity, self.end_keys, self.traj_key, self.addressing.ndim)
+        shard = self.shard
+        return SharedStoreHandle(self.store_id, self.capacity, shard.end_keys, shard.traj_key, shard.addressing.ndim)
 
     # -- the columns' segments ---------------------------------------------------------------
     # The first write lays its columns out in segment "data"; a later write that brings new
@@ -139,17 +163,17 @@ class SharedShard(Shard):
         version, layout = self.log.read_layout()
         if layout is None:
             return
-        self.addressing.load_state(layout)  # first: a write laid out for another number of envs is refused
+        self.shard.addressing.load_state(layout)  # first: a write laid out for another number of envs is refused
         for index in range(len(self._segments), len(layout["segments"])):
             self._segments.append(map_tensor(segment_path(self.store_id, _segment_name(index))))
         self.segment = self._segments[0]
         spec = TableSpec.from_json(layout["spec"])
         columns = [self._segments[k][o: o + self.capacity * c.row_bytes].view(c.dtype).view(self.capacity, *c.row_shape)
                    for (k, o), c in zip(layout["placement"], spec.columns)]
-        if self.table is None:
-            self._adopt(spec, columns)
+        if self.shard.table is None:
+            self.shard.adopt(spec, columns)
         else:
-            self._add_columns(spec, columns[len(self.columns):])
+            self.shard.add_columns(spec, columns[len(self.shard.columns):])
         self._layout_version, self._placement = version, [tuple(p) for p in layout["placement"]]
 
     def _lay_out(self, spec: TableSpec) -> bool:
@@ -160,7 +184,7 @@ class SharedShard(Shard):
         _refuse_objects(spec)
         index = len(self._segments)
         offsets, total = [], 0
-        for c in spec.columns[len(self.columns):]:
+        for c in spec.columns[len(self.shard.columns):]:
             offsets.append(total)
             total += page_round(max(1, self.capacity * c.row_bytes))
         path = segment_path(self.store_id, _segment_name(index))
@@ -172,7 +196,7 @@ class SharedShard(Shard):
         sizes = [int(t.numel()) for t in self._segments]
         layout = {"spec": spec.to_json(), "segments": [*sizes, total],
                   "placement": [*map(list, self._placement), *([index, o] for o in offsets)],
-                  **self.addressing.state()}
+                  **self.shard.addressing.state()}
         published = self.log.publish_layout(layout, self._layout_version, create, lambda: path.unlink(missing_ok=True))
         self._map_data()
         return published
@@ -181,20 +205,20 @@ class SharedShard(Shard):
         """``leaves`` addressed to the store's columns, after laying out the keys the store lacks."""
         while True:
             self._map_data()
-            spec = leaves.spec if self.table is None else self.table.merged(leaves.spec)
-            if spec is self.table or self._lay_out(spec):
-                assert self.table is not None, "laid out by now, by this process or another"
-                return leaves.placed_in(self.table)
+            spec = leaves.spec if self.shard.table is None else self.shard.table.merged(leaves.spec)
+            if spec is self.shard.table or self._lay_out(spec):
+                assert self.shard.table is not None, "laid out by now, by this process or another"
+                return leaves.placed_in(self.shard.table)
 
     # -- writes: reserve, copy, commit ---------------------------------------------------
-    def write(self, index: Index, data: Data, *, append: bool, lead: torch.Size | None = None) -> torch.Tensor:
+    def write(self, index: Index, data: Data, *, append: bool, lead: torch.Size | None) -> torch.Tensor:
         """Append ``data`` as one commit; ``index`` (a writer's cursor) only gives the row count."""
         if not append:
             raise NotImplementedError(
                 "a shared GearStorage takes appends only (extend, add, TrajectoryWriter): an in-place "
                 "write (write_at, storage[i] = ...) could change rows another process is reading")
         self._map_data()  # check against the layout other processes may have grown since
-        leaves = self.validated(data, isinstance(index, (int, np.integer)), lead=lead)
+        leaves = self.shard.validated(data, isinstance(index, (int, np.integer)), lead=lead)
         return self.commit(leaves.flat())
 
     def commit(self, leaves: Leaves) -> torch.Tensor:
@@ -210,18 +234,18 @@ class SharedShard(Shard):
         reservation = self.log.reserve(n)
         rows = (torch.arange(n, dtype=torch.int64) + reservation.position) % self.capacity
         if leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
-            values, columns = [*values, self.addressing.torchrl_positions(rows)], (*columns, leaves.spec.position("index"))
+            values, columns = [*values, self.shard.addressing.torchrl_positions(rows)], (*columns, leaves.spec.position("index"))
         try:
             self._map_data()  # columns added since: these rows may hold an older lap's bytes there
-            if len(columns) < len(self.columns):
-                spec = self.table
+            if len(columns) < len(self.shard.columns):
+                spec = self.shard.table
                 assert spec is not None, "laid out by ``_placed``"
-                unwritten = [i for i in range(len(self.columns)) if i not in columns]
+                unwritten = [i for i in range(len(self.shard.columns)) if i not in columns]
                 values = [*values, *(torch.zeros((n, *spec.columns[i].row_shape), dtype=spec.columns[i].dtype)
                                      for i in unwritten)]
                 columns = (*columns, *unwritten)
             self.log.await_readers(reservation)
-            self._copy_in(rows, values, columns, contiguous=True)
+            self.shard.copy_in(rows, values, columns, contiguous=True)
         except BaseException:
             self.log.commit(reservation, dead=True)
             raise
@@ -231,26 +255,28 @@ class SharedShard(Shard):
     def set_size(self, size: int) -> None:
         raise NotImplementedError("a shared GearStorage's length follows its commits; it cannot be set")
 
+    def fill_to(self, end: int) -> None:
+        pass  # the segments are created zero-filled: no row ever exposes memory nothing filled
+
     def clear(self) -> None:
         self.log.empty()
+
+    def after_inplace_write(self) -> None:
+        raise NotImplementedError("a shared GearStorage takes appends only: its rows are not written in place")
 
     # -- reads -------------------------------------------------------------------------
     @property
     def size(self) -> int:
         return self._hi - self._lo
 
-    @size.setter
-    def size(self, value: int) -> None:  # Shard.__init__ sets it; the view decides
-        pass
+    @property
+    def head(self) -> int:
+        return self._hi % self.capacity
 
     @property
     def rows_inserted(self) -> int:
         """Rows every process committed (the control segment counts them)."""
         return self.log.inserts
-
-    @rows_inserted.setter
-    def rows_inserted(self, value: int) -> None:  # Shard.__init__ sets it; the log decides
-        pass
 
     # -- indices from outside this library's samplers: live rows, oldest first --------------
     def readable_rows(self) -> int:
@@ -265,17 +291,17 @@ class SharedShard(Shard):
         return self._numbered
 
     @property
-    def _takes_any_layout(self) -> bool:
+    def takes_any_layout(self) -> bool:
         return False  # the layout lives in the control segment, fixed by the first write of any process
 
     @property
-    def slice_views_possible(self) -> bool:
+    def in_place_writes(self) -> bool:
         return False  # other processes read these rows: a slice is a copy, and writes in place are refused
 
     def _live_rows(self) -> LiveRows:
         return LiveRows(self._lo, self._hi, dead_runs_array(self._dead_runs))
 
-    def read(self, index: Index, *, in_range: bool = False) -> Data:
+    def read(self, index: Index) -> Data:
         """Ring rows picked in this read section (this library's samplers), or live rows oldest first.
 
         An index from outside (TorchRL's samplers, ``rb[i]``) numbers the live rows, ``[0, len)``
@@ -286,8 +312,9 @@ class SharedShard(Shard):
         (at most the reader timeout) rather than overwrite them. A row overwritten since
         it was numbered is an IndexError, never another row's data.
         """
-        if in_range or (self._snapshot is not None and not self._scan_held):
-            return super().read(index, in_range=in_range)
+        if self._snapshot is not None and not self._scan_held:  # ring rows, picked in this read section
+            with self.reading():  # ends the section, however the checks go
+                return self.shard.read(self.shard.ring_index(index), in_range=True)
         if isinstance(index, slice) or (isinstance(index, tuple) and isinstance(index[0], slice)):
             self._drop_scan()
             self.refresh()
@@ -319,7 +346,7 @@ class SharedShard(Shard):
                                  "since it was numbered (writers lapped the store meanwhile); sample again")
             rows = (positions % self.capacity).reshape(offsets.shape)
             self._hold_section = self._scan_held = self._scan is not None
-            batch = super().read(rows.reshape(()) if isinstance(index, (int, np.integer)) else rows, in_range=True)
+            batch = self.shard.read(rows.reshape(()) if isinstance(index, (int, np.integer)) else rows, in_range=True)
             if self._scan_held:
                 self.log.raise_if_revoked()
             return batch
@@ -352,8 +379,8 @@ class SharedShard(Shard):
     def _scan_offsets(self, index: Index, live: int) -> torch.Tensor:
         """The live rows a scan's ``index`` names: a slice (and more) into ``[T, num_envs]`` steps for env
         columns; rows of ``[0, live)`` otherwise (the steps a scan's later reads name are flat already)."""
-        if self.num_envs is not None and isinstance(index, (slice, tuple)):
-            return torch.arange(live, dtype=torch.int64).view(self.addressing.grid(live))[index]
+        if self.shard.num_envs is not None and isinstance(index, (slice, tuple)):
+            return torch.arange(live, dtype=torch.int64).view(self.shard.addressing.grid(live))[index]
         return as_index_tensor(index, live, "read")
 
     def _drop_scan(self) -> None:
@@ -402,8 +429,8 @@ class SharedShard(Shard):
             self.refresh()
         try:
             yield
-            if self.out_device.type == "cuda":
-                torch.cuda.current_stream(self.out_device).synchronize()  # the kernel reads host rows
+            if self.shard.out_device.type == "cuda":
+                torch.cuda.current_stream(self.shard.out_device).synchronize()  # the kernel reads host rows
         finally:
             if not self._hold_section:
                 self._end_read()
@@ -427,7 +454,7 @@ class SharedShard(Shard):
     def mapped_columns(self) -> list[torch.Tensor]:
         """The columns, mapped if a writer has published them since this process attached."""
         self._map_data()
-        return self.columns
+        return self.shard.columns
 
     def _end_read(self, quietly: bool = False) -> None:
         """Close the read section; ``quietly``: nothing was read under it, so a revocation does not matter."""
@@ -444,8 +471,8 @@ class SharedShard(Shard):
         Counted at a pessimistic 0.5 GB/s: a large read (a scan of the whole store)
         is not revoked for being large, and a small one adds next to nothing.
         """
-        assert self.table is not None, "rows are read from a shard that holds columns"
-        self.log.claim_longer(num_rows * self.table.row_bytes / _SLOW_GATHER_BYTES_PER_S)
+        assert self.shard.table is not None, "rows are read from a shard that holds columns"
+        self.log.claim_longer(num_rows * self.shard.table.row_bytes / _SLOW_GATHER_BYTES_PER_S)
 
     def check_readable(self, rows: torch.Tensor) -> None:
         rows = rows.reshape(-1).cpu()
@@ -462,13 +489,13 @@ class SharedShard(Shard):
 
     def check_readable_windows(self, windows: Windows) -> None:
         # The readable rows are the ring interval of positions [lo, hi): one C++ pass, no row list.
-        plan = self.addressing.gather_plan(windows)  # runs of ring rows
+        plan = self.shard.addressing.gather_plan(windows)  # runs of ring rows
         row = _C.first_row_outside(plan.starts, plan.valid_begin, plan.valid_end, plan.seq_len,
                                    self.capacity, self._lo % self.capacity, self._hi - self._lo)
         if row >= 0:
             raise IndexError(f"row {row} is not readable: it was evicted or is being rewritten")
         if self._has_dead:
-            self.check_readable(plan.rows(self.capacity)[windows.mask()])  # names the half-written row  # names the half-written row
+            self.check_readable(plan.rows(self.capacity)[windows.mask()])  # names the half-written row
 
     def refresh(self) -> None:
         """Open a read section and replay what was published since the last one."""
@@ -479,16 +506,16 @@ class SharedShard(Shard):
         if snapshot.lost:
             logger.warning("this process fell more than the control segment's record table behind; "
                            "rows committed before the oldest record still held are not sampled by it")
-            self.episodes.clear()
+            self.shard.episodes.clear()
             self._lo = self._hi = int(snapshot.records[0, 0]) if len(snapshot.records) else snapshot.published_end
         lo = max(snapshot.evicted_end - self.capacity, snapshot.floor, 0)
-        step = self.addressing.rows_per_step
+        step = self.shard.addressing.rows_per_step
         lo = -(-lo // step) * step  # whole time steps (evictions run a block ahead)
         for position, end, dead, record_ends in _runs(snapshot.records):
             self._evict_to(min(lo, position))
             first = max(position, lo)
             if first >= end:  # evicted before this process saw it
-                self.episodes.clear()
+                self.shard.episodes.clear()
                 self._lo = end
             else:
                 if self._lo == self._hi:
@@ -501,15 +528,15 @@ class SharedShard(Shard):
         """Append positions ``[first, end)``: dead rows, or committed records ending at ``record_ends``."""
         rows = torch.arange(first, end, dtype=torch.int64) % self.capacity
         if dead:
-            self.addressing.append_dead(rows)
+            self.shard.addressing.append_dead(rows)
             self._dead_runs.append((first, end))
             return
-        ends, traj = self._stored_ends(rows)
+        ends, traj = self.shard.stored_ends(rows)
         if traj is None:  # the next commit in the ring may be another writer's: its last time step ends episodes
-            step = self.addressing.rows_per_step
+            step = self.shard.addressing.rows_per_step
             last = (record_ends[record_ends > first] - first) // step - 1
             ends.view(-1, step)[torch.from_numpy(last)] = True
-        self.addressing.append(rows, ends, traj, None, evicted=0)
+        self.shard.addressing.append(rows, ends, traj, None, evicted=0)
 
     def rows_changed_since(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         old_lo, old_hi = position
@@ -525,15 +552,9 @@ class SharedShard(Shard):
     def _evict_to(self, position: int) -> None:
         k = min(position, self._hi) - self._lo
         if k > 0:
-            self.addressing.evict(k)
+            self.shard.addressing.evict(k)
             self._lo += k
         self._dead_runs = [(max(a, self._lo), b) for a, b in self._dead_runs if b > self._lo]
-
-    def logical_order(self) -> torch.Tensor:
-        return torch.arange(self._lo, self._hi, dtype=torch.int64) % self.capacity
-
-    def rebuild_episodes(self, ends: torch.Tensor | None = None) -> None:
-        raise NotImplementedError("a shared shard's episodes come from its commits")
 
     def state(self) -> dict:
         """The readable episodes as a local shard's state: compacted, oldest first, at rows ``0..n-1``.
@@ -549,16 +570,17 @@ class SharedShard(Shard):
         with self.picking():  # ends the read section itself if anything here raises
             live = self._live_rows()
             rows = live.positions(torch.arange(len(live), dtype=torch.int64)) % self.capacity  # oldest first
-            ends = torch.isin(rows, self.addressing.closed_ends())  # commits end episodes the flags do not
+            ends = torch.isin(rows, self.shard.addressing.closed_ends())  # commits end episodes the flags do not
             mapped = self.mapped_columns()  # another process may have laid the columns out since we attached
-            if self.table is not None:
+            if self.shard.table is not None:
                 self.claim_gather(rows.numel())  # the whole store: writers wait that long on top, no longer
-            columns = [c[rows] for c in mapped] if self.table is not None else []
+            columns = [c[rows] for c in mapped] if self.shard.table is not None else []
         self.release()
-        copy = Shard(self.capacity, end_keys=self.end_keys, traj_key=self.traj_key, addressing=type(self.addressing))
-        copy.addressing.load_state(self.addressing.state())
-        if self.table is not None:
-            copy.take_rows(Leaves.whole(self.table, columns), rows.numel(), rows.numel() % self.capacity, ends=ends)
+        shard = self.shard
+        copy = Shard(self.capacity, end_keys=shard.end_keys, traj_key=shard.traj_key, addressing=type(shard.addressing))
+        copy.addressing.load_state(shard.addressing.state())
+        if shard.table is not None:
+            copy.take_rows(Leaves.whole(shard.table, columns), rows.numel(), rows.numel() % self.capacity, ends=ends)
         return copy.state(), rows
 
     def load_state(self, state: dict) -> None:
@@ -569,11 +591,11 @@ class SharedShard(Shard):
         """
         if self.rows_inserted or self.readable_rows():
             raise ValueError("a checkpoint loads into an empty shared store only: this one already holds rows")
-        spec, columns, _ = self.checked_state(state)
+        spec, columns, _ = self.shard.checked_state(state)
         if spec is None or not columns:
             return
         _refuse_objects(spec)
-        saved = type(self.addressing)(self.capacity)  # the saved episode index, to cut commits where it ends
+        saved = type(self.shard.addressing)(self.capacity)  # the saved episode index, to cut commits where it ends
         saved.load_state(state)
         saved.episodes.load(state["episodes"])
         size, head = int(state["size"]), int(state["head"])
@@ -581,7 +603,7 @@ class SharedShard(Shard):
         step = saved.rows_per_step
         ends_every_env = torch.isin(rows, saved.closed_ends()).view(-1, step).all(1)
         cuts = ((torch.nonzero(ends_every_env).reshape(-1) + 1) * step).tolist()
-        self.addressing.load_state(state)  # published with the columns' layout by the first commit
+        self.shard.addressing.load_state(state)  # published with the columns' layout by the first commit
         for commit_rows in torch.tensor_split(rows, [c for c in cuts if c < size]):
             self.commit(Leaves.whole(spec, [c[commit_rows] for c in columns]))
 

@@ -1,0 +1,152 @@
+"""A shard's visibility part: which rows of its ring are committed and readable, and how writes get there.
+
+A shard is a ring of columns built from two parts, as Reverb's ``Table`` holds
+its selectors and limiter: an addressing (``store/addressing.py``: what a row
+is) and a visibility (this module: what a reader sees). The ring, its gathers
+and the samplers above are the same whatever the parts; only these calls differ:
+
+- ``OwnWrites`` (``store/own_writes.py``): the rows this process wrote, readable as
+  soon as written; any write (appends, in-place writes, ``set_size``) is allowed.
+- ``SharedCommits`` (``store/shared_commits.py``): rows any process committed to
+  a shared commit log; appends only, read in sections that hold eviction back.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+import torch
+
+from gear_torchrl.store.table_spec import Data, Leaves
+from gear_torchrl.store.windows import Windows
+
+if TYPE_CHECKING:
+    from gear_torchrl.store.shard import Index, Shard
+
+
+class Visibility(ABC):
+    """The calls through which a shard's readers and writers meet its rows."""
+
+    shard: Shard
+
+    def bind(self, shard: Shard) -> None:
+        """Become ``shard``'s visibility (its ring and addressing are set up by then)."""
+        self.shard = shard
+
+    # -- what is readable --------------------------------------------------------------
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """Readable rows (``len`` of the storage)."""
+
+    @property
+    @abstractmethod
+    def head(self) -> int:
+        """The ring row the next append writes."""
+
+    @property
+    @abstractmethod
+    def rows_inserted(self) -> int:
+        """Rows appended so far (by every process, where several write)."""
+
+    @property
+    @abstractmethod
+    def ring_rows(self) -> int:
+        """Read indices this store draws are ring rows in ``[0, ring_rows)``."""
+
+    @abstractmethod
+    def readable_rows(self) -> int:
+        """How many rows an index from outside this library's samplers numbers now."""
+
+    @property
+    @abstractmethod
+    def takes_any_layout(self) -> bool:
+        """Whether the next write may bring other keys than the stored ones (an emptied local store)."""
+
+    @property
+    @abstractmethod
+    def in_place_writes(self) -> bool:
+        """Whether stored rows may be written in place (views of the columns, ``set_size``)."""
+
+    # -- writes --------------------------------------------------------------------------
+    @abstractmethod
+    def write(self, index: Index, data: Data, *, append: bool, lead: torch.Size | None) -> torch.Tensor:
+        """Write ``data`` at ``index`` (see ``Shard.write``); returns the ring rows written."""
+
+    @abstractmethod
+    def commit(self, leaves: Leaves) -> torch.Tensor:
+        """Append checked rows as one unit whose last row ends an episode (a TrajectoryWriter's)."""
+
+    @abstractmethod
+    def set_size(self, size: int) -> None:
+        """Make rows ``[0, size)`` readable (TorchRL writers set ``_len``)."""
+
+    @abstractmethod
+    def fill_to(self, end: int) -> None:
+        """Zero rows below ``end`` no write reached, so no read exposes memory nothing filled."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every row (the layout stays)."""
+
+    @abstractmethod
+    def after_inplace_write(self) -> None:
+        """Stored rows were written in place: derive what follows from them again (episode ends)."""
+
+    # -- reads -----------------------------------------------------------------------------
+    # A sampler picks rows inside ``picking()``, then the storage reads them under
+    # ``reading()``: nothing may change between the two.
+    @abstractmethod
+    def picking(self) -> AbstractContextManager[None]:
+        """Around picking rows: what is readable is fixed until they are read."""
+
+    @abstractmethod
+    def reading(self) -> AbstractContextManager[None]:
+        """Around a gather of rows picked earlier."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """End the read section ``picking`` opened, for rows read by other means (a remote learner)."""
+
+    @abstractmethod
+    def refresh(self) -> None:
+        """Open a read section and catch up with rows committed elsewhere."""
+
+    @abstractmethod
+    def claim_gather(self, num_rows: int) -> None:
+        """About to gather ``num_rows`` rows in the open read section."""
+
+    @abstractmethod
+    def check_readable(self, rows: torch.Tensor) -> None:
+        """Raise IndexError if any of ``rows`` (ring rows in range) holds no readable data."""
+
+    @abstractmethod
+    def check_readable_windows(self, windows: Windows) -> None:
+        """``check_readable`` of the windows' valid positions."""
+
+    @abstractmethod
+    def uniform_rows(self, n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+        """``n`` readable ring rows drawn uniformly with replacement (inside ``picking``)."""
+
+    @abstractmethod
+    def read(self, index: Index) -> Data:
+        """Rows at an index from outside this library's samplers (``storage[i]``, TorchRL's samplers):
+        what it numbers, checked, read as ring rows (``Shard.ring_index``, then ``Shard.read``)."""
+
+    @abstractmethod
+    def rows_changed_since(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """``(gone, new, position)``: ring rows commits overwrote and added since ``position`` (first ``(0, 0)``)."""
+
+    # -- state and lifetime ------------------------------------------------------------------
+    @abstractmethod
+    def state(self) -> dict:
+        """The readable rows as a local shard's state (``Shard.state``)."""
+
+    @abstractmethod
+    def load_state(self, state: dict) -> None:
+        """Restore a ``state()``, checked in full before anything changes."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Let go of what the rows live in beyond this process's memory."""
