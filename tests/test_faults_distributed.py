@@ -122,7 +122,7 @@ def test_a_learner_that_reads_late_gets_exactly_its_rows(pause_s):
         starts = torch.randint(0, CAPACITY, (2048,), generator=generator)
         valid_begin = torch.randint(0, 3, (2048,), generator=generator)
         valid_end = valid_begin + torch.randint(0, 6, (2048,), generator=generator).clamp(max=8 - valid_begin)
-        expected, _ = gather.gather_windows(storage.shard.mapped_columns(), starts, 8, torch.device("cpu"),
+        expected, _ = gather.gather_windows(storage.shard.visibility.mapped_columns(), starts, 8, torch.device("cpu"),
                                             valid_begin, valid_end)
         learner = _authenticated(server.address, rcvbuf=4096 if pause_s else None)
         wire.send(learner, Message(Op.READ, {"seq_len": 8}, [starts, valid_begin, valid_end]))
