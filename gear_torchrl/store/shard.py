@@ -84,6 +84,11 @@ class Shard:
         self.visibility = visibility if visibility is not None else OwnWrites()  # what is committed and readable
         self.visibility.bind(self)
 
+    def __setstate__(self, state: dict) -> None:
+        """A copy (pickled, deep-copied) has its visibility refer to it (``Visibility.point_back``)."""
+        self.__dict__.update(state)
+        self.visibility.point_back(self)
+
     @property
     def episodes(self) -> Episodes:
         """The episode index over the readable rows (the addressing's: episodes follow its steps)."""

@@ -12,9 +12,10 @@ and the samplers above are the same whatever the parts; only these calls differ:
 """
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -32,7 +33,16 @@ class Visibility(ABC):
 
     def bind(self, shard: Shard) -> None:
         """Become ``shard``'s visibility (its ring and addressing are set up by then)."""
-        self.shard = shard
+        self.point_back(shard)
+
+    def point_back(self, shard: Shard) -> None:
+        """Refer to ``shard``, weakly: the shard owns its parts, so a shard its users let go of is
+        freed at once, its columns with it, not whenever the cycle collector runs."""
+        self.shard = cast("Shard", weakref.proxy(shard))
+
+    def __getstate__(self) -> dict:
+        """A copy (pickled with its shard) leaves the reference back out: the copied shard points it back."""
+        return {k: v for k, v in self.__dict__.items() if k != "shard"}
 
     # -- what is readable --------------------------------------------------------------
     @property
