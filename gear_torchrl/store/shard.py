@@ -326,7 +326,7 @@ class Shard:
         the data and this shard.
 
         Raises CheckpointError naming the first problem. Nothing changes here, so
-        whoever loads (``load_state``, a shared shard's too) checks first, then writes.
+        whoever loads (either visibility's ``load_state``) checks first, then writes.
         """
         where = "the saved state"
         capacity = checked_int(field(state, "capacity", where), "capacity", lo=1)
