@@ -37,7 +37,6 @@ from gear_torchrl.selection.base import Selector
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store.shard import DEFAULT_END_KEYS
-from gear_torchrl.store.shared_commits import shared_part
 from gear_torchrl.store.table_spec import Data, NestedKey
 
 TransportName = Literal["auto", "tcp", "local", "rdma"]
@@ -112,9 +111,8 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
         options = Options(transport, on_shard_failure, timeout, pin_memory, prefetch)
         local = GearStorage(max_size, shared=True, end_keys=end_keys, traj_key=traj_key) if owns_shard else None
         try:
-            shard = None if local is None else shared_part(local.shard)  # shared=True
-            membership = join(shard, group=group, name=name, serve_on=serve_on, timeout=timeout,
-                              heartbeat_s=heartbeat_s)
+            membership = join(None if local is None else local.shard, group=group, name=name, serve_on=serve_on,
+                              timeout=timeout, heartbeat_s=heartbeat_s)
         except BaseException:
             if local is not None:
                 local.close()

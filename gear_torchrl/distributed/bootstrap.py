@@ -26,7 +26,8 @@ from gear_torchrl.distributed.sealed_store import SealedStore
 from gear_torchrl.distributed.secret import job_secret
 from gear_torchrl.distributed.shard_server import ShardServer
 from gear_torchrl.distributed.transports.registry import rdma_unavailable_reason
-from gear_torchrl.store.shared_commits import SharedCommits
+from gear_torchrl.store.shard import Shard
+from gear_torchrl.store.shared_commits import SharedCommits, shared_part
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +67,18 @@ class Membership:
             self.server.close()
 
 
-def join(shard: SharedCommits | None, *, group: dist.ProcessGroup | None, name: str, serve_on: str | None,
+def join(shard: Shard | None, *, group: dist.ProcessGroup | None, name: str, serve_on: str | None,
          timeout: float, heartbeat_s: float) -> Membership:
-    """Every rank calls this at once (a collective); ``shard`` is this rank's own shared store, or None."""
+    """Every rank calls this at once (a collective); ``shard`` is this rank's own (shared) shard, or None."""
     directory = Directory(process_group_store(group), name)
     secret = job_secret(group)
     server = None
     mine = None
     if shard is not None:
-        server = ShardServer(shard.handle, secret, host=serve_on or serving_address(), timeout=timeout)
+        shared = shared_part(shard)
+        server = ShardServer(shared.handle, secret, host=serve_on or serving_address(), timeout=timeout)
         rdma = {"prefix": f"{directory.prefix}/rdma/{dist.get_rank()}"} if rdma_unavailable_reason() is None else None
-        mine = _describe(shard, server, dist.get_rank(), rdma)
+        mine = _describe(shared, server, dist.get_rank(), rdma)
     descriptors = exchange_descriptors(mine, group)
     if not descriptors:
         if server is not None:
@@ -90,18 +92,19 @@ def join(shard: SharedCommits | None, *, group: dist.ProcessGroup | None, name: 
     return membership
 
 
-def _beat(membership: Membership, shard_id: int, shard: SharedCommits) -> dict[str, Any]:
+def _beat(membership: Membership, shard_id: int, shard: Shard) -> dict[str, Any]:
     """An owner's periodic work: export its region to RDMA readers, report its statistics."""
     mine = membership.descriptors[shard_id]
-    if mine.rdma is not None and shard.mapped_columns():
+    shared = shared_part(shard)
+    if mine.rdma is not None and shared.mapped_columns():
         if membership.exporter is None:
-            membership.exporter = _rdma_exporter(membership.control, mine.rdma["prefix"], shard.segment)
+            membership.exporter = _rdma_exporter(membership.control, mine.rdma["prefix"], shared.segment)
         membership.exporter.accept_pending()
-    return {"rows": shard.readable_rows(), "capacity": shard.capacity, "inserts": shard.log.inserts}
+    return {"rows": shard.readable_rows(), "capacity": shard.capacity, "inserts": shared.log.inserts}
 
 
-def _describe(shard: SharedCommits, server: ShardServer, rank: int, rdma: dict | None) -> ShardDescriptor:
-    handle = shard.handle
+def _describe(shared: SharedCommits, server: ShardServer, rank: int, rdma: dict | None) -> ShardDescriptor:
+    handle = shared.handle
     bound, port = server.address
     return ShardDescriptor(shard=-1, rank=rank, host=host_id(), addr=advertised_address(bound), port=port,
                            store_id=handle.store_id, capacity=handle.capacity, end_keys=list(handle.end_keys),

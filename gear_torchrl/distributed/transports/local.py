@@ -19,8 +19,8 @@ class LocalTransport(Transport):
     name = "local"
 
     def __init__(self, handle: SharedStoreHandle) -> None:
-        self._shard = shared_shard(handle.capacity, handle=handle)
-        self._shared = shared_part(self._shard)  # its segments (the shard keeps this part alive)
+        self._shard = shared_shard(handle.capacity, handle=handle)  # held: its part refers back to it weakly
+        self._shared = shared_part(self._shard)  # the segments it reads
 
     def read(self, request: Windows, out: list[torch.Tensor]) -> None:
         columns = self._shared.mapped_columns()
