@@ -469,7 +469,8 @@ class Shard:
             self.rows_read += rows.numel()
         if rows.ndim != 1:
             flat = [t.reshape((*rows.shape, *t.shape[1:])) for t in flat]
-        return self.table.unflatten(flat, rows.shape, device=self.out_device, objects=self._objects_at(rows, rows.shape))
+        objects = self._objects_at(rows, rows.shape)
+        return self.table.unflatten(flat, rows.shape, device=self.out_device, objects=objects)
 
     def ring_index(self, index: Index) -> torch.Tensor:
         """``index`` as ring rows of ``[0, ring_rows)`` (negatives count from the end), each checked

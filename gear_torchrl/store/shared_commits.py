@@ -34,7 +34,7 @@ from gear_torchrl.store.commit_log import (
     control_bytes,
     reader_timeout_us,
 )
-from gear_torchrl.store.indices import Index, as_index_tensor
+from gear_torchrl.store.indices import TORCHRL_INDEX, Index, as_index_tensor
 from gear_torchrl.store.live_rows import LiveRows, dead_runs_array
 from gear_torchrl.store.rate_counters import SharedRateCounters
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, Shard
@@ -234,7 +234,8 @@ class SharedCommits(Visibility):
         reservation = self.log.reserve(n)
         rows = (torch.arange(n, dtype=torch.int64) + reservation.position) % self.capacity
         if leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
-            values, columns = [*values, self.shard.addressing.torchrl_positions(rows)], (*columns, leaves.spec.position("index"))
+            values = [*values, self.shard.addressing.torchrl_positions(rows)]
+            columns = (*columns, leaves.spec.position(TORCHRL_INDEX))
         try:
             self._map_data()  # columns added since: these rows may hold an older lap's bytes there
             if len(columns) < len(self.shard.columns):
