@@ -231,19 +231,17 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
     out.put(result)
 
 
-def _ray_contenders(batches: list[int]) -> dict:
+def ray_buffers(batches: list[int]) -> dict:
     """TorchRL's remote buffer on Ray (``service_backend="ray"``), one actor per transport and batch size
     (the ``distributed`` transport binds its batch size at the first sample), each holding the same
-    steps in a ``LazyTensorStorage``: name -> (sample, the actor's pid for each batch size). Ray comes from ``--ray-site``
+    steps in a ``LazyTensorStorage``: transport -> batch size -> buffer. Ray comes from ``--ray-site``
     (on PYTHONPATH), never from the library's environment."""
     import functools
 
-    import ray
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-    found = {}
+    found: dict = {}
     for transport in ("ray", "distributed"):
-        buffers = {}
         for b in batches:
             rb = ReplayBuffer(storage=functools.partial(LazyTensorStorage, STEPS), batch_size=b,
                               service_backend="ray", transport=transport,
@@ -252,8 +250,22 @@ def _ray_contenders(batches: list[int]) -> dict:
                                                                            "log_to_driver": False}})
             for first in range(0, STEPS, 10 * EPISODE):
                 rb.extend(_rows(10 * EPISODE, first))
-            buffers[b] = rb
-        pids = {b: [ray.get(rb._rb.__ray_call__.remote(lambda _: os.getpid()))] for b, rb in buffers.items()}
+            found.setdefault(transport, {})[b] = rb
+    return found
+
+
+def ray_actor_pid(rb) -> int:
+    """The pid of the Ray actor behind TorchRL's remote buffer ``rb`` (whose CPU serves its batches)."""
+    import ray
+
+    return ray.get(rb._rb.__ray_call__.remote(lambda _: os.getpid()))
+
+
+def _ray_contenders(batches: list[int]) -> dict:
+    """name -> (sample, the actor's pid for each batch size) of each transport's buffers (``ray_buffers``)."""
+    found = {}
+    for transport, buffers in ray_buffers(batches).items():
+        pids = {b: [ray_actor_pid(rb)] for b, rb in buffers.items()}
         found[f"torchrl-ray-{transport}"] = (lambda b, buffers=buffers: buffers[b].sample(b)), pids
     return found
 
@@ -317,6 +329,15 @@ def run_world(world_name: str, batches: list[int], rounds: int) -> dict:
                 p.kill()
 
 
+def use_ray_site(folder: str) -> None:
+    """Import Ray from ``folder`` (pip install --target), here, in spawned ranks (they take this sys.path) and
+    in Ray's workers (PYTHONPATH; the folder shadows nothing of the venv)."""
+    site = os.path.abspath(folder)
+    os.environ["GEAR_BENCH_RAY_SITE"] = site
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), site) if p)
+    sys.path.append(site)
+
+
 def _capped(args: argparse.Namespace) -> None:
     """Re-run this script inside a network namespace whose owner ports are capped (see the module docstring)."""
     if os.environ.get("GEAR_BENCH_IN_NETNS") == "1":
@@ -332,7 +353,7 @@ def cap_owner_ports(ports: list[list[int]], gbit: float) -> None:
         subprocess.run(["tc", *a], check=True)
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], stderr=subprocess.DEVNULL)
+    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False, stderr=subprocess.DEVNULL)
     tc("qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "999")
     tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:999", "htb", "rate", "100gbit", "quantum", "200000")
     for i, owner in enumerate(ports, start=1):
@@ -363,11 +384,8 @@ def main() -> None:
         os.environ["GEAR_BENCH_CAP_GBIT"] = str(args.cap_gbit)
     if args.profile:
         os.environ["GEAR_BENCH_PROFILE"] = "1"
-    if args.ray_site:  # spawned ranks take this sys.path, Ray's workers PYTHONPATH (it shadows nothing of the venv)
-        site = os.path.abspath(args.ray_site)
-        os.environ["GEAR_BENCH_RAY_SITE"] = site
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), site) if p)
-        sys.path.append(site)
+    if args.ray_site:
+        use_ray_site(args.ray_site)
     os.environ["GEAR_BENCH_RULE"] = args.rule
     rows = []
     for world in args.worlds:
