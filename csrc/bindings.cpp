@@ -126,6 +126,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "(code, count, seed, columns, answered)",
       py::arg("fd"), py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"),
       py::arg("seen_seq"), py::arg("max_lag"), py::arg("catch_up_s"));
+  m.def(
+      "sample_rows_into",
+      [](at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version, int64_t count,
+         int64_t seed, const at::Tensor& picks, const std::vector<at::Tensor>& out) {
+        const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
+        return gear::sample_rows_into(store, count, seed, picks, out);
+      },
+      "serve_sample_rows's answer into this process's tensors (GIL released): the live rows drawn over, or -1 "
+      "when Python must answer",
+      py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"), py::arg("count"),
+      py::arg("seed"), py::arg("picks"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("owner_constants", &gear::owner_constants);
   m.def("built_with_cuda", &built_with_cuda);
   m.def("tree_nodes", &gear::tree_nodes, "Size of a tree tensor over `capacity` leaves", py::arg("capacity"));

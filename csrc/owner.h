@@ -37,6 +37,13 @@ struct Served {
 // from the second answer on, so every call answers at least one).
 Served serve_sample_rows(int64_t fd, const OwnedStore& store, int64_t seen_seq, int64_t max_lag, double catch_up_s);
 
+// The same answer into this process's memory: `count` uniform rows drawn from `seed` (-1: the global
+// generator), their ring rows into `picks` and the first out.size() columns' rows into `out`, for a learner
+// that reads the shard its own process serves. Returns the live rows drawn over, or -1 when Python must
+// answer (the same cases as serve_sample_rows).
+int64_t sample_rows_into(const OwnedStore& store, int64_t count, int64_t seed, const at::Tensor& picks,
+                         const std::vector<at::Tensor>& out);
+
 // What this file assumes of the Python side (control segment words, wire codes, limits), by the
 // Python name each must equal: a test holds the two together.
 std::vector<std::pair<std::string, int64_t>> owner_constants();

@@ -16,6 +16,7 @@ from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.shard_client import Ask, Flight, ShardClient
 from gear_torchrl.distributed.shard_server import ShardServer
 from gear_torchrl.distributed.shard_view import ShardView
+from gear_torchrl.distributed.transports.in_process import InProcessTransport
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.selector_registry import SelectorRegistry
@@ -222,3 +223,110 @@ def test_the_extension_assumes_the_words_codes_and_limits_python_uses():
     for name, value in _C.owner_constants():
         module, *path = name.split(".")
         assert functools.reduce(getattr, path, modules[module]) == value, name
+
+
+class InPlace:
+    """A learner reading the shard its own process serves (``InProcessTransport``), asked as a round asks,
+    and a count of the picks its Python path made."""
+
+    def __init__(self, capacity: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.storage = GearStorage(capacity, shared=True)
+        self.rb = TensorDictReplayBuffer(storage=self.storage)
+        self.python_picks = 0
+        pick = ShardView.pick
+
+        def counted(view, *args, **kwargs):
+            self.python_picks += view is self.view  # the learner's, not _python_pick's
+            return pick(view, *args, **kwargs)
+
+        monkeypatch.setattr(ShardView, "pick", counted)
+        handle = self.storage.handle
+        self.view = ShardView(handle, SelectorRegistry(handle.capacity))
+        self.transport = InProcessTransport(self.view)
+
+    def sample(self, count: int, seed: int | None, first: int = 0):
+        """(picks, the ask's picks, rows by column name) of uniform rows read back into a batch from ``first``."""
+        table = self.storage.shard.table
+        batch = [torch.full((first + count, *c.row_shape), -1, dtype=c.dtype) for c in table.columns]
+        ask = Ask(UNIFORM, count, seed, batch, first)
+        picked = ask.placed(self.transport.select(None, ask))
+        assert ask.starts is not None
+        rows = {c.key: col[first: first + picked.count] for c, col in zip(table.columns, batch)}
+        return picked, ask.starts[first: first + picked.count], rows
+
+    def close(self) -> None:
+        self.transport.close()
+        self.storage.close()
+
+
+@pytest.fixture
+def in_place(monkeypatch):
+    made: list[InPlace] = []
+    yield lambda capacity: made.append(InPlace(capacity, monkeypatch)) or made[-1]
+    for o in made:
+        o.close()
+
+
+def test_a_learner_on_its_own_shard_gets_the_extensions_answer_in_its_batch(in_place):
+    o = in_place(128)
+    o.rb.extend(w.keyed_rows(100, 0))
+    picked, landed, rows = o.sample(64, seed=1234, first=16)
+    assert o.python_picks == 0, "uniform rows of this process's shard are drawn and read natively"
+    assert torch.equal(picked.starts, _python_pick(o.storage, 64, 1234)), "the draw the Python path makes"
+    assert torch.equal(landed, picked.starts) and torch.equal(rows["obs"], picked.starts.float())
+    assert picked.mass == 100.0 and picked.scalars["rows"] == 100 and picked.seq_len == 1
+    again, _, _ = o.sample(64, seed=1234)
+    assert torch.equal(again.starts, picked.starts)
+    unseeded, _, rows = o.sample(64, seed=None)
+    assert unseeded.count == 64 and torch.equal(rows["obs"], unseeded.starts.float())
+
+
+def test_in_place_a_store_that_wrapped_and_catching_up_change_nothing(in_place, monkeypatch):
+    monkeypatch.setattr(native_owner, "CATCH_UP_S", 0.0)
+    o = in_place(64)
+    for first in range(0, 200, 20):
+        o.rb.extend(w.keyed_rows(20, first))
+        picked, _, rows = o.sample(32, seed=first)
+        assert torch.equal(picked.starts, _python_pick(o.storage, 32, first))
+        assert torch.equal(rows["obs"].long() % 64, picked.starts) and bool((rows["obs"] >= first + 20 - 64).all())
+    assert o.python_picks == 0
+
+
+def test_in_place_leaves_to_python_dead_rows_an_open_read_and_an_empty_store(in_place):
+    o = in_place(64)
+    o.rb.extend(w.keyed_rows(10, 0))
+    log = o.storage.shard.visibility.log
+    dead = log.reserve(5)
+    log.commit(dead, dead=True)
+    o.rb.extend(w.keyed_rows(10, 15))
+    picked, _, rows = o.sample(200, seed=9)
+    assert o.python_picks == 1, "rows a dead writer left are in range: Python's draw skips them"
+    assert not bool(((picked.starts >= 10) & (picked.starts < 15)).any())
+    assert torch.equal(rows["obs"], picked.starts.float())
+
+    held = o.view.pick(UNIFORM, 4, 3)  # a pick whose rows are held readable until its release
+    assert o.view.shared.log.reading
+    picked, _, rows = o.sample(8, seed=4)
+    assert o.python_picks == 3, "a read section Python holds is Python's to close"
+    assert torch.equal(rows["obs"] % 64, picked.starts.float()) and held.count == 4
+
+    o.rb.empty()
+    picked, _, _ = o.sample(8, seed=1)
+    assert picked.count == 0 and o.python_picks == 4
+
+
+def test_in_place_outputs_that_do_not_fit_the_columns_are_refused_before_any_read(in_place):
+    o = in_place(32)
+    o.rb.extend(w.keyed_rows(8, 0))
+    log = o.view.shared.log
+    header, reader = log.native_words()
+    columns = o.view.shared.mapped_columns()
+    version = o.view.shared.mapped_layout_version
+    picks = torch.empty(4, dtype=torch.int64)
+    wrong = [torch.empty(4, *c.shape[1:], dtype=torch.float64) for c in columns]
+    with pytest.raises(RuntimeError, match="output is Double"):
+        _C.sample_rows_into(header, reader, list(columns), version, 4, 1, picks, wrong)
+    with pytest.raises(RuntimeError, match="picks must be"):
+        _C.sample_rows_into(header, reader, list(columns), version, 4, 1, picks[:2], [c[:4].clone() for c in columns])
+    assert int(reader[1]) == 0, "no read section was opened"
+    assert _C.sample_rows_into(header, reader, list(columns), version, 4, -5, picks, [c[:4].clone() for c in columns]) == -1

@@ -2,8 +2,9 @@
 // owner answers them here, the interpreter released, with the same steps as the Python path: open a
 // read section in the store's control segment, draw from the learner's seed exactly as torch.randint
 // would, gather the rows out of the ring (cpu/gather.cpp, into the reply itself), close the section
-// (a revoked one is never sent) and send the reply in one framed message. Anything unusual goes back
-// to Python, which answers it in full.
+// (a revoked one is never sent) and send the reply in one framed message. A learner reading the shard
+// its own process serves gets the same answer into its batch (sample_rows_into), with no socket.
+// Anything unusual goes back to Python, which answers it in full.
 #include "owner.h"
 
 #include "framing.h"
@@ -120,41 +121,52 @@ std::vector<char>& reply_buffer() {
 
 // torch.randint(0, n, (count,), generator=...) as ATen's CPU kernel draws it (one engine output per value,
 // two above 2**32, taken modulo n, in order), without the dispatcher: a third of a small answer's cost.
-// Ring rows of the live positions [lo, lo + n) those offsets name. tests/test_native_owner.py holds
-// this to the Python path's draw.
-at::Tensor draw_rows(const Request& q, int64_t lo, int64_t n, int64_t capacity) {
+// Ring rows of the live positions [lo, lo + n) those offsets name, into `row`. tests/test_native_owner.py
+// holds this to the Python path's draw.
+void draw_rows(const Request& q, int64_t lo, int64_t n, int64_t capacity, int64_t* row) {
   at::Generator generator = q.seed >= 0 ? at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.seed))
                                         : at::detail::getDefaultCPUGenerator();
   auto* engine = at::check_generator<at::CPUGeneratorImpl>(generator);
   std::lock_guard<std::mutex> lock(generator.mutex());
-  at::Tensor rows = at::empty({q.count}, at::kLong);
-  int64_t* row = rows.data_ptr<int64_t>();
   const auto range = static_cast<uint64_t>(n);
   for (int64_t i = 0; i < q.count; ++i) {
     const uint64_t bits = range >= (uint64_t{1} << 32) ? engine->random64() : engine->random();
     row[i] = (lo + static_cast<int64_t>(bits % range)) % capacity;
   }
-  return rows;
+}
+
+// Whether the extension may answer `q` at all (what it asks is in bounds); the store's state is checked
+// under the read section.
+bool answerable(const OwnedStore& s, const Request& q) {
+  return q.count > 0 && q.count <= kMaxPositions && q.seed >= -1 && q.columns > 0 &&
+         static_cast<size_t>(q.columns) <= s.columns.size();
+}
+
+// Every SAMPLE_ROWS answer's work, wherever its rows go: open a read section, draw, gather the picks' rows
+// into `out` (the first q.columns columns, each [q.count, ...]) and their ring rows into `picks`, close the
+// section. Returns the live rows drawn over, or -1 when Python must answer (see serve_sample_rows).
+int64_t sample_rows(const OwnedStore& s, const Request& q, const at::Tensor& picks, std::vector<at::Tensor> out) {
+  int64_t* header = s.header.data_ptr<int64_t>();
+  if (!answerable(s, q) || load(header, kLayoutVersion) != s.layout_version || load(header, kState) != kOpen) {
+    return -1;
+  }
+  Section section(header, s.reader.data_ptr<int64_t>());
+  const int64_t live = section.hi - section.lo;
+  if (live <= 0 || load(header, kDeadEnd) > section.lo) {  // empty, or rows a dead writer left are in range
+    section.close();
+    return -1;
+  }
+  draw_rows(q, section.lo, live, s.columns.front().size(0), picks.data_ptr<int64_t>());
+  gather_cpu({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), std::move(out), picks});
+  return section.close() ? live : -1;  // held too long: Python draws again (the same rows, for a seed)
 }
 
 // The ROWS reply (wire.Op.ROWS, shard_server._sample_rows): the tally (live rows, picks), the picks' ring
 // rows, then each column's rows; no JSON, so the learner lands it without parsing anything.
 // Returns 0 once sent, 1 when Python must answer, or -errno (the connection is broken).
 int64_t answer(int fd, const OwnedStore& s, const Request& q) {
-  int64_t* header = s.header.data_ptr<int64_t>();
+  if (!answerable(s, q)) return 1;
   const auto ncols = static_cast<size_t>(q.columns);
-  if (q.count <= 0 || q.count > kMaxPositions || q.seed < -1 || q.columns <= 0 || ncols > s.columns.size() ||
-      load(header, kLayoutVersion) != s.layout_version || load(header, kState) != kOpen) {
-    return 1;
-  }
-  Section section(header, s.reader.data_ptr<int64_t>());
-  const int64_t live = section.hi - section.lo;
-  if (live <= 0 || load(header, kDeadEnd) > section.lo) {  // empty, or rows a dead writer left are in range
-    section.close();
-    return 1;
-  }
-  const at::Tensor rows = draw_rows(q, section.lo, live, s.columns.front().size(0));
-
   const size_t count = static_cast<size_t>(q.count);
   const size_t narrays = 2 + ncols;
   std::vector<uint64_t> lengths(narrays, 8 * count);
@@ -172,35 +184,52 @@ int64_t answer(int fd, const OwnedStore& s, const Request& q) {
   put<uint32_t>(out, 8, 0);
   put<uint64_t>(out, 12, total);
   for (size_t i = 0; i < narrays; ++i) put<uint64_t>(out, kHeader + 8 * i, lengths[i]);
-  size_t at = head;
-  put<int64_t>(out, at, live);
-  put<int64_t>(out, at + 8, q.count);
-  std::memcpy(out.data() + at + 16, rows.data_ptr<int64_t>(), 8 * count);
-  at += 16 + 8 * count;
-  GatherArgs gather{std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), {}, rows};
+  const size_t tally = head;
+  const at::Tensor picks = at::from_blob(out.data() + tally + 16, {q.count}, at::kLong);
+  std::vector<at::Tensor> rows;
+  size_t at = tally + 16 + 8 * count;
   for (size_t c = 0; c < ncols; ++c) {  // the rows land in the reply, where the kernel copies them from
     std::vector<int64_t> shape = s.columns[c].sizes().vec();
     shape[0] = q.count;
-    gather.out.push_back(at::from_blob(out.data() + at, shape, s.columns[c].options()));
+    rows.push_back(at::from_blob(out.data() + at, shape, s.columns[c].options()));
     at += lengths[2 + c];
   }
-  gather_cpu(gather);
-  if (!section.close()) return 1;  // held too long: Python draws again (the same rows, for a seed)
+  const int64_t live = sample_rows(s, q, picks, std::move(rows));
+  if (live < 0) return 1;
+  put<int64_t>(out, tally, live);
+  put<int64_t>(out, tally + 8, q.count);
   const int64_t sent = send_all(fd, out.data(), head + total);
   if (out.size() > kKeepBytes) std::vector<char>().swap(out);
   return sent;
 }
 
-}  // namespace
-
-Served serve_sample_rows(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t max_lag, double catch_up_s) {
-  TORCH_CHECK(s.header.scalar_type() == at::kLong && s.header.numel() > kDeadEnd, "serve_sample_rows: bad header");
-  TORCH_CHECK(s.reader.scalar_type() == at::kLong && s.reader.numel() == 4, "serve_sample_rows: bad reader slot");
-  TORCH_CHECK(!s.columns.empty(), "serve_sample_rows: no columns");
+void check_owned_store(const OwnedStore& s) {
+  TORCH_CHECK(s.header.scalar_type() == at::kLong && s.header.numel() > kDeadEnd, "owned store: bad header");
+  TORCH_CHECK(s.reader.scalar_type() == at::kLong && s.reader.numel() == 4, "owned store: bad reader slot");
+  TORCH_CHECK(!s.columns.empty(), "owned store: no columns");
   for (const auto& c : s.columns) {
     TORCH_CHECK(c.device().is_cpu() && c.dim() >= 1 && c.size(0) == s.columns.front().size(0) && c.is_contiguous(),
-                "serve_sample_rows: columns are contiguous CPU rings of one capacity");
+                "owned store: columns are contiguous CPU rings of one capacity");
   }
+}
+
+}  // namespace
+
+int64_t sample_rows_into(const OwnedStore& s, int64_t count, int64_t seed, const at::Tensor& picks,
+                         const std::vector<at::Tensor>& out) {
+  check_owned_store(s);
+  const Request q{count, seed, static_cast<int64_t>(out.size())};
+  if (!answerable(s, q)) return -1;
+  TORCH_CHECK(picks.device().is_cpu() && picks.scalar_type() == at::kLong && picks.dim() == 1 &&
+                  picks.numel() == count && picks.is_contiguous(),
+              "sample_rows_into: picks must be a contiguous CPU int64 tensor of ", count, " rows");
+  check_gather_args({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), out, picks});
+  TORCH_CHECK(out.front().device().is_cpu(), "sample_rows_into: the outputs must be CPU tensors");
+  return sample_rows(s, q, picks, out);
+}
+
+Served serve_sample_rows(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t max_lag, double catch_up_s) {
+  check_owned_store(s);
   const int fd = static_cast<int>(fd_);
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(catch_up_s);
   const int64_t* header = s.header.data_ptr<int64_t>();

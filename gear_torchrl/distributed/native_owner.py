@@ -8,19 +8,24 @@ would, copies the rows out and sends the reply. It hands back to Python the
 request it does not answer (an empty store, rows a dead writer left, a new
 layout, a revoked read, a request out of bounds: Python answers those in
 full, errors included), any other op (unread), and, now and then, a turn to
-catch the view up with the store's records.
+catch the view up with the store's records. A learner reading the shard its
+own process serves gets the same answer into its batch (``answer_in_place``):
+one native call where the Python path takes a pick, a read section and a gather.
 """
 from __future__ import annotations
 
 import socket
+import time
 
 import torch
 
 from gear_torchrl.distributed import wire
+from gear_torchrl.distributed.shard_client import Ask
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.errors import ReadRevokedError, StoreClosedError
 from gear_torchrl.kernels import _C
+from gear_torchrl.selection.picked import Picked
 
 _NEXT_IS_OTHER, _SERVE_IN_PYTHON, _CATCH_UP = 0, 1, 2  # csrc/owner.h ServeCode
 CATCH_UP_S = 1.0  # the view replays the records published meanwhile at least this often
@@ -35,6 +40,7 @@ class NativeOwner:
     def __init__(self, view: ShardView) -> None:
         self.view = view
         self._source: _Source | None = None
+        self._caught_up = time.monotonic()  # when answer_in_place last let the view catch up
 
     def serve(self, conn: socket.socket) -> Message | None:
         """Answer SAMPLE_ROWS until another op is next (None: read it as usual) or one needs Python
@@ -59,6 +65,27 @@ class NativeOwner:
             except (StoreClosedError, ReadRevokedError):
                 return None  # the request is answered in Python, which says what is wrong
         return None
+
+    def answer_in_place(self, ask: Ask) -> Picked | None:
+        """``ask``'s uniform rows (a SAMPLE_ROWS ask) drawn and gathered into its own tensors, as the
+        extension answers a socket; None where Python must answer it (``ShardView.pick``)."""
+        log = self.view.shared.log
+        if not ask.samples_rows or not ask.count or log.reading:  # a section Python holds stays Python's
+            return None
+        source = self._mapped()
+        if source is None:
+            return None
+        version, header, reader, columns = source
+        if time.monotonic() - self._caught_up > CATCH_UP_S or log.records_unseen() > log.num_records // 4:
+            self.view.catch_up()
+            self._caught_up = time.monotonic()
+        assert ask.starts is not None and ask.columns is not None  # (samples_rows)
+        picks = ask.starts[ask.first: ask.first + ask.count]
+        seed = -1 if ask.seed is None else ask.seed
+        live = _C.sample_rows_into(header, reader, columns, version, ask.count, seed, picks, ask.rows(ask.count))
+        if live < 0:
+            return None
+        return Picked.rows(picks, float(live), scalars={"rows": live})
 
     def _mapped(self) -> _Source | None:
         """What the extension reads, for the layout published now; None before any (Python says it is empty)."""

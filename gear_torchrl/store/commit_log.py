@@ -392,6 +392,10 @@ class CommitLog:
     def num_records(self) -> int:
         return int(self._records.shape[0])
 
+    def records_unseen(self) -> int:
+        """Records published since this reader last looked (read without the lock)."""
+        return int(self._h[_H_PUBLISHED_SEQ]) - self._seen_seq
+
     def forget_reads(self) -> None:
         """Start this reader's view again from the oldest record still held."""
         self._seen_seq = 0

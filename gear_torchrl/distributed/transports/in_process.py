@@ -1,10 +1,16 @@
-"""The shard this very process serves: its learner picks and gathers with no socket and no thread hop."""
+"""The shard this very process serves: its learner picks and gathers with no socket and no thread hop.
+
+Uniform rows read back at once are answered as an owner's extension answers them
+over a socket (``NativeOwner.answer_in_place``); every other ask goes through the
+learner's ``ShardView`` in Python, as a remote learner's session would.
+"""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
+from gear_torchrl.distributed.native_owner import NativeOwner
 from gear_torchrl.distributed.shard_client import Ask
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.transports.base import Transport
@@ -25,6 +31,7 @@ class InProcessTransport(Transport):
 
     def __init__(self, view: ShardView) -> None:
         self._view = view
+        self._native = NativeOwner(view)
 
     def read(self, request: Windows, out: list[torch.Tensor]) -> None:
         shard = self._view.shard
@@ -36,6 +43,9 @@ class InProcessTransport(Transport):
 
     def select(self, client: Any, ask: Ask) -> Picked:
         """Picks, and their rows gathered where ``ask`` says (if it asks for rows), released at once."""
+        answered = self._native.answer_in_place(ask)
+        if answered is not None:
+            return answered
         picked = self._view.pick(ask.spec, ask.count, ask.seed)
         try:
             if ask.columns is not None and picked.count:
@@ -56,6 +66,7 @@ class InProcessTransport(Transport):
         self._view.give_back(spec, rows)
 
     def close(self) -> None:
+        self._native.close()
         self._view.close()
 
 
