@@ -60,7 +60,11 @@ def _learner(where, orders, done) -> None:
     from gear_torchrl.store.table_spec import TableSpec
 
     class SelectAsk(Ask):
-        """The same ask as a SELECT: the owner's Python path answers it."""
+        """The same ask as a SELECT: the owner's Python path answers it (and its reply lands no picks)."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            self.samples_rows, self.starts = False, None
 
         def request(self) -> Message:
             meta = {"selection": self.spec.to_json(), "count": self.count, "seed": self.seed, "read": True,
