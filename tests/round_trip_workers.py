@@ -63,6 +63,9 @@ def run(port: int, out: str) -> None:
         rb = TensorDictReplayBuffer(storage=own, batch_size=64)
         results["own transport"] = (own.transport_of(0), type(own._shards.transport(0)).__name__)
         results["own rows match"] = all(_rows_match(rb.sample()) for _ in range(BATCHES))
+        results["own python picks of uniform rows"] = _python_picks(lambda: [rb.sample() for _ in range(BATCHES)])
+        results["own draws match tcp's"] = ([t.tolist() for t in _seeded(own, [32, 48, 48])] ==
+                                            [t.tolist() for t in _seeded(tcp, [32, 48, 48])])
 
         # priorities set through the in-process path land in the cores the owner's server uses for everyone
         prioritized = TensorDictReplayBuffer(storage=own, sampler=GearPrioritizedSampler(ROWS, 0.9, 0.4), batch_size=256)
@@ -94,6 +97,25 @@ def run(port: int, out: str) -> None:
         tcp.close()
         own.close()
     os._exit(0)
+
+
+def _python_picks(sample) -> int:
+    """How many picks ``sample()`` made through a ``ShardView`` in this process (the Python path)."""
+    from gear_torchrl.distributed.shard_view import ShardView
+
+    made = []
+    pick = ShardView.pick
+
+    def counted(view, *args, **kwargs):
+        made.append(1)
+        return pick(view, *args, **kwargs)
+
+    ShardView.pick = counted  # type: ignore[method-assign]
+    try:
+        sample()
+    finally:
+        ShardView.pick = pick  # type: ignore[method-assign]
+    return len(made)
 
 
 def _all_ids() -> torch.Tensor:

@@ -131,6 +131,8 @@ def world_of_one(tmp_path_factory):
 def test_the_shard_a_learner_serves_itself_is_read_in_process(world_of_one):
     assert world_of_one["own transport"] == ("local", "InProcessTransport")
     assert world_of_one["own rows match"]
+    assert world_of_one["own python picks of uniform rows"] == 0, "uniform rows take the owner's native answer"
+    assert world_of_one["own draws match tcp's"], "a seed draws the same rows in-process as over tcp"
     assert world_of_one["first batch rows match"]
 
 
