@@ -7,6 +7,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -90,6 +91,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(target: Callable[..., None], world: int, args: tuple, label: str, timeout_s: float) -> Any:
+    """Spawn ranks ``target(rank, *args, out)`` for ``rank < world``; what one of them puts on ``out``.
+    A rank that fails, or no result within ``timeout_s``, raises (naming ``label``)."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    processes = [ctx.Process(target=target, args=(rank, *args, out)) for rank in range(world)]
+    for p in processes:
+        p.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return out.get(timeout=1)
+            except queue.Empty:
+                failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"{label}: a rank failed ({failed}) or it timed out") from None
+    finally:
+        for p in processes:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+
+
 def sharded_rank(rank: int, world: int, port: int, rows: int, timeout_s: float):
     """Join a loopback job (ranks 0..world-2 own shards of ``rows`` steps, the last learns) and build its store."""
     from datetime import timedelta
@@ -121,5 +149,5 @@ def write_json(path: str | None, payload: dict) -> None:
 
 def table(rows: list[dict], columns: list[str]) -> str:
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
-    line = lambda vals: "  ".join(str(v).rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+    line = lambda vals: "  ".join(str(v).rjust(w) for v, w in zip(vals, widths))
     return "\n".join([line(columns), line(["-" * w for w in widths]), *(line([r.get(c, "") for c in columns]) for r in rows)])

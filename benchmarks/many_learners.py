@@ -23,15 +23,13 @@ serving side's CPU per request (each owner, or the Ray actor: every thread, from
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import pickle
-import queue
 import statistics
 import time
 
 import torch
-from harness import free_port, table, write_json
+from harness import free_port, run_ranks, table, write_json
 from sharded_cost import STEPS, _fill, _thread_cpu_ns, ray_actor_pid, ray_buffers, use_ray_site
 
 SECONDS_PER_TURN = 0.3  # how long the learners draw from one contender in one round
@@ -159,27 +157,8 @@ def _rank(rank: int, owners: int, learners: int, port: int, batches: list[int], 
 
 
 def run_job(owners: int, learners: int, batches: list[int], rounds: int) -> dict:
-    ctx = mp.get_context("spawn")
-    port, out = free_port(), ctx.Queue()
-    processes = [ctx.Process(target=_rank, args=(r, owners, learners, port, batches, rounds, out))
-                 for r in range(owners + learners)]
-    for p in processes:
-        p.start()
-    try:
-        deadline = time.monotonic() + 1800
-        while True:
-            try:
-                return out.get(timeout=1)
-            except queue.Empty:
-                failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"{owners} owners, {learners} learners: a rank failed ({failed}) "
-                                       "or it timed out") from None
-    finally:
-        for p in processes:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    return run_ranks(_rank, owners + learners, (owners, learners, free_port(), batches, rounds),
+                     f"{owners} owners, {learners} learners", 1800)
 
 
 def _row(owners: int, learners: int, b: int, result: dict) -> dict:

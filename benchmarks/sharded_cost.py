@@ -29,9 +29,7 @@ scaling a job gets when the network, not these cores, is the limit.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import queue
 import statistics
 import subprocess
 import sys
@@ -39,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import free_port, table, write_json
+from harness import free_port, run_ranks, table, write_json
 
 STEPS = 200_000
 EPISODE = 1000
@@ -307,26 +305,7 @@ def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rou
 def run_world(world_name: str, batches: list[int], rounds: int) -> dict:
     owners = 1 if world_name == "own" else int(world_name)
     world = 1 if world_name == "own" else owners + 1
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    out = ctx.Queue()
-    processes = [ctx.Process(target=_rank, args=(r, world, port, owners, batches, rounds, out)) for r in range(world)]
-    for p in processes:
-        p.start()
-    try:
-        deadline = time.monotonic() + 1200
-        while True:
-            try:
-                return out.get(timeout=1)
-            except queue.Empty:
-                failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"world {world_name}: a rank failed ({failed}) or it timed out") from None
-    finally:
-        for p in processes:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    return run_ranks(_rank, world, (world, free_port(), owners, batches, rounds), f"world {world_name}", 1200)
 
 
 def use_ray_site(folder: str) -> None:

@@ -28,9 +28,9 @@ SECRET = b"n" * 32
 UNIFORM = UniformSpec()
 
 
-class Owner:
-    """A shared store of ``capacity`` rows served on loopback, one learner's client, and a count of the
-    picks the server's Python path made."""
+class CountedStore:
+    """A shared store of ``capacity`` rows, and a count of the picks its learner made through the Python path
+    (``ShardView.pick`` on a view that ``is_learners`` says is the learner's)."""
 
     def __init__(self, capacity: int, monkeypatch: pytest.MonkeyPatch) -> None:
         self.storage = GearStorage(capacity, shared=True)
@@ -39,11 +39,31 @@ class Owner:
         pick = ShardView.pick
 
         def counted(view, *args, **kwargs):
-            if threading.current_thread() is not threading.main_thread():  # the server's, not the test's
-                self.python_picks += 1
+            self.python_picks += self.is_learners(view)
             return pick(view, *args, **kwargs)
 
         monkeypatch.setattr(ShardView, "pick", counted)
+
+    def is_learners(self, view: ShardView) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+def _made(kind: type[CountedStore], monkeypatch: pytest.MonkeyPatch):
+    """A fixture's maker of ``kind(capacity)``, each closed at the end."""
+    made: list[CountedStore] = []
+    yield lambda capacity: made.append(kind(capacity, monkeypatch)) or made[-1]
+    for o in made:
+        o.close()
+
+
+class Owner(CountedStore):
+    """The store served on loopback, and one learner's client; the learner's picks are the server's."""
+
+    def __init__(self, capacity: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__(capacity, monkeypatch)
         self.server = ShardServer(self.storage.handle, SECRET, host="127.0.0.1", timeout=5.0)
         host, port = self.server.address
         handle = self.storage.handle
@@ -64,6 +84,9 @@ class Owner:
             raise picked
         return picked, {c.key: col[: picked.count] for c, col in zip(table.columns, columns)}
 
+    def is_learners(self, view: ShardView) -> bool:
+        return threading.current_thread() is not threading.main_thread()  # the server's, not the test's
+
     def close(self) -> None:
         self.client.close()
         self.server.close()
@@ -72,10 +95,7 @@ class Owner:
 
 @pytest.fixture
 def owner(monkeypatch):
-    made: list[Owner] = []
-    yield lambda capacity: made.append(Owner(capacity, monkeypatch)) or made[-1]
-    for o in made:
-        o.close()
+    yield from _made(Owner, monkeypatch)
 
 
 def _python_pick(storage: GearStorage, count: int, seed: int) -> torch.Tensor:
@@ -225,21 +245,11 @@ def test_the_extension_assumes_the_words_codes_and_limits_python_uses():
         assert functools.reduce(getattr, path, modules[module]) == value, name
 
 
-class InPlace:
-    """A learner reading the shard its own process serves (``InProcessTransport``), asked as a round asks,
-    and a count of the picks its Python path made."""
+class InPlace(CountedStore):
+    """A learner reading the shard its own process serves (``InProcessTransport``), asked as a round asks."""
 
     def __init__(self, capacity: int, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.storage = GearStorage(capacity, shared=True)
-        self.rb = TensorDictReplayBuffer(storage=self.storage)
-        self.python_picks = 0
-        pick = ShardView.pick
-
-        def counted(view, *args, **kwargs):
-            self.python_picks += view is self.view  # the learner's, not _python_pick's
-            return pick(view, *args, **kwargs)
-
-        monkeypatch.setattr(ShardView, "pick", counted)
+        super().__init__(capacity, monkeypatch)
         handle = self.storage.handle
         self.view = ShardView(handle, SelectorRegistry(handle.capacity))
         self.transport = InProcessTransport(self.view)
@@ -254,6 +264,9 @@ class InPlace:
         rows = {c.key: col[first: first + picked.count] for c, col in zip(table.columns, batch)}
         return picked, ask.starts[first: first + picked.count], rows
 
+    def is_learners(self, view: ShardView) -> bool:
+        return view is self.view  # not _python_pick's
+
     def close(self) -> None:
         self.transport.close()
         self.storage.close()
@@ -261,10 +274,7 @@ class InPlace:
 
 @pytest.fixture
 def in_place(monkeypatch):
-    made: list[InPlace] = []
-    yield lambda capacity: made.append(InPlace(capacity, monkeypatch)) or made[-1]
-    for o in made:
-        o.close()
+    yield from _made(InPlace, monkeypatch)
 
 
 def test_a_learner_on_its_own_shard_gets_the_extensions_answer_in_its_batch(in_place):
