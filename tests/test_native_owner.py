@@ -212,8 +212,9 @@ def test_catching_up_with_the_store_between_answers_changes_nothing(owner, monke
     assert o.python_picks == 0
 
 
-def test_rows_read_while_writers_lap_the_ring_are_never_torn(owner):
-    o = owner(256)
+@pytest.mark.parametrize("learner", ["owner", "in_place"])  # over a socket, or into the learner's batch
+def test_rows_read_while_writers_lap_the_ring_are_never_torn(learner, request):
+    o = request.getfixturevalue(learner)(256)
     o.rb.extend(w.keyed_rows(256, 0, v=0.0))
     stop = threading.Event()
 
@@ -229,13 +230,14 @@ def test_rows_read_while_writers_lap_the_ring_are_never_torn(owner):
     writer.start()
     try:
         for seed in range(200):
-            picked, rows = o.sample(128, seed=seed)
+            picked, *_, rows = o.sample(128, seed=seed)
             assert torch.equal(rows["obs"].long() % 256, picked.starts)
             fresh = rows["obs"] >= 256
             assert torch.equal(rows["v"][fresh], 2 * rows["obs"][fresh])
     finally:
         stop.set()
         writer.join()
+    assert o.python_picks < 200, "most asks were answered natively"
 
 
 def test_the_extension_assumes_the_words_codes_and_limits_python_uses():
@@ -339,4 +341,6 @@ def test_in_place_outputs_that_do_not_fit_the_columns_are_refused_before_any_rea
     with pytest.raises(RuntimeError, match="picks must be"):
         _C.sample_rows_into(header, reader, list(columns), version, 4, 1, picks[:2], [c[:4].clone() for c in columns])
     assert int(reader[1]) == 0, "no read section was opened"
-    assert _C.sample_rows_into(header, reader, list(columns), version, 4, -5, picks, [c[:4].clone() for c in columns]) == -1
+    fitting = [c[:4].clone() for c in columns]
+    assert _C.sample_rows_into(header, reader, list(columns), version, 4, -5, picks, fitting) == -1, "a bad seed"
+
