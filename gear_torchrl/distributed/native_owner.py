@@ -35,7 +35,8 @@ _Source = tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]
 
 
 class NativeOwner:
-    """One connection's SAMPLE_ROWS, answered through its view's reader slot."""
+    """One view's SAMPLE_ROWS (a connection's, or this process's own learner's), answered through the
+    view's reader slot."""
 
     def __init__(self, view: ShardView) -> None:
         self.view = view
