@@ -84,9 +84,7 @@ class NativeOwner:
         picks = ask.starts[ask.first: ask.first + ask.count]
         seed = -1 if ask.seed is None else ask.seed
         live = _C.sample_rows_into(header, reader, columns, version, ask.count, seed, picks, ask.rows(ask.count))
-        if live < 0:
-            return None
-        return Picked.rows(picks, float(live), scalars={"rows": live})
+        return None if live < 0 else ask.landed(ask.count, live)
 
     def _mapped(self) -> _Source | None:
         """What the extension reads, for the layout published now; None before any (Python says it is empty)."""

@@ -213,8 +213,13 @@ class Ask:
             rows, count = tally
             if small or not (0 <= count <= self.count and rows >= 0):
                 raise ValueError(f"a ROWS reply of {count} picks of {rows} rows, to an ask for {self.count}")
-            return Picked.rows(self.starts[self.first: self.first + count], float(rows), scalars={"rows": rows})
+            return self.landed(count, rows)
         return _picked_of(wire.parse_head(head.numpy().tobytes())[1], small)
+
+    def landed(self, count: int, rows: int) -> Picked:
+        """The answer whose ``count`` picks landed in ``starts`` (with their rows), drawn over a shard of ``rows``."""
+        assert self.starts is not None
+        return Picked.rows(self.starts[self.first: self.first + count], float(rows), scalars={"rows": rows})
 
     def placed(self, picked: Picked) -> Picked:
         """``picked`` (from a transport that answers apart) with its picks where a ROWS reply lands them."""
