@@ -9,7 +9,7 @@
 # Python runs with -S and the tree first on PYTHONPATH, so the editable install of this checkout cannot
 # shadow it. Each turn runs every benchmark on "before", then on "after": a loaded machine hits both alike.
 # BENCHES overrides the list, e.g. BENCHES="plain_path" for one, or BENCHES="sharded_cost" for the sharded
-# store's (uniform rows from 1 to 8 owners). A change in csrc/: build BEFORE's extension and name it in
+# store's (uniform rows from 1 to 8 owners; SHARDED_COST_ARGS="--rule windows ..." for others). A change in csrc/: build BEFORE's extension and name it in
 # BEFORE_EXTENSION, so that each side runs its own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,7 @@ declare -A args=(
   [sequence_sampling]="--sizes 100000 1000000 --repeats 5"
   [ndim2]="--repeats 5"
   [shared_insert]="--writers 1 2 --seconds 2 --rounds 3"
-  [sharded_cost]="--worlds own 1 2 4 8 --batches 256 4096 --rounds 3"
+  [sharded_cost]="${SHARDED_COST_ARGS:---worlds own 1 2 4 8 --batches 256 4096 --rounds 3}"
 )
 benches=${BENCHES:-plain_path prioritized_sampling sequence_sampling ndim2 shared_insert}
 

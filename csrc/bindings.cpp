@@ -11,6 +11,11 @@
 
 namespace {
 
+// A WindowRule as Python passes it: (key, tree, episode_start, episode_length, window_len, burn_in,
+// strict_length, seen_lo, seen_hi).
+using WindowRuleArgs =
+    std::tuple<std::string, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, bool, int64_t, int64_t>;
+
 gear::GatherArgs make_args(std::vector<at::Tensor> columns, std::vector<at::Tensor> out, at::Tensor starts,
                            std::optional<at::Tensor> valid_begin, std::optional<at::Tensor> valid_end,
                            int64_t seq_len, std::optional<at::Tensor> mask, std::vector<at::Tensor> hot_columns,
@@ -114,18 +119,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "reply, head, small arrays)",
       py::arg("fds"), py::arg("columns"), py::arg("first"), py::arg("timeout_s"));
   m.def(
-      "serve_sample_rows",
+      "serve_samples",
       [](int64_t fd, at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
-         int64_t seen_seq, int64_t max_lag, double catch_up_s) {
+         int64_t seen_seq, int64_t max_lag, double catch_up_s, std::optional<WindowRuleArgs> windows) {
         const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
-        const gear::Served s =
-            without_gil([&] { return gear::serve_sample_rows(fd, store, seen_seq, max_lag, catch_up_s); });
-        return std::make_tuple(s.code, s.count, s.seed, s.columns, s.answered);
+        std::optional<gear::WindowRule> rule;
+        if (windows) {
+          auto& [key, tree, start, length, window_len, burn_in, strict, seen_lo, seen_hi] = *windows;
+          rule = gear::WindowRule{std::move(key), std::move(tree), std::move(start), std::move(length), window_len,
+                                  burn_in, strict, seen_lo, seen_hi};
+        }
+        const gear::Served s = without_gil([&] {
+          return gear::serve_samples(fd, store, seen_seq, max_lag, catch_up_s, rule ? &*rule : nullptr);
+        });
+        return std::make_tuple(s.code, s.count, s.seed, s.columns, s.answered, s.windows);
       },
-      "Answer SAMPLE_ROWS requests natively until Python must act (GIL released): "
-      "(code, count, seed, columns, answered)",
+      "Answer SAMPLE_ROWS, and SAMPLE_WINDOWS of the armed window rule, natively until Python must act "
+      "(GIL released): (code, count, seed, columns, answered, windows)",
       py::arg("fd"), py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"),
-      py::arg("seen_seq"), py::arg("max_lag"), py::arg("catch_up_s"));
+      py::arg("seen_seq"), py::arg("max_lag"), py::arg("catch_up_s"), py::arg("windows") = py::none());
   m.def(
       "sample_rows_into",
       [](at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version, int64_t count,
@@ -133,7 +145,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
         return gear::sample_rows_into(store, count, seed, picks, out);
       },
-      "serve_sample_rows's answer into this process's tensors (GIL released): the live rows drawn over, or -1 "
+      "serve_samples's answer of rows into this process's tensors (GIL released): the live rows drawn over, or -1 "
       "when Python must answer",
       py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"), py::arg("count"),
       py::arg("seed"), py::arg("picks"), py::arg("out"), py::call_guard<py::gil_scoped_release>());

@@ -1,5 +1,5 @@
-// An owner's answers that need no interpreter: uniform rows, drawn, read and sent natively
-// (see cpu/owner.cpp; Python's side is distributed/native_owner.py).
+// An owner's answers that need no interpreter: uniform rows and uniform windows, drawn, read and sent
+// natively (see cpu/owner.cpp; Python's side is distributed/native_owner.py).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,7 +18,21 @@ struct OwnedStore {
   int64_t layout_version;           // the layout those columns are mapped for
 };
 
-// Why serve_sample_rows returned (negative: -errno, the connection is done for).
+// A rule of windows the extension draws as selection/windows.py's WindowSelector does, from the state
+// Python's view of the shard keeps (its episode index, the selector's tree of windows per episode slot).
+// That state is exact only while nothing was published or evicted since the view last caught up: the
+// extension checks so under its read section and otherwise leaves the request to Python.
+struct WindowRule {
+  std::string key;            // the rule's JSON, byte for byte as learners send it in SAMPLE_WINDOWS
+  at::Tensor tree;            // float64 sum tree over episode slots (selection/trees.py)
+  at::Tensor episode_start;   // int64 [slots]: ring row of each episode's first live step
+  at::Tensor episode_length;  // int64 [slots]
+  int64_t window_len, burn_in;
+  bool strict_length;
+  int64_t seen_lo, seen_hi;  // the positions the view's episode index covers
+};
+
+// Why serve_samples returned (negative: -errno, the connection is done for).
 enum ServeCode : int64_t {
   kNextIsOther = 0,  // the next request is another op: nothing of it was read
   kServeInPython = 1,  // a SAMPLE_ROWS was read that Python answers (its fields come back)
@@ -29,18 +43,22 @@ struct Served {
   int64_t code;
   int64_t count = 0, seed = -1, columns = 0;  // the request of kServeInPython
   int64_t answered = 0;                       // requests answered natively in this call
+  bool windows = false;                       // that request is a SAMPLE_WINDOWS of the armed rule
 };
 
-// Answers SAMPLE_ROWS requests on `fd` (a blocking socket) until another op is next, one needs Python
-// (empty store, rows a dead writer left, a new layout, a revoked read, a request out of bounds), the
-// store's records ran `max_lag` ahead of `seen_seq`, or `catch_up_s` passed since the call began (checked
-// from the second answer on, so every call answers at least one).
-Served serve_sample_rows(int64_t fd, const OwnedStore& store, int64_t seen_seq, int64_t max_lag, double catch_up_s);
+// Answers SAMPLE_ROWS requests, and SAMPLE_WINDOWS of the `windows` rule (if any), on `fd` (a blocking
+// socket) until another op is next, one needs Python (empty store, rows a dead writer left, a new layout,
+// a revoked read, a request out of bounds, windows drawn from a view no longer current), the store's
+// records ran `max_lag` ahead of `seen_seq`, or `catch_up_s` passed since the call began (checked from the
+// second answer on, so every call answers at least one). A SAMPLE_WINDOWS met while the view is behind
+// returns kCatchUp at once, unread.
+Served serve_samples(int64_t fd, const OwnedStore& store, int64_t seen_seq, int64_t max_lag, double catch_up_s,
+                     const WindowRule* windows);
 
 // The same answer into this process's memory: `count` uniform rows drawn from `seed` (-1: the global
 // generator), their ring rows into `picks` and the first out.size() columns' rows into `out`, for a learner
 // that reads the shard its own process serves. Returns the live rows drawn over, or -1 when Python must
-// answer (the same cases as serve_sample_rows).
+// answer (the same cases as serve_samples).
 int64_t sample_rows_into(const OwnedStore& store, int64_t count, int64_t seed, const at::Tensor& picks,
                          const std::vector<at::Tensor>& out);
 

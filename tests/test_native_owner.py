@@ -1,13 +1,16 @@
-"""An owner answers uniform rows in its extension (SAMPLE_ROWS): the same picks and rows as its Python
-path, never a torn or dead row, and everything unusual answered by Python."""
+"""An owner answers uniform rows and windows in its extension (SAMPLE_ROWS, SAMPLE_WINDOWS): the same picks
+and rows as its Python path, never a torn or dead row, and everything unusual answered by Python."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
+import time
 
 import pytest
 import shared_workers as w
 import torch
+from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
 from gear_torchrl import GearStorage
@@ -19,10 +22,14 @@ from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.transports.in_process import InProcessTransport
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.kernels import _C
+from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.selector_registry import SelectorRegistry
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
+from gear_torchrl.selection.windows import WindowSpec
 from gear_torchrl.store import commit_log
 from gear_torchrl.store.table_spec import TableSpec
+from gear_torchrl.store.windows import Windows
 
 SECRET = b"n" * 32
 UNIFORM = UniformSpec()
@@ -75,14 +82,15 @@ class Owner(CountedStore):
     def table(self) -> TableSpec:
         return TableSpec.from_json(self.client.describe()["spec"])
 
-    def sample(self, count: int, seed: int | None):
-        """(picks, rows by column name) of one uniform ask read back at once."""
+    def sample(self, count: int, seed: int | None, spec: SelectionSpec = UNIFORM):
+        """(picks, rows by column name) of one ask of ``spec`` (uniform rows) read back at once."""
         table = self.table()
-        columns = [torch.empty(count, *c.row_shape, dtype=c.dtype) for c in table.columns]
-        picked = Flight([self.client], [Ask(UNIFORM, count, seed, columns)]).land()[0]
+        rows = count * spec.rows_per_pick
+        columns = [torch.empty(rows, *c.row_shape, dtype=c.dtype) for c in table.columns]
+        picked = Flight([self.client], [Ask(spec, count, seed, columns)]).land()[0]
         if isinstance(picked, BaseException):
             raise picked
-        return picked, {c.key: col[: picked.count] for c, col in zip(table.columns, columns)}
+        return picked, {c.key: col[: picked.count * picked.seq_len] for c, col in zip(table.columns, columns)}
 
     def is_learners(self, view: ShardView) -> bool:
         return threading.current_thread() is not threading.main_thread()  # the server's, not the test's
@@ -99,9 +107,17 @@ def owner(monkeypatch):
 
 
 def _python_pick(storage: GearStorage, count: int, seed: int) -> torch.Tensor:
+    return _python_picked(storage, count, seed, UNIFORM).starts
+
+
+def _python_picked(storage: GearStorage, count: int, seed: int, spec: SelectionSpec) -> Picked:
+    """What a new view's Python path picks."""
     view = ShardView(storage.handle, SelectorRegistry(storage.handle.capacity))
     try:
-        return view.pick(UNIFORM, count, seed).starts.clone()
+        picked = view.pick(spec, count, seed)
+        w_ = picked.windows
+        return dataclasses.replace(picked, windows=Windows(w_.starts.clone(), w_.seq_len, w_.valid_begin.clone(),
+                                                           w_.valid_end.clone()))
     finally:
         view.close()
 
@@ -238,6 +254,106 @@ def test_rows_read_while_writers_lap_the_ring_are_never_torn(learner, request):
         stop.set()
         writer.join()
     assert o.python_picks < 200, "most asks were answered natively"
+
+
+# -- uniform windows (SAMPLE_WINDOWS) ---------------------------------------------------------------------
+WINDOWS = WindowSpec(4, burn_in=1, strict_length=False)
+_EPISODE_KEYS = ("obs", "ep", "step", "len", "check")
+
+
+def _episodes(rb: TensorDictReplayBuffer, lengths: list[int], first_ep: int = 0) -> None:
+    for i, n in enumerate(lengths):
+        rb.extend(w.episode(first_ep + i, n, torch.Generator().manual_seed(first_ep + i)))
+
+
+def _check_windows(picked: Picked, rows: dict[str, torch.Tensor]) -> None:
+    """Every window holds consecutive steps of one stored episode, none torn, and zeros where it pads."""
+    mask = picked.windows.mask()
+    w.verify(TensorDict({k: rows[k][mask] for k in _EPISODE_KEYS}, [int(mask.sum())]))
+    assert not bool(rows["obs"][~mask].any()) and not bool(rows["len"][~mask].any()), "padding is zeros"
+    for ep, step, valid in zip(*(t.view(picked.count, -1) for t in (rows["ep"], rows["step"], mask))):
+        ep, step = ep[valid], step[valid]
+        assert bool((ep == ep[0]).all()) and torch.equal(step, step[0] + torch.arange(step.numel()))
+
+
+def _assert_same_picks(got: Picked, expected: Picked) -> None:
+    for name in ("starts", "valid_begin", "valid_end"):
+        assert torch.equal(getattr(got.windows, name), getattr(expected.windows, name)), name
+    assert (got.seq_len, got.mass, got.scalars["rows"]) == (expected.seq_len, expected.mass, expected.scalars["rows"])
+
+
+def test_the_extension_draws_the_windows_python_draws_and_sends_their_rows(owner):
+    o = owner(256)
+    _episodes(o.rb, [7, 3, 12, 9, 5, 20])
+    for seed in (1, 2, 3):
+        picked, rows = o.sample(16, seed, WINDOWS)
+        _assert_same_picks(picked, _python_picked(o.storage, 16, seed, WINDOWS))
+        _check_windows(picked, rows)
+    assert o.python_picks == 1, "the first ask arms the rule: the extension answers the next ones"
+    unseeded, rows = o.sample(16, None, WINDOWS)
+    assert unseeded.count == 16 and o.python_picks == 1
+    _check_windows(unseeded, rows)
+
+
+@pytest.mark.parametrize("spec", [WINDOWS, WindowSpec(6), WindowSpec(3, uniform_over="episodes", include_open=False)])
+def test_windows_follow_new_episodes_and_evictions_as_pythons_do(owner, spec):
+    o = owner(64)
+    for i in range(16):  # the ring wraps: the oldest episodes are evicted
+        _episodes(o.rb, [6 + i % 5], first_ep=i)
+        picked, rows = o.sample(8, i, spec)
+        _assert_same_picks(picked, _python_picked(o.storage, 8, i, spec))
+        _check_windows(picked, rows)
+    assert o.python_picks == 1, "the extension caught the view up after each write, and answered"
+
+
+def test_windows_kept_off_the_ring_end_and_each_new_rule_are_answered_in_python(owner):
+    o = owner(64)
+    _episodes(o.rb, [9] * 8)  # 72 steps in a ring of 64
+    off_the_end = WindowSpec(4, cross_ring_end=False)
+    for seed in range(3):
+        picked, rows = o.sample(8, seed, off_the_end)
+        _assert_same_picks(picked, _python_picked(o.storage, 8, seed, off_the_end))
+        _check_windows(picked, rows)
+    assert o.python_picks == 3, "windows that wrap the ring end are drawn again: Python's draw"
+    for spec in (WINDOWS, WindowSpec(5)):
+        for seed in range(3):
+            _check_windows(*o.sample(8, seed, spec))
+    assert o.python_picks == 5, "another rule is answered in Python once, then by the extension"
+
+
+def test_bad_window_asks_get_pythons_errors_and_the_connection_goes_on(owner):
+    o = owner(64)
+    _episodes(o.rb, [10, 10])
+    o.sample(4, 1, WINDOWS)  # the rule is armed: these asks reach the extension first
+    for ask, words in (([8, -5, 1], "seed"), ([1 << 30, 1, 1], "cannot select"), ([8, 1, 99], "columns")):
+        with pytest.raises(ValueError, match=words):
+            o.client.request(Message(Op.SAMPLE_WINDOWS, WINDOWS.to_json(), [torch.tensor(ask, dtype=torch.int64)]))
+    calls = o.python_picks
+    _check_windows(*o.sample(4, 2, WINDOWS))
+    assert o.python_picks == calls
+
+
+def test_windows_read_while_writers_lap_the_ring_are_never_torn(owner):
+    o = owner(256)
+    _episodes(o.rb, [16] * 16)
+    stop = threading.Event()
+
+    def write() -> None:
+        ep = 16
+        while not stop.is_set():
+            _episodes(o.rb, [5 + ep % 13], first_ep=ep)
+            ep += 1
+            time.sleep(0.001)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        for seed in range(150):
+            _check_windows(*o.sample(16, seed, WINDOWS))
+    finally:
+        stop.set()
+        writer.join()
+    assert o.python_picks < 150, "most asks were answered natively"
 
 
 def test_the_extension_assumes_the_words_codes_and_limits_python_uses():

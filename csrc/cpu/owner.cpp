@@ -4,11 +4,15 @@
 // would, gather the rows out of the ring (cpu/gather.cpp, into the reply itself), close the section
 // (a revoked one is never sent) and send the reply in one framed message. A learner reading the shard
 // its own process serves gets the same answer into its batch (sample_rows_into), with no socket.
+// Uniform windows take the same steps, drawn from the state Python's view keeps (WindowRule) while
+// that view is current, and go back as the SELECT reply Python would send.
 // Anything unusual goes back to Python, which answers it in full.
 #include "owner.h"
 
 #include "framing.h"
 #include "gather.h"
+#include "trees.h"
+#include "windows.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <poll.h>
@@ -17,14 +21,17 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 
 namespace gear {
 namespace {
 
-constexpr size_t kRequestBytes = kHeader + 8 + 24;  // one array: count, seed (-1: none), columns
+constexpr size_t kAskBytes = 8 + 24;  // after the JSON: one array's length, then count, seed (-1: none), columns
 constexpr int64_t kMaxPositions = 1 << 24;          // shard_server.MAX_READ_POSITIONS
 constexpr size_t kKeepBytes = 64u << 20;            // a thread keeps its reply buffer up to this size
 
@@ -46,12 +53,19 @@ struct Request {
   int64_t count, seed, columns;
 };
 
-// The readable positions [lo, hi) while a read section is open, as commit_log.begin_read finds them.
+// The oldest readable position, as commit_log.begin_read finds it.
+int64_t readable_lo(const int64_t* header) {
+  const int64_t evicted_end = std::max(load(header, kReserved), load(header, kEvicted));
+  return std::max({evicted_end - load(header, kCapacity), load(header, kFloor), int64_t{0}});
+}
+
+// The readable positions [lo, hi) while a read section is open; it closes at the latest when it goes.
 struct Section {
   int64_t* header;
   int64_t* reader;
   int64_t revocations;
   int64_t lo, hi;
+  bool open = true;
 
   Section(int64_t* h, int64_t* r) : header(h), reader(r) {
     // The slot's epoch is stamped before the ends are read (the fence orders the two): a writer that
@@ -59,10 +73,13 @@ struct Section {
     store(reader, kSlotEpoch, load(header, kEpoch));
     revocations = load(reader, kSlotRevoked);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    const int64_t capacity = load(header, kCapacity);
-    const int64_t evicted_end = std::max(load(header, kReserved), load(header, kEvicted));
-    lo = std::max({evicted_end - capacity, load(header, kFloor), int64_t{0}});
+    lo = readable_lo(header);
     hi = load(header, kPublished);
+  }
+  Section(const Section&) = delete;
+  Section& operator=(const Section&) = delete;
+  ~Section() {
+    if (open) close();  // (an error on the way: the rows are not sent)
   }
 
   // Closes the section; false if a writer revoked it meanwhile (what was copied may be torn).
@@ -71,6 +88,7 @@ struct Section {
     const bool kept = load(reader, kSlotRevoked) == revocations;
     store(reader, kSlotLongerUs, 0);
     store(reader, kSlotEpoch, 0);
+    open = false;
     return kept;
   }
 };
@@ -144,7 +162,7 @@ bool answerable(const OwnedStore& s, const Request& q) {
 
 // Every SAMPLE_ROWS answer's work, wherever its rows go: open a read section, draw, gather the picks' rows
 // into `out` (the first q.columns columns, each [q.count, ...]) and their ring rows into `picks`, close the
-// section. Returns the live rows drawn over, or -1 when Python must answer (see serve_sample_rows).
+// section. Returns the live rows drawn over, or -1 when Python must answer (see serve_samples).
 int64_t sample_rows(const OwnedStore& s, const Request& q, const at::Tensor& picks, std::vector<at::Tensor> out) {
   int64_t* header = s.header.data_ptr<int64_t>();
   if (!answerable(s, q) || load(header, kLayoutVersion) != s.layout_version || load(header, kState) != kOpen) {
@@ -203,6 +221,125 @@ int64_t answer(int fd, const OwnedStore& s, const Request& q) {
   return sent;
 }
 
+// What a WindowRule's draw gives: each window's ring row of position 0 and its valid range.
+struct Drawn {
+  at::Tensor starts, valid_begin, valid_end;
+};
+
+// Where a window answer's rows go, once drawn: one output per column asked (see sample_windows).
+using Landing = std::function<std::vector<at::Tensor>(const Drawn& drawn, int64_t live, double mass)>;
+
+// WindowSelector.pick's draw, op for op (selection/windows.py), so a seed gives the same windows: episode
+// slots by the tree's masses, a uniform window in each, its start taken modulo the ring.
+Drawn draw_windows(const Request& q, const WindowRule& r, double mass, int64_t capacity) {
+  std::optional<at::Generator> generator;
+  if (q.seed >= 0) generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.seed));
+  const at::Tensor u = at::rand({2, q.count}, generator, at::TensorOptions().dtype(at::kDouble));
+  const at::Tensor slots = sum_tree_find(r.tree, u[0] * mass);
+  auto [starts, valid_begin, valid_end] = uniform_windows(r.episode_start, r.episode_length, slots, u[1], r.window_len,
+                                                          r.burn_in, r.strict_length);
+  return {at::remainder(starts, capacity), valid_begin, valid_end};
+}
+
+// Every SAMPLE_WINDOWS answer's work: open a read section, check that nothing was published or evicted
+// since the view behind `r` caught up (`seen_seq`), draw, gather the windows' rows into the outputs `land`
+// gives, close the section. Returns the rows the view holds, or -1 when Python must answer.
+int64_t sample_windows(const OwnedStore& s, const Request& q, const WindowRule& r, int64_t seen_seq,
+                       const Landing& land) {
+  int64_t* header = s.header.data_ptr<int64_t>();
+  if (!answerable(s, q) || q.count > kMaxPositions / r.window_len ||
+      load(header, kLayoutVersion) != s.layout_version || load(header, kState) != kOpen) {
+    return -1;
+  }
+  Section section(header, s.reader.data_ptr<int64_t>());
+  const double mass = r.tree.data_ptr<double>()[0];
+  if (load(header, kPublishedSeq) != seen_seq || section.lo > r.seen_lo || !(mass > 0)) return -1;
+  const int64_t capacity = s.columns.front().size(0);
+  const Drawn d = draw_windows(q, r, mass, capacity);
+  const int64_t live = r.seen_hi - r.seen_lo;  // (the index's rows are all readable: check each window's anyway)
+  if (first_row_outside(d.starts, d.valid_begin, d.valid_end, r.window_len, capacity, r.seen_lo % capacity, live) >=
+      0) {
+    return -1;
+  }
+  std::vector<at::Tensor> out = land(d, live, mass);
+  gather_cpu({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), std::move(out), d.starts,
+              d.valid_begin, d.valid_end, std::nullopt, r.window_len});
+  return section.close() ? live : -1;
+}
+
+// The SELECT reply (shard_server._select): its JSON, the windows' starts and valid ranges, then each
+// column's rows. Returns 0 once sent, 1 when Python must answer, or -errno.
+int64_t answer_windows(int fd, const OwnedStore& s, const Request& q, const WindowRule& r, int64_t seen_seq) {
+  std::vector<char>& out = reply_buffer();
+  size_t message = 0;
+  const Landing land = [&](const Drawn& d, int64_t live, double mass) {
+    char meta[160];
+    const int chars = std::snprintf(meta, sizeof meta, R"({"seq_len":%lld,"mass":%.17g,"scalars":{"rows":%lld},"extra":[]})",
+                                    static_cast<long long>(r.window_len), mass, static_cast<long long>(live));
+    const auto meta_bytes = static_cast<size_t>(chars);
+    const auto ncols = static_cast<size_t>(q.columns);
+    const size_t narrays = 3 + ncols;
+    const auto count = static_cast<uint64_t>(q.count);
+    std::vector<uint64_t> lengths(narrays, 8 * count);
+    for (size_t c = 0; c < ncols; ++c) {
+      lengths[3 + c] = count * static_cast<uint64_t>(r.window_len * row_bytes_of(s.columns[c]));
+    }
+    uint64_t total = 0;
+    for (uint64_t n : lengths) total += n;
+    const size_t head = kHeader + meta_bytes + 8 * narrays;
+    message = head + total;
+    if (out.size() < message) out.resize(message);
+    std::memcpy(out.data(), "GEAR", 4);
+    put<uint16_t>(out, 4, kOk);
+    put<uint16_t>(out, 6, static_cast<uint16_t>(narrays));
+    put<uint32_t>(out, 8, static_cast<uint32_t>(meta_bytes));
+    put<uint64_t>(out, 12, total);
+    std::memcpy(out.data() + kHeader, meta, meta_bytes);
+    for (size_t i = 0; i < narrays; ++i) put<uint64_t>(out, kHeader + meta_bytes + 8 * i, lengths[i]);
+    size_t at = head;
+    for (const at::Tensor& t : {d.starts, d.valid_begin, d.valid_end}) {
+      std::memcpy(out.data() + at, t.data_ptr<int64_t>(), 8 * count);
+      at += 8 * count;
+    }
+    std::vector<at::Tensor> rows;
+    for (size_t c = 0; c < ncols; ++c) {  // the rows land in the reply, where the kernel copies them from
+      std::vector<int64_t> shape = s.columns[c].sizes().vec();
+      shape[0] = q.count * r.window_len;
+      rows.push_back(at::from_blob(out.data() + at, shape, s.columns[c].options()));
+      at += lengths[3 + c];
+    }
+    return rows;
+  };
+  if (sample_windows(s, q, r, seen_seq, land) < 0) return 1;
+  const int64_t sent = send_all(fd, out.data(), message);
+  if (out.size() > kKeepBytes) std::vector<char>().swap(out);
+  return sent;
+}
+
+// Whether the view behind `r` is current: nothing published or evicted since it caught up.
+bool current(const int64_t* header, int64_t seen_seq, const WindowRule& r) {
+  return load(header, kPublishedSeq) == seen_seq && readable_lo(header) <= r.seen_lo;
+}
+
+// The ask of a SAMPLE_ROWS or SAMPLE_WINDOWS whose bytes (JSON of `meta` bytes) are at `p`; false if malformed.
+bool parse_ask(const char* p, size_t meta, Request& q) {
+  if (field<uint16_t>(p + 6) != 1 || field<uint32_t>(p + 8) != meta || field<uint64_t>(p + 12) != 24 ||
+      field<uint64_t>(p + kHeader + meta) != 24) {
+    return false;
+  }
+  const char* ask = p + kHeader + meta + 8;
+  q = {field<int64_t>(ask), field<int64_t>(ask + 8), field<int64_t>(ask + 16)};
+  return true;
+}
+
+void check_window_rule(const WindowRule& r) {
+  TORCH_CHECK(r.tree.scalar_type() == at::kDouble && r.tree.dim() == 1 && r.tree.numel() > 0 && r.tree.is_contiguous(),
+              "window rule: the tree is a contiguous float64 tensor");
+  TORCH_CHECK(r.window_len >= 1 && r.burn_in >= 0 && r.seen_lo >= 0 && r.seen_hi >= r.seen_lo && !r.key.empty() &&
+                  r.key.size() <= kMaxMeta,
+              "window rule: bad geometry, positions or key");
+}
+
 void check_owned_store(const OwnedStore& s) {
   TORCH_CHECK(s.header.scalar_type() == at::kLong && s.header.numel() > kDeadEnd, "owned store: bad header");
   TORCH_CHECK(s.reader.scalar_type() == at::kLong && s.reader.numel() == 4, "owned store: bad reader slot");
@@ -228,32 +365,42 @@ int64_t sample_rows_into(const OwnedStore& s, int64_t count, int64_t seed, const
   return sample_rows(s, q, picks, out);
 }
 
-Served serve_sample_rows(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t max_lag, double catch_up_s) {
+Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t max_lag, double catch_up_s,
+                     const WindowRule* windows) {
   check_owned_store(s);
+  if (windows != nullptr) check_window_rule(*windows);
   const int fd = static_cast<int>(fd_);
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(catch_up_s);
   const int64_t* header = s.header.data_ptr<int64_t>();
+  const size_t key_bytes = windows != nullptr ? windows->key.size() : 0;
+  std::vector<char> request(kHeader + key_bytes + kAskBytes);
+  char* p = request.data();
   Served served{kNextIsOther};
   for (;;) {
-    char fixed[kRequestBytes];
-    const int64_t peeked = receive(fd, fixed, kHeader, true);  // blocks until a request (or the end) comes
+    const int64_t peeked = receive(fd, p, kHeader, true);  // blocks until a request (or the end) comes
     if (peeked < 0) return {peeked, 0, -1, 0, served.answered};
-    if (std::memcmp(fixed, "GEAR", 4) != 0 || field<uint16_t>(fixed + 4) != kSampleRows) return served;
+    if (std::memcmp(p, "GEAR", 4) != 0) return served;
+    const auto op = field<uint16_t>(p + 4);
+    const bool of_windows = op == kSampleWindows && windows != nullptr && field<uint32_t>(p + 8) == key_bytes;
+    if (op != kSampleRows && !of_windows) return served;
+    const size_t meta = of_windows ? key_bytes : 0;
+    if (of_windows) {  // the armed rule's, byte for byte, or Python's to answer
+      const int64_t whole = receive(fd, p, kHeader + meta + kAskBytes, true);
+      if (whole < 0) return {whole, 0, -1, 0, served.answered};
+      if (std::memcmp(p + kHeader, windows->key.data(), meta) != 0) return served;
+    }
     const bool due = std::chrono::steady_clock::now() > until || load(header, kPublishedSeq) - seen_seq > max_lag;
     if (due && served.answered > 0) {  // (the first answer of a call comes right after Python's turn)
       return {kCatchUp, 0, -1, 0, served.answered};
     }
-    const int64_t got = receive(fd, fixed, kRequestBytes, false);
+    if (of_windows && !current(header, seen_seq, *windows)) return {kCatchUp, 0, -1, 0, served.answered};
+    const int64_t got = receive(fd, p, kHeader + meta + kAskBytes, false);
     if (got < 0) return {got, 0, -1, 0, served.answered};
-    if (field<uint16_t>(fixed + 6) != 1 || field<uint32_t>(fixed + 8) != 0 || field<uint64_t>(fixed + 12) != 24 ||
-        field<uint64_t>(fixed + kHeader) != 24) {
-      return {-EPROTO, 0, -1, 0, served.answered};
-    }
-    const Request q{field<int64_t>(fixed + kHeader + 8), field<int64_t>(fixed + kHeader + 16),
-                    field<int64_t>(fixed + kHeader + 24)};
-    const int64_t done = answer(fd, s, q);
+    Request q{};
+    if (!parse_ask(p, meta, q)) return {-EPROTO, 0, -1, 0, served.answered};
+    const int64_t done = of_windows ? answer_windows(fd, s, q, *windows, seen_seq) : answer(fd, s, q);
     if (done < 0) return {done, 0, -1, 0, served.answered};
-    if (done == 1) return {kServeInPython, q.count, q.seed, q.columns, served.answered};
+    if (done == 1) return {kServeInPython, q.count, q.seed, q.columns, served.answered, of_windows};
     ++served.answered;
   }
 }
@@ -276,6 +423,7 @@ std::vector<std::pair<std::string, int64_t>> owner_constants() {
           {"wire.Op.OK", kOk},
           {"wire.Op.SAMPLE_ROWS", kSampleRows},
           {"wire.Op.ROWS", kRows},
+          {"wire.Op.SAMPLE_WINDOWS", kSampleWindows},
           {"shard_server.MAX_READ_POSITIONS", kMaxPositions}};
 }
 

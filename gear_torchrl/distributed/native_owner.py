@@ -1,7 +1,7 @@
-"""An owner's answers without the interpreter: uniform rows, drawn, read and sent by the extension.
+"""An owner's answers without the interpreter: uniform rows and windows, drawn, read and sent by the extension.
 
 A learner asks for uniform rows read back at once with SAMPLE_ROWS. While
-such requests come, the connection's thread stays in ``_C.serve_sample_rows``
+such requests come, the connection's thread stays in ``_C.serve_samples``
 (the GIL released): it opens a read section in the store's control segment
 as ``commit_log`` does, draws from the learner's seed exactly as the selector
 would, copies the rows out and sends the reply. It hands back to Python the
@@ -11,11 +11,19 @@ full, errors included), any other op (unread), and, now and then, a turn to
 catch the view up with the store's records. A learner reading the shard its
 own process serves gets the same answer into its batch (``answer_in_place``):
 one native call where the Python path takes a pick, a read section and a gather.
+
+Uniform windows (SAMPLE_WINDOWS) need the view's episode index and the
+selector's tree of windows per episode: the first request of a rule is
+answered in Python, which arms the rule; the extension then draws the next
+ones from that state for as long as the view is current (nothing published or
+evicted since it caught up), and hands back a turn to catch up otherwise.
 """
 from __future__ import annotations
 
+import json
 import socket
 import time
+from typing import Any
 
 import torch
 
@@ -26,46 +34,76 @@ from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.errors import ReadRevokedError, StoreClosedError
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.selection.windows import WindowSelector, WindowSpec
 
 _NEXT_IS_OTHER, _SERVE_IN_PYTHON, _CATCH_UP = 0, 1, 2  # csrc/owner.h ServeCode
 CATCH_UP_S = 1.0  # the view replays the records published meanwhile at least this often
 
 # (layout version, control segment header, this connection's reader slot, the columns of that layout)
 _Source = tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]
+# csrc/owner.h WindowRule: (key, tree, episode starts, lengths, window_len, burn_in, strict_length, seen lo, hi)
+_WindowRule = tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor, int, int, bool, int, int]
 
 
 class NativeOwner:
-    """One view's SAMPLE_ROWS (a connection's, or this process's own learner's), answered through the
-    view's reader slot."""
+    """One view's SAMPLE_ROWS and SAMPLE_WINDOWS (a connection's, or this process's own learner's),
+    answered through the view's reader slot."""
 
     def __init__(self, view: ShardView) -> None:
         self.view = view
         self._source: _Source | None = None
         self._caught_up = time.monotonic()  # when answer_in_place last let the view catch up
+        self._windows: tuple[bytes, dict[str, Any], WindowSpec] | None = None  # the armed rule: JSON, as sent
 
     def serve(self, conn: socket.socket) -> Message | None:
-        """Answer SAMPLE_ROWS until another op is next (None: read it as usual) or one needs Python
-        (returned, as a request to answer)."""
+        """Answer SAMPLE_ROWS and the armed rule's SAMPLE_WINDOWS until another op is next (None: read it
+        as usual) or one needs Python (returned, as a request to answer)."""
         log = self.view.shared.log
+        caught_up = False
         while not log.reading:
             source = self._mapped()
             if source is None:
                 return None
             version, header, reader, columns = source
-            code, count, seed, num_columns, _ = _C.serve_sample_rows(
-                conn.fileno(), header, reader, columns, version, log.seen_seq, log.num_records // 4, CATCH_UP_S)
+            code, count, seed, num_columns, answered, windows = _C.serve_samples(
+                conn.fileno(), header, reader, columns, version, log.seen_seq, log.num_records // 4, CATCH_UP_S,
+                self._window_rule())
             if code == _NEXT_IS_OTHER:
                 return None
             if code == _SERVE_IN_PYTHON:
-                ask = torch.tensor([count, seed, num_columns], dtype=torch.int64)
-                return Message(Op.SAMPLE_ROWS, {}, [ask.view(torch.uint8)])
+                ask = torch.tensor([count, seed, num_columns], dtype=torch.int64).view(torch.uint8)
+                if windows and self._windows is not None:
+                    return Message(Op.SAMPLE_WINDOWS, self._windows[1], [ask])
+                return Message(Op.SAMPLE_ROWS, {}, [ask])
             if code != _CATCH_UP:
                 raise wire.socket_error(code)
+            if caught_up and not answered:
+                return None  # writers keep the view behind: Python answers this one (its pick catches up)
             try:
                 self.view.catch_up()
             except (StoreClosedError, ReadRevokedError):
                 return None  # the request is answered in Python, which says what is wrong
+            caught_up = True
         return None
+
+    def arm(self, meta: dict[str, Any], spec: SelectionSpec) -> None:
+        """Let the extension answer the next SAMPLE_WINDOWS of ``spec`` (whose JSON is ``meta``), which Python
+        just answered (so its selector exists and its episode markers were checked)."""
+        if isinstance(spec, WindowSpec):
+            self._windows = json.dumps(meta, separators=(",", ":")).encode(), meta, spec
+
+    def _window_rule(self) -> _WindowRule | None:
+        """The armed rule as the extension draws it, its state brought up to the view's index."""
+        if self._windows is None:
+            return None
+        key, _, spec = self._windows
+        with self.view.selector(spec) as selector:
+            state = selector.draw_state(self.view.shard) if isinstance(selector, WindowSelector) else None
+        if state is None:
+            return None
+        lo, hi = self.view.shared.seen_positions
+        return key, *state, spec.window_len, spec.burn_in, spec.strict_length, lo, hi
 
     def answer_in_place(self, ask: Ask) -> Picked | None:
         """``ask``'s uniform rows (a SAMPLE_ROWS ask) drawn and gathered into its own tensors, as the

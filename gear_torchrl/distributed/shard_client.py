@@ -25,6 +25,7 @@ from gear_torchrl.kernels import _C
 from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
+from gear_torchrl.selection.windows import WindowSpec
 from gear_torchrl.store.windows import Windows
 
 # What a socket cannot be made without; they say nothing about the shard.
@@ -178,6 +179,8 @@ class Ask:
     the owner until a RELEASE. Uniform rows read back at once go as SAMPLE_ROWS:
     their ring rows land in ``starts`` from ``first`` on as well, so a round's
     replies fill one batch of picks and columns with nothing to parse or join.
+    Uniform windows read back at once go as SAMPLE_WINDOWS, which the owner's
+    extension answers as it would a SELECT.
     """
 
     spec: SelectionSpec
@@ -187,10 +190,12 @@ class Ask:
     first: int = 0
     starts: torch.Tensor | None = None  # int64, where a SAMPLE_ROWS reply's picks land (made when not given)
     samples_rows: bool = field(init=False)  # uniform rows read back at once: asked as SAMPLE_ROWS
+    samples_windows: bool = field(init=False)  # uniform windows read back at once: asked as SAMPLE_WINDOWS
 
     def __post_init__(self) -> None:
-        self.samples_rows = (self.columns is not None and isinstance(self.spec, UniformSpec) and bool(self.columns)
-                             and _fits_int64(self.seed))
+        sampled = bool(self.columns) and _fits_int64(self.seed)  # read back at once, with a seed a request carries
+        self.samples_rows = sampled and isinstance(self.spec, UniformSpec)
+        self.samples_windows = sampled and isinstance(self.spec, WindowSpec)
         if self.samples_rows and self.starts is None:
             self.starts = torch.empty(self.first + self.count, dtype=torch.int64)
 
@@ -232,12 +237,15 @@ class Ask:
     def request(self) -> EncodedMessage:
         """The SELECT, its metadata encoded here: the rule's JSON once per rule, the rest by hand.
 
-        Uniform rows read back at once go as SAMPLE_ROWS, which the owner answers in its extension.
+        Uniform rows and windows read back at once go as SAMPLE_ROWS and SAMPLE_WINDOWS (the rule's JSON
+        and the same array), which the owner answers in its extension.
         """
-        if self.samples_rows:
+        if self.samples_rows or self.samples_windows:
             assert self.columns is not None
-            ask = _SAMPLE_ROWS.pack(self.count, -1 if self.seed is None else self.seed, len(self.columns))
-            return EncodedMessage(Op.SAMPLE_ROWS, b"", [ask])
+            ask = _SAMPLE.pack(self.count, -1 if self.seed is None else self.seed, len(self.columns))
+            if self.samples_rows:
+                return EncodedMessage(Op.SAMPLE_ROWS, b"", [ask])
+            return EncodedMessage(Op.SAMPLE_WINDOWS, _spec_json(self.spec), [ask])
         read = self.columns is not None
         meta = b'{"selection":%s,"count":%d,"seed":%s,"read":%s,"columns":%s}' % (
             _spec_json(self.spec), self.count, b"null" if self.seed is None else b"%d" % self.seed,
@@ -273,11 +281,11 @@ def give_back_message(spec: SelectionSpec, rows: torch.Tensor) -> Message:
     return Message(Op.GIVE_BACK, {"selection": spec.to_json()}, [rows.to(torch.int64).contiguous()])
 
 
-_SAMPLE_ROWS = struct.Struct("<3q")  # count, seed (-1: none), columns
+_SAMPLE = struct.Struct("<3q")  # a SAMPLE_ROWS or SAMPLE_WINDOWS: count, seed (-1: none), columns
 
 
 def _fits_int64(seed: int | None) -> bool:
-    """Whether SAMPLE_ROWS carries ``seed`` (others go in a SELECT, whose owner says what is wrong)."""
+    """Whether a SAMPLE_ROWS carries ``seed`` (others go in a SELECT, whose owner says what is wrong)."""
     return seed is None or (type(seed) is int and 0 <= seed < 1 << 63)
 
 

@@ -194,7 +194,7 @@ class _Session:
 
     def handle(self, request: Message) -> Message | None:
         """The reply to ``request``, or None when there is none or it went out already (rows)."""
-        if request.op in (Op.SELECT, Op.SAMPLE_ROWS, Op.RELEASE):
+        if request.op in (Op.SELECT, Op.SAMPLE_ROWS, Op.SAMPLE_WINDOWS, Op.RELEASE):
             self._release()  # a connection holds at most one selection's rows
         try:
             if request.op == Op.SELECT:
@@ -202,8 +202,14 @@ class _Session:
                 columns = self._columns_asked(meta.get("columns")) if meta.get("read") else None
                 return self._select(spec_of(meta["selection"]), int(meta["count"]), meta.get("seed"), columns)
             if request.op == Op.SAMPLE_ROWS:
-                count, seed, columns = _sample_rows_request(request)
+                count, seed, columns = _sample_request(request)
                 return self._sample_rows(count, seed, self._columns_asked(columns))
+            if request.op == Op.SAMPLE_WINDOWS:
+                count, seed, columns = _sample_request(request)
+                spec = spec_of(request.meta)
+                reply = self._select(spec, count, seed, self._columns_asked(columns))
+                self.native.arm(request.meta, spec)  # the extension answers the next ones where it can
+                return reply
             if request.op == Op.READ:
                 self._read(request)
                 return None
@@ -335,10 +341,11 @@ _NO_BYTES = torch.empty(0, dtype=torch.uint8)
 _UNIFORM = UniformSpec()
 
 
-def _sample_rows_request(request: Message) -> tuple[int, object, int]:
-    """(count, seed, columns) of a SAMPLE_ROWS."""
+def _sample_request(request: Message) -> tuple[int, object, int]:
+    """(count, seed, columns) of a SAMPLE_ROWS or SAMPLE_WINDOWS."""
     if len(request.arrays) != 1 or request.arrays[0].numel() != 24:
-        raise ValueError("a SAMPLE_ROWS carries one array: count, seed (-1: none) and columns, as int64")
+        raise ValueError("a SAMPLE_ROWS or SAMPLE_WINDOWS carries one array: count, seed (-1: none) and columns, "
+                         "as int64")
     count, seed, columns = request.arrays[0].view(torch.int64).tolist()
     return count, None if seed == -1 else seed, columns
 _UPDATE_DTYPES = (torch.int64, torch.float64, torch.int64)

@@ -53,6 +53,7 @@ class Op:
     LOAD = 9  # restore them from one, into the empty shard
     SAMPLE_ROWS = 10  # uniform rows, read back at once: a SELECT the owner answers in the extension
     ROWS = 11  # SAMPLE_ROWS's reply: no JSON; the tally (live rows, picks), the picks, then each column's rows
+    SAMPLE_WINDOWS = 12  # uniform windows read back at once (JSON: the rule): a SELECT the extension may answer
 
 
 class ProtocolError(ConnectionError):

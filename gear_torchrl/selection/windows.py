@@ -182,6 +182,15 @@ class WindowSelector(Selector[WindowSpec]):
             return 0.0
         return float(self._refresh(shard.episodes).total)
 
+    def draw_state(self, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """What ``pick`` draws from, brought up to the shard's index: the tree's sums and the episodes'
+        starts and lengths, for a draw outside Python that repeats ``_draw`` (``csrc/cpu/owner.cpp``).
+        None where ``pick`` does more than that one draw (windows kept off the ring end, env columns)."""
+        if not self.spec.cross_ring_end or shard.num_envs is not None or not self.mass(shard) > 0:
+            return None
+        assert self.tree is not None  # ``mass`` made it
+        return self.tree.sum, shard.episodes.start, shard.episodes.length
+
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         shard = needs_shard(self, shard)
         if shard.size:

@@ -271,6 +271,11 @@ class SharedCommits(Visibility):
         return self._hi - self._lo
 
     @property
+    def seen_positions(self) -> tuple[int, int]:
+        """The positions ``[lo, hi)`` this process's episode index covers (as of its last refresh)."""
+        return self._lo, self._hi
+
+    @property
     def head(self) -> int:
         return self._hi % self.capacity
 
