@@ -328,6 +328,10 @@ def test_bad_window_asks_get_pythons_errors_and_the_connection_goes_on(owner):
     for ask, words in (([8, -5, 1], "seed"), ([1 << 30, 1, 1], "cannot select"), ([8, 1, 99], "columns")):
         with pytest.raises(ValueError, match=words):
             o.client.request(Message(Op.SAMPLE_WINDOWS, WINDOWS.to_json(), [torch.tensor(ask, dtype=torch.int64)]))
+    two_arrays = [torch.tensor([4, 1, 1]), torch.tensor([4, 1, 1])]
+    for op in (Op.SAMPLE_WINDOWS, Op.SAMPLE_ROWS):  # malformed: Python reads the whole message and says so
+        with pytest.raises(ValueError, match="carries one array"):
+            o.client.request(Message(op, WINDOWS.to_json() if op == Op.SAMPLE_WINDOWS else b"", two_arrays))
     calls = o.python_picks
     _check_windows(*o.sample(4, 2, WINDOWS))
     assert o.python_picks == calls

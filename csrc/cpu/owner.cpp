@@ -321,12 +321,14 @@ bool current(const int64_t* header, int64_t seen_seq, const WindowRule& r) {
   return load(header, kPublishedSeq) == seen_seq && readable_lo(header) <= r.seen_lo;
 }
 
+// Whether the header at `p` frames exactly one ask after `meta` bytes of JSON (its array's length aside).
+bool frames_one_ask(const char* p, size_t meta) {
+  return field<uint16_t>(p + 6) == 1 && field<uint32_t>(p + 8) == meta && field<uint64_t>(p + 12) == 24;
+}
+
 // The ask of a SAMPLE_ROWS or SAMPLE_WINDOWS whose bytes (JSON of `meta` bytes) are at `p`; false if malformed.
 bool parse_ask(const char* p, size_t meta, Request& q) {
-  if (field<uint16_t>(p + 6) != 1 || field<uint32_t>(p + 8) != meta || field<uint64_t>(p + 12) != 24 ||
-      field<uint64_t>(p + kHeader + meta) != 24) {
-    return false;
-  }
+  if (field<uint64_t>(p + kHeader + meta) != 24) return false;
   const char* ask = p + kHeader + meta + 8;
   q = {field<int64_t>(ask), field<int64_t>(ask + 8), field<int64_t>(ask + 16)};
   return true;
@@ -380,9 +382,11 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
     const int64_t peeked = receive(fd, p, kHeader, true);  // blocks until a request (or the end) comes
     if (peeked < 0) return {peeked, 0, -1, 0, served.answered};
     if (std::memcmp(p, "GEAR", 4) != 0) return served;
+    // Anything else, a malformed ask included, is Python's to read and answer (so nothing here waits for
+    // bytes a message does not have).
     const auto op = field<uint16_t>(p + 4);
-    const bool of_windows = op == kSampleWindows && windows != nullptr && field<uint32_t>(p + 8) == key_bytes;
-    if (op != kSampleRows && !of_windows) return served;
+    const bool of_windows = op == kSampleWindows && windows != nullptr && frames_one_ask(p, key_bytes);
+    if (!(op == kSampleRows && frames_one_ask(p, 0)) && !of_windows) return served;
     const size_t meta = of_windows ? key_bytes : 0;
     if (of_windows) {  // the armed rule's, byte for byte, or Python's to answer
       const int64_t whole = receive(fd, p, kHeader + meta + kAskBytes, true);
