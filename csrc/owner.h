@@ -35,7 +35,7 @@ struct WindowRule {
 // Why serve_samples returned (negative: -errno, the connection is done for).
 enum ServeCode : int64_t {
   kNextIsOther = 0,  // the next request is another op: nothing of it was read
-  kServeInPython = 1,  // a SAMPLE_ROWS was read that Python answers (its fields come back)
+  kServeInPython = 1,  // a SAMPLE_ROWS or SAMPLE_WINDOWS was read that Python answers (its fields come back)
   kCatchUp = 2,  // Python's view of the store should catch up before more are answered
 };
 

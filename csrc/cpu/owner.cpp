@@ -27,6 +27,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 
 namespace gear {
 namespace {
@@ -179,46 +180,73 @@ int64_t sample_rows(const OwnedStore& s, const Request& q, const at::Tensor& pic
   return section.close() ? live : -1;  // held too long: Python draws again (the same rows, for a seed)
 }
 
+// A reply taking shape in this thread's buffer: where each array's bytes go, and the message's size.
+struct Reply {
+  std::vector<char>& out;
+  std::vector<size_t> at;
+  size_t bytes;
+};
+
+// Frames a reply as wire.header does: `op`, the JSON `meta`, then arrays of `lengths` bytes, then the first
+// `ncols` columns' rows, `positions` of each; the arrays' bytes are left to fill.
+Reply frame_reply(uint16_t op, std::string_view meta, std::vector<uint64_t> lengths, const OwnedStore& s,
+                  size_t ncols, int64_t positions) {
+  for (size_t c = 0; c < ncols; ++c) {
+    lengths.push_back(static_cast<uint64_t>(positions) * static_cast<uint64_t>(row_bytes_of(s.columns[c])));
+  }
+  uint64_t total = 0;
+  for (uint64_t n : lengths) total += n;
+  const size_t head = kHeader + meta.size() + 8 * lengths.size();
+  Reply reply{reply_buffer(), {}, head + total};
+  std::vector<char>& out = reply.out;
+  if (out.size() < reply.bytes) out.resize(reply.bytes);
+  std::memcpy(out.data(), "GEAR", 4);
+  put<uint16_t>(out, 4, op);
+  put<uint16_t>(out, 6, static_cast<uint16_t>(lengths.size()));
+  put<uint32_t>(out, 8, static_cast<uint32_t>(meta.size()));
+  put<uint64_t>(out, 12, total);
+  std::memcpy(out.data() + kHeader, meta.data(), meta.size());
+  size_t at = head;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    put<uint64_t>(out, kHeader + meta.size() + 8 * i, lengths[i]);
+    reply.at.push_back(at);
+    at += lengths[i];
+  }
+  return reply;
+}
+
+// The reply's last `ncols` arrays as the columns' rows, `positions` each: where the gather writes them.
+std::vector<at::Tensor> rows_in(const Reply& reply, const OwnedStore& s, size_t ncols, int64_t positions) {
+  std::vector<at::Tensor> rows;
+  const size_t first = reply.at.size() - ncols;
+  for (size_t c = 0; c < ncols; ++c) {
+    std::vector<int64_t> shape = s.columns[c].sizes().vec();
+    shape[0] = positions;
+    rows.push_back(at::from_blob(reply.out.data() + reply.at[first + c], shape, s.columns[c].options()));
+  }
+  return rows;
+}
+
+// Sends a framed reply; 0, or -errno. A buffer grown past kKeepBytes is let go.
+int64_t send_reply(int fd, const Reply& reply) {
+  const int64_t sent = send_all(fd, reply.out.data(), reply.bytes);
+  if (reply.out.size() > kKeepBytes) std::vector<char>().swap(reply.out);
+  return sent;
+}
+
 // The ROWS reply (wire.Op.ROWS, shard_server._sample_rows): the tally (live rows, picks), the picks' ring
 // rows, then each column's rows; no JSON, so the learner lands it without parsing anything.
 // Returns 0 once sent, 1 when Python must answer, or -errno (the connection is broken).
 int64_t answer(int fd, const OwnedStore& s, const Request& q) {
   if (!answerable(s, q)) return 1;
   const auto ncols = static_cast<size_t>(q.columns);
-  const size_t count = static_cast<size_t>(q.count);
-  const size_t narrays = 2 + ncols;
-  std::vector<uint64_t> lengths(narrays, 8 * count);
-  lengths[0] = 16;
-  for (size_t c = 0; c < ncols; ++c) lengths[2 + c] = count * static_cast<uint64_t>(row_bytes_of(s.columns[c]));
-  uint64_t total = 0;
-  for (uint64_t n : lengths) total += n;
-  const size_t head = kHeader + 8 * narrays;
-  std::vector<char>& out = reply_buffer();
-  if (out.size() < head + total) out.resize(head + total);
-
-  std::memcpy(out.data(), "GEAR", 4);
-  put<uint16_t>(out, 4, kRows);
-  put<uint16_t>(out, 6, static_cast<uint16_t>(narrays));
-  put<uint32_t>(out, 8, 0);
-  put<uint64_t>(out, 12, total);
-  for (size_t i = 0; i < narrays; ++i) put<uint64_t>(out, kHeader + 8 * i, lengths[i]);
-  const size_t tally = head;
-  const at::Tensor picks = at::from_blob(out.data() + tally + 16, {q.count}, at::kLong);
-  std::vector<at::Tensor> rows;
-  size_t at = tally + 16 + 8 * count;
-  for (size_t c = 0; c < ncols; ++c) {  // the rows land in the reply, where the kernel copies them from
-    std::vector<int64_t> shape = s.columns[c].sizes().vec();
-    shape[0] = q.count;
-    rows.push_back(at::from_blob(out.data() + at, shape, s.columns[c].options()));
-    at += lengths[2 + c];
-  }
-  const int64_t live = sample_rows(s, q, picks, std::move(rows));
+  const Reply reply = frame_reply(kRows, {}, {16, 8 * static_cast<uint64_t>(q.count)}, s, ncols, q.count);
+  const at::Tensor picks = at::from_blob(reply.out.data() + reply.at[1], {q.count}, at::kLong);
+  const int64_t live = sample_rows(s, q, picks, rows_in(reply, s, ncols, q.count));
   if (live < 0) return 1;
-  put<int64_t>(out, tally, live);
-  put<int64_t>(out, tally + 8, q.count);
-  const int64_t sent = send_all(fd, out.data(), head + total);
-  if (out.size() > kKeepBytes) std::vector<char>().swap(out);
-  return sent;
+  put<int64_t>(reply.out, reply.at[0], live);
+  put<int64_t>(reply.out, reply.at[0] + 8, q.count);
+  return send_reply(fd, reply);
 }
 
 // What a WindowRule's draw gives: each window's ring row of position 0 and its valid range.
@@ -270,50 +298,24 @@ int64_t sample_windows(const OwnedStore& s, const Request& q, const WindowRule& 
 // The SELECT reply (shard_server._select): its JSON, the windows' starts and valid ranges, then each
 // column's rows. Returns 0 once sent, 1 when Python must answer, or -errno.
 int64_t answer_windows(int fd, const OwnedStore& s, const Request& q, const WindowRule& r, int64_t seen_seq) {
-  std::vector<char>& out = reply_buffer();
-  size_t message = 0;
+  std::optional<Reply> reply;
   const Landing land = [&](const Drawn& d, int64_t live, double mass) {
     char meta[160];
-    const int chars = std::snprintf(meta, sizeof meta, R"({"seq_len":%lld,"mass":%.17g,"scalars":{"rows":%lld},"extra":[]})",
-                                    static_cast<long long>(r.window_len), mass, static_cast<long long>(live));
-    const auto meta_bytes = static_cast<size_t>(chars);
+    const int chars =
+        std::snprintf(meta, sizeof meta, R"({"seq_len":%lld,"mass":%.17g,"scalars":{"rows":%lld},"extra":[]})",
+                      static_cast<long long>(r.window_len), mass, static_cast<long long>(live));
     const auto ncols = static_cast<size_t>(q.columns);
-    const size_t narrays = 3 + ncols;
     const auto count = static_cast<uint64_t>(q.count);
-    std::vector<uint64_t> lengths(narrays, 8 * count);
-    for (size_t c = 0; c < ncols; ++c) {
-      lengths[3 + c] = count * static_cast<uint64_t>(r.window_len * row_bytes_of(s.columns[c]));
-    }
-    uint64_t total = 0;
-    for (uint64_t n : lengths) total += n;
-    const size_t head = kHeader + meta_bytes + 8 * narrays;
-    message = head + total;
-    if (out.size() < message) out.resize(message);
-    std::memcpy(out.data(), "GEAR", 4);
-    put<uint16_t>(out, 4, kOk);
-    put<uint16_t>(out, 6, static_cast<uint16_t>(narrays));
-    put<uint32_t>(out, 8, static_cast<uint32_t>(meta_bytes));
-    put<uint64_t>(out, 12, total);
-    std::memcpy(out.data() + kHeader, meta, meta_bytes);
-    for (size_t i = 0; i < narrays; ++i) put<uint64_t>(out, kHeader + meta_bytes + 8 * i, lengths[i]);
-    size_t at = head;
+    const std::string_view json(meta, static_cast<size_t>(chars));
+    reply.emplace(frame_reply(kOk, json, {8 * count, 8 * count, 8 * count}, s, ncols, q.count * r.window_len));
+    size_t i = 0;
     for (const at::Tensor& t : {d.starts, d.valid_begin, d.valid_end}) {
-      std::memcpy(out.data() + at, t.data_ptr<int64_t>(), 8 * count);
-      at += 8 * count;
+      std::memcpy(reply->out.data() + reply->at[i++], t.data_ptr<int64_t>(), 8 * count);
     }
-    std::vector<at::Tensor> rows;
-    for (size_t c = 0; c < ncols; ++c) {  // the rows land in the reply, where the kernel copies them from
-      std::vector<int64_t> shape = s.columns[c].sizes().vec();
-      shape[0] = q.count * r.window_len;
-      rows.push_back(at::from_blob(out.data() + at, shape, s.columns[c].options()));
-      at += lengths[3 + c];
-    }
-    return rows;
+    return rows_in(*reply, s, ncols, q.count * r.window_len);
   };
   if (sample_windows(s, q, r, seen_seq, land) < 0) return 1;
-  const int64_t sent = send_all(fd, out.data(), message);
-  if (out.size() > kKeepBytes) std::vector<char>().swap(out);
-  return sent;
+  return send_reply(fd, *reply);
 }
 
 // Whether the view behind `r` is current: nothing published or evicted since it caught up.
