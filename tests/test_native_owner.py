@@ -337,6 +337,24 @@ def test_bad_window_asks_get_pythons_errors_and_the_connection_goes_on(owner):
     assert o.python_picks == calls
 
 
+@pytest.mark.parametrize("spec", [UNIFORM, WINDOWS])
+def test_an_ask_for_no_picks_gets_the_shards_mass_from_the_extension(owner, spec):
+    o = owner(128)
+    _episodes(o.rb, [7, 3, 12, 9])
+    o.sample(2, 1, spec)  # (a rule of windows is armed by its first ask)
+    calls = o.python_picks
+    for seed in (5, None):
+        picked, rows = o.sample(0, seed, spec)
+        expected = _python_picked(o.storage, 1, 5, spec)
+        assert picked.count == 0 and all(r.numel() == 0 for r in rows.values())
+        assert (picked.seq_len, picked.mass, picked.scalars["rows"]) == (
+            expected.seq_len, expected.mass, expected.scalars["rows"])
+    assert o.python_picks == calls, "a round's empty share is answered without the interpreter"
+    _episodes(o.rb, [5], first_ep=4)
+    assert o.sample(0, 6, spec)[0].mass == _python_picked(o.storage, 1, 6, spec).mass, "the mass follows writes"
+    assert o.python_picks == calls
+
+
 def test_windows_read_while_writers_lap_the_ring_are_never_torn(owner):
     o = owner(256)
     _episodes(o.rb, [16] * 16)

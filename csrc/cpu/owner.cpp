@@ -155,9 +155,10 @@ void draw_rows(const Request& q, int64_t lo, int64_t n, int64_t capacity, int64_
 }
 
 // Whether the extension may answer `q` at all (what it asks is in bounds); the store's state is checked
-// under the read section.
+// under the read section. An ask of no picks is answered too: a learner asks a shard its round gave no share
+// for its mass, so the next round splits by what each shard holds now.
 bool answerable(const OwnedStore& s, const Request& q) {
-  return q.count > 0 && q.count <= kMaxPositions && q.seed >= -1 && q.columns > 0 &&
+  return q.count >= 0 && q.count <= kMaxPositions && q.seed >= -1 && q.columns > 0 &&
          static_cast<size_t>(q.columns) <= s.columns.size();
 }
 
@@ -175,8 +176,10 @@ int64_t sample_rows(const OwnedStore& s, const Request& q, const at::Tensor& pic
     section.close();
     return -1;
   }
-  draw_rows(q, section.lo, live, s.columns.front().size(0), picks.data_ptr<int64_t>());
-  gather_cpu({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), std::move(out), picks});
+  if (q.count > 0) {
+    draw_rows(q, section.lo, live, s.columns.front().size(0), picks.data_ptr<int64_t>());
+    gather_cpu({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), std::move(out), picks});
+  }
   return section.close() ? live : -1;  // held too long: Python draws again (the same rows, for a seed)
 }
 
@@ -282,9 +285,14 @@ int64_t sample_windows(const OwnedStore& s, const Request& q, const WindowRule& 
   Section section(header, s.reader.data_ptr<int64_t>());
   const double mass = r.tree.data_ptr<double>()[0];
   if (load(header, kPublishedSeq) != seen_seq || section.lo > r.seen_lo || !(mass > 0)) return -1;
+  const int64_t live = r.seen_hi - r.seen_lo;  // (the index's rows are all readable: check each window's anyway)
+  if (q.count == 0) {  // the mass alone
+    const at::Tensor none = at::empty({0}, at::kLong);
+    land({none, none, none}, live, mass);
+    return section.close() ? live : -1;
+  }
   const int64_t capacity = s.columns.front().size(0);
   const Drawn d = draw_windows(q, r, mass, capacity);
-  const int64_t live = r.seen_hi - r.seen_lo;  // (the index's rows are all readable: check each window's anyway)
   if (first_row_outside(d.starts, d.valid_begin, d.valid_end, r.window_len, capacity, r.seen_lo % capacity, live) >=
       0) {
     return -1;
@@ -310,7 +318,8 @@ int64_t answer_windows(int fd, const OwnedStore& s, const Request& q, const Wind
     reply.emplace(frame_reply(kOk, json, {8 * count, 8 * count, 8 * count}, s, ncols, q.count * r.window_len));
     size_t i = 0;
     for (const at::Tensor& t : {d.starts, d.valid_begin, d.valid_end}) {
-      std::memcpy(reply->out.data() + reply->at[i++], t.data_ptr<int64_t>(), 8 * count);
+      if (count > 0) std::memcpy(reply->out.data() + reply->at[i], t.data_ptr<int64_t>(), 8 * count);
+      ++i;
     }
     return rows_in(*reply, s, ncols, q.count * r.window_len);
   };

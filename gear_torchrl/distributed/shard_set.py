@@ -285,8 +285,13 @@ class ShardSet:
     def _ask(self, shard: int, spec: SelectionSpec, count: int, seed: int | None,
              batch: list[torch.Tensor] | None, first: int | None, starts: torch.Tensor | None = None) -> Ask:
         """``shard``'s share: its rows into ``batch`` from row ``first`` on (rows' picks into ``starts``),
-        else into buffers of its own."""
-        if not count:
+        else into buffers of its own.
+
+        A share of none in a batch's first round is asked like the others (an empty slice of the batch), so the
+        owner's extension answers it: the shard's mass is all the round needs of it.
+        """
+        in_batch = batch is not None and first is not None
+        if not count and not in_batch:
             return Ask(spec, 0, seed)
         rows = count * spec.rows_per_pick
         zeroed = not getattr(self._transports.get(shard), "writes_padding", True)
