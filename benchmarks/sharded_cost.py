@@ -22,13 +22,16 @@ divided by the requests each served), and steps per second of wall time.
 ``--cap-gbit X`` runs every world inside a network namespace of its own
 (``unshare -n``, loopback only) where each owner's port is capped at X Gbit/s
 with ``tc`` (htb, one class per port; the learner's side is uncapped): the
-scaling a job gets when the network, not these cores, is the limit.
+scaling a job gets when the network, not these cores, is the limit. With
+``--ray-site`` too, TorchRL's Ray buffer runs its actor on a second Ray node
+behind a link of the same cap (``ray_behind_cap.py``): one server, one link.
 
     .venv/bin/python benchmarks/sharded_cost.py [--worlds own 1 2 4 8] [--batches 256 4096] [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -182,9 +185,20 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
     if raw_ports:
         contenders["raw"] = _raw_batch(raw_ports)
     served_by = {name: {b: owner_pids for b in batches} for name in contenders}  # whose CPU serves a batch
-    if os.environ.get("GEAR_BENCH_RAY_SITE") and rule == "rows":
-        for name, (sample, actor_pids) in _ray_contenders(batches).items():
-            contenders[name], served_by[name] = sample, actor_pids
+    with contextlib.ExitStack() as held:
+        if os.environ.get("GEAR_BENCH_RAY_SITE") and rule == "rows":
+            placement = {}
+            if os.environ.get("GEAR_BENCH_CAP_GBIT"):  # Ray's actor behind a link of one owner's cap
+                from ray_behind_cap import RayBehindCap
+
+                placement = held.enter_context(RayBehindCap(float(os.environ["GEAR_BENCH_CAP_GBIT"])))
+            for name, (sample, actor_pids) in _ray_contenders(batches, placement).items():
+                contenders[name], served_by[name] = sample, actor_pids
+        _measure(contenders, served_by, sample_sharded, batches, rounds, out)
+
+
+def _measure(contenders: dict, served_by: dict, sample_sharded, batches: list[int], rounds: int, out) -> None:
+    """Every contender's turns (interleaved rounds), then the medians to ``out``."""
     calls = {}
     for b in batches:  # warm up, and size each turn to about SECONDS_PER_TURN
         for sample in contenders.values():
@@ -229,11 +243,12 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
     out.put(result)
 
 
-def ray_buffers(batches: list[int]) -> dict:
+def ray_buffers(batches: list[int], placement: dict | None = None) -> dict:
     """TorchRL's remote buffer on Ray (``service_backend="ray"``), one actor per transport and batch size
     (the ``distributed`` transport binds its batch size at the first sample), each holding the same
     steps in a ``LazyTensorStorage``: transport -> batch size -> buffer. Ray comes from ``--ray-site``
-    (on PYTHONPATH), never from the library's environment."""
+    (on PYTHONPATH), never from the library's environment. ``placement``: more of the actors'
+    ``remote_config`` (where they run)."""
     import functools
 
     from torchrl.data import LazyTensorStorage, ReplayBuffer
@@ -243,7 +258,7 @@ def ray_buffers(batches: list[int]) -> dict:
         for b in batches:
             rb = ReplayBuffer(storage=functools.partial(LazyTensorStorage, STEPS), batch_size=b,
                               service_backend="ray", transport=transport,
-                              service_backend_options={"remote_config": {"num_cpus": 0},
+                              service_backend_options={"remote_config": {"num_cpus": 0, **(placement or {})},
                                                        "ray_init_config": {"num_cpus": 2, "include_dashboard": False,
                                                                            "log_to_driver": False}})
             for first in range(0, STEPS, 10 * EPISODE):
@@ -259,10 +274,10 @@ def ray_actor_pid(rb) -> int:
     return ray.get(rb._rb.__ray_call__.remote(lambda _: os.getpid()))
 
 
-def _ray_contenders(batches: list[int]) -> dict:
+def _ray_contenders(batches: list[int], placement: dict) -> dict:
     """name -> (sample, the actor's pid for each batch size) of each transport's buffers (``ray_buffers``)."""
     found = {}
-    for transport, buffers in ray_buffers(batches).items():
+    for transport, buffers in ray_buffers(batches, placement).items():
         pids = {b: [ray_actor_pid(rb)] for b, rb in buffers.items()}
         found[f"torchrl-ray-{transport}"] = (lambda b, buffers=buffers: buffers[b].sample(b)), pids
     return found
@@ -391,10 +406,11 @@ def main() -> None:
                                  f"ours / {transport}": "-" if ray is None
                                  else f"{mine['steps_per_s'] / ray['steps_per_s']:.1f}"})
             if args.cap_gbit is not None:  # the share of the links' capacity each contender used
-                caps = args.cap_gbit * 1e9 / 8 * int(world) / ROW_BYTES
+                cap = args.cap_gbit * 1e9 / 8 / ROW_BYTES  # steps/s through one capped link
                 for name in ("sharded", "prefetch", "raw", "torchrl-ray-ray", "torchrl-ray-distributed"):
+                    links = 1 if name.startswith("torchrl-ray") else int(world)  # Ray's buffer: one actor, one link
                     if f"{name}/{b}" in result:
-                        rows[-1][f"{name} / caps"] = f"{result[f'{name}/{b}']['steps_per_s'] / caps:.2f}"
+                        rows[-1][f"{name} / caps"] = f"{result[f'{name}/{b}']['steps_per_s'] / (cap * links):.2f}"
         print(table(rows[-len(args.batches):], list(rows[0])), flush=True)
     print(table(rows, list(rows[0])))
     write_json(args.out, {"benchmark": "sharded_cost", "rule": args.rule, "steps": STEPS, "rounds": args.rounds,
