@@ -16,6 +16,12 @@ namespace {
 using WindowRuleArgs =
     std::tuple<std::string, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, bool, int64_t, int64_t>;
 
+gear::WindowRule window_rule(WindowRuleArgs&& args) {
+  auto& [key, tree, start, length, window_len, burn_in, strict, seen_lo, seen_hi] = args;
+  return {std::move(key), std::move(tree), std::move(start), std::move(length), window_len, burn_in, strict,
+          seen_lo, seen_hi};
+}
+
 gear::GatherArgs make_args(std::vector<at::Tensor> columns, std::vector<at::Tensor> out, at::Tensor starts,
                            std::optional<at::Tensor> valid_begin, std::optional<at::Tensor> valid_end,
                            int64_t seq_len, std::optional<at::Tensor> mask, std::vector<at::Tensor> hot_columns,
@@ -124,11 +130,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          int64_t seen_seq, int64_t max_lag, double catch_up_s, std::optional<WindowRuleArgs> windows) {
         const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
         std::optional<gear::WindowRule> rule;
-        if (windows) {
-          auto& [key, tree, start, length, window_len, burn_in, strict, seen_lo, seen_hi] = *windows;
-          rule = gear::WindowRule{std::move(key), std::move(tree), std::move(start), std::move(length), window_len,
-                                  burn_in, strict, seen_lo, seen_hi};
-        }
+        if (windows) rule = window_rule(std::move(*windows));
         const gear::Served s = without_gil([&] {
           return gear::serve_samples(fd, store, seen_seq, max_lag, catch_up_s, rule ? &*rule : nullptr);
         });
@@ -149,6 +151,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "when Python must answer",
       py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"), py::arg("count"),
       py::arg("seed"), py::arg("picks"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "sample_windows_into",
+      [](at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
+         WindowRuleArgs windows, int64_t seen_seq, int64_t count, int64_t seed, const std::vector<at::Tensor>& out) {
+        const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
+        const gear::WindowRule rule = window_rule(std::move(windows));
+        gear::WindowsInto got =
+            without_gil([&] { return gear::sample_windows_into(store, rule, seen_seq, count, seed, out); });
+        return std::make_tuple(got.live, got.mass, std::move(got.starts), std::move(got.valid_begin),
+                               std::move(got.valid_end));
+      },
+      "serve_samples's answer of windows into this process's tensors (GIL released): (the view's rows, or -1 "
+      "when Python must answer; the mass; starts, valid_begin, valid_end)",
+      py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"), py::arg("windows"),
+      py::arg("seen_seq"), py::arg("count"), py::arg("seed"), py::arg("out"));
   m.def("owner_constants", &gear::owner_constants);
   m.def("built_with_cuda", &built_with_cuda);
   m.def("tree_nodes", &gear::tree_nodes, "Size of a tree tensor over `capacity` leaves", py::arg("capacity"));

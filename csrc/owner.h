@@ -62,6 +62,20 @@ Served serve_samples(int64_t fd, const OwnedStore& store, int64_t seen_seq, int6
 int64_t sample_rows_into(const OwnedStore& store, int64_t count, int64_t seed, const at::Tensor& picks,
                          const std::vector<at::Tensor>& out);
 
+// A window answer into this process's memory: the windows drawn, the rows the view holds (-1: Python must
+// answer) and the tree's mass.
+struct WindowsInto {
+  int64_t live = -1;
+  double mass = 0;
+  at::Tensor starts, valid_begin, valid_end;
+};
+
+// serve_samples's answer of `count` windows of `rule` into `out` (the first out.size() columns, each
+// [count * window_len, ...]), for a learner that reads the shard its own process serves; `seen_seq` is what
+// the view behind `rule` has caught up to.
+WindowsInto sample_windows_into(const OwnedStore& store, const WindowRule& rule, int64_t seen_seq, int64_t count,
+                                int64_t seed, const std::vector<at::Tensor>& out);
+
 // What this file assumes of the Python side (control segment words, wire codes, limits), by the
 // Python name each must equal: a test holds the two together.
 std::vector<std::pair<std::string, int64_t>> owner_constants();

@@ -394,15 +394,17 @@ class InPlace(CountedStore):
         self.view = ShardView(handle, SelectorRegistry(handle.capacity))
         self.transport = InProcessTransport(self.view)
 
-    def sample(self, count: int, seed: int | None, first: int = 0):
-        """(picks, the ask's picks, rows by column name) of uniform rows read back into a batch from ``first``."""
+    def sample(self, count: int, seed: int | None, first: int = 0, spec: SelectionSpec = UNIFORM):
+        """(picks, the ask's picks (rows only), rows by column name) of ``spec`` read back into a batch from
+        row ``first`` on."""
         table = self.storage.shard.table
-        batch = [torch.full((first + count, *c.row_shape), -1, dtype=c.dtype) for c in table.columns]
-        ask = Ask(UNIFORM, count, seed, batch, first)
+        rows = count * spec.rows_per_pick
+        batch = [torch.full((first + rows, *c.row_shape), -1, dtype=c.dtype) for c in table.columns]
+        ask = Ask(spec, count, seed, batch, first)
         picked = ask.placed(self.transport.select(None, ask))
-        assert ask.starts is not None
-        rows = {c.key: col[first: first + picked.count] for c, col in zip(table.columns, batch)}
-        return picked, ask.starts[first: first + picked.count], rows
+        got = {c.key: col[first: first + picked.count * picked.seq_len] for c, col in zip(table.columns, batch)}
+        landed = None if ask.starts is None else ask.starts[first: first + picked.count]
+        return picked, landed, got
 
     def is_learners(self, view: ShardView) -> bool:
         return view is self.view  # not _python_pick's
@@ -482,3 +484,63 @@ def test_in_place_outputs_that_do_not_fit_the_columns_are_refused_before_any_rea
     fitting = [c[:4].clone() for c in columns]
     assert _C.sample_rows_into(header, reader, list(columns), version, 4, -5, picks, fitting) == -1, "a bad seed"
 
+
+
+def test_a_learner_on_its_own_shard_gets_windows_from_the_extension_once_python_drew_the_rule(in_place):
+    o = in_place(256)
+    _episodes(o.rb, [7, 3, 12, 9, 5, 20])
+    for seed in (1, 2, 3):
+        picked, _, rows = o.sample(16, seed, first=8, spec=WINDOWS)
+        _assert_same_picks(picked, _python_picked(o.storage, 16, seed, WINDOWS))
+        _check_windows(picked, rows)
+    assert o.python_picks == 1, "the first ask of a rule is Python's: the extension draws the next ones"
+    unseeded, _, rows = o.sample(16, None, spec=WINDOWS)
+    assert unseeded.count == 16 and o.python_picks == 1
+    _check_windows(unseeded, rows)
+    none, _, _ = o.sample(0, 4, spec=WINDOWS)
+    assert none.count == 0 and none.mass == unseeded.mass and o.python_picks == 1
+
+
+@pytest.mark.parametrize("spec", [WINDOWS, WindowSpec(6)])
+def test_in_place_windows_follow_new_episodes_and_evictions(in_place, spec):
+    o = in_place(64)
+    for i in range(16):  # the ring wraps: the oldest episodes are evicted
+        _episodes(o.rb, [6 + i % 5], first_ep=i)
+        picked, _, rows = o.sample(8, i, spec=spec)
+        _assert_same_picks(picked, _python_picked(o.storage, 8, i, spec))
+        _check_windows(picked, rows)
+    assert o.python_picks == 1, "the view caught up after each write, and the extension answered"
+
+
+def test_in_place_windows_off_the_ring_end_and_another_rule_are_pythons(in_place):
+    o = in_place(64)
+    _episodes(o.rb, [9] * 8)
+    off_the_end = WindowSpec(4, cross_ring_end=False)
+    for seed in range(3):
+        picked, _, rows = o.sample(8, seed, spec=off_the_end)
+        _assert_same_picks(picked, _python_picked(o.storage, 8, seed, off_the_end))
+        _check_windows(picked, rows)
+    assert o.python_picks == 3, "windows that wrap the ring end are drawn again: Python's draw"
+    for spec in (WINDOWS, WindowSpec(5), WINDOWS):
+        for seed in range(2):
+            _check_windows(*o.sample(8, seed, spec=spec)[::2])
+    assert o.python_picks == 6, "each rule newly asked for is drawn in Python once"
+
+
+def test_in_place_window_outputs_that_do_not_fit_are_refused_before_any_read(in_place):
+    o = in_place(64)
+    _episodes(o.rb, [10, 10])
+    o.sample(2, 1, spec=WINDOWS)  # Python's draw arms the rule
+    native = o.transport._native
+    rule = native._window_rule()
+    assert rule is not None
+    log = o.view.shared.log
+    header, reader = log.native_words()
+    columns = list(o.view.shared.mapped_columns())
+    version = o.view.shared.mapped_layout_version
+    rows = 2 * WINDOWS.window_len
+    for wrong, words in (([torch.empty(rows, *c.shape[1:], dtype=torch.float64) for c in columns], "output is Double"),
+                         ([c[: rows - 1].clone() for c in columns], f"must have {rows} rows")):
+        with pytest.raises(RuntimeError, match=words):
+            _C.sample_windows_into(header, reader, columns, version, rule, log.seen_seq, 2, 1, wrong)
+    assert not log.reading, "no read section was left open"

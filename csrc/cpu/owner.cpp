@@ -378,6 +378,25 @@ int64_t sample_rows_into(const OwnedStore& s, int64_t count, int64_t seed, const
   return sample_rows(s, q, picks, out);
 }
 
+WindowsInto sample_windows_into(const OwnedStore& s, const WindowRule& r, int64_t seen_seq, int64_t count,
+                                int64_t seed, const std::vector<at::Tensor>& out) {
+  check_owned_store(s);
+  check_window_rule(r);
+  const Request q{count, seed, static_cast<int64_t>(out.size())};
+  WindowsInto got;
+  if (!answerable(s, q) || q.count > kMaxPositions / r.window_len) return got;
+  const at::Tensor none = at::zeros({count}, at::kLong);  // (the shapes alone are checked before the draw)
+  check_gather_args({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), out, none, none,
+                     none, std::nullopt, r.window_len});
+  TORCH_CHECK(out.front().device().is_cpu(), "sample_windows_into: the outputs must be CPU tensors");
+  const Landing land = [&](const Drawn& d, int64_t live, double mass) {
+    got = {live, mass, d.starts, d.valid_begin, d.valid_end};
+    return out;
+  };
+  got.live = sample_windows(s, q, r, seen_seq, land);
+  return got;
+}
+
 Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t max_lag, double catch_up_s,
                      const WindowRule* windows) {
   check_owned_store(s);

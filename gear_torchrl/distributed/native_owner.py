@@ -16,7 +16,8 @@ Uniform windows (SAMPLE_WINDOWS) need the view's episode index and the
 selector's tree of windows per episode: the first request of a rule is
 answered in Python, which arms the rule; the extension then draws the next
 ones from that state for as long as the view is current (nothing published or
-evicted since it caught up), and hands back a turn to catch up otherwise.
+evicted since it caught up), and hands back a turn to catch up otherwise. In
+place, the learner's view catches up first whenever the store moved on.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from gear_torchrl.kernels import _C
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
+from gear_torchrl.store.windows import Windows
 
 _NEXT_IS_OTHER, _SERVE_IN_PYTHON, _CATCH_UP = 0, 1, 2  # csrc/owner.h ServeCode
 CATCH_UP_S = 1.0  # the view replays the records published meanwhile at least this often
@@ -80,16 +82,15 @@ class NativeOwner:
                 raise wire.socket_error(code)
             if caught_up and not answered:
                 return None  # writers keep the view behind: Python answers this one (its pick catches up)
-            try:
-                self.view.catch_up()
-            except (StoreClosedError, ReadRevokedError):
+            if not self._catch_up():
                 return None  # the request is answered in Python, which says what is wrong
             caught_up = True
         return None
 
     def arm(self, meta: dict[str, Any], spec: SelectionSpec) -> None:
-        """Let the extension answer the next SAMPLE_WINDOWS of ``spec`` (whose JSON is ``meta``), which Python
-        just answered (so its selector exists and its episode markers were checked)."""
+        """Let the extension answer the next SAMPLE_WINDOWS of ``spec`` (whose JSON is ``meta``), or the next
+        in-place ask of it, which Python just answered (so its selector exists and its episode markers were
+        checked)."""
         if isinstance(spec, WindowSpec):
             self._windows = json.dumps(meta, separators=(",", ":")).encode(), meta, spec
 
@@ -106,23 +107,44 @@ class NativeOwner:
         return key, *state, spec.window_len, spec.burn_in, spec.strict_length, lo, hi
 
     def answer_in_place(self, ask: Ask) -> Picked | None:
-        """``ask``'s uniform rows (a SAMPLE_ROWS ask) drawn and gathered into its own tensors, as the
-        extension answers a socket; None where Python must answer it (``ShardView.pick``)."""
+        """``ask``'s uniform rows, or windows of the armed rule, drawn and gathered into its own tensors as the
+        extension answers a socket; None where Python must answer it (``ShardView.pick``; then ``arm``)."""
         log = self.view.shared.log
-        if not ask.samples_rows or not ask.count or log.reading:  # a section Python holds stays Python's
+        windows = self._windows[2] if self._windows is not None and ask.samples_windows else None
+        if log.reading or not (ask.samples_rows or windows == ask.spec):  # a section Python holds stays Python's
             return None
         source = self._mapped()
         if source is None:
             return None
         version, header, reader, columns = source
-        if time.monotonic() - self._caught_up > CATCH_UP_S or log.records_unseen() > log.num_records // 4:
-            self.view.catch_up()
-            self._caught_up = time.monotonic()
-        assert ask.starts is not None and ask.columns is not None  # (samples_rows)
-        picks = ask.starts[ask.first: ask.first + ask.count]
         seed = -1 if ask.seed is None else ask.seed
-        live = _C.sample_rows_into(header, reader, columns, version, ask.count, seed, picks, ask.rows(ask.count))
-        return None if live < 0 else ask.landed(ask.count, live)
+        if windows is None:
+            if time.monotonic() - self._caught_up > CATCH_UP_S or log.records_unseen() > log.num_records // 4:
+                self._catch_up()
+            assert ask.starts is not None and ask.columns is not None  # (samples_rows)
+            picks = ask.starts[ask.first: ask.first + ask.count]
+            live = _C.sample_rows_into(header, reader, columns, version, ask.count, seed, picks, ask.rows(ask.count))
+            return None if live < 0 else ask.landed(ask.count, live)
+        if log.records_unseen() and not self._catch_up():  # windows are drawn from the view's index: current
+            return None
+        rule = self._window_rule()
+        if rule is None:
+            return None
+        live, mass, starts, valid_begin, valid_end = _C.sample_windows_into(
+            header, reader, columns, version, rule, log.seen_seq, ask.count, seed,
+            ask.rows(ask.count * windows.window_len))
+        if live < 0:
+            return None
+        return Picked(Windows(starts, windows.window_len, valid_begin, valid_end), mass, scalars={"rows": live})
+
+    def _catch_up(self) -> bool:
+        """Replay what was published since the view last looked; False where that failed (Python says why)."""
+        try:
+            self.view.catch_up()
+        except (StoreClosedError, ReadRevokedError):
+            return False
+        self._caught_up = time.monotonic()
+        return True
 
     def _mapped(self) -> _Source | None:
         """What the extension reads, for the layout published now; None before any (Python says it is empty)."""
