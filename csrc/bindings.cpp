@@ -5,7 +5,6 @@
 #include "gather.h"
 #include "owner.h"
 #include "recv.h"
-#include "send.h"
 #include "trees.h"
 #include "windows.h"
 
@@ -93,17 +92,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hot_columns") = std::vector<at::Tensor>{}, py::arg("hot_owner") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def(
-      "send_windows",
-      [](int64_t fd, const std::vector<at::Tensor>& columns, const at::Tensor& starts, const at::Tensor& valid_begin,
-         const at::Tensor& valid_end, int64_t seq_len) {
-        without_gil([&] {
-          gear::send_windows(fd, columns, starts, valid_begin, valid_end, seq_len);
-          return true;
-        });
-      },
-      "Write windows' rows from the columns to a socket, no gather", py::arg("fd"), py::arg("columns"),
-      py::arg("starts"), py::arg("valid_begin"), py::arg("valid_end"), py::arg("seq_len"));
-  m.def(
       "recv_exact",
       [](int64_t fd, const at::Tensor& out, double timeout_s) {
         return without_gil([&] { return gear::recv_exact(fd, out, timeout_s); });
@@ -166,6 +154,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "when Python must answer; the mass; starts, valid_begin, valid_end)",
       py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"), py::arg("windows"),
       py::arg("seen_seq"), py::arg("count"), py::arg("seed"), py::arg("out"));
+  m.def("frame_rows_reply", &gear::frame_rows_reply,
+        "Frame a reply of rows Python picked into this thread's reply buffer (GIL released): its bytes",
+        py::arg("op"), py::arg("meta"), py::arg("arrays"), py::arg("columns"), py::arg("starts"),
+        py::arg("valid_begin"), py::arg("valid_end"), py::arg("seq_len"), py::call_guard<py::gil_scoped_release>());
+  m.def("send_framed_reply", &gear::send_framed_reply,
+        "Send the reply frame_rows_reply framed on this thread (GIL released): 0, or -errno", py::arg("fd"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("owner_constants", &gear::owner_constants);
   m.def("built_with_cuda", &built_with_cuda);
   m.def("tree_nodes", &gear::tree_nodes, "Size of a tree tensor over `capacity` leaves", py::arg("capacity"));

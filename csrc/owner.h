@@ -76,6 +76,18 @@ struct WindowsInto {
 WindowsInto sample_windows_into(const OwnedStore& store, const WindowRule& rule, int64_t seen_seq, int64_t count,
                                 int64_t seed, const std::vector<at::Tensor>& out);
 
+// A reply of rows Python picked (shard_server._send_rows), framed into this thread's reply buffer while
+// Python holds the read section: `op`, the JSON `meta`, the contiguous `arrays`, then every window's rows
+// of each of `columns` (zeros outside its valid range), as wire.header frames a message. Returns its bytes.
+// Python then ends its read section and sends the reply with send_framed_reply, so a learner slow to take
+// it never holds back the writers.
+int64_t frame_rows_reply(int64_t op, const std::string& meta, const std::vector<at::Tensor>& arrays,
+                         const std::vector<at::Tensor>& columns, const at::Tensor& starts,
+                         const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t seq_len);
+
+// Sends the reply frame_rows_reply framed on this thread: 0, or -errno (the connection is done for).
+int64_t send_framed_reply(int64_t fd);
+
 // What this file assumes of the Python side (control segment words, wire codes, limits), by the
 // Python name each must equal: a test holds the two together.
 std::vector<std::pair<std::string, int64_t>> owner_constants();

@@ -192,10 +192,10 @@ struct Reply {
 
 // Frames a reply as wire.header does: `op`, the JSON `meta`, then arrays of `lengths` bytes, then the first
 // `ncols` columns' rows, `positions` of each; the arrays' bytes are left to fill.
-Reply frame_reply(uint16_t op, std::string_view meta, std::vector<uint64_t> lengths, const OwnedStore& s,
-                  size_t ncols, int64_t positions) {
+Reply frame_reply(uint16_t op, std::string_view meta, std::vector<uint64_t> lengths,
+                  const std::vector<at::Tensor>& columns, size_t ncols, int64_t positions) {
   for (size_t c = 0; c < ncols; ++c) {
-    lengths.push_back(static_cast<uint64_t>(positions) * static_cast<uint64_t>(row_bytes_of(s.columns[c])));
+    lengths.push_back(static_cast<uint64_t>(positions) * static_cast<uint64_t>(row_bytes_of(columns[c])));
   }
   uint64_t total = 0;
   for (uint64_t n : lengths) total += n;
@@ -219,15 +219,22 @@ Reply frame_reply(uint16_t op, std::string_view meta, std::vector<uint64_t> leng
 }
 
 // The reply's last `ncols` arrays as the columns' rows, `positions` each: where the gather writes them.
-std::vector<at::Tensor> rows_in(const Reply& reply, const OwnedStore& s, size_t ncols, int64_t positions) {
+std::vector<at::Tensor> rows_in(const Reply& reply, const std::vector<at::Tensor>& columns, size_t ncols,
+                                int64_t positions) {
   std::vector<at::Tensor> rows;
   const size_t first = reply.at.size() - ncols;
   for (size_t c = 0; c < ncols; ++c) {
-    std::vector<int64_t> shape = s.columns[c].sizes().vec();
+    std::vector<int64_t> shape = columns[c].sizes().vec();
     shape[0] = positions;
-    rows.push_back(at::from_blob(reply.out.data() + reply.at[first + c], shape, s.columns[c].options()));
+    rows.push_back(at::from_blob(reply.out.data() + reply.at[first + c], shape, columns[c].options()));
   }
   return rows;
+}
+
+// The reply frame_rows_reply framed on this thread, until send_framed_reply sends it.
+std::optional<Reply>& pending_reply() {
+  thread_local std::optional<Reply> pending;
+  return pending;
 }
 
 // Sends a framed reply; 0, or -errno. A buffer grown past kKeepBytes is let go.
@@ -243,9 +250,9 @@ int64_t send_reply(int fd, const Reply& reply) {
 int64_t answer(int fd, const OwnedStore& s, const Request& q) {
   if (!answerable(s, q)) return 1;
   const auto ncols = static_cast<size_t>(q.columns);
-  const Reply reply = frame_reply(kRows, {}, {16, 8 * static_cast<uint64_t>(q.count)}, s, ncols, q.count);
+  const Reply reply = frame_reply(kRows, {}, {16, 8 * static_cast<uint64_t>(q.count)}, s.columns, ncols, q.count);
   const at::Tensor picks = at::from_blob(reply.out.data() + reply.at[1], {q.count}, at::kLong);
-  const int64_t live = sample_rows(s, q, picks, rows_in(reply, s, ncols, q.count));
+  const int64_t live = sample_rows(s, q, picks, rows_in(reply, s.columns, ncols, q.count));
   if (live < 0) return 1;
   put<int64_t>(reply.out, reply.at[0], live);
   put<int64_t>(reply.out, reply.at[0] + 8, q.count);
@@ -315,13 +322,14 @@ int64_t answer_windows(int fd, const OwnedStore& s, const Request& q, const Wind
     const auto ncols = static_cast<size_t>(q.columns);
     const auto count = static_cast<uint64_t>(q.count);
     const std::string_view json(meta, static_cast<size_t>(chars));
-    reply.emplace(frame_reply(kOk, json, {8 * count, 8 * count, 8 * count}, s, ncols, q.count * r.window_len));
+    reply.emplace(
+        frame_reply(kOk, json, {8 * count, 8 * count, 8 * count}, s.columns, ncols, q.count * r.window_len));
     size_t i = 0;
     for (const at::Tensor& t : {d.starts, d.valid_begin, d.valid_end}) {
       if (count > 0) std::memcpy(reply->out.data() + reply->at[i], t.data_ptr<int64_t>(), 8 * count);
       ++i;
     }
-    return rows_in(*reply, s, ncols, q.count * r.window_len);
+    return rows_in(*reply, s.columns, ncols, q.count * r.window_len);
   };
   if (sample_windows(s, q, r, seen_seq, land) < 0) return 1;
   return send_reply(fd, *reply);
@@ -395,6 +403,42 @@ WindowsInto sample_windows_into(const OwnedStore& s, const WindowRule& r, int64_
   };
   got.live = sample_windows(s, q, r, seen_seq, land);
   return got;
+}
+
+int64_t frame_rows_reply(int64_t op, const std::string& meta, const std::vector<at::Tensor>& arrays,
+                         const std::vector<at::Tensor>& columns, const at::Tensor& starts,
+                         const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t seq_len) {
+  TORCH_CHECK(op >= 0 && op <= 0xffff && meta.size() <= kMaxMeta, "frame_rows_reply: bad op or metadata");
+  const int64_t positions = starts.numel() * seq_len;
+  TORCH_CHECK(positions <= kMaxPositions, "frame_rows_reply: ", positions, " rows in one reply");
+  std::vector<uint64_t> lengths;
+  for (const at::Tensor& a : arrays) {
+    TORCH_CHECK(a.device().is_cpu() && a.is_contiguous(), "frame_rows_reply: arrays are contiguous CPU tensors");
+    lengths.push_back(static_cast<uint64_t>(a.nbytes()));
+  }
+  std::optional<Reply>& pending = pending_reply();
+  pending.reset();
+  Reply reply = frame_reply(static_cast<uint16_t>(op), meta, lengths, columns, columns.size(), positions);
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    if (lengths[i] > 0) std::memcpy(reply.out.data() + reply.at[i], arrays[i].data_ptr(), lengths[i]);
+  }
+  if (!columns.empty()) {
+    check_windows(starts, valid_begin, valid_end, seq_len, columns.front().size(0));
+    const GatherArgs rows{columns, rows_in(reply, columns, columns.size(), positions), starts, valid_begin,
+                          valid_end, std::nullopt, seq_len};
+    check_gather_args(rows);
+    gather_cpu(rows);
+  }
+  pending.emplace(std::move(reply));
+  return static_cast<int64_t>(pending->bytes);
+}
+
+int64_t send_framed_reply(int64_t fd) {
+  std::optional<Reply>& pending = pending_reply();
+  TORCH_CHECK(pending.has_value(), "send_framed_reply: no reply was framed on this thread");
+  const int64_t sent = send_reply(static_cast<int>(fd), *pending);
+  pending.reset();
+  return sent;
 }
 
 Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t max_lag, double catch_up_s,

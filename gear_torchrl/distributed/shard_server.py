@@ -6,8 +6,9 @@ selection can hold its rows readable until the learner has read them: SELECT
 opens the view's read section, and READ (bytes sent back over this socket) or
 RELEASE (after a one-sided or same-host read) closes it. Writers waiting to
 overwrite those rows wait for exactly that, and never for a learner that
-stalls: rows it does not take are copied out of the ring (``row_sender``), and
-a selection it does not release within ``timeout`` is released for it.
+stalls: a reply's rows are copied out of the ring before it is sent (the
+extension frames it, as it does its own answers), and a selection held for a
+one-sided read that is not released within ``timeout`` is released for it.
 
 Whatever peers and the OS do, the server keeps serving: a failed ``accept``
 (out of descriptors, memory or buffers, an aborted connection) is retried
@@ -16,6 +17,7 @@ few and timed out.
 """
 from __future__ import annotations
 
+import json
 import logging
 import select
 import socket
@@ -26,7 +28,6 @@ import torch
 
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.native_owner import NativeOwner
-from gear_torchrl.distributed.row_sender import ReplyCutShort, RowSender
 from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
 from gear_torchrl.distributed.shard_view import ShardView, spec_of
 from gear_torchrl.distributed.wire import Message, Op
@@ -163,6 +164,10 @@ class ShardServer:
             return list(self._connections)
 
 
+class ReplyCutShort(ConnectionError):
+    """A reply failed once its first bytes may have left: the connection cannot carry another message."""
+
+
 class _Session:
     """One learner's requests over its connection, through its own view of the shard."""
 
@@ -171,7 +176,6 @@ class _Session:
         self.view = view
         self.shard = view.shard
         self.timeout = timeout
-        self.rows = RowSender(conn)
         self.native = NativeOwner(view)
         self.holding = False  # a selection's rows stay readable for a one-sided read, until RELEASE
 
@@ -297,15 +301,20 @@ class _Session:
 
     def _send_rows(self, meta: dict[str, Any] | bytes, arrays: list[torch.Tensor], windows: Windows,
                    num_columns: int, op: int = Op.OK) -> None:
-        """Reply with ``arrays``, then the rows of ``windows`` in the first ``num_columns`` columns;
-        the read section ends once they left the ring."""
-        spec = self.shard.table
-        assert spec is not None  # rows were picked or checked readable: the shard holds a table
-        columns = self.shard.columns[:num_columns]
-        views = [wire.as_bytes(a) for a in arrays]
-        positions = windows.starts.numel() * windows.seq_len
-        sizes = [v.nbytes for v in views] + [positions * c.row_bytes for c in spec.columns[:num_columns]]
-        self.rows.send([wire.header(op, meta, sizes), *views], columns, windows, release=self._release)
+        """Reply with ``arrays``, then the rows of ``windows`` in the first ``num_columns`` columns.
+
+        The extension frames the reply and gathers the rows into it, as it does its own answers; the read
+        section ends before the reply is sent, so a learner slow to take it never holds back the writers.
+        """
+        blob = meta if isinstance(meta, bytes) else json.dumps(meta, separators=(",", ":")).encode()
+        try:
+            _C.frame_rows_reply(op, blob, arrays, self.shard.columns[:num_columns], windows.starts,
+                                windows.valid_begin, windows.valid_end, windows.seq_len)
+        finally:
+            self._release()  # the rows are out of the ring (or were not copied: nothing is sent)
+        code = _C.send_framed_reply(self.conn.fileno())
+        if code < 0:
+            raise ReplyCutShort(f"a reply of rows was cut short: {wire.socket_error(code)}")
 
     def _release(self) -> None:
         self.view.release()
