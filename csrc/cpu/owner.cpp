@@ -6,7 +6,8 @@
 // its own process serves gets the same answer into its batch (sample_rows_into), with no socket.
 // Uniform windows take the same steps, drawn from the state Python's view keeps (WindowRule) while
 // that view is current, and go back as the SELECT reply Python would send.
-// Anything unusual goes back to Python, which answers it in full.
+// Anything unusual goes back to Python, which answers it in full; the rows Python picks go out framed
+// and gathered here too (frame_rows_reply, then send_framed_reply once Python closed its read section).
 #include "owner.h"
 
 #include "framing.h"
