@@ -5,6 +5,7 @@
 #include "gather.h"
 #include "owner.h"
 #include "recv.h"
+#include "shares.h"
 #include "trees.h"
 #include "windows.h"
 
@@ -161,6 +162,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("send_framed_reply", &gear::send_framed_reply,
         "Send the reply frame_rows_reply framed on this thread (GIL released): 0, or -errno", py::arg("fd"),
         py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "draw_shares",
+      [](const std::vector<double>& masses, int64_t count, std::optional<at::Generator> generator) {
+        gear::Shares shares = gear::draw_shares(masses, count, std::move(generator));
+        return std::make_pair(std::move(shares.counts), std::move(shares.seeds));
+      },
+      "A batch's split across shards of `masses`, and a seed per owner (None without a generator)",
+      py::arg("masses"), py::arg("count"), py::arg("generator") = py::none());
   m.def("owner_constants", &gear::owner_constants);
   m.def("built_with_cuda", &built_with_cuda);
   m.def("tree_nodes", &gear::tree_nodes, "Size of a tree tensor over `capacity` leaves", py::arg("capacity"));

@@ -403,7 +403,7 @@ class InPlace(CountedStore):
         ask = Ask(spec, count, seed, batch, first)
         picked = ask.placed(self.transport.select(None, ask))
         got = {c.key: col[first: first + picked.count * picked.seq_len] for c, col in zip(table.columns, batch)}
-        landed = None if ask.starts is None else ask.starts[first: first + picked.count]
+        landed = None if ask.picks is None else ask.picks.starts[first: first + picked.count]
         return picked, landed, got
 
     def is_learners(self, view: ShardView) -> bool:

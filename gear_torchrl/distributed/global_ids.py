@@ -5,6 +5,7 @@ can never pass for a global id.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 ROW_BITS = 40  # 1.1e12 rows per shard
@@ -18,9 +19,11 @@ def encode(shard: int, rows: torch.Tensor) -> torch.Tensor:
     return rows.to(torch.int64) | ((shard + 1) << ROW_BITS)
 
 
-def encode_many(shards: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``encode`` of each row with its own shard (int64 tensors of one shape; shard ids of the store's own)."""
-    return rows.to(torch.int64) | ((shards + 1) << ROW_BITS)
+def encode_runs(shards: list[int], counts: list[int], rows: torch.Tensor) -> torch.Tensor:
+    """``encode`` of ``rows`` (int64 [sum(counts)]) in runs: the first ``counts[0]`` of ``shards[0]``, and so on
+    (shard ids of the store's own). The tags are made per shard and repeated, so a batch costs one tensor op."""
+    tags = np.repeat((np.array(shards, dtype=np.int64) + 1) << ROW_BITS, counts)
+    return torch.from_numpy(tags).bitwise_or_(rows)
 
 
 def decode(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

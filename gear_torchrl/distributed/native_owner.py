@@ -121,8 +121,8 @@ class NativeOwner:
         if windows is None:
             if time.monotonic() - self._caught_up > CATCH_UP_S or log.records_unseen() > log.num_records // 4:
                 self._catch_up()
-            assert ask.starts is not None and ask.columns is not None  # (samples_rows)
-            picks = ask.starts[ask.first: ask.first + ask.count]
+            assert ask.picks is not None and ask.columns is not None  # (samples_rows)
+            picks = ask.picks.starts[ask.first: ask.first + ask.count]
             live = _C.sample_rows_into(header, reader, columns, version, ask.count, seed, picks, ask.rows(ask.count))
             return None if live < 0 else ask.landed(ask.count, live)
         if log.records_unseen() and not self._catch_up():  # windows are drawn from the view's index: current

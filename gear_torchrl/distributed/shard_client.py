@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import functools
 import itertools
@@ -177,7 +176,7 @@ class Ask:
     ask's own) from row ``first`` on, with room for ``count`` picks (the owner
     may pick fewer). ``columns=None`` asks for the picks alone, held readable on
     the owner until a RELEASE. Uniform rows read back at once go as SAMPLE_ROWS:
-    their ring rows land in ``starts`` from ``first`` on as well, so a round's
+    their ring rows land in ``picks`` from ``first`` on as well, so a round's
     replies fill one batch of picks and columns with nothing to parse or join.
     Uniform windows read back at once go as SAMPLE_WINDOWS, which the owner's
     extension answers as it would a SELECT.
@@ -188,7 +187,7 @@ class Ask:
     seed: int | None
     columns: list[torch.Tensor] | None = None
     first: int = 0
-    starts: torch.Tensor | None = None  # int64, where a SAMPLE_ROWS reply's picks land (made when not given)
+    picks: Windows | None = None  # rows, whose starts a SAMPLE_ROWS reply's picks land in (made when not given)
     samples_rows: bool = field(init=False)  # uniform rows read back at once: asked as SAMPLE_ROWS
     samples_windows: bool = field(init=False)  # uniform windows read back at once: asked as SAMPLE_WINDOWS
 
@@ -196,8 +195,8 @@ class Ask:
         sampled = bool(self.columns) and _fits_int64(self.seed)  # read back at once, with a seed a request carries
         self.samples_rows = sampled and isinstance(self.spec, UniformSpec)
         self.samples_windows = sampled and isinstance(self.spec, WindowSpec)
-        if self.samples_rows and self.starts is None:
-            self.starts = torch.empty(self.first + self.count, dtype=torch.int64)
+        if self.samples_rows and self.picks is None:
+            self.picks = Windows.of_rows(torch.empty(self.first + self.count, dtype=torch.int64))
 
     def rows(self, positions: int) -> list[torch.Tensor]:
         """Where the first ``positions`` rows of this ask landed, one view per column."""
@@ -207,14 +206,13 @@ class Ask:
     def landing(self) -> list[torch.Tensor]:
         """Where the reply's last arrays land: the picks' ring rows (SAMPLE_ROWS), then the columns."""
         if self.samples_rows:
-            assert self.starts is not None and self.columns is not None
-            return [self.starts, *self.columns]
+            assert self.picks is not None and self.columns is not None
+            return [self.picks.starts, *self.columns]
         return self.columns or []
 
     def answer(self, op: int, tally: list[int], head: torch.Tensor, small: list[torch.Tensor]) -> Picked:
         """The picks the owner's reply carries (its rows, and for ROWS its picks, landed already)."""
         if op == Op.ROWS and self.samples_rows:
-            assert self.starts is not None
             rows, count = tally
             if small or not (0 <= count <= self.count and rows >= 0):
                 raise ValueError(f"a ROWS reply of {count} picks of {rows} rows, to an ask for {self.count}")
@@ -222,16 +220,16 @@ class Ask:
         return _picked_of(wire.parse_head(head.numpy().tobytes())[1], small)
 
     def landed(self, count: int, rows: int) -> Picked:
-        """The answer whose ``count`` picks landed in ``starts`` (with their rows), drawn over a shard of ``rows``."""
-        assert self.starts is not None
-        return Picked.rows(self.starts[self.first: self.first + count], float(rows), scalars={"rows": rows})
+        """The answer whose ``count`` picks landed in ``picks`` (with their rows), drawn over a shard of ``rows``."""
+        assert self.picks is not None
+        return LandedRows(self.picks, self.first, count, float(rows), {"rows": rows})
 
     def placed(self, picked: Picked) -> Picked:
         """``picked`` (from a transport that answers apart) with its picks where a ROWS reply lands them."""
         if self.samples_rows and picked.count:
-            assert self.starts is not None
-            placed = self.starts[self.first: self.first + picked.count].copy_(picked.starts)
-            picked.windows = dataclasses.replace(picked.windows, starts=placed)
+            assert self.picks is not None
+            self.picks.starts[self.first: self.first + picked.count].copy_(picked.starts)
+            picked.windows = self.picks.part(self.first, self.first + picked.count)
         return picked
 
     def request(self) -> EncodedMessage:
@@ -251,6 +249,34 @@ class Ask:
             _spec_json(self.spec), self.count, b"null" if self.seed is None else b"%d" % self.seed,
             b"true" if read else b"false", b"%d" % len(self.columns) if self.columns is not None else b"null")
         return EncodedMessage(Op.SELECT, meta)
+
+
+class LandedRows(Picked):
+    """Rows a reply landed in a batch's picks from ``first`` on. A batch that landed whole never reads
+    them share by share, so their windows are sliced from the batch's only when asked for."""
+
+    def __init__(self, batch: Windows, first: int, count: int, mass: float, scalars: dict[str, Any]) -> None:
+        self._batch, self._first, self._count = batch, first, count
+        self._windows: Windows | None = None
+        self.mass, self.extra, self.scalars = mass, {}, scalars
+
+    @property
+    def windows(self) -> Windows:
+        if self._windows is None:
+            self._windows = self._batch.part(self._first, self._first + self._count)
+        return self._windows
+
+    @windows.setter
+    def windows(self, windows: Windows) -> None:
+        self._windows, self._count = windows, windows.starts.numel()
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def seq_len(self) -> int:
+        return 1
 
 
 @dataclass

@@ -17,7 +17,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from gear_torchrl.distributed import global_ids
@@ -28,6 +27,7 @@ from gear_torchrl.distributed.shard_client import Ask, Flight, Post, ShardClient
 from gear_torchrl.distributed.transports.base import ColumnLayout, Transport
 from gear_torchrl.distributed.transports.registry import CHOICES, Reach, open_transport
 from gear_torchrl.errors import EmptyStoreError, ShardUnavailableError, SpecMismatchError
+from gear_torchrl.kernels import _C
 from gear_torchrl.selection.checked_inputs import as_generation, as_priority
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 _MAX_ROUNDS = 8  # selection rounds per batch (shards that came up short, or failed, are made up for)
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
-_SEED_BOUND = 1 << 62
 _PROBE = UniformSpec()  # what asks every shard for its rows
 
 
@@ -63,7 +62,7 @@ class _Round:
     live: list[int]
     counts: list[int]
     batch: list[torch.Tensor] | None  # the batch the shares fill, each its slice (first round only)
-    starts: torch.Tensor | None  # where the shares' picks land, each its slice (first round of rows only)
+    picks: Windows | None  # rows, where the shares' picks land, each its slice (first round of rows only)
     asks: dict[int, Ask]
     transports: dict[int, Any]  # each shard's transport, or what opening it raised
     together: list[int]  # the shards in ``flight``
@@ -192,9 +191,9 @@ class ShardSet:
             if count == 0:
                 return None
             if remaining == 0:
-                landed = exact and all(a.samples_rows for _, _, a in got)  # every pick in round_.starts already
+                landed = exact and all(a.samples_rows for _, _, a in got)  # every pick in round_.picks already
                 picks = self._assemble(got, scalars, round_.batch if exact else None,
-                                       round_.starts if landed else None)
+                                       round_.picks if landed else None)
                 if self.options.prefetch and spec.per_reader:
                     self._ahead = self._send_ahead(spec, count, generator)
                 return picks
@@ -215,16 +214,15 @@ class ShardSet:
         a later round (``remaining < count``) into buffers of each shard's own.
         """
         live = self.live()
-        counts = _split(remaining, [self._masses[spec].get(s, 0.0) for s in live], generator)
-        seeds = _seeds(len(live), generator)
-        batch, starts, firsts = None, None, {}
+        counts, seeds = _draw_shares(remaining, [self._masses[spec].get(s, 0.0) for s in live], generator)
+        batch, picks, firsts = None, None, {}
         if remaining == count and any(counts):
             batch = self._empty_columns(self.table(next(s for s, k in zip(live, counts) if k)),
                                         count * spec.rows_per_pick)
-            starts = torch.empty(count, dtype=torch.int64) if spec.rows_per_pick == 1 else None
+            picks = Windows.of_rows(torch.empty(count, dtype=torch.int64)) if spec.rows_per_pick == 1 else None
             firsts = {s: f * spec.rows_per_pick for s, f in zip(live, itertools.accumulate(counts, initial=0))}
         transports = {s: self._opened_transport(s) for s in live}
-        asks = {s: self._ask(s, spec, k, seed, batch, firsts.get(s), starts)
+        asks = {s: self._ask(s, spec, k, seed, batch, firsts.get(s), picks)
                 for s, k, seed in zip(live, counts, seeds)}
         together = [s for s in live if getattr(transports[s], "replies_with_rows", False)]
         reached, unreached = [], []
@@ -234,7 +232,7 @@ class ShardSet:
             except Exception as exc:  # noqa: BLE001  (an owner not reached: its outcome)
                 unreached.append((s, exc))
         flight = Flight([c for _, c in reached], [asks[s] for s, _ in reached])
-        return _Round((spec, count, generator), live, counts, batch, starts, asks, transports,
+        return _Round((spec, count, generator), live, counts, batch, picks, asks, transports,
                       [s for s, _ in reached], flight, unreached)
 
     def _send_ahead(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> _Round | None:
@@ -283,8 +281,8 @@ class ShardSet:
             raise
 
     def _ask(self, shard: int, spec: SelectionSpec, count: int, seed: int | None,
-             batch: list[torch.Tensor] | None, first: int | None, starts: torch.Tensor | None = None) -> Ask:
-        """``shard``'s share: its rows into ``batch`` from row ``first`` on (rows' picks into ``starts``),
+             batch: list[torch.Tensor] | None, first: int | None, picks: Windows | None = None) -> Ask:
+        """``shard``'s share: its rows into ``batch`` from row ``first`` on (rows' picks into ``picks``),
         else into buffers of its own.
 
         A share of none in a batch's first round is asked like the others (an empty slice of the batch), so the
@@ -299,7 +297,7 @@ class ShardSet:
             return Ask(spec, count, seed, self._empty_columns(self.table(shard), rows, zeroed))
         for c in batch if zeroed else ():
             c[first: first + rows].zero_()
-        return Ask(spec, count, seed, batch, first, starts)
+        return Ask(spec, count, seed, batch, first, picks)
 
     def _opened_transport(self, shard: int) -> Transport | Exception:
         """The shard's transport; what opening it raised stands for that shard's answer."""
@@ -374,15 +372,14 @@ class ShardSet:
         self._fan_out.settle([(s, outcomes[s]) for s in owners], self._disconnect)
 
     def _assemble(self, got: list[tuple[int, Picked, Ask]], scalars: dict[str, float],
-                  batch: list[torch.Tensor] | None, starts: torch.Tensor | None = None) -> ShardPicks:
+                  batch: list[torch.Tensor] | None, landed: Windows | None = None) -> ShardPicks:
         """The batch in pick order: global ids, windows, columns (``batch`` when every share filled its
-        slice; ``starts`` when every pick landed there too)."""
+        slice; ``landed`` when every pick landed there too)."""
         picks = [p for _, p, _ in got]
         seq_len = picks[0].seq_len
-        windows = Windows.of_rows(starts) if starts is not None else Windows.cat([p.windows for p in picks])
+        windows = landed if landed is not None else Windows.cat([p.windows for p in picks])
         if seq_len == 1:  # rows are their starts: one pass tags them all with their shards
-            owners = np.repeat(np.array([s for s, _, _ in got]), [p.count for p in picks])
-            index = global_ids.encode_many(torch.from_numpy(owners), windows.starts)
+            index = global_ids.encode_runs([s for s, _, _ in got], [p.count for p in picks], windows.starts)
         else:
             capacity = {d.shard: d.capacity for d in self.descriptors}
             index = torch.cat([global_ids.encode(s, p.windows.rows(capacity[s])) for s, p, _ in got])
@@ -566,28 +563,12 @@ class ShardSet:
         self._fan_out.close()
 
 
-def _split(count: int, masses: list[float], generator: torch.Generator | None) -> list[int]:
-    """How many of ``count`` draws each shard gets, in proportion to its mass (multinomial)."""
-    if len(masses) == 1:
-        return [count if masses[0] > 0 else 0]
-    weights = torch.tensor(masses, dtype=torch.float64)
-    if count == 0 or not weights.sum() > 0:
-        return [0] * len(masses)
-    draws = torch.multinomial(weights, count, replacement=True, generator=_on_cpu(generator))
-    return torch.bincount(draws, minlength=len(masses)).tolist()
-
-
-def _seeds(count: int, generator: torch.Generator | None) -> list[int | None]:
-    """One seed per shard for this round, from the learner's generator (None: the owners' own)."""
-    if generator is None:
-        return [None] * count
-    return torch.randint(0, _SEED_BOUND, (count,), generator=_on_cpu(generator)).tolist()
-
-
-def _on_cpu(generator: torch.Generator | None) -> torch.Generator | None:
-    if generator is None or generator.device.type == "cpu":
-        return generator
-    raise ValueError("a sharded store draws on the CPU: give the buffer a CPU generator (rb.set_rng)")
+def _draw_shares(count: int, masses: list[float], generator: torch.Generator | None
+                 ) -> tuple[list[int], list[int | None]]:
+    """How many of ``count`` draws each shard gets, in proportion to its mass (multinomial), and each
+    owner's seed (None: the owners' own): one extension call, from the learner's generator."""
+    counts, seeds = _C.draw_shares(masses, count, generator)
+    return counts, seeds if seeds is not None else [None] * len(masses)
 
 
 def _merge_min(into: dict[str, float], scalars: dict[str, float]) -> None:

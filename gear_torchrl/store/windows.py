@@ -36,6 +36,10 @@ class Windows:
         return Windows(torch.cat([p.starts for p in parts]), parts[0].seq_len,
                        torch.cat([p.valid_begin for p in parts]), torch.cat([p.valid_end for p in parts]))
 
+    def part(self, begin: int, end: int) -> Windows:
+        """Windows ``begin`` to ``end``, viewing the same tensors (a share of a batch)."""
+        return Windows(self.starts[begin:end], self.seq_len, self.valid_begin[begin:end], self.valid_end[begin:end])
+
     def subset(self, keep: torch.Tensor) -> Windows:
         """The windows where ``keep`` is true (or at the positions it lists)."""
         return Windows(self.starts[keep], self.seq_len, self.valid_begin[keep], self.valid_end[keep])
