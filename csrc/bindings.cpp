@@ -101,18 +101,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("timeout_s"));
   m.def(
       "receive_replies",
-      [](const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& columns,
-         const std::vector<int64_t>& first, double timeout_s) {
-        std::vector<gear::Reply> replies = without_gil([&] { return gear::receive_replies(fds, columns, first, timeout_s); });
+      [](const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
+         const std::vector<std::vector<int64_t>>& first, double timeout_s) {
+        std::vector<gear::Reply> replies = without_gil([&] { return gear::receive_replies(fds, landing, first, timeout_s); });
         std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>, at::Tensor, std::vector<at::Tensor>>> out;
         for (auto& r : replies) {
           out.emplace_back(r.status, r.op, std::move(r.tally), std::move(r.head), std::move(r.small));
         }
         return out;
       },
-      "One framed reply from each socket, waited on together (GIL released): (status, op, tally of a ROWS "
-      "reply, head, small arrays)",
-      py::arg("fds"), py::arg("columns"), py::arg("first"), py::arg("timeout_s"));
+      "One framed reply from each socket, waited on together (GIL released): (status, op, tally of a ROWS or "
+      "WINDOWS reply, head, small arrays)",
+      py::arg("fds"), py::arg("landing"), py::arg("first"), py::arg("timeout_s"));
   m.def(
       "serve_samples",
       [](int64_t fd, at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,

@@ -13,6 +13,7 @@ constexpr uint16_t kOk = 0;
 constexpr uint16_t kSampleRows = 10;
 constexpr uint16_t kRows = 11;
 constexpr uint16_t kSampleWindows = 12;
+constexpr uint16_t kWindows = 13;
 constexpr uint32_t kMaxMeta = 1u << 16;
 constexpr uint16_t kMaxArrays = 64;
 constexpr uint64_t kMaxTotal = 1ull << 34;

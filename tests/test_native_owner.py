@@ -295,6 +295,23 @@ def test_the_extension_draws_the_windows_python_draws_and_sends_their_rows(owner
     _check_windows(unseeded, rows)
 
 
+def test_both_paths_reply_windows_with_a_tally_and_no_json(owner):
+    o = owner(64)
+    _episodes(o.rb, [7, 3, 12])
+    o.table()
+    ask = torch.tensor([5, 3, 1], dtype=torch.int64).view(torch.uint8)
+    python = o.client.request(Message(Op.SAMPLE_WINDOWS, WINDOWS.to_json(), [ask]))  # the first arms the rule
+    native = o.client.request(Message(Op.SAMPLE_WINDOWS, WINDOWS.to_json(), [ask]))
+    assert o.python_picks == 1
+    expected = _python_picked(o.storage, 5, 3, WINDOWS)
+    for reply in (python, native):
+        assert (reply.op, reply.meta, len(reply.arrays)) == (Op.WINDOWS, {}, 5)  # tally, 3 of picks, one column
+        tally = reply.arrays[0].view(torch.int64)
+        assert tally[:2].tolist() == [22, 5] and tally[2:].view(torch.float64).item() == float(expected.mass)
+        for got, name in zip(reply.arrays[1:4], ("starts", "valid_begin", "valid_end")):
+            assert torch.equal(got.view(torch.int64), getattr(expected.windows, name)), name
+
+
 @pytest.mark.parametrize("spec", [WINDOWS, WindowSpec(6), WindowSpec(3, uniform_over="episodes", include_open=False)])
 def test_windows_follow_new_episodes_and_evictions_as_pythons_do(owner, spec):
     o = owner(64)

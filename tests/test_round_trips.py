@@ -51,7 +51,7 @@ def test_replies_of_many_sockets_land_in_their_rows_of_one_batch(pairs):
         pairs[0][1].sendall(replies[0][7:])
 
     threading.Thread(target=send_late).start()
-    got = _C.receive_replies([a.fileno() for a, _ in pairs[:3]], [batch] * 3, [0, 2, 4], 5.0)
+    got = _C.receive_replies([a.fileno() for a, _ in pairs[:3]], [batch] * 3, [[0, 0], [2, 2], [4, 4]], 5.0)
     for i, (status, op, tally, head, small) in enumerate(got):
         assert (status, op, tally) == (0, wire.Op.OK, [])
         op, meta, lengths = wire.parse_head(head.numpy().tobytes())
@@ -69,7 +69,7 @@ def test_each_failing_socket_is_its_own_outcome_and_the_others_still_land(pairs)
     pairs[1][1].close()  # hangs up mid-header
     pairs[2][1].sendall(b"NOPE" + good[4:])  # not our framing
     pairs[3][1].sendall(_framed(wire.Op.OK, {}, [torch.arange(9, dtype=torch.int64)]))  # more rows than room
-    got = _C.receive_replies([a.fileno() for a, _ in pairs], [batch] * 4, [0, 2, 2, 2], 5.0)
+    got = _C.receive_replies([a.fileno() for a, _ in pairs], [batch] * 4, [[0], [2], [2], [2]], 5.0)
     assert [status for status, *_ in got] == [0, -errno.ECONNRESET, -errno.EPROTO, -errno.EPROTO]
     assert batch[0].tolist() == [7, 8, 0, 0]  # the refused replies wrote nothing
 
@@ -79,17 +79,36 @@ def test_a_rows_reply_gives_its_tally_as_numbers_and_lands_its_picks_with_the_ro
     tally = torch.tensor([50, 2], dtype=torch.int64)
     pairs[0][1].sendall(_framed(wire.Op.ROWS, {}, [tally, torch.tensor([7, 9]), torch.ones(2, 2)]))
     pairs[1][1].sendall(_framed(wire.Op.ROWS, {}, [torch.tensor([1], dtype=torch.int64), torch.tensor([3])]))
-    got = _C.receive_replies([pairs[0][0].fileno(), pairs[1][0].fileno()], [[picks, rows], [picks]], [1, 0], 5.0)
+    got = _C.receive_replies([pairs[0][0].fileno(), pairs[1][0].fileno()], [[picks, rows], [picks]], [[1, 1], [0]],
+                             5.0)
     (status, op, counts, _, small), (bad, *_) = got
     assert (status, op, counts, small, bad) == (0, wire.Op.ROWS, [50, 2], [], -errno.EPROTO)  # a tally is 16 bytes
     assert picks.tolist() == [-1, 7, 9, -1] and rows[1:3].eq(1).all() and rows[0].eq(0).all()
+
+
+def test_a_windows_reply_lands_its_picks_and_rows_each_from_its_own_row(pairs):
+    """Windows land at pick ``f`` in the batch's picks and at row ``f * seq_len`` in its columns."""
+    starts, begin, end = (torch.full((3,), -1, dtype=torch.int64) for _ in range(3))
+    rows = torch.zeros(6, 2)
+    mass_bits = torch.tensor([2.5], dtype=torch.float64).view(torch.int64)
+    tally = torch.cat([torch.tensor([40, 1]), mass_bits])
+    pairs[0][1].sendall(_framed(wire.Op.WINDOWS, {}, [tally, torch.tensor([11]), torch.tensor([0]), torch.tensor([2]),
+                                                      torch.ones(2, 2)]))
+    pairs[1][1].sendall(_framed(wire.Op.WINDOWS, {}, [torch.tensor([40, 1]), torch.tensor([5])]))
+    got = _C.receive_replies([pairs[0][0].fileno(), pairs[1][0].fileno()],
+                             [[starts, begin, end, rows], [starts]], [[2, 2, 2, 4], [0]], 5.0)
+    (status, op, numbers, _, small), (bad, *_) = got
+    assert (status, op, small, bad) == (0, wire.Op.WINDOWS, [], -errno.EPROTO)  # a WINDOWS tally is 24 bytes
+    assert numbers[:2] == [40, 1] and torch.tensor(numbers[2:]).view(torch.float64).item() == 2.5
+    assert (starts.tolist(), begin.tolist(), end.tolist()) == ([-1, -1, 11], [-1, -1, 0], [-1, -1, 2])
+    assert rows[4:].eq(1).all() and rows[:4].eq(0).all()
 
 
 def test_a_silent_socket_times_out_alone(pairs):
     batch = [torch.zeros(2, dtype=torch.int64)]
     pairs[0][1].sendall(_framed(wire.Op.OK, {}, [torch.tensor([1, 2], dtype=torch.int64)]))
     start = time.monotonic()
-    got = _C.receive_replies([pairs[0][0].fileno(), pairs[1][0].fileno()], [batch, []], [0, 0], 0.3)
+    got = _C.receive_replies([pairs[0][0].fileno(), pairs[1][0].fileno()], [batch, []], [[0], []], 0.3)
     assert [status for status, *_ in got] == [0, -errno.ETIMEDOUT]
     assert 0.25 < time.monotonic() - start < 3.0
     assert batch[0].tolist() == [1, 2]
@@ -98,17 +117,19 @@ def test_a_silent_socket_times_out_alone(pairs):
 def test_a_refusal_carries_no_rows_and_writes_none(pairs):
     batch = [torch.full((3,), -1, dtype=torch.int64)]
     pairs[0][1].sendall(_framed(wire.Op.ERROR, {"type": "ValueError", "message": "no"}, []))
-    (status, op, tally, head, small), = _C.receive_replies([pairs[0][0].fileno()], [batch], [0], 5.0)
+    (status, op, tally, head, small), = _C.receive_replies([pairs[0][0].fileno()], [batch], [[0]], 5.0)
     assert (status, op, tally, small) == (0, wire.Op.ERROR, [], [])
     assert wire.parse_head(head.numpy().tobytes())[:2] == (wire.Op.ERROR, {"type": "ValueError", "message": "no"})
     assert batch[0].tolist() == [-1, -1, -1]
 
 
 def test_bad_arguments_are_refused_before_any_wait(pairs):
-    with pytest.raises(RuntimeError, match="one list of columns and one first row per socket"):
-        _C.receive_replies([pairs[0][0].fileno()], [], [0], 1.0)
+    with pytest.raises(RuntimeError, match="one list of landing tensors and one of first rows per socket"):
+        _C.receive_replies([pairs[0][0].fileno()], [], [[0]], 1.0)
+    with pytest.raises(RuntimeError, match="one first row per landing tensor"):
+        _C.receive_replies([pairs[0][0].fileno()], [[torch.zeros(2)]], [[0, 0]], 1.0)
     with pytest.raises(RuntimeError, match="negative first row"):
-        _C.receive_replies([pairs[0][0].fileno()], [[torch.zeros(2)]], [-1], 1.0)
+        _C.receive_replies([pairs[0][0].fileno()], [[torch.zeros(2)]], [[-1]], 1.0)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@
 // (a revoked one is never sent) and send the reply in one framed message. A learner reading the shard
 // its own process serves gets the same answer into its batch (sample_rows_into), with no socket.
 // Uniform windows take the same steps, drawn from the state Python's view keeps (WindowRule) while
-// that view is current, and go back as the SELECT reply Python would send.
+// that view is current, and go back as the WINDOWS reply Python would send.
 // Anything unusual goes back to Python, which answers it in full; the rows Python picks go out framed
 // and gathered here too (frame_rows_reply, then send_framed_reply once Python closed its read section).
 #include "owner.h"
@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -311,21 +310,20 @@ int64_t sample_windows(const OwnedStore& s, const Request& q, const WindowRule& 
   return section.close() ? live : -1;
 }
 
-// The SELECT reply (shard_server._select): its JSON, the windows' starts and valid ranges, then each
-// column's rows. Returns 0 once sent, 1 when Python must answer, or -errno.
+// The WINDOWS reply (wire.Op.WINDOWS, shard_server._sample_windows): the tally (live rows, picks, the mass's
+// float64 bits), the windows' starts and valid ranges, then each column's rows; no JSON, like ROWS.
+// Returns 0 once sent, 1 when Python must answer, or -errno.
 int64_t answer_windows(int fd, const OwnedStore& s, const Request& q, const WindowRule& r, int64_t seen_seq) {
   std::optional<Reply> reply;
   const Landing land = [&](const Drawn& d, int64_t live, double mass) {
-    char meta[160];
-    const int chars =
-        std::snprintf(meta, sizeof meta, R"({"seq_len":%lld,"mass":%.17g,"scalars":{"rows":%lld},"extra":[]})",
-                      static_cast<long long>(r.window_len), mass, static_cast<long long>(live));
     const auto ncols = static_cast<size_t>(q.columns);
     const auto count = static_cast<uint64_t>(q.count);
-    const std::string_view json(meta, static_cast<size_t>(chars));
-    reply.emplace(
-        frame_reply(kOk, json, {8 * count, 8 * count, 8 * count}, s.columns, ncols, q.count * r.window_len));
-    size_t i = 0;
+    reply.emplace(frame_reply(kWindows, {}, {24, 8 * count, 8 * count, 8 * count}, s.columns, ncols,
+                              q.count * r.window_len));
+    put<int64_t>(reply->out, reply->at[0], live);
+    put<int64_t>(reply->out, reply->at[0] + 8, q.count);
+    put<double>(reply->out, reply->at[0] + 16, mass);
+    size_t i = 1;
     for (const at::Tensor& t : {d.starts, d.valid_begin, d.valid_end}) {
       if (count > 0) std::memcpy(reply->out.data() + reply->at[i], t.data_ptr<int64_t>(), 8 * count);
       ++i;
@@ -503,6 +501,7 @@ std::vector<std::pair<std::string, int64_t>> owner_constants() {
           {"wire.Op.SAMPLE_ROWS", kSampleRows},
           {"wire.Op.ROWS", kRows},
           {"wire.Op.SAMPLE_WINDOWS", kSampleWindows},
+          {"wire.Op.WINDOWS", kWindows},
           {"shard_server.MAX_READ_POSITIONS", kMaxPositions}};
 }
 

@@ -19,8 +19,8 @@ namespace {
 
 struct Pending {
   int fd;
-  const std::vector<at::Tensor>* columns;
-  int64_t first = 0;  // the row of columns the reply's rows start at
+  const std::vector<at::Tensor>* landing;
+  const std::vector<int64_t>* first;  // the row of each landing tensor the reply's array starts at
   at::Tensor head = at::empty({static_cast<int64_t>(kHeader)}, at::kByte);
   std::vector<uint64_t> lengths;
   std::vector<char*> targets;  // where each array's bytes go
@@ -73,16 +73,17 @@ bool place_arrays(Pending& p) {
     p.lengths[i] = field<uint64_t>(h + kHeader + meta + 8 * i);
     total += p.lengths[i];
   }
-  const size_t ncols = op == kOk || op == kRows ? p.columns->size() : 0;  // an error lands nowhere
-  const size_t tallied = op == kRows ? 1 : 0;
-  if (total != field<uint64_t>(h + 12) || count < ncols + tallied || (tallied && p.lengths[0] != 16)) {
+  const size_t ncols = op == kOk || op == kRows || op == kWindows ? p.landing->size() : 0;  // an error lands nowhere
+  const size_t tally = op == kRows ? 2 : op == kWindows ? 3 : 0;  // int64 values
+  const size_t tallied = tally ? 1 : 0;
+  if (total != field<uint64_t>(h + 12) || count < ncols + tallied || (tallied && p.lengths[0] != 8 * tally)) {
     finish(p, -EPROTO);
     return false;
   }
   p.reply.op = op;
   for (size_t i = 0; i < count; ++i) {
     if (i < tallied) {
-      p.reply.tally.assign(2, 0);
+      p.reply.tally.assign(tally, 0);
       p.targets.push_back(reinterpret_cast<char*>(p.reply.tally.data()));
       continue;
     }
@@ -91,14 +92,15 @@ bool place_arrays(Pending& p) {
       p.targets.push_back(static_cast<char*>(p.reply.small.back().data_ptr()));
       continue;
     }
-    const at::Tensor& out = (*p.columns)[i + ncols - count];
-    const int64_t rows = out.size(0);
+    const size_t j = i + ncols - count;
+    const at::Tensor& out = (*p.landing)[j];
+    const int64_t rows = out.size(0), first = (*p.first)[j];
     const int64_t row_bytes = row_bytes_of(out);
-    if (p.first > rows || p.lengths[i] > static_cast<uint64_t>((rows - p.first) * row_bytes)) {
+    if (first > rows || p.lengths[i] > static_cast<uint64_t>((rows - first) * row_bytes)) {
       finish(p, -EPROTO);
       return false;
     }
-    p.targets.push_back(static_cast<char*>(out.data_ptr()) + p.first * row_bytes);
+    p.targets.push_back(static_cast<char*>(out.data_ptr()) + first * row_bytes);
   }
   return true;
 }
@@ -145,19 +147,20 @@ bool drain(Pending& p) {
 
 }  // namespace
 
-std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& columns,
-                                   const std::vector<int64_t>& first, double timeout_s) {
-  TORCH_CHECK(fds.size() == columns.size() && fds.size() == first.size(),
-              "receive_replies: one list of columns and one first row per socket");
+std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
+                                   const std::vector<std::vector<int64_t>>& first, double timeout_s) {
+  TORCH_CHECK(fds.size() == landing.size() && fds.size() == first.size(),
+              "receive_replies: one list of landing tensors and one of first rows per socket");
   std::vector<Pending> pending(fds.size());
   for (size_t i = 0; i < fds.size(); ++i) {
     pending[i].fd = static_cast<int>(fds[i]);
-    pending[i].columns = &columns[i];
-    pending[i].first = first[i];
-    TORCH_CHECK(first[i] >= 0, "receive_replies: a negative first row");
-    for (const auto& c : columns[i]) {
+    pending[i].landing = &landing[i];
+    pending[i].first = &first[i];
+    TORCH_CHECK(first[i].size() == landing[i].size(), "receive_replies: one first row per landing tensor");
+    for (const int64_t f : first[i]) TORCH_CHECK(f >= 0, "receive_replies: a negative first row");
+    for (const auto& c : landing[i]) {
       TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.dim() >= 1,
-                  "receive_replies: columns must be contiguous CPU tensors of at least one dimension");
+                  "receive_replies: landing tensors must be contiguous CPU tensors of at least one dimension");
     }
   }
   using Clock = std::chrono::steady_clock;

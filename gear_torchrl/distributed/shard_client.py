@@ -175,11 +175,10 @@ class Ask:
     The rows land in ``columns`` (whole tensors: a batch, or a buffer of this
     ask's own) from row ``first`` on, with room for ``count`` picks (the owner
     may pick fewer). ``columns=None`` asks for the picks alone, held readable on
-    the owner until a RELEASE. Uniform rows read back at once go as SAMPLE_ROWS:
-    their ring rows land in ``picks`` from ``first`` on as well, so a round's
-    replies fill one batch of picks and columns with nothing to parse or join.
-    Uniform windows read back at once go as SAMPLE_WINDOWS, which the owner's
-    extension answers as it would a SELECT.
+    the owner until a RELEASE. Uniform rows and windows read back at once go as
+    SAMPLE_ROWS and SAMPLE_WINDOWS, which the owner's extension answers: their
+    picks land in ``picks`` as well, so a round's replies fill one batch of
+    picks and columns with nothing to parse or join.
     """
 
     spec: SelectionSpec
@@ -187,7 +186,7 @@ class Ask:
     seed: int | None
     columns: list[torch.Tensor] | None = None
     first: int = 0
-    picks: Windows | None = None  # rows, whose starts a SAMPLE_ROWS reply's picks land in (made when not given)
+    picks: Windows | None = None  # where a ROWS or WINDOWS reply's picks land (made when not given)
     samples_rows: bool = field(init=False)  # uniform rows read back at once: asked as SAMPLE_ROWS
     samples_windows: bool = field(init=False)  # uniform windows read back at once: asked as SAMPLE_WINDOWS
 
@@ -195,8 +194,17 @@ class Ask:
         sampled = bool(self.columns) and _fits_int64(self.seed)  # read back at once, with a seed a request carries
         self.samples_rows = sampled and isinstance(self.spec, UniformSpec)
         self.samples_windows = sampled and isinstance(self.spec, WindowSpec)
-        if self.samples_rows and self.picks is None:
+        if not (self.samples_rows or self.samples_windows):
+            self.picks = None  # a SELECT's reply carries its picks
+        elif self.picks is None and self.samples_rows:
             self.picks = Windows.of_rows(torch.empty(self.first + self.count, dtype=torch.int64))
+        elif self.picks is None:
+            self.picks = _empty_windows(self.first_pick + self.count, self.spec.rows_per_pick)
+
+    @property
+    def first_pick(self) -> int:
+        """Where this ask's picks start in ``picks`` (``first`` counts rows)."""
+        return self.first // self.spec.rows_per_pick
 
     def rows(self, positions: int) -> list[torch.Tensor]:
         """Where the first ``positions`` rows of this ask landed, one view per column."""
@@ -204,32 +212,49 @@ class Ask:
 
     @property
     def landing(self) -> list[torch.Tensor]:
-        """Where the reply's last arrays land: the picks' ring rows (SAMPLE_ROWS), then the columns."""
+        """Where the reply's last arrays land: the picks (ROWS: their ring rows; WINDOWS: starts and valid
+        ranges), then the columns."""
+        columns = self.columns or []
         if self.samples_rows:
-            assert self.picks is not None and self.columns is not None
-            return [self.picks.starts, *self.columns]
-        return self.columns or []
+            assert self.picks is not None
+            return [self.picks.starts, *columns]
+        if self.samples_windows:
+            assert self.picks is not None
+            return [self.picks.starts, self.picks.valid_begin, self.picks.valid_end, *columns]
+        return columns
+
+    @property
+    def firsts(self) -> list[int]:
+        """The row of each ``landing`` tensor its array lands from."""
+        ncols = len(self.columns or ())
+        picks = 1 if self.samples_rows else 3 if self.samples_windows else 0
+        return [self.first_pick] * picks + [self.first] * ncols
 
     def answer(self, op: int, tally: list[int], head: torch.Tensor, small: list[torch.Tensor]) -> Picked:
-        """The picks the owner's reply carries (its rows, and for ROWS its picks, landed already)."""
-        if op == Op.ROWS and self.samples_rows:
-            rows, count = tally
+        """The picks the owner's reply carries (its rows, and for ROWS and WINDOWS its picks, landed already)."""
+        if self.picks is not None:  # SAMPLE_ROWS or SAMPLE_WINDOWS: its picks landed, or nothing did
+            if op != (Op.ROWS if self.samples_rows else Op.WINDOWS):
+                raise ValueError(f"a reply of op {op} to a {'SAMPLE_ROWS' if self.samples_rows else 'SAMPLE_WINDOWS'}")
+            rows, count, *mass_bits = tally
             if small or not (0 <= count <= self.count and rows >= 0):
-                raise ValueError(f"a ROWS reply of {count} picks of {rows} rows, to an ask for {self.count}")
-            return self.landed(count, rows)
+                raise ValueError(f"a reply of {count} picks of {rows} rows, to an ask for {self.count}")
+            return self.landed(count, rows, _MASS.unpack(_BITS.pack(*mass_bits))[0] if mass_bits else float(rows))
         return _picked_of(wire.parse_head(head.numpy().tobytes())[1], small)
 
-    def landed(self, count: int, rows: int) -> Picked:
+    def landed(self, count: int, rows: int, mass: float) -> Picked:
         """The answer whose ``count`` picks landed in ``picks`` (with their rows), drawn over a shard of ``rows``."""
         assert self.picks is not None
-        return LandedRows(self.picks, self.first, count, float(rows), {"rows": rows})
+        return LandedPicks(self.picks, self.first_pick, count, mass, {"rows": rows})
 
     def placed(self, picked: Picked) -> Picked:
-        """``picked`` (from a transport that answers apart) with its picks where a ROWS reply lands them."""
-        if self.samples_rows and picked.count:
-            assert self.picks is not None
-            self.picks.starts[self.first: self.first + picked.count].copy_(picked.starts)
-            picked.windows = self.picks.part(self.first, self.first + picked.count)
+        """``picked`` (from a transport that answers apart) with its picks where a ROWS or WINDOWS reply lands
+        them."""
+        if self.picks is not None and picked.count:
+            part = self.picks.part(self.first_pick, self.first_pick + picked.count)
+            for into, got in zip((part.starts, part.valid_begin, part.valid_end),
+                                 (picked.starts, picked.windows.valid_begin, picked.windows.valid_end)):
+                into.copy_(got)
+            picked.windows = part
         return picked
 
     def request(self) -> EncodedMessage:
@@ -251,8 +276,8 @@ class Ask:
         return EncodedMessage(Op.SELECT, meta)
 
 
-class LandedRows(Picked):
-    """Rows a reply landed in a batch's picks from ``first`` on. A batch that landed whole never reads
+class LandedPicks(Picked):
+    """Picks a reply landed in a batch's picks from ``first`` on. A batch that landed whole never reads
     them share by share, so their windows are sliced from the batch's only when asked for."""
 
     def __init__(self, batch: Windows, first: int, count: int, mass: float, scalars: dict[str, Any]) -> None:
@@ -276,7 +301,7 @@ class LandedRows(Picked):
 
     @property
     def seq_len(self) -> int:
-        return 1
+        return self._batch.seq_len
 
 
 @dataclass
@@ -285,7 +310,7 @@ class Post:
 
     message: Message
     landing: tuple[()] = ()
-    first: int = 0
+    firsts: tuple[()] = ()
 
     def request(self) -> Message:
         return self.message
@@ -308,6 +333,13 @@ def give_back_message(spec: SelectionSpec, rows: torch.Tensor) -> Message:
 
 
 _SAMPLE = struct.Struct("<3q")  # a SAMPLE_ROWS or SAMPLE_WINDOWS: count, seed (-1: none), columns
+_BITS, _MASS = struct.Struct("<q"), struct.Struct("<d")  # a WINDOWS tally's mass: float64 bits as an int64
+
+
+def _empty_windows(count: int, seq_len: int) -> Windows:
+    """Room for ``count`` windows a reply lands."""
+    return Windows(torch.empty(count, dtype=torch.int64), seq_len, torch.empty(count, dtype=torch.int64),
+                   torch.empty(count, dtype=torch.int64))
 
 
 def _fits_int64(seed: int | None) -> bool:
@@ -328,10 +360,10 @@ class Request(Protocol[Answer_co]):
     """What a Flight carries: a selection (``Ask``), or a request answered with nothing but OK (``Post``)."""
 
     @property
-    def landing(self) -> Sequence[torch.Tensor]: ...  # where the reply's last arrays land, from row ``first`` on
+    def landing(self) -> Sequence[torch.Tensor]: ...  # where the reply's last arrays land
 
     @property
-    def first(self) -> int: ...
+    def firsts(self) -> Sequence[int]: ...  # the row of each landing tensor its array lands from
 
     def request(self) -> Message | EncodedMessage: ...
 
@@ -382,7 +414,7 @@ class Flight(Generic[Answer]):
             if owed:
                 replies = _C.receive_replies([_owing(self.clients[i]).fileno() for i in owed],
                                              [list(self.asks[i].landing) for i in owed],
-                                             [self.asks[i].first for i in owed],
+                                             [list(self.asks[i].firsts) for i in owed],
                                              max(self.clients[i]._timeout for i in owed))
                 for i, reply in zip(owed, replies):
                     self.clients[i]._awaiting = 0

@@ -207,11 +207,11 @@ class _Session:
                 return self._select(spec_of(meta["selection"]), int(meta["count"]), meta.get("seed"), columns)
             if request.op == Op.SAMPLE_ROWS:
                 count, seed, columns = _sample_request(request)
-                return self._sample_rows(count, seed, self._columns_asked(columns))
+                return self._sample(_UNIFORM, count, seed, self._columns_asked(columns))
             if request.op == Op.SAMPLE_WINDOWS:
                 count, seed, columns = _sample_request(request)
                 spec = spec_of(request.meta)
-                reply = self._select(spec, count, seed, self._columns_asked(columns))
+                reply = self._sample(spec, count, seed, self._columns_asked(columns))
                 self.native.arm(request.meta, spec)  # the extension answers the next ones where it can
                 return reply
             if request.op == Op.READ:
@@ -257,17 +257,23 @@ class _Session:
         self._send_rows(meta, arrays, windows, num_columns)
         return None
 
-    def _sample_rows(self, count: int, seed: object, num_columns: int) -> Message | None:
-        """The ROWS reply the extension sends (``csrc/cpu/owner.cpp``), for the requests it leaves to Python."""
+    def _sample(self, spec: SelectionSpec, count: int, seed: object, num_columns: int) -> Message | None:
+        """The ROWS or WINDOWS reply the extension sends (``csrc/cpu/owner.cpp``), for the requests it leaves
+        to Python: a tally, the picks (rows: their ring rows alone), then their rows."""
         if not 0 <= count <= MAX_READ_POSITIONS:
             raise ValueError(f"cannot select {count} rows in one request")
-        picked = self.view.pick(_UNIFORM, count, seed)
-        tally = torch.tensor([int(picked.scalars["rows"]), picked.count], dtype=torch.int64)
+        picked = self.view.pick(spec, count, seed)
         windows = picked.windows.contiguous()
-        arrays = [tally, windows.starts]
+        tally = [int(picked.scalars["rows"]), picked.count]
+        if spec.rows_per_pick == 1:
+            op, arrays = Op.ROWS, [torch.tensor(tally, dtype=torch.int64), windows.starts]
+        else:
+            mass_bits = torch.tensor([float(picked.mass)], dtype=torch.float64).view(torch.int64)
+            op, arrays = Op.WINDOWS, [torch.cat([torch.tensor(tally), mass_bits]), windows.starts,
+                                      windows.valid_begin, windows.valid_end]
         if not picked.count:
-            return Message(Op.ROWS, {}, arrays + [_NO_BYTES] * num_columns)
-        self._send_rows(b"", arrays, windows, num_columns, Op.ROWS)
+            return Message(op, {}, arrays + [_NO_BYTES] * num_columns)
+        self._send_rows(b"", arrays, windows, num_columns, op)
         return None
 
     def _columns_asked(self, asked: object) -> int:

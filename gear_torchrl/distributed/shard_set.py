@@ -62,7 +62,7 @@ class _Round:
     live: list[int]
     counts: list[int]
     batch: list[torch.Tensor] | None  # the batch the shares fill, each its slice (first round only)
-    picks: Windows | None  # rows, where the shares' picks land, each its slice (first round of rows only)
+    picks: Windows | None  # where the shares' picks land, each its slice (first round only)
     asks: dict[int, Ask]
     transports: dict[int, Any]  # each shard's transport, or what opening it raised
     together: list[int]  # the shards in ``flight``
@@ -191,7 +191,7 @@ class ShardSet:
             if count == 0:
                 return None
             if remaining == 0:
-                landed = exact and all(a.samples_rows for _, _, a in got)  # every pick in round_.picks already
+                landed = exact and all(a.picks is round_.picks for _, _, a in got)  # every pick in round_.picks
                 picks = self._assemble(got, scalars, round_.batch if exact else None,
                                        round_.picks if landed else None)
                 if self.options.prefetch and spec.per_reader:
@@ -219,7 +219,7 @@ class ShardSet:
         if remaining == count and any(counts):
             batch = self._empty_columns(self.table(next(s for s, k in zip(live, counts) if k)),
                                         count * spec.rows_per_pick)
-            picks = Windows.of_rows(torch.empty(count, dtype=torch.int64)) if spec.rows_per_pick == 1 else None
+            picks = _landing_picks(count, spec.rows_per_pick)
             firsts = {s: f * spec.rows_per_pick for s, f in zip(live, itertools.accumulate(counts, initial=0))}
         transports = {s: self._opened_transport(s) for s in live}
         asks = {s: self._ask(s, spec, k, seed, batch, firsts.get(s), picks)
@@ -378,11 +378,12 @@ class ShardSet:
         picks = [p for _, p, _ in got]
         seq_len = picks[0].seq_len
         windows = landed if landed is not None else Windows.cat([p.windows for p in picks])
+        shards, counts = [s for s, _, _ in got], [p.count for p in picks]
         if seq_len == 1:  # rows are their starts: one pass tags them all with their shards
-            index = global_ids.encode_runs([s for s, _, _ in got], [p.count for p in picks], windows.starts)
+            index = global_ids.encode_runs(shards, counts, windows.starts)
         else:
-            capacity = {d.shard: d.capacity for d in self.descriptors}
-            index = torch.cat([global_ids.encode(s, p.windows.rows(capacity[s])) for s, p, _ in got])
+            capacities = [self.descriptors[s].capacity for s in shards]
+            index = global_ids.encode_runs(shards, [c * seq_len for c in counts], _ring_rows(windows, capacities, counts))
         if batch is None:
             parts = [a.rows(p.count * seq_len) for _, p, a in got]
             batch = parts[0] if len(parts) == 1 else [torch.cat(c) for c in zip(*parts)]
@@ -561,6 +562,23 @@ class ShardSet:
         self._transports.clear()
         self._clients.clear()
         self._fan_out.close()
+
+
+def _landing_picks(count: int, seq_len: int) -> Windows:
+    """Room for a batch's ``count`` picks that replies land (rows: their valid ranges are known already)."""
+    starts = torch.empty(count, dtype=torch.int64)
+    if seq_len == 1:
+        return Windows.of_rows(starts)
+    return Windows(starts, seq_len, torch.empty(count, dtype=torch.int64), torch.empty(count, dtype=torch.int64))
+
+
+def _ring_rows(windows: Windows, capacities: list[int], counts: list[int]) -> torch.Tensor:
+    """Ring rows of every position of ``windows``: runs of ``counts[i]`` windows in rings of ``capacities[i]``
+    rows (one pass where the shards share a capacity, as they usually do)."""
+    if len(set(capacities)) == 1:
+        return windows.rows(capacities[0])
+    ends = list(itertools.accumulate(counts))
+    return torch.cat([windows.part(e - n, e).rows(c) for c, n, e in zip(capacities, counts, ends)])
 
 
 def _draw_shares(count: int, masses: list[float], generator: torch.Generator | None

@@ -54,6 +54,8 @@ class Op:
     SAMPLE_ROWS = 10  # uniform rows, read back at once: a SELECT the owner answers in the extension
     ROWS = 11  # SAMPLE_ROWS's reply: no JSON; the tally (live rows, picks), the picks, then each column's rows
     SAMPLE_WINDOWS = 12  # uniform windows read back at once (JSON: the rule): a SELECT the extension may answer
+    WINDOWS = 13  # SAMPLE_WINDOWS's reply: no JSON; the tally (live rows, picks, the mass's float64 bits), the
+    # windows' starts, valid_begin and valid_end, then each column's rows
 
 
 class ProtocolError(ConnectionError):
