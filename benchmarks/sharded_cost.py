@@ -119,7 +119,7 @@ def _raw_batch(ports: list[int]):
             sinks[batch] = [[torch.empty(share, dtype=torch.uint8)] for _ in socks]
         for s in socks:
             s.sendall(struct.pack("<Q", share))
-        replies = _C.receive_replies([s.fileno() for s in socks], sinks[batch], [0] * len(socks), 10.0)
+        replies = _C.receive_replies([s.fileno() for s in socks], sinks[batch], [[0]] * len(socks), 10.0)
         assert all(reply[0] == 0 for reply in replies)
     return fetch
 
