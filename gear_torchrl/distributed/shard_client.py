@@ -343,7 +343,8 @@ def _empty_windows(count: int, seq_len: int) -> Windows:
 
 
 def _fits_int64(seed: int | None) -> bool:
-    """Whether a SAMPLE_ROWS carries ``seed`` (others go in a SELECT, whose owner says what is wrong)."""
+    """Whether a SAMPLE_ROWS or SAMPLE_WINDOWS carries ``seed`` (others go in a SELECT, whose owner says what is
+    wrong)."""
     return seed is None or (type(seed) is int and 0 <= seed < 1 << 63)
 
 
