@@ -64,7 +64,7 @@ def _learner(where, orders, done) -> None:
 
         def __post_init__(self) -> None:
             super().__post_init__()
-            self.samples_rows, self.starts = False, None
+            self.samples_rows, self.picks = False, None
 
         def request(self) -> Message:
             meta = {"selection": self.spec.to_json(), "count": self.count, "seed": self.seed, "read": True,

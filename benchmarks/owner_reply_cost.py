@@ -60,7 +60,7 @@ def main() -> None:
         def __post_init__(self) -> None:
             super().__post_init__()
             self.samples_rows = self.samples_windows = False
-            self.starts = None
+            self.picks = None
 
         def request(self) -> Message:
             meta = {"selection": self.spec.to_json(), "count": self.count, "seed": self.seed, "read": True,
