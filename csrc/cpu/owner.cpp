@@ -244,7 +244,7 @@ int64_t send_reply(int fd, const Reply& reply) {
   return sent;
 }
 
-// The ROWS reply (wire.Op.ROWS, shard_server._sample_rows): the tally (live rows, picks), the picks' ring
+// The ROWS reply (wire.Op.ROWS, shard_server._Session._sample): the tally (live rows, picks), the picks' ring
 // rows, then each column's rows; no JSON, so the learner lands it without parsing anything.
 // Returns 0 once sent, 1 when Python must answer, or -errno (the connection is broken).
 int64_t answer(int fd, const OwnedStore& s, const Request& q) {
@@ -310,7 +310,7 @@ int64_t sample_windows(const OwnedStore& s, const Request& q, const WindowRule& 
   return section.close() ? live : -1;
 }
 
-// The WINDOWS reply (wire.Op.WINDOWS, shard_server._sample_windows): the tally (live rows, picks, the mass's
+// The WINDOWS reply (wire.Op.WINDOWS, shard_server._Session._sample): the tally (live rows, picks, the mass's
 // float64 bits), the windows' starts and valid ranges, then each column's rows; no JSON, like ROWS.
 // Returns 0 once sent, 1 when Python must answer, or -errno.
 int64_t answer_windows(int fd, const OwnedStore& s, const Request& q, const WindowRule& r, int64_t seen_seq) {

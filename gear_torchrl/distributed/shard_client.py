@@ -196,10 +196,8 @@ class Ask:
         self.samples_windows = sampled and isinstance(self.spec, WindowSpec)
         if not (self.samples_rows or self.samples_windows):
             self.picks = None  # a SELECT's reply carries its picks
-        elif self.picks is None and self.samples_rows:
-            self.picks = Windows.of_rows(torch.empty(self.first + self.count, dtype=torch.int64))
         elif self.picks is None:
-            self.picks = _empty_windows(self.first_pick + self.count, self.spec.rows_per_pick)
+            self.picks = landing_picks(self.first_pick + self.count, self.spec.rows_per_pick)
 
     @property
     def first_pick(self) -> int:
@@ -336,10 +334,12 @@ _SAMPLE = struct.Struct("<3q")  # a SAMPLE_ROWS or SAMPLE_WINDOWS: count, seed (
 _BITS, _MASS = struct.Struct("<q"), struct.Struct("<d")  # a WINDOWS tally's mass: float64 bits as an int64
 
 
-def _empty_windows(count: int, seq_len: int) -> Windows:
-    """Room for ``count`` windows a reply lands."""
-    return Windows(torch.empty(count, dtype=torch.int64), seq_len, torch.empty(count, dtype=torch.int64),
-                   torch.empty(count, dtype=torch.int64))
+def landing_picks(count: int, seq_len: int) -> Windows:
+    """Room for ``count`` picks that ROWS or WINDOWS replies land (rows: their valid ranges are known already)."""
+    starts = torch.empty(count, dtype=torch.int64)
+    if seq_len == 1:
+        return Windows.of_rows(starts)
+    return Windows(starts, seq_len, torch.empty(count, dtype=torch.int64), torch.empty(count, dtype=torch.int64))
 
 
 def _fits_int64(seed: int | None) -> bool:

@@ -23,7 +23,15 @@ from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.fan_out import FailurePolicy, FanOut
 from gear_torchrl.distributed.shard_checkpoint import check_layout, shard_directory, write_layout
-from gear_torchrl.distributed.shard_client import Ask, Flight, Post, ShardClient, give_back_message, update_message
+from gear_torchrl.distributed.shard_client import (
+    Ask,
+    Flight,
+    Post,
+    ShardClient,
+    give_back_message,
+    landing_picks,
+    update_message,
+)
 from gear_torchrl.distributed.transports.base import ColumnLayout, Transport
 from gear_torchrl.distributed.transports.registry import CHOICES, Reach, open_transport
 from gear_torchrl.errors import EmptyStoreError, ShardUnavailableError, SpecMismatchError
@@ -219,7 +227,7 @@ class ShardSet:
         if remaining == count and any(counts):
             batch = self._empty_columns(self.table(next(s for s, k in zip(live, counts) if k)),
                                         count * spec.rows_per_pick)
-            picks = _landing_picks(count, spec.rows_per_pick)
+            picks = landing_picks(count, spec.rows_per_pick)
             firsts = {s: f * spec.rows_per_pick for s, f in zip(live, itertools.accumulate(counts, initial=0))}
         transports = {s: self._opened_transport(s) for s in live}
         asks = {s: self._ask(s, spec, k, seed, batch, firsts.get(s), picks)
@@ -562,14 +570,6 @@ class ShardSet:
         self._transports.clear()
         self._clients.clear()
         self._fan_out.close()
-
-
-def _landing_picks(count: int, seq_len: int) -> Windows:
-    """Room for a batch's ``count`` picks that replies land (rows: their valid ranges are known already)."""
-    starts = torch.empty(count, dtype=torch.int64)
-    if seq_len == 1:
-        return Windows.of_rows(starts)
-    return Windows(starts, seq_len, torch.empty(count, dtype=torch.int64), torch.empty(count, dtype=torch.int64))
 
 
 def _ring_rows(windows: Windows, capacities: list[int], counts: list[int]) -> torch.Tensor:
