@@ -59,6 +59,25 @@ def test_windows_with_padding_and_wrap(dtype):
         assert torch.equal(mask, want_mask)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.int64])
+def test_one_row_windows_are_rows_or_padding(dtype):
+    """Windows of one row (an owner's prioritized picks) take the rows' copy: each row read, or zeros where its
+    valid range is empty; enough of them that the copy reads ahead, with starts past the ring's end."""
+    cap, n = 1009, 3000
+    g = torch.Generator().manual_seed(3)
+    cols = [column(cap, (7,), dtype, 4), column(cap, (), torch.uint8, 5), column(cap, (84,), torch.float32, 6)]
+    starts = torch.randint(-cap, 3 * cap, (n,), generator=g)
+    begin = torch.randint(-1, 2, (n,), generator=g)
+    end = torch.randint(0, 3, (n,), generator=g)
+    out, mask = gather.gather_windows(cols, starts, 1, torch.device("cpu"), begin, end)
+    valid = (begin <= 0) & (end >= 1)
+    assert torch.equal(mask, valid) and 0 < int(valid.sum()) < n
+    for c, o in zip(cols, out):
+        want = torch.zeros_like(o)
+        want[valid] = c[starts[valid] % cap]
+        assert same_bits(o, want)
+
+
 def test_window_longer_than_the_ring():
     col = torch.arange(5)
     out, mask = gather.gather_windows([col], torch.tensor([3]), 12, torch.device("cpu"))

@@ -10,6 +10,8 @@ namespace gear {
 namespace {
 
 inline int64_t ring_row(int64_t row, int64_t capacity) {
+  if (static_cast<uint64_t>(row) < static_cast<uint64_t>(capacity)) return row;  // most rows: no division
+  if (row >= capacity && row - capacity < capacity) return row - capacity;       // a window past the ring's end
   const int64_t r = row % capacity;
   return r < 0 ? r + capacity : r;
 }
@@ -60,12 +62,25 @@ CopyFn copy_fn_for(int64_t row_bytes) {
 
 // Rows are the hot path (uniform and prioritized sampling): one copy per row,
 // the ring modulo only for out-of-range starts, and the rows a few iterations
-// ahead prefetched so that random reads overlap their cache misses.
+// ahead prefetched so that random reads overlap their cache misses (windows
+// prefetch their first rows likewise).
 constexpr int64_t kPrefetchDistance = 8;
+
+// The valid range [begin, end) of window i, clamped to [0, seq_len) (no bounds: the whole window).
+struct ValidRanges {
+  const int64_t* begins;
+  const int64_t* ends;
+  int64_t seq_len;
+
+  int64_t begin(int64_t i) const { return begins ? std::clamp<int64_t>(begins[i], 0, seq_len) : 0; }
+  int64_t end(int64_t i) const { return ends ? std::clamp<int64_t>(ends[i], begin(i), seq_len) : seq_len; }
+  // A window of one row: whether that row is read (else it is padding).
+  bool holds_row(int64_t i) const { return (!begins || begins[i] <= 0) && (!ends || ends[i] >= 1); }
+};
 
 template <int64_t RowBytes>
 void copy_rows(char* dst, const char* column, int64_t dynamic_row_bytes, int64_t capacity,
-               const int64_t* rows, int64_t first, int64_t last) {
+               const int64_t* rows, const ValidRanges& valid, int64_t first, int64_t last) {
   const int64_t rb = RowBytes > 0 ? RowBytes : dynamic_row_bytes;
   const int64_t prefetch_lines = std::min<int64_t>((rb + 63) / 64, 16);
   for (int64_t i = first; i < last; ++i) {
@@ -76,13 +91,16 @@ void copy_rows(char* dst, const char* column, int64_t dynamic_row_bytes, int64_t
         for (int64_t line = 0; line < prefetch_lines; ++line) __builtin_prefetch(p + line * 64);
       }
     }
-    int64_t row = rows[i];
-    if (static_cast<uint64_t>(row) >= static_cast<uint64_t>(capacity)) row = ring_row(row, capacity);
+    if (!valid.holds_row(i)) {
+      std::memset(dst + i * rb, 0, RowBytes > 0 ? RowBytes : rb);
+      continue;
+    }
+    const int64_t row = ring_row(rows[i], capacity);
     std::memcpy(dst + i * rb, column + row * rb, RowBytes > 0 ? RowBytes : rb);
   }
 }
 
-using RowsFn = void (*)(char*, const char*, int64_t, int64_t, const int64_t*, int64_t, int64_t);
+using RowsFn = void (*)(char*, const char*, int64_t, int64_t, const int64_t*, const ValidRanges&, int64_t, int64_t);
 
 RowsFn rows_fn_for(int64_t row_bytes) {
   return dispatch_row_bytes(row_bytes, [](auto n) -> RowsFn { return copy_rows<decltype(n)::value>; });
@@ -90,7 +108,7 @@ RowsFn rows_fn_for(int64_t row_bytes) {
 
 }  // namespace
 
-void gather_cpu(const GatherArgs& a) {
+void gather_cpu(const GatherArgs& a, Threads threads) {
   const int64_t num_windows = a.num_windows();
   if (num_windows == 0) return;
   const int64_t capacity = a.capacity();
@@ -119,31 +137,46 @@ void gather_cpu(const GatherArgs& a) {
   // About 64 KiB per task: enough to amortize scheduling, small enough to balance.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(window_bytes, 1));
 
-  if (seq_len == 1 && !begin_p && !end_p && !mask_p) {
-    at::parallel_for(0, num_windows, grain, [&](int64_t first, int64_t last) {
+  const auto for_chunks = [&](const auto& copy_chunk) {
+    if (threads == Threads::kCaller) {
+      copy_chunk(int64_t{0}, num_windows);
+    } else {
+      at::parallel_for(0, num_windows, grain, copy_chunk);
+    }
+  };
+  const ValidRanges valid{begin_p, end_p, seq_len};
+  const auto fill_mask = [&](int64_t first, int64_t last) {
+    if (!mask_p) return;
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t begin = valid.begin(i), end = valid.end(i);
+      bool* m = mask_p + i * seq_len;
+      for (int64_t j = 0; j < seq_len; ++j) m[j] = j >= begin && j < end;
+    }
+  };
+  if (seq_len == 1) {  // rows, and windows of one row: a copy (or padding) each
+    for_chunks([&](int64_t first, int64_t last) {
       for (size_t c = 0; c < num_columns; ++c) {
-        rows_fn_for(row_bytes[c])(dst[c], src[c], row_bytes[c], capacity, start_p, first, last);
+        rows_fn_for(row_bytes[c])(dst[c], src[c], row_bytes[c], capacity, start_p, valid, first, last);
       }
+      fill_mask(first, last);
     });
     return;
   }
-  at::parallel_for(0, num_windows, grain, [&](int64_t first, int64_t last) {
+  for_chunks([&](int64_t first, int64_t last) {
     for (size_t c = 0; c < num_columns; ++c) {
       const int64_t rb = row_bytes[c];
+      const int64_t prefetch_lines = std::min<int64_t>((rb + 63) / 64, 16);
       for (int64_t i = first; i < last; ++i) {
-        const int64_t begin = begin_p ? std::clamp<int64_t>(begin_p[i], 0, seq_len) : 0;
-        const int64_t end = end_p ? std::clamp<int64_t>(end_p[i], begin, seq_len) : seq_len;
-        copy[c](dst[c] + i * seq_len * rb, src[c], rb, capacity, start_p[i], begin, end, seq_len);
+        if (i + kPrefetchDistance < last) {  // a window's first row is a random read, as a row pick's is
+          const int64_t ahead = i + kPrefetchDistance;
+          const char* p = src[c] + ring_row(start_p[ahead] + valid.begin(ahead), capacity) * rb;
+          for (int64_t line = 0; line < prefetch_lines; ++line) __builtin_prefetch(p + line * 64);
+        }
+        const int64_t begin = valid.begin(i);
+        copy[c](dst[c] + i * seq_len * rb, src[c], rb, capacity, start_p[i], begin, valid.end(i), seq_len);
       }
     }
-    if (mask_p) {
-      for (int64_t i = first; i < last; ++i) {
-        const int64_t begin = begin_p ? std::clamp<int64_t>(begin_p[i], 0, seq_len) : 0;
-        const int64_t end = end_p ? std::clamp<int64_t>(end_p[i], begin, seq_len) : seq_len;
-        bool* m = mask_p + i * seq_len;
-        for (int64_t j = 0; j < seq_len; ++j) m[j] = j >= begin && j < end;
-      }
-    }
+    fill_mask(first, last);
   });
 }
 
