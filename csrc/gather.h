@@ -42,11 +42,7 @@ struct GatherArgs {
 // Checks shapes, dtypes and devices; throws (a Python RuntimeError) on any mismatch.
 void check_gather_args(const GatherArgs& args);
 
-// `threads`: split the windows across ATen's intra-op threads (a batch the caller waits on), or copy them
-// on the calling thread alone (an owner's answer: each connection is a thread of its own already, and a
-// team of threads per answer would only contend for the same cores).
-enum class Threads { kIntraOp, kCaller };
-void gather_cpu(const GatherArgs& args, Threads threads = Threads::kIntraOp);
+void gather_cpu(const GatherArgs& args);
 
 #ifdef GEAR_WITH_CUDA
 void gather_cuda(const GatherArgs& args);

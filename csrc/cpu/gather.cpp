@@ -108,7 +108,7 @@ RowsFn rows_fn_for(int64_t row_bytes) {
 
 }  // namespace
 
-void gather_cpu(const GatherArgs& a, Threads threads) {
+void gather_cpu(const GatherArgs& a) {
   const int64_t num_windows = a.num_windows();
   if (num_windows == 0) return;
   const int64_t capacity = a.capacity();
@@ -137,13 +137,6 @@ void gather_cpu(const GatherArgs& a, Threads threads) {
   // About 64 KiB per task: enough to amortize scheduling, small enough to balance.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(window_bytes, 1));
 
-  const auto for_chunks = [&](const auto& copy_chunk) {
-    if (threads == Threads::kCaller) {
-      copy_chunk(int64_t{0}, num_windows);
-    } else {
-      at::parallel_for(0, num_windows, grain, copy_chunk);
-    }
-  };
   const ValidRanges valid{begin_p, end_p, seq_len};
   const auto fill_mask = [&](int64_t first, int64_t last) {
     if (!mask_p) return;
@@ -154,7 +147,7 @@ void gather_cpu(const GatherArgs& a, Threads threads) {
     }
   };
   if (seq_len == 1) {  // rows, and windows of one row: a copy (or padding) each
-    for_chunks([&](int64_t first, int64_t last) {
+    at::parallel_for(0, num_windows, grain, [&](int64_t first, int64_t last) {
       for (size_t c = 0; c < num_columns; ++c) {
         rows_fn_for(row_bytes[c])(dst[c], src[c], row_bytes[c], capacity, start_p, valid, first, last);
       }
@@ -162,7 +155,7 @@ void gather_cpu(const GatherArgs& a, Threads threads) {
     });
     return;
   }
-  for_chunks([&](int64_t first, int64_t last) {
+  at::parallel_for(0, num_windows, grain, [&](int64_t first, int64_t last) {
     for (size_t c = 0; c < num_columns; ++c) {
       const int64_t rb = row_bytes[c];
       const int64_t prefetch_lines = std::min<int64_t>((rb + 63) / 64, 16);

@@ -178,8 +178,7 @@ int64_t sample_rows(const OwnedStore& s, const Request& q, const at::Tensor& pic
   }
   if (q.count > 0) {
     draw_rows(q, section.lo, live, s.columns.front().size(0), picks.data_ptr<int64_t>());
-    gather_cpu({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), std::move(out), picks},
-               Threads::kCaller);
+    gather_cpu({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), std::move(out), picks});
   }
   return section.close() ? live : -1;  // held too long: Python draws again (the same rows, for a seed)
 }
@@ -307,8 +306,7 @@ int64_t sample_windows(const OwnedStore& s, const Request& q, const WindowRule& 
   }
   std::vector<at::Tensor> out = land(d, live, mass);
   gather_cpu({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), std::move(out), d.starts,
-              d.valid_begin, d.valid_end, std::nullopt, r.window_len},
-             Threads::kCaller);
+              d.valid_begin, d.valid_end, std::nullopt, r.window_len});
   return section.close() ? live : -1;
 }
 
@@ -428,7 +426,7 @@ int64_t frame_rows_reply(int64_t op, const std::string& meta, const std::vector<
     const GatherArgs rows{columns, rows_in(reply, columns, columns.size(), positions), starts, valid_begin,
                           valid_end, std::nullopt, seq_len};
     check_gather_args(rows);
-    gather_cpu(rows, Threads::kCaller);
+    gather_cpu(rows);
   }
   pending.emplace(std::move(reply));
   return static_cast<int64_t>(pending->bytes);
