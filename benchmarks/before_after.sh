@@ -33,6 +33,8 @@ declare -A args=(
   [ndim2]="--repeats 5"
   [shared_insert]="--writers 1 2 --seconds 2 --rounds 3"
   [sharded_cost]="${SHARDED_COST_ARGS:---worlds own 1 2 4 8 --batches 256 4096 --rounds 3}"
+  [owner_reply_cost]="--requests 300"
+  [gather_cost]="--repeats 15"
 )
 benches=${BENCHES:-plain_path prioritized_sampling sequence_sampling ndim2 shared_insert}
 
@@ -49,7 +51,9 @@ for side in before after; do
     && cp "$kernel_source" "$tree/gear_torchrl/kernels/"
 done
 
-export OMP_NUM_THREADS=1
+# One thread per process, as each benchmark asks of torch in its main thread; KEEP_OMP_THREADS=1 leaves the
+# other threads (an owner's connections) at OpenMP's default, as a user's processes run.
+[ -n "${KEEP_OMP_THREADS:-}" ] || export OMP_NUM_THREADS=1
 for turn in $(seq 1 "$turns"); do
   for side in before after; do
     tree=$(realpath "$root/trees/$side")
