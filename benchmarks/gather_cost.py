@@ -38,6 +38,23 @@ def _extension(path: str | None):
     return module
 
 
+def _contenders(native, columns: list[torch.Tensor], count: int, seq_len: int, g: torch.Generator) -> dict:
+    """The extension's gather of ``count`` picks of ``seq_len`` steps, and ``index_select`` of the same rows."""
+    starts = torch.randint(0, STEPS, (count,), generator=g)
+    out = [torch.empty(count * seq_len, *c.shape[1:], dtype=c.dtype) for c in columns]
+    mask = torch.empty(count * seq_len, dtype=torch.bool)
+    if seq_len == 1:
+        begin, end = torch.zeros(count, dtype=torch.int64), torch.ones(count, dtype=torch.int64)
+        return {"rows": lambda: native.gather(columns, out, starts),
+                "one-row windows": lambda: native.gather(columns, out, starts, begin, end, 1, mask),
+                "index_select": lambda: [c.index_select(0, starts) for c in columns]}
+    begin = torch.randint(0, 8, (count,), generator=g)
+    end = torch.randint(seq_len - 8, seq_len + 1, (count,), generator=g)
+    positions = (starts[:, None] + torch.arange(seq_len)).reshape(-1) % STEPS
+    return {"windows": lambda: native.gather(columns, out, starts, begin, end, seq_len, mask),
+            "index_select": lambda: [c.index_select(0, positions) for c in columns]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--extension", default=None, help="a built _C*.so to time instead of this checkout's")
@@ -51,20 +68,7 @@ def main() -> None:
                torch.randn(STEPS, 1, generator=g), torch.rand(STEPS, 1, generator=g) < 0.01]
     results, rows = [], []
     for count, seq_len in ((256, 1), (4096, 1), (64, 64), (256, 64)):
-        starts = torch.randint(0, STEPS, (count,), generator=g)
-        out = [torch.empty(count * seq_len, *c.shape[1:], dtype=c.dtype) for c in columns]
-        mask = torch.empty(count * seq_len, dtype=torch.bool)
-        if seq_len == 1:
-            begin, end = torch.zeros(count, dtype=torch.int64), torch.ones(count, dtype=torch.int64)
-            contenders = {"rows": lambda: native.gather(columns, out, starts),
-                          "one-row windows": lambda: native.gather(columns, out, starts, begin, end, 1, mask),
-                          "index_select": lambda: [c.index_select(0, starts) for c in columns]}
-        else:
-            begin = torch.randint(0, 8, (count,), generator=g)
-            end = torch.randint(seq_len - 8, seq_len + 1, (count,), generator=g)
-            positions = (starts[:, None] + torch.arange(seq_len)).reshape(-1) % STEPS
-            contenders = {"windows": lambda: native.gather(columns, out, starts, begin, end, seq_len, mask),
-                          "index_select": lambda: [c.index_select(0, positions) for c in columns]}
+        contenders = _contenders(native, columns, count, seq_len, g)
         medians = interleaved_medians(contenders, repeats=args.repeats, inner=20, clock=time.thread_time)
         for name, seconds in medians.items():
             if name == "index_select":
