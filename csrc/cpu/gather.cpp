@@ -75,7 +75,7 @@ struct ValidRanges {
   int64_t begin(int64_t i) const { return begins ? std::clamp<int64_t>(begins[i], 0, seq_len) : 0; }
   int64_t end(int64_t i) const { return ends ? std::clamp<int64_t>(ends[i], begin(i), seq_len) : seq_len; }
   // A window of one row: whether that row is read (else it is padding).
-  bool holds_row(int64_t i) const { return (!begins || begins[i] <= 0) && (!ends || ends[i] >= 1); }
+  bool holds_row(int64_t i) const { return begin(i) == 0 && end(i) == 1; }
 };
 
 template <int64_t RowBytes>
