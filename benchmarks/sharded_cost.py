@@ -19,6 +19,11 @@ learner's process CPU time per batch (every thread of it), the owners' CPU
 time per request (read from ``/proc/<pid>/task/*/schedstat``, every thread,
 divided by the requests each served), and steps per second of wall time.
 
+``--learner-device cuda`` puts the learner on a GPU: every contender's batch is moved
+there (``.to("cuda", non_blocking=True)``; the sharded store receives into pinned
+memory, ``pin_memory=True``, TorchRL's buffer samples pageable rows as a user's
+would) and each turn ends with the GPU synchronized, so wall time counts the copies.
+
 ``--cap-gbit X`` runs every world inside a network namespace of its own
 (``unshare -n``, loopback only) where each owner's port is capped at X Gbit/s
 with ``tc`` (htb, one class per port; the learner's side is uncapped): the
@@ -158,6 +163,20 @@ def _sampling(rb, rule: str):
     return step
 
 
+def _to_learner_device(contenders: dict) -> dict:
+    """Each contender's batch moved to ``GEAR_BENCH_LEARNER_DEVICE`` (the raw floor returns no batch to move)."""
+    device = torch.device(os.environ.get("GEAR_BENCH_LEARNER_DEVICE", "cpu"))
+    if device.type == "cpu":
+        return contenders
+
+    def moved(sample):
+        def to_device(b: int):
+            batch = sample(b)
+            return None if batch is None else batch.to(device, non_blocking=True)
+        return to_device
+    return {name: moved(sample) for name, sample in contenders.items()}
+
+
 def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list[int], rounds: int, out) -> None:
     import logging
 
@@ -194,7 +213,7 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
                 placement = held.enter_context(RayBehindCap(float(os.environ["GEAR_BENCH_CAP_GBIT"])))
             for name, (sample, actor_pids) in _ray_contenders(batches, placement).items():
                 contenders[name], served_by[name] = sample, actor_pids
-        _measure(contenders, served_by, sample_sharded, batches, rounds, out)
+        _measure(_to_learner_device(contenders), served_by, sample_sharded, batches, rounds, out)
 
 
 def _measure(contenders: dict, served_by: dict, sample_sharded, batches: list[int], rounds: int, out) -> None:
@@ -216,6 +235,8 @@ def _measure(contenders: dict, served_by: dict, sample_sharded, batches: list[in
                 cpu0, wall0 = time.process_time(), time.perf_counter()
                 for _ in range(calls[b]):
                     sample(b)
+                if torch.cuda.is_initialized():
+                    torch.cuda.synchronize()  # the turn's copies to the learner's GPU count
                 wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
                 owners = [(_thread_cpu_ns(p) - o) / 1e9 for p, o in zip(served_by[name][b], owners0)]
                 owner_cpu = statistics.mean(owners) if owners and name != "LazyTensorStorage" else float("nan")
@@ -295,8 +316,9 @@ def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rou
                             timeout=timedelta(seconds=600))
     own = world == 1
     learner = rank == world - 1
+    on_gpu = learner and os.environ.get("GEAR_BENCH_LEARNER_DEVICE", "cpu") != "cpu"
     storage = ShardedGearStorage(STEPS // owners, owns_shard=own or not learner, transport="auto" if own else "tcp",
-                                 serve_on="127.0.0.1", timeout=60)
+                                 serve_on="127.0.0.1", timeout=60, pin_memory=on_gpu)
     store = dist.distributed_c10d._get_default_store()
     if storage.local is not None:
         _fill(storage.local, STEPS // owners, rank * STEPS)
@@ -366,6 +388,7 @@ def main() -> None:
     parser.add_argument("--cap-gbit", type=float, default=None)
     parser.add_argument("--rule", choices=["rows", "windows", "prioritized"], default="rows",
                         help="uniform rows, 64-step windows, or prioritized rows with a priority update per batch")
+    parser.add_argument("--learner-device", default="cpu", help="where the learner's batches go (e.g. cuda)")
     parser.add_argument("--profile", action="store_true", help="print where the learner's time goes")
     parser.add_argument("--ray-site", default=None,
                         help="a folder holding Ray (pip install --target): adds TorchRL's remote buffer on Ray, "
@@ -381,6 +404,7 @@ def main() -> None:
     if args.ray_site:
         use_ray_site(args.ray_site)
     os.environ["GEAR_BENCH_RULE"] = args.rule
+    os.environ["GEAR_BENCH_LEARNER_DEVICE"] = args.learner_device
     rows = []
     for world in args.worlds:
         result = run_world(world, args.batches, args.rounds)
@@ -414,7 +438,8 @@ def main() -> None:
         print(table(rows[-len(args.batches):], list(rows[0])), flush=True)
     print(table(rows, list(rows[0])))
     write_json(args.out, {"benchmark": "sharded_cost", "rule": args.rule, "steps": STEPS, "rounds": args.rounds,
-                          "cap_gbit": args.cap_gbit, "rows": rows})
+                          "cap_gbit": args.cap_gbit, "learner_device": args.learner_device,
+                          "cpus": os.cpu_count(), "rows": rows})
 
 
 if __name__ == "__main__":

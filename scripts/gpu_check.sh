@@ -9,14 +9,16 @@
 #
 # Steps: build, tests (tests/gpu, tutorial 6 included), bench (the gather kernel,
 # benchmarks/gpu_gather.py), prioritized (benchmarks/gpu_prioritized_sampling.py),
-# storage (benchmarks/gpu_storage_sampling.py, two row sizes), memcheck.
+# storage (benchmarks/gpu_storage_sampling.py, two row sizes), sharded (benchmarks/sharded_cost.py,
+# uniform rows from 1, 2, 4 and 8 owners on this machine's cores, the learner's batches on the CPU and
+# then on the GPU), memcheck.
 # Carried wheels: .whl/*.whl (torchrl, tensordict and their small deps) are
 # installed for the tests; .whl/peer/*.whl, a torchrl + tensordict built for the
 # machine's own torch, let the prioritized benchmark time TorchRL's C++ trees.
 #
 # Environment: PYTHON (default python3), GEAR_TORCHRL_CUDA_ARCHS (default 90),
 # CUDA_HOME (default: where nvcc is), GPU_CHECK_STEPS (default
-# "build tests bench prioritized storage memcheck"), GPU_CHECK_BENCH_ARGS (extra benchmark args),
+# "build tests bench prioritized storage sharded memcheck"), GPU_CHECK_BENCH_ARGS (extra benchmark args),
 # GPU_CHECK_MEMCHECK_K (pytest -k for the memcheck run), GPU_CHECK_TIMEOUT_{TESTS,BENCH,MEMCHECK}
 # (seconds per step; 400, 400, 500).
 # Exit status: 0 when every step that ran passed.
@@ -26,7 +28,7 @@ ROOT=$PWD
 OUT="${OUT:-$ROOT/gpu_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-STEPS="${GPU_CHECK_STEPS:-build tests bench prioritized storage memcheck}"
+STEPS="${GPU_CHECK_STEPS:-build tests bench prioritized storage sharded memcheck}"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 status=0
@@ -139,6 +141,13 @@ fi
 if has_step storage; then
   run_bench storage gpu_storage_sampling.py --out "$OUT/gpu_storage.json"
   run_bench storage_atari gpu_storage_sampling.py --rows 50000 --obs 4 84 84 --out "$OUT/gpu_storage_atari.json"
+fi
+
+# ---- the sharded store where every process has a core; a learner on the GPU --------------
+if has_step sharded; then
+  run_bench sharded_rows sharded_cost.py --worlds own 1 2 4 8 --rounds 3 --out "$OUT/sharded_rows.json"
+  run_bench sharded_rows_gpu sharded_cost.py --worlds own 1 2 4 8 --rounds 3 --learner-device cuda \
+    --out "$OUT/sharded_rows_gpu.json"
 fi
 
 # ---- compute-sanitizer memcheck over the gather tests -----------------------------
