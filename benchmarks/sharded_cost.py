@@ -439,7 +439,7 @@ def main() -> None:
     print(table(rows, list(rows[0])))
     write_json(args.out, {"benchmark": "sharded_cost", "rule": args.rule, "steps": STEPS, "rounds": args.rounds,
                           "cap_gbit": args.cap_gbit, "learner_device": args.learner_device,
-                          "cpus": os.cpu_count(), "rows": rows})
+                          "rows": rows})
 
 
 if __name__ == "__main__":
