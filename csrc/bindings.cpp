@@ -114,6 +114,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "WINDOWS reply, head, small arrays)",
       py::arg("fds"), py::arg("landing"), py::arg("first"), py::arg("timeout_s"));
   m.def(
+      "send_requests",
+      [](const std::vector<int64_t>& fds, const std::vector<std::string>& frames, double timeout_s) {
+        return without_gil([&] { return gear::send_requests(fds, frames, timeout_s); });
+      },
+      "Each socket its framed request, sent whole in turn (GIL released): 0 or -errno per socket", py::arg("fds"),
+      py::arg("frames"), py::arg("timeout_s"));
+  m.def(
       "serve_samples",
       [](int64_t fd, at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
          int64_t seen_seq, int64_t max_lag, double catch_up_s, std::optional<WindowRuleArgs> windows) {

@@ -3,6 +3,9 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+#include <vector>
+
 namespace gear {
 
 // Receives exactly out's bytes (a contiguous CPU tensor) from `fd`, blocking or not, waiting
@@ -32,5 +35,11 @@ struct Reply {
 // delivers nothing for timeout_s (negative: no limit) times out.
 std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
                                    const std::vector<std::vector<int64_t>>& first, double timeout_s);
+
+// Sends frames[i] whole on fds[i], each socket in turn, blocking or not (a full socket waits up to timeout_s
+// for room; negative: no limit). Each send's status: 0, or -errno (-ETIMEDOUT). One socket's failure is its
+// own: the others are still sent to.
+std::vector<int64_t> send_requests(const std::vector<int64_t>& fds, const std::vector<std::string>& frames,
+                                   double timeout_s);
 
 }  // namespace gear

@@ -1,6 +1,6 @@
 """One round trip per batch: every owner's reply received at once, the own shard read in-process, batches in flight.
 
-The first tests drive the native receive (``_C.receive_replies``) over socket
+The first tests drive the native send and receive (``_C.send_requests``, ``_C.receive_replies``) over socket
 pairs: replies landing in their rows of one batch, and every way one socket can
 fail without holding back the others. The last run a world of one rank
 (``round_trip_workers``) that serves its shard and samples it.
@@ -149,6 +149,47 @@ def world_of_one(tmp_path_factory):
 
 
 @pytest.mark.processes
+def test_a_round_s_requests_go_whole_to_every_socket_and_a_closed_one_fails_alone(pairs):
+    big = _framed(wire.Op.UPDATE, {"selection": {}}, [torch.arange(600_000)])  # more than a socket buffer holds
+    small = wire.encode(wire.EncodedMessage(wire.Op.SAMPLE_ROWS, b"", [b"x" * 24]))
+    for a, _ in pairs:
+        a.settimeout(5.0)  # as a learner's are: the descriptor is non-blocking, so a full socket must wait
+    pairs[2][1].close()
+    got = bytearray()
+    reader = threading.Thread(target=lambda: got.extend(_read_exactly(pairs[0][1], len(big))))
+    reader.start()
+    statuses = _C.send_requests([a.fileno() for a, _ in pairs], [big, small, small, small], 5.0)
+    reader.join(10)
+    assert statuses == [0, 0, -errno.EPIPE, 0]
+    assert bytes(got) == big
+    assert [_read_exactly(pairs[i][1], len(small)) for i in (1, 3)] == [small, small]
+
+
+def test_a_request_to_a_socket_nobody_reads_times_out():
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(0.2)
+        frame = _framed(wire.Op.UPDATE, {}, [torch.zeros(8 << 20, dtype=torch.uint8)])
+        started = time.monotonic()
+        assert _C.send_requests([a.fileno()], [frame], 0.2) == [-errno.ETIMEDOUT]
+        assert time.monotonic() - started < 5
+
+
+def test_an_encoded_message_is_its_header_then_its_arrays():
+    arrays = [torch.arange(5), torch.ones(3, 2)]
+    assert wire.encode(wire.Message(wire.Op.UPDATE, {"a": 1}, arrays)) == _framed(wire.Op.UPDATE, {"a": 1}, arrays)
+    assert wire.encode(wire.EncodedMessage(wire.Op.SELECT, b'{"b":2}')) == wire.header(wire.Op.SELECT, {"b": 2}, [])
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < n:
+        chunk = sock.recv(min(1 << 20, n - len(chunks)))
+        assert chunk, "the peer closed early"
+        chunks.extend(chunk)
+    return bytes(chunks)
+
+
 def test_the_shard_a_learner_serves_itself_is_read_in_process(world_of_one):
     assert world_of_one["own transport"] == ("local", "InProcessTransport")
     assert world_of_one["own rows match"]

@@ -1,6 +1,6 @@
-// A learner asks every shard owner for its share of a batch, then waits for all of them. Waiting
-// here, on every socket at once with the GIL released, replaces a Python thread per owner and a
-// Python receive loop per reply: the learner's cost per batch stays flat as owners are added.
+// A learner asks every shard owner for its share of a batch, then waits for all of them. Sending every
+// request in one call and waiting here, on every socket at once with the GIL released, replaces a Python
+// send and a Python receive loop per owner: the learner's cost per batch stays flat as owners are added.
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "framing.h"
 #include "gather.h"
@@ -145,7 +146,38 @@ bool drain(Pending& p) {
   return true;
 }
 
+// Sends all of `n` bytes; 0, or -errno. A socket with no room (a non-blocking one: Python's sockets with a
+// timeout are) waits up to wait_ms for it.
+int64_t send_whole(int fd, const char* p, size_t n, int wait_ms) {
+  while (n > 0) {
+    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k >= 0) {
+      p += k;
+      n -= static_cast<size_t>(k);
+      continue;
+    }
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
+    pollfd room{fd, POLLOUT, 0};
+    const int ready = ::poll(&room, 1, wait_ms);
+    if (ready == 0) return -ETIMEDOUT;
+    if (ready < 0 && errno != EINTR) return -errno;
+  }
+  return 0;
+}
+
 }  // namespace
+
+std::vector<int64_t> send_requests(const std::vector<int64_t>& fds, const std::vector<std::string>& frames,
+                                   double timeout_s) {
+  TORCH_CHECK(fds.size() == frames.size(), "send_requests: one frame per socket");
+  const int wait_ms = timeout_s < 0 ? -1 : static_cast<int>(std::min(std::ceil(timeout_s * 1000.0), 1e9));
+  std::vector<int64_t> statuses(fds.size());
+  for (size_t i = 0; i < fds.size(); ++i) {
+    statuses[i] = send_whole(static_cast<int>(fds[i]), frames[i].data(), frames[i].size(), wait_ms);
+  }
+  return statuses;
+}
 
 std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
                                    const std::vector<std::vector<int64_t>>& first, double timeout_s) {

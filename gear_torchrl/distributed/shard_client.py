@@ -9,7 +9,7 @@ import json
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast
 
@@ -388,35 +388,52 @@ class Flight(Generic[Answer]):
         self.clients, self.asks = clients, asks
         self._outcomes: list[Answer | Exception | None] = [None] * len(clients)  # None: owed
         self._tickets = [0] * len(clients)
-        for i, client in enumerate(clients):
-            with client._lock:
-                self._send(i)
+        self._timeout = max((c._timeout for c in clients), default=0.0)
+        with self._locked():
+            self._send(range(len(clients)))
 
-    def _send(self, i: int) -> None:
-        """Ask owner ``i`` (its lock held); a failure is its outcome."""
-        client = self.clients[i]
-        try:
-            wire.send(client._connection(), self.asks[i].request())
-            self._tickets[i] = client._awaiting = next(_TICKETS)
-        except ShardUnavailableError as exc:
-            self._outcomes[i] = exc
-        except (OSError, wire.ProtocolError) as exc:
-            self._outcomes[i] = client._broken(exc)
-
-    def land(self) -> list[Answer | Exception]:
-        """Each owner's answer (picks, their rows in the ask's columns; None for a Post), or what went wrong."""
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Every owner's lock, taken in the flight's order (as every flight takes them)."""
         with contextlib.ExitStack() as held:
             for client in self.clients:
                 held.enter_context(client._lock)
-            for i, client in enumerate(self.clients):
-                if self._outcomes[i] is None and client._awaiting != self._tickets[i]:
-                    self._send(i)  # its reply was read past meanwhile: ask again
+            yield
+
+    def _send(self, owners: Iterable[int]) -> None:
+        """Ask each of ``owners`` (their locks held), every request in one native send; a failure is that
+        owner's outcome."""
+        fds, frames, sent = [], [], []
+        for i in owners:
+            client = self.clients[i]
+            try:
+                fds.append(client._connection().fileno())
+            except ShardUnavailableError as exc:
+                self._outcomes[i] = exc
+                continue
+            except (OSError, wire.ProtocolError) as exc:
+                self._outcomes[i] = client._broken(exc)
+                continue
+            frames.append(wire.encode(self.asks[i].request()))
+            sent.append(i)
+        if not sent:
+            return
+        for i, status in zip(sent, _C.send_requests(fds, frames, self._timeout)):
+            if status:
+                self._outcomes[i] = self.clients[i]._broken(wire.socket_error(status))
+            else:
+                self._tickets[i] = self.clients[i]._awaiting = next(_TICKETS)
+
+    def land(self) -> list[Answer | Exception]:
+        """Each owner's answer (picks, their rows in the ask's columns; None for a Post), or what went wrong."""
+        with self._locked():
+            self._send([i for i, client in enumerate(self.clients)  # replies read past meanwhile: ask again
+                        if self._outcomes[i] is None and client._awaiting != self._tickets[i]])
             owed = [i for i, o in enumerate(self._outcomes) if o is None]
             if owed:
                 replies = _C.receive_replies([_owing(self.clients[i]).fileno() for i in owed],
                                              [list(self.asks[i].landing) for i in owed],
-                                             [list(self.asks[i].firsts) for i in owed],
-                                             max(self.clients[i]._timeout for i in owed))
+                                             [list(self.asks[i].firsts) for i in owed], self._timeout)
                 for i, reply in zip(owed, replies):
                     self.clients[i]._awaiting = 0
                     self._outcomes[i] = _answer_of(self.clients[i], self.asks[i], *reply)

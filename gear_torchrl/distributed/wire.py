@@ -105,6 +105,13 @@ def send(sock: socket.socket, message: Message | EncodedMessage) -> None:
     send_buffers(sock, [header(message.op, message.meta, [v.nbytes for v in views]), *views])
 
 
+def encode(message: Message | EncodedMessage) -> bytes:
+    """A whole message as one buffer (its arrays copied in): what a round's native send takes."""
+    arrays = [a if isinstance(a, bytes) else as_bytes(a) for a in message.arrays]
+    head = header(message.op, message.meta, [len(a) if isinstance(a, bytes) else a.nbytes for a in arrays])
+    return head + b"".join(arrays) if arrays else head
+
+
 def header(op: int, meta: dict[str, Any] | bytes, sizes: Sequence[int]) -> bytes:
     """A message's bytes before its arrays: the fixed header, the JSON metadata (a dict, or its JSON
     already encoded) and the arrays' lengths."""
