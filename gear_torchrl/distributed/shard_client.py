@@ -1,7 +1,6 @@
 """A learner's connection to one shard owner: selection, priority updates, TCP reads."""
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import itertools
@@ -9,7 +8,7 @@ import json
 import socket
 import struct
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast
 
@@ -392,13 +391,9 @@ class Flight(Generic[Answer]):
         with self._locked():
             self._send(range(len(clients)))
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self) -> _Locks:
         """Every owner's lock, taken in the flight's order (as every flight takes them)."""
-        with contextlib.ExitStack() as held:
-            for client in self.clients:
-                held.enter_context(client._lock)
-            yield
+        return _Locks([client._lock for client in self.clients])
 
     def _send(self, owners: Iterable[int]) -> None:
         """Ask each of ``owners`` (their locks held), every request in one native send; a failure is that
@@ -438,6 +433,27 @@ class Flight(Generic[Answer]):
                     self.clients[i]._awaiting = 0
                     self._outcomes[i] = _answer_of(self.clients[i], self.asks[i], *reply)
         return cast("list[Answer | Exception]", self._outcomes)  # every owed answer was taken
+
+
+class _Locks:
+    """Locks held together: taken in order, released in reverse (cheaper than an ExitStack per batch)."""
+
+    def __init__(self, locks: list[threading.Lock]) -> None:
+        self._locks, self._taken = locks, 0
+
+    def __enter__(self) -> None:
+        try:
+            for lock in self._locks:
+                lock.acquire()
+                self._taken += 1
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *_: object) -> None:
+        while self._taken:
+            self._taken -= 1
+            self._locks[self._taken].release()
 
 
 def _owing(client: ShardClient) -> socket.socket:
