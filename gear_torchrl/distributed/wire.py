@@ -98,18 +98,21 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 def send(sock: socket.socket, message: Message | EncodedMessage) -> None:
     if all(isinstance(a, bytes) for a in message.arrays):  # a small request: one buffer, one call
-        arrays = cast("list[bytes]", message.arrays)
-        sock.sendall(header(message.op, message.meta, [len(a) for a in arrays]) + b"".join(arrays))
+        sock.sendall(encode(message))
         return
-    views = [memoryview(a) if isinstance(a, bytes) else as_bytes(a) for a in message.arrays]
+    views = _views(message)
     send_buffers(sock, [header(message.op, message.meta, [v.nbytes for v in views]), *views])
 
 
 def encode(message: Message | EncodedMessage) -> bytes:
     """A whole message as one buffer (its arrays copied in): what a round's native send takes."""
-    arrays = [a if isinstance(a, bytes) else as_bytes(a) for a in message.arrays]
-    head = header(message.op, message.meta, [len(a) if isinstance(a, bytes) else a.nbytes for a in arrays])
-    return head + b"".join(arrays) if arrays else head
+    views = _views(message)
+    return header(message.op, message.meta, [v.nbytes for v in views]) + b"".join(views)
+
+
+def _views(message: Message | EncodedMessage) -> list[memoryview]:
+    """A message's arrays as byte views, without a copy."""
+    return [memoryview(a) if isinstance(a, bytes) else as_bytes(a) for a in message.arrays]
 
 
 def header(op: int, meta: dict[str, Any] | bytes, sizes: Sequence[int]) -> bytes:
