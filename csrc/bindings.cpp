@@ -4,6 +4,7 @@
 #include "episodes.h"
 #include "gather.h"
 #include "owner.h"
+#include "priorities.h"
 #include "recv.h"
 #include "shares.h"
 #include "trees.h"
@@ -189,6 +190,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mass"), py::arg("keep") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("sum_tree_find", &gear::sum_tree_find, py::arg("tree"), py::arg("mass"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("sum_tree_draw", &gear::sum_tree_draw, "`count` leaves drawn in proportion to their values",
+        py::arg("tree"), py::arg("count"), py::arg("generator") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "priority_update",
+      [](const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& generation, const at::Tensor& rows,
+         const at::Tensor& priority, const std::optional<at::Tensor>& drawn, double alpha, double eps, int64_t bound) {
+        const gear::PriorityUpdate u =
+            gear::priority_update(sum_tree, min_tree, generation, rows, priority, drawn, alpha, eps, bound);
+        return std::make_tuple(u.applied, u.lo, u.hi, u.bad, u.landed_max);
+      },
+      "A priority table's checked update in one pass: (applied, lowest row, highest row, first bad priority, "
+      "largest priority landed)",
+      py::arg("sum_tree"), py::arg("min_tree"), py::arg("generation"), py::arg("rows"), py::arg("priority"),
+      py::arg("drawn"), py::arg("alpha"), py::arg("eps"), py::arg("bound"), py::call_guard<py::gil_scoped_release>());
   m.def("episodes_append", &gear::episodes_append,
         "Evict the oldest steps of every column and record new ones (see episodes.h)", py::arg("start"),
         py::arg("length"), py::arg("closed"), py::arg("dead"), py::arg("first"), py::arg("next"), py::arg("rows"),

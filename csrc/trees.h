@@ -31,6 +31,10 @@ void priority_set(const at::Tensor& sum_tree, const at::Tensor& min_tree, const 
 // Never returns a zero-mass leaf while the total is positive. O(k log_8 L).
 at::Tensor sum_tree_find(const at::Tensor& tree, const at::Tensor& mass);
 
+// `count` leaves drawn in proportion to their values: float64 uniforms from `generator` (drawn as
+// torch.rand draws them, so a seeded draw is the one the tensor ops made) scaled by the total, then found.
+at::Tensor sum_tree_draw(const at::Tensor& tree, int64_t count, std::optional<at::Generator> generator);
+
 // The k leaves of largest value, largest first (best-first search).
 // Leaves at -inf are never returned, so fewer than k come back when fewer are finite.
 at::Tensor max_tree_topk(const at::Tensor& tree, int64_t k);

@@ -204,3 +204,72 @@ def test_sampler_state_moves_between_structures(tmp_path):
     index = torch.arange(500)
     assert torch.equal(blocks_sampler._trees.get(index), trees_sampler._trees.get(index))
     assert blocks_sampler._trees.minimum == trees_sampler._trees.minimum
+
+
+# -- the CPU selector's one-pass update and draw (the extension) against the tensor ops a GPU runs --
+
+def _selectors(capacity=3000):
+    """A CPU selector (its trees and update in the extension) and one over blocked prefix sums on the CPU (the
+    tensor ops a GPU selector runs), both holding ``capacity`` written rows."""
+    from gear_torchrl.selection.block_sums import BlockPrefixSums
+    from gear_torchrl.selection.priorities import PrioritySpec
+
+    spec = PrioritySpec(alpha=0.5, eps=1e-6)
+    extension, tensor_ops = spec.build(capacity), spec.build(capacity)
+    tensor_ops.trees = BlockPrefixSums(capacity, block=64)
+    for selector in (extension, tensor_ops):
+        selector.written(torch.arange(capacity), None)
+    return extension, tensor_ops
+
+
+def _same_state(a, b, capacity=3000):
+    rows = torch.arange(capacity)
+    assert torch.equal(a.trees.get(rows), b.trees.get(rows))
+    assert float(a.max_raw_priority) == float(b.max_raw_priority)
+    assert torch.equal(a.generation, b.generation)
+
+
+def test_one_pass_update_lands_what_the_tensor_ops_land():
+    extension, tensor_ops = _selectors()
+    g = torch.Generator().manual_seed(7)
+    for step in range(6):
+        rows = torch.randint(-1, 3000, (700,), generator=g)  # -1: skipped; repeats: the last one lands
+        priority = torch.randint(0, 9, (700,), generator=g).double() / 4  # zeros included
+        drawn = extension.generation[rows.clamp_min(0)].clone()
+        if step % 2:
+            rewritten = torch.randint(0, 3000, (200,), generator=g)
+            for selector in (extension, tensor_ops):
+                selector.written(rewritten, None)  # rows drawn before this write keep their masses
+        for selector in (extension, tensor_ops):
+            selector.update(rows, priority, drawn if step < 4 else None)
+        _same_state(extension, tensor_ops)
+    assert float(extension.max_raw_priority) == 2.0
+
+
+@pytest.mark.parametrize("rows,priority,stored,error,match", [
+    ([3, 3000], [1.0, 1.0], None, IndexError, "priority index 3000 is out of range for 3000 rows"),
+    ([-2, 5], [1.0, 1.0], None, IndexError, "priority index -2 is out of range"),
+    ([3, 40], [1.0, 1.0], 40, IndexError, "priority index 40 is out of range for 40 stored rows"),
+    ([3, 4, 5], [1.0, float("nan"), -1.0], None, ValueError, "got nan at position 1"),
+    ([3, 4], [1.0, -0.5], None, ValueError, "got -0.5 at position 1"),
+    ([3, 4], [float("inf"), 1.0], None, ValueError, "got inf at position 0"),
+])
+def test_one_pass_update_refuses_what_the_tensor_ops_refuse_and_changes_nothing(rows, priority, stored, error, match):
+    extension, tensor_ops = _selectors()
+    for selector in (extension, tensor_ops):
+        selector.update(torch.arange(10), torch.full((10,), 3.0))
+        with pytest.raises(error, match=match):
+            selector.update(torch.tensor(rows), torch.tensor(priority), stored=stored)
+    _same_state(extension, tensor_ops)
+    assert float(extension.max_raw_priority) == 3.0
+
+
+def test_a_seeded_draw_in_the_extension_is_the_tensor_ops_draw():
+    extension, tensor_ops = _selectors()
+    for selector in (extension, tensor_ops):
+        selector.update(torch.arange(0, 3000, 7), torch.arange(0, 3000, 7).double() % 5)  # integers: exact sums
+    a = extension.pick(None, 500, torch.Generator().manual_seed(3))
+    b = tensor_ops.pick(None, 500, torch.Generator().manual_seed(3))
+    assert torch.equal(a.starts, b.starts) and torch.equal(a.extra["mass"], b.extra["mass"])
+    assert bool((a.extra["mass"] > 0).all())
+    assert extension.pick(None, 0, None).count == 0

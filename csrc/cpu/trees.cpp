@@ -242,6 +242,13 @@ at::Tensor sum_tree_find(const at::Tensor& tree, const at::Tensor& mass) {
   return out;
 }
 
+at::Tensor sum_tree_draw(const at::Tensor& tree, int64_t count, std::optional<at::Generator> generator) {
+  TORCH_CHECK_VALUE(count >= 0, "cannot draw a negative number of rows, ", count);
+  layout_of(tree);  // checks it is a tree before its root is read
+  const double total = tree.data_ptr<double>()[0];
+  return sum_tree_find(tree, at::rand({count}, std::move(generator), at::kDouble).mul_(total));
+}
+
 at::Tensor max_tree_topk(const at::Tensor& tree, int64_t k) {
   TORCH_CHECK(k >= 0, "k must be non-negative, got ", k);
   const Layout layout = layout_of(tree);

@@ -305,11 +305,11 @@ class LandedPicks(Picked):
 class Post:
     """A request whose reply carries nothing back (an UPDATE, a GIVE_BACK), sent in a ``Flight`` with others."""
 
-    message: Message
+    message: Message | EncodedMessage
     landing: tuple[()] = ()
     firsts: tuple[()] = ()
 
-    def request(self) -> Message:
+    def request(self) -> Message | EncodedMessage:
         return self.message
 
     def answer(self, op: int, tally: list[int], head: torch.Tensor, small: list[torch.Tensor]) -> None:
@@ -317,16 +317,20 @@ class Post:
 
 
 def update_message(spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,
-                   generation: torch.Tensor | None) -> Message:
+                   generation: torch.Tensor | None) -> EncodedMessage:
     """New priorities for an owner's ``rows`` (generations, where given, skip rows rewritten since)."""
-    generation = torch.empty(0, dtype=torch.int64) if generation is None else generation.to(torch.int64)
-    arrays = [rows.to(torch.int64).contiguous(), priority.to(torch.float64).contiguous(), generation.contiguous()]
-    return Message(Op.UPDATE, {"selection": spec.to_json()}, arrays)
+    generation = _NO_GENERATIONS if generation is None else generation.to(torch.int64)
+    arrays: list[torch.Tensor | bytes] = [rows.to(torch.int64).contiguous(), priority.to(torch.float64).contiguous(),
+                                          generation.contiguous()]
+    return EncodedMessage(Op.UPDATE, _rule_meta(spec), arrays)
 
 
-def give_back_message(spec: SelectionSpec, rows: torch.Tensor) -> Message:
+def give_back_message(spec: SelectionSpec, rows: torch.Tensor) -> EncodedMessage:
     """Rows of an earlier pick the learner did not use (a queue serves them again)."""
-    return Message(Op.GIVE_BACK, {"selection": spec.to_json()}, [rows.to(torch.int64).contiguous()])
+    return EncodedMessage(Op.GIVE_BACK, _rule_meta(spec), [rows.to(torch.int64).contiguous()])
+
+
+_NO_GENERATIONS = torch.empty(0, dtype=torch.int64)
 
 
 _SAMPLE = struct.Struct("<3q")  # a SAMPLE_ROWS or SAMPLE_WINDOWS: count, seed (-1: none), columns
@@ -350,6 +354,12 @@ def _fits_int64(seed: int | None) -> bool:
 @functools.lru_cache(maxsize=256)
 def _spec_json(spec: SelectionSpec) -> bytes:
     return json.dumps(spec.to_json(), separators=(",", ":")).encode()
+
+
+@functools.lru_cache(maxsize=256)
+def _rule_meta(spec: SelectionSpec) -> bytes:
+    """An UPDATE's or GIVE_BACK's metadata: the rule it is for."""
+    return b'{"selection":%s}' % _spec_json(spec)
 
 
 Answer_co = TypeVar("Answer_co", covariant=True)

@@ -431,16 +431,13 @@ class ShardSet:
         priority = as_priority(priority, rows.numel())
         generation = as_generation(generation, rows.numel())
         live = self.live()  # rows of skipped shards are dropped with them
-        owners = [s for s in torch.unique(shards).tolist() if s in live or s >= self.num_shards]
+        parts = _updates_by_shard(shards, rows, priority, generation)
+        owners = [s for s in parts if s in live or s >= self.num_shards]
         for s in owners:
             if s >= self.num_shards:
                 raise IndexError(f"a row id names shard {s}, but the store has {self.num_shards} shards")
-
-        def args_of(shard: int) -> tuple:
-            mine = shards == shard
-            return spec, rows[mine], priority[mine], None if generation is None else generation[mine]
-
-        self._tell_owners(owners, lambda s: update_message(*args_of(s)), lambda view, s: view.update(*args_of(s)))
+        self._tell_owners(owners, lambda s: update_message(spec, *parts[s]),
+                          lambda view, s: view.update(spec, *parts[s]))
         self.live()  # skipping may have left none
 
     # -- statistics --------------------------------------------------------------------------
@@ -579,6 +576,17 @@ def _ring_rows(windows: Windows, capacities: list[int], counts: list[int]) -> to
         return windows.rows(capacities[0])
     ends = list(itertools.accumulate(counts))
     return torch.cat([windows.part(e - n, e).rows(c) for c, n, e in zip(capacities, counts, ends)])
+
+
+def _updates_by_shard(shards: torch.Tensor, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None
+                      ) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Each shard's rows, priorities and generations, in their order: one stable sort, whatever the number
+    of shards (a repeated row's last priority stays last)."""
+    order = torch.argsort(shards, stable=True)
+    ids, counts = torch.unique_consecutive(shards[order], return_counts=True)
+    sizes = counts.tolist()
+    generations = [None] * len(sizes) if generation is None else generation[order].split(sizes)
+    return dict(zip(ids.tolist(), zip(rows[order].split(sizes), priority[order].split(sizes), generations)))
 
 
 def _draw_shares(count: int, masses: list[float], generator: torch.Generator | None

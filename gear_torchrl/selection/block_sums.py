@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from gear_torchrl.selection.cuda_graphs import GraphedCall
+from gear_torchrl.selection.random_draws import uniform
 
 BLOCK = 256
 
@@ -85,6 +86,10 @@ class BlockPrefixSums:
     def find(self, prefix_mass: torch.Tensor) -> torch.Tensor:
         """Rows whose cumulative mass range holds each prefix; never a zero-mass row while any has mass."""
         return self._find(prefix_mass.to(self.mass))
+
+    def draw(self, count: int, generator: torch.Generator | None) -> torch.Tensor:
+        """``count`` rows in proportion to their masses, drawn from ``generator`` (on its own device)."""
+        return self.find(uniform(count, generator, self.mass.device) * self.total)
 
     def _find_rows(self, prefix: torch.Tensor) -> torch.Tensor:
         # A prefix strictly below a running sum's end lands where that sum grows: on a row with mass.

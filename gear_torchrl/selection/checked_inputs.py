@@ -39,8 +39,7 @@ def _bad_priorities(priority: torch.Tensor) -> torch.Tensor:
 
 
 def _refuse_bad_priority(priority: torch.Tensor, bad: torch.Tensor) -> None:
-    pos = int(bad.nonzero()[0, 0])
-    raise ValueError(f"priorities must be finite and non-negative; got {float(priority[pos])} at position {pos}")
+    refuse_priority_at(priority, int(bad.nonzero()[0, 0]))
 
 
 def integer_rows(index: Any) -> torch.Tensor:
@@ -68,12 +67,28 @@ def validated(index: Any, priority: Any, capacity: int, device: torch.device | s
     if priority is not None:
         facts = torch.cat([facts, torch.stack(torch.aminmax(priority))])
     lo, hi, *extremes = facts.tolist()
-    bound, rows = (capacity, "rows") if stored is None or stored >= capacity else (stored, "stored rows")
-    if lo < -1 or hi >= bound:
-        raise IndexError(f"priority index {int(lo) if lo < -1 else int(hi)} is out of range for {bound} {rows}")
+    refuse_out_of_range(int(lo), int(hi), capacity, stored)
     if extremes and not (extremes[0] >= 0 and extremes[1] < math.inf):
         _refuse_bad_priority(priority, _bad_priorities(priority))
     return Checked(index, priority, lo < 0, extremes[1] if extremes else 0.0)
+
+
+def row_bound(capacity: int, stored: int | None) -> int:
+    """What an update's rows must stay below: the stored rows where known, else the capacity."""
+    return capacity if stored is None or stored >= capacity else stored
+
+
+def refuse_out_of_range(lo: int, hi: int, capacity: int, stored: int | None) -> None:
+    """An IndexError naming the first row outside ``[-1, bound)``, given an update's smallest and largest."""
+    bound = row_bound(capacity, stored)
+    if lo < -1 or hi >= bound:
+        rows = "rows" if bound == capacity else "stored rows"
+        raise IndexError(f"priority index {lo if lo < -1 else hi} is out of range for {bound} {rows}")
+
+
+def refuse_priority_at(priority: torch.Tensor, pos: int) -> None:
+    """The ValueError for the priority at ``pos``, which is not finite and non-negative."""
+    raise ValueError(f"priorities must be finite and non-negative; got {float(priority[pos])} at position {pos}")
 
 
 def as_rows(index: Any, capacity: int, device: torch.device | str = "cpu") -> torch.Tensor:

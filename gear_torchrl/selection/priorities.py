@@ -12,11 +12,19 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from gear_torchrl.errors import CheckpointError
+from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import StatefulSelector
 from gear_torchrl.selection.block_sums import BlockPrefixSums
-from gear_torchrl.selection.checked_inputs import as_generation, validated
+from gear_torchrl.selection.checked_inputs import (
+    as_generation,
+    integer_rows,
+    refuse_out_of_range,
+    refuse_priority_at,
+    row_bound,
+    shaped_priority,
+    validated,
+)
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.random_draws import uniform
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.trees import PriorityTrees
 from gear_torchrl.store.shard import Shard
@@ -108,11 +116,11 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
 
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         """Rows in proportion to their masses, with their masses and generations; none when all are 0."""
-        if count == 0 or not self.trees.total > 0:  # on a GPU, the one wait for the device in a draw
-            return Picked.rows(_NONE.to(self.device), self.total,
-                               scalars={"min_mass": self.trees.minimum})
-        rows = self.trees.find(uniform(count, generator, self.device) * self.trees.total)
-        return Picked.rows(rows, self.trees.total,
+        total = self.trees.total
+        if count == 0 or not total > 0:  # on a GPU, the one wait for the device in a draw
+            return Picked.rows(_NONE.to(self.device), float(total), scalars={"min_mass": self.trees.minimum})
+        rows = self.trees.draw(count, generator)
+        return Picked.rows(rows, total,
                            extra={"mass": self.trees.get(rows), "generation": self.generation.index_select(0, rows)},
                            scalars={"min_mass": self.trees.minimum})
 
@@ -127,8 +135,12 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
     def update(self, rows: Any, priority: Any, generation: Any = None, stored: int | None = None) -> None:
         """Raw priorities; rows -1 are skipped, and rows whose generation moved on keep theirs.
 
-        Everything is checked before the trees change.
+        Everything is checked before the trees change: on the CPU in the extension's one pass, on a GPU
+        with tensor ops that never wait for the device but once.
         """
+        if isinstance(self.trees, PriorityTrees):
+            self._update_in_trees(rows, priority, generation, stored)
+            return
         index, priority, skips, max_priority = validated(rows, priority, self.capacity, self.device, stored=stored)
         if index.numel() == 0:
             return
@@ -144,6 +156,20 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
         else:
             self.max_raw_priority = torch.maximum(self.max_raw_priority, torch.where(keep, priority, 0.0).max())
         self.trees.set(rows, torch.pow(priority + self.eps, self.alpha), keep)
+
+    def _update_in_trees(self, rows: Any, priority: Any, generation: Any, stored: int | None) -> None:
+        """``update`` on the CPU trees: checked, stale rows dropped and masses set in one extension call."""
+        assert isinstance(self.trees, PriorityTrees)
+        index = integer_rows(rows).reshape(-1).cpu()
+        priority = shaped_priority(priority, index.numel())
+        drawn = as_generation(generation, index.numel())
+        applied, lo, hi, bad, landed_max = _C.priority_update(
+            self.trees.sum, self.trees.min, self.generation, index, priority, drawn, self.alpha, self.eps,
+            row_bound(self.capacity, stored))
+        if not applied:
+            refuse_out_of_range(lo, hi, self.capacity, stored)
+            refuse_priority_at(priority, bad)
+        self.max_raw_priority.clamp_(min=landed_max)
 
     # -- state -----------------------------------------------------------------------
     def export_rows(self, rows: torch.Tensor) -> dict[str, Any]:

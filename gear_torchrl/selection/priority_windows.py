@@ -19,7 +19,6 @@ from gear_torchrl.selection.base import needs_shard
 from gear_torchrl.selection.checked_inputs import as_priority, as_rows
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priorities import PrioritySelector, ProportionalSpec
-from gear_torchrl.selection.random_draws import uniform
 from gear_torchrl.selection.specs import Path
 from gear_torchrl.selection.windows import (
     WindowGeometry,
@@ -176,7 +175,7 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
 
     def _draw(self, episodes: Episodes, count: int, generator: torch.Generator | None) -> Windows:
         """Windows by their key steps' priorities: the key step sits ``burn_in`` steps into its window."""
-        keys = self.trees.find(uniform(count, generator) * self.trees.total)
+        keys = self.trees.draw(count, generator)
         slots, key_offset, _ = episodes.locate(keys)
         placed = _C.place_windows(episodes.start, episodes.length, slots, key_offset - self.spec.burn_in,
                                   self.spec.window_len)

@@ -48,6 +48,10 @@ class PriorityTrees:
     def find(self, prefix_mass: torch.Tensor) -> torch.Tensor:
         return _C.sum_tree_find(self.sum, prefix_mass)
 
+    def draw(self, count: int, generator: torch.Generator | None) -> torch.Tensor:
+        """``count`` rows in proportion to their masses, from ``generator`` (a CPU one, or the global)."""
+        return _C.sum_tree_draw(self.sum, count, generator)
+
     def clear(self) -> None:
         self.sum.zero_()
         self.min.fill_(float("inf"))

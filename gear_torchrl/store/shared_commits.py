@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 # SliceSampler reads ``storage[index]`` for its markers, then the buffer reads the batch.
 _SCAN_INDEX_READS = 2
 _SLOW_GATHER_BYTES_PER_S = 0.5e9  # what a read may claim to need, per byte, on top of the reader timeout
+_NO_ROWS = torch.empty(0, dtype=torch.int64)  # what rows_changed_since returns when nothing changed (never written to)
 
 
 @dataclass(frozen=True)
@@ -546,6 +547,8 @@ class SharedCommits(Visibility):
 
     def rows_changed_since(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         old_lo, old_hi = position
+        if old_lo == self._lo and old_hi == self._hi:  # nothing committed or evicted since: a pick's usual case
+            return _NO_ROWS, _NO_ROWS, position
         gone_end = min(self._lo, old_hi)  # old rows now evicted; a ring row needs clearing once
         gone = torch.arange(max(old_lo, gone_end - self.capacity), max(old_lo, gone_end), dtype=torch.int64)
         gone %= self.capacity

@@ -1,0 +1,26 @@
+// A proportional priority table's batched update (selection/priorities.py on the CPU) in one pass:
+// every entry checked before anything changes, rows -1 and rows rewritten since they were drawn left
+// out, the others' masses (p + eps)^alpha set in the sum and min trees.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace gear {
+
+struct PriorityUpdate {
+  bool applied;       // false: a check failed and nothing changed (the facts below say which)
+  int64_t lo, hi;     // the smallest and largest row
+  int64_t bad;        // the first entry whose priority is not finite and >= 0 (-1: none)
+  double landed_max;  // the largest priority that landed (0 when none did)
+};
+
+// `rows` (int64, -1: skip) below `bound`, `priority` (float64, finite and >= 0) one per row; where
+// `drawn` (the rows' generations when they were drawn) is given, a row whose `generation` moved on
+// keeps its mass.
+PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& generation,
+                               const at::Tensor& rows, const at::Tensor& priority,
+                               const std::optional<at::Tensor>& drawn, double alpha, double eps, int64_t bound);
+
+}  // namespace gear
