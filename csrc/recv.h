@@ -22,16 +22,17 @@ namespace gear {
 struct Reply {
   int64_t status;                 // 0, or -errno: -ECONNRESET (peer closed), -ETIMEDOUT, -EPROTO (not our framing)
   int64_t op = -1;                // the reply's op (wire.Op), once its header arrived
-  std::vector<int64_t> tally;     // a ROWS or WINDOWS reply's first array, read here: no tensor, no parse
+  std::vector<int64_t> tally;     // a ROWS, WINDOWS or PRIORITIZED reply's first array, read here: no parse
   at::Tensor head;                // the fixed header, the JSON metadata and the arrays' lengths, as sent
   std::vector<at::Tensor> small;  // the arrays before the last len(landing) ones (after the tally), as uint8
 };
 
 // Receives one framed message (distributed/wire.py) on each fd, all sockets waited on together.
-// The last landing[i].size() arrays of an OK, ROWS or WINDOWS reply land in landing[i]'s tensors
-// (contiguous, CPU), tensor j from row first[i][j] on (a reply longer than the rows left is a protocol
-// error); the others come back in `small`, but for the tally of a ROWS reply (live rows, picks) or a
-// WINDOWS reply (live rows, picks, the mass's float64 bits), which comes back as numbers. A socket that
+// The last landing[i].size() arrays of an OK, ROWS, WINDOWS or PRIORITIZED reply land in landing[i]'s
+// tensors (contiguous, CPU), tensor j from row first[i][j] on (a reply longer than the rows left is a
+// protocol error); the others come back in `small`, but for the tally of a ROWS reply (live rows, picks), a
+// WINDOWS reply (live rows, picks, the mass's float64 bits) or a PRIORITIZED reply (live rows, picks, the
+// float64 bits of the mass and of the smallest positive mass), which comes back as numbers. A socket that
 // delivers nothing for timeout_s (negative: no limit) times out.
 std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
                                    const std::vector<std::vector<int64_t>>& first, double timeout_s);

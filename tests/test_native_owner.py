@@ -23,6 +23,7 @@ from gear_torchrl.distributed.transports.in_process import InProcessTransport
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.priorities import PrioritySpec
 from gear_torchrl.selection.selector_registry import SelectorRegistry
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
@@ -561,3 +562,34 @@ def test_in_place_window_outputs_that_do_not_fit_are_refused_before_any_read(in_
         with pytest.raises(RuntimeError, match=words):
             _C.sample_windows_into(header, reader, columns, version, rule, log.seen_seq, 2, 1, wrong)
     assert not log.reading, "no read section was left open"
+
+
+def test_prioritized_rows_land_with_the_masses_and_generations_a_select_reports(owner):
+    o = owner(128)
+    o.rb.extend(w.keyed_rows(100, 0))
+    spec = PrioritySpec(alpha=0.7, eps=0.0)
+    o.sample(1, seed=0, spec=spec)  # the owner's table follows the rows written so far
+    o.client.update(spec, torch.arange(100), torch.arange(100).double() % 7, None)  # every 7th row: no mass
+    ask = Ask(spec, 64, 99, [torch.empty(64, *c.row_shape, dtype=c.dtype) for c in o.table().columns])
+    assert ask.samples_prioritized and ask.request().op == Op.SAMPLE_PRIORITIZED
+    picked, rows = o.sample(64, seed=99, spec=spec)
+    selected = o.client.select(spec, 64, 99)  # the same draw, its picks and values in a SELECT's JSON reply
+    o.client.release()
+    assert torch.equal(picked.starts, selected.starts) and bool((picked.starts % 7 != 0).all())
+    for name in ("mass", "generation"):
+        assert torch.equal(picked.extra[name], selected.extra[name])
+    assert picked.mass == selected.mass and picked.scalars["rows"] == 100
+    assert picked.scalars["min_mass"] == selected.scalars["min_mass"] == 1.0
+    assert torch.equal(rows["obs"], picked.starts.float())
+    none, _ = o.sample(0, seed=1, spec=spec)  # a share of none still learns the shard's masses
+    assert none.count == 0 and none.mass == selected.mass and none.scalars["min_mass"] == 1.0
+
+
+def test_a_sample_of_prioritized_rows_naming_another_rule_is_refused(owner):
+    o = owner(16)
+    o.rb.extend(w.keyed_rows(10, 0))
+    ask = wire.EncodedMessage(Op.SAMPLE_PRIORITIZED, b'{"kind":"uniform"}', [bytes(24)])
+    with pytest.raises(ValueError, match="names a uniform rule"):
+        o.client.request(ask)
+    picked, _ = o.sample(4, seed=3)
+    assert picked.count == 4, "the connection serves on"

@@ -502,6 +502,8 @@ std::vector<std::pair<std::string, int64_t>> owner_constants() {
           {"wire.Op.ROWS", kRows},
           {"wire.Op.SAMPLE_WINDOWS", kSampleWindows},
           {"wire.Op.WINDOWS", kWindows},
+          {"wire.Op.SAMPLE_PRIORITIZED", kSamplePrioritized},
+          {"wire.Op.PRIORITIZED", kPrioritized},
           {"shard_server.MAX_READ_POSITIONS", kMaxPositions}};
 }
 

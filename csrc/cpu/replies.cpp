@@ -74,8 +74,9 @@ bool place_arrays(Pending& p) {
     p.lengths[i] = field<uint64_t>(h + kHeader + meta + 8 * i);
     total += p.lengths[i];
   }
-  const size_t ncols = op == kOk || op == kRows || op == kWindows ? p.landing->size() : 0;  // an error lands nowhere
-  const size_t tally = op == kRows ? 2 : op == kWindows ? 3 : 0;  // int64 values
+  const bool lands = op == kOk || op == kRows || op == kWindows || op == kPrioritized;  // an error lands nowhere
+  const size_t ncols = lands ? p.landing->size() : 0;
+  const size_t tally = op == kRows ? 2 : op == kWindows ? 3 : op == kPrioritized ? 4 : 0;  // int64 values
   const size_t tallied = tally ? 1 : 0;
   if (total != field<uint64_t>(h + 12) || count < ncols + tallied || (tallied && p.lengths[0] != 8 * tally)) {
     finish(p, -EPROTO);

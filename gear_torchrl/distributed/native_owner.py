@@ -124,7 +124,7 @@ class NativeOwner:
             assert ask.picks is not None and ask.columns is not None  # (samples_rows)
             picks = ask.picks.starts[ask.first: ask.first + ask.count]
             live = _C.sample_rows_into(header, reader, columns, version, ask.count, seed, picks, ask.rows(ask.count))
-            return None if live < 0 else ask.landed(ask.count, live, float(live))
+            return None if live < 0 else ask.landed(ask.count, float(live), {"rows": live})
         if log.records_unseen() and not self._catch_up():  # windows are drawn from the view's index: current
             return None
         rule = self._window_rule()

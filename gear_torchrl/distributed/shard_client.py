@@ -21,6 +21,7 @@ from gear_torchrl.distributed.wire import EncodedMessage, Message, Op
 from gear_torchrl.errors import CheckpointError, EmptyStoreError, ShardUnavailableError
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
+from gear_torchrl.selection.priorities import PrioritySpec
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.selection.windows import WindowSpec
@@ -175,9 +176,10 @@ class Ask:
     ask's own) from row ``first`` on, with room for ``count`` picks (the owner
     may pick fewer). ``columns=None`` asks for the picks alone, held readable on
     the owner until a RELEASE. Uniform rows and windows read back at once go as
-    SAMPLE_ROWS and SAMPLE_WINDOWS, which the owner's extension answers: their
-    picks land in ``picks`` as well, so a round's replies fill one batch of
-    picks and columns with nothing to parse or join.
+    SAMPLE_ROWS and SAMPLE_WINDOWS, which the owner's extension answers, and
+    prioritized rows as SAMPLE_PRIORITIZED: their picks land in ``picks`` (and a
+    prioritized pick's mass and generation in ``extra``) as well, so a round's
+    replies fill one batch of picks and columns with nothing to parse or join.
     """
 
     spec: SelectionSpec
@@ -185,18 +187,25 @@ class Ask:
     seed: int | None
     columns: list[torch.Tensor] | None = None
     first: int = 0
-    picks: Windows | None = None  # where a ROWS or WINDOWS reply's picks land (made when not given)
+    picks: Windows | None = None  # where a ROWS, WINDOWS or PRIORITIZED reply's picks land (made when not given)
+    extra: dict[str, torch.Tensor] | None = None  # where a PRIORITIZED reply's per-pick values land (likewise)
     samples_rows: bool = field(init=False)  # uniform rows read back at once: asked as SAMPLE_ROWS
     samples_windows: bool = field(init=False)  # uniform windows read back at once: asked as SAMPLE_WINDOWS
+    samples_prioritized: bool = field(init=False)  # prioritized rows read back at once: SAMPLE_PRIORITIZED
 
     def __post_init__(self) -> None:
         sampled = bool(self.columns) and _fits_int64(self.seed)  # read back at once, with a seed a request carries
         self.samples_rows = sampled and isinstance(self.spec, UniformSpec)
         self.samples_windows = sampled and isinstance(self.spec, WindowSpec)
-        if not (self.samples_rows or self.samples_windows):
+        self.samples_prioritized = sampled and isinstance(self.spec, PrioritySpec)
+        if not (self.samples_rows or self.samples_windows or self.samples_prioritized):
             self.picks = None  # a SELECT's reply carries its picks
         elif self.picks is None:
             self.picks = landing_picks(self.first_pick + self.count, self.spec.rows_per_pick)
+        if not self.samples_prioritized:
+            self.extra = None
+        elif self.extra is None:
+            self.extra = landing_extra(self.spec, self.first_pick + self.count)
 
     @property
     def first_pick(self) -> int:
@@ -212,46 +221,55 @@ class Ask:
         """Where the reply's last arrays land: the picks (ROWS: their ring rows; WINDOWS: starts and valid
         ranges), then the columns."""
         columns = self.columns or []
-        if self.samples_rows:
-            assert self.picks is not None
-            return [self.picks.starts, *columns]
+        if self.picks is None:
+            return columns
         if self.samples_windows:
-            assert self.picks is not None
             return [self.picks.starts, self.picks.valid_begin, self.picks.valid_end, *columns]
-        return columns
+        return [self.picks.starts, *(self.extra or {}).values(), *columns]
 
     @property
     def firsts(self) -> list[int]:
         """The row of each ``landing`` tensor its array lands from."""
         ncols = len(self.columns or ())
-        picks = 1 if self.samples_rows else 3 if self.samples_windows else 0
-        return [self.first_pick] * picks + [self.first] * ncols
+        return [self.first_pick] * (len(self.landing) - ncols) + [self.first] * ncols
+
+    @property
+    def reply_op(self) -> int:
+        """The op of the reply whose picks land in ``picks`` (ROWS, WINDOWS or PRIORITIZED)."""
+        return Op.ROWS if self.samples_rows else Op.WINDOWS if self.samples_windows else Op.PRIORITIZED
 
     def answer(self, op: int, tally: list[int], head: torch.Tensor, small: list[torch.Tensor]) -> Picked:
-        """The picks the owner's reply carries (its rows, and for ROWS and WINDOWS its picks, landed already)."""
-        if self.picks is not None:  # SAMPLE_ROWS or SAMPLE_WINDOWS: its picks landed, or nothing did
-            if op != (Op.ROWS if self.samples_rows else Op.WINDOWS):
-                raise ValueError(f"a reply of op {op} to a {'SAMPLE_ROWS' if self.samples_rows else 'SAMPLE_WINDOWS'}")
-            rows, count, *mass_bits = tally
-            if small or not (0 <= count <= self.count and rows >= 0):
-                raise ValueError(f"a reply of {count} picks of {rows} rows, to an ask for {self.count}")
-            return self.landed(count, rows, _MASS.unpack(_BITS.pack(*mass_bits))[0] if mass_bits else float(rows))
-        return _picked_of(wire.parse_head(head.numpy().tobytes())[1], small)
+        """The picks the owner's reply carries (its rows, and for ROWS, WINDOWS and PRIORITIZED its picks,
+        landed already)."""
+        if self.picks is None:
+            return _picked_of(wire.parse_head(head.numpy().tobytes())[1], small)
+        if op != self.reply_op:  # its picks landed, or nothing did
+            raise ValueError(f"a reply of op {op} to an ask answered by op {self.reply_op}")
+        rows, count, *bits = tally
+        if small or not (0 <= count <= self.count and rows >= 0):
+            raise ValueError(f"a reply of {count} picks of {rows} rows, to an ask for {self.count}")
+        floats = [_MASS.unpack(_BITS.pack(b))[0] for b in bits]  # the mass, then (prioritized) the least mass
+        scalars = {"rows": rows, **({"min_mass": floats[1]} if len(floats) > 1 else {})}
+        return self.landed(count, floats[0] if floats else float(rows), scalars)
 
-    def landed(self, count: int, rows: int, mass: float) -> Picked:
-        """The answer whose ``count`` picks landed in ``picks`` (with their rows), drawn over a shard of ``rows``."""
+    def landed(self, count: int, mass: float, scalars: dict[str, Any]) -> Picked:
+        """The answer whose ``count`` picks landed in ``picks`` (with their rows and per-pick values)."""
         assert self.picks is not None
-        return LandedPicks(self.picks, self.first_pick, count, mass, {"rows": rows})
+        return LandedPicks(self.picks, self.first_pick, count, mass, scalars, self.extra or {})
 
     def placed(self, picked: Picked) -> Picked:
-        """``picked`` (from a transport that answers apart) with its picks where a ROWS or WINDOWS reply lands
-        them."""
+        """``picked`` (from a transport that answers apart) with its picks where a ROWS, WINDOWS or PRIORITIZED
+        reply lands them."""
         if self.picks is not None and picked.count:
-            part = self.picks.part(self.first_pick, self.first_pick + picked.count)
+            end = self.first_pick + picked.count
+            part = self.picks.part(self.first_pick, end)
             for into, got in zip((part.starts, part.valid_begin, part.valid_end),
                                  (picked.starts, picked.windows.valid_begin, picked.windows.valid_end)):
                 into.copy_(got)
             picked.windows = part
+            for name, into in (self.extra or {}).items():
+                into[self.first_pick: end].copy_(picked.extra[name])
+                picked.extra[name] = into[self.first_pick: end]
         return picked
 
     def request(self) -> EncodedMessage:
@@ -260,12 +278,13 @@ class Ask:
         Uniform rows and windows read back at once go as SAMPLE_ROWS and SAMPLE_WINDOWS (the rule's JSON
         and the same array), which the owner answers in its extension.
         """
-        if self.samples_rows or self.samples_windows:
+        if self.picks is not None:
             assert self.columns is not None
             ask = _SAMPLE.pack(self.count, -1 if self.seed is None else self.seed, len(self.columns))
             if self.samples_rows:
                 return EncodedMessage(Op.SAMPLE_ROWS, b"", [ask])
-            return EncodedMessage(Op.SAMPLE_WINDOWS, _spec_json(self.spec), [ask])
+            op = Op.SAMPLE_WINDOWS if self.samples_windows else Op.SAMPLE_PRIORITIZED
+            return EncodedMessage(op, _spec_json(self.spec), [ask])
         read = self.columns is not None
         meta = b'{"selection":%s,"count":%d,"seed":%s,"read":%s,"columns":%s}' % (
             _spec_json(self.spec), self.count, b"null" if self.seed is None else b"%d" % self.seed,
@@ -274,13 +293,26 @@ class Ask:
 
 
 class LandedPicks(Picked):
-    """Picks a reply landed in a batch's picks from ``first`` on. A batch that landed whole never reads
-    them share by share, so their windows are sliced from the batch's only when asked for."""
+    """Picks a reply landed in a batch's picks (and per-pick values) from ``first`` on. A batch that landed
+    whole never reads them share by share, so they are sliced from the batch's only when asked for."""
 
-    def __init__(self, batch: Windows, first: int, count: int, mass: float, scalars: dict[str, Any]) -> None:
+    def __init__(self, batch: Windows, first: int, count: int, mass: float, scalars: dict[str, Any],
+                 batch_extra: dict[str, torch.Tensor]) -> None:
         self._batch, self._first, self._count = batch, first, count
         self._windows: Windows | None = None
-        self.mass, self.extra, self.scalars = mass, {}, scalars
+        self._batch_extra = batch_extra
+        self._extra: dict[str, torch.Tensor] | None = None
+        self.mass, self.scalars = mass, scalars
+
+    @property
+    def extra(self) -> dict[str, torch.Tensor]:
+        if self._extra is None:
+            self._extra = {n: t[self._first: self._first + self._count] for n, t in self._batch_extra.items()}
+        return self._extra
+
+    @extra.setter
+    def extra(self, extra: dict[str, torch.Tensor]) -> None:
+        self._extra = extra
 
     @property
     def windows(self) -> Windows:
@@ -333,8 +365,17 @@ def give_back_message(spec: SelectionSpec, rows: torch.Tensor) -> EncodedMessage
 _NO_GENERATIONS = torch.empty(0, dtype=torch.int64)
 
 
-_SAMPLE = struct.Struct("<3q")  # a SAMPLE_ROWS or SAMPLE_WINDOWS: count, seed (-1: none), columns
-_BITS, _MASS = struct.Struct("<q"), struct.Struct("<d")  # a WINDOWS tally's mass: float64 bits as an int64
+_SAMPLE = struct.Struct("<3q")  # a SAMPLE_ROWS, SAMPLE_WINDOWS or SAMPLE_PRIORITIZED: count, seed (-1: none), columns
+_BITS, _MASS = struct.Struct("<q"), struct.Struct("<d")  # a tally's masses: float64 bits as an int64
+PRIORITIZED_EXTRA = ("mass", "generation")  # a PRIORITIZED reply's per-pick values, in the reply's order
+
+
+def landing_extra(spec: SelectionSpec, count: int) -> dict[str, torch.Tensor] | None:
+    """Room for the per-pick values of ``count`` picks that PRIORITIZED replies land (None: the rule's
+    replies land none)."""
+    if not isinstance(spec, PrioritySpec):
+        return None
+    return {name: torch.empty(count, dtype=EXTRA_DTYPES[name]) for name in PRIORITIZED_EXTRA}
 
 
 def landing_picks(count: int, seq_len: int) -> Windows:

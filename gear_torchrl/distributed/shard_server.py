@@ -29,12 +29,16 @@ import torch
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.native_owner import NativeOwner
 from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
+from gear_torchrl.distributed.shard_client import PRIORITIZED_EXTRA
 from gear_torchrl.distributed.shard_view import ShardView, spec_of
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.kernels import _C
+from gear_torchrl.selection.picked import EXTRA_DTYPES
+from gear_torchrl.selection.priorities import PrioritySpec
 from gear_torchrl.selection.selector_registry import SelectorRegistry
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
+from gear_torchrl.selection.windows import WindowSpec
 from gear_torchrl.store.shared_commits import SharedStoreHandle
 from gear_torchrl.store.windows import Windows
 
@@ -198,7 +202,7 @@ class _Session:
 
     def handle(self, request: Message) -> Message | None:
         """The reply to ``request``, or None when there is none or it went out already (rows)."""
-        if request.op in (Op.SELECT, Op.SAMPLE_ROWS, Op.SAMPLE_WINDOWS, Op.RELEASE):
+        if request.op in (Op.SELECT, Op.SAMPLE_ROWS, Op.SAMPLE_WINDOWS, Op.SAMPLE_PRIORITIZED, Op.RELEASE):
             self._release()  # a connection holds at most one selection's rows
         try:
             if request.op == Op.SELECT:
@@ -207,13 +211,17 @@ class _Session:
                 return self._select(spec_of(meta["selection"]), int(meta["count"]), meta.get("seed"), columns)
             if request.op == Op.SAMPLE_ROWS:
                 count, seed, columns = _sample_request(request)
-                return self._sample(_UNIFORM, count, seed, self._columns_asked(columns))
+                return self._sample(_UNIFORM, count, seed, self._columns_asked(columns), Op.ROWS)
             if request.op == Op.SAMPLE_WINDOWS:
                 count, seed, columns = _sample_request(request)
-                spec = spec_of(request.meta)
-                reply = self._sample(spec, count, seed, self._columns_asked(columns))
+                spec = _asked_spec(request, WindowSpec)
+                reply = self._sample(spec, count, seed, self._columns_asked(columns), Op.WINDOWS)
                 self.native.arm(request.meta, spec)  # the extension answers the next ones where it can
                 return reply
+            if request.op == Op.SAMPLE_PRIORITIZED:
+                count, seed, columns = _sample_request(request)
+                spec = _asked_spec(request, PrioritySpec)
+                return self._sample(spec, count, seed, self._columns_asked(columns), Op.PRIORITIZED)
             if request.op == Op.READ:
                 self._read(request)
                 return None
@@ -257,20 +265,22 @@ class _Session:
         self._send_rows(meta, arrays, windows, num_columns)
         return None
 
-    def _sample(self, spec: SelectionSpec, count: int, seed: object, num_columns: int) -> Message | None:
-        """The ROWS or WINDOWS reply the extension sends (``csrc/cpu/owner.cpp``), for the requests it leaves
-        to Python: a tally, the picks (rows: their ring rows alone), then their rows."""
+    def _sample(self, spec: SelectionSpec, count: int, seed: object, num_columns: int, op: int) -> Message | None:
+        """A reply of ``op`` with no JSON: the ROWS or WINDOWS reply the extension sends (``csrc/cpu/owner.cpp``),
+        for the requests it leaves to Python, or PRIORITIZED. A tally, the picks (rows: their ring rows alone;
+        prioritized rows: with their masses and generations), then their rows."""
         if not 0 <= count <= MAX_READ_POSITIONS:
             raise ValueError(f"cannot select {count} rows in one request")
         picked = self.view.pick(spec, count, seed)
         windows = picked.windows.contiguous()
-        tally = [int(picked.scalars["rows"]), picked.count]
-        if spec.rows_per_pick == 1:
-            op, arrays = Op.ROWS, [torch.tensor(tally, dtype=torch.int64), windows.starts]
+        counts = [int(picked.scalars["rows"]), picked.count]
+        if op == Op.ROWS:
+            arrays = [_tally(counts), windows.starts]
+        elif op == Op.WINDOWS:
+            arrays = [_tally(counts, picked.mass), windows.starts, windows.valid_begin, windows.valid_end]
         else:
-            mass_bits = torch.tensor([float(picked.mass)], dtype=torch.float64).view(torch.int64)
-            op, arrays = Op.WINDOWS, [torch.cat([torch.tensor(tally), mass_bits]), windows.starts,
-                                      windows.valid_begin, windows.valid_end]
+            extra = [picked.extra.get(n, _NONE[n]).contiguous() for n in PRIORITIZED_EXTRA]
+            arrays = [_tally(counts, picked.mass, picked.scalars["min_mass"]), windows.starts, *extra]
         if not picked.count:
             return Message(op, {}, arrays + [_NO_BYTES] * num_columns)
         self._send_rows(b"", arrays, windows, num_columns, op)
@@ -354,12 +364,27 @@ class _Session:
 
 _NO_BYTES = torch.empty(0, dtype=torch.uint8)
 _UNIFORM = UniformSpec()
+_NONE = {name: torch.empty(0, dtype=EXTRA_DTYPES[name]) for name in PRIORITIZED_EXTRA}  # no picks' values
+
+
+def _tally(counts: list[int], *masses: float | torch.Tensor) -> torch.Tensor:
+    """A reply's tally: its counts, then each mass's float64 bits, as int64 values."""
+    bits = torch.tensor([float(m) for m in masses], dtype=torch.float64).view(torch.int64)
+    return torch.cat([torch.tensor(counts, dtype=torch.int64), bits])
+
+
+def _asked_spec(request: Message, kind: type[SelectionSpec]) -> SelectionSpec:
+    """The rule a SAMPLE_WINDOWS or SAMPLE_PRIORITIZED names, which must be of ``kind``."""
+    spec = spec_of(request.meta)
+    if not isinstance(spec, kind):
+        raise ValueError(f"a request of op {request.op} names a {spec.kind} rule")  # noqa: TRY004  (a refusal)
+    return spec
 
 
 def _sample_request(request: Message) -> tuple[int, object, int]:
-    """(count, seed, columns) of a SAMPLE_ROWS or SAMPLE_WINDOWS."""
+    """(count, seed, columns) of a SAMPLE_ROWS, SAMPLE_WINDOWS or SAMPLE_PRIORITIZED."""
     if len(request.arrays) != 1 or request.arrays[0].numel() != 24:
-        raise ValueError("a SAMPLE_ROWS or SAMPLE_WINDOWS carries one array: count, seed (-1: none) and columns, "
+        raise ValueError(f"a request of op {request.op} carries one array: count, seed (-1: none) and columns, "
                          "as int64")
     count, seed, columns = request.arrays[0].view(torch.int64).tolist()
     return count, None if seed == -1 else seed, columns

@@ -29,6 +29,7 @@ from gear_torchrl.distributed.shard_client import (
     Post,
     ShardClient,
     give_back_message,
+    landing_extra,
     landing_picks,
     update_message,
 )
@@ -71,6 +72,7 @@ class _Round:
     counts: list[int]
     batch: list[torch.Tensor] | None  # the batch the shares fill, each its slice (first round only)
     picks: Windows | None  # where the shares' picks land, each its slice (first round only)
+    extra: dict[str, torch.Tensor] | None  # where the shares' per-pick values land, likewise (prioritized rows)
     asks: dict[int, Ask]
     transports: dict[int, Any]  # each shard's transport, or what opening it raised
     together: list[int]  # the shards in ``flight``
@@ -201,7 +203,7 @@ class ShardSet:
             if remaining == 0:
                 landed = exact and all(a.picks is round_.picks for _, _, a in got)  # every pick in round_.picks
                 picks = self._assemble(got, scalars, round_.batch if exact else None,
-                                       round_.picks if landed else None)
+                                       (round_.picks, round_.extra) if landed else None)
                 if self.options.prefetch and spec.per_reader:
                     self._ahead = self._send_ahead(spec, count, generator)
                 return picks
@@ -223,14 +225,14 @@ class ShardSet:
         """
         live = self.live()
         counts, seeds = _draw_shares(remaining, [self._masses[spec].get(s, 0.0) for s in live], generator)
-        batch, picks, firsts = None, None, {}
+        batch, picks, extra, firsts = None, None, None, {}
         if remaining == count and any(counts):
             batch = self._empty_columns(self.table(next(s for s, k in zip(live, counts) if k)),
                                         count * spec.rows_per_pick)
-            picks = landing_picks(count, spec.rows_per_pick)
+            picks, extra = landing_picks(count, spec.rows_per_pick), landing_extra(spec, count)
             firsts = {s: f * spec.rows_per_pick for s, f in zip(live, itertools.accumulate(counts, initial=0))}
         transports = {s: self._opened_transport(s) for s in live}
-        asks = {s: self._ask(s, spec, k, seed, batch, firsts.get(s), picks)
+        asks = {s: self._ask(s, spec, k, seed, batch, firsts.get(s), picks, extra)
                 for s, k, seed in zip(live, counts, seeds)}
         together = [s for s in live if getattr(transports[s], "replies_with_rows", False)]
         reached, unreached = [], []
@@ -240,7 +242,7 @@ class ShardSet:
             except Exception as exc:  # noqa: BLE001  (an owner not reached: its outcome)
                 unreached.append((s, exc))
         flight = Flight([c for _, c in reached], [asks[s] for s, _ in reached])
-        return _Round((spec, count, generator), live, counts, batch, picks, asks, transports,
+        return _Round((spec, count, generator), live, counts, batch, picks, extra, asks, transports,
                       [s for s, _ in reached], flight, unreached)
 
     def _send_ahead(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> _Round | None:
@@ -289,9 +291,10 @@ class ShardSet:
             raise
 
     def _ask(self, shard: int, spec: SelectionSpec, count: int, seed: int | None,
-             batch: list[torch.Tensor] | None, first: int | None, picks: Windows | None = None) -> Ask:
-        """``shard``'s share: its rows into ``batch`` from row ``first`` on (rows' picks into ``picks``),
-        else into buffers of its own.
+             batch: list[torch.Tensor] | None, first: int | None, picks: Windows | None = None,
+             extra: dict[str, torch.Tensor] | None = None) -> Ask:
+        """``shard``'s share: its rows into ``batch`` from row ``first`` on (picks into ``picks``, their values
+        into ``extra``), else into buffers of its own.
 
         A share of none in a batch's first round is asked like the others (an empty slice of the batch), so the
         owner's extension answers it: the shard's mass is all the round needs of it.
@@ -305,7 +308,7 @@ class ShardSet:
             return Ask(spec, count, seed, self._empty_columns(self.table(shard), rows, zeroed))
         for c in batch if zeroed else ():
             c[first: first + rows].zero_()
-        return Ask(spec, count, seed, batch, first, picks)
+        return Ask(spec, count, seed, batch, first, picks, extra)
 
     def _opened_transport(self, shard: int) -> Transport | Exception:
         """The shard's transport; what opening it raised stands for that shard's answer."""
@@ -380,12 +383,13 @@ class ShardSet:
         self._fan_out.settle([(s, outcomes[s]) for s in owners], self._disconnect)
 
     def _assemble(self, got: list[tuple[int, Picked, Ask]], scalars: dict[str, float],
-                  batch: list[torch.Tensor] | None, landed: Windows | None = None) -> ShardPicks:
+                  batch: list[torch.Tensor] | None,
+                  landed: tuple[Windows | None, dict[str, torch.Tensor] | None] | None = None) -> ShardPicks:
         """The batch in pick order: global ids, windows, columns (``batch`` when every share filled its
-        slice; ``landed`` when every pick landed there too)."""
+        slice; ``landed``, the round's picks and their values, when every pick landed there too)."""
         picks = [p for _, p, _ in got]
         seq_len = picks[0].seq_len
-        windows = landed if landed is not None else Windows.cat([p.windows for p in picks])
+        windows = landed[0] if landed is not None and landed[0] is not None else Windows.cat([p.windows for p in picks])
         shards, counts = [s for s, _, _ in got], [p.count for p in picks]
         if seq_len == 1:  # rows are their starts: one pass tags them all with their shards
             index = global_ids.encode_runs(shards, counts, windows.starts)
@@ -395,7 +399,10 @@ class ShardSet:
         if batch is None:
             parts = [a.rows(p.count * seq_len) for _, p, a in got]
             batch = parts[0] if len(parts) == 1 else [torch.cat(c) for c in zip(*parts)]
-        extra = {n: torch.cat([p.extra[n] for p in picks]) for n in picks[0].extra}
+        if landed is not None and landed[1] is not None:
+            extra = landed[1]
+        else:
+            extra = {n: torch.cat([p.extra[n] for p in picks]) for n in picks[0].extra}
         return ShardPicks(index, windows, batch, self.table(got[0][0]), extra, scalars)
 
     # -- reads by id and priority updates ----------------------------------------------------

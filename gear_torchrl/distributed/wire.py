@@ -56,6 +56,9 @@ class Op:
     SAMPLE_WINDOWS = 12  # uniform windows read back at once (JSON: the rule): a SELECT the extension may answer
     WINDOWS = 13  # SAMPLE_WINDOWS's reply: no JSON; the tally (live rows, picks, the mass's float64 bits), the
     # windows' starts, valid_begin and valid_end, then each column's rows
+    SAMPLE_PRIORITIZED = 14  # prioritized rows read back at once (JSON: the rule)
+    PRIORITIZED = 15  # its reply: no JSON; the tally (live rows, picks, the float64 bits of the mass and of the
+    # least positive mass), the picks' rows, masses (float64) and generations (int64), then each column's rows
 
 
 class ProtocolError(ConnectionError):
