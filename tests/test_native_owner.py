@@ -16,7 +16,7 @@ from torchrl.data import TensorDictReplayBuffer
 from gear_torchrl import GearStorage
 from gear_torchrl.distributed import native_owner, shard_server, wire
 from gear_torchrl.distributed.directory import ShardDescriptor
-from gear_torchrl.distributed.shard_client import Ask, Flight, ShardClient
+from gear_torchrl.distributed.shard_client import Ask, Flight, ShardClient, post, update_message
 from gear_torchrl.distributed.shard_server import ShardServer
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.transports.in_process import InProcessTransport
@@ -593,3 +593,21 @@ def test_a_sample_of_prioritized_rows_naming_another_rule_is_refused(owner):
         o.client.request(ask)
     picked, _ = o.sample(4, seed=3)
     assert picked.count == 4, "the connection serves on"
+
+
+def test_a_posted_update_lands_before_the_next_request_and_a_refused_one_changes_nothing(owner, caplog):
+    o = owner(128)
+    o.rb.extend(w.keyed_rows(100, 0))
+    spec = PrioritySpec(alpha=1.0, eps=0.0)
+    o.sample(1, seed=0, spec=spec)  # the owner's table follows the rows written so far
+    only = torch.tensor([5, 9])
+    assert post([o.client], [update_message(spec, torch.arange(100), torch.zeros(100), None, posted=True)]) == [None]
+    assert post([o.client], [update_message(spec, only, torch.tensor([1.0, 3.0]), None, posted=True)]) == [None]
+    picked, rows = o.sample(400, seed=1, spec=spec)  # asked right after: the owner applied both updates first
+    assert set(picked.starts.tolist()) == {5, 9} and picked.mass == 4.0
+    with caplog.at_level("WARNING", logger="gear_torchrl.distributed.shard_server"):
+        bad = update_message(spec, torch.tensor([7, 128]), torch.tensor([1.0, 1.0]), None, posted=True)
+        assert post([o.client], [bad]) == [None]  # no reply comes, so nothing waits for one
+        again, _ = o.sample(400, seed=1, spec=spec)
+    assert torch.equal(again.starts, picked.starts) and again.mass == 4.0, "the refused update changed nothing"
+    assert "refused a posted priority update" in caplog.text and "out of range for 128 rows" in caplog.text

@@ -349,12 +349,13 @@ class Post:
 
 
 def update_message(spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,
-                   generation: torch.Tensor | None) -> EncodedMessage:
-    """New priorities for an owner's ``rows`` (generations, where given, skip rows rewritten since)."""
+                   generation: torch.Tensor | None, posted: bool = False) -> EncodedMessage:
+    """New priorities for an owner's ``rows`` (generations, where given, skip rows rewritten since);
+    ``posted``: the owner sends no reply."""
     generation = _NO_GENERATIONS if generation is None else generation.to(torch.int64)
     arrays: list[torch.Tensor | bytes] = [rows.to(torch.int64).contiguous(), priority.to(torch.float64).contiguous(),
                                           generation.contiguous()]
-    return EncodedMessage(Op.UPDATE, _rule_meta(spec), arrays)
+    return EncodedMessage(Op.POST_UPDATE if posted else Op.UPDATE, _rule_meta(spec), arrays)
 
 
 def give_back_message(spec: SelectionSpec, rows: torch.Tensor) -> EncodedMessage:
@@ -449,26 +450,13 @@ class Flight(Generic[Answer]):
     def _send(self, owners: Iterable[int]) -> None:
         """Ask each of ``owners`` (their locks held), every request in one native send; a failure is that
         owner's outcome."""
-        fds, frames, sent = [], [], []
-        for i in owners:
-            client = self.clients[i]
-            try:
-                fds.append(client._connection().fileno())
-            except ShardUnavailableError as exc:
-                self._outcomes[i] = exc
-                continue
-            except (OSError, wire.ProtocolError) as exc:
-                self._outcomes[i] = client._broken(exc)
-                continue
-            frames.append(wire.encode(self.asks[i].request()))
-            sent.append(i)
-        if not sent:
-            return
-        for i, status in zip(sent, _C.send_requests(fds, frames, self._timeout)):
-            if status:
-                self._outcomes[i] = self.clients[i]._broken(wire.socket_error(status))
-            else:
+        owners = list(owners)
+        frames = [wire.encode(self.asks[i].request()) for i in owners]
+        for i, failure in zip(owners, _send_all([self.clients[i] for i in owners], frames, self._timeout)):
+            if failure is None:
                 self._tickets[i] = self.clients[i]._awaiting = next(_TICKETS)
+            else:
+                self._outcomes[i] = failure
 
     def land(self) -> list[Answer | Exception]:
         """Each owner's answer (picks, their rows in the ask's columns; None for a Post), or what went wrong."""
@@ -484,6 +472,34 @@ class Flight(Generic[Answer]):
                     self.clients[i]._awaiting = 0
                     self._outcomes[i] = _answer_of(self.clients[i], self.asks[i], *reply)
         return cast("list[Answer | Exception]", self._outcomes)  # every owed answer was taken
+
+
+def post(clients: list[ShardClient], messages: list[EncodedMessage]) -> list[Exception | None]:
+    """Send each client its message, waiting for no reply (posted priority updates): one native send under
+    the clients' locks (taken in the order given, as a flight takes them). Each failure is that client's."""
+    with _Locks([client._lock for client in clients]):
+        timeout = max((client._timeout for client in clients), default=0.0)
+        return _send_all(clients, [wire.encode(m) for m in messages], timeout)
+
+
+def _send_all(clients: list[ShardClient], frames: list[bytes], timeout: float) -> list[Exception | None]:
+    """``frames[i]`` to ``clients[i]`` (their locks held), all in one native send: None where it went, else why
+    not (that client's connection dropped)."""
+    failures: list[Exception | None] = [None] * len(clients)
+    fds, reached = [], []
+    for i, client in enumerate(clients):
+        try:
+            fds.append(client._connection().fileno())
+            reached.append(i)
+        except ShardUnavailableError as exc:
+            failures[i] = exc
+        except (OSError, wire.ProtocolError) as exc:
+            failures[i] = client._broken(exc)
+    if reached:
+        for i, status in zip(reached, _C.send_requests(fds, [frames[i] for i in reached], timeout)):
+            if status:
+                failures[i] = clients[i]._broken(wire.socket_error(status))
+    return failures
 
 
 class _Locks:

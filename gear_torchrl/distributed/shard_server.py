@@ -229,6 +229,9 @@ class _Session:
                 return None
             if request.op == Op.UPDATE:
                 return self._update(request)
+            if request.op == Op.POST_UPDATE:
+                self._update(request)
+                return None
             if request.op == Op.DESCRIBE:
                 return self._describe()
             if request.op == Op.GIVE_BACK:
@@ -244,6 +247,9 @@ class _Session:
             raise  # part of a reply left: no error reply can follow it
         except Exception as exc:  # noqa: BLE001  (refused: the learner gets the reason, the shard is unchanged)
             self._release()
+            if request.op == Op.POST_UPDATE:  # nobody waits for a reply: the owner's log says why
+                logger.warning("refused a posted priority update (the shard is unchanged): %s", exc)
+                return None
             return wire.error(exc)
 
     def _select(self, spec: SelectionSpec, count: int, seed: object, num_columns: int | None) -> Message | None:

@@ -31,13 +31,14 @@ from gear_torchrl.distributed.shard_client import (
     give_back_message,
     landing_extra,
     landing_picks,
+    post,
     update_message,
 )
 from gear_torchrl.distributed.transports.base import ColumnLayout, Transport
 from gear_torchrl.distributed.transports.registry import CHOICES, Reach, open_transport
 from gear_torchrl.errors import EmptyStoreError, ShardUnavailableError, SpecMismatchError
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.checked_inputs import as_generation, as_priority
+from gear_torchrl.selection.checked_inputs import as_generation, as_priority, refuse_out_of_range
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
@@ -364,22 +365,24 @@ class ShardSet:
         self._tell_owners(list(rows), lambda s: give_back_message(spec, rows[s]),
                           lambda view, s: view.give_back(spec, rows[s]))
 
-    def _tell_owners(self, owners: list[int], message_of: Any, in_place: Any) -> None:
+    def _tell_owners(self, owners: list[int], message_of: Any, in_place: Any, wait: bool = True) -> None:
         """One request per owner whose answer is OK (updates, gives-back): the remote owners' in one
-        ``Flight``, with one wait; a shard this process serves, ``in_place(its view, shard)``."""
+        ``Flight``, with one wait (``wait=False``: posted, in one send, no reply awaited); a shard this
+        process serves, ``in_place(its view, shard)``."""
         outcomes: dict[int, Any] = {}
-        posted: list[tuple[int, ShardClient, Post]] = []
+        remote: list[tuple[int, ShardClient, Any]] = []
         for s in owners:
             try:
                 answerer = self._answerer(s)
                 if isinstance(answerer, ShardClient):
-                    posted.append((s, answerer, Post(message_of(s))))
+                    remote.append((s, answerer, message_of(s)))
                 else:
                     outcomes[s] = in_place(answerer, s)
             except Exception as exc:  # noqa: BLE001  (that owner's outcome)
                 outcomes[s] = exc
-        flight = Flight([c for _, c, _ in posted], [p for *_, p in posted])
-        outcomes.update(zip([s for s, _, _ in posted], flight.land()))
+        clients, messages = [c for _, c, _ in remote], [m for *_, m in remote]
+        told = post(clients, messages) if not wait else Flight(clients, [Post(m) for m in messages]).land()
+        outcomes.update(zip([s for s, _, _ in remote], told))
         self._fan_out.settle([(s, outcomes[s]) for s in owners], self._disconnect)
 
     def _assemble(self, got: list[tuple[int, Picked, Ask]], scalars: dict[str, float],
@@ -433,7 +436,11 @@ class ShardSet:
         return table, out
 
     def update(self, spec: SelectionSpec, index: Any, priority: Any, generation: Any = None) -> None:
-        """Route priority updates to the shards that own the rows, one request per shard."""
+        """Route priority updates to the shards that own the rows, one request per shard, posted: the learner
+        does not wait for the owners to apply them (a connection's next request comes after its update).
+
+        Every check an owner makes is made here first, so bad input is refused before any owner is told.
+        """
         shards, rows = global_ids.decode(index)
         priority = as_priority(priority, rows.numel())
         generation = as_generation(generation, rows.numel())
@@ -443,8 +450,10 @@ class ShardSet:
         for s in owners:
             if s >= self.num_shards:
                 raise IndexError(f"a row id names shard {s}, but the store has {self.num_shards} shards")
-        self._tell_owners(owners, lambda s: update_message(spec, *parts[s]),
-                          lambda view, s: view.update(spec, *parts[s]))
+            lo, hi = torch.aminmax(parts[s][0])
+            refuse_out_of_range(int(lo), int(hi), self.descriptors[s].capacity, None)
+        self._tell_owners(owners, lambda s: update_message(spec, *parts[s], posted=True),
+                          lambda view, s: view.update(spec, *parts[s]), wait=False)
         self.live()  # skipping may have left none
 
     # -- statistics --------------------------------------------------------------------------

@@ -59,6 +59,7 @@ class Op:
     SAMPLE_PRIORITIZED = 14  # prioritized rows read back at once (JSON: the rule)
     PRIORITIZED = 15  # its reply: no JSON; the tally (live rows, picks, the float64 bits of the mass and of the
     # least positive mass), the picks' rows, masses (float64) and generations (int64), then each column's rows
+    POST_UPDATE = 16  # an UPDATE the learner does not wait for: no reply (it checked the rows; a refusal is logged)
 
 
 class ProtocolError(ConnectionError):
