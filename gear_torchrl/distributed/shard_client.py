@@ -219,7 +219,7 @@ class Ask:
     @property
     def landing(self) -> list[torch.Tensor]:
         """Where the reply's last arrays land: the picks (ROWS: their ring rows; WINDOWS: starts and valid
-        ranges), then the columns."""
+        ranges; PRIORITIZED: ring rows, masses and generations), then the columns."""
         columns = self.columns or []
         if self.picks is None:
             return columns
@@ -276,7 +276,8 @@ class Ask:
         """The SELECT, its metadata encoded here: the rule's JSON once per rule, the rest by hand.
 
         Uniform rows and windows read back at once go as SAMPLE_ROWS and SAMPLE_WINDOWS (the rule's JSON
-        and the same array), which the owner answers in its extension.
+        and the same array), which the owner answers in its extension; prioritized rows as
+        SAMPLE_PRIORITIZED, which its Python answers with a reply of arrays alone.
         """
         if self.picks is not None:
             assert self.columns is not None

@@ -381,7 +381,7 @@ class ShardSet:
             except Exception as exc:  # noqa: BLE001  (that owner's outcome)
                 outcomes[s] = exc
         clients, messages = [c for _, c, _ in remote], [m for *_, m in remote]
-        told = post(clients, messages) if not wait else Flight(clients, [Post(m) for m in messages]).land()
+        told = Flight(clients, [Post(m) for m in messages]).land() if wait else post(clients, messages)
         outcomes.update(zip([s for s, _, _ in remote], told))
         self._fan_out.settle([(s, outcomes[s]) for s in owners], self._disconnect)
 
