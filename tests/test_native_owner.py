@@ -611,3 +611,24 @@ def test_a_posted_update_lands_before_the_next_request_and_a_refused_one_changes
         again, _ = o.sample(400, seed=1, spec=spec)
     assert torch.equal(again.starts, picked.starts) and again.mass == 4.0, "the refused update changed nothing"
     assert "refused a posted priority update" in caplog.text and "out of range for 128 rows" in caplog.text
+
+
+def test_a_learner_refuses_an_update_past_an_owners_capacity_before_telling_any_owner(owner):
+    from gear_torchrl.distributed import global_ids
+    from gear_torchrl.distributed.shard_set import Options, ShardSet
+
+    o = owner(128)
+    o.rb.extend(w.keyed_rows(100, 0))
+    shards = ShardSet([o.client.descriptor], SECRET, Options(transport="tcp", timeout=5.0))
+    try:
+        spec = PrioritySpec(alpha=1.0, eps=0.0)
+        assert shards.pick(spec, 8, torch.Generator().manual_seed(0)).index.numel() == 8  # the table follows
+        shards.update(spec, global_ids.encode(0, torch.arange(100)), torch.zeros(100))
+        shards.update(spec, global_ids.encode(0, torch.tensor([4])), torch.tensor([2.0]))
+        with pytest.raises(IndexError, match="priority index 128 is out of range for 128 rows"):
+            shards.update(spec, global_ids.encode(0, torch.tensor([6, 128])), torch.tensor([5.0, 5.0]))
+        picked = shards.pick(spec, 50, torch.Generator().manual_seed(1))  # after the posted updates
+        assert set(global_ids.decode(picked.index)[1].tolist()) == {4}, "row 6 got no priority: nothing was sent"
+        assert float(picked.extra["mass"][0]) == 2.0 and picked.scalars["min_mass"] == 2.0
+    finally:
+        shards.close()
