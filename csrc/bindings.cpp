@@ -23,6 +23,31 @@ gear::WindowRule window_rule(WindowRuleArgs&& args) {
           seen_lo, seen_hi};
 }
 
+// A PriorityRule as Python passes it: (key, sum tree, min tree, generation, followed, rows per step, lock).
+using PriorityRuleArgs = std::tuple<std::string, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
+                                    std::shared_ptr<gear::SelectorLock>>;
+
+gear::PriorityRule priority_rule(PriorityRuleArgs&& args) {
+  auto& [key, sum_tree, min_tree, generation, followed, rows_per_step, lock] = args;
+  return {std::move(key), std::move(sum_tree), std::move(min_tree), std::move(generation), std::move(followed),
+          rows_per_step, std::move(lock)};
+}
+
+// Takes a SelectorLock from Python: at once when it is free, else waiting with the GIL released (its
+// holder may be a native owner's thread, or a Python thread that needs the GIL to let it go).
+void acquire(gear::SelectorLock& lock) {
+  if (!lock.mutex.try_lock()) {
+    py::gil_scoped_release released;
+    lock.mutex.lock();
+  }
+  lock.held_by_python = true;
+}
+
+void release(gear::SelectorLock& lock) {
+  if (!lock.held_by_python.exchange(false)) throw std::runtime_error("release of a SelectorLock nobody acquired");
+  lock.mutex.unlock();
+}
+
 gear::GatherArgs make_args(std::vector<at::Tensor> columns, std::vector<at::Tensor> out, at::Tensor starts,
                            std::optional<at::Tensor> valid_begin, std::optional<at::Tensor> valid_end,
                            int64_t seq_len, std::optional<at::Tensor> mask, std::vector<at::Tensor> hot_columns,
@@ -88,6 +113,16 @@ bool built_with_cuda() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gear_torchrl kernels: gather, trees, window geometry, episode indices";
+  py::class_<gear::SelectorLock, std::shared_ptr<gear::SelectorLock>>(
+      m, "SelectorLock", "A shared selection core's lock, taken by Python and by the native owner alike")
+      .def(py::init<>())
+      .def("acquire", &acquire)
+      .def("release", &release)
+      .def("__enter__", &acquire)
+      .def("__exit__", [](gear::SelectorLock& lock, const py::args&) {
+        release(lock);
+        return false;
+      });
   m.def("gather", &gather, "Fill `out` from `columns` for windows (rows are windows of length 1)",
         py::arg("columns"), py::arg("out"), py::arg("starts"), py::arg("valid_begin") = py::none(),
         py::arg("valid_end") = py::none(), py::arg("seq_len") = 1, py::arg("mask") = py::none(),
@@ -124,19 +159,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "serve_samples",
       [](int64_t fd, at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
-         int64_t seen_seq, int64_t max_lag, double catch_up_s, std::optional<WindowRuleArgs> windows) {
+         int64_t seen_seq, int64_t max_lag, double catch_up_s, std::optional<WindowRuleArgs> windows,
+         std::optional<PriorityRuleArgs> priorities) {
         const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
         std::optional<gear::WindowRule> rule;
         if (windows) rule = window_rule(std::move(*windows));
+        std::optional<gear::PriorityRule> prioritized;
+        if (priorities) prioritized = priority_rule(std::move(*priorities));
         const gear::Served s = without_gil([&] {
-          return gear::serve_samples(fd, store, seen_seq, max_lag, catch_up_s, rule ? &*rule : nullptr);
+          return gear::serve_samples(fd, store, seen_seq, max_lag, catch_up_s, rule ? &*rule : nullptr,
+                                     prioritized ? &*prioritized : nullptr);
         });
-        return std::make_tuple(s.code, s.count, s.seed, s.columns, s.answered, s.windows);
+        return std::make_tuple(s.code, s.count, s.seed, s.columns, s.answered, s.op);
       },
-      "Answer SAMPLE_ROWS, and SAMPLE_WINDOWS of the armed window rule, natively until Python must act "
-      "(GIL released): (code, count, seed, columns, answered, windows)",
+      "Answer SAMPLE_ROWS, and SAMPLE_WINDOWS and SAMPLE_PRIORITIZED of the armed rules, natively until Python "
+      "must act (GIL released): (code, count, seed, columns, answered, op of the request Python answers)",
       py::arg("fd"), py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"),
-      py::arg("seen_seq"), py::arg("max_lag"), py::arg("catch_up_s"), py::arg("windows") = py::none());
+      py::arg("seen_seq"), py::arg("max_lag"), py::arg("catch_up_s"), py::arg("windows") = py::none(),
+      py::arg("priorities") = py::none());
   m.def(
       "sample_rows_into",
       [](at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version, int64_t count,

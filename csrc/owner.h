@@ -2,8 +2,11 @@
 // natively (see cpu/owner.cpp; Python's side is distributed/native_owner.py).
 #pragma once
 
+#include "selector_lock.h"
+
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,6 +35,20 @@ struct WindowRule {
   int64_t seen_lo, seen_hi;  // the positions the view's episode index covers
 };
 
+// A rule of prioritized rows the extension draws as selection/priorities.py's PrioritySelector does, from
+// that core's own tables, under its lock. The tables are exact only while the core has taken in every
+// commit and eviction the read section shows (`followed` equals its positions); otherwise, and once the
+// core was replaced (`followed` is -1), the request is Python's, whose pick follows the store first.
+struct PriorityRule {
+  std::string key;       // the rule's JSON, byte for byte as learners send it in SAMPLE_PRIORITIZED
+  at::Tensor sum_tree;   // float64 masses (p + eps)^alpha (selection/trees.py PriorityTrees.sum)
+  at::Tensor min_tree;   // float64: the least positive mass
+  at::Tensor generation; // int64 [capacity]: each row's write generation
+  at::Tensor followed;   // int64 [2]: the positions [lo, hi) the core has followed
+  int64_t rows_per_step; // a live range starts on a whole time step (store/addressing.py)
+  std::shared_ptr<SelectorLock> lock;
+};
+
 // Why serve_samples returned (negative: -errno, the connection is done for).
 enum ServeCode : int64_t {
   kNextIsOther = 0,  // the next request is another op: nothing of it was read
@@ -43,17 +60,18 @@ struct Served {
   int64_t code;
   int64_t count = 0, seed = -1, columns = 0;  // the request of kServeInPython
   int64_t answered = 0;                       // requests answered natively in this call
-  bool windows = false;                       // that request is a SAMPLE_WINDOWS of the armed rule
+  int64_t op = 0;                             // that request's op (SAMPLE_ROWS, or an armed rule's)
 };
 
-// Answers SAMPLE_ROWS requests, and SAMPLE_WINDOWS of the `windows` rule (if any), on `fd` (a blocking
-// socket) until another op is next, one needs Python (empty store, rows a dead writer left, a new layout,
-// a revoked read, a request out of bounds, windows drawn from a view no longer current), the store's
+// Answers SAMPLE_ROWS requests, SAMPLE_WINDOWS of the `windows` rule and SAMPLE_PRIORITIZED of the
+// `priorities` rule (each if any), on `fd` (a blocking socket) until another op is next, one needs Python
+// (empty store, rows a dead writer left, a new layout, a revoked read, a request out of bounds, windows
+// drawn from a view no longer current, priorities whose core has not followed the store), the store's
 // records ran `max_lag` ahead of `seen_seq`, or `catch_up_s` passed since the call began (checked from the
 // second answer on, so every call answers at least one). A SAMPLE_WINDOWS met while the view is behind
 // returns kCatchUp at once, unread.
 Served serve_samples(int64_t fd, const OwnedStore& store, int64_t seen_seq, int64_t max_lag, double catch_up_s,
-                     const WindowRule* windows);
+                     const WindowRule* windows, const PriorityRule* priorities);
 
 // The same answer into this process's memory: `count` uniform rows drawn from `seed` (-1: the global
 // generator), their ring rows into `picks` and the first out.size() columns' rows into `out`, for a learner

@@ -1,5 +1,6 @@
-"""An owner answers uniform rows and windows in its extension (SAMPLE_ROWS, SAMPLE_WINDOWS): the same picks
-and rows as its Python path, never a torn or dead row, and everything unusual answered by Python."""
+"""An owner answers uniform rows, windows and prioritized rows in its extension (SAMPLE_ROWS, SAMPLE_WINDOWS,
+SAMPLE_PRIORITIZED): the same picks and rows as its Python path, never a torn or dead row nor a half-updated
+table, and everything unusual answered by Python."""
 from __future__ import annotations
 
 import dataclasses
@@ -632,3 +633,114 @@ def test_a_learner_refuses_an_update_past_an_owners_capacity_before_telling_any_
         assert float(picked.extra["mass"][0]) == 2.0 and picked.scalars["min_mass"] == 2.0
     finally:
         shards.close()
+
+
+PRIORITIES = PrioritySpec(alpha=0.7, eps=0.0)
+
+
+def test_the_extension_draws_the_prioritized_rows_python_draws(owner):
+    o = owner(128)
+    o.rb.extend(w.keyed_rows(100, 0))
+    o.sample(1, seed=0, spec=PRIORITIES)  # Python answers the rule's first ask (its table follows the rows) and arms it
+    o.client.update(PRIORITIES, torch.arange(100), torch.arange(100).double() % 7, None)  # every 7th row: no mass
+    for seed in (1, 2, 3):
+        before = o.python_picks
+        picked, rows = o.sample(64, seed, PRIORITIES)
+        assert o.python_picks == before, "the armed rule is answered by the extension"
+        assert bool((picked.starts % 7 != 0).all()) and torch.equal(rows["obs"], picked.starts.float())
+        assert picked.scalars == {"rows": 100, "min_mass": 1.0}
+        _assert_same_prioritized(o, picked, seed)
+    unseeded, rows = o.sample(64, None, PRIORITIES)
+    assert unseeded.count == 64 and torch.equal(rows["obs"], unseeded.starts.float())
+    none, _ = o.sample(0, seed=1, spec=PRIORITIES)  # a share of none: the masses alone, natively too
+    assert none.count == 0 and none.mass == unseeded.mass and none.scalars["min_mass"] == 1.0
+
+
+def _assert_same_prioritized(o: Owner, picked: Picked, seed: int) -> None:
+    """``picked`` is what the owner's Python path draws from ``seed`` now (a SELECT's JSON reply)."""
+    selected = o.client.select(PRIORITIES, picked.count, seed)
+    o.client.release()
+    assert torch.equal(picked.starts, selected.starts)
+    for name in ("mass", "generation"):
+        assert torch.equal(picked.extra[name], selected.extra[name]), name
+    assert picked.mass == selected.mass and picked.scalars["min_mass"] == selected.scalars["min_mass"]
+
+
+def test_prioritized_rows_follow_new_rows_and_evictions_through_python_then_natively(owner):
+    o = owner(64)
+    o.rb.extend(w.keyed_rows(40, 0))
+    o.sample(1, seed=0, spec=PRIORITIES)
+    for i in range(6):  # the ring wraps: rows are evicted and rewritten
+        o.rb.extend(w.keyed_rows(25, 40 + 25 * i))
+        before = o.python_picks
+        followed, _ = o.sample(32, 100 + i, PRIORITIES)
+        assert o.python_picks == before + 1, "a table behind the store is Python's to bring up to date"
+        picked, rows = o.sample(32, 200 + i, PRIORITIES)
+        assert o.python_picks == before + 1, "then the extension answers"
+        live = set(range(40 + 25 * (i + 1) - 64, 40 + 25 * (i + 1)))
+        assert set(rows["obs"].long().tolist()) <= live, "never an evicted row"
+        assert torch.equal(rows["obs"].long() % 64, picked.starts)
+        assert bool((followed.extra["generation"] >= 1).all())
+        assert picked.scalars["rows"] == followed.scalars["rows"] >= 60, "the rows the shard holds, as Python counts"
+        _assert_same_prioritized(o, picked, 200 + i)
+
+
+def test_a_native_draw_never_sees_an_update_half_applied(owner):
+    o = owner(128)
+    o.rb.extend(w.keyed_rows(100, 0))
+    o.sample(1, seed=0, spec=PRIORITIES)
+    updater = ShardClient(o.client.descriptor, SECRET, 5.0)
+    stop = threading.Event()
+
+    def update() -> None:  # every row gets one priority, 1 to 9, in one update each time
+        level = 0
+        while not stop.is_set():
+            level = level % 9 + 1
+            updater.update(PRIORITIES, torch.arange(100), torch.full((100,), float(level)), None)
+
+    thread = threading.Thread(target=update)
+    thread.start()
+    try:
+        for seed in range(60):
+            picked, _ = o.sample(16, seed, PRIORITIES)
+            mass = picked.extra["mass"]
+            assert bool((mass == mass[0]).all()) and picked.mass == pytest.approx(100 * float(mass[0]), rel=1e-12)
+    finally:
+        stop.set()
+        thread.join()
+        updater.close()
+    assert o.python_picks == 1, "the extension drew every batch after the first, each from one whole table"
+
+
+def test_a_replaced_or_emptied_core_is_never_drawn_from_natively():
+    registry = SelectorRegistry(16)
+    core, lock = registry.shared_core(PRIORITIES)
+    core._followed = (3, 9)
+    words = core.followed_words
+    assert words.tolist() == [3, 9], "the extension checks the positions the core followed"
+    registry.adopt(PRIORITIES, PRIORITIES.build(16))  # a checkpoint load
+    assert words.tolist() == [-1, -1] and registry.shared_core(PRIORITIES)[1] is not lock
+    core = registry.shared_core(PRIORITIES)[0]
+    words, tables = core.followed_words, core.native_tables()
+    core.clear()  # the store was emptied: new tables
+    assert words.tolist() == [-1, -1] and core.native_tables()[0] is not tables[0]
+
+
+def test_a_selector_lock_waits_without_the_interpreter_and_refuses_a_release_nobody_acquired():
+    lock = _C.SelectorLock()
+    with pytest.raises(RuntimeError, match="nobody acquired"):
+        lock.release()
+    lock.acquire()
+    taken = threading.Event()
+
+    def take() -> None:
+        with lock:
+            taken.set()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    spins = sum(1 for _ in range(200_000))  # this thread runs Python while the other waits on the lock
+    assert spins == 200_000 and not taken.is_set()
+    lock.release()
+    thread.join(5)
+    assert taken.is_set()

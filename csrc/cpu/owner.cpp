@@ -5,7 +5,8 @@
 // (a revoked one is never sent) and send the reply in one framed message. A learner reading the shard
 // its own process serves gets the same answer into its batch (sample_rows_into), with no socket.
 // Uniform windows take the same steps, drawn from the state Python's view keeps (WindowRule) while
-// that view is current, and go back as the WINDOWS reply Python would send.
+// that view is current, and go back as the WINDOWS reply Python would send; prioritized rows are drawn
+// from the shared core's own tables (PriorityRule) under its lock, while it has followed the store.
 // Anything unusual goes back to Python, which answers it in full; the rows Python picks go out framed
 // and gathered here too (frame_rows_reply, then send_framed_reply once Python closed its read section).
 #include "owner.h"
@@ -334,6 +335,75 @@ int64_t answer_windows(int fd, const OwnedStore& s, const Request& q, const Wind
   return send_reply(fd, *reply);
 }
 
+// What a PriorityRule's draw gives, copied out under the core's lock: the picks' ring rows, masses and
+// generations (in the reply itself), the total mass and the least positive one.
+struct PrioritizedPicks {
+  int64_t* rows;
+  double* mass;
+  int64_t* generation;
+};
+
+// PrioritySelector.pick's draw (selection/priorities.py), under the core's lock and a read section: the
+// core must have followed every commit and eviction the section shows, and hold mass, or Python answers
+// (its pick follows the store first, or says why nothing can be drawn). The picks' rows are gathered
+// into `out` once the lock is let go. Returns the rows the shard holds, or -1.
+int64_t sample_prioritized(const OwnedStore& s, const Request& q, const PriorityRule& r, const PrioritizedPicks& picks,
+                           double& mass, double& min_mass, std::vector<at::Tensor> out) {
+  int64_t* header = s.header.data_ptr<int64_t>();
+  if (!answerable(s, q) || load(header, kLayoutVersion) != s.layout_version || load(header, kState) != kOpen) {
+    return -1;
+  }
+  Section section(header, s.reader.data_ptr<int64_t>());
+  const int64_t lo = (section.lo + r.rows_per_step - 1) / r.rows_per_step * r.rows_per_step;
+  if (section.hi <= lo) return -1;
+  {
+    std::lock_guard<std::mutex> lock(r.lock->mutex);
+    const int64_t* followed = r.followed.data_ptr<int64_t>();
+    mass = r.sum_tree.data_ptr<double>()[0];
+    if (followed[0] != lo || followed[1] != section.hi || !(mass > 0)) return -1;
+    min_mass = r.min_tree.data_ptr<double>()[0];
+    if (q.count > 0) {
+      std::optional<at::Generator> generator;
+      if (q.seed >= 0) generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.seed));
+      const at::Tensor rows = sum_tree_draw(r.sum_tree, q.count, generator);
+      const int64_t* row = rows.data_ptr<int64_t>();
+      const double* leaves = r.sum_tree.data_ptr<double>() + tree_leaf_offset(r.sum_tree.numel());
+      const int64_t* generation = r.generation.data_ptr<int64_t>();
+      for (int64_t i = 0; i < q.count; ++i) {
+        picks.rows[i] = row[i];
+        picks.mass[i] = leaves[row[i]];
+        picks.generation[i] = generation[row[i]];
+      }
+    }
+  }
+  if (q.count > 0) {
+    const at::Tensor rows = at::from_blob(picks.rows, {q.count}, at::kLong);
+    gather_cpu({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), std::move(out), rows});
+  }
+  return section.close() ? section.hi - lo : -1;
+}
+
+// The PRIORITIZED reply (wire.Op.PRIORITIZED, shard_server._Session._sample): the tally (rows the shard holds,
+// picks, the float64 bits of the mass and of the least positive mass), the picks' ring rows, masses and
+// generations, then each column's rows. Returns 0 once sent, 1 when Python must answer, or -errno.
+int64_t answer_prioritized(int fd, const OwnedStore& s, const Request& q, const PriorityRule& r) {
+  if (!answerable(s, q)) return 1;
+  const auto ncols = static_cast<size_t>(q.columns);
+  const auto count = static_cast<uint64_t>(q.count);
+  const Reply reply = frame_reply(kPrioritized, {}, {32, 8 * count, 8 * count, 8 * count}, s.columns, ncols, q.count);
+  char* at = reply.out.data();
+  const PrioritizedPicks picks{reinterpret_cast<int64_t*>(at + reply.at[1]), reinterpret_cast<double*>(at + reply.at[2]),
+                               reinterpret_cast<int64_t*>(at + reply.at[3])};
+  double mass = 0, min_mass = 0;
+  const int64_t live = sample_prioritized(s, q, r, picks, mass, min_mass, rows_in(reply, s.columns, ncols, q.count));
+  if (live < 0) return 1;
+  put<int64_t>(reply.out, reply.at[0], live);
+  put<int64_t>(reply.out, reply.at[0] + 8, q.count);
+  put<double>(reply.out, reply.at[0] + 16, mass);
+  put<double>(reply.out, reply.at[0] + 24, min_mass);
+  return send_reply(fd, reply);
+}
+
 // Whether the view behind `r` is current: nothing published or evicted since it caught up.
 bool current(const int64_t* header, int64_t seen_seq, const WindowRule& r) {
   return load(header, kPublishedSeq) == seen_seq && readable_lo(header) <= r.seen_lo;
@@ -358,6 +428,21 @@ void check_window_rule(const WindowRule& r) {
   TORCH_CHECK(r.window_len >= 1 && r.burn_in >= 0 && r.seen_lo >= 0 && r.seen_hi >= r.seen_lo && !r.key.empty() &&
                   r.key.size() <= kMaxMeta,
               "window rule: bad geometry, positions or key");
+}
+
+void check_priority_rule(const PriorityRule& r) {
+  for (const at::Tensor* tree : {&r.sum_tree, &r.min_tree}) {
+    TORCH_CHECK(tree->scalar_type() == at::kDouble && tree->dim() == 1 && tree->is_contiguous() && tree->is_cpu() &&
+                    tree->numel() == r.sum_tree.numel(),
+                "priority rule: the trees are contiguous float64 CPU tensors of one size");
+  }
+  TORCH_CHECK(r.generation.scalar_type() == at::kLong && r.generation.dim() == 1 && r.generation.is_contiguous() &&
+                  tree_leaf_offset(r.sum_tree.numel()) + r.generation.numel() <= r.sum_tree.numel(),
+              "priority rule: one contiguous int64 generation per leaf");
+  TORCH_CHECK(r.followed.scalar_type() == at::kLong && r.followed.numel() == 2 && r.followed.is_contiguous(),
+              "priority rule: followed is two int64 positions");
+  TORCH_CHECK(r.rows_per_step >= 1 && r.lock != nullptr && !r.key.empty() && r.key.size() <= kMaxMeta,
+              "priority rule: bad step, lock or key");
 }
 
 void check_owned_store(const OwnedStore& s) {
@@ -441,13 +526,23 @@ int64_t send_framed_reply(int64_t fd) {
 }
 
 Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t max_lag, double catch_up_s,
-                     const WindowRule* windows) {
+                     const WindowRule* windows, const PriorityRule* priorities) {
   check_owned_store(s);
   if (windows != nullptr) check_window_rule(*windows);
+  if (priorities != nullptr) check_priority_rule(*priorities);
   const int fd = static_cast<int>(fd_);
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(catch_up_s);
   const int64_t* header = s.header.data_ptr<int64_t>();
-  const size_t key_bytes = windows != nullptr ? windows->key.size() : 0;
+  const std::string none;
+  // The JSON each op this call answers must carry, byte for byte (uniform rows carry none).
+  const auto key_of = [&](uint16_t op) -> const std::string* {
+    if (op == kSampleRows) return &none;
+    if (op == kSampleWindows && windows != nullptr) return &windows->key;
+    if (op == kSamplePrioritized && priorities != nullptr) return &priorities->key;
+    return nullptr;
+  };
+  const size_t key_bytes = std::max(windows != nullptr ? windows->key.size() : 0,
+                                    priorities != nullptr ? priorities->key.size() : 0);
   std::vector<char> request(kHeader + key_bytes + kAskBytes);
   char* p = request.data();
   Served served{kNextIsOther};
@@ -458,26 +553,28 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
     // Anything else, a malformed ask included, is Python's to read and answer (so nothing here waits for
     // bytes a message does not have).
     const auto op = field<uint16_t>(p + 4);
-    const bool of_windows = op == kSampleWindows && windows != nullptr && frames_one_ask(p, key_bytes);
-    if (!(op == kSampleRows && frames_one_ask(p, 0)) && !of_windows) return served;
-    const size_t meta = of_windows ? key_bytes : 0;
-    if (of_windows) {  // the armed rule's, byte for byte, or Python's to answer
+    const std::string* key = key_of(op);
+    if (key == nullptr || !frames_one_ask(p, key->size())) return served;
+    const size_t meta = key->size();
+    if (meta > 0) {  // an armed rule's, byte for byte, or Python's to answer
       const int64_t whole = receive(fd, p, kHeader + meta + kAskBytes, true);
       if (whole < 0) return {whole, 0, -1, 0, served.answered};
-      if (std::memcmp(p + kHeader, windows->key.data(), meta) != 0) return served;
+      if (std::memcmp(p + kHeader, key->data(), meta) != 0) return served;
     }
     const bool due = std::chrono::steady_clock::now() > until || load(header, kPublishedSeq) - seen_seq > max_lag;
     if (due && served.answered > 0) {  // (the first answer of a call comes right after Python's turn)
       return {kCatchUp, 0, -1, 0, served.answered};
     }
-    if (of_windows && !current(header, seen_seq, *windows)) return {kCatchUp, 0, -1, 0, served.answered};
+    if (op == kSampleWindows && !current(header, seen_seq, *windows)) return {kCatchUp, 0, -1, 0, served.answered};
     const int64_t got = receive(fd, p, kHeader + meta + kAskBytes, false);
     if (got < 0) return {got, 0, -1, 0, served.answered};
     Request q{};
     if (!parse_ask(p, meta, q)) return {-EPROTO, 0, -1, 0, served.answered};
-    const int64_t done = of_windows ? answer_windows(fd, s, q, *windows, seen_seq) : answer(fd, s, q);
+    const int64_t done = op == kSampleWindows       ? answer_windows(fd, s, q, *windows, seen_seq)
+                         : op == kSamplePrioritized ? answer_prioritized(fd, s, q, *priorities)
+                                                    : answer(fd, s, q);
     if (done < 0) return {done, 0, -1, 0, served.answered};
-    if (done == 1) return {kServeInPython, q.count, q.seed, q.columns, served.answered, of_windows};
+    if (done == 1) return {kServeInPython, q.count, q.seed, q.columns, served.answered, op};
     ++served.answered;
   }
 }

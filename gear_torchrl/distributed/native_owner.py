@@ -35,6 +35,7 @@ from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.errors import ReadRevokedError, StoreClosedError
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
 from gear_torchrl.store.windows import Windows
@@ -46,21 +47,25 @@ CATCH_UP_S = 1.0  # the view replays the records published meanwhile at least th
 _Source = tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]
 # csrc/owner.h WindowRule: (key, tree, episode starts, lengths, window_len, burn_in, strict_length, seen lo, hi)
 _WindowRule = tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor, int, int, bool, int, int]
+# csrc/owner.h PriorityRule: (key, sum tree, min tree, generation, followed, rows per step, lock)
+_PriorityRule = tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, Any]
+_Armed = tuple[bytes, dict[str, Any], SelectionSpec]  # an armed rule: its JSON as sent, parsed, and its spec
 
 
 class NativeOwner:
-    """One view's SAMPLE_ROWS and SAMPLE_WINDOWS (a connection's, or this process's own learner's),
-    answered through the view's reader slot."""
+    """One view's SAMPLE_ROWS, SAMPLE_WINDOWS and SAMPLE_PRIORITIZED (a connection's, or this process's own
+    learner's: rows and windows), answered through the view's reader slot."""
 
     def __init__(self, view: ShardView) -> None:
         self.view = view
         self._source: _Source | None = None
         self._caught_up = time.monotonic()  # when answer_in_place last let the view catch up
         self._windows: tuple[bytes, dict[str, Any], WindowSpec] | None = None  # the armed rule: JSON, as sent
+        self._priorities: _Armed | None = None
 
     def serve(self, conn: socket.socket) -> Message | None:
-        """Answer SAMPLE_ROWS and the armed rule's SAMPLE_WINDOWS until another op is next (None: read it
-        as usual) or one needs Python (returned, as a request to answer)."""
+        """Answer SAMPLE_ROWS and the armed rules' SAMPLE_WINDOWS and SAMPLE_PRIORITIZED until another op is
+        next (None: read it as usual) or one needs Python (returned, as a request to answer)."""
         log = self.view.shared.log
         caught_up = False
         while not log.reading:
@@ -68,16 +73,15 @@ class NativeOwner:
             if source is None:
                 return None
             version, header, reader, columns = source
-            code, count, seed, num_columns, answered, windows = _C.serve_samples(
+            code, count, seed, num_columns, answered, op = _C.serve_samples(
                 conn.fileno(), header, reader, columns, version, log.seen_seq, log.num_records // 4, CATCH_UP_S,
-                self._window_rule())
+                self._window_rule(), self._priority_rule())
             if code == _NEXT_IS_OTHER:
                 return None
             if code == _SERVE_IN_PYTHON:
                 ask = torch.tensor([count, seed, num_columns], dtype=torch.int64).view(torch.uint8)
-                if windows and self._windows is not None:
-                    return Message(Op.SAMPLE_WINDOWS, self._windows[1], [ask])
-                return Message(Op.SAMPLE_ROWS, {}, [ask])
+                armed = {Op.SAMPLE_WINDOWS: self._windows, Op.SAMPLE_PRIORITIZED: self._priorities}.get(op)
+                return Message(op, armed[1] if armed is not None else {}, [ask])
             if code != _CATCH_UP:
                 raise wire.socket_error(code)
             if caught_up and not answered:
@@ -91,8 +95,11 @@ class NativeOwner:
         """Let the extension answer the next SAMPLE_WINDOWS of ``spec`` (whose JSON is ``meta``), or the next
         in-place ask of it, which Python just answered (so its selector exists and its episode markers were
         checked)."""
+        key = json.dumps(meta, separators=(",", ":")).encode()
         if isinstance(spec, WindowSpec):
-            self._windows = json.dumps(meta, separators=(",", ":")).encode(), meta, spec
+            self._windows = key, meta, spec
+        elif isinstance(spec, PrioritySpec):
+            self._priorities = key, meta, spec
 
     def _window_rule(self) -> _WindowRule | None:
         """The armed rule as the extension draws it, its state brought up to the view's index."""
@@ -105,6 +112,17 @@ class NativeOwner:
             return None
         lo, hi = self.view.shared.seen_positions
         return key, *state, spec.window_len, spec.burn_in, spec.strict_length, lo, hi
+
+    def _priority_rule(self) -> _PriorityRule | None:
+        """The armed prioritized rule as the extension draws it: the shared core's tables and lock."""
+        if self._priorities is None:
+            return None
+        key, _, spec = self._priorities
+        core, lock = self.view.selectors.shared_core(spec)
+        tables = core.native_tables() if isinstance(core, PrioritySelector) else None
+        if tables is None:
+            return None
+        return key, *tables, self.view.shard.addressing.rows_per_step, lock
 
     def answer_in_place(self, ask: Ask) -> Picked | None:
         """``ask``'s uniform rows, or windows of the armed rule, drawn and gathered into its own tensors as the

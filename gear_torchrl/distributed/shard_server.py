@@ -221,7 +221,9 @@ class _Session:
             if request.op == Op.SAMPLE_PRIORITIZED:
                 count, seed, columns = _sample_request(request)
                 spec = _asked_spec(request, PrioritySpec)
-                return self._sample(spec, count, seed, self._columns_asked(columns), Op.PRIORITIZED)
+                reply = self._sample(spec, count, seed, self._columns_asked(columns), Op.PRIORITIZED)
+                self.native.arm(request.meta, spec)
+                return reply
             if request.op == Op.READ:
                 self._read(request)
                 return None

@@ -98,6 +98,9 @@ class StatefulSelector(Selector[SpecT_co]):
     def import_rows(self, state: dict[str, Any]) -> None:
         """Take ``export_rows``'s state for rows ``0..n-1`` (this core is new)."""
 
+    def retire(self) -> None:
+        """This core was replaced (a checkpoint load): whatever draws from its tables outside Python stops."""
+
     def caught_up(self, shard: Shard) -> None:
         """Count every commit of ``shard`` so far as seen (its rows' state was just restored)."""
         _, _, self._followed = shard.rows_changed_since(self._followed)

@@ -79,6 +79,7 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
         self.spec = spec
         self.capacity = int(capacity)
         self.device = torch.device(device)
+        self.followed_words = torch.zeros(2, dtype=torch.int64)
         self.clear()
 
     def clear(self) -> None:
@@ -90,7 +91,30 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
         # A device tensor, so updates never wait for the GPU to learn the new maximum.
         self.max_raw_priority = torch.tensor(1.0, dtype=torch.float64, device=self.device)
         self.writes = 0  # calls to ``written``: none since a draw means none of its rows was rewritten
-        self._followed = (0, 0)
+        self.retire()  # the tables made above replace those a native draw may hold
+        self.followed_words = torch.zeros(2, dtype=torch.int64)
+        self._position = (0, 0)
+
+    # -- what the native owner draws from (distributed/native_owner.py) -------------------
+    @property
+    def _followed(self) -> tuple[int, int]:
+        return self._position
+
+    @_followed.setter
+    def _followed(self, position: tuple[int, int]) -> None:
+        """How far the tables have followed the store, also in ``followed_words`` for the extension's check."""
+        if position != self._position:
+            self._position = position
+            self.followed_words.copy_(torch.tensor(position, dtype=torch.int64))
+
+    def native_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(sum tree, min tree, generations, followed positions) the extension draws from; None on a GPU."""
+        if not isinstance(self.trees, PriorityTrees):
+            return None
+        return self.trees.sum, self.trees.min, self.generation, self.followed_words
+
+    def retire(self) -> None:
+        self.followed_words.fill_(-1)  # never the store's positions: the extension leaves every draw to Python
 
     # -- following the store ---------------------------------------------------------
     def written(self, rows: torch.Tensor, shard: Shard | None) -> None:

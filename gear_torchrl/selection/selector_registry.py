@@ -10,15 +10,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import Selector, StatefulSelector
 from gear_torchrl.selection.specs import SelectionSpec
+
+SelectorLock = Any  # _C.SelectorLock: acquire, release, and a context manager
 
 
 class SelectorRegistry:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._shared: dict[SelectionSpec, tuple[StatefulSelector[SelectionSpec], threading.Lock]] = {}
+        self._shared: dict[SelectionSpec, tuple[StatefulSelector[SelectionSpec], SelectorLock]] = {}
         self._lock = threading.Lock()
 
     @contextmanager
@@ -33,14 +37,18 @@ class SelectorRegistry:
                 own[spec] = spec.build(self.capacity)
             yield own[spec]
             return
-        with self._lock:
-            if spec not in self._shared:
-                self._shared[spec] = (shared_core(spec, self.capacity), threading.Lock())
-            selector, lock = self._shared[spec]
+        selector, lock = self.shared_core(spec)
         with lock:
             yield selector
 
-    def shared(self) -> list[tuple[SelectionSpec, StatefulSelector[SelectionSpec], threading.Lock]]:
+    def shared_core(self, spec: SelectionSpec) -> tuple[StatefulSelector[SelectionSpec], SelectorLock]:
+        """The shard's one core for ``spec`` (made at first use) and its lock, not taken."""
+        with self._lock:
+            if spec not in self._shared:
+                self._shared[spec] = (shared_core(spec, self.capacity), _C.SelectorLock())
+            return self._shared[spec]
+
+    def shared(self) -> list[tuple[SelectionSpec, StatefulSelector[SelectionSpec], SelectorLock]]:
         """Every shared core made so far, with its lock (what a checkpoint of the shard saves)."""
         with self._lock:
             return [(spec, selector, lock) for spec, (selector, lock) in self._shared.items()]
@@ -48,7 +56,11 @@ class SelectorRegistry:
     def adopt(self, spec: SelectionSpec, selector: StatefulSelector[SelectionSpec]) -> None:
         """Install a restored core for ``spec`` (a checkpoint load), replacing any made before."""
         with self._lock:
-            self._shared[spec] = (selector, threading.Lock())
+            replaced = self._shared.get(spec)
+            self._shared[spec] = (selector, _C.SelectorLock())
+        if replaced is not None:
+            with replaced[1]:
+                replaced[0].retire()
 
 
 def shared_core(spec: SelectionSpec, capacity: int) -> StatefulSelector[SelectionSpec]:
