@@ -23,14 +23,17 @@ gear::WindowRule window_rule(WindowRuleArgs&& args) {
           seen_lo, seen_hi};
 }
 
-// A PriorityRule as Python passes it: (key, sum tree, min tree, generation, followed, rows per step, lock).
-using PriorityRuleArgs = std::tuple<std::string, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
-                                    std::shared_ptr<gear::SelectorLock>>;
+// A PriorityRule as Python passes it: (key, update key, sum tree, min tree, generation, followed, largest
+// priority, alpha, eps, rows per step, lock).
+using PriorityRuleArgs = std::tuple<std::string, std::string, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                    double, double, int64_t, std::shared_ptr<gear::SelectorLock>>;
 
 gear::PriorityRule priority_rule(PriorityRuleArgs&& args) {
-  auto& [key, sum_tree, min_tree, generation, followed, rows_per_step, lock] = args;
-  return {std::move(key), std::move(sum_tree), std::move(min_tree), std::move(generation), std::move(followed),
-          rows_per_step, std::move(lock)};
+  auto& [key, update_key, sum_tree, min_tree, generation, followed, max_priority, alpha, eps, rows_per_step, lock] =
+      args;
+  return {std::move(key),  std::move(update_key),   std::move(sum_tree), std::move(min_tree),
+          std::move(generation), std::move(followed), std::move(max_priority), alpha, eps, rows_per_step,
+          std::move(lock)};
 }
 
 // Takes a SelectorLock from Python: at once when it is free, else waiting with the GIL released (its
@@ -170,10 +173,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return gear::serve_samples(fd, store, seen_seq, max_lag, catch_up_s, rule ? &*rule : nullptr,
                                      prioritized ? &*prioritized : nullptr);
         });
-        return std::make_tuple(s.code, s.count, s.seed, s.columns, s.answered, s.op);
+        return std::make_tuple(s.code, s.count, s.seed, s.columns, s.answered, s.op, s.arrays);
       },
-      "Answer SAMPLE_ROWS, and SAMPLE_WINDOWS and SAMPLE_PRIORITIZED of the armed rules, natively until Python "
-      "must act (GIL released): (code, count, seed, columns, answered, op of the request Python answers)",
+      "Answer SAMPLE_ROWS, and SAMPLE_WINDOWS, SAMPLE_PRIORITIZED and POST_UPDATE of the armed rules, natively "
+      "until Python must act (GIL released): (code, count, seed, columns, answered, op of the request Python "
+      "answers, a refused update's arrays)",
       py::arg("fd"), py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"),
       py::arg("seen_seq"), py::arg("max_lag"), py::arg("catch_up_s"), py::arg("windows") = py::none(),
       py::arg("priorities") = py::none());

@@ -16,6 +16,7 @@ constexpr uint16_t kSampleWindows = 12;
 constexpr uint16_t kWindows = 13;
 constexpr uint16_t kSamplePrioritized = 14;
 constexpr uint16_t kPrioritized = 15;
+constexpr uint16_t kPostUpdate = 16;
 constexpr uint32_t kMaxMeta = 1u << 16;
 constexpr uint16_t kMaxArrays = 64;
 constexpr uint64_t kMaxTotal = 1ull << 34;

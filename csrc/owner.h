@@ -39,13 +39,18 @@ struct WindowRule {
 // that core's own tables, under its lock. The tables are exact only while the core has taken in every
 // commit and eviction the read section shows (`followed` equals its positions); otherwise, and once the
 // core was replaced (`followed` is -1), the request is Python's, whose pick follows the store first.
+// Priority updates a learner posts (POST_UPDATE) are applied here too, as the core's update does on the
+// CPU (cpu/priorities.cpp); one the checks refuse is handed to Python whole, which logs why.
 struct PriorityRule {
-  std::string key;       // the rule's JSON, byte for byte as learners send it in SAMPLE_PRIORITIZED
-  at::Tensor sum_tree;   // float64 masses (p + eps)^alpha (selection/trees.py PriorityTrees.sum)
-  at::Tensor min_tree;   // float64: the least positive mass
-  at::Tensor generation; // int64 [capacity]: each row's write generation
-  at::Tensor followed;   // int64 [2]: the positions [lo, hi) the core has followed
-  int64_t rows_per_step; // a live range starts on a whole time step (store/addressing.py)
+  std::string key;          // the rule's JSON, byte for byte as learners send it in SAMPLE_PRIORITIZED
+  std::string update_key;   // a POST_UPDATE's JSON for that rule
+  at::Tensor sum_tree;      // float64 masses (p + eps)^alpha (selection/trees.py PriorityTrees.sum)
+  at::Tensor min_tree;      // float64: the least positive mass
+  at::Tensor generation;    // int64 [capacity]: each row's write generation
+  at::Tensor followed;      // int64 [2]: the positions [lo, hi) the core has followed
+  at::Tensor max_priority;  // float64 scalar: the largest raw priority seen (new rows get it)
+  double alpha, eps;        // the core's, when Python armed the call (a restored owner core is a new core)
+  int64_t rows_per_step;    // a live range starts on a whole time step (store/addressing.py)
   std::shared_ptr<SelectorLock> lock;
 };
 
@@ -61,10 +66,11 @@ struct Served {
   int64_t count = 0, seed = -1, columns = 0;  // the request of kServeInPython
   int64_t answered = 0;                       // requests answered natively in this call
   int64_t op = 0;                             // that request's op (SAMPLE_ROWS, or an armed rule's)
+  std::vector<at::Tensor> arrays;             // a POST_UPDATE the checks refused: its arrays, as received
 };
 
-// Answers SAMPLE_ROWS requests, SAMPLE_WINDOWS of the `windows` rule and SAMPLE_PRIORITIZED of the
-// `priorities` rule (each if any), on `fd` (a blocking socket) until another op is next, one needs Python
+// Answers SAMPLE_ROWS requests, SAMPLE_WINDOWS of the `windows` rule and SAMPLE_PRIORITIZED and
+// POST_UPDATE of the `priorities` rule (each if any), on `fd` (a blocking socket) until another op is next, one needs Python
 // (empty store, rows a dead writer left, a new layout, a revoked read, a request out of bounds, windows
 // drawn from a view no longer current, priorities whose core has not followed the store), the store's
 // records ran `max_lag` ahead of `seen_seq`, or `catch_up_s` passed since the call began (checked from the

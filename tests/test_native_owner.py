@@ -744,3 +744,26 @@ def test_a_selector_lock_waits_without_the_interpreter_and_refuses_a_release_nob
     lock.release()
     thread.join(5)
     assert taken.is_set()
+
+
+def test_posted_updates_of_the_armed_rule_land_without_the_interpreter_as_pythons_would(owner, monkeypatch):
+    o = owner(128)
+    o.rb.extend(w.keyed_rows(100, 0))
+    o.sample(1, seed=0, spec=PRIORITIES)  # Python answers the rule's first ask and arms it
+    in_python: list[object] = []
+    update = ShardView.update
+    monkeypatch.setattr(ShardView, "update", lambda view, *args: in_python.append(args) or update(view, *args))
+    picked, _ = o.sample(8, 1, PRIORITIES)
+    rows = picked.starts.unique()
+    generation = torch.ones(rows.numel(), dtype=torch.int64)
+    generation[0] = 0  # drawn before its row was last written: its priority is dropped
+    message = update_message(PRIORITIES, torch.cat([rows, torch.tensor([-1])]), torch.full((rows.numel() + 1,), 5.0),
+                             torch.cat([generation, torch.tensor([1])]), posted=True)
+    assert post([o.client], [message]) == [None]
+    o.rb.extend(w.keyed_rows(1, 100))  # a new row gets the largest priority seen: 5, set natively
+    after, _ = o.sample(2000, 2, PRIORITIES)
+    assert in_python == [], "the extension applied the posted update"
+    mass = dict(zip(after.starts.tolist(), after.extra["mass"].tolist()))
+    assert mass[int(rows[0])] == 1.0 and {mass[r] for r in rows[1:].tolist()} == {5.0 ** 0.7}
+    high = rows.numel()  # the rows updated, less the stale one, and the new row
+    assert mass[100] == 5.0 ** 0.7 and after.mass == pytest.approx(101 - high + high * 5.0 ** 0.7)

@@ -13,6 +13,7 @@
 
 #include "framing.h"
 #include "gather.h"
+#include "priorities.h"
 #include "trees.h"
 #include "windows.h"
 
@@ -404,6 +405,65 @@ int64_t answer_prioritized(int fd, const OwnedStore& s, const Request& q, const 
   return send_reply(fd, reply);
 }
 
+// Whether the head at `p` (JSON of `meta` bytes) frames an update Python would parse: rows, as many priorities,
+// generations or none, within the request limit.
+bool frames_update(const char* p, size_t meta) {
+  const char* lengths = p + kHeader + meta;
+  const auto rows = field<uint64_t>(lengths), priorities = field<uint64_t>(lengths + 8);
+  const auto generations = field<uint64_t>(lengths + 16);
+  return rows % 8 == 0 && priorities == rows && (generations == 0 || generations == rows) &&
+         rows / 8 <= static_cast<uint64_t>(kMaxPositions) && field<uint64_t>(p + 12) == rows + priorities + generations;
+}
+
+// A POST_UPDATE whose head (at `p`) frames_update, read whole into `arrays` (each array's bytes); 0 or -errno.
+int64_t receive_update(int fd, char* p, size_t meta, std::vector<at::Tensor>& arrays) {
+  std::vector<uint64_t> lengths;
+  for (size_t i = 0; i < 3; ++i) lengths.push_back(field<uint64_t>(p + kHeader + meta + 8 * i));
+  int64_t status = receive(fd, p, kHeader + meta + 24, false);
+  for (const uint64_t n : lengths) {
+    if (status < 0) return status;
+    arrays.push_back(at::empty({static_cast<int64_t>(n)}, at::kByte));
+    if (n > 0) status = receive(fd, static_cast<char*>(arrays.back().data_ptr()), n, false);
+  }
+  return status;
+}
+
+// PrioritySelector.update on the CPU (selection/priorities.py), under the core's lock: true once applied;
+// false, with nothing changed, when a check refused it (Python then says why).
+bool apply_update(const PriorityRule& r, const std::vector<at::Tensor>& arrays) {
+  const at::Tensor rows = arrays[0].view(at::kLong), priority = arrays[1].view(at::kDouble);
+  std::optional<at::Tensor> drawn;
+  if (arrays[2].numel() > 0) drawn = arrays[2].view(at::kLong);
+  std::lock_guard<std::mutex> lock(r.lock->mutex);
+  const PriorityUpdate done = priority_update(r.sum_tree, r.min_tree, r.generation, rows, priority, drawn, r.alpha,
+                                              r.eps, r.generation.numel());
+  if (done.applied) {
+    double* max_priority = r.max_priority.data_ptr<double>();
+    *max_priority = std::max(*max_priority, done.landed_max);
+  }
+  return done.applied;
+}
+
+// A POST_UPDATE of `r` met by serve_samples: applied (true), or `served` says what Python does next: read
+// it itself (another rule's, or one it refuses with its own words: nothing of it was read), answer the
+// refused one whose arrays it carries, or end the connection.
+bool took_update(int fd, char* p, const PriorityRule& r, Served& served) {
+  const size_t meta = r.update_key.size();
+  if (field<uint16_t>(p + 6) != 3 || field<uint32_t>(p + 8) != meta) return false;
+  served.code = receive(fd, p, kHeader + meta + 24, true);
+  if (served.code < 0) return false;
+  served.code = kNextIsOther;
+  if (std::memcmp(p + kHeader, r.update_key.data(), meta) != 0 || !frames_update(p, meta)) return false;
+  std::vector<at::Tensor> arrays;
+  served.code = receive_update(fd, p, meta, arrays);
+  if (served.code < 0) return false;
+  if (apply_update(r, arrays)) return true;
+  served.code = kServeInPython;
+  served.op = kPostUpdate;
+  served.arrays = std::move(arrays);
+  return false;
+}
+
 // Whether the view behind `r` is current: nothing published or evicted since it caught up.
 bool current(const int64_t* header, int64_t seen_seq, const WindowRule& r) {
   return load(header, kPublishedSeq) == seen_seq && readable_lo(header) <= r.seen_lo;
@@ -441,8 +501,11 @@ void check_priority_rule(const PriorityRule& r) {
               "priority rule: one contiguous int64 generation per leaf");
   TORCH_CHECK(r.followed.scalar_type() == at::kLong && r.followed.numel() == 2 && r.followed.is_contiguous(),
               "priority rule: followed is two int64 positions");
-  TORCH_CHECK(r.rows_per_step >= 1 && r.lock != nullptr && !r.key.empty() && r.key.size() <= kMaxMeta,
-              "priority rule: bad step, lock or key");
+  TORCH_CHECK(r.max_priority.scalar_type() == at::kDouble && r.max_priority.numel() == 1 && r.max_priority.is_cpu(),
+              "priority rule: the largest priority is one float64 on the CPU");
+  TORCH_CHECK(r.rows_per_step >= 1 && r.lock != nullptr && !r.key.empty() && r.key.size() <= kMaxMeta &&
+                  !r.update_key.empty() && r.update_key.size() <= kMaxMeta,
+              "priority rule: bad step, lock or keys");
 }
 
 void check_owned_store(const OwnedStore& s) {
@@ -541,8 +604,9 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
     if (op == kSamplePrioritized && priorities != nullptr) return &priorities->key;
     return nullptr;
   };
-  const size_t key_bytes = std::max(windows != nullptr ? windows->key.size() : 0,
-                                    priorities != nullptr ? priorities->key.size() : 0);
+  const size_t key_bytes = std::max({windows != nullptr ? windows->key.size() : 0,
+                                     priorities != nullptr ? priorities->key.size() : 0,
+                                     priorities != nullptr ? priorities->update_key.size() : 0});
   std::vector<char> request(kHeader + key_bytes + kAskBytes);
   char* p = request.data();
   Served served{kNextIsOther};
@@ -553,6 +617,10 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
     // Anything else, a malformed ask included, is Python's to read and answer (so nothing here waits for
     // bytes a message does not have).
     const auto op = field<uint16_t>(p + 4);
+    if (op == kPostUpdate && priorities != nullptr) {
+      if (!took_update(fd, p, *priorities, served)) return served;
+      continue;
+    }
     const std::string* key = key_of(op);
     if (key == nullptr || !frames_one_ask(p, key->size())) return served;
     const size_t meta = key->size();

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from gear_torchrl.distributed import wire
-from gear_torchrl.distributed.shard_client import Ask
+from gear_torchrl.distributed.shard_client import Ask, rule_meta
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.errors import ReadRevokedError, StoreClosedError
@@ -47,8 +47,8 @@ CATCH_UP_S = 1.0  # the view replays the records published meanwhile at least th
 _Source = tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]
 # csrc/owner.h WindowRule: (key, tree, episode starts, lengths, window_len, burn_in, strict_length, seen lo, hi)
 _WindowRule = tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor, int, int, bool, int, int]
-# csrc/owner.h PriorityRule: (key, sum tree, min tree, generation, followed, rows per step, lock)
-_PriorityRule = tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, Any]
+# csrc/owner.h PriorityRule: (key, update key, *PrioritySelector.native_tables(), rows per step, lock)
+_PriorityRule = tuple[Any, ...]
 _Armed = tuple[bytes, dict[str, Any], SelectionSpec]  # an armed rule: its JSON as sent, parsed, and its spec
 
 
@@ -73,11 +73,13 @@ class NativeOwner:
             if source is None:
                 return None
             version, header, reader, columns = source
-            code, count, seed, num_columns, answered, op = _C.serve_samples(
+            code, count, seed, num_columns, answered, op, arrays = _C.serve_samples(
                 conn.fileno(), header, reader, columns, version, log.seen_seq, log.num_records // 4, CATCH_UP_S,
                 self._window_rule(), self._priority_rule())
             if code == _NEXT_IS_OTHER:
                 return None
+            if code == _SERVE_IN_PYTHON and op == Op.POST_UPDATE and self._priorities is not None:
+                return Message(op, {"selection": self._priorities[1]}, arrays)  # refused: Python logs why
             if code == _SERVE_IN_PYTHON:
                 ask = torch.tensor([count, seed, num_columns], dtype=torch.int64).view(torch.uint8)
                 armed = {Op.SAMPLE_WINDOWS: self._windows, Op.SAMPLE_PRIORITIZED: self._priorities}.get(op)
@@ -114,7 +116,7 @@ class NativeOwner:
         return key, *state, spec.window_len, spec.burn_in, spec.strict_length, lo, hi
 
     def _priority_rule(self) -> _PriorityRule | None:
-        """The armed prioritized rule as the extension draws it: the shared core's tables and lock."""
+        """The armed prioritized rule as the extension draws and updates it: the shared core's tables and lock."""
         if self._priorities is None:
             return None
         key, _, spec = self._priorities
@@ -122,7 +124,7 @@ class NativeOwner:
         tables = core.native_tables() if isinstance(core, PrioritySelector) else None
         if tables is None:
             return None
-        return key, *tables, self.view.shard.addressing.rows_per_step, lock
+        return key, rule_meta(spec), *tables, self.view.shard.addressing.rows_per_step, lock
 
     def answer_in_place(self, ask: Ask) -> Picked | None:
         """``ask``'s uniform rows, or windows of the armed rule, drawn and gathered into its own tensors as the

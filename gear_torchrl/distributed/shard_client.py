@@ -356,12 +356,12 @@ def update_message(spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tens
     generation = _NO_GENERATIONS if generation is None else generation.to(torch.int64)
     arrays: list[torch.Tensor | bytes] = [rows.to(torch.int64).contiguous(), priority.to(torch.float64).contiguous(),
                                           generation.contiguous()]
-    return EncodedMessage(Op.POST_UPDATE if posted else Op.UPDATE, _rule_meta(spec), arrays)
+    return EncodedMessage(Op.POST_UPDATE if posted else Op.UPDATE, rule_meta(spec), arrays)
 
 
 def give_back_message(spec: SelectionSpec, rows: torch.Tensor) -> EncodedMessage:
     """Rows of an earlier pick the learner did not use (a queue serves them again)."""
-    return EncodedMessage(Op.GIVE_BACK, _rule_meta(spec), [rows.to(torch.int64).contiguous()])
+    return EncodedMessage(Op.GIVE_BACK, rule_meta(spec), [rows.to(torch.int64).contiguous()])
 
 
 _NO_GENERATIONS = torch.empty(0, dtype=torch.int64)
@@ -400,8 +400,8 @@ def _spec_json(spec: SelectionSpec) -> bytes:
 
 
 @functools.lru_cache(maxsize=256)
-def _rule_meta(spec: SelectionSpec) -> bytes:
-    """An UPDATE's or GIVE_BACK's metadata: the rule it is for."""
+def rule_meta(spec: SelectionSpec) -> bytes:
+    """An UPDATE's, POST_UPDATE's or GIVE_BACK's metadata: the rule it is for."""
     return b'{"selection":%s}' % _spec_json(spec)
 
 

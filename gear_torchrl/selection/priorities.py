@@ -39,6 +39,8 @@ from gear_torchrl.store.state_checks import (
 )
 
 _NONE = torch.empty(0, dtype=torch.int64)
+# (sum tree, min tree, generations, followed positions, largest raw priority, alpha, eps)
+NativeTables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float]
 
 
 class ProportionalSpec(SelectionSpec):
@@ -107,11 +109,12 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
             self._position = position
             self.followed_words.copy_(torch.tensor(position, dtype=torch.int64))
 
-    def native_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(sum tree, min tree, generations, followed positions) the extension draws from; None on a GPU."""
+    def native_tables(self) -> NativeTables | None:
+        """What the native owner draws from and updates (csrc/owner.h PriorityRule); None on a GPU."""
         if not isinstance(self.trees, PriorityTrees):
             return None
-        return self.trees.sum, self.trees.min, self.generation, self.followed_words
+        return (self.trees.sum, self.trees.min, self.generation, self.followed_words, self.max_raw_priority,
+                self.alpha, self.eps)
 
     def retire(self) -> None:
         self.followed_words.fill_(-1)  # never the store's positions: the extension leaves every draw to Python
@@ -204,7 +207,7 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
         mass, generation = state["mass"].to(self.device), state["generation"].to(self.device)
         rows = torch.arange(mass.numel(), device=self.device)
         self.alpha, self.eps = state["alpha"], state["eps"]
-        self.max_raw_priority = torch.tensor(state["max_raw_priority"], dtype=torch.float64, device=self.device)
+        self.max_raw_priority.fill_(state["max_raw_priority"])  # in place: the native owner may hold this tensor
         self.trees.set(rows, mass, mass > 0)
         self.generation[rows] = generation
 
@@ -241,5 +244,5 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
         self.trees.load_tensors({k: state[k] for k in self.trees.tensors()})
         self.generation.copy_(state["generation"])
         self.alpha, self.eps = state["alpha"], state["eps"]
-        self.max_raw_priority = torch.tensor(state["max_raw_priority"], dtype=torch.float64, device=self.device)
+        self.max_raw_priority.fill_(state["max_raw_priority"])  # in place: the native owner may hold this tensor
         self.writes += 1  # draws before the load say nothing of the loaded rows
