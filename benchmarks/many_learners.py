@@ -10,6 +10,9 @@ remote buffers holding the same 200k steps (``service_backend="ray"``, transport
 and ``distributed``, one actor per transport and batch size, as in ``sharded_cost.py``)
 and hands every learner a client of its own (``RayReplayBuffer.clients``), which it
 reaches by joining the Ray cluster: how TorchRL has several consumers share one buffer.
+``--rule prioritized``: every learner draws prioritized rows and posts a priority update
+per batch (as ``sharded_cost.py --rule prioritized``), all on the owners' one table per
+rule; Ray is left out (its buffer is compared on uniform rows).
 
 Contenders take turns: in a turn every learner draws the same number of batches from one
 contender at once, between two barriers of the learners' group. Per contender and batch
@@ -18,7 +21,8 @@ time), learner CPU per batch (its process, every thread; mean over learners), an
 serving side's CPU per request (each owner, or the Ray actor: every thread, from
 ``/proc``; a batch is one request to each owner).
 
-    .venv/bin/python benchmarks/many_learners.py --ray-site .ray-site [--owners 1 2] [--learners 1 2]
+    .venv/bin/python benchmarks/many_learners.py --ray-site .ray-site [--owners 1 2] [--learners 1 2] \
+        [--rule rows|prioritized]
 """
 from __future__ import annotations
 
@@ -30,15 +34,17 @@ import time
 
 import torch
 from harness import free_port, run_ranks, table, write_json
-from sharded_cost import STEPS, _fill, _thread_cpu_ns, ray_actor_pid, ray_buffers, use_ray_site
+from sharded_cost import STEPS, _fill, _samplers, _sampling, _thread_cpu_ns, ray_actor_pid, ray_buffers, use_ray_site
 
 SECONDS_PER_TURN = 0.3  # how long the learners draw from one contender in one round
 
 
-def _ours(rb, storage, prefetch: bool):
+def _ours(rb, storage, prefetch: bool, rule: str):
+    step = _sampling(rb, rule)
+
     def sample(b: int):
         storage.prefetch = prefetch
-        return rb.sample(b)
+        return step(b)
     return sample
 
 
@@ -71,7 +77,7 @@ def _ray_contenders(learner: int, learners: int, store, batches: list[int]) -> t
 
 
 def _learn(storage, learner: int, learners: int, group, store, owner_pids: list[int], batches: list[int],
-           rounds: int) -> dict | None:
+           rounds: int, rule: str) -> dict | None:
     """Take turns with every contender; learner 0 returns the medians (the others None)."""
     import logging
 
@@ -79,11 +85,13 @@ def _learn(storage, learner: int, learners: int, group, store, owner_pids: list[
     from torchrl.data import TensorDictReplayBuffer
 
     logging.getLogger("torchrl").setLevel(logging.WARNING)
-    rb = TensorDictReplayBuffer(storage=storage, batch_size=batches[0])
+    sampler = _samplers(rule)[1]
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=batches[0], **({"sampler": sampler} if sampler else {}))
     served = {b: owner_pids for b in batches}
-    contenders = {"sharded": (_ours(rb, storage, False), served), "prefetch": (_ours(rb, storage, True), served)}
+    contenders = {"sharded": (_ours(rb, storage, False, rule), served),
+                  "prefetch": (_ours(rb, storage, True, rule), served)}
     keep: list = []
-    if os.environ.get("GEAR_BENCH_RAY_SITE"):
+    if os.environ.get("GEAR_BENCH_RAY_SITE") and rule == "rows":
         ray_contenders, keep = _ray_contenders(learner, learners, store, batches)
         contenders.update(ray_contenders)
     calls = {}
@@ -128,7 +136,8 @@ def _learn(storage, learner: int, learners: int, group, store, owner_pids: list[
             for (name, b), runs in turns.items()}
 
 
-def _rank(rank: int, owners: int, learners: int, port: int, batches: list[int], rounds: int, out) -> None:
+def _rank(rank: int, owners: int, learners: int, port: int, batches: list[int], rounds: int, rule: str,
+          out) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -148,7 +157,7 @@ def _rank(rank: int, owners: int, learners: int, port: int, batches: list[int], 
     dist.barrier()
     if rank >= owners:
         pids = [int(store.get(f"pid/{r}")) for r in range(owners)]
-        result = _learn(storage, rank - owners, learners, group, store, pids, batches, rounds)
+        result = _learn(storage, rank - owners, learners, group, store, pids, batches, rounds, rule)
         if result is not None:
             out.put(result)
     dist.barrier()
@@ -156,8 +165,8 @@ def _rank(rank: int, owners: int, learners: int, port: int, batches: list[int], 
     dist.destroy_process_group()
 
 
-def run_job(owners: int, learners: int, batches: list[int], rounds: int) -> dict:
-    return run_ranks(_rank, owners + learners, (owners, learners, free_port(), batches, rounds),
+def run_job(owners: int, learners: int, batches: list[int], rounds: int, rule: str = "rows") -> dict:
+    return run_ranks(_rank, owners + learners, (owners, learners, free_port(), batches, rounds, rule),
                      f"{owners} owners, {learners} learners", 1800)
 
 
@@ -183,6 +192,8 @@ def main() -> None:
     parser.add_argument("--learners", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rule", choices=["rows", "prioritized"], default="rows",
+                        help="uniform rows, or prioritized rows with a priority update per batch")
     parser.add_argument("--ray-site", default=None,
                         help="a folder holding Ray (pip install --target): adds TorchRL's remote buffer on Ray")
     parser.add_argument("--out", default="bench_out/many_learners.json")
@@ -194,11 +205,12 @@ def main() -> None:
     rows = []
     for owners in args.owners:
         for learners in args.learners:
-            result = run_job(owners, learners, args.batches, args.rounds)
+            result = run_job(owners, learners, args.batches, args.rounds, args.rule)
             rows += [_row(owners, learners, b, result) for b in args.batches]
             print(table(rows[-len(args.batches):], list(rows[-1])), flush=True)
     print(table(rows, list(rows[0])))
-    write_json(args.out, {"benchmark": "many_learners", "steps": STEPS, "rounds": args.rounds, "rows": rows})
+    write_json(args.out, {"benchmark": "many_learners", "rule": args.rule, "steps": STEPS, "rounds": args.rounds,
+                          "rows": rows})
 
 
 if __name__ == "__main__":

@@ -36,9 +36,9 @@ struct WindowRule {
 };
 
 // A rule of prioritized rows the extension draws as selection/priorities.py's PrioritySelector does, from
-// that core's own tables, under its lock. The tables are exact only while the core has taken in every
-// commit and eviction the read section shows (`followed` equals its positions); otherwise, and once the
-// core was replaced (`followed` is -1), the request is Python's, whose pick follows the store first.
+// that core's own tables, under its lock. Before a draw the core takes in the commits and evictions the
+// read section shows since it last looked (`followed`), as its Python follow would; a core replaced or
+// emptied (`followed` is -1) or dead rows among the new ones leave the request to Python.
 // Priority updates a learner posts (POST_UPDATE) are applied here too, as the core's update does on the
 // CPU (cpu/priorities.cpp); one the checks refuse is handed to Python whole, which logs why.
 struct PriorityRule {

@@ -666,23 +666,36 @@ def _assert_same_prioritized(o: Owner, picked: Picked, seed: int) -> None:
     assert picked.mass == selected.mass and picked.scalars["min_mass"] == selected.scalars["min_mass"]
 
 
-def test_prioritized_rows_follow_new_rows_and_evictions_through_python_then_natively(owner):
+def test_the_extension_follows_new_rows_and_evictions_as_python_does(owner):
     o = owner(64)
     o.rb.extend(w.keyed_rows(40, 0))
-    o.sample(1, seed=0, spec=PRIORITIES)
+    o.sample(1, seed=0, spec=PRIORITIES)  # Python answers the rule's first ask and arms it
     for i in range(6):  # the ring wraps: rows are evicted and rewritten
         o.rb.extend(w.keyed_rows(25, 40 + 25 * i))
-        before = o.python_picks
-        followed, _ = o.sample(32, 100 + i, PRIORITIES)
-        assert o.python_picks == before + 1, "a table behind the store is Python's to bring up to date"
-        picked, rows = o.sample(32, 200 + i, PRIORITIES)
-        assert o.python_picks == before + 1, "then the extension answers"
-        live = set(range(40 + 25 * (i + 1) - 64, 40 + 25 * (i + 1)))
-        assert set(rows["obs"].long().tolist()) <= live, "never an evicted row"
+        picked, rows = o.sample(32, 100 + i, PRIORITIES)
+        assert o.python_picks == 1, "the extension took the new rows and evictions in, and drew"
+        written = 40 + 25 * (i + 1)
+        assert set(rows["obs"].long().tolist()) <= set(range(written - 64, written)), "never an evicted row"
         assert torch.equal(rows["obs"].long() % 64, picked.starts)
-        assert bool((followed.extra["generation"] >= 1).all())
-        assert picked.scalars["rows"] == followed.scalars["rows"] >= 60, "the rows the shard holds, as Python counts"
-        _assert_same_prioritized(o, picked, 200 + i)
+        assert torch.equal(picked.extra["generation"], rows["obs"].long() // 64 + 1), "one generation per write"
+        fresh = _python_picked(o.storage, 32, 100 + i, PRIORITIES)  # a new core, following the store from scratch
+        assert torch.equal(picked.starts, fresh.starts) and picked.mass == fresh.mass
+        assert picked.scalars == {"rows": fresh.scalars["rows"], "min_mass": fresh.scalars["min_mass"]}
+
+
+def test_rows_a_dead_writer_left_are_followed_by_python(owner):
+    o = owner(64)
+    o.rb.extend(w.keyed_rows(10, 0))
+    o.sample(1, seed=0, spec=PRIORITIES)
+    log = o.storage.shard.visibility.log
+    log.commit(log.reserve(5), dead=True)
+    o.rb.extend(w.keyed_rows(10, 15))
+    picked, rows = o.sample(200, 9, PRIORITIES)
+    assert o.python_picks == 2, "dead rows among the new ones: Python's follow leaves them out"
+    assert not bool(((picked.starts >= 10) & (picked.starts < 15)).any())
+    assert torch.equal(rows["obs"], picked.starts.float())
+    again, _ = o.sample(8, 10, PRIORITIES)
+    assert o.python_picks == 2 and again.count == 8, "then the extension draws again"
 
 
 def test_a_native_draw_never_sees_an_update_half_applied(owner):

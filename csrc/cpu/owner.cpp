@@ -344,9 +344,35 @@ struct PrioritizedPicks {
   int64_t* generation;
 };
 
+// Selector.follow of a PrioritySelector on a shared shard (selection/base.py, store/shared_commits.py
+// rows_changed_since), under the core's lock: rows evicted since the core last looked lose their mass, rows
+// committed since get a new generation and the mass of the largest priority seen, and the core has followed
+// the live positions [lo, hi). False where Python must follow: a core replaced or emptied, or rows a dead
+// writer left among the new ones.
+bool follow(const PriorityRule& r, int64_t lo, int64_t hi, int64_t dead_end, int64_t capacity) {
+  int64_t* followed = r.followed.data_ptr<int64_t>();
+  const int64_t old_lo = followed[0], old_hi = followed[1];
+  if (old_lo == lo && old_hi == hi) return true;
+  const int64_t first_new = std::max(old_hi, lo);
+  if (old_lo < 0 || old_hi < old_lo || lo < old_lo || hi < old_hi || dead_end > first_new) return false;
+  const int64_t gone_end = std::min(lo, old_hi);
+  const at::Tensor gone = at::arange(std::max(old_lo, gone_end - capacity), std::max(old_lo, gone_end), at::kLong)
+                              .remainder_(capacity);
+  priority_set(r.sum_tree, r.min_tree, gone, at::zeros({gone.numel()}, at::kDouble), std::nullopt);
+  const at::Tensor rows = at::arange(first_new, hi, at::kLong).remainder_(capacity);
+  int64_t* generation = r.generation.data_ptr<int64_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i) ++generation[row[i]];
+  const at::Tensor mass = at::pow(r.max_priority + r.eps, r.alpha);  // as PrioritySelector.written computes it
+  priority_set(r.sum_tree, r.min_tree, rows, mass.expand({rows.numel()}).contiguous(), std::nullopt);
+  followed[0] = lo;
+  followed[1] = hi;
+  return true;
+}
+
 // PrioritySelector.pick's draw (selection/priorities.py), under the core's lock and a read section: the
-// core must have followed every commit and eviction the section shows, and hold mass, or Python answers
-// (its pick follows the store first, or says why nothing can be drawn). The picks' rows are gathered
+// core follows what the section shows first, and must hold mass, or Python answers (its pick follows the
+// store itself, or says why nothing can be drawn). The picks' rows are gathered
 // into `out` once the lock is let go. Returns the rows the shard holds, or -1.
 int64_t sample_prioritized(const OwnedStore& s, const Request& q, const PriorityRule& r, const PrioritizedPicks& picks,
                            double& mass, double& min_mass, std::vector<at::Tensor> out) {
@@ -359,9 +385,9 @@ int64_t sample_prioritized(const OwnedStore& s, const Request& q, const Priority
   if (section.hi <= lo) return -1;
   {
     std::lock_guard<std::mutex> lock(r.lock->mutex);
-    const int64_t* followed = r.followed.data_ptr<int64_t>();
+    if (!follow(r, lo, section.hi, load(header, kDeadEnd), s.columns.front().size(0))) return -1;
     mass = r.sum_tree.data_ptr<double>()[0];
-    if (followed[0] != lo || followed[1] != section.hi || !(mass > 0)) return -1;
+    if (!(mass > 0)) return -1;
     min_mass = r.min_tree.data_ptr<double>()[0];
     if (q.count > 0) {
       std::optional<at::Generator> generator;

@@ -93,20 +93,19 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
         # A device tensor, so updates never wait for the GPU to learn the new maximum.
         self.max_raw_priority = torch.tensor(1.0, dtype=torch.float64, device=self.device)
         self.writes = 0  # calls to ``written``: none since a draw means none of its rows was rewritten
-        self.retire()  # the tables made above replace those a native draw may hold
+        self.retire()  # the tables made above replace those a native draw may hold: it follows new words
         self.followed_words = torch.zeros(2, dtype=torch.int64)
-        self._position = (0, 0)
 
     # -- what the native owner draws from (distributed/native_owner.py) -------------------
     @property
     def _followed(self) -> tuple[int, int]:
-        return self._position
+        """How far the tables have followed the store: kept in a tensor, which the native owner follows too."""
+        lo, hi = self.followed_words.tolist()
+        return lo, hi
 
     @_followed.setter
     def _followed(self, position: tuple[int, int]) -> None:
-        """How far the tables have followed the store, also in ``followed_words`` for the extension's check."""
-        if position != self._position:
-            self._position = position
+        if position != self._followed:
             self.followed_words.copy_(torch.tensor(position, dtype=torch.int64))
 
     def native_tables(self) -> NativeTables | None:
