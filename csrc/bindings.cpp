@@ -222,6 +222,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "A batch's split across shards of `masses`, and a seed per owner (None without a generator)",
       py::arg("masses"), py::arg("count"), py::arg("generator") = py::none());
+  m.def(
+      "split_updates",
+      [](const at::Tensor& shards, const at::Tensor& rows, const at::Tensor& priority,
+         const std::optional<at::Tensor>& generation, const std::vector<int64_t>& capacities, int64_t op,
+         const std::string& meta) {
+        gear::UpdateSplit split = [&] {
+          py::gil_scoped_release released;
+          return gear::split_updates(shards, rows, priority, generation, capacities, op, meta);
+        }();
+        std::vector<py::bytes> frames(split.frames.begin(), split.frames.end());
+        return py::make_tuple(split.refused, split.at, split.lo, split.hi, split.owners, split.counts, split.rows,
+                              split.priority, split.generation.defined() ? py::cast(split.generation) : py::none(),
+                              frames);
+      },
+      "A batch's priority updates checked, grouped by owner and framed: (refused, at, lo, hi, owners, counts, rows, "
+      "priority, generation, frames)",
+      py::arg("shards"), py::arg("rows"), py::arg("priority"), py::arg("generation"), py::arg("capacities"),
+      py::arg("op"), py::arg("meta"));
   m.def("owner_constants", &gear::owner_constants);
   m.def("built_with_cuda", &built_with_cuda);
   m.def("tree_nodes", &gear::tree_nodes, "Size of a tree tensor over `capacity` leaves", py::arg("capacity"));

@@ -475,12 +475,14 @@ class Flight(Generic[Answer]):
         return cast("list[Answer | Exception]", self._outcomes)  # every owed answer was taken
 
 
-def post(clients: list[ShardClient], messages: list[EncodedMessage]) -> list[Exception | None]:
-    """Send each client its message, waiting for no reply (posted priority updates): one native send under
-    the clients' locks (taken in the order given, as a flight takes them). Each failure is that client's."""
+def post(clients: list[ShardClient], messages: list[EncodedMessage | bytes]) -> list[Exception | None]:
+    """Send each client its message (or its bytes, framed already), waiting for no reply (posted priority
+    updates): one native send under the clients' locks (taken in the order given, as a flight takes them).
+    Each failure is that client's."""
+    frames = [m if isinstance(m, bytes) else wire.encode(m) for m in messages]
     with _Locks([client._lock for client in clients]):
         timeout = max((client._timeout for client in clients), default=0.0)
-        return _send_all(clients, [wire.encode(m) for m in messages], timeout)
+        return _send_all(clients, frames, timeout)
 
 
 def _send_all(clients: list[ShardClient], frames: list[bytes], timeout: float) -> list[Exception | None]:

@@ -32,13 +32,19 @@ from gear_torchrl.distributed.shard_client import (
     landing_extra,
     landing_picks,
     post,
-    update_message,
+    rule_meta,
 )
 from gear_torchrl.distributed.transports.base import ColumnLayout, Transport
 from gear_torchrl.distributed.transports.registry import CHOICES, Reach, open_transport
+from gear_torchrl.distributed.wire import Op
 from gear_torchrl.errors import EmptyStoreError, ShardUnavailableError, SpecMismatchError
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.checked_inputs import as_generation, as_priority, refuse_out_of_range
+from gear_torchrl.selection.checked_inputs import (
+    as_generation,
+    refuse_out_of_range,
+    refuse_priority_at,
+    shaped_priority,
+)
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
@@ -50,6 +56,7 @@ logger = logging.getLogger(__name__)
 _MAX_ROUNDS = 8  # selection rounds per batch (shards that came up short, or failed, are made up for)
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 _PROBE = UniformSpec()  # what asks every shard for its rows
+_BAD_PRIORITY, _BAD_ROW, _BAD_SHARD = 1, 2, 3  # csrc/shares.h UpdateRefusal
 
 
 @dataclass
@@ -439,21 +446,31 @@ class ShardSet:
         """Route priority updates to the shards that own the rows, one request per shard, posted: the learner
         does not wait for the owners to apply them (a connection's next request comes after its update).
 
-        Every check an owner makes is made here first, so bad input is refused before any owner is told.
+        Every check an owner makes is made here first, so bad input is refused before any owner is told;
+        the checks, the split by owner and each owner's message are one extension call.
         """
         shards, rows = global_ids.decode(index)
-        priority = as_priority(priority, rows.numel())
+        priority = shaped_priority(priority, rows.numel())
         generation = as_generation(generation, rows.numel())
-        live = self.live()  # rows of skipped shards are dropped with them
-        parts = _updates_by_shard(shards, rows, priority, generation)
-        owners = [s for s in parts if s in live or s >= self.num_shards]
-        for s in owners:
-            if s >= self.num_shards:
-                raise IndexError(f"a row id names shard {s}, but the store has {self.num_shards} shards")
-            lo, hi = torch.aminmax(parts[s][0])
-            refuse_out_of_range(int(lo), int(hi), self.descriptors[s].capacity, None)
-        self._tell_owners(owners, lambda s: update_message(spec, *parts[s], posted=True),
-                          lambda view, s: view.update(spec, *parts[s]), wait=False)
+        live = set(self.live())  # rows of skipped shards are dropped with them
+        capacities = [d.capacity if d.shard in live else -1 for d in self.descriptors]
+        refused, at, lo, hi, owners, counts, rows, told, generation, frames = _C.split_updates(
+            shards, rows, priority, generation, capacities, Op.POST_UPDATE, rule_meta(spec))
+        if refused == _BAD_PRIORITY:
+            refuse_priority_at(priority, at)
+        if refused == _BAD_ROW:
+            refuse_out_of_range(lo, hi, capacities[at], None)
+        if refused == _BAD_SHARD:
+            raise IndexError(f"a row id names shard {at}, but the store has {self.num_shards} shards")
+        bounds = [0, *itertools.accumulate(counts)]
+        parts = {s: slice(a, b) for s, a, b in zip(owners, bounds, bounds[1:])}
+        frame_of = dict(zip(owners, frames))
+
+        def in_place(view: Any, s: int) -> None:
+            part = parts[s]
+            view.update(spec, rows[part], told[part], None if generation is None else generation[part])
+
+        self._tell_owners(owners, frame_of.__getitem__, in_place, wait=False)
         self.live()  # skipping may have left none
 
     # -- statistics --------------------------------------------------------------------------
@@ -592,17 +609,6 @@ def _ring_rows(windows: Windows, capacities: list[int], counts: list[int]) -> to
         return windows.rows(capacities[0])
     ends = list(itertools.accumulate(counts))
     return torch.cat([windows.part(e - n, e).rows(c) for c, n, e in zip(capacities, counts, ends)])
-
-
-def _updates_by_shard(shards: torch.Tensor, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None
-                      ) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """Each shard's rows, priorities and generations, in their order: one stable sort, whatever the number
-    of shards (a repeated row's last priority stays last)."""
-    order = torch.argsort(shards, stable=True)
-    ids, counts = torch.unique_consecutive(shards[order], return_counts=True)
-    sizes = counts.tolist()
-    generations = [None] * len(sizes) if generation is None else generation[order].split(sizes)
-    return dict(zip(ids.tolist(), zip(rows[order].split(sizes), priority[order].split(sizes), generations)))
 
 
 def _draw_shares(count: int, masses: list[float], generator: torch.Generator | None
