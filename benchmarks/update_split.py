@@ -11,6 +11,7 @@ turns (one thread):
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -60,8 +61,8 @@ def main() -> None:
         rows = torch.randint(0, ROWS, (args.batch,), generator=generator)
         priority = torch.rand(args.batch, generator=generator) + 0.1
         assert in_tensor_ops(shards, rows, priority) == in_one_call(shards, rows, priority, owners)
-        got = interleaved_medians({"tensor ops": lambda: in_tensor_ops(shards, rows, priority),
-                                   "one call": lambda: in_one_call(shards, rows, priority, owners)},
+        got = interleaved_medians({"tensor ops": functools.partial(in_tensor_ops, shards, rows, priority),
+                                   "one call": functools.partial(in_one_call, shards, rows, priority, owners)},
                                   repeats=args.repeats, inner=200, clock=time.process_time)
         rows_out.append({"owners": owners, "batch": args.batch, "tensor ops us": f"{got['tensor ops'] * 1e6:.1f}",
                          "one call us": f"{got['one call'] * 1e6:.1f}",
