@@ -683,6 +683,41 @@ def test_the_extension_follows_new_rows_and_evictions_as_python_does(owner):
         assert picked.scalars == {"rows": fresh.scalars["rows"], "min_mass": fresh.scalars["min_mass"]}
 
 
+def test_prioritized_rows_drawn_while_writers_lap_the_ring_are_never_torn_and_carry_their_generation(owner):
+    o = owner(256)
+    o.rb.extend(w.keyed_rows(256, 0, v=0.0))
+    o.sample(1, seed=0, spec=PRIORITIES)
+    stop = threading.Event()
+
+    def write() -> None:
+        first = 256
+        while not stop.is_set():
+            rows = w.keyed_rows(64, first)
+            rows["v"] = rows["obs"] * 2  # every column of a row agrees
+            o.rb.extend(rows)
+            first += 64
+
+    seen: dict[int, tuple[int, int]] = {}  # ring row -> (the write it held, its generation) when last drawn
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        for seed in range(150):
+            picked, rows = o.sample(128, seed, PRIORITIES)
+            assert torch.equal(rows["obs"].long() % 256, picked.starts)
+            fresh = rows["obs"] >= 256
+            assert torch.equal(rows["v"][fresh], 2 * rows["obs"][fresh])
+            for row, write_, generation in zip(picked.starts.tolist(), rows["obs"].long().tolist(),
+                                               picked.extra["generation"].tolist()):
+                before = seen.setdefault(row, (write_, generation))
+                assert (write_ > before[0]) == (generation > before[1]) and write_ >= before[0], (
+                    "a row's generation moves on exactly when it was rewritten (what drops a stale update)")
+                seen[row] = write_, generation
+    finally:
+        stop.set()
+        writer.join()
+    assert o.python_picks < 50, "most asks were followed and drawn natively"
+
+
 def test_rows_a_dead_writer_left_are_followed_by_python(owner):
     o = owner(64)
     o.rb.extend(w.keyed_rows(10, 0))
