@@ -3,6 +3,7 @@ SAMPLE_PRIORITIZED): the same picks and rows as its Python path, never a torn or
 table, and everything unusual answered by Python."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -234,28 +235,40 @@ def test_catching_up_with_the_store_between_answers_changes_nothing(owner, monke
 def test_rows_read_while_writers_lap_the_ring_are_never_torn(learner, request):
     o = request.getfixturevalue(learner)(256)
     o.rb.extend(w.keyed_rows(256, 0, v=0.0))
+    with _lapping_the_ring(o.rb, 256):
+        for seed in range(200):
+            picked, *_, rows = o.sample(128, seed=seed)
+            _assert_whole_rows(rows, picked, 256)
+    assert o.python_picks < 200, "most asks were answered natively"
+
+
+@contextlib.contextmanager
+def _lapping_the_ring(rb: TensorDictReplayBuffer, written: int):
+    """A writer thread appending rows (each column of a row agreeing) until the block ends."""
     stop = threading.Event()
 
     def write() -> None:
-        first = 256
+        first = written
         while not stop.is_set():
             rows = w.keyed_rows(64, first)
-            rows["v"] = rows["obs"] * 2  # every column of a row agrees
-            o.rb.extend(rows)
+            rows["v"] = rows["obs"] * 2
+            rb.extend(rows)
             first += 64
 
     writer = threading.Thread(target=write)
     writer.start()
     try:
-        for seed in range(200):
-            picked, *_, rows = o.sample(128, seed=seed)
-            assert torch.equal(rows["obs"].long() % 256, picked.starts)
-            fresh = rows["obs"] >= 256
-            assert torch.equal(rows["v"][fresh], 2 * rows["obs"][fresh])
+        yield
     finally:
         stop.set()
         writer.join()
-    assert o.python_picks < 200, "most asks were answered natively"
+
+
+def _assert_whole_rows(rows: dict[str, torch.Tensor], picked: Picked, capacity: int) -> None:
+    """The picks' rows are the rows at those ring rows, each from one write (never torn)."""
+    assert torch.equal(rows["obs"].long() % capacity, picked.starts)
+    fresh = rows["obs"] >= capacity
+    assert torch.equal(rows["v"][fresh], 2 * rows["obs"][fresh])
 
 
 # -- uniform windows (SAMPLE_WINDOWS) ---------------------------------------------------------------------
@@ -687,34 +700,17 @@ def test_prioritized_rows_drawn_while_writers_lap_the_ring_are_never_torn_and_ca
     o = owner(256)
     o.rb.extend(w.keyed_rows(256, 0, v=0.0))
     o.sample(1, seed=0, spec=PRIORITIES)
-    stop = threading.Event()
-
-    def write() -> None:
-        first = 256
-        while not stop.is_set():
-            rows = w.keyed_rows(64, first)
-            rows["v"] = rows["obs"] * 2  # every column of a row agrees
-            o.rb.extend(rows)
-            first += 64
-
     seen: dict[int, tuple[int, int]] = {}  # ring row -> (the write it held, its generation) when last drawn
-    writer = threading.Thread(target=write)
-    writer.start()
-    try:
+    with _lapping_the_ring(o.rb, 256):
         for seed in range(150):
             picked, rows = o.sample(128, seed, PRIORITIES)
-            assert torch.equal(rows["obs"].long() % 256, picked.starts)
-            fresh = rows["obs"] >= 256
-            assert torch.equal(rows["v"][fresh], 2 * rows["obs"][fresh])
+            _assert_whole_rows(rows, picked, 256)
             for row, write_, generation in zip(picked.starts.tolist(), rows["obs"].long().tolist(),
                                                picked.extra["generation"].tolist()):
                 before = seen.setdefault(row, (write_, generation))
                 assert (write_ > before[0]) == (generation > before[1]) and write_ >= before[0], (
                     "a row's generation moves on exactly when it was rewritten (what drops a stale update)")
                 seen[row] = write_, generation
-    finally:
-        stop.set()
-        writer.join()
     assert o.python_picks < 50, "most asks were followed and drawn natively"
 
 
