@@ -811,3 +811,21 @@ def test_posted_updates_of_the_armed_rule_land_without_the_interpreter_as_python
     assert mass[int(rows[0])] == 1.0 and {mass[r] for r in rows[1:].tolist()} == {5.0 ** 0.7}
     high = rows.numel()  # the rows updated, less the stale one, and the new row
     assert mass[100] == 5.0 ** 0.7 and after.mass == pytest.approx(101 - high + high * 5.0 ** 0.7)
+
+
+def test_a_posted_update_meeting_a_replaced_core_lands_on_the_new_one(owner):
+    o = owner(128)
+    o.rb.extend(w.keyed_rows(100, 0))
+    o.sample(1, seed=0, spec=PRIORITIES)  # Python answers the rule's first ask and arms it
+    registry = o.server.selectors
+    old = registry.shared_core(PRIORITIES)[0]
+    new = PRIORITIES.build(128)
+    new._followed = old._followed
+    new.written(torch.arange(100), None)  # (a restored core: every row at the default priority)
+    o.client.update(PRIORITIES, torch.arange(100), torch.ones(100), None)  # the connection's serve call begins
+    registry.adopt(PRIORITIES, new)  # a checkpoint load, while that call holds the old core's tables
+    assert post([o.client], [update_message(PRIORITIES, torch.tensor([7]), torch.tensor([9.0]), None,
+                                            posted=True)]) == [None]
+    picked, _ = o.sample(400, 1, PRIORITIES)
+    assert 7 in picked.starts.tolist() and float(picked.extra["mass"][picked.starts == 7][0]) == 9.0 ** 0.7
+    assert picked.mass == pytest.approx(99 + 9.0 ** 0.7) and float(new.masses(torch.tensor([7]))) == 9.0 ** 0.7

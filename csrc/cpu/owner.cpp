@@ -6,7 +6,8 @@
 // its own process serves gets the same answer into its batch (sample_rows_into), with no socket.
 // Uniform windows take the same steps, drawn from the state Python's view keeps (WindowRule) while
 // that view is current, and go back as the WINDOWS reply Python would send; prioritized rows are drawn
-// from the shared core's own tables (PriorityRule) under its lock, while it has followed the store.
+// from the shared core's own tables (PriorityRule) under its lock, which follow the store first, and the
+// learners' posted priority updates are applied to them.
 // Anything unusual goes back to Python, which answers it in full; the rows Python picks go out framed
 // and gathered here too (frame_rows_reply, then send_framed_reply once Python closed its read section).
 #include "owner.h"
@@ -455,12 +456,14 @@ int64_t receive_update(int fd, char* p, size_t meta, std::vector<at::Tensor>& ar
 }
 
 // PrioritySelector.update on the CPU (selection/priorities.py), under the core's lock: true once applied;
-// false, with nothing changed, when a check refused it (Python then says why).
+// false, with nothing changed, when a check refused it (Python then says why) or the core was replaced or
+// emptied meanwhile (Python applies it to the core there is now).
 bool apply_update(const PriorityRule& r, const std::vector<at::Tensor>& arrays) {
   const at::Tensor rows = arrays[0].view(at::kLong), priority = arrays[1].view(at::kDouble);
   std::optional<at::Tensor> drawn;
   if (arrays[2].numel() > 0) drawn = arrays[2].view(at::kLong);
   std::lock_guard<std::mutex> lock(r.lock->mutex);
+  if (r.followed.data_ptr<int64_t>()[0] < 0) return false;
   const PriorityUpdate done = priority_update(r.sum_tree, r.min_tree, r.generation, rows, priority, drawn, r.alpha,
                                               r.eps, r.generation.numel());
   if (done.applied) {
@@ -471,8 +474,8 @@ bool apply_update(const PriorityRule& r, const std::vector<at::Tensor>& arrays) 
 }
 
 // A POST_UPDATE of `r` met by serve_samples: applied (true), or `served` says what Python does next: read
-// it itself (another rule's, or one it refuses with its own words: nothing of it was read), answer the
-// refused one whose arrays it carries, or end the connection.
+// it itself (another rule's, or one it refuses with its own words: nothing of it was read), answer the one
+// not applied here whose arrays it carries, or end the connection.
 bool took_update(int fd, char* p, const PriorityRule& r, Served& served) {
   const size_t meta = r.update_key.size();
   if (field<uint16_t>(p + 6) != 3 || field<uint32_t>(p + 8) != meta) return false;

@@ -79,7 +79,7 @@ class NativeOwner:
             if code == _NEXT_IS_OTHER:
                 return None
             if code == _SERVE_IN_PYTHON and op == Op.POST_UPDATE and self._priorities is not None:
-                return Message(op, {"selection": self._priorities[1]}, arrays)  # refused: Python logs why
+                return Message(op, {"selection": self._priorities[1]}, arrays)  # refused, or for a new core
             if code == _SERVE_IN_PYTHON:
                 ask = torch.tensor([count, seed, num_columns], dtype=torch.int64).view(torch.uint8)
                 armed = {Op.SAMPLE_WINDOWS: self._windows, Op.SAMPLE_PRIORITIZED: self._priorities}.get(op)
