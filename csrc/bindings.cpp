@@ -193,6 +193,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"), py::arg("count"),
       py::arg("seed"), py::arg("picks"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def(
+      "sample_prioritized_into",
+      [](at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
+         PriorityRuleArgs priorities, int64_t count, int64_t seed, const at::Tensor& picks, const at::Tensor& mass,
+         const at::Tensor& generation, const std::vector<at::Tensor>& out) {
+        const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
+        const gear::PriorityRule rule = priority_rule(std::move(priorities));
+        const gear::PrioritizedInto got = without_gil(
+            [&] { return gear::sample_prioritized_into(store, rule, count, seed, picks, mass, generation, out); });
+        return std::make_tuple(got.live, got.mass, got.min_mass);
+      },
+      "serve_samples's answer of prioritized rows into this process's tensors (GIL released): (the rows the shard "
+      "holds, or -1 where Python must answer; the mass; the least positive mass)",
+      py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"), py::arg("priorities"),
+      py::arg("count"), py::arg("seed"), py::arg("picks"), py::arg("mass"), py::arg("generation"), py::arg("out"));
+  m.def(
       "sample_windows_into",
       [](at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
          WindowRuleArgs windows, int64_t seen_seq, int64_t count, int64_t seed, const std::vector<at::Tensor>& out) {

@@ -100,6 +100,20 @@ struct WindowsInto {
 WindowsInto sample_windows_into(const OwnedStore& store, const WindowRule& rule, int64_t seen_seq, int64_t count,
                                 int64_t seed, const std::vector<at::Tensor>& out);
 
+// A prioritized answer into this process's memory: the rows the shard holds (-1: Python must answer), the
+// table's mass and least positive mass.
+struct PrioritizedInto {
+  int64_t live = -1;
+  double mass = 0, min_mass = 0;
+};
+
+// serve_samples's answer of `count` prioritized rows of `rule` into this process's tensors, for a learner
+// that reads the shard its own process serves: their ring rows, masses and generations into `picks`,
+// `mass` and `generation` (contiguous, `count` each), their rows into `out` (the first out.size() columns).
+PrioritizedInto sample_prioritized_into(const OwnedStore& store, const PriorityRule& rule, int64_t count, int64_t seed,
+                                        const at::Tensor& picks, const at::Tensor& mass, const at::Tensor& generation,
+                                        const std::vector<at::Tensor>& out);
+
 // A reply of rows Python picked (shard_server._send_rows), framed into this thread's reply buffer while
 // Python holds the read section: `op`, the JSON `meta`, the contiguous `arrays`, then every window's rows
 // of each of `columns` (zeros outside its valid range), as wire.header frames a message. Returns its bytes.

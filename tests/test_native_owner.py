@@ -829,3 +829,28 @@ def test_a_posted_update_meeting_a_replaced_core_lands_on_the_new_one(owner):
     picked, _ = o.sample(400, 1, PRIORITIES)
     assert 7 in picked.starts.tolist() and float(picked.extra["mass"][picked.starts == 7][0]) == 9.0 ** 0.7
     assert picked.mass == pytest.approx(99 + 9.0 ** 0.7) and float(new.masses(torch.tensor([7]))) == 9.0 ** 0.7
+
+
+def test_a_learner_on_its_own_shard_gets_prioritized_rows_from_the_extension_once_python_drew_the_rule(in_place):
+    o = in_place(128)
+    o.rb.extend(w.keyed_rows(100, 0))
+    o.sample(1, 0, spec=PRIORITIES)  # Python draws the rule's first ask and arms it
+    o.view.update(PRIORITIES, torch.arange(100), torch.arange(100).double() % 7, None)  # every 7th row: no mass
+    other = ShardView(o.storage.handle, o.view.selectors)  # another learner on the same table, in Python
+    try:
+        for seed, first in ((1, 0), (2, 8)):
+            picked, landed, rows = o.sample(64, seed, first, PRIORITIES)
+            assert o.python_picks == 1, "the extension drew it into the batch"
+            expected = other.pick(PRIORITIES, 64, seed)
+            other.release()
+            assert torch.equal(picked.starts, expected.starts) and torch.equal(landed, expected.starts)
+            for name in ("mass", "generation"):
+                assert torch.equal(picked.extra[name], expected.extra[name]), name
+            assert (picked.mass, picked.scalars) == (expected.mass, {"rows": 100, "min_mass": 1.0})
+            assert torch.equal(rows["obs"], picked.starts.float())
+        o.rb.extend(w.keyed_rows(60, 100))  # the ring wraps: the table follows in the extension
+        picked, _, rows = o.sample(64, 3, spec=PRIORITIES)
+        assert o.python_picks == 1 and set(rows["obs"].long().tolist()) <= set(range(160 - 128, 160))
+        assert torch.equal(rows["obs"].long() % 128, picked.starts)
+    finally:
+        other.close()

@@ -581,6 +581,27 @@ WindowsInto sample_windows_into(const OwnedStore& s, const WindowRule& r, int64_
   return got;
 }
 
+PrioritizedInto sample_prioritized_into(const OwnedStore& s, const PriorityRule& r, int64_t count, int64_t seed,
+                                        const at::Tensor& picks, const at::Tensor& mass, const at::Tensor& generation,
+                                        const std::vector<at::Tensor>& out) {
+  check_owned_store(s);
+  check_priority_rule(r);
+  const Request q{count, seed, static_cast<int64_t>(out.size())};
+  PrioritizedInto got;
+  if (!answerable(s, q)) return got;
+  for (const auto& [t, type] : {std::pair{&picks, at::kLong}, {&mass, at::kDouble}, {&generation, at::kLong}}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == type && t->dim() == 1 && t->numel() == count &&
+                    t->is_contiguous(),
+                "sample_prioritized_into: picks, masses and generations are contiguous CPU tensors of ", count,
+                " values (int64, float64, int64)");
+  }
+  check_gather_args({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), out, picks});
+  TORCH_CHECK(out.front().device().is_cpu(), "sample_prioritized_into: the outputs must be CPU tensors");
+  const PrioritizedPicks into{picks.data_ptr<int64_t>(), mass.data_ptr<double>(), generation.data_ptr<int64_t>()};
+  got.live = sample_prioritized(s, q, r, into, got.mass, got.min_mass, out);
+  return got;
+}
+
 int64_t frame_rows_reply(int64_t op, const std::string& meta, const std::vector<at::Tensor>& arrays,
                          const std::vector<at::Tensor>& columns, const at::Tensor& starts,
                          const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t seq_len) {

@@ -54,7 +54,7 @@ _Armed = tuple[bytes, dict[str, Any], SelectionSpec]  # an armed rule: its JSON 
 
 class NativeOwner:
     """One view's SAMPLE_ROWS, SAMPLE_WINDOWS and SAMPLE_PRIORITIZED (a connection's, or this process's own
-    learner's: rows and windows), answered through the view's reader slot."""
+    learner's), answered through the view's reader slot."""
 
     def __init__(self, view: ShardView) -> None:
         self.view = view
@@ -127,35 +127,62 @@ class NativeOwner:
         return key, rule_meta(spec), *tables, self.view.shard.addressing.rows_per_step, lock
 
     def answer_in_place(self, ask: Ask) -> Picked | None:
-        """``ask``'s uniform rows, or windows of the armed rule, drawn and gathered into its own tensors as the
-        extension answers a socket; None where Python must answer it (``ShardView.pick``; then ``arm``)."""
-        log = self.view.shared.log
+        """``ask``'s uniform rows, or windows or prioritized rows of an armed rule, drawn and gathered into its
+        own tensors as the extension answers a socket; None where Python must answer it (``ShardView.pick``;
+        then ``arm``)."""
         windows = self._windows[2] if self._windows is not None and ask.samples_windows else None
-        if log.reading or not (ask.samples_rows or windows == ask.spec):  # a section Python holds stays Python's
+        priorities = self._priorities[2] if self._priorities is not None and ask.samples_prioritized else None
+        if self.view.shared.log.reading:  # a section Python holds stays Python's
+            return None
+        if not (ask.samples_rows or windows == ask.spec or priorities == ask.spec):
             return None
         source = self._mapped()
         if source is None:
             return None
+        if ask.samples_rows:
+            return self._rows_in_place(ask, source)
+        if windows is not None:
+            return self._windows_in_place(ask, source, windows)
+        return self._prioritized_in_place(ask, source)
+
+    def _rows_in_place(self, ask: Ask, source: _Source) -> Picked | None:
+        log = self.view.shared.log
+        if time.monotonic() - self._caught_up > CATCH_UP_S or log.records_unseen() > log.num_records // 4:
+            self._catch_up()
         version, header, reader, columns = source
-        seed = -1 if ask.seed is None else ask.seed
-        if windows is None:
-            if time.monotonic() - self._caught_up > CATCH_UP_S or log.records_unseen() > log.num_records // 4:
-                self._catch_up()
-            assert ask.picks is not None and ask.columns is not None  # (samples_rows)
-            picks = ask.picks.starts[ask.first: ask.first + ask.count]
-            live = _C.sample_rows_into(header, reader, columns, version, ask.count, seed, picks, ask.rows(ask.count))
-            return None if live < 0 else ask.landed(ask.count, float(live), {"rows": live})
+        assert ask.picks is not None and ask.columns is not None  # (samples_rows)
+        picks = ask.picks.starts[ask.first: ask.first + ask.count]
+        live = _C.sample_rows_into(header, reader, columns, version, ask.count, _seed(ask), picks,
+                                   ask.rows(ask.count))
+        return None if live < 0 else ask.landed(ask.count, float(live), {"rows": live})
+
+    def _windows_in_place(self, ask: Ask, source: _Source, windows: WindowSpec) -> Picked | None:
+        log = self.view.shared.log
         if log.records_unseen() and not self._catch_up():  # windows are drawn from the view's index: current
             return None
         rule = self._window_rule()
         if rule is None:
             return None
+        version, header, reader, columns = source
         live, mass, starts, valid_begin, valid_end = _C.sample_windows_into(
-            header, reader, columns, version, rule, log.seen_seq, ask.count, seed,
+            header, reader, columns, version, rule, log.seen_seq, ask.count, _seed(ask),
             ask.rows(ask.count * windows.window_len))
         if live < 0:
             return None
         return Picked(Windows(starts, windows.window_len, valid_begin, valid_end), mass, scalars={"rows": live})
+
+    def _prioritized_in_place(self, ask: Ask, source: _Source) -> Picked | None:
+        """The table follows the store, draws and copies under its lock, as for a socket: no catch-up needed."""
+        rule = self._priority_rule()
+        if rule is None:
+            return None
+        version, header, reader, columns = source
+        assert ask.picks is not None and ask.extra is not None  # (samples_prioritized)
+        end = ask.first_pick + ask.count
+        live, mass, min_mass = _C.sample_prioritized_into(
+            header, reader, columns, version, rule, ask.count, _seed(ask), ask.picks.starts[ask.first_pick: end],
+            ask.extra["mass"][ask.first_pick: end], ask.extra["generation"][ask.first_pick: end], ask.rows(ask.count))
+        return None if live < 0 else ask.landed(ask.count, mass, {"rows": live, "min_mass": min_mass})
 
     def _catch_up(self) -> bool:
         """Replay what was published since the view last looked; False where that failed (Python says why)."""
@@ -181,3 +208,8 @@ class NativeOwner:
     def close(self) -> None:
         """Drop the views of the control segment (it cannot be unmapped while they live)."""
         self._source = None
+
+
+def _seed(ask: Ask) -> int:
+    """The ask's seed as the extension takes it (-1: the global generator)."""
+    return -1 if ask.seed is None else ask.seed

@@ -1,9 +1,9 @@
 """The shard this very process serves: its learner picks and gathers with no socket and no thread hop.
 
-Uniform rows and windows read back at once are answered as an owner's extension
-answers them over a socket (``NativeOwner.answer_in_place``; a rule of windows
-from its second ask on); every other ask goes through the learner's ``ShardView``
-in Python, as a remote learner's session would.
+Uniform rows, windows and prioritized rows read back at once are answered as an
+owner's extension answers them over a socket (``NativeOwner.answer_in_place``; a
+rule of windows or priorities from its second ask on); every other ask goes
+through the learner's ``ShardView`` in Python, as a remote learner's session would.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class InProcessTransport(Transport):
         if answered is not None:
             return answered
         picked = self._view.pick(ask.spec, ask.count, ask.seed)
-        if ask.samples_windows:
+        if ask.samples_windows or ask.samples_prioritized:
             self._native.arm(ask.spec.to_json(), ask.spec)  # the extension answers its next asks
         try:
             if ask.columns is not None and picked.count:
