@@ -5,6 +5,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
+#include <string_view>
+#include <vector>
 
 namespace gear {
 
@@ -27,6 +30,22 @@ T field(const void* p) {
   T v;
   std::memcpy(&v, p, sizeof(T));
   return v;
+}
+
+// A message's head as wire.header writes it (magic, op, number of arrays, JSON bytes, array bytes, the JSON,
+// each array's length), written at `out`, which has room for it; returns its size. The arrays follow it.
+inline size_t write_head(char* out, uint16_t op, std::string_view meta, const std::vector<uint64_t>& lengths) {
+  const auto arrays = static_cast<uint16_t>(lengths.size());
+  const auto meta_bytes = static_cast<uint32_t>(meta.size());
+  const uint64_t total = std::accumulate(lengths.begin(), lengths.end(), uint64_t{0});
+  std::memcpy(out, "GEAR", 4);
+  std::memcpy(out + 4, &op, 2);
+  std::memcpy(out + 6, &arrays, 2);
+  std::memcpy(out + 8, &meta_bytes, 4);
+  std::memcpy(out + 12, &total, 8);
+  std::memcpy(out + kHeader, meta.data(), meta.size());
+  std::memcpy(out + kHeader + meta.size(), lengths.data(), 8 * lengths.size());
+  return kHeader + meta.size() + 8 * lengths.size();
 }
 
 }  // namespace gear

@@ -165,14 +165,18 @@ bool answerable(const OwnedStore& s, const Request& q) {
          static_cast<size_t>(q.columns) <= s.columns.size();
 }
 
+// Whether the store is open and still laid out as the columns the caller mapped.
+bool readable_as_mapped(const OwnedStore& s) {
+  const int64_t* header = s.header.data_ptr<int64_t>();
+  return load(header, kLayoutVersion) == s.layout_version && load(header, kState) == kOpen;
+}
+
 // Every SAMPLE_ROWS answer's work, wherever its rows go: open a read section, draw, gather the picks' rows
 // into `out` (the first q.columns columns, each [q.count, ...]) and their ring rows into `picks`, close the
 // section. Returns the live rows drawn over, or -1 when Python must answer (see serve_samples).
 int64_t sample_rows(const OwnedStore& s, const Request& q, const at::Tensor& picks, std::vector<at::Tensor> out) {
   int64_t* header = s.header.data_ptr<int64_t>();
-  if (!answerable(s, q) || load(header, kLayoutVersion) != s.layout_version || load(header, kState) != kOpen) {
-    return -1;
-  }
+  if (!answerable(s, q) || !readable_as_mapped(s)) return -1;
   Section section(header, s.reader.data_ptr<int64_t>());
   const int64_t live = section.hi - section.lo;
   if (live <= 0 || load(header, kDeadEnd) > section.lo) {  // empty, or rows a dead writer left are in range
@@ -200,23 +204,13 @@ Reply frame_reply(uint16_t op, std::string_view meta, std::vector<uint64_t> leng
   for (size_t c = 0; c < ncols; ++c) {
     lengths.push_back(static_cast<uint64_t>(positions) * static_cast<uint64_t>(row_bytes_of(columns[c])));
   }
-  uint64_t total = 0;
-  for (uint64_t n : lengths) total += n;
   const size_t head = kHeader + meta.size() + 8 * lengths.size();
-  Reply reply{reply_buffer(), {}, head + total};
-  std::vector<char>& out = reply.out;
-  if (out.size() < reply.bytes) out.resize(reply.bytes);
-  std::memcpy(out.data(), "GEAR", 4);
-  put<uint16_t>(out, 4, op);
-  put<uint16_t>(out, 6, static_cast<uint16_t>(lengths.size()));
-  put<uint32_t>(out, 8, static_cast<uint32_t>(meta.size()));
-  put<uint64_t>(out, 12, total);
-  std::memcpy(out.data() + kHeader, meta.data(), meta.size());
-  size_t at = head;
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    put<uint64_t>(out, kHeader + meta.size() + 8 * i, lengths[i]);
+  Reply reply{reply_buffer(), {}, head + std::accumulate(lengths.begin(), lengths.end(), size_t{0})};
+  if (reply.out.size() < reply.bytes) reply.out.resize(reply.bytes);
+  size_t at = write_head(reply.out.data(), op, meta, lengths);
+  for (const uint64_t n : lengths) {
     reply.at.push_back(at);
-    at += lengths[i];
+    at += n;
   }
   return reply;
 }
@@ -288,10 +282,7 @@ Drawn draw_windows(const Request& q, const WindowRule& r, double mass, int64_t c
 int64_t sample_windows(const OwnedStore& s, const Request& q, const WindowRule& r, int64_t seen_seq,
                        const Landing& land) {
   int64_t* header = s.header.data_ptr<int64_t>();
-  if (!answerable(s, q) || q.count > kMaxPositions / r.window_len ||
-      load(header, kLayoutVersion) != s.layout_version || load(header, kState) != kOpen) {
-    return -1;
-  }
+  if (!answerable(s, q) || q.count > kMaxPositions / r.window_len || !readable_as_mapped(s)) return -1;
   Section section(header, s.reader.data_ptr<int64_t>());
   const double mass = r.tree.data_ptr<double>()[0];
   if (load(header, kPublishedSeq) != seen_seq || section.lo > r.seen_lo || !(mass > 0)) return -1;
@@ -378,9 +369,7 @@ bool follow(const PriorityRule& r, int64_t lo, int64_t hi, int64_t dead_end, int
 int64_t sample_prioritized(const OwnedStore& s, const Request& q, const PriorityRule& r, const PrioritizedPicks& picks,
                            double& mass, double& min_mass, std::vector<at::Tensor> out) {
   int64_t* header = s.header.data_ptr<int64_t>();
-  if (!answerable(s, q) || load(header, kLayoutVersion) != s.layout_version || load(header, kState) != kOpen) {
-    return -1;
-  }
+  if (!answerable(s, q) || !readable_as_mapped(s)) return -1;
   Section section(header, s.reader.data_ptr<int64_t>());
   const int64_t lo = (section.lo + r.rows_per_step - 1) / r.rows_per_step * r.rows_per_step;
   if (section.hi <= lo) return -1;

@@ -146,23 +146,9 @@ UpdateSplit split_updates(const at::Tensor& shards, const at::Tensor& rows, cons
   for (size_t o = 0; o < out.owners.size(); ++o) {
     const int64_t first = start[out.owners[o]];
     const uint64_t bytes = 8 * static_cast<uint64_t>(out.counts[o]);
-    const uint64_t lengths[3] = {bytes, bytes, go ? bytes : 0};
-    std::string frame(kHeader + meta.size() + sizeof(lengths) + lengths[0] + lengths[1] + lengths[2], '\0');
-    char* f = frame.data();
-    const auto op16 = static_cast<uint16_t>(op);
-    const uint16_t arrays = 3;
-    const auto meta_bytes = static_cast<uint32_t>(meta.size());
-    const uint64_t total = lengths[0] + lengths[1] + lengths[2];
-    std::memcpy(f, "GEAR", 4);
-    std::memcpy(f + 4, &op16, 2);
-    std::memcpy(f + 6, &arrays, 2);
-    std::memcpy(f + 8, &meta_bytes, 4);
-    std::memcpy(f + 12, &total, 8);
-    f += kHeader;
-    std::memcpy(f, meta.data(), meta.size());
-    f += meta.size();
-    std::memcpy(f, lengths, sizeof(lengths));
-    f += sizeof(lengths);
+    const std::vector<uint64_t> lengths{bytes, bytes, go ? bytes : 0};
+    std::string frame(kHeader + meta.size() + 24 + lengths[0] + lengths[1] + lengths[2], '\0');
+    char* f = frame.data() + write_head(frame.data(), static_cast<uint16_t>(op), meta, lengths);
     std::memcpy(f, ro + first, lengths[0]);
     std::memcpy(f + lengths[0], po + first, lengths[1]);
     if (go) std::memcpy(f + lengths[0] + lengths[1], go + first, lengths[2]);

@@ -60,7 +60,7 @@ class NativeOwner:
         self.view = view
         self._source: _Source | None = None
         self._caught_up = time.monotonic()  # when answer_in_place last let the view catch up
-        self._windows: tuple[bytes, dict[str, Any], WindowSpec] | None = None  # the armed rule: JSON, as sent
+        self._windows: tuple[bytes, dict[str, Any], WindowSpec] | None = None  # the armed rules: JSON, as sent
         self._priorities: _Armed | None = None
 
     def serve(self, conn: socket.socket) -> Message | None:
@@ -94,9 +94,9 @@ class NativeOwner:
         return None
 
     def arm(self, meta: dict[str, Any], spec: SelectionSpec) -> None:
-        """Let the extension answer the next SAMPLE_WINDOWS of ``spec`` (whose JSON is ``meta``), or the next
-        in-place ask of it, which Python just answered (so its selector exists and its episode markers were
-        checked)."""
+        """Let the extension answer the next SAMPLE_WINDOWS or SAMPLE_PRIORITIZED of ``spec`` (whose JSON is
+        ``meta``), or the next in-place ask of it, which Python just answered (so its selector exists and, for
+        windows, its episode markers were checked)."""
         key = json.dumps(meta, separators=(",", ":")).encode()
         if isinstance(spec, WindowSpec):
             self._windows = key, meta, spec
