@@ -85,6 +85,35 @@ def test_a_rows_reply_gives_its_tally_as_numbers_and_lands_its_picks_with_the_ro
     assert (status, op, counts, small, bad) == (0, wire.Op.ROWS, [50, 2], [], -errno.EPROTO)  # a tally is 16 bytes
     assert picks.tolist() == [-1, 7, 9, -1] and rows[1:3].eq(1).all() and rows[0].eq(0).all()
 
+def test_replies_trickling_in_pieces_that_split_arrays_land_whole(pairs):
+    """Arrays are read in one scatter read when they are there: pieces ending inside an array, inside the
+    tally, or between two, and sockets whose replies come at different times, all land byte for byte."""
+    n = len(pairs)
+    picks, obs, flags = torch.full((4 * n,), -1), torch.zeros(4 * n, 3), torch.zeros(4 * n, dtype=torch.bool)
+    frames, expected = [], []
+    for i in range(n):
+        rows = torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * i
+        want = (torch.arange(4) + 10 * i, rows, torch.tensor([True, False, True, i % 2 == 0]))
+        frames.append(_framed(wire.Op.ROWS, {}, [torch.tensor([99, 4]), *want]))
+        expected.append(want)
+
+    def trickle() -> None:
+        for i, size in enumerate((1, 5, 13, 29)):  # each socket its reply in pieces of its own size, in turn
+            frame = frames[i]
+            for at in range(0, len(frame), size):
+                pairs[i][1].sendall(frame[at: at + size])
+                time.sleep(0.0005)
+
+    threading.Thread(target=trickle).start()
+    got = _C.receive_replies([a.fileno() for a, _ in pairs], [[picks, obs, flags]] * n,
+                             [[4 * i] * 3 for i in range(n)], 5.0)
+    assert [(status, op, tally) for status, op, tally, *_ in got] == [(0, wire.Op.ROWS, [99, 4])] * n
+    for i, (want_picks, want_rows, want_flags) in enumerate(expected):
+        part = slice(4 * i, 4 * i + 4)
+        assert torch.equal(picks[part], want_picks) and torch.equal(obs[part], want_rows)
+        assert torch.equal(flags[part], want_flags)
+
+
 
 def test_a_windows_reply_lands_its_picks_and_rows_each_from_its_own_row(pairs):
     """Windows land at pick ``f`` in the batch's picks and at row ``f * seq_len`` in its columns."""

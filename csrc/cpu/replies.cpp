@@ -3,9 +3,11 @@
 // send and a Python receive loop per owner: the learner's cost per batch stays flat as owners are added.
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -27,7 +29,9 @@ struct Pending {
   std::vector<char*> targets;  // where each array's bytes go
   size_t part = 0;             // 0: fixed header, 1: JSON and lengths, 2 + i: array i
   uint64_t got = 0;            // bytes of the current part received
+  std::vector<iovec> scatter;  // the arrays still due, for one read
   std::chrono::steady_clock::time_point heard;  // when bytes last arrived (or the call began)
+  bool readable = true;  // worth a read: at first, and then when poll says so
   Reply reply;
   bool done = false;
 };
@@ -123,15 +127,42 @@ void advance(Pending& p) {
   }
 }
 
+// Counts `k` bytes just received against the parts they filled, in order.
+void took(Pending& p, uint64_t k) {
+  while (k > 0 && !p.done) {
+    const uint64_t step = std::min(k, current(p).second - p.got);
+    p.got += step;
+    k -= step;
+    advance(p);
+  }
+}
+
+// One receive: the part now due, or (once the arrays are placed) every array left in one scatter read, so a
+// reply costs the same few calls whatever its number of columns.
+ssize_t receive_some(Pending& p) {
+  if (p.part < 2) {
+    auto [where, need] = current(p);
+    return ::recv(p.fd, where + p.got, static_cast<size_t>(need - p.got), MSG_DONTWAIT);
+  }
+  std::vector<iovec>& parts = p.scatter;
+  parts.clear();
+  for (size_t i = p.part - 2; i < p.lengths.size() && parts.size() < IOV_MAX; ++i) {
+    const uint64_t skip = i == p.part - 2 ? p.got : 0;
+    if (p.lengths[i] > skip) parts.push_back({p.targets[i] + skip, static_cast<size_t>(p.lengths[i] - skip)});
+  }
+  msghdr message{};
+  message.msg_iov = parts.data();
+  message.msg_iovlen = parts.size();
+  return ::recvmsg(p.fd, &message, MSG_DONTWAIT);
+}
+
 // Takes what the socket holds now; false when it would block.
 bool drain(Pending& p) {
   bool heard = false;
   while (!p.done) {
-    auto [where, need] = current(p);
-    const ssize_t k = ::recv(p.fd, where + p.got, static_cast<size_t>(need - p.got), MSG_DONTWAIT);
+    const ssize_t k = receive_some(p);
     if (k > 0) {
-      p.got += static_cast<uint64_t>(k);
-      advance(p);
+      took(p, static_cast<uint64_t>(k));
       heard = true;
       continue;
     }
@@ -208,7 +239,7 @@ std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::v
     const auto now = Clock::now();
     auto wake = now + patience;
     for (auto& p : pending) {
-      if (p.done || drain(p)) continue;
+      if (p.done || (p.readable && drain(p))) continue;
       if (now - p.heard >= patience) {
         finish(p, -ETIMEDOUT);
         continue;
@@ -224,6 +255,7 @@ std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::v
       for (auto* p : of) finish(*p, -errno);
       break;
     }
+    for (size_t i = 0; i < waiting.size(); ++i) of[i]->readable = ready < 0 || waiting[i].revents != 0;
   }
   std::vector<Reply> replies;
   replies.reserve(pending.size());
