@@ -26,6 +26,7 @@ from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priorities import PrioritySpec
+from gear_torchrl.selection.priority_windows import PriorityWindowSpec
 from gear_torchrl.selection.selector_registry import SelectorRegistry
 from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
@@ -585,7 +586,7 @@ def test_prioritized_rows_land_with_the_masses_and_generations_a_select_reports(
     o.sample(1, seed=0, spec=spec)  # the owner's table follows the rows written so far
     o.client.update(spec, torch.arange(100), torch.arange(100).double() % 7, None)  # every 7th row: no mass
     ask = Ask(spec, 64, 99, [torch.empty(64, *c.row_shape, dtype=c.dtype) for c in o.table().columns])
-    assert ask.samples_prioritized and ask.request().op == Op.SAMPLE_PRIORITIZED
+    assert ask.samples_prioritized and ask.request().op == Op.SAMPLE_PRIORITIZED == ask.request_op
     picked, rows = o.sample(64, seed=99, spec=spec)
     selected = o.client.select(spec, 64, 99)  # the same draw, its picks and values in a SELECT's JSON reply
     o.client.release()
@@ -854,3 +855,15 @@ def test_a_learner_on_its_own_shard_gets_prioritized_rows_from_the_extension_onc
         assert torch.equal(rows["obs"].long() % 128, picked.starts)
     finally:
         other.close()
+
+
+@pytest.mark.parametrize("spec", [UniformSpec(), WINDOWS, PrioritySpec(alpha=0.7), PriorityWindowSpec(2)])
+@pytest.mark.parametrize("seed", [None, 7, 1 << 63])
+def test_an_asks_frame_is_its_request_encoded(spec, seed):
+    """A round frames each share from a head made once per rule: byte for byte the message it stands for
+    (a seed no SAMPLE_* carries, or a rule with no SAMPLE_*, goes as a SELECT)."""
+    columns = [torch.zeros(16, 3), torch.zeros(16, dtype=torch.bool)]
+    for ask in (Ask(spec, 2, seed, columns, first=2 * spec.rows_per_pick), Ask(spec, 2, seed),
+                Ask(spec, 0, seed, columns)):
+        assert ask.frame() == wire.encode(ask.request())
+        assert ask.request().op == ask.request_op

@@ -230,8 +230,8 @@ class Ask:
     @property
     def firsts(self) -> list[int]:
         """The row of each ``landing`` tensor its array lands from."""
-        ncols = len(self.columns or ())
-        return [self.first_pick] * (len(self.landing) - ncols) + [self.first] * ncols
+        pick_arrays = 0 if self.picks is None else 3 if self.samples_windows else 1 + len(self.extra or ())
+        return [self.first_pick] * pick_arrays + [self.first] * len(self.columns or ())
 
     @property
     def reply_op(self) -> int:
@@ -245,12 +245,13 @@ class Ask:
             return _picked_of(wire.parse_head(head.numpy().tobytes())[1], small)
         if op != self.reply_op:  # its picks landed, or nothing did
             raise ValueError(f"a reply of op {op} to an ask answered by op {self.reply_op}")
-        rows, count, *bits = tally
+        rows, count = tally[0], tally[1]
         if small or not (0 <= count <= self.count and rows >= 0):
             raise ValueError(f"a reply of {count} picks of {rows} rows, to an ask for {self.count}")
-        floats = [_MASS.unpack(_BITS.pack(b))[0] for b in bits]  # the mass, then (prioritized) the least mass
-        scalars = {"rows": rows, **({"min_mass": floats[1]} if len(floats) > 1 else {})}
-        return self.landed(count, floats[0] if floats else float(rows), scalars)
+        scalars: dict[str, Any] = {"rows": rows}
+        if len(tally) > 3:  # (prioritized) the least positive mass
+            scalars["min_mass"] = _as_float(tally[3])
+        return self.landed(count, _as_float(tally[2]) if len(tally) > 2 else float(rows), scalars)
 
     def landed(self, count: int, mass: float, scalars: dict[str, Any]) -> Picked:
         """The answer whose ``count`` picks landed in ``picks`` (with their rows and per-pick values)."""
@@ -272,20 +273,34 @@ class Ask:
                 picked.extra[name] = into[self.first_pick: end]
         return picked
 
-    def request(self) -> EncodedMessage:
-        """The SELECT, its metadata encoded here: the rule's JSON once per rule, the rest by hand.
+    def frame(self) -> bytes:
+        """The request, framed: a SAMPLE_* is a head made once per rule and 24 bytes (count, seed, columns),
+        so a round frames each owner's share without building a message."""
+        if self.picks is not None:
+            return _sample_head(self.request_op, self.spec) + self._sample()
+        return wire.encode(self.request())
 
-        Uniform rows and windows read back at once go as SAMPLE_ROWS and SAMPLE_WINDOWS (the rule's JSON
-        and the same array), which the owner answers in its extension; prioritized rows as
-        SAMPLE_PRIORITIZED, which its Python answers with a reply of arrays alone.
+    def _sample(self) -> bytes:
+        """A SAMPLE_*'s one array: count, seed (-1: none) and columns."""
+        assert self.columns is not None
+        return _SAMPLE.pack(self.count, -1 if self.seed is None else self.seed, len(self.columns))
+
+    @property
+    def request_op(self) -> int:
+        """SAMPLE_ROWS, SAMPLE_WINDOWS or SAMPLE_PRIORITIZED for a share read back at once; else SELECT."""
+        if self.picks is None:
+            return Op.SELECT
+        return Op.SAMPLE_ROWS if self.samples_rows else Op.SAMPLE_WINDOWS if self.samples_windows \
+            else Op.SAMPLE_PRIORITIZED
+
+    def request(self) -> EncodedMessage:
+        """The request as a message: uniform rows and windows read back at once go as SAMPLE_ROWS and
+        SAMPLE_WINDOWS (the rule's JSON, none for rows, and the ask), which the owner answers in its
+        extension, and prioritized rows as SAMPLE_PRIORITIZED; anything else as a SELECT whose metadata says
+        it all.
         """
         if self.picks is not None:
-            assert self.columns is not None
-            ask = _SAMPLE.pack(self.count, -1 if self.seed is None else self.seed, len(self.columns))
-            if self.samples_rows:
-                return EncodedMessage(Op.SAMPLE_ROWS, b"", [ask])
-            op = Op.SAMPLE_WINDOWS if self.samples_windows else Op.SAMPLE_PRIORITIZED
-            return EncodedMessage(op, _spec_json(self.spec), [ask])
+            return EncodedMessage(self.request_op, _sample_meta(self.request_op, self.spec), [self._sample()])
         read = self.columns is not None
         meta = b'{"selection":%s,"count":%d,"seed":%s,"read":%s,"columns":%s}' % (
             _spec_json(self.spec), self.count, b"null" if self.seed is None else b"%d" % self.seed,
@@ -342,8 +357,8 @@ class Post:
     landing: tuple[()] = ()
     firsts: tuple[()] = ()
 
-    def request(self) -> Message | EncodedMessage:
-        return self.message
+    def frame(self) -> bytes:
+        return wire.encode(self.message)
 
     def answer(self, op: int, tally: list[int], head: torch.Tensor, small: list[torch.Tensor]) -> None:
         return None
@@ -369,6 +384,11 @@ _NO_GENERATIONS = torch.empty(0, dtype=torch.int64)
 
 _SAMPLE = struct.Struct("<3q")  # a SAMPLE_ROWS, SAMPLE_WINDOWS or SAMPLE_PRIORITIZED: count, seed (-1: none), columns
 _BITS, _MASS = struct.Struct("<q"), struct.Struct("<d")  # a tally's masses: float64 bits as an int64
+
+
+def _as_float(bits: int) -> float:
+    """A tally's mass: the float64 whose bits the owner sent as an int64."""
+    return _MASS.unpack(_BITS.pack(bits))[0]
 PRIORITIZED_EXTRA = ("mass", "generation")  # a PRIORITIZED reply's per-pick values, in the reply's order
 
 
@@ -399,6 +419,17 @@ def _spec_json(spec: SelectionSpec) -> bytes:
     return json.dumps(spec.to_json(), separators=(",", ":")).encode()
 
 
+def _sample_meta(op: int, spec: SelectionSpec) -> bytes:
+    """A SAMPLE_*'s metadata: none for uniform rows (the owner knows the rule), else the rule's JSON."""
+    return b"" if op == Op.SAMPLE_ROWS else _spec_json(spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _sample_head(op: int, spec: SelectionSpec) -> bytes:
+    """What precedes a SAMPLE_*'s one 24-byte array on the wire: the same for every ask of a rule."""
+    return wire.header(op, _sample_meta(op, spec), [_SAMPLE.size])
+
+
 @functools.lru_cache(maxsize=256)
 def rule_meta(spec: SelectionSpec) -> bytes:
     """An UPDATE's, POST_UPDATE's or GIVE_BACK's metadata: the rule it is for."""
@@ -418,7 +449,7 @@ class Request(Protocol[Answer_co]):
     @property
     def firsts(self) -> Sequence[int]: ...  # the row of each landing tensor its array lands from
 
-    def request(self) -> Message | EncodedMessage: ...
+    def frame(self) -> bytes: ...  # the request, framed for the wire
 
     def answer(self, op: int, tally: list[int], head: torch.Tensor, small: list[torch.Tensor]) -> Answer_co: ...
 
@@ -452,7 +483,7 @@ class Flight(Generic[Answer]):
         """Ask each of ``owners`` (their locks held), every request in one native send; a failure is that
         owner's outcome."""
         owners = list(owners)
-        frames = [wire.encode(self.asks[i].request()) for i in owners]
+        frames = [self.asks[i].frame() for i in owners]
         for i, failure in zip(owners, _send_all([self.clients[i] for i in owners], frames, self._timeout)):
             if failure is None:
                 self._tickets[i] = self.clients[i]._awaiting = next(_TICKETS)
