@@ -384,12 +384,12 @@ _NO_GENERATIONS = torch.empty(0, dtype=torch.int64)
 
 _SAMPLE = struct.Struct("<3q")  # a SAMPLE_ROWS, SAMPLE_WINDOWS or SAMPLE_PRIORITIZED: count, seed (-1: none), columns
 _BITS, _MASS = struct.Struct("<q"), struct.Struct("<d")  # a tally's masses: float64 bits as an int64
+PRIORITIZED_EXTRA = ("mass", "generation")  # a PRIORITIZED reply's per-pick values, in the reply's order
 
 
 def _as_float(bits: int) -> float:
     """A tally's mass: the float64 whose bits the owner sent as an int64."""
     return _MASS.unpack(_BITS.pack(bits))[0]
-PRIORITIZED_EXTRA = ("mass", "generation")  # a PRIORITIZED reply's per-pick values, in the reply's order
 
 
 def landing_extra(spec: SelectionSpec, count: int) -> dict[str, torch.Tensor] | None:
