@@ -152,7 +152,7 @@ class NativeOwner:
         version, header, reader, columns = source
         assert ask.picks is not None and ask.columns is not None  # (samples_rows)
         picks = ask.picks.starts[ask.first: ask.first + ask.count]
-        live = _C.sample_rows_into(header, reader, columns, version, ask.count, _seed(ask), picks,
+        live = _C.sample_rows_into(header, reader, columns, version, ask.count, ask.sample_seed, picks,
                                    ask.rows(ask.count))
         return None if live < 0 else ask.landed(ask.count, float(live), {"rows": live})
 
@@ -165,7 +165,7 @@ class NativeOwner:
             return None
         version, header, reader, columns = source
         live, mass, starts, valid_begin, valid_end = _C.sample_windows_into(
-            header, reader, columns, version, rule, log.seen_seq, ask.count, _seed(ask),
+            header, reader, columns, version, rule, log.seen_seq, ask.count, ask.sample_seed,
             ask.rows(ask.count * windows.window_len))
         if live < 0:
             return None
@@ -180,7 +180,7 @@ class NativeOwner:
         assert ask.picks is not None and ask.extra is not None  # (samples_prioritized)
         end = ask.first_pick + ask.count
         live, mass, min_mass = _C.sample_prioritized_into(
-            header, reader, columns, version, rule, ask.count, _seed(ask), ask.picks.starts[ask.first_pick: end],
+            header, reader, columns, version, rule, ask.count, ask.sample_seed, ask.picks.starts[ask.first_pick: end],
             ask.extra["mass"][ask.first_pick: end], ask.extra["generation"][ask.first_pick: end], ask.rows(ask.count))
         return None if live < 0 else ask.landed(ask.count, mass, {"rows": live, "min_mass": min_mass})
 
@@ -208,8 +208,3 @@ class NativeOwner:
     def close(self) -> None:
         """Drop the views of the control segment (it cannot be unmapped while they live)."""
         self._source = None
-
-
-def _seed(ask: Ask) -> int:
-    """The ask's seed as the extension takes it (-1: the global generator)."""
-    return -1 if ask.seed is None else ask.seed

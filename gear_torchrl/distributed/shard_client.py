@@ -283,7 +283,12 @@ class Ask:
     def _sample(self) -> bytes:
         """A SAMPLE_*'s one array: count, seed (-1: none) and columns."""
         assert self.columns is not None
-        return _SAMPLE.pack(self.count, -1 if self.seed is None else self.seed, len(self.columns))
+        return _SAMPLE.pack(self.count, self.sample_seed, len(self.columns))
+
+    @property
+    def sample_seed(self) -> int:
+        """The seed as a SAMPLE_* carries it to the extension (-1: none, the owner's own generator)."""
+        return -1 if self.seed is None else self.seed
 
     @property
     def request_op(self) -> int:
