@@ -11,7 +11,8 @@
 # benchmarks/gpu_gather.py), prioritized (benchmarks/gpu_prioritized_sampling.py),
 # storage (benchmarks/gpu_storage_sampling.py, two row sizes), sharded (benchmarks/sharded_cost.py,
 # uniform rows from 1, 2, 4 and 8 owners on this machine's cores, the learner's batches on the CPU and
-# then on the GPU), memcheck.
+# then on the GPU), sharded_windows (the same for 64-step windows), many_learners (one owner serving 1, 2
+# and 4 learners), memcheck.
 # Carried wheels: .whl/*.whl (torchrl, tensordict and their small deps) are
 # installed for the tests; .whl/peer/*.whl, a torchrl + tensordict built for the
 # machine's own torch, let the prioritized benchmark time TorchRL's C++ trees.
@@ -144,10 +145,21 @@ if has_step storage; then
 fi
 
 # ---- the sharded store where every process has a core; a learner on the GPU --------------
+# GPU_CHECK_SHARDED_ARGS is appended to each run (argparse keeps the last value: a tiny size for a trial).
+SHARDED_ARGS=(${GPU_CHECK_SHARDED_ARGS:-})
 if has_step sharded; then
-  run_bench sharded_rows sharded_cost.py --worlds own 1 2 4 8 --rounds 3 --out "$OUT/sharded_rows.json"
+  run_bench sharded_rows sharded_cost.py --worlds own 1 2 4 8 --rounds 3 --out "$OUT/sharded_rows.json" \
+    "${SHARDED_ARGS[@]}"
   run_bench sharded_rows_gpu sharded_cost.py --worlds own 1 2 4 8 --rounds 3 --learner-device cuda \
-    --out "$OUT/sharded_rows_gpu.json"
+    --out "$OUT/sharded_rows_gpu.json" "${SHARDED_ARGS[@]}"
+fi
+if has_step sharded_windows; then
+  run_bench sharded_windows sharded_cost.py --rule windows --worlds 1 2 4 8 --rounds 3 \
+    --out "$OUT/sharded_windows.json" "${SHARDED_ARGS[@]}"
+fi
+if has_step many_learners; then  # one owner serving 1, 2 and 4 learners, each with a core
+  run_bench many_learners many_learners.py --owners 1 --learners 1 2 4 --batches 256 --rounds 3 \
+    --out "$OUT/many_learners.json" "${SHARDED_ARGS[@]}"
 fi
 
 # ---- compute-sanitizer memcheck over the gather tests -----------------------------
