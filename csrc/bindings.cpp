@@ -160,6 +160,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Each socket its framed request, sent whole in turn (GIL released): 0 or -errno per socket", py::arg("fds"),
       py::arg("frames"), py::arg("timeout_s"));
   m.def(
+      "send_shares",
+      [](const std::vector<int64_t>& fds, const std::string& head, const std::vector<int64_t>& counts,
+         const std::vector<int64_t>& seeds, int64_t columns, double timeout_s) {
+        return without_gil([&] { return gear::send_shares(fds, head, counts, seeds, columns, timeout_s); });
+      },
+      "Each socket its share of a batch, `head` and its ask (count, seed, columns) framed here (GIL released): 0 or "
+      "-errno per socket",
+      py::arg("fds"), py::arg("head"), py::arg("counts"), py::arg("seeds"), py::arg("columns"), py::arg("timeout_s"));
+  m.def(
+      "receive_shares",
+      [](const std::vector<int64_t>& fds, const std::vector<at::Tensor>& landing, int64_t pick_arrays,
+         const std::vector<int64_t>& firsts, const std::vector<int64_t>& asked, int64_t rows_per_pick, int64_t op,
+         double timeout_s) {
+        gear::ShareReplies r = without_gil([&] {
+          return gear::receive_shares(fds, landing, pick_arrays, firsts, asked, rows_per_pick, op, timeout_s);
+        });
+        py::list heads;
+        for (auto& h : r.heads) heads.append(h.defined() ? py::cast(h) : py::none());
+        return py::make_tuple(r.status, r.count, r.rows, r.mass, r.min_mass, heads);
+      },
+      "Every owner's share of one batch, received together into the same landing tensors (GIL released): lists "
+      "of status, picks, live rows, mass and least positive mass per socket, and an ERROR reply's head (else "
+      "None)",
+      py::arg("fds"), py::arg("landing"), py::arg("pick_arrays"), py::arg("firsts"), py::arg("asked"),
+      py::arg("rows_per_pick"), py::arg("op"), py::arg("timeout_s"));
+  m.def(
       "serve_samples",
       [](int64_t fd, at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
          int64_t seen_seq, int64_t max_lag, double catch_up_s, std::optional<WindowRuleArgs> windows,

@@ -13,6 +13,7 @@ namespace gear {
 
 constexpr size_t kHeader = 20;
 constexpr uint16_t kOk = 0;
+constexpr uint16_t kError = 1;
 constexpr uint16_t kSampleRows = 10;
 constexpr uint16_t kRows = 11;
 constexpr uint16_t kSampleWindows = 12;

@@ -37,10 +37,31 @@ struct Reply {
 std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
                                    const std::vector<std::vector<int64_t>>& first, double timeout_s);
 
+// Every owner's share of one batch, received at once: what receive_replies does for a round of SAMPLE_* asks
+// whose replies (op `op`: ROWS, WINDOWS or PRIORITIZED) all land in the same tensors, owner i's picks from pick
+// firsts[i] on (the first `pick_arrays` tensors) and its rows from row firsts[i] * rows_per_pick on. A reply of
+// another op but ERROR, of more picks than asked[i], of negative rows, or with arrays besides its tally and
+// landing, is -EPROTO. The tally comes back as arrays, one value per owner: nothing per owner to unpack.
+struct ShareReplies {
+  std::vector<int64_t> status, count, rows;  // status: 0, or -errno as receive_replies says
+  std::vector<double> mass;       // the tally's mass (a ROWS reply: its rows)
+  std::vector<double> min_mass;   // a PRIORITIZED reply's least positive mass (0: none)
+  std::vector<at::Tensor> heads;  // an ERROR reply's head, to read its message (undefined for the others)
+};
+ShareReplies receive_shares(const std::vector<int64_t>& fds, const std::vector<at::Tensor>& landing,
+                            int64_t pick_arrays, const std::vector<int64_t>& firsts,
+                            const std::vector<int64_t>& asked, int64_t rows_per_pick, int64_t op, double timeout_s);
+
 // Sends frames[i] whole on fds[i], each socket in turn, blocking or not (a full socket waits up to timeout_s
 // for room; negative: no limit). Each send's status: 0, or -errno (-ETIMEDOUT). One socket's failure is its
 // own: the others are still sent to.
 std::vector<int64_t> send_requests(const std::vector<int64_t>& fds, const std::vector<std::string>& frames,
                                    double timeout_s);
+
+// Sends every owner its share of a batch as send_requests would: `head` (a SAMPLE_*'s, the same for every
+// owner) and the 24 bytes of its ask (counts[i], seeds[i] (-1: none), columns), framed here.
+std::vector<int64_t> send_shares(const std::vector<int64_t>& fds, const std::string& head,
+                                 const std::vector<int64_t>& counts, const std::vector<int64_t>& seeds,
+                                 int64_t columns, double timeout_s);
 
 }  // namespace gear

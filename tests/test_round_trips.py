@@ -19,6 +19,7 @@ import torch
 
 from gear_torchrl.distributed import wire
 from gear_torchrl.kernels import _C
+from gear_torchrl.store.windows import Windows
 
 
 def _framed(op: int, meta: dict, arrays: list[torch.Tensor]) -> bytes:
@@ -131,6 +132,117 @@ def test_a_windows_reply_lands_its_picks_and_rows_each_from_its_own_row(pairs):
     assert numbers[:2] == [40, 1] and torch.tensor(numbers[2:]).view(torch.float64).item() == 2.5
     assert (starts.tolist(), begin.tolist(), end.tolist()) == ([-1, -1, 11], [-1, -1, 0], [-1, -1, 2])
     assert rows[4:].eq(1).all() and rows[:4].eq(0).all()
+
+
+def _bits(*values: float) -> list[int]:
+    return torch.tensor(values, dtype=torch.float64).view(torch.int64).tolist()
+
+
+def test_a_round_s_shares_land_in_one_batch_and_their_tallies_come_back_as_arrays(pairs):
+    """Windows of two rows: share j's picks land from pick firsts[j] on and its rows from row 2 * firsts[j]; an
+    owner's refusal comes back as its head, landing nothing."""
+    starts, begin, end = (torch.full((4,), -1, dtype=torch.int64) for _ in range(3))
+    rows = torch.zeros(8, 3)
+    asked, firsts = [1, 2, 0, 1], [0, 1, 3, 3]
+    for j, k in enumerate(asked[:3]):
+        picks = [torch.arange(k) + 10 * j, torch.zeros(k, dtype=torch.int64), torch.full((k,), 2)]
+        tally = torch.tensor([100 + j, k, *_bits(0.5 + j)])
+        pairs[j][1].sendall(_framed(wire.Op.WINDOWS, {}, [tally, *picks, torch.full((2 * k, 3), float(j + 1))]))
+    pairs[3][1].sendall(_framed(wire.Op.ERROR, {"type": "ValueError", "message": "no"}, []))
+    status, counts, live, mass, min_mass, heads = _C.receive_shares(
+        [a.fileno() for a, _ in pairs], [starts, begin, end, rows], 3, firsts, asked, 2, wire.Op.WINDOWS, 5.0)
+    assert (status, counts, live, mass, min_mass) == ([0] * 4, [1, 2, 0, 0], [100, 101, 102, 0],
+                                                      [0.5, 1.5, 2.5, 0.0], [0.0] * 4)
+    assert heads[:3] == [None] * 3
+    assert wire.parse_head(heads[3].numpy().tobytes())[1] == {"type": "ValueError", "message": "no"}
+    assert (starts.tolist(), end.tolist()) == ([0, 10, 11, -1], [2, 2, 2, -1])
+    assert rows[:, 0].tolist() == [1, 1, 2, 2, 2, 2, 0, 0]
+
+
+def test_a_prioritized_share_gives_its_least_mass_and_lands_its_values(pairs):
+    starts, mass, generation, rows = (torch.full((3,), -1, dtype=t) for t in (torch.int64, torch.float64,
+                                                                               torch.int64, torch.float32))
+    tally = torch.tensor([50, 2, *_bits(9.0, 0.25)])
+    values = [torch.tensor([4, 5]), torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([7, 8])]
+    pairs[0][1].sendall(_framed(wire.Op.PRIORITIZED, {}, [tally, *values, torch.tensor([3.0, 4.0])]))
+    status, counts, live, total, least, heads = _C.receive_shares(
+        [pairs[0][0].fileno()], [starts, mass, generation, rows], 3, [1], [2], 1, wire.Op.PRIORITIZED, 5.0)
+    assert (status, counts, live, total, least, heads) == ([0], [2], [50], [9.0], [0.25], [None])
+    assert (starts.tolist(), mass.tolist(), generation.tolist(), rows.tolist()) == (
+        [-1, 4, 5], [-1.0, 1.0, 2.0], [-1, 7, 8], [-1.0, 3.0, 4.0])
+
+
+def test_a_share_s_reply_that_breaks_its_ask_fails_alone(pairs):
+    """More picks than asked, another op, an array beyond the tally and landing, negative rows: each is that
+    socket's protocol error, and the share asked right still lands."""
+    starts, rows = torch.full((8,), -1, dtype=torch.int64), torch.zeros(8)
+    good = _framed(wire.Op.ROWS, {}, [torch.tensor([9, 2]), torch.tensor([3, 4]), torch.ones(2)])
+    pairs[0][1].sendall(_framed(wire.Op.ROWS, {}, [torch.tensor([9, 3]), torch.arange(3), torch.ones(3)]))
+    pairs[1][1].sendall(_framed(wire.Op.WINDOWS, {}, [torch.tensor([9, 2, 0]), torch.arange(2), torch.ones(2)]))
+    pairs[2][1].sendall(_framed(wire.Op.ROWS, {}, [torch.tensor([9, 2]), torch.arange(2), torch.arange(2),
+                                                   torch.ones(2)]))
+    pairs[3][1].sendall(good)
+    status, counts, *_ = _C.receive_shares([a.fileno() for a, _ in pairs], [starts, rows], 1, [0, 2, 4, 6],
+                                           [2, 2, 2, 2], 1, wire.Op.ROWS, 5.0)
+    assert status == [-errno.EPROTO] * 3 + [0] and counts[3] == 2
+    assert starts[6:].tolist() == [3, 4] and rows[6:].tolist() == [1.0, 1.0]
+    negative = _framed(wire.Op.ROWS, {}, [torch.tensor([-1, 0])])
+    pairs[0][1].sendall(negative)
+    assert _C.receive_shares([pairs[0][0].fileno()], [starts], 1, [0], [0], 1, wire.Op.ROWS, 5.0)[0] == \
+        [-errno.EPROTO]
+
+
+def _client_on(sock: socket.socket, shard: int):
+    """A learner's client over one end of a socket pair (no dial, no challenge)."""
+    from gear_torchrl.distributed.directory import ShardDescriptor
+    from gear_torchrl.distributed.shard_client import ShardClient
+
+    client = object.__new__(ShardClient)
+    client.descriptor = ShardDescriptor(shard, shard, "h", "127.0.0.1", 0, "s", 8, [], None)
+    client._secret, client._timeout, client._lock, client._awaiting = b"", 5.0, threading.Lock(), 0
+    sock.settimeout(5.0)
+    client._sock = sock
+    return client
+
+
+def test_a_share_flight_answers_each_owner_with_its_count_its_refusal_or_its_failure(pairs):
+    """An owner's refusal keeps its type and names the owner; a closed connection is that owner's failure and
+    is dropped; the others land, with their tallies in the shares' arrays."""
+    from gear_torchrl.distributed.shard_client import ShareFlight, Shares
+    from gear_torchrl.errors import ShardUnavailableError
+    from gear_torchrl.selection.uniform import UniformSpec
+
+    columns = [torch.zeros(8, 2)]
+    shares = Shares(UniformSpec(), [2, 2, 2, 2], [1, 2, 3, 4], columns, Windows.of_rows(torch.zeros(8, dtype=torch.int64)),
+                    None)
+    clients = [_client_on(a, j) for j, (a, _) in enumerate(pairs)]
+    flight = ShareFlight(clients, shares, [0, 1, 2, 3])
+    asks = [shares.ask(j).frame() for j in range(4)]
+    assert [_read_exactly(b, len(f)) for (_, b), f in zip(pairs, asks)] == asks
+    pairs[0][1].sendall(_framed(wire.Op.ROWS, {}, [torch.tensor([30, 2]), torch.tensor([5, 6]), torch.ones(2, 2)]))
+    pairs[1][1].sendall(_framed(wire.Op.ERROR, {"type": "ValueError", "message": "bad rule"}, []))
+    pairs[2][1].close()
+    pairs[3][1].sendall(_framed(wire.Op.ROWS, {}, [torch.tensor([40, 1]), torch.tensor([7]), torch.full((1, 2), 3.0)]))
+    outcomes = flight.land()
+    assert outcomes[0] == 2 and outcomes[3] == 1
+    assert isinstance(outcomes[1], ValueError) and "bad rule" in str(outcomes[1])
+    assert isinstance(outcomes[2], ShardUnavailableError) and clients[2]._sock is None
+    assert (shares.rows, shares.mass) == ([30, 0, 0, 40], [30.0, 0.0, 0.0, 40.0])
+    assert shares.picks.starts[[0, 1, 6]].tolist() == [5, 6, 7] and columns[0][6:7].eq(3.0).all()
+    assert shares.landed(3, 1).starts.tolist() == [7]
+
+
+def test_a_round_s_shares_go_framed_as_their_asks_would_be(pairs):
+    from gear_torchrl.distributed.shard_client import Shares
+    from gear_torchrl.selection.uniform import UniformSpec
+
+    columns = [torch.zeros(6, 2), torch.zeros(6)]
+    shares = Shares(UniformSpec(), [1, 0, 3, 2], [7, None, 2**62, 0], columns, Windows.of_rows(torch.zeros(6)), None)
+    asks = [shares.ask(j) for j in range(4)]
+    head = asks[0].frame()[: -24]
+    statuses = _C.send_shares([a.fileno() for a, _ in pairs], head, shares.counts, [7, -1, 2**62, 0], 2, 5.0)
+    assert statuses == [0] * 4
+    assert [_read_exactly(b, len(ask.frame())) for (_, b), ask in zip(pairs, asks)] == [a.frame() for a in asks]
 
 
 def test_a_silent_socket_times_out_alone(pairs):

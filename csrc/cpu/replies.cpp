@@ -198,6 +198,12 @@ int64_t send_whole(int fd, const char* p, size_t n, int wait_ms) {
   return 0;
 }
 
+double bits_as_double(int64_t bits) {
+  double value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
 }  // namespace
 
 std::vector<int64_t> send_requests(const std::vector<int64_t>& fds, const std::vector<std::string>& frames,
@@ -209,6 +215,18 @@ std::vector<int64_t> send_requests(const std::vector<int64_t>& fds, const std::v
     statuses[i] = send_whole(static_cast<int>(fds[i]), frames[i].data(), frames[i].size(), wait_ms);
   }
   return statuses;
+}
+
+std::vector<int64_t> send_shares(const std::vector<int64_t>& fds, const std::string& head,
+                                 const std::vector<int64_t>& counts, const std::vector<int64_t>& seeds,
+                                 int64_t columns, double timeout_s) {
+  TORCH_CHECK(counts.size() == fds.size() && seeds.size() == fds.size(), "send_shares: one count and one seed per socket");
+  std::vector<std::string> frames(fds.size(), head);
+  for (size_t i = 0; i < fds.size(); ++i) {
+    const int64_t ask[3] = {counts[i], seeds[i], columns};
+    frames[i].append(reinterpret_cast<const char*>(ask), sizeof ask);
+  }
+  return send_requests(fds, frames, timeout_s);
 }
 
 std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
@@ -261,6 +279,52 @@ std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::v
   replies.reserve(pending.size());
   for (auto& p : pending) replies.push_back(std::move(p.reply));
   return replies;
+}
+
+ShareReplies receive_shares(const std::vector<int64_t>& fds, const std::vector<at::Tensor>& landing,
+                            int64_t pick_arrays, const std::vector<int64_t>& firsts,
+                            const std::vector<int64_t>& asked, int64_t rows_per_pick, int64_t op, double timeout_s) {
+  const size_t n = fds.size();
+  TORCH_CHECK(firsts.size() == n && asked.size() == n, "receive_shares: one first pick and one count per socket");
+  TORCH_CHECK(pick_arrays >= 0 && static_cast<size_t>(pick_arrays) <= landing.size() && rows_per_pick >= 1,
+              "receive_shares: pick_arrays within the landing tensors, rows_per_pick at least 1");
+  TORCH_CHECK(op == kRows || op == kWindows || op == kPrioritized, "receive_shares: a ROWS, WINDOWS or PRIORITIZED op");
+  std::vector<std::vector<at::Tensor>> lands(n, landing);
+  std::vector<std::vector<int64_t>> rows_from(n);
+  for (size_t i = 0; i < n; ++i) {
+    rows_from[i].assign(landing.size(), firsts[i] * rows_per_pick);
+    std::fill_n(rows_from[i].begin(), pick_arrays, firsts[i]);
+  }
+  std::vector<Reply> replies = receive_replies(fds, lands, rows_from, timeout_s);
+  const size_t tally = op == kRows ? 2 : op == kWindows ? 3 : 4;
+  ShareReplies out;
+  for (auto* v : {&out.status, &out.count, &out.rows}) v->assign(n, 0);
+  out.mass.assign(n, 0.0);
+  out.min_mass.assign(n, 0.0);
+  out.heads.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    Reply& r = replies[i];
+    out.status[i] = r.status;
+    if (r.status != 0) continue;
+    if (r.op != op) {
+      if (r.op == kError) {
+        out.heads[i] = r.head;
+      } else {
+        out.status[i] = -EPROTO;
+      }
+      continue;
+    }
+    const int64_t rows = r.tally[0], count = r.tally[1];
+    if (r.tally.size() != tally || !r.small.empty() || count < 0 || count > asked[i] || rows < 0) {
+      out.status[i] = -EPROTO;
+      continue;
+    }
+    out.rows[i] = rows;
+    out.count[i] = count;
+    out.mass[i] = tally > 2 ? bits_as_double(r.tally[2]) : static_cast<double>(rows);
+    if (tally > 3) out.min_mass[i] = bits_as_double(r.tally[3]);
+  }
+  return out;
 }
 
 }  // namespace gear

@@ -8,7 +8,7 @@ import json
 import socket
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast
 
@@ -462,53 +462,153 @@ class Request(Protocol[Answer_co]):
 _TICKETS = itertools.count(1)
 
 
-class Flight(Generic[Answer]):
-    """Selections sent to many owners at once, their replies owed until ``land``.
+class _Owed(Generic[Answer]):
+    """Requests sent to many owners at once, their replies owed until ``land``.
 
     ``land`` receives every reply at once (one native wait on all sockets, the
-    interpreter released) straight into each ask's ``columns``. A learner may
-    send the next batch's selections before it trains on this one: the owners
-    pick and send meanwhile. A connection used for anything else in between
-    reads past its owed reply, and ``land`` asks that owner again.
+    interpreter released) straight into where each request's rows land. A learner
+    may send the next batch's requests before it trains on this one: the owners
+    pick and send meanwhile. A connection used for anything else in between reads
+    past its owed reply, and ``land`` asks that owner again. Subclasses say how the
+    requests are framed and sent (``_send_to``) and how the replies are read
+    (``_receive``).
     """
 
-    def __init__(self, clients: list[ShardClient], asks: Sequence[Request[Answer]]) -> None:
-        self.clients, self.asks = clients, asks
+    def __init__(self, clients: list[ShardClient]) -> None:
+        self.clients = clients
         self._outcomes: list[Answer | Exception | None] = [None] * len(clients)  # None: owed
         self._tickets = [0] * len(clients)
         self._timeout = max((c._timeout for c in clients), default=0.0)
         with self._locked():
             self._send(range(len(clients)))
 
+    def _send_to(self, fds: list[int], owners: list[int]) -> list[int]:
+        """Send ``owners`` their requests on ``fds``, in one native call: 0 or -errno each."""
+        raise NotImplementedError
+
+    def _receive(self, fds: list[int], owners: list[int]) -> list[Answer | Exception]:
+        """The replies owed by ``owners`` on ``fds``, received together: each answer, or what went wrong."""
+        raise NotImplementedError
+
     def _locked(self) -> _Locks:
         """Every owner's lock, taken in the flight's order (as every flight takes them)."""
         return _Locks([client._lock for client in self.clients])
 
     def _send(self, owners: Iterable[int]) -> None:
-        """Ask each of ``owners`` (their locks held), every request in one native send; a failure is that
-        owner's outcome."""
+        """Ask each of ``owners`` (their locks held); a failure is that owner's outcome."""
         owners = list(owners)
-        frames = [self.asks[i].frame() for i in owners]
-        for i, failure in zip(owners, _send_all([self.clients[i] for i in owners], frames, self._timeout)):
+        sent = _send_all([self.clients[i] for i in owners],
+                         lambda fds, reached: self._send_to(fds, [owners[j] for j in reached]))
+        for i, failure in zip(owners, sent):
             if failure is None:
                 self._tickets[i] = self.clients[i]._awaiting = next(_TICKETS)
             else:
                 self._outcomes[i] = failure
 
     def land(self) -> list[Answer | Exception]:
-        """Each owner's answer (picks, their rows in the ask's columns; None for a Post), or what went wrong."""
+        """Each owner's answer, or what went wrong."""
         with self._locked():
             self._send([i for i, client in enumerate(self.clients)  # replies read past meanwhile: ask again
                         if self._outcomes[i] is None and client._awaiting != self._tickets[i]])
             owed = [i for i, o in enumerate(self._outcomes) if o is None]
             if owed:
-                replies = _C.receive_replies([_owing(self.clients[i]).fileno() for i in owed],
-                                             [list(self.asks[i].landing) for i in owed],
-                                             [list(self.asks[i].firsts) for i in owed], self._timeout)
-                for i, reply in zip(owed, replies):
+                answers = self._receive([_owing(self.clients[i]).fileno() for i in owed], owed)
+                for i, answer in zip(owed, answers):
                     self.clients[i]._awaiting = 0
-                    self._outcomes[i] = _answer_of(self.clients[i], self.asks[i], *reply)
+                    self._outcomes[i] = answer
         return cast("list[Answer | Exception]", self._outcomes)  # every owed answer was taken
+
+
+class Flight(_Owed[Answer]):
+    """Requests of any kind (``Ask``, ``Post``), one per owner: each its own frame and landing."""
+
+    def __init__(self, clients: list[ShardClient], asks: Sequence[Request[Answer]]) -> None:
+        self.asks = asks
+        super().__init__(clients)
+
+    def _send_to(self, fds: list[int], owners: list[int]) -> list[int]:
+        return _C.send_requests(fds, [self.asks[i].frame() for i in owners], self._timeout)
+
+    def _receive(self, fds: list[int], owners: list[int]) -> list[Answer | Exception]:
+        replies = _C.receive_replies(fds, [list(self.asks[i].landing) for i in owners],
+                                     [list(self.asks[i].firsts) for i in owners], self._timeout)
+        return [_answer_of(self.clients[i], self.asks[i], *reply) for i, reply in zip(owners, replies)]
+
+
+@dataclass
+class Shares:
+    """Owners' shares of one batch, each landing in its own slice of it: a round of SAMPLE_* asks as arrays.
+
+    Share ``j`` is ``counts[j]`` picks of ``spec`` drawn from ``seeds[j]``; its picks land
+    in ``picks`` (and ``extra``) from pick ``firsts[j]`` on and its rows in ``columns``
+    likewise. Sent in a ``ShareFlight``, a round is framed, sent and received with
+    nothing per owner in Python but its socket, and the replies' tallies fill ``mass``,
+    ``rows`` and ``min_mass``. ``ask(j)`` is share ``j`` as an ``Ask``, for a transport that
+    answers apart or an answer that needs one.
+    """
+
+    spec: SelectionSpec
+    counts: list[int]
+    seeds: list[int | None]
+    columns: list[torch.Tensor]
+    picks: Windows
+    extra: dict[str, torch.Tensor] | None
+    firsts: list[int] = field(init=False)  # each share's first pick in the batch
+    mass: list[float] = field(init=False)  # each shard's mass after picking, once its reply landed
+    rows: list[int] = field(init=False)  # each shard's live rows, likewise
+    min_mass: list[float] = field(init=False)  # each shard's least positive mass (0: none), likewise
+
+    def __post_init__(self) -> None:
+        n = len(self.counts)
+        self.firsts = list(itertools.accumulate(self.counts, initial=0))[:-1]
+        self.mass, self.rows, self.min_mass = [0.0] * n, [0] * n, [0.0] * n
+
+    @property
+    def asked_natively(self) -> bool:
+        """Whether every share goes as a SAMPLE_* (the rule has one, and every seed fits its int64)."""
+        return self.ask(0).picks is not None and all(_fits_int64(seed) for seed in self.seeds)
+
+    def ask(self, j: int) -> Ask:
+        return Ask(self.spec, self.counts[j], self.seeds[j], self.columns, self.firsts[j] * self.spec.rows_per_pick,
+                   self.picks, self.extra)
+
+    def landed(self, j: int, count: int) -> Picked:
+        """Share ``j``'s answer of ``count`` picks, as its reply landed them."""
+        scalars: dict[str, Any] = {"rows": self.rows[j]}
+        if self.min_mass[j] > 0:
+            scalars["min_mass"] = self.min_mass[j]
+        return self.ask(j).landed(count, self.mass[j], scalars)
+
+
+class ShareFlight(_Owed[int]):
+    """``Shares`` sent to the owners of some of them (``members[i]``: client ``i``'s share), answered by the
+    number of picks each landed; the replies' tallies go to the shares' arrays."""
+
+    def __init__(self, clients: list[ShardClient], shares: Shares, members: list[int]) -> None:
+        self.shares, self.members = shares, members
+        ask = shares.ask(0)
+        self._op, self._reply_op, self._landing = ask.request_op, ask.reply_op, list(ask.landing)
+        self._pick_arrays = len(self._landing) - len(shares.columns)
+        super().__init__(clients)
+
+    def _send_to(self, fds: list[int], owners: list[int]) -> list[int]:
+        shares, members = self.shares, [self.members[i] for i in owners]
+        return _C.send_shares(fds, _sample_head(self._op, shares.spec), [shares.counts[j] for j in members],
+                              [-1 if shares.seeds[j] is None else shares.seeds[j] for j in members],
+                              len(shares.columns), self._timeout)
+
+    def _receive(self, fds: list[int], owners: list[int]) -> list[int | Exception]:
+        shares, members = self.shares, [self.members[i] for i in owners]
+        status, counts, rows, mass, min_mass, heads = _C.receive_shares(
+            fds, self._landing, self._pick_arrays, [shares.firsts[j] for j in members],
+            [shares.counts[j] for j in members], shares.spec.rows_per_pick, self._reply_op, self._timeout)
+        for at, j in enumerate(members):
+            shares.mass[j], shares.rows[j], shares.min_mass[j] = mass[at], rows[at], min_mass[at]
+        if not any(status) and heads.count(None) == len(heads):
+            return counts
+        return [counts[at] if not status[at] and head is None else
+                _failure_of(self.clients[i], status[at], head)
+                for at, (i, head) in enumerate(zip(owners, heads))]
 
 
 def post(clients: list[ShardClient], messages: list[EncodedMessage | bytes]) -> list[Exception | None]:
@@ -516,14 +616,16 @@ def post(clients: list[ShardClient], messages: list[EncodedMessage | bytes]) -> 
     updates): one native send under the clients' locks (taken in the order given, as a flight takes them).
     Each failure is that client's."""
     frames = [m if isinstance(m, bytes) else wire.encode(m) for m in messages]
+    timeout = max((client._timeout for client in clients), default=0.0)
     with _Locks([client._lock for client in clients]):
-        timeout = max((client._timeout for client in clients), default=0.0)
-        return _send_all(clients, frames, timeout)
+        return _send_all(clients, lambda fds, reached: _C.send_requests(fds, [frames[i] for i in reached], timeout))
 
 
-def _send_all(clients: list[ShardClient], frames: list[bytes], timeout: float) -> list[Exception | None]:
-    """``frames[i]`` to ``clients[i]`` (their locks held), all in one native send: None where it went, else why
-    not (that client's connection dropped)."""
+def _send_all(clients: list[ShardClient], send: Callable[[list[int], list[int]], list[int]]
+              ) -> list[Exception | None]:
+    """Send to ``clients`` (their locks held) with ``send(fds, reached)``, one native call for every client
+    whose connection is open (``reached``: their places in ``clients``), 0 or -errno each: None where it went,
+    else why not (that client's connection dropped)."""
     failures: list[Exception | None] = [None] * len(clients)
     fds, reached = [], []
     for i, client in enumerate(clients):
@@ -535,7 +637,7 @@ def _send_all(clients: list[ShardClient], frames: list[bytes], timeout: float) -
         except (OSError, wire.ProtocolError) as exc:
             failures[i] = client._broken(exc)
     if reached:
-        for i, status in zip(reached, _C.send_requests(fds, [frames[i] for i in reached], timeout)):
+        for i, status in zip(reached, send(fds, reached)):
             if status:
                 failures[i] = clients[i]._broken(wire.socket_error(status))
     return failures
@@ -571,19 +673,25 @@ def _owing(client: ShardClient) -> socket.socket:
 def _answer_of(client: ShardClient, ask: Request[Answer], status: int, op: int, tally: list[int],
                head: torch.Tensor, small: list[torch.Tensor]) -> Answer | Exception:
     """One owner's answer to ``ask`` (from its reply, as ``receive_replies`` got it), or what went wrong."""
-    try:
-        if status:
-            raise wire.socket_error(status)
-        if op == Op.ERROR:
-            return client._remote_error(wire.parse_head(head.numpy().tobytes())[1])
-    except (OSError, wire.ProtocolError) as exc:
-        return client._broken(exc)
+    if status or op == Op.ERROR:
+        return _failure_of(client, status, head)
     try:
         return ask.answer(op, tally, head, small)
     except wire.ProtocolError as exc:
         return client._broken(exc)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         return client._broken(wire.ProtocolError(f"a reply that does not parse: {exc}"))
+
+
+def _failure_of(client: ShardClient, status: int, head: torch.Tensor | None) -> Exception:
+    """What a reply that landed nothing says: its socket's error (``status``), else the owner's refusal (an
+    ERROR reply's ``head``)."""
+    try:
+        if status or head is None:
+            raise wire.socket_error(status)
+        return client._remote_error(wire.parse_head(head.numpy().tobytes())[1])
+    except (OSError, wire.ProtocolError) as exc:
+        return client._broken(exc)
 
 
 def _picked_of(meta: dict[str, Any], arrays: list[torch.Tensor]) -> Picked:

@@ -28,6 +28,8 @@ from gear_torchrl.distributed.shard_client import (
     Flight,
     Post,
     ShardClient,
+    ShareFlight,
+    Shares,
     give_back_message,
     landing_extra,
     landing_picks,
@@ -73,7 +75,13 @@ class ShardPicks:
 
 @dataclass
 class _Round:
-    """One round of a batch: each live shard's share, asked for (``flight``: the tcp owners) or to ask."""
+    """One round of a batch: each live shard's share, asked for (``flight``: the tcp owners) or to ask.
+
+    A batch's first round of a rule its owners answer natively is ``shares`` (arrays,
+    each landing in its slice of ``batch``); a later round, or a rule answered by a
+    SELECT, is an ``Ask`` per shard. Shards that answer apart (in this process, or
+    over ``local``/``rdma``) have an ``Ask`` in ``asks`` either way.
+    """
 
     key: tuple[SelectionSpec, int, torch.Generator | None]  # the rule, batch size and generator it was drawn for
     live: list[int]
@@ -81,10 +89,11 @@ class _Round:
     batch: list[torch.Tensor] | None  # the batch the shares fill, each its slice (first round only)
     picks: Windows | None  # where the shares' picks land, each its slice (first round only)
     extra: dict[str, torch.Tensor] | None  # where the shares' per-pick values land, likewise (prioritized rows)
-    asks: dict[int, Ask]
+    shares: Shares | None  # the round as arrays (first rounds of natively answered rules), in live order
+    asks: dict[int, Ask]  # each share not in ``shares``' flight, as an Ask
     transports: dict[int, Any]  # each shard's transport, or what opening it raised
     together: list[int]  # the shards in ``flight``
-    flight: Flight[Picked]
+    flight: Flight[Picked] | ShareFlight
     unreached: list[tuple[int, Exception]]  # tcp shards that could not be asked
     draws: tuple[torch.Tensor, torch.Tensor] | None = None  # the generator's state before and after drawing it
 
@@ -93,6 +102,60 @@ class _Round:
         generator = self.key[2]
         if self.draws is not None and generator is not None and torch.equal(generator.get_state(), self.draws[1]):
             generator.set_state(self.draws[0])
+
+    def entry(self, shard: int, outcome: Picked | int) -> tuple[Picked, Ask]:
+        """A shard's answer as picks and the ask it answers (``outcome``: its picks, or how many its share
+        landed)."""
+        if isinstance(outcome, int):
+            assert self.shares is not None
+            j = self.live.index(shard)
+            return self.shares.landed(j, outcome), self.shares.ask(j)
+        return outcome, self.asks[shard]
+
+
+@dataclass
+class _Answers:
+    """A round's answers in live order (shards skipped since they failed left out), as arrays; each as picks
+    only when asked for (``entries``), which a batch that lands whole never is."""
+
+    round: _Round
+    outcomes: list[tuple[int, Any]]  # (shard, its picks or how many its share landed)
+    shards: list[int] = field(default_factory=list)
+    asked: list[int] = field(default_factory=list)
+    taken: list[int] = field(default_factory=list)
+    masses: list[float] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    scalars: dict[str, float] = field(default_factory=dict)  # the least of each ``min_*`` over the answers
+
+    def __post_init__(self) -> None:
+        round_, shares = self.round, self.round.shares
+        where = {s: j for j, s in enumerate(round_.live)}
+        for shard, outcome in self.outcomes:
+            j = where[shard]
+            self.shards.append(shard)
+            self.asked.append(round_.counts[j])
+            if isinstance(outcome, int):
+                assert shares is not None
+                self.taken.append(outcome)
+                self.masses.append(shares.mass[j])
+                self.rows.append(shares.rows[j])
+                least = shares.min_mass[j]
+                if least > 0:
+                    self.scalars["min_mass"] = min(self.scalars.get("min_mass", least), least)
+            else:
+                self.taken.append(outcome.count)
+                self.masses.append(float(outcome.mass))
+                self.rows.append(int(outcome.scalars.get("rows", -1)))  # -1: not said
+                _merge_min(self.scalars, outcome.scalars)
+
+    @property
+    def full(self) -> bool:
+        """Every live shard answered with as many picks as it was asked for."""
+        return self.taken == self.asked and len(self.outcomes) == len(self.round.live)
+
+    def entries(self) -> list[tuple[int, Picked, Ask]]:
+        """Each answer with picks, as picks and the ask it answers."""
+        return [(s, *self.round.entry(s, o)) for (s, o), k in zip(self.outcomes, self.taken) if k]
 
 
 @dataclass(frozen=True)
@@ -185,41 +248,39 @@ class ShardSet:
         if spec.merges_best:
             return self._pick_best(spec, count)
         masses = self._masses.setdefault(spec, {})
-        got: list[tuple[int, Picked, Ask]] = []
+        got: list[tuple[int, Picked, Ask]] = []  # picks of rounds that did not land whole, as picks
         scalars: dict[str, float] = {}
-        exact, remaining = True, count
+        taken = 0
         sent, self._ahead = self._ahead, None
         if sent is not None and sent.key != (spec, count, generator):
             sent.take_back_draws()
             sent = None  # asked for something else: the owed replies are read past on the next use
         for _ in range(_MAX_ROUNDS):
-            round_ = sent or self._send_round(spec, count, remaining, generator)
+            round_ = sent or self._send_round(spec, count, count - taken, generator)
             sent = None
-            exact &= round_.batch is not None or not any(round_.counts)  # a later round: buffers of its own
-            results = self._land_round(round_, got)
-            for shard, (picked, ask) in results:
-                masses[shard] = float(picked.mass)
-                self.rows[shard] = int(picked.scalars.get("rows", self.rows.get(shard, 0)))
-                _merge_min(scalars, picked.scalars)
-                exact &= picked.count == ask.count
-                if picked.count:
-                    got.append((shard, picked, ask))
-            exact &= len(results) == len(round_.live)  # a skipped shard left its slice empty
-            remaining = count - sum(p.count for _, p, _ in got)
+            answers = self._land_round(round_, got)
+            masses.update(zip(answers.shards, answers.masses))
+            self.rows.update((s, r if r >= 0 else self.rows.get(s, 0)) for s, r in zip(answers.shards, answers.rows))
+            _merge_min(scalars, answers.scalars)
+            taken += sum(answers.taken)
             if count == 0:
                 return None
-            if remaining == 0:
-                landed = exact and all(a.picks is round_.picks for _, _, a in got)  # every pick in round_.picks
-                picks = self._assemble(got, scalars, round_.batch if exact else None,
-                                       (round_.picks, round_.extra) if landed else None)
-                if self.options.prefetch and spec.per_reader:
-                    self._ahead = self._send_ahead(spec, count, generator)
-                return picks
-            if not any(masses.get(s, 0.0) > 0 for s in self.live()) and self.rows_known():
-                self.give_back(spec, got)
-                raise EmptyStoreError(f"nothing to sample in any of the {len(self.live_shards)} live shards "
-                                      f"for {spec.describe()} selection (empty, or no eligible rows/windows): "
-                                      f"found {count - remaining} of {count}")
+            whole = not got and answers.full and round_.batch is not None  # the first round filled the batch
+            if taken == count and whole and round_.shares is not None:
+                picks = self._assemble_landed(round_, answers, scalars)  # its picks landed in it too
+            elif taken == count:
+                picks = self._assemble(got + answers.entries(), scalars, round_.batch if whole else None)
+            else:
+                got += answers.entries()
+                if not any(masses.get(s, 0.0) > 0 for s in self.live()) and self.rows_known():
+                    self.give_back(spec, got)
+                    raise EmptyStoreError(f"nothing to sample in any of the {len(self.live_shards)} live shards "
+                                          f"for {spec.describe()} selection (empty, or no eligible rows/windows): "
+                                          f"found {taken} of {count}")
+                continue
+            if self.options.prefetch and spec.per_reader:
+                self._ahead = self._send_ahead(spec, count, generator)
+            return picks
         self.give_back(spec, got)
         raise RuntimeError(f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds of {spec.describe()} "
                            "selection: the shards keep coming up short")
@@ -233,15 +294,13 @@ class ShardSet:
         """
         live = self.live()
         counts, seeds = _draw_shares(remaining, [self._masses[spec].get(s, 0.0) for s in live], generator)
-        batch, picks, extra, firsts = None, None, None, {}
+        batch, picks, extra, shares = None, None, None, None
         if remaining == count and any(counts):
             batch = self._empty_columns(self.table(next(s for s, k in zip(live, counts) if k)),
                                         count * spec.rows_per_pick)
             picks, extra = landing_picks(count, spec.rows_per_pick), landing_extra(spec, count)
-            firsts = {s: f * spec.rows_per_pick for s, f in zip(live, itertools.accumulate(counts, initial=0))}
+            shares = Shares(spec, counts, seeds, batch, picks, extra)
         transports = {s: self._opened_transport(s) for s in live}
-        asks = {s: self._ask(s, spec, k, seed, batch, firsts.get(s), picks, extra)
-                for s, k, seed in zip(live, counts, seeds)}
         together = [s for s in live if getattr(transports[s], "replies_with_rows", False)]
         reached, unreached = [], []
         for s in together:
@@ -249,8 +308,17 @@ class ShardSet:
                 reached.append((s, self.client(s)))
             except Exception as exc:  # noqa: BLE001  (an owner not reached: its outcome)
                 unreached.append((s, exc))
-        flight = Flight([c for _, c in reached], [asks[s] for s, _ in reached])
-        return _Round((spec, count, generator), live, counts, batch, picks, extra, asks, transports,
+        clients = [c for _, c in reached]
+        if shares is not None and shares.asked_natively:
+            in_flight = {s for s, _ in reached}
+            asks = {s: self._ask_in(shares, j, s) for j, s in enumerate(live) if s not in in_flight}
+            flight: Flight[Picked] | ShareFlight = ShareFlight(clients, shares, [live.index(s) for s, _ in reached])
+        else:
+            shares = None
+            asks = {s: self._ask(s, spec, k, seed, batch, picks, extra, first)
+                    for s, k, seed, first in zip(live, counts, seeds, _firsts(counts, spec.rows_per_pick, batch))}
+            flight = Flight(clients, [asks[s] for s, _ in reached])
+        return _Round((spec, count, generator), live, counts, batch, picks, extra, shares, asks, transports,
                       [s for s, _ in reached], flight, unreached)
 
     def _send_ahead(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> _Round | None:
@@ -271,8 +339,9 @@ class ShardSet:
             round_.draws = (before, generator.get_state())
         return round_
 
-    def _land_round(self, round_: _Round, got: list[tuple[int, Picked, Ask]]) -> list[tuple[int, tuple[Picked, Ask]]]:
-        """Every live shard's picks for ``round_``. If a shard fails or refuses, what the batch took goes back first.
+    def _land_round(self, round_: _Round, got: list[tuple[int, Picked, Ask]]) -> _Answers:
+        """Every live shard's answer to ``round_``. If a shard fails or refuses, what the batch took goes back
+        first.
 
         The tcp owners' replies are received at once; the other shards answer each
         on a thread of the fan-out meanwhile.
@@ -280,27 +349,24 @@ class ShardSet:
         live, asks, transports = round_.live, round_.asks, round_.transports
         asked_together = set(round_.together) | {s for s, _ in round_.unreached}
         apart = [s for s in live if s not in asked_together]
-        outcomes: dict[int, Picked | Exception] = dict(round_.unreached)
+        outcomes: dict[int, Any] = dict(round_.unreached)
         outcomes.update(self._fan_out.outcomes(apart, lambda s, _: self._select_apart(s, transports[s], asks[s]),
                                                [0] * len(apart)))
         outcomes.update(zip(round_.together, round_.flight.land()))
-        in_order: list[tuple[int, tuple[Picked, Ask] | Exception]] = []
-        for s in live:
-            outcome = outcomes[s]
-            in_order.append((s, outcome if isinstance(outcome, Exception) else (outcome, asks[s])))
+        in_order = [(s, outcomes[s]) for s in live]
         try:
-            return self._fan_out.settle(in_order, self._disconnect)
+            return _Answers(round_, self._fan_out.settle(in_order, self._disconnect))
         except BaseException:
-            answered = [(s, o[0], o[1]) for s, o in in_order if not isinstance(o, Exception) and o[0].count]
+            answered = [(s, *round_.entry(s, o)) for s, o in in_order if not isinstance(o, Exception)]
             try:
-                self.give_back(round_.key[0], got + answered)
+                self.give_back(round_.key[0], got + [a for a in answered if a[1].count])
             except Exception as exc:  # noqa: BLE001  (the first failure is what the caller needs to see)
                 logger.warning("could not give back the picks of an unfilled batch: %s", exc)
             raise
 
     def _ask(self, shard: int, spec: SelectionSpec, count: int, seed: int | None,
-             batch: list[torch.Tensor] | None, first: int | None, picks: Windows | None = None,
-             extra: dict[str, torch.Tensor] | None = None) -> Ask:
+             batch: list[torch.Tensor] | None, picks: Windows | None = None,
+             extra: dict[str, torch.Tensor] | None = None, first: int | None = None) -> Ask:
         """``shard``'s share: its rows into ``batch`` from row ``first`` on (picks into ``picks``, their values
         into ``extra``), else into buffers of its own.
 
@@ -317,6 +383,12 @@ class ShardSet:
         for c in batch if zeroed else ():
             c[first: first + rows].zero_()
         return Ask(spec, count, seed, batch, first, picks, extra)
+
+    def _ask_in(self, shares: Shares, j: int, shard: int) -> Ask:
+        """Share ``j`` of ``shares`` (``shard``'s), asked apart: its slice of the batch zeroed first where its
+        transport writes no padding."""
+        return self._ask(shard, shares.spec, shares.counts[j], shares.seeds[j], shares.columns, shares.picks,
+                         shares.extra, shares.firsts[j] * shares.spec.rows_per_pick)
 
     def _opened_transport(self, shard: int) -> Transport | Exception:
         """The shard's transport; what opening it raised stands for that shard's answer."""
@@ -392,28 +464,34 @@ class ShardSet:
         outcomes.update(zip([s for s, _, _ in remote], told))
         self._fan_out.settle([(s, outcomes[s]) for s in owners], self._disconnect)
 
+    def _assemble_landed(self, round_: _Round, answers: _Answers, scalars: dict[str, float]) -> ShardPicks:
+        """The batch a first round filled whole: its picks, values and columns are where they landed."""
+        assert round_.batch is not None and round_.picks is not None
+        index = self._global_ids(answers.shards, answers.taken, round_.picks)
+        return ShardPicks(index, round_.picks, round_.batch, self.table(answers.shards[0]),
+                          round_.extra or {}, scalars)
+
     def _assemble(self, got: list[tuple[int, Picked, Ask]], scalars: dict[str, float],
-                  batch: list[torch.Tensor] | None,
-                  landed: tuple[Windows | None, dict[str, torch.Tensor] | None] | None = None) -> ShardPicks:
-        """The batch in pick order: global ids, windows, columns (``batch`` when every share filled its
-        slice; ``landed``, the round's picks and their values, when every pick landed there too)."""
+                  batch: list[torch.Tensor] | None = None) -> ShardPicks:
+        """The batch in pick order from the rounds' answers, each read where it landed (``batch``: where every
+        answer's rows landed in order, a first round that filled it whole)."""
         picks = [p for _, p, _ in got]
         seq_len = picks[0].seq_len
-        windows = landed[0] if landed is not None and landed[0] is not None else Windows.cat([p.windows for p in picks])
-        shards, counts = [s for s, _, _ in got], [p.count for p in picks]
-        if seq_len == 1:  # rows are their starts: one pass tags them all with their shards
-            index = global_ids.encode_runs(shards, counts, windows.starts)
-        else:
-            capacities = [self.descriptors[s].capacity for s in shards]
-            index = global_ids.encode_runs(shards, [c * seq_len for c in counts], _ring_rows(windows, capacities, counts))
+        windows = Windows.cat([p.windows for p in picks])
+        index = self._global_ids([s for s, _, _ in got], [p.count for p in picks], windows)
         if batch is None:
             parts = [a.rows(p.count * seq_len) for _, p, a in got]
             batch = parts[0] if len(parts) == 1 else [torch.cat(c) for c in zip(*parts)]
-        if landed is not None and landed[1] is not None:
-            extra = landed[1]
-        else:
-            extra = {n: torch.cat([p.extra[n] for p in picks]) for n in picks[0].extra}
+        extra = {n: torch.cat([p.extra[n] for p in picks]) for n in picks[0].extra}
         return ShardPicks(index, windows, batch, self.table(got[0][0]), extra, scalars)
+
+    def _global_ids(self, shards: list[int], counts: list[int], windows: Windows) -> torch.Tensor:
+        """The global id of every row of ``windows``: runs of ``counts[i]`` windows of ``shards[i]``."""
+        if windows.seq_len == 1:  # rows are their starts: one pass tags them all with their shards
+            return global_ids.encode_runs(shards, counts, windows.starts)
+        capacities = [self.descriptors[s].capacity for s in shards]
+        return global_ids.encode_runs(shards, [c * windows.seq_len for c in counts],
+                                      _ring_rows(windows, capacities, counts))
 
     # -- reads by id and priority updates ----------------------------------------------------
     def read_ids(self, ids: torch.Tensor) -> tuple[TableSpec, list[torch.Tensor]]:
@@ -609,6 +687,13 @@ def _ring_rows(windows: Windows, capacities: list[int], counts: list[int]) -> to
         return windows.rows(capacities[0])
     ends = list(itertools.accumulate(counts))
     return torch.cat([windows.part(e - n, e).rows(c) for c, n, e in zip(capacities, counts, ends)])
+
+
+def _firsts(counts: list[int], rows_per_pick: int, batch: list[torch.Tensor] | None) -> list[int | None]:
+    """The row each share's rows land from in ``batch`` (None: no batch, each share its own buffers)."""
+    if batch is None:
+        return [None] * len(counts)
+    return [f * rows_per_pick for f in itertools.accumulate(counts[:-1], initial=0)]
 
 
 def _draw_shares(count: int, masses: list[float], generator: torch.Generator | None
