@@ -85,6 +85,13 @@ void gather(std::vector<at::Tensor> columns, std::vector<at::Tensor> out, at::Te
   gear::gather_cpu(args);
 }
 
+// Bytes as a uint8 tensor, for Python to read (a reply's head).
+at::Tensor byte_tensor(const std::vector<uint8_t>& bytes) {
+  at::Tensor out = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
+  return out;
+}
+
 // Runs f with the GIL released, for calls that wait on sockets (a server's daemon threads make them).
 // At interpreter exit, a daemon thread that takes the GIL back is ended by pthread_exit, which unwinds
 // its stack: taking the GIL back here, rather than in gil_scoped_release's destructor (noexcept), lets
@@ -145,7 +152,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         std::vector<gear::Reply> replies = without_gil([&] { return gear::receive_replies(fds, landing, first, timeout_s); });
         std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>, at::Tensor, std::vector<at::Tensor>>> out;
         for (auto& r : replies) {
-          out.emplace_back(r.status, r.op, std::move(r.tally), std::move(r.head), std::move(r.small));
+          out.emplace_back(r.status, r.op, std::move(r.tally), byte_tensor(r.head), std::move(r.small));
         }
         return out;
       },
@@ -177,7 +184,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return gear::receive_shares(fds, landing, pick_arrays, firsts, asked, rows_per_pick, op, timeout_s);
         });
         py::list heads;
-        for (auto& h : r.heads) heads.append(h.defined() ? py::cast(h) : py::none());
+        for (auto& h : r.heads) heads.append(h.empty() ? py::none() : py::cast(byte_tensor(h)));
         return py::make_tuple(r.status, r.count, r.rows, r.mass, r.min_mass, heads);
       },
       "Every owner's share of one batch, received together into the same landing tensors (GIL released): lists "

@@ -23,7 +23,7 @@ struct Reply {
   int64_t status;                 // 0, or -errno: -ECONNRESET (peer closed), -ETIMEDOUT, -EPROTO (not our framing)
   int64_t op = -1;                // the reply's op (wire.Op), once its header arrived
   std::vector<int64_t> tally;     // a ROWS, WINDOWS or PRIORITIZED reply's first array, read here: no parse
-  at::Tensor head;                // the fixed header, the JSON metadata and the arrays' lengths, as sent
+  std::vector<uint8_t> head;      // the fixed header, the JSON metadata and the arrays' lengths, as sent
   std::vector<at::Tensor> small;  // the arrays before the last len(landing) ones (after the tally), as uint8
 };
 
@@ -46,7 +46,7 @@ struct ShareReplies {
   std::vector<int64_t> status, count, rows;  // status: 0, or -errno as receive_replies says
   std::vector<double> mass;       // the tally's mass (a ROWS reply: its rows)
   std::vector<double> min_mass;   // a PRIORITIZED reply's least positive mass (0: none)
-  std::vector<at::Tensor> heads;  // an ERROR reply's head, to read its message (undefined for the others)
+  std::vector<std::vector<uint8_t>> heads;  // an ERROR reply's head, to read its message (empty for the others)
 };
 ShareReplies receive_shares(const std::vector<int64_t>& fds, const std::vector<at::Tensor>& landing,
                             int64_t pick_arrays, const std::vector<int64_t>& firsts,

@@ -24,7 +24,7 @@ struct Pending {
   int fd;
   const std::vector<at::Tensor>* landing;
   const std::vector<int64_t>* first;  // the row of each landing tensor the reply's array starts at
-  at::Tensor head = at::empty({static_cast<int64_t>(kHeader)}, at::kByte);
+  std::vector<uint8_t> head = std::vector<uint8_t>(kHeader);  // grows to the JSON and lengths once they are known
   std::vector<uint64_t> lengths;
   std::vector<char*> targets;  // where each array's bytes go
   size_t part = 0;             // 0: fixed header, 1: JSON and lengths, 2 + i: array i
@@ -43,16 +43,15 @@ void finish(Pending& p, int64_t status) {
 
 // The part now being received: where its bytes go and how many there are.
 std::pair<char*, uint64_t> current(Pending& p) {
-  if (p.part == 0) return {static_cast<char*>(p.head.data_ptr()), kHeader};
-  if (p.part == 1) {
-    return {static_cast<char*>(p.head.data_ptr()) + kHeader, static_cast<uint64_t>(p.head.numel()) - kHeader};
-  }
+  char* head = reinterpret_cast<char*>(p.head.data());
+  if (p.part == 0) return {head, kHeader};
+  if (p.part == 1) return {head + kHeader, static_cast<uint64_t>(p.head.size()) - kHeader};
   return {p.targets[p.part - 2], p.lengths[p.part - 2]};
 }
 
 // Sets up what follows the fixed header; false (and finished) if it is not our framing.
 bool read_header(Pending& p) {
-  const auto* h = static_cast<const uint8_t*>(p.head.data_ptr());
+  const uint8_t* h = p.head.data();
   const auto count = field<uint16_t>(h + 6);
   const auto meta = field<uint32_t>(h + 8);
   const auto total = field<uint64_t>(h + 12);
@@ -60,16 +59,14 @@ bool read_header(Pending& p) {
     finish(p, -EPROTO);
     return false;
   }
-  at::Tensor whole = at::empty({static_cast<int64_t>(kHeader + meta + 8ull * count)}, at::kByte);
-  std::memcpy(whole.data_ptr(), h, kHeader);
-  p.head = whole;
+  p.head.resize(kHeader + meta + 8ull * count);
   p.lengths.assign(count, 0);
   return true;
 }
 
 // Places every array once their lengths are known; false (and finished) if they do not fit.
 bool place_arrays(Pending& p) {
-  const auto* h = static_cast<const uint8_t*>(p.head.data_ptr());
+  const uint8_t* h = p.head.data();
   const auto count = field<uint16_t>(h + 6);
   const auto op = field<uint16_t>(h + 4);
   const auto meta = field<uint32_t>(h + 8);
@@ -121,7 +118,7 @@ void advance(Pending& p) {
     if (p.part == 1 && !place_arrays(p)) return;
     ++p.part;
     if (p.part >= 2 + p.lengths.size()) {
-      p.reply.head = p.head;
+      p.reply.head = std::move(p.head);
       finish(p, 0);
     }
   }
@@ -308,7 +305,7 @@ ShareReplies receive_shares(const std::vector<int64_t>& fds, const std::vector<a
     if (r.status != 0) continue;
     if (r.op != op) {
       if (r.op == kError) {
-        out.heads[i] = r.head;
+        out.heads[i] = std::move(r.head);
       } else {
         out.status[i] = -EPROTO;
       }

@@ -8,6 +8,7 @@ import json
 import socket
 import struct
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast
@@ -413,6 +414,9 @@ def landing_picks(count: int, seq_len: int) -> Windows:
     return Windows(starts, seq_len, torch.empty(count, dtype=torch.int64), torch.empty(count, dtype=torch.int64))
 
 
+_SEED_BOUND = 1 << 63
+
+
 def _fits_int64(seed: int | None) -> bool:
     """Whether a SAMPLE_ROWS or SAMPLE_WINDOWS carries ``seed`` (others go in a SELECT, whose owner says what is
     wrong)."""
@@ -462,7 +466,7 @@ class Request(Protocol[Answer_co]):
 _TICKETS = itertools.count(1)
 
 
-class _Owed(Generic[Answer]):
+class _Owed(ABC, Generic[Answer]):
     """Requests sent to many owners at once, their replies owed until ``land``.
 
     ``land`` receives every reply at once (one native wait on all sockets, the
@@ -482,13 +486,13 @@ class _Owed(Generic[Answer]):
         with self._locked():
             self._send(range(len(clients)))
 
+    @abstractmethod
     def _send_to(self, fds: list[int], owners: list[int]) -> list[int]:
         """Send ``owners`` their requests on ``fds``, in one native call: 0 or -errno each."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _receive(self, fds: list[int], owners: list[int]) -> list[Answer | Exception]:
         """The replies owed by ``owners`` on ``fds``, received together: each answer, or what went wrong."""
-        raise NotImplementedError
 
     def _locked(self) -> _Locks:
         """Every owner's lock, taken in the flight's order (as every flight takes them)."""
@@ -565,8 +569,10 @@ class Shares:
 
     @property
     def asked_natively(self) -> bool:
-        """Whether every share goes as a SAMPLE_* (the rule has one, and every seed fits its int64)."""
-        return self.ask(0).picks is not None and all(_fits_int64(seed) for seed in self.seeds)
+        """Whether the shares go as SAMPLE_* (the rule has one, and every seed fits its int64: those
+        ``_C.draw_shares`` makes are 62-bit)."""
+        seeded = self.seeds[0] is not None  # all or none: the learner's generator draws them all, or none does
+        return self.ask(0).picks is not None and (not seeded or max(cast("list[int]", self.seeds)) < _SEED_BOUND)
 
     def ask(self, j: int) -> Ask:
         return Ask(self.spec, self.counts[j], self.seeds[j], self.columns, self.firsts[j] * self.spec.rows_per_pick,
@@ -598,12 +604,19 @@ class ShareFlight(_Owed[int]):
                               len(shares.columns), self._timeout)
 
     def _receive(self, fds: list[int], owners: list[int]) -> list[int | Exception]:
-        shares, members = self.shares, [self.members[i] for i in owners]
+        shares = self.shares
+        every = len(owners) == len(shares.counts)  # every share's owner, in order (members are ascending)
+        members = owners if every else [self.members[i] for i in owners]
+        firsts, asked = (shares.firsts, shares.counts) if every else \
+            ([shares.firsts[j] for j in members], [shares.counts[j] for j in members])
         status, counts, rows, mass, min_mass, heads = _C.receive_shares(
-            fds, self._landing, self._pick_arrays, [shares.firsts[j] for j in members],
-            [shares.counts[j] for j in members], shares.spec.rows_per_pick, self._reply_op, self._timeout)
-        for at, j in enumerate(members):
-            shares.mass[j], shares.rows[j], shares.min_mass[j] = mass[at], rows[at], min_mass[at]
+            fds, self._landing, self._pick_arrays, firsts, asked, shares.spec.rows_per_pick, self._reply_op,
+            self._timeout)
+        if every:
+            shares.mass, shares.rows, shares.min_mass = mass, rows, min_mass
+        else:
+            for at, j in enumerate(members):
+                shares.mass[j], shares.rows[j], shares.min_mass[j] = mass[at], rows[at], min_mass[at]
         if not any(status) and heads.count(None) == len(heads):
             return counts
         return [counts[at] if not status[at] and head is None else

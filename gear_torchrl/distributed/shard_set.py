@@ -74,6 +74,28 @@ class ShardPicks:
 
 
 @dataclass
+class _Route:
+    """How a round reaches the live shards: each one's transport, the tcp owners asked together (their clients,
+    and their places among the live), the others answered apart. Made once for a set of live shards and kept
+    until a connection is closed or this process is a fork; a shard that could not be reached or opened
+    stands in it for that round alone."""
+
+    live: list[int]
+    transports: dict[int, Any]  # each shard's transport, or what opening it raised
+    together: list[int]  # the tcp owners, asked in one flight
+    clients: list[ShardClient]  # theirs, likewise
+    members: list[int]  # each one's place in ``live``
+    unreached: list[tuple[int, Exception]]  # tcp owners that could not be asked
+    apart: list[int]  # the shards answered each on its own (not over tcp)
+    pid: int  # the process it was made in
+
+    @property
+    def whole(self) -> bool:
+        """Every shard's transport opened and every tcp owner reached: a route worth keeping."""
+        return not self.unreached and not any(isinstance(t, Exception) for t in self.transports.values())
+
+
+@dataclass
 class _Round:
     """One round of a batch: each live shard's share, asked for (``flight``: the tcp owners) or to ask.
 
@@ -91,10 +113,8 @@ class _Round:
     extra: dict[str, torch.Tensor] | None  # where the shares' per-pick values land, likewise (prioritized rows)
     shares: Shares | None  # the round as arrays (first rounds of natively answered rules), in live order
     asks: dict[int, Ask]  # each share not in ``shares``' flight, as an Ask
-    transports: dict[int, Any]  # each shard's transport, or what opening it raised
-    together: list[int]  # the shards in ``flight``
-    flight: Flight[Picked] | ShareFlight
-    unreached: list[tuple[int, Exception]]  # tcp shards that could not be asked
+    route: _Route  # how each live shard is reached
+    flight: Flight[Picked] | ShareFlight  # the shares of ``route.together``
     draws: tuple[torch.Tensor, torch.Tensor] | None = None  # the generator's state before and after drawing it
 
     def take_back_draws(self) -> None:
@@ -120,6 +140,7 @@ class _Answers:
 
     round: _Round
     outcomes: list[tuple[int, Any]]  # (shard, its picks or how many its share landed)
+    known_rows: dict[int, int]  # each shard's rows as last said: what an answer that does not say keeps
     shards: list[int] = field(default_factory=list)
     asked: list[int] = field(default_factory=list)
     taken: list[int] = field(default_factory=list)
@@ -129,6 +150,14 @@ class _Answers:
 
     def __post_init__(self) -> None:
         round_, shares = self.round, self.round.shares
+        if shares is not None and not round_.route.apart and len(self.outcomes) == len(round_.live):
+            # every live shard answered in the flight (each its count): the round reads as the shares' lists
+            self.shards, self.asked, self.taken = round_.live, round_.counts, [o for _, o in self.outcomes]
+            self.masses, self.rows = shares.mass, shares.rows
+            positive = [m for m in shares.min_mass if m > 0]
+            if positive:
+                self.scalars["min_mass"] = min(positive)
+            return
         where = {s: j for j, s in enumerate(round_.live)}
         for shard, outcome in self.outcomes:
             j = where[shard]
@@ -145,7 +174,7 @@ class _Answers:
             else:
                 self.taken.append(outcome.count)
                 self.masses.append(float(outcome.mass))
-                self.rows.append(int(outcome.scalars.get("rows", -1)))  # -1: not said
+                self.rows.append(int(outcome.scalars.get("rows", self.known_rows.get(shard, 0))))
                 _merge_min(self.scalars, outcome.scalars)
 
     @property
@@ -184,6 +213,7 @@ class ShardSet:
 
     _served: tuple[int, Any] | None = None  # (shard, ShardServer) this process serves
     _ahead: _Round | None = None  # the next batch, asked for already (prefetch)
+    _kept_route: _Route | None = None  # how the live shards were last reached, while every connection holds
 
     def __init__(self, descriptors: list[ShardDescriptor], secret: bytes, options: Options,
                  control: Any = None, rank: int | None = None, served: tuple[int, Any] | None = None) -> None:
@@ -260,7 +290,7 @@ class ShardSet:
             sent = None
             answers = self._land_round(round_, got)
             masses.update(zip(answers.shards, answers.masses))
-            self.rows.update((s, r if r >= 0 else self.rows.get(s, 0)) for s, r in zip(answers.shards, answers.rows))
+            self.rows.update(zip(answers.shards, answers.rows))
             _merge_min(scalars, answers.scalars)
             taken += sum(answers.taken)
             if count == 0:
@@ -300,26 +330,36 @@ class ShardSet:
                                         count * spec.rows_per_pick)
             picks, extra = landing_picks(count, spec.rows_per_pick), landing_extra(spec, count)
             shares = Shares(spec, counts, seeds, batch, picks, extra)
-        transports = {s: self._opened_transport(s) for s in live}
-        together = [s for s in live if getattr(transports[s], "replies_with_rows", False)]
-        reached, unreached = [], []
-        for s in together:
-            try:
-                reached.append((s, self.client(s)))
-            except Exception as exc:  # noqa: BLE001  (an owner not reached: its outcome)
-                unreached.append((s, exc))
-        clients = [c for _, c in reached]
+        route = self._route(live)
         if shares is not None and shares.asked_natively:
-            in_flight = {s for s, _ in reached}
-            asks = {s: self._ask_in(shares, j, s) for j, s in enumerate(live) if s not in in_flight}
-            flight: Flight[Picked] | ShareFlight = ShareFlight(clients, shares, [live.index(s) for s, _ in reached])
+            asks = {s: self._ask_in(shares, live.index(s), s) for s in route.apart}
+            flight: Flight[Picked] | ShareFlight = ShareFlight(route.clients, shares, route.members)
         else:
             shares = None
             asks = {s: self._ask(s, spec, k, seed, batch, picks, extra, first)
                     for s, k, seed, first in zip(live, counts, seeds, _firsts(counts, spec.rows_per_pick, batch))}
-            flight = Flight(clients, [asks[s] for s, _ in reached])
-        return _Round((spec, count, generator), live, counts, batch, picks, extra, shares, asks, transports,
-                      [s for s, _ in reached], flight, unreached)
+            flight = Flight(route.clients, [asks[s] for s in route.together])
+        return _Round((spec, count, generator), live, counts, batch, picks, extra, shares, asks, route, flight)
+
+    def _route(self, live: list[int]) -> _Route:
+        """How to reach ``live`` this round: the route kept for it, or a new one (kept if it is whole)."""
+        kept, pid = self._kept_route, os.getpid()
+        if kept is not None and kept.live == live and kept.pid == pid:
+            return kept
+        transports = {s: self._opened_transport(s) for s in live}
+        together, clients, unreached = [], [], []
+        for s in live:
+            if getattr(transports[s], "replies_with_rows", False):
+                try:
+                    clients.append(self.client(s))
+                    together.append(s)
+                except Exception as exc:  # noqa: BLE001  (an owner not reached: its outcome)
+                    unreached.append((s, exc))
+        asked = set(together) | {s for s, _ in unreached}
+        route = _Route(live, transports, together, clients, [live.index(s) for s in together], unreached,
+                       [s for s in live if s not in asked], pid)
+        self._kept_route = route if route.whole else None
+        return route
 
     def _send_ahead(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> _Round | None:
         """The next batch's first round, asked for now; None where it cannot be (the next call will say why).
@@ -346,16 +386,17 @@ class ShardSet:
         The tcp owners' replies are received at once; the other shards answer each
         on a thread of the fan-out meanwhile.
         """
-        live, asks, transports = round_.live, round_.asks, round_.transports
-        asked_together = set(round_.together) | {s for s, _ in round_.unreached}
-        apart = [s for s in live if s not in asked_together]
-        outcomes: dict[int, Any] = dict(round_.unreached)
-        outcomes.update(self._fan_out.outcomes(apart, lambda s, _: self._select_apart(s, transports[s], asks[s]),
-                                               [0] * len(apart)))
-        outcomes.update(zip(round_.together, round_.flight.land()))
-        in_order = [(s, outcomes[s]) for s in live]
+        live, asks, route = round_.live, round_.asks, round_.route
+        if route.together == live:  # every shard in the flight, in order
+            in_order: list[tuple[int, Any]] = list(zip(live, round_.flight.land()))
+        else:
+            outcomes: dict[int, Any] = dict(route.unreached)
+            outcomes.update(self._fan_out.outcomes(
+                route.apart, lambda s, _: self._select_apart(s, route.transports[s], asks[s]), [0] * len(route.apart)))
+            outcomes.update(zip(route.together, round_.flight.land()))
+            in_order = [(s, outcomes[s]) for s in live]
         try:
-            return _Answers(round_, self._fan_out.settle(in_order, self._disconnect))
+            return _Answers(round_, self._fan_out.settle(in_order, self._disconnect), self.rows)
         except BaseException:
             answered = [(s, *round_.entry(s, o)) for s, o in in_order if not isinstance(o, Exception)]
             try:
@@ -592,6 +633,7 @@ class ShardSet:
 
     def _disconnect(self, shard: int) -> None:
         """Close the shard's connection and transport; the next use opens new ones."""
+        self._kept_route = None
         client = self._clients.pop(shard, None)
         if client is not None:
             client.close()
@@ -671,6 +713,7 @@ class ShardSet:
                 for c in table.columns]
 
     def close(self) -> None:
+        self._kept_route = None
         for t in self._transports.values():
             t.close()
         for c in self._clients.values():

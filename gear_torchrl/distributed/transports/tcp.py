@@ -12,8 +12,8 @@ class TcpTransport(Transport):
 
     A selection's rows come back in the selection's own reply, so the learner
     asks every tcp shard of a round at once and waits on all of them together
-    (``shard_client.Flight``); a READ also ends the read section of the
-    selection before it.
+    (``shard_client.ShareFlight`` for a batch's first round, ``Flight`` for
+    others); a READ also ends the read section of the selection before it.
     """
 
     name = "tcp"

@@ -1,0 +1,191 @@
+"""A learner's CPU for one sharded batch, owners left out: ``ShardSet.pick`` against replies queued in advance.
+
+``sharded_cost.py`` measures a learner among real owners; on a machine of 2 cores the owners take the
+learner's cores and the loopback's delivery is charged to whoever runs it, so what one added owner costs
+the learner itself is hard to read there. Here each of N owners is one end of a socket pair whose reply
+(a ROWS reply of its share of ``--batch`` rows of the sharded benchmarks' table: obs f32[84], action f32[6],
+reward f32, done bool) is queued before the call, and the learner's requests are read away after it, both
+outside the clock. What is timed is ``ShardSet.pick`` for uniform rows over N tcp owners: the split, the
+requests framed and sent, the replies received into the batch, the answers read and the batch assembled,
+with every system call that costs the learner. ``raw`` is the floor for the same sockets: a 24-byte
+request sent to each owner and one reply of the same bytes received by ``_C.receive_replies``, nothing
+else. Figures are the medians, over ``--repeats``, of this thread's CPU time per batch, contenders in
+turns.
+
+    .venv/bin/python benchmarks/learner_round_cost.py [--owners 1 2 4 8] [--batch 256] [--repeats 7]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import socket
+import threading
+import time
+
+import torch
+from harness import interleaved_medians, machine, table, write_json
+from tensordict import TensorDict
+
+from gear_torchrl.distributed import wire
+from gear_torchrl.distributed.directory import ShardDescriptor
+from gear_torchrl.distributed.shard_client import ShardClient
+from gear_torchrl.distributed.shard_set import Options, ShardSet
+from gear_torchrl.distributed.transports.tcp import TcpTransport
+from gear_torchrl.distributed.wire import Op
+from gear_torchrl.kernels import _C
+from gear_torchrl.selection.uniform import UniformSpec
+from gear_torchrl.store.table_spec import TableSpec
+
+ROWS_PER_SHARD = 100_000
+_SPEC = UniformSpec()
+
+
+def _steps(n: int) -> TensorDict:
+    return TensorDict({"obs": torch.ones(n, 84), "action": torch.ones(n, 6), "reward": torch.ones(n),
+                       "done": torch.zeros(n, dtype=torch.bool)}, batch_size=[n])
+
+
+def _framed(op: int, arrays: list[torch.Tensor]) -> bytes:
+    views = [wire.as_bytes(a.contiguous()) for a in arrays]
+    return wire.header(op, b"", [v.nbytes for v in views]) + b"".join(bytes(v) for v in views)
+
+
+def _client_on(sock: socket.socket, shard: int) -> ShardClient:
+    """A learner's client over one end of a socket pair: what ``ShardClient`` is once dialled."""
+    client = object.__new__(ShardClient)
+    client.descriptor = ShardDescriptor(shard, shard, "bench", "127.0.0.1", 0, "bench", ROWS_PER_SHARD, [], None)
+    client._secret, client._timeout, client._lock, client._awaiting = b"", 5.0, threading.Lock(), 0
+    sock.settimeout(5.0)
+    client._sock = sock
+    return client
+
+
+class Owners:
+    """N socket pairs: the learner's ends, and the owners' ends where replies are queued and requests read."""
+
+    def __init__(self, owners: int) -> None:
+        self.pairs = [socket.socketpair() for _ in range(owners)]
+        for a, b in self.pairs:
+            for s in (a, b):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
+            b.setblocking(False)
+
+    def queue(self, frames: list[bytes]) -> None:
+        for (_, b), frame in zip(self.pairs, frames):
+            b.sendall(frame)
+
+    def drain(self) -> None:
+        """Read away every request the learner sent."""
+        for _, b in self.pairs:
+            try:
+                while b.recv(1 << 20):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def close(self) -> None:
+        for a, b in self.pairs:
+            a.close()
+            b.close()
+
+
+class Learner:
+    """``ShardSet.pick`` of uniform rows over N owners whose replies are queued before each call."""
+
+    def __init__(self, owners: int, batch: int) -> None:
+        self.owners, self.batch = Owners(owners), batch
+        descriptors = [ShardDescriptor(s, s, "bench", "127.0.0.1", 0, "bench", ROWS_PER_SHARD, [], None)
+                       for s in range(owners)]
+        shards = ShardSet(descriptors, b"", Options(transport="tcp", timeout=5.0))
+        table = TableSpec.from_data(_steps(1), 1)
+        for s, (a, _) in enumerate(self.owners.pairs):
+            shards._clients[s] = client = _client_on(a, s)
+            shards._transports[s] = TcpTransport(client)
+            shards._specs[s] = table
+            shards.rows[s] = ROWS_PER_SHARD
+        shards._masses[_SPEC] = {s: float(ROWS_PER_SHARD) for s in range(owners)}
+        self.shards, self.generator = shards, torch.Generator().manual_seed(0)
+        self.columns = [t for t in _steps(batch).values()]
+
+    def _replies(self) -> list[bytes]:
+        """Each owner's reply to the share the next call will draw (the generator's next split, foreseen)."""
+        ahead = torch.Generator()
+        ahead.set_state(self.generator.get_state())
+        counts, _ = _C.draw_shares([float(ROWS_PER_SHARD)] * len(self.owners.pairs), self.batch, ahead)
+        return [_framed(Op.ROWS, [torch.tensor([ROWS_PER_SHARD, k]), torch.arange(k), *(c[:k] for c in self.columns)])
+                for k in counts]
+
+    def __call__(self) -> float:
+        self.owners.queue(self._replies())
+        start = time.thread_time()
+        picks = self.shards.pick(_SPEC, self.batch, self.generator)
+        spent = time.thread_time() - start
+        assert picks is not None and picks.index.numel() == self.batch
+        self.owners.drain()
+        return spent
+
+    def close(self) -> None:
+        self.owners.close()
+
+
+class Raw:
+    """The floor: a 24-byte request sent to each owner and one reply of the same bytes received from each."""
+
+    def __init__(self, owners: int, batch: int) -> None:
+        self.owners = Owners(owners)
+        row_bytes = 4 * (84 + 6 + 1) + 1
+        share = batch // owners
+        self.frame = _framed(Op.OK, [torch.ones(share * row_bytes, dtype=torch.uint8)])
+        self.request = _framed(Op.SAMPLE_ROWS, [torch.zeros(3, dtype=torch.int64)])
+        landing = [torch.empty(share * row_bytes * owners, dtype=torch.uint8)]
+        self.landing, self.firsts = [landing] * owners, [[i * share * row_bytes] for i in range(owners)]
+        self.fds = [a.fileno() for a, _ in self.owners.pairs]
+
+    def __call__(self) -> float:
+        self.owners.queue([self.frame] * len(self.fds))
+        start = time.thread_time()
+        _C.send_requests(self.fds, [self.request] * len(self.fds), 5.0)
+        replies = _C.receive_replies(self.fds, self.landing, self.firsts, 5.0)
+        spent = time.thread_time() - start
+        assert all(r[0] == 0 for r in replies)
+        self.owners.drain()
+        return spent
+
+    def close(self) -> None:
+        self.owners.close()
+
+
+def _medians(contenders: dict[str, Learner | Raw], repeats: int) -> dict[str, float]:
+    """Each contender's median CPU per batch, in turns; the clock is the timed calls' own CPU, summed."""
+    spent = dict.fromkeys(contenders, 0.0)
+
+    def timed(name: str) -> None:
+        spent[name] += contenders[name]()
+
+    return interleaved_medians({k: functools.partial(timed, k) for k in contenders}, repeats=repeats, inner=200,
+                               clock=lambda: sum(spent.values()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--owners", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out = []
+    for owners in args.owners:
+        contenders: dict[str, Learner | Raw] = {"learner": Learner(owners, args.batch), "raw": Raw(owners, args.batch)}
+        got = _medians(contenders, args.repeats)
+        out.append({"owners": owners, "batch": args.batch, "learner us": f"{got['learner'] * 1e6:.1f}",
+                    "raw us": f"{got['raw'] * 1e6:.1f}", "above raw us": f"{(got['learner'] - got['raw']) * 1e6:.1f}"})
+        for c in contenders.values():
+            c.close()
+    print(table(out, list(out[0])))
+    write_json(args.out, {"benchmark": "learner_round_cost", "machine": machine(), "rows": out})
+
+
+if __name__ == "__main__":
+    main()
