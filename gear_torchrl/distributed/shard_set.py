@@ -334,10 +334,10 @@ class ShardSet:
         if shares is not None and shares.asked_natively:
             asks = {s: self._ask_in(shares, live.index(s), s) for s in route.apart}
             flight: Flight[Picked] | ShareFlight = ShareFlight(route.clients, shares, route.members)
-        else:
+        else:  # an Ask per shard: into its slice of the batch (a first round), else into buffers of its own
+            asks = {s: self._ask(s, spec, k, seed, None) if shares is None else self._ask_in(shares, j, s)
+                    for j, (s, k, seed) in enumerate(zip(live, counts, seeds))}
             shares = None
-            asks = {s: self._ask(s, spec, k, seed, batch, picks, extra, first)
-                    for s, k, seed, first in zip(live, counts, seeds, _firsts(counts, spec.rows_per_pick, batch))}
             flight = Flight(route.clients, [asks[s] for s in route.together])
         return _Round((spec, count, generator), live, counts, batch, picks, extra, shares, asks, route, flight)
 
@@ -730,13 +730,6 @@ def _ring_rows(windows: Windows, capacities: list[int], counts: list[int]) -> to
         return windows.rows(capacities[0])
     ends = list(itertools.accumulate(counts))
     return torch.cat([windows.part(e - n, e).rows(c) for c, n, e in zip(capacities, counts, ends)])
-
-
-def _firsts(counts: list[int], rows_per_pick: int, batch: list[torch.Tensor] | None) -> list[int | None]:
-    """The row each share's rows land from in ``batch`` (None: no batch, each share its own buffers)."""
-    if batch is None:
-        return [None] * len(counts)
-    return [f * rows_per_pick for f in itertools.accumulate(counts[:-1], initial=0)]
 
 
 def _draw_shares(count: int, masses: list[float], generator: torch.Generator | None
