@@ -99,12 +99,14 @@ struct Section {
 
 // Reads exactly n bytes (peek: leaves them queued); -errno, or -ECONNRESET at the end. It waits in poll,
 // not in a blocking recv: a recv that sleeps holds the socket's lock across the wake-up, which the sender's
-// softirq then spins on (a third of the owner's time, measured on these VMs).
-int64_t receive(int fd, char* p, size_t n, bool peek) {
+// softirq then spins on (a third of the owner's time, measured on these VMs). A new request is seldom there
+// yet after a reply, so that wait comes first; the rest of a request it began (wait_first false) is read at
+// once, as a request arrives whole.
+int64_t receive(int fd, char* p, size_t n, bool peek, bool wait_first) {
   size_t got = 0;
-  for (;;) {
-    pollfd pfd{fd, POLLIN, 0};  // (after a reply, the next request is seldom there yet: wait first)
-    if (::poll(&pfd, 1, -1) < 0 && errno != EINTR) return -errno;
+  for (bool wait = wait_first;; wait = true) {
+    pollfd pfd{fd, POLLIN, 0};
+    if (wait && ::poll(&pfd, 1, -1) < 0 && errno != EINTR) return -errno;
     const ssize_t k = ::recv(fd, p + got, n - got, MSG_DONTWAIT | (peek ? MSG_PEEK : 0));
     if (k == static_cast<ssize_t>(n - got)) return 0;
     if (k == 0) return -ECONNRESET;
@@ -118,6 +120,23 @@ int64_t receive(int fd, char* p, size_t n, bool peek) {
     if (k > 0) {
       got += static_cast<size_t>(k);
       continue;
+    }
+    if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
+  }
+}
+
+// Waits for the next request and peeks at up to `cap` bytes of it, at least its fixed header: how many bytes
+// it saw (all of a request the size of an ask, in one call), or -errno.
+int64_t peek_request(int fd, char* p, size_t cap) {
+  for (;;) {
+    pollfd pfd{fd, POLLIN, 0};
+    if (::poll(&pfd, 1, -1) < 0 && errno != EINTR) return -errno;
+    const ssize_t k = ::recv(fd, p, cap, MSG_DONTWAIT | MSG_PEEK);
+    if (k >= static_cast<ssize_t>(kHeader)) return k;
+    if (k == 0) return -ECONNRESET;
+    if (k > 0) {  // part of a header (rare): wait for the rest
+      const int64_t status = receive(fd, p, kHeader, true, false);
+      return status < 0 ? status : static_cast<int64_t>(kHeader);
     }
     if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
   }
@@ -435,11 +454,11 @@ bool frames_update(const char* p, size_t meta) {
 int64_t receive_update(int fd, char* p, size_t meta, std::vector<at::Tensor>& arrays) {
   std::vector<uint64_t> lengths;
   for (size_t i = 0; i < 3; ++i) lengths.push_back(field<uint64_t>(p + kHeader + meta + 8 * i));
-  int64_t status = receive(fd, p, kHeader + meta + 24, false);
+  int64_t status = receive(fd, p, kHeader + meta + 24, false, false);
   for (const uint64_t n : lengths) {
     if (status < 0) return status;
     arrays.push_back(at::empty({static_cast<int64_t>(n)}, at::kByte));
-    if (n > 0) status = receive(fd, static_cast<char*>(arrays.back().data_ptr()), n, false);
+    if (n > 0) status = receive(fd, static_cast<char*>(arrays.back().data_ptr()), n, false, false);
   }
   return status;
 }
@@ -465,10 +484,10 @@ bool apply_update(const PriorityRule& r, const std::vector<at::Tensor>& arrays) 
 // A POST_UPDATE of `r` met by serve_samples: applied (true), or `served` says what Python does next: read
 // it itself (another rule's, or one it refuses with its own words: nothing of it was read), answer the one
 // not applied here whose arrays it carries, or end the connection.
-bool took_update(int fd, char* p, const PriorityRule& r, Served& served) {
+bool took_update(int fd, char* p, size_t seen, const PriorityRule& r, Served& served) {
   const size_t meta = r.update_key.size();
   if (field<uint16_t>(p + 6) != 3 || field<uint32_t>(p + 8) != meta) return false;
-  served.code = receive(fd, p, kHeader + meta + 24, true);
+  served.code = seen >= kHeader + meta + 24 ? 0 : receive(fd, p, kHeader + meta + 24, true, false);
   if (served.code < 0) return false;
   served.code = kNextIsOther;
   if (std::memcmp(p + kHeader, r.update_key.data(), meta) != 0 || !frames_update(p, meta)) return false;
@@ -650,22 +669,23 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
   char* p = request.data();
   Served served{kNextIsOther};
   for (;;) {
-    const int64_t peeked = receive(fd, p, kHeader, true);  // blocks until a request (or the end) comes
-    if (peeked < 0) return {peeked, 0, -1, 0, served.answered};
+    const int64_t seen = peek_request(fd, p, request.size());  // blocks until a request (or the end) comes
+    if (seen < 0) return {seen, 0, -1, 0, served.answered};
     if (std::memcmp(p, "GEAR", 4) != 0) return served;
     // Anything else, a malformed ask included, is Python's to read and answer (so nothing here waits for
     // bytes a message does not have).
     const auto op = field<uint16_t>(p + 4);
     if (op == kPostUpdate && priorities != nullptr) {
-      if (!took_update(fd, p, *priorities, served)) return served;
+      if (!took_update(fd, p, static_cast<size_t>(seen), *priorities, served)) return served;
       continue;
     }
     const std::string* key = key_of(op);
     if (key == nullptr || !frames_one_ask(p, key->size())) return served;
     const size_t meta = key->size();
+    const size_t whole = kHeader + meta + kAskBytes;
     if (meta > 0) {  // an armed rule's, byte for byte, or Python's to answer
-      const int64_t whole = receive(fd, p, kHeader + meta + kAskBytes, true);
-      if (whole < 0) return {whole, 0, -1, 0, served.answered};
+      const int64_t status = static_cast<size_t>(seen) >= whole ? 0 : receive(fd, p, whole, true, false);
+      if (status < 0) return {status, 0, -1, 0, served.answered};
       if (std::memcmp(p + kHeader, key->data(), meta) != 0) return served;
     }
     const bool due = std::chrono::steady_clock::now() > until || load(header, kPublishedSeq) - seen_seq > max_lag;
@@ -673,7 +693,7 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
       return {kCatchUp, 0, -1, 0, served.answered};
     }
     if (op == kSampleWindows && !current(header, seen_seq, *windows)) return {kCatchUp, 0, -1, 0, served.answered};
-    const int64_t got = receive(fd, p, kHeader + meta + kAskBytes, false);
+    const int64_t got = receive(fd, p, whole, false, false);
     if (got < 0) return {got, 0, -1, 0, served.answered};
     Request q{};
     if (!parse_ask(p, meta, q)) return {-EPROTO, 0, -1, 0, served.answered};

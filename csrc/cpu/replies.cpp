@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "framing.h"
@@ -19,6 +20,10 @@
 
 namespace gear {
 namespace {
+
+// A reply's first read takes up to this much: all of a share of a batch split across owners, and no more than
+// a copy of a few microseconds for a big one, whose rest is read in place.
+constexpr size_t kStash = 16 << 10;
 
 struct Pending {
   int fd;
@@ -30,8 +35,9 @@ struct Pending {
   size_t part = 0;             // 0: fixed header, 1: JSON and lengths, 2 + i: array i
   uint64_t got = 0;            // bytes of the current part received
   std::vector<iovec> scatter;  // the arrays still due, for one read
+  std::unique_ptr<char[]> stash;  // a reply's first read: its header and what fits of its arrays
   std::chrono::steady_clock::time_point heard;  // when bytes last arrived (or the call began)
-  bool readable = true;  // worth a read: at first, and then when poll says so
+  bool readable = false;  // worth a read: when poll says so
   Reply reply;
   bool done = false;
 };
@@ -134,13 +140,24 @@ void took(Pending& p, uint64_t k) {
   }
 }
 
-// One receive: the part now due, or (once the arrays are placed) every array left in one scatter read, so a
-// reply costs the same few calls whatever its number of columns.
-ssize_t receive_some(Pending& p) {
-  if (p.part < 2) {
+// Bytes of a reply's first read, copied into the parts they belong to, in order. A socket carries one reply
+// at a time (a learner sends its next request after taking the last reply), so bytes past the reply are not
+// our framing.
+void unstash(Pending& p, uint64_t k) {
+  const char* from = p.stash.get();
+  while (k > 0 && !p.done) {
     auto [where, need] = current(p);
-    return ::recv(p.fd, where + p.got, static_cast<size_t>(need - p.got), MSG_DONTWAIT);
+    const uint64_t step = std::min(k, need - p.got);
+    std::memcpy(where + p.got, from, static_cast<size_t>(step));
+    from += step;
+    k -= step;
+    took(p, step);
   }
+  if (k > 0) finish(p, -EPROTO);
+}
+
+// Every array left, in one scatter read.
+ssize_t receive_arrays(Pending& p) {
   std::vector<iovec>& parts = p.scatter;
   parts.clear();
   for (size_t i = p.part - 2; i < p.lengths.size() && parts.size() < IOV_MAX; ++i) {
@@ -153,13 +170,33 @@ ssize_t receive_some(Pending& p) {
   return ::recvmsg(p.fd, &message, MSG_DONTWAIT);
 }
 
+// One receive, its bytes counted: at a reply's start, whatever of it fits the stash (for a share of a batch
+// across many owners, the whole reply: one call per owner); then the part now due, or (once the arrays are
+// placed) every array left in one scatter read, so a reply costs the same few calls whatever its columns.
+ssize_t receive_some(Pending& p) {
+  if (p.part == 0 && p.got == 0) {
+    if (!p.stash) p.stash.reset(new char[kStash]);
+    const ssize_t k = ::recv(p.fd, p.stash.get(), kStash, MSG_DONTWAIT);
+    if (k > 0) unstash(p, static_cast<uint64_t>(k));
+    return k;
+  }
+  ssize_t k;
+  if (p.part < 2) {
+    auto [where, need] = current(p);
+    k = ::recv(p.fd, where + p.got, static_cast<size_t>(need - p.got), MSG_DONTWAIT);
+  } else {
+    k = receive_arrays(p);
+  }
+  if (k > 0) took(p, static_cast<uint64_t>(k));
+  return k;
+}
+
 // Takes what the socket holds now; false when it would block.
 bool drain(Pending& p) {
   bool heard = false;
   while (!p.done) {
     const ssize_t k = receive_some(p);
     if (k > 0) {
-      took(p, static_cast<uint64_t>(k));
       heard = true;
       continue;
     }

@@ -9,7 +9,7 @@ import socket
 import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast
 
@@ -481,10 +481,11 @@ class _Owed(ABC, Generic[Answer]):
     def __init__(self, clients: list[ShardClient]) -> None:
         self.clients = clients
         self._outcomes: list[Answer | Exception | None] = [None] * len(clients)  # None: owed
-        self._tickets = [0] * len(clients)
+        self._ticket = next(_TICKETS)  # what each client awaits while the reply it owes is this flight's
+        self._fds = [-1] * len(clients)  # the connection each request went on
         self._timeout = max((c._timeout for c in clients), default=0.0)
         with self._locked():
-            self._send(range(len(clients)))
+            self._send(list(range(len(clients))))
 
     @abstractmethod
     def _send_to(self, fds: list[int], owners: list[int]) -> list[int]:
@@ -498,29 +499,39 @@ class _Owed(ABC, Generic[Answer]):
         """Every owner's lock, taken in the flight's order (as every flight takes them)."""
         return _Locks([client._lock for client in self.clients])
 
-    def _send(self, owners: Iterable[int]) -> None:
+    def _send(self, owners: list[int]) -> None:
         """Ask each of ``owners`` (their locks held); a failure is that owner's outcome."""
-        owners = list(owners)
-        sent = _send_all([self.clients[i] for i in owners],
-                         lambda fds, reached: self._send_to(fds, [owners[j] for j in reached]))
-        for i, failure in zip(owners, sent):
+        def send(fds: list[int], reached: list[int]) -> list[int]:
+            asked = owners if len(reached) == len(owners) else [owners[j] for j in reached]
+            if len(asked) == len(self._fds):
+                self._fds = fds
+            else:
+                for i, fd in zip(asked, fds):
+                    self._fds[i] = fd
+            return self._send_to(fds, asked)
+
+        ticket = self._ticket
+        for i, failure in zip(owners, _send_all([self.clients[i] for i in owners], send)):
             if failure is None:
-                self._tickets[i] = self.clients[i]._awaiting = next(_TICKETS)
+                self.clients[i]._awaiting = ticket
             else:
                 self._outcomes[i] = failure
 
     def land(self) -> list[Answer | Exception]:
         """Each owner's answer, or what went wrong."""
+        ticket, outcomes = self._ticket, self._outcomes
         with self._locked():
-            self._send([i for i, client in enumerate(self.clients)  # replies read past meanwhile: ask again
-                        if self._outcomes[i] is None and client._awaiting != self._tickets[i]])
-            owed = [i for i, o in enumerate(self._outcomes) if o is None]
-            if owed:
-                answers = self._receive([_owing(self.clients[i]).fileno() for i in owed], owed)
-                for i, answer in zip(owed, answers):
+            again = [i for i, client in enumerate(self.clients)  # replies read past meanwhile: ask again
+                     if outcomes[i] is None and client._awaiting != ticket]
+            if again:
+                self._send(again)
+            owed = [i for i, o in enumerate(outcomes) if o is None]
+            if owed:  # a client awaiting this flight's ticket still has the connection its request went on
+                fds = self._fds if len(owed) == len(self._fds) else [self._fds[i] for i in owed]
+                for i, answer in zip(owed, self._receive(fds, owed)):
                     self.clients[i]._awaiting = 0
-                    self._outcomes[i] = answer
-        return cast("list[Answer | Exception]", self._outcomes)  # every owed answer was taken
+                    outcomes[i] = answer
+        return cast("list[Answer | Exception]", outcomes)  # every owed answer was taken
 
 
 class Flight(_Owed[Answer]):
@@ -660,27 +671,22 @@ class _Locks:
     """Locks held together: taken in order, released in reverse (cheaper than an ExitStack per batch)."""
 
     def __init__(self, locks: list[threading.Lock]) -> None:
-        self._locks, self._taken = locks, 0
+        self._locks = locks
 
     def __enter__(self) -> None:
+        taken = 0
         try:
             for lock in self._locks:
                 lock.acquire()
-                self._taken += 1
+                taken += 1
         except BaseException:
-            self.__exit__()
+            for lock in reversed(self._locks[:taken]):
+                lock.release()
             raise
 
     def __exit__(self, *_: object) -> None:
-        while self._taken:
-            self._taken -= 1
-            self._locks[self._taken].release()
-
-
-def _owing(client: ShardClient) -> socket.socket:
-    """The connection of ``client``, which owes a reply: it was sent on just now, under the client's lock."""
-    assert client._sock is not None
-    return client._sock
+        for lock in reversed(self._locks):
+            lock.release()
 
 
 def _answer_of(client: ShardClient, ask: Request[Answer], status: int, op: int, tally: list[int],
