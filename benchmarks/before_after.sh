@@ -35,6 +35,8 @@ declare -A args=(
   [sharded_cost]="${SHARDED_COST_ARGS:---worlds own 1 2 4 8 --batches 256 4096 --rounds 3}"
   [owner_reply_cost]="--requests 300"
   [gather_cost]="--repeats 15"
+  [learner_round_cost]="--repeats 30"
+  [receive_cost]="--owners 1 8 --repeats 9"
 )
 benches=${BENCHES:-plain_path prioritized_sampling sequence_sampling ndim2 shared_insert}
 

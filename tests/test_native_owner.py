@@ -198,6 +198,27 @@ def test_both_paths_reply_rows_with_a_tally_and_no_json(owner):
         assert picks.numel() == 6 and bool((picks < 10).all())
 
 
+def test_asks_arriving_in_pieces_or_back_to_back_are_each_answered_by_the_extension(owner):
+    """The owner peeks at a whole ask at once: one cut inside the header, just past it or inside the ask waits
+    for the rest, and an ask right behind another is left for its own turn."""
+    o = owner(64)
+    o.rb.extend(w.keyed_rows(10, 0))
+    o.table()
+    ask = Message(Op.SAMPLE_ROWS, b"", [torch.tensor([6, 3, 1], dtype=torch.int64).view(torch.uint8)])
+    expected = o.client.request(ask).arrays[1].view(torch.int64)
+    frame = bytes(wire.encode(ask))
+    sock = o.client._connection()
+    for cut in (3, 21, len(frame) - 5):
+        sock.sendall(frame[:cut])
+        time.sleep(0.05)
+        sock.sendall(frame[cut:])
+        assert torch.equal(wire.receive(sock).arrays[1].view(torch.int64), expected)
+    sock.sendall(frame + frame)
+    for _ in range(2):
+        assert torch.equal(wire.receive(sock).arrays[1].view(torch.int64), expected)
+    assert o.python_picks == 0
+
+
 def test_a_rows_reply_that_claims_more_picks_than_asked_for_does_not_parse():
     ask = Ask(UNIFORM, 4, 1, [torch.empty(4, 2)])
     head = torch.frombuffer(bytearray(wire.header(Op.ROWS, b"", [16, 32, 32])), dtype=torch.uint8)

@@ -245,6 +245,35 @@ def test_a_round_s_shares_go_framed_as_their_asks_would_be(pairs):
     assert [_read_exactly(b, len(ask.frame())) for (_, b), ask in zip(pairs, asks)] == [a.frame() for a in asks]
 
 
+def test_a_reply_longer_than_its_first_read_lands_whole_and_the_short_ones_in_one_read(pairs):
+    """A reply's first read takes what fits a 16 KiB stash; a longer one (here 64 KiB of rows) is read on in
+    place: both land byte for byte beside replies that fit."""
+    rows_of = [4096, 3, 1, 2048]  # 64 KiB, under 100 bytes, one row, 32 KiB of float32[4] rows
+    total = sum(rows_of)
+    obs = torch.zeros(total, 4)
+    wanted, at = [], 0
+    for (_, peer), rows in zip(pairs, rows_of):
+        want = torch.arange(at * 4, (at + rows) * 4, dtype=torch.float32).reshape(rows, 4)
+        peer.sendall(_framed(wire.Op.OK, {"rows": rows}, [want]))
+        wanted.append((at, want))
+        at += rows
+    got = _C.receive_replies([a.fileno() for a, _ in pairs], [[obs]] * 4, [[first] for first, _ in wanted], 5.0)
+    assert [status for status, *_ in got] == [0] * 4
+    for first, want in wanted:
+        assert torch.equal(obs[first: first + len(want)], want)
+
+
+def test_bytes_past_a_reply_break_the_protocol_of_that_socket_alone(pairs):
+    """A connection carries one reply at a time: more bytes behind one are not ours to read, and fail it."""
+    batch = [torch.zeros(4, dtype=torch.int64)]
+    reply = _framed(wire.Op.OK, {}, [torch.tensor([1, 2], dtype=torch.int64)])
+    pairs[0][1].sendall(reply + reply)
+    pairs[1][1].sendall(_framed(wire.Op.OK, {}, [torch.tensor([3, 4], dtype=torch.int64)]))
+    got = _C.receive_replies([pairs[0][0].fileno(), pairs[1][0].fileno()], [batch, batch], [[0], [2]], 5.0)
+    assert [status for status, *_ in got] == [-errno.EPROTO, 0]
+    assert batch[0][2:].tolist() == [3, 4]
+
+
 def test_a_silent_socket_times_out_alone(pairs):
     batch = [torch.zeros(2, dtype=torch.int64)]
     pairs[0][1].sendall(_framed(wire.Op.OK, {}, [torch.tensor([1, 2], dtype=torch.int64)]))
