@@ -61,6 +61,17 @@ def figures() -> list[tuple[str, str, Pick]]:
                         lambda d, row=row: float(row(d)["owner us"])))
         out.append((f"sharded rows, world {world}, batch 4096: M steps/s", "sharded_cost",
                     lambda d, w=world: float(_first(d["rows"], world=w, batch=4096)["M steps/s"])))
+    for owners in (1, 2, 4, 8):
+        row = lambda d, n=owners: _first(d["rows"], owners=n, batch=256)
+        out.append((f"learner alone, {owners} owner(s), batch 256: us CPU p10", "learner_round_cost",
+                    lambda d, row=row: float(row(d)["learner us p10"])))
+        out.append((f"learner alone, {owners} owner(s), batch 256: raw floor us p10", "learner_round_cost",
+                    lambda d, row=row: float(row(d)["raw us p10"])))
+    for owners in (1, 8):
+        row = lambda d, n=owners: _first(d["rows"], owners=n, batch=256)
+        for kind in ("rows", "windows", "raw"):
+            out.append((f"receive, {owners} owner(s), batch 256: {kind} us", "receive_cost",
+                        lambda d, row=row, k=kind: float(row(d)[f"{k} us"])))
     return out
 
 
