@@ -2,14 +2,15 @@
 
 ``sharded_cost.py`` measures a learner among real owners; on a machine of 2 cores the owners take the
 learner's cores and the loopback's delivery is charged to whoever runs it, so what one added owner costs
-the learner itself is hard to read there. Here each of N owners is one end of a socket pair whose reply
-(a ROWS reply of its share of ``--batch`` rows of the sharded benchmarks' table: obs f32[84], action f32[6],
-reward f32, done bool) is queued before the call, and the learner's requests are read away after it, both
-outside the clock. What is timed is ``ShardSet.pick`` for uniform rows over N tcp owners: the split, the
-requests framed and sent, the replies received into the batch, the answers read and the batch assembled,
-with every system call that costs the learner. ``raw`` is the floor for the same sockets: a 24-byte
+the learner itself is hard to read there. Here each of N owners is the far end of a loopback TCP connection
+whose reply (a ROWS reply of its share of ``--batch`` rows of the sharded benchmarks' table: obs f32[84],
+action f32[6], reward f32, done bool) is queued before the call, and the learner's requests are read away
+after it, both outside the clock. What is timed is ``ShardSet.pick`` for uniform rows over N tcp owners: the
+split, the requests framed and sent, the replies received into the batch, the answers read and the batch
+assembled, with every system call that costs the learner. ``raw`` is the floor for the same sockets: a 24-byte
 request sent to each owner and one reply of the same bytes received by ``_C.receive_replies``, nothing
-else. Figures are this thread's CPU time per batch over ``--repeats`` windows of 20 calls, contenders in
+else; ``raw sends`` its sends alone (on loopback a send also pays the receiving end's TCP processing, which
+a network card's peer does on its own host). Figures are this thread's CPU time per batch over ``--repeats`` windows of 20 calls, contenders in
 turns: the median, and the 10th percentile (on a shared machine whose slow phases last seconds, the
 steadier of the two).
 
@@ -61,15 +62,25 @@ def _client_on(sock: socket.socket, shard: int) -> ShardClient:
     return client
 
 
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two ends of one loopback TCP connection (as a learner's to an owner: no delay, large buffers)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname())
+        b, _ = server.accept()
+    for s in (a, b):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
+    return a, b
+
+
 class Owners:
-    """N socket pairs: the learner's ends, and the owners' ends where replies are queued and requests read."""
+    """N loopback TCP connections: the learner's ends, and the owners' ends where replies are queued and
+    requests read."""
 
     def __init__(self, owners: int) -> None:
-        self.pairs = [socket.socketpair() for _ in range(owners)]
-        for a, b in self.pairs:
-            for s in (a, b):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
+        self.pairs = [_tcp_pair() for _ in range(owners)]
+        for _, b in self.pairs:
             b.setblocking(False)
 
     def queue(self, frames: list[bytes]) -> None:
@@ -131,10 +142,11 @@ class Learner:
 
 
 class Raw:
-    """The floor: a 24-byte request sent to each owner and one reply of the same bytes received from each."""
+    """The floor: a 24-byte request sent to each owner and one reply of the same bytes received from each
+    (``sends_only``: the sends alone timed, the receive outside the clock)."""
 
-    def __init__(self, owners: int, batch: int) -> None:
-        self.owners = Owners(owners)
+    def __init__(self, owners: int, batch: int, sends_only: bool = False) -> None:
+        self.owners, self.sends_only = Owners(owners), sends_only
         row_bytes = 4 * (84 + 6 + 1) + 1
         share = batch // owners
         self.frame = _framed(Op.OK, [torch.ones(share * row_bytes, dtype=torch.uint8)])
@@ -147,8 +159,9 @@ class Raw:
         self.owners.queue([self.frame] * len(self.fds))
         start = time.thread_time()
         _C.send_requests(self.fds, [self.request] * len(self.fds), 5.0)
+        sent = time.thread_time()
         replies = _C.receive_replies(self.fds, self.landing, self.firsts, 5.0)
-        spent = time.thread_time() - start
+        spent = (sent if self.sends_only else time.thread_time()) - start
         assert all(r[0] == 0 for r in replies)
         self.owners.drain()
         return spent
@@ -181,12 +194,14 @@ def main() -> None:
     torch.set_num_threads(1)
     out = []
     for owners in args.owners:
-        contenders: dict[str, Learner | Raw] = {"learner": Learner(owners, args.batch), "raw": Raw(owners, args.batch)}
+        contenders: dict[str, Learner | Raw] = {"learner": Learner(owners, args.batch), "raw": Raw(owners, args.batch),
+                                                "raw sends": Raw(owners, args.batch, sends_only=True)}
         got = _quantiles(contenders, args.repeats)
-        (learner, learner_p10), (raw, raw_p10) = got["learner"], got["raw"]
+        (learner, learner_p10), (raw, raw_p10), (_, sends_p10) = got["learner"], got["raw"], got["raw sends"]
         out.append({"owners": owners, "batch": args.batch, "learner us": f"{learner * 1e6:.1f}",
                     "raw us": f"{raw * 1e6:.1f}", "learner us p10": f"{learner_p10 * 1e6:.1f}",
-                    "raw us p10": f"{raw_p10 * 1e6:.1f}", "above raw us p10": f"{(learner_p10 - raw_p10) * 1e6:.1f}"})
+                    "raw us p10": f"{raw_p10 * 1e6:.1f}", "raw sends us p10": f"{sends_p10 * 1e6:.1f}",
+                    "above raw us p10": f"{(learner_p10 - raw_p10) * 1e6:.1f}"})
         for c in contenders.values():
             c.close()
     print(table(out, list(out[0])))
