@@ -33,7 +33,8 @@ struct Reply {
 // protocol error); the others come back in `small`, but for the tally of a ROWS reply (live rows, picks), a
 // WINDOWS reply (live rows, picks, the mass's float64 bits) or a PRIORITIZED reply (live rows, picks, the
 // float64 bits of the mass and of the smallest positive mass), which comes back as numbers. A socket that
-// delivers nothing for timeout_s (negative: no limit) times out.
+// delivers nothing for timeout_s (negative: no limit) times out. A socket carries one reply at a time: bytes
+// behind it (read with its first 16 KiB) are a protocol error, -EPROTO.
 std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
                                    const std::vector<std::vector<int64_t>>& first, double timeout_s);
 
