@@ -12,7 +12,8 @@
 # storage (benchmarks/gpu_storage_sampling.py, two row sizes), sharded (benchmarks/sharded_cost.py,
 # uniform rows from 1, 2, 4 and 8 owners on this machine's cores, the learner's batches on the CPU and
 # then on the GPU), sharded_windows (the same for 64-step windows), many_learners (one owner serving 1, 2
-# and 4 learners), memcheck.
+# and 4 learners), learner_alone (benchmarks/learner_round_cost.py: the learner's own CPU per batch from 1
+# to 8 owners, replies queued, with the raw floor and its sends), memcheck.
 # Carried wheels: .whl/*.whl (torchrl, tensordict and their small deps) are
 # installed for the tests; .whl/peer/*.whl, a torchrl + tensordict built for the
 # machine's own torch, let the prioritized benchmark time TorchRL's C++ trees.
@@ -160,6 +161,10 @@ fi
 if has_step many_learners; then  # one owner serving 1, 2 and 4 learners, each with a core
   run_bench many_learners many_learners.py --owners 1 --learners 1 2 4 --batches 256 --rounds 3 \
     --out "$OUT/many_learners.json" "${SHARDED_ARGS[@]}"
+fi
+
+if has_step learner_alone; then  # the learner's own cost per owner added, no owner competing
+  run_bench learner_alone learner_round_cost.py --repeats 60 --out "$OUT/learner_round_cost.json"
 fi
 
 # ---- compute-sanitizer memcheck over the gather tests -----------------------------
