@@ -414,13 +414,13 @@ def landing_picks(count: int, seq_len: int) -> Windows:
     return Windows(starts, seq_len, torch.empty(count, dtype=torch.int64), torch.empty(count, dtype=torch.int64))
 
 
-_SEED_BOUND = 1 << 63
+_SEED_BOUND = 1 << 63  # a SAMPLE_* request carries its seed as an int64
 
 
 def _fits_int64(seed: int | None) -> bool:
     """Whether a SAMPLE_ROWS or SAMPLE_WINDOWS carries ``seed`` (others go in a SELECT, whose owner says what is
     wrong)."""
-    return seed is None or (type(seed) is int and 0 <= seed < 1 << 63)
+    return seed is None or (type(seed) is int and 0 <= seed < _SEED_BOUND)
 
 
 @functools.lru_cache(maxsize=256)
