@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import socket
 import statistics
-import threading
 import time
 
 import torch
@@ -54,12 +53,9 @@ def _framed(op: int, arrays: list[torch.Tensor]) -> bytes:
 
 def _client_on(sock: socket.socket, shard: int) -> ShardClient:
     """A learner's client over one end of a socket pair: what ``ShardClient`` is once dialled."""
-    client = object.__new__(ShardClient)
-    client.descriptor = ShardDescriptor(shard, shard, "bench", "127.0.0.1", 0, "bench", ROWS_PER_SHARD, [], None)
-    client._secret, client._timeout, client._lock, client._awaiting = b"", 5.0, threading.Lock(), 0
+    descriptor = ShardDescriptor(shard, shard, "bench", "127.0.0.1", 0, "bench", ROWS_PER_SHARD, [], None)
     sock.settimeout(5.0)
-    client._sock = sock
-    return client
+    return ShardClient(descriptor, b"", 5.0, connected=sock)
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:

@@ -111,6 +111,8 @@ auto without_gil(F&& f) {
   return std::move(*result);
 }
 
+using Inboxes = std::vector<std::shared_ptr<gear::Inbox>>;
+
 bool built_with_cuda() {
 #ifdef GEAR_WITH_CUDA
   return true;
@@ -133,6 +135,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release(lock);
         return false;
       });
+  py::class_<gear::Inbox, std::shared_ptr<gear::Inbox>>(
+      m, "Inbox", "A connection's bytes read past the reply being taken, kept for the replies owed after it")
+      .def(py::init<>())
+      .def_property_readonly("held", &gear::Inbox::held, "bytes kept, not taken yet")
+      .def_readwrite("reads_ahead", &gear::Inbox::reads_ahead,
+                     "more replies are owed after the next: its first read may take theirs too");
   m.def("gather", &gather, "Fill `out` from `columns` for windows (rows are windows of length 1)",
         py::arg("columns"), py::arg("out"), py::arg("starts"), py::arg("valid_begin") = py::none(),
         py::arg("valid_end") = py::none(), py::arg("seq_len") = 1, py::arg("mask") = py::none(),
@@ -148,8 +156,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "receive_replies",
       [](const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
-         const std::vector<std::vector<int64_t>>& first, double timeout_s) {
-        std::vector<gear::Reply> replies = without_gil([&] { return gear::receive_replies(fds, landing, first, timeout_s); });
+         const std::vector<std::vector<int64_t>>& first, double timeout_s, const Inboxes& inboxes) {
+        std::vector<gear::Reply> replies =
+            without_gil([&] { return gear::receive_replies(fds, landing, first, timeout_s, inboxes); });
         std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>, at::Tensor, std::vector<at::Tensor>>> out;
         for (auto& r : replies) {
           out.emplace_back(r.status, r.op, std::move(r.tally), byte_tensor(r.head), std::move(r.small));
@@ -157,8 +166,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return out;
       },
       "One framed reply from each socket, waited on together (GIL released): (status, op, tally of a ROWS or "
-      "WINDOWS reply, head, small arrays)",
-      py::arg("fds"), py::arg("landing"), py::arg("first"), py::arg("timeout_s"));
+      "WINDOWS reply, head, small arrays). With inboxes (one per socket), bytes read past a reply are kept there.",
+      py::arg("fds"), py::arg("landing"), py::arg("first"), py::arg("timeout_s"), py::arg("inboxes") = Inboxes{});
   m.def(
       "send_requests",
       [](const std::vector<int64_t>& fds, const std::vector<std::string>& frames, double timeout_s) {
@@ -172,16 +181,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          const std::vector<int64_t>& seeds, int64_t columns, double timeout_s) {
         return without_gil([&] { return gear::send_shares(fds, head, counts, seeds, columns, timeout_s); });
       },
-      "Each socket its share of a batch, `head` and its ask (count, seed, columns) framed here (GIL released): 0 or "
-      "-errno per socket",
+      "Each socket its share of one or more batches (counts and seeds batch by batch, one per socket each), `head` "
+      "and each ask (count, seed, columns) framed here, one write per socket (GIL released): 0 or -errno per socket",
       py::arg("fds"), py::arg("head"), py::arg("counts"), py::arg("seeds"), py::arg("columns"), py::arg("timeout_s"));
   m.def(
       "receive_shares",
       [](const std::vector<int64_t>& fds, const std::vector<at::Tensor>& landing, int64_t pick_arrays,
          const std::vector<int64_t>& firsts, const std::vector<int64_t>& asked, int64_t rows_per_pick, int64_t op,
-         double timeout_s) {
+         double timeout_s, const Inboxes& inboxes) {
         gear::ShareReplies r = without_gil([&] {
-          return gear::receive_shares(fds, landing, pick_arrays, firsts, asked, rows_per_pick, op, timeout_s);
+          return gear::receive_shares(fds, landing, pick_arrays, firsts, asked, rows_per_pick, op, timeout_s, inboxes);
         });
         py::list heads;
         for (auto& h : r.heads) heads.append(h.empty() ? py::none() : py::cast(byte_tensor(h)));
@@ -191,7 +200,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "of status, picks, live rows, mass and least positive mass per socket, and an ERROR reply's head (else "
       "None)",
       py::arg("fds"), py::arg("landing"), py::arg("pick_arrays"), py::arg("firsts"), py::arg("asked"),
-      py::arg("rows_per_pick"), py::arg("op"), py::arg("timeout_s"));
+      py::arg("rows_per_pick"), py::arg("op"), py::arg("timeout_s"), py::arg("inboxes") = Inboxes{});
   m.def(
       "serve_samples",
       [](int64_t fd, at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
+
 #include <string>
 #include <vector>
 
@@ -27,16 +29,28 @@ struct Reply {
   std::vector<at::Tensor> small;  // the arrays before the last len(landing) ones (after the tally), as uint8
 };
 
+// A connection's bytes read past the reply being taken: the start of replies owed after it (a learner may ask
+// one owner for several batches at once), kept for them. Nothing else reads a connection while it holds any.
+struct Inbox {
+  static constexpr size_t kCapacity = 64 << 10;
+  std::unique_ptr<char[]> bytes{new char[kCapacity]};
+  size_t begin = 0, end = 0;  // the bytes not taken yet
+  bool reads_ahead = false;   // more replies are owed after the next: its first read may take theirs too
+  size_t held() const { return end - begin; }
+};
+
 // Receives one framed message (distributed/wire.py) on each fd, all sockets waited on together.
 // The last landing[i].size() arrays of an OK, ROWS, WINDOWS or PRIORITIZED reply land in landing[i]'s
 // tensors (contiguous, CPU), tensor j from row first[i][j] on (a reply longer than the rows left is a
 // protocol error); the others come back in `small`, but for the tally of a ROWS reply (live rows, picks), a
 // WINDOWS reply (live rows, picks, the mass's float64 bits) or a PRIORITIZED reply (live rows, picks, the
 // float64 bits of the mass and of the smallest positive mass), which comes back as numbers. A socket that
-// delivers nothing for timeout_s (negative: no limit) times out. A socket carries one reply at a time: bytes
-// behind it (read with its first 16 KiB) are a protocol error, -EPROTO.
+// delivers nothing for timeout_s (negative: no limit) times out. With `inboxes` (one per fd), a reply starts with
+// the bytes its fd's inbox holds, and bytes read past it are kept there; without, bytes behind a reply (read
+// with its first 16 KiB) are a protocol error, -EPROTO.
 std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
-                                   const std::vector<std::vector<int64_t>>& first, double timeout_s);
+                                   const std::vector<std::vector<int64_t>>& first, double timeout_s,
+                                   const std::vector<std::shared_ptr<Inbox>>& inboxes = {});
 
 // Every owner's share of one batch, received at once: what receive_replies does for a round of SAMPLE_* asks
 // whose replies (op `op`: ROWS, WINDOWS or PRIORITIZED) all land in the same tensors, owner i's picks from pick
@@ -51,7 +65,8 @@ struct ShareReplies {
 };
 ShareReplies receive_shares(const std::vector<int64_t>& fds, const std::vector<at::Tensor>& landing,
                             int64_t pick_arrays, const std::vector<int64_t>& firsts,
-                            const std::vector<int64_t>& asked, int64_t rows_per_pick, int64_t op, double timeout_s);
+                            const std::vector<int64_t>& asked, int64_t rows_per_pick, int64_t op, double timeout_s,
+                            const std::vector<std::shared_ptr<Inbox>>& inboxes = {});
 
 // Sends frames[i] whole on fds[i], each socket in turn, blocking or not (a full socket waits up to timeout_s
 // for room; negative: no limit). Each send's status: 0, or -errno (-ETIMEDOUT). One socket's failure is its
@@ -59,8 +74,9 @@ ShareReplies receive_shares(const std::vector<int64_t>& fds, const std::vector<a
 std::vector<int64_t> send_requests(const std::vector<int64_t>& fds, const std::vector<std::string>& frames,
                                    double timeout_s);
 
-// Sends every owner its share of a batch as send_requests would: `head` (a SAMPLE_*'s, the same for every
-// owner) and the 24 bytes of its ask (counts[i], seeds[i] (-1: none), columns), framed here.
+// Sends every owner its share of one or more batches as send_requests would, each owner's asks in one write:
+// for every batch r, `head` (a SAMPLE_*'s, the same for every ask) and the 24 bytes of the ask (counts[r * n +
+// i], seeds[r * n + i] (-1: none), columns) for fds[i], framed here.
 std::vector<int64_t> send_shares(const std::vector<int64_t>& fds, const std::string& head,
                                  const std::vector<int64_t>& counts, const std::vector<int64_t>& seeds,
                                  int64_t columns, double timeout_s);

@@ -86,12 +86,19 @@ def run(port: int, out: str) -> None:
         results["draws without prefetch"] = _seeded(tcp, sizes)
         tcp.prefetch = True
         results["draws with prefetch"] = _seeded(tcp, sizes)
-        rb = TensorDictReplayBuffer(storage=tcp, batch_size=32)
-        batch = rb.sample()
-        ids = batch["index"][:5].clone()
-        read = tcp.get(ids)  # a read on connections that owe the prefetched batch's replies
-        results["read between prefetches matches"] = bool((read["obs"] == batch["obs"][:5]).all())
-        results["prefetched rows match"] = all(_rows_match(rb.sample(b)) for b in (32, 32, 16, 16, 32))
+        tcp.prefetch = 4  # four batches asked for at once: the owner's replies read ahead into an inbox
+        results["draws with 4 ahead"] = _seeded(tcp, sizes + [32] * 9)
+        tcp.prefetch = 0
+        results["draws without, as long"] = _seeded(tcp, sizes + [32] * 9)
+        for ahead in (1, 4):
+            tcp.prefetch = ahead
+            rb = TensorDictReplayBuffer(storage=tcp, batch_size=32)
+            batch = rb.sample()
+            ids = batch["index"][:5].clone()
+            read = tcp.get(ids)  # a read on connections that owe the prefetched batches' replies
+            results[f"read between prefetches matches ({ahead})"] = bool((read["obs"] == batch["obs"][:5]).all())
+            results[f"prefetched rows match ({ahead})"] = all(_rows_match(rb.sample(b))
+                                                              for b in (32, 32, 32, 16, 16, 32, 32, 32, 32, 32))
     finally:
         torch.save(results, Path(out))
         tcp.close()

@@ -287,17 +287,20 @@ def _seeded_draws(storage) -> dict:
     setup.update_priority(ids, priority_of(*global_ids.decode(ids)))
     draws = {}
     for name in SEEDED_SAMPLERS:
-        runs = []
-        for global_seed in (1, 2):
+        runs, verified = [], True
+        for global_seed, ahead in ((1, 0), (2, 0), (1, 4)):  # the last with four batches asked for at once
             torch.manual_seed(global_seed)
             copy = pickle.loads(pickle.dumps(storage))  # fresh masses and connections, as a new learner has
+            copy.prefetch = ahead
             sampler = _seeded_sampler(name)
             rb = TensorDictReplayBuffer(storage=copy, batch_size=320,
                                         **({} if sampler is None else {"sampler": sampler}))
             rb.set_rng(torch.Generator().manual_seed(0))
-            runs.append([rb.sample()["index"].as_subclass(torch.Tensor).clone() for _ in range(3)])
+            batches = [rb.sample() for _ in range(6)]
+            verified &= all(_valid_rows_verified(b) for b in batches)
+            runs.append([b["index"].as_subclass(torch.Tensor).clone() for b in batches])
             copy.close()
-        draws[name] = runs
+        draws[name] = (*runs, verified)
     return draws
 
 
@@ -333,6 +336,13 @@ def _verified(batch, index) -> bool:
         return True
     except AssertionError:
         return False
+
+
+def _valid_rows_verified(batch) -> bool:
+    """The rows a batch names are the rows it holds, but for a window's padding (zeros, masked out)."""
+    index = batch["index"].as_subclass(torch.Tensor)
+    valid = batch.get(("collector", "mask"), torch.ones(index.shape, dtype=torch.bool))
+    return _verified(batch.reshape(-1)[valid.reshape(-1)], index.reshape(-1)[valid.reshape(-1)])
 
 
 def _capped(storage) -> dict:

@@ -197,12 +197,9 @@ def _client_on(sock: socket.socket, shard: int):
     from gear_torchrl.distributed.directory import ShardDescriptor
     from gear_torchrl.distributed.shard_client import ShardClient
 
-    client = object.__new__(ShardClient)
-    client.descriptor = ShardDescriptor(shard, shard, "h", "127.0.0.1", 0, "s", 8, [], None)
-    client._secret, client._timeout, client._lock, client._awaiting = b"", 5.0, threading.Lock(), 0
+    descriptor = ShardDescriptor(shard, shard, "h", "127.0.0.1", 0, "s", 8, [], None)
     sock.settimeout(5.0)
-    client._sock = sock
-    return client
+    return ShardClient(descriptor, b"", 5.0, connected=sock)
 
 
 def test_a_share_flight_answers_each_owner_with_its_count_its_refusal_or_its_failure(pairs):
@@ -272,6 +269,65 @@ def test_bytes_past_a_reply_break_the_protocol_of_that_socket_alone(pairs):
     got = _C.receive_replies([pairs[0][0].fileno(), pairs[1][0].fileno()], [batch, batch], [[0], [2]], 5.0)
     assert [status for status, *_ in got] == [-errno.EPROTO, 0]
     assert batch[0][2:].tolist() == [3, 4]
+
+
+def test_replies_read_ahead_wait_in_the_inbox_for_their_turn(pairs):
+    """Several replies owed on one socket: the first read takes what is there (the next replies too), the next
+    call lands them from the inbox with the peer gone, and one bigger than the inbox is read on in place."""
+    inbox = _C.Inbox()
+    inbox.reads_ahead = True
+    small = [_framed(wire.Op.OK, {}, [torch.tensor([k, k + 1], dtype=torch.int64)]) for k in (1, 3, 5)]
+    big_rows = torch.arange(20_000, dtype=torch.int64)  # 160 KB: more than an inbox holds
+    pairs[0][1].sendall(b"".join(small) + _framed(wire.Op.OK, {}, [big_rows]))
+    pairs[0][1].close()  # whatever lands from here on was read already, or is queued in the socket
+    fd, batch = pairs[0][0].fileno(), [torch.zeros(6, dtype=torch.int64)]
+    got = _C.receive_replies([fd], [batch], [[0]], 5.0, [inbox])
+    assert got[0][0] == 0 and batch[0][:2].tolist() == [1, 2]
+    assert inbox.held > 2 * len(small[1])  # the second and third replies, and the big one's start
+    for at in (2, 4):
+        assert _C.receive_replies([fd], [batch], [[at]], 5.0, [inbox])[0][0] == 0
+    assert batch[0].tolist() == [1, 2, 3, 4, 5, 6]
+    inbox.reads_ahead = False
+    out = [torch.zeros(20_000, dtype=torch.int64)]
+    assert _C.receive_replies([fd], [out], [[0]], 5.0, [inbox])[0][0] == 0
+    assert torch.equal(out[0], big_rows) and inbox.held == 0
+
+
+def test_a_share_lands_from_bytes_an_earlier_share_s_read_took(pairs):
+    """Two batches' shares of one owner, sent back to back: the first receive takes both, the second lands its
+    rows and tally from the inbox alone."""
+    inbox = _C.Inbox()
+    inbox.reads_ahead = True
+    for batch_no in range(2):
+        tally, picks = torch.tensor([50 + batch_no, 2]), torch.tensor([batch_no, batch_no + 10])
+        pairs[0][1].sendall(_framed(wire.Op.ROWS, {}, [tally, picks, torch.full((2, 3), float(batch_no))]))
+    starts, rows = torch.full((2,), -1, dtype=torch.int64), torch.zeros(2, 3)
+    fd = pairs[0][0].fileno()
+    first = _C.receive_shares([fd], [starts, rows], 1, [0], [2], 1, wire.Op.ROWS, 5.0, [inbox])
+    assert first[:3] == ([0], [2], [50]) and starts.tolist() == [0, 10] and inbox.held > 0
+    pairs[0][1].close()
+    inbox.reads_ahead = False
+    second = _C.receive_shares([fd], [starts, rows], 1, [0], [2], 1, wire.Op.ROWS, 5.0, [inbox])
+    assert second[:3] == ([0], [2], [51]) and starts.tolist() == [1, 11] and rows.eq(1.0).all()
+    assert inbox.held == 0
+
+
+def test_many_batches_asked_in_one_write_per_owner(pairs):
+    """send_shares with two batches' counts and seeds: each owner's two asks, framed as Asks would be, in order."""
+    from gear_torchrl.distributed.shard_client import Shares
+    from gear_torchrl.selection.uniform import UniformSpec
+
+    columns = [torch.zeros(20, 2), torch.zeros(20)]
+    batches = [Shares(UniformSpec(), counts, seeds, columns, Windows.of_rows(torch.zeros(20)), None)
+               for counts, seeds in (([3, 4], [7, None]), ([5, 6], [8, 9]))]
+    head = batches[0].ask(0).frame()[: -24]
+    fds = [a.fileno() for a, _ in pairs[:2]]
+    assert _C.send_shares(fds, head, [3, 4, 5, 6], [7, -1, 8, 9], 2, 5.0) == [0, 0]
+    for j, (_, peer) in enumerate(pairs[:2]):
+        want = b"".join(shares.ask(j).frame() for shares in batches)
+        assert _read_exactly(peer, len(want)) == want
+    with pytest.raises(RuntimeError, match="one count and one seed per socket for each batch"):
+        _C.send_shares(fds, head, [1, 2, 3], [1, 2, 3], 2, 5.0)
 
 
 def test_a_silent_socket_times_out_alone(pairs):
@@ -379,5 +435,8 @@ def test_in_process_priority_updates_reach_every_learner_of_the_shard(world_of_o
 def test_batches_in_flight_keep_seeded_draws_and_correct_rows(world_of_one):
     without, with_ = world_of_one["draws without prefetch"], world_of_one["draws with prefetch"]
     assert [t.tolist() for t in without] == [t.tolist() for t in with_]
-    assert world_of_one["read between prefetches matches"]
-    assert world_of_one["prefetched rows match"]
+    longer, four_ahead = world_of_one["draws without, as long"], world_of_one["draws with 4 ahead"]
+    assert [t.tolist() for t in longer] == [t.tolist() for t in four_ahead]
+    for ahead in (1, 4):
+        assert world_of_one[f"read between prefetches matches ({ahead})"]
+        assert world_of_one[f"prefetched rows match ({ahead})"]

@@ -175,10 +175,13 @@ def test_topk_across_shards_is_the_best_rows_of_all_of_them(job):
 
 @pytest.mark.parametrize("name", w.SEEDED_SAMPLERS)
 def test_a_seeded_learner_draws_the_same_across_shards_whatever_the_global_seed(job, name):
-    first, second = job["results"][LEARNER_SKIP]["seeded"][name]
+    first, second, ahead, verified = job["results"][LEARNER_SKIP]["seeded"][name]
     for a, b in zip(first, second):
         assert torch.equal(a, b), f"{name}: the buffer's generator does not decide the draws across shards"
     assert not all(torch.equal(first[0], later) for later in first[1:]), "the draws do not move on"
+    for a, b in zip(first, ahead):
+        assert torch.equal(a, b), f"{name}: four batches asked for at once draw other batches"
+    assert verified, f"{name}: a batch's rows are not the rows its index names"
 
 
 @pytest.mark.parametrize("name", ["uniform", "prioritized", "windows"])

@@ -22,7 +22,8 @@ namespace gear {
 namespace {
 
 // A reply's first read takes up to this much: all of a share of a batch split across owners, and no more than
-// a copy of a few microseconds for a big one, whose rest is read in place.
+// a copy of a few microseconds for a big one, whose rest is read in place. Where more replies are owed on the
+// connection (Inbox::reads_ahead), the first read takes up to a whole inbox: theirs too, if they are there.
 constexpr size_t kStash = 16 << 10;
 
 struct Pending {
@@ -35,7 +36,8 @@ struct Pending {
   size_t part = 0;             // 0: fixed header, 1: JSON and lengths, 2 + i: array i
   uint64_t got = 0;            // bytes of the current part received
   std::vector<iovec> scatter;  // the arrays still due, for one read
-  std::unique_ptr<char[]> stash;  // a reply's first read: its header and what fits of its arrays
+  std::shared_ptr<Inbox> box;  // a reply's first read (its header and what fits of its arrays), and what follows
+  bool keeps_past = false;     // bytes past the reply stay in `box` (the caller's) for the replies owed next
   std::chrono::steady_clock::time_point heard;  // when bytes last arrived (or the call began)
   bool readable = false;  // worth a read: when poll says so
   Reply reply;
@@ -140,20 +142,19 @@ void took(Pending& p, uint64_t k) {
   }
 }
 
-// Bytes of a reply's first read, copied into the parts they belong to, in order. A socket carries one reply
-// at a time (a learner sends its next request after taking the last reply), so bytes past the reply are not
-// our framing.
-void unstash(Pending& p, uint64_t k) {
-  const char* from = p.stash.get();
-  while (k > 0 && !p.done) {
+// The inbox's bytes, copied into the parts they belong to, in order, until the reply is whole. Bytes past it
+// are the next replies' where the caller keeps them; else not our framing (a socket then carries one reply at
+// a time: a learner sends its next request after taking the last reply).
+void unstash(Pending& p) {
+  Inbox& box = *p.box;
+  while (box.held() > 0 && !p.done) {
     auto [where, need] = current(p);
-    const uint64_t step = std::min(k, need - p.got);
-    std::memcpy(where + p.got, from, static_cast<size_t>(step));
-    from += step;
-    k -= step;
+    const uint64_t step = std::min<uint64_t>(box.held(), need - p.got);
+    std::memcpy(where + p.got, box.bytes.get() + box.begin, static_cast<size_t>(step));
+    box.begin += static_cast<size_t>(step);
     took(p, step);
   }
-  if (k > 0) finish(p, -EPROTO);
+  if (box.held() > 0 && !p.keeps_past) finish(p, -EPROTO);
 }
 
 // Every array left, in one scatter read.
@@ -174,10 +175,14 @@ ssize_t receive_arrays(Pending& p) {
 // across many owners, the whole reply: one call per owner); then the part now due, or (once the arrays are
 // placed) every array left in one scatter read, so a reply costs the same few calls whatever its columns.
 ssize_t receive_some(Pending& p) {
-  if (p.part == 0 && p.got == 0) {
-    if (!p.stash) p.stash.reset(new char[kStash]);
-    const ssize_t k = ::recv(p.fd, p.stash.get(), kStash, MSG_DONTWAIT);
-    if (k > 0) unstash(p, static_cast<uint64_t>(k));
+  if (p.part == 0 && p.got == 0) {  // the inbox is empty: a reply starts with it or is read whole
+    Inbox& box = *p.box;
+    box.begin = box.end = 0;
+    const ssize_t k = ::recv(p.fd, box.bytes.get(), box.reads_ahead ? Inbox::kCapacity : kStash, MSG_DONTWAIT);
+    if (k > 0) {
+      box.end = static_cast<size_t>(k);
+      unstash(p);
+    }
     return k;
   }
   ssize_t k;
@@ -254,24 +259,33 @@ std::vector<int64_t> send_requests(const std::vector<int64_t>& fds, const std::v
 std::vector<int64_t> send_shares(const std::vector<int64_t>& fds, const std::string& head,
                                  const std::vector<int64_t>& counts, const std::vector<int64_t>& seeds,
                                  int64_t columns, double timeout_s) {
-  TORCH_CHECK(counts.size() == fds.size() && seeds.size() == fds.size(), "send_shares: one count and one seed per socket");
-  std::vector<std::string> frames(fds.size(), head);
-  for (size_t i = 0; i < fds.size(); ++i) {
-    const int64_t ask[3] = {counts[i], seeds[i], columns};
-    frames[i].append(reinterpret_cast<const char*>(ask), sizeof ask);
+  const size_t n = fds.size();
+  TORCH_CHECK(n > 0 && !counts.empty() && counts.size() % n == 0 && seeds.size() == counts.size(),
+              "send_shares: one count and one seed per socket for each batch");
+  std::vector<std::string> frames(n);
+  for (size_t i = 0; i < n; ++i) frames[i].reserve((head.size() + 24) * (counts.size() / n));
+  for (size_t at = 0; at < counts.size(); ++at) {
+    const int64_t ask[3] = {counts[at], seeds[at], columns};
+    frames[at % n].append(head).append(reinterpret_cast<const char*>(ask), sizeof ask);
   }
   return send_requests(fds, frames, timeout_s);
 }
 
 std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
-                                   const std::vector<std::vector<int64_t>>& first, double timeout_s) {
+                                   const std::vector<std::vector<int64_t>>& first, double timeout_s,
+                                   const std::vector<std::shared_ptr<Inbox>>& inboxes) {
   TORCH_CHECK(fds.size() == landing.size() && fds.size() == first.size(),
               "receive_replies: one list of landing tensors and one of first rows per socket");
+  TORCH_CHECK(inboxes.empty() || inboxes.size() == fds.size(), "receive_replies: one inbox per socket, or none");
   std::vector<Pending> pending(fds.size());
   for (size_t i = 0; i < fds.size(); ++i) {
-    pending[i].fd = static_cast<int>(fds[i]);
-    pending[i].landing = &landing[i];
-    pending[i].first = &first[i];
+    Pending& p = pending[i];
+    p.keeps_past = !inboxes.empty();
+    p.box = p.keeps_past ? inboxes[i] : std::make_shared<Inbox>();
+    TORCH_CHECK(p.box, "receive_replies: an inbox that is None");
+    p.fd = static_cast<int>(fds[i]);
+    p.landing = &landing[i];
+    p.first = &first[i];
     TORCH_CHECK(first[i].size() == landing[i].size(), "receive_replies: one first row per landing tensor");
     for (const int64_t f : first[i]) TORCH_CHECK(f >= 0, "receive_replies: a negative first row");
     for (const auto& c : landing[i]) {
@@ -282,7 +296,10 @@ std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::v
   using Clock = std::chrono::steady_clock;
   const auto patience = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(timeout_s < 0 ? 1e9 : timeout_s));
-  for (auto& p : pending) p.heard = Clock::now();
+  for (auto& p : pending) {
+    p.heard = Clock::now();
+    if (p.box->held() > 0) unstash(p);  // read ahead with an earlier reply
+  }
   std::vector<pollfd> waiting;
   std::vector<Pending*> of;
   while (true) {
@@ -317,7 +334,8 @@ std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::v
 
 ShareReplies receive_shares(const std::vector<int64_t>& fds, const std::vector<at::Tensor>& landing,
                             int64_t pick_arrays, const std::vector<int64_t>& firsts,
-                            const std::vector<int64_t>& asked, int64_t rows_per_pick, int64_t op, double timeout_s) {
+                            const std::vector<int64_t>& asked, int64_t rows_per_pick, int64_t op, double timeout_s,
+                            const std::vector<std::shared_ptr<Inbox>>& inboxes) {
   const size_t n = fds.size();
   TORCH_CHECK(firsts.size() == n && asked.size() == n, "receive_shares: one first pick and one count per socket");
   TORCH_CHECK(pick_arrays >= 0 && static_cast<size_t>(pick_arrays) <= landing.size() && rows_per_pick >= 1,
@@ -329,7 +347,7 @@ ShareReplies receive_shares(const std::vector<int64_t>& fds, const std::vector<a
     rows_from[i].assign(landing.size(), firsts[i] * rows_per_pick);
     std::fill_n(rows_from[i].begin(), pick_arrays, firsts[i]);
   }
-  std::vector<Reply> replies = receive_replies(fds, lands, rows_from, timeout_s);
+  std::vector<Reply> replies = receive_replies(fds, lands, rows_from, timeout_s, inboxes);
   const size_t tally = op == kRows ? 2 : op == kWindows ? 3 : 4;
   ShareReplies out;
   for (auto* v : {&out.status, &out.count, &out.rows}) v->assign(n, 0);

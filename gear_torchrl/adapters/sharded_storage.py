@@ -69,7 +69,12 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
             they pick and send it while the learner trains. Only for rules without
             shared state (uniform rows, windows); a seeded learner draws the same
             batches with it or without. A prefetched batch was picked one batch
-            earlier, so rows written meanwhile show up one batch later.
+            earlier, so rows written meanwhile show up one batch later. A number N
+            asks for the next N batches at once when none is left asked for, each
+            owner's N requests in one write and its replies read together: a learner's
+            cost per batch and owner falls about N-fold, rows written meanwhile show up
+            up to N batches later, and up to N batches are held (fewer where one
+            owner's replies would pass 2 MiB). ``True`` is 1.
         heartbeat_s: how often an owner publishes its shard's statistics.
         group: the process group to build over (default: the default group,
             initialized from torchrun's environment if needed).
@@ -104,7 +109,7 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
         end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
         traj_key: NestedKey | None = None,
         pin_memory: bool = False,
-        prefetch: bool = False,
+        prefetch: bool | int = False,
         heartbeat_s: float = 1.0,
         group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -161,13 +166,13 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
         return dict(self._shards.failed)
 
     @property
-    def prefetch(self) -> bool:
-        """Whether the next batch is asked for before this one returns (see the constructor)."""
+    def prefetch(self) -> int:
+        """How many batches are asked for before they are sampled (0: none; see the constructor)."""
         return self._shards.options.prefetch
 
     @prefetch.setter
-    def prefetch(self, on: bool) -> None:
-        self._shards.set_prefetch(bool(on))
+    def prefetch(self, batches: bool | int) -> None:
+        self._shards.set_prefetch(batches)
 
     def transport_of(self, shard: int) -> str:
         """Which transport reads ``shard`` (``"tcp"``, ``"local"`` or ``"rdma"``)."""

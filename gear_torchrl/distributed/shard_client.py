@@ -1,6 +1,7 @@
 """A learner's connection to one shard owner: selection, priority updates, TCP reads."""
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import itertools
@@ -11,7 +12,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, Self, TypeVar, cast
 
 import torch
 
@@ -45,13 +46,16 @@ class ShardClient:
     dials anew, so a shard that answers again is served again.
     """
 
-    def __init__(self, descriptor: ShardDescriptor, secret: bytes, timeout: float) -> None:
+    def __init__(self, descriptor: ShardDescriptor, secret: bytes, timeout: float,
+                 connected: socket.socket | None = None) -> None:
+        """``connected``: a connection to the owner that answered its challenge already (else one is dialled)."""
         self.descriptor = descriptor
         self._secret = secret
         self._timeout = timeout
         self._lock = threading.Lock()
-        self._sock: socket.socket | None = self._dial()
-        self._awaiting = 0  # the ticket of a request sent ahead whose reply is not taken yet (0: none)
+        self._sock: socket.socket | None = self._dial() if connected is None else connected
+        self._awaiting: collections.deque[int] = collections.deque()  # tickets of replies owed, in order
+        self._inbox = _C.Inbox()  # bytes read past the reply taken: the start of the ones owed next
 
     def _dial(self) -> socket.socket:
         """A connection to the owner that passed its challenge."""
@@ -76,14 +80,17 @@ class ShardClient:
     def _connection(self) -> socket.socket:
         """The open connection, clear of any reply still owed to a request sent ahead; after a failure, a new one."""
         if self._sock is None:
-            self._awaiting = 0
             self._sock = self._dial()
-        if self._awaiting:
-            self._awaiting = 0  # nobody will take that reply now: read past it
-            try:
-                wire.receive(self._sock)
-            except (OSError, wire.ProtocolError) as exc:
-                raise self._broken(exc) from exc
+        if self._awaiting:  # nobody will take those replies now: read past them
+            fd, inbox = self._sock.fileno(), [self._inbox]
+            while self._awaiting:
+                self._awaiting.popleft()
+                inbox[0].reads_ahead = bool(self._awaiting)
+                status = _C.receive_replies([fd], [[]], [[]], self._timeout, inbox)[0][0]
+                if status:
+                    raise self._broken(wire.socket_error(status))
+        if self._inbox.held:
+            raise self._broken(wire.ProtocolError(f"{self._inbox.held} bytes past the last reply owed"))
         return self._sock
 
     def _broken(self, exc: BaseException) -> ShardUnavailableError:
@@ -164,7 +171,9 @@ class ShardClient:
         return self.request(Message(Op.DESCRIBE)).meta
 
     def close(self) -> None:
-        sock, self._sock, self._awaiting = self._sock, None, 0
+        sock, self._sock = self._sock, None
+        self._awaiting.clear()
+        self._inbox = _C.Inbox()
         if sock is not None:
             sock.close()
 
@@ -471,25 +480,36 @@ class _Owed(ABC, Generic[Answer]):
 
     ``land`` receives every reply at once (one native wait on all sockets, the
     interpreter released) straight into where each request's rows land. A learner
-    may send the next batch's requests before it trains on this one: the owners
-    pick and send meanwhile. A connection used for anything else in between reads
-    past its owed reply, and ``land`` asks that owner again. Subclasses say how the
-    requests are framed and sent (``_send_to``) and how the replies are read
-    (``_receive``).
+    may send the next batches' requests before it trains on this one, several
+    flights to the same owners in one write each (``send_together``): the owners
+    pick and send meanwhile, and a reply read with an earlier one waits in its
+    connection's inbox. Flights land in the order they were sent. A connection used
+    for anything else in between reads past its owed replies, and ``land`` asks
+    that owner again. Subclasses say how the requests are framed and sent
+    (``_send_to``) and how the replies are read (``_receive``).
     """
 
-    def __init__(self, clients: list[ShardClient]) -> None:
+    def __init__(self, clients: list[ShardClient], send: bool = True) -> None:
         self.clients = clients
         self._outcomes: list[Answer | Exception | None] = [None] * len(clients)  # None: owed
         self._ticket = next(_TICKETS)  # what each client awaits while the reply it owes is this flight's
         self._fds = [-1] * len(clients)  # the connection each request went on
         self._timeout = max((c._timeout for c in clients), default=0.0)
-        with self._locked():
-            self._send(list(range(len(clients))))
+        if send:
+            with self._locked():
+                self._send(list(range(len(clients))))
 
+    @classmethod
+    def send_together(cls, flights: Sequence[Self]) -> None:
+        """Send flights made with ``send=False`` to the same owners, each owner's requests in one write."""
+        with flights[0]._locked():
+            _send_flights(flights, list(range(len(flights[0].clients))))
+
+    @classmethod
     @abstractmethod
-    def _send_to(self, fds: list[int], owners: list[int]) -> list[int]:
-        """Send ``owners`` their requests on ``fds``, in one native call: 0 or -errno each."""
+    def _send_to(cls, flights: Sequence[Self], fds: list[int], owners: list[int]) -> list[int]:
+        """Send ``owners`` every flight's requests on ``fds``, in one native call (one write each): 0 or -errno
+        each."""
 
     @abstractmethod
     def _receive(self, fds: list[int], owners: list[int]) -> list[Answer | Exception]:
@@ -501,52 +521,61 @@ class _Owed(ABC, Generic[Answer]):
 
     def _send(self, owners: list[int]) -> None:
         """Ask each of ``owners`` (their locks held); a failure is that owner's outcome."""
-        def send(fds: list[int], reached: list[int]) -> list[int]:
-            asked = owners if len(reached) == len(owners) else [owners[j] for j in reached]
-            if len(asked) == len(self._fds):
-                self._fds = fds
-            else:
-                for i, fd in zip(asked, fds):
-                    self._fds[i] = fd
-            return self._send_to(fds, asked)
+        _send_flights([self], owners)
 
-        ticket = self._ticket
-        for i, failure in zip(owners, _send_all([self.clients[i] for i in owners], send)):
-            if failure is None:
-                self.clients[i]._awaiting = ticket
-            else:
-                self._outcomes[i] = failure
+    def _sent_on(self, owners: list[int], fds: list[int]) -> None:
+        """Remember the connection each of ``owners``' requests went on."""
+        if len(owners) == len(self._fds):
+            self._fds = fds
+        else:
+            for i, fd in zip(owners, fds):
+                self._fds[i] = fd
+
+    def _inboxes(self, owners: list[int]) -> list[Any]:
+        """Each of ``owners``' inbox, told whether replies are owed after this flight's."""
+        inboxes = []
+        for i in owners:
+            client = self.clients[i]
+            client._inbox.reads_ahead = len(client._awaiting) > 1
+            inboxes.append(client._inbox)
+        return inboxes
 
     def land(self) -> list[Answer | Exception]:
         """Each owner's answer, or what went wrong."""
         ticket, outcomes = self._ticket, self._outcomes
         with self._locked():
             again = [i for i, client in enumerate(self.clients)  # replies read past meanwhile: ask again
-                     if outcomes[i] is None and client._awaiting != ticket]
+                     if outcomes[i] is None and (not client._awaiting or client._awaiting[0] != ticket)]
             if again:
                 self._send(again)
             owed = [i for i, o in enumerate(outcomes) if o is None]
             if owed:  # a client awaiting this flight's ticket still has the connection its request went on
                 fds = self._fds if len(owed) == len(self._fds) else [self._fds[i] for i in owed]
                 for i, answer in zip(owed, self._receive(fds, owed)):
-                    self.clients[i]._awaiting = 0
-                    outcomes[i] = answer
+                    client = self.clients[i]
+                    if client._awaiting:  # (a failure closed the connection, and forgot what it owed)
+                        client._awaiting.popleft()
+                    outcomes[i] = answer if client._awaiting or not client._inbox.held else \
+                        client._broken(wire.ProtocolError(f"{client._inbox.held} bytes past the last reply owed"))
         return cast("list[Answer | Exception]", outcomes)  # every owed answer was taken
 
 
 class Flight(_Owed[Answer]):
     """Requests of any kind (``Ask``, ``Post``), one per owner: each its own frame and landing."""
 
-    def __init__(self, clients: list[ShardClient], asks: Sequence[Request[Answer]]) -> None:
+    def __init__(self, clients: list[ShardClient], asks: Sequence[Request[Answer]], send: bool = True) -> None:
         self.asks = asks
-        super().__init__(clients)
+        super().__init__(clients, send)
 
-    def _send_to(self, fds: list[int], owners: list[int]) -> list[int]:
-        return _C.send_requests(fds, [self.asks[i].frame() for i in owners], self._timeout)
+    @classmethod
+    def _send_to(cls, flights: Sequence[Self], fds: list[int], owners: list[int]) -> list[int]:
+        frames = [b"".join(f.asks[i].frame() for f in flights) for i in owners]
+        return _C.send_requests(fds, frames, flights[0]._timeout)
 
     def _receive(self, fds: list[int], owners: list[int]) -> list[Answer | Exception]:
         replies = _C.receive_replies(fds, [list(self.asks[i].landing) for i in owners],
-                                     [list(self.asks[i].firsts) for i in owners], self._timeout)
+                                     [list(self.asks[i].firsts) for i in owners], self._timeout,
+                                     self._inboxes(owners))
         return [_answer_of(self.clients[i], self.asks[i], *reply) for i, reply in zip(owners, replies)]
 
 
@@ -601,18 +630,25 @@ class ShareFlight(_Owed[int]):
     """``Shares`` sent to the owners of some of them (``members[i]``: client ``i``'s share), answered by the
     number of picks each landed; the replies' tallies go to the shares' arrays."""
 
-    def __init__(self, clients: list[ShardClient], shares: Shares, members: list[int]) -> None:
+    def __init__(self, clients: list[ShardClient], shares: Shares, members: list[int], send: bool = True) -> None:
         self.shares, self.members = shares, members
         ask = shares.ask(0)
         self._op, self._reply_op, self._landing = ask.request_op, ask.reply_op, list(ask.landing)
         self._pick_arrays = len(self._landing) - len(shares.columns)
-        super().__init__(clients)
+        super().__init__(clients, send)
 
-    def _send_to(self, fds: list[int], owners: list[int]) -> list[int]:
-        shares, members = self.shares, [self.members[i] for i in owners]
-        return _C.send_shares(fds, _sample_head(self._op, shares.spec), [shares.counts[j] for j in members],
-                              [-1 if shares.seeds[j] is None else shares.seeds[j] for j in members],
-                              len(shares.columns), self._timeout)
+    @classmethod
+    def _send_to(cls, flights: Sequence[Self], fds: list[int], owners: list[int]) -> list[int]:
+        """Every flight's shares (one rule, one batch size) framed and sent by the extension."""
+        first = flights[0]
+        counts, seeds = [], []
+        for f in flights:
+            for i in owners:
+                j = f.members[i]
+                counts.append(f.shares.counts[j])
+                seeds.append(-1 if f.shares.seeds[j] is None else f.shares.seeds[j])
+        return _C.send_shares(fds, _sample_head(first._op, first.shares.spec), counts, seeds,
+                              len(first.shares.columns), first._timeout)
 
     def _receive(self, fds: list[int], owners: list[int]) -> list[int | Exception]:
         shares = self.shares
@@ -622,7 +658,7 @@ class ShareFlight(_Owed[int]):
             ([shares.firsts[j] for j in members], [shares.counts[j] for j in members])
         status, counts, rows, mass, min_mass, heads = _C.receive_shares(
             fds, self._landing, self._pick_arrays, firsts, asked, shares.spec.rows_per_pick, self._reply_op,
-            self._timeout)
+            self._timeout, self._inboxes(owners))
         if every:
             shares.mass, shares.rows, shares.min_mass = mass, rows, min_mass
         else:
@@ -643,6 +679,26 @@ def post(clients: list[ShardClient], messages: list[EncodedMessage | bytes]) -> 
     timeout = max((client._timeout for client in clients), default=0.0)
     with _Locks([client._lock for client in clients]):
         return _send_all(clients, lambda fds, reached: _C.send_requests(fds, [frames[i] for i in reached], timeout))
+
+
+def _send_flights(flights: Sequence[_Owed[Any]], owners: list[int]) -> None:
+    """Ask each of ``owners`` (their locks held) for every flight's request, in one write each, the flights' order
+    the order their replies come in; a failure is that owner's outcome in every flight."""
+    first = flights[0]
+
+    def send(fds: list[int], reached: list[int]) -> list[int]:
+        asked = owners if len(reached) == len(owners) else [owners[j] for j in reached]
+        for f in flights:
+            f._sent_on(asked, fds)
+        return type(first)._send_to(flights, fds, asked)
+
+    tickets = [f._ticket for f in flights]
+    for i, failure in zip(owners, _send_all([first.clients[i] for i in owners], send)):
+        if failure is None:
+            first.clients[i]._awaiting.extend(tickets)
+        else:
+            for f in flights:
+                f._outcomes[i] = failure
 
 
 def _send_all(clients: list[ShardClient], send: Callable[[list[int], list[int]], list[int]]

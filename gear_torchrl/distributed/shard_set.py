@@ -9,6 +9,7 @@ every owner's pick are drawn from it: a seeded learner reproduces its batches.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -56,6 +57,7 @@ from gear_torchrl.store.windows import Windows
 logger = logging.getLogger(__name__)
 
 _MAX_ROUNDS = 8  # selection rounds per batch (shards that came up short, or failed, are made up for)
+_AHEAD_BYTES = 2 << 20  # the most of a learner's batches asked for ahead that one owner's replies may hold
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 _PROBE = UniformSpec()  # what asks every shard for its rows
 _BAD_PRIORITY, _BAD_ROW, _BAD_SHARD = 1, 2, 3  # csrc/shares.h UpdateRefusal
@@ -195,9 +197,13 @@ class Options:
     on_shard_failure: FailurePolicy = "raise"
     timeout: float = 10.0
     pin_memory: bool = False
-    prefetch: bool = False
+    prefetch: int = 0  # batches asked for ahead (True: 1)
 
     def __post_init__(self) -> None:
+        if isinstance(self.prefetch, bool):
+            object.__setattr__(self, "prefetch", int(self.prefetch))
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be a bool or a number of batches >= 0, got {self.prefetch!r}")
         if self.transport not in CHOICES:
             raise ValueError(f"transport must be 'auto', 'tcp', 'local' or 'rdma', got {self.transport!r}")
         if self.on_shard_failure not in ("raise", "skip"):
@@ -212,7 +218,6 @@ class ShardSet:
     """A learner's view of every shard: connections, transports, masses and the failure policy."""
 
     _served: tuple[int, Any] | None = None  # (shard, ShardServer) this process serves
-    _ahead: _Round | None = None  # the next batch, asked for already (prefetch)
     _kept_route: _Route | None = None  # how the live shards were last reached, while every connection holds
 
     def __init__(self, descriptors: list[ShardDescriptor], secret: bytes, options: Options,
@@ -231,12 +236,13 @@ class ShardSet:
         self._pid = os.getpid()
         self._served = served
         self._served_pid = os.getpid()
+        self._queued: collections.deque[_Round] = collections.deque()  # the next batches, asked for (prefetch)
 
-    def set_prefetch(self, on: bool) -> None:
-        if on == self.options.prefetch:
-            return
-        self.options = dataclasses.replace(self.options, prefetch=on)
-        self._ahead = None  # its owed replies are read past on the next use
+    def set_prefetch(self, batches: int) -> None:
+        options = dataclasses.replace(self.options, prefetch=batches)
+        if options.prefetch != self.options.prefetch:
+            self.options = options
+            self._queued.clear()  # their owed replies are read past on the next use
 
     # -- which shards -------------------------------------------------------------------
     @property
@@ -271,9 +277,10 @@ class ShardSet:
     def pick(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> ShardPicks | None:
         """``count`` picks of ``spec`` across the live shards, read (None for ``count == 0``: a probe).
 
-        With ``prefetch``, the next batch of a rule without shared state is asked
-        for before this one returns; a call with the same rule, size and generator
-        takes it (the draws come in the same order, so seeded batches are the same).
+        With ``prefetch``, the next batches of a rule without shared state are asked
+        for (each owner's requests in one write) when none is left asked for; a call
+        with the same rule, size and generator takes the first (the draws come in
+        the same order, so seeded batches are the same).
         """
         if spec.merges_best:
             return self._pick_best(spec, count)
@@ -281,11 +288,10 @@ class ShardSet:
         got: list[tuple[int, Picked, Ask]] = []  # picks of rounds that did not land whole, as picks
         scalars: dict[str, float] = {}
         taken = 0
-        sent, self._ahead = self._ahead, None
-        if sent is not None and sent.key != (spec, count, generator):
-            sent.take_back_draws()
-            sent = None  # asked for something else: the owed replies are read past on the next use
-        for _ in range(_MAX_ROUNDS):
+        sent = self._next_queued((spec, count, generator))
+        for attempt in range(_MAX_ROUNDS):
+            if attempt:  # a round making up for shares that came up short: drawn as it would be without
+                self._take_back_queued()  # batches drawn ahead
             round_ = sent or self._send_round(spec, count, count - taken, generator)
             sent = None
             answers = self._land_round(round_, got)
@@ -308,16 +314,31 @@ class ShardSet:
                                           f"for {spec.describe()} selection (empty, or no eligible rows/windows): "
                                           f"found {taken} of {count}")
                 continue
-            if self.options.prefetch and spec.per_reader:
-                self._ahead = self._send_ahead(spec, count, generator)
+            if self.options.prefetch and spec.per_reader and not self._queued:
+                self._queued.extend(self._send_ahead(spec, count, generator))
             return picks
         self.give_back(spec, got)
         raise RuntimeError(f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds of {spec.describe()} "
                            "selection: the shards keep coming up short")
 
+    def _next_queued(self, key: tuple[SelectionSpec, int, torch.Generator | None]) -> _Round | None:
+        """The first batch asked for ahead, if it is one of ``key`` to the shards live now; else none, and
+        the draws of every batch asked for ahead taken back (their owed replies are read past on the next use)."""
+        if self._queued and self._queued[0].key == key and self._queued[0].live == self.live_shards:
+            return self._queued.popleft()
+        self._take_back_queued()
+        return None
+
+    def _take_back_queued(self) -> None:
+        """Forget the batches asked for ahead, their draws taken back: what is drawn next is what would have
+        been without them (their owed replies are read past on the next use)."""
+        while self._queued:
+            self._queued.pop().take_back_draws()  # the last drawn first: each rewinds to before its own draws
+
     def _send_round(self, spec: SelectionSpec, count: int, remaining: int,
-                    generator: torch.Generator | None) -> _Round:
-        """One round's shares, drawn and asked for (tcp owners at once; the others when the round lands).
+                    generator: torch.Generator | None, send: bool = True) -> _Round:
+        """One round's shares, drawn and asked for (tcp owners at once; the others when the round lands). With
+        ``send=False``, the tcp owners' requests are left to ``_Owed.send_together``.
 
         The first round of a batch reads into one batch, each shard into its slice;
         a later round (``remaining < count``) into buffers of each shard's own.
@@ -333,12 +354,12 @@ class ShardSet:
         route = self._route(live)
         if shares is not None and shares.asked_natively:
             asks = {s: self._ask_in(shares, live.index(s), s) for s in route.apart}
-            flight: Flight[Picked] | ShareFlight = ShareFlight(route.clients, shares, route.members)
+            flight: Flight[Picked] | ShareFlight = ShareFlight(route.clients, shares, route.members, send)
         else:  # an Ask per shard: into its slice of the batch (a first round), else into buffers of its own
             asks = {s: self._ask(s, spec, k, seed, None) if shares is None else self._ask_in(shares, j, s)
                     for j, (s, k, seed) in enumerate(zip(live, counts, seeds))}
             shares = None
-            flight = Flight(route.clients, [asks[s] for s in route.together])
+            flight = Flight(route.clients, [asks[s] for s in route.together], send)
         return _Round((spec, count, generator), live, counts, batch, picks, extra, shares, asks, route, flight)
 
     def _route(self, live: list[int]) -> _Route:
@@ -361,23 +382,41 @@ class ShardSet:
         self._kept_route = route if route.whole else None
         return route
 
-    def _send_ahead(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> _Round | None:
-        """The next batch's first round, asked for now; None where it cannot be (the next call will say why).
+    def _send_ahead(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> list[_Round]:
+        """The next batches' first rounds (``prefetch`` of them, fewer where an owner's replies would hold more
+        than ``_AHEAD_BYTES``), asked for now, each tcp owner's requests in one write; none where they cannot be
+        (the next call will say why).
 
-        Its draws can be taken back (see ``_Round.take_back_draws``), so a seeded learner
+        Their draws can be taken back (see ``_Round.take_back_draws``), so a seeded learner
         that asks for something else next draws what it would have drawn without prefetching.
         """
         before = None if generator is None else generator.get_state()
+        rounds: list[_Round] = []
         try:
-            round_ = self._send_round(spec, count, count, generator)
-        except Exception as exc:  # noqa: BLE001  (a batch ahead is optional: the next call says why)
-            logger.debug("could not ask for the next batch ahead: %s", exc)
+            for _ in range(self.options.prefetch):
+                drawn = None if generator is None else generator.get_state()
+                round_ = self._send_round(spec, count, count, generator, send=False)
+                if generator is not None and drawn is not None:
+                    round_.draws = (drawn, generator.get_state())
+                rounds.append(round_)
+                if len(rounds) >= self._ahead_fits(round_):
+                    break
+            for group in _same_flights(rounds):
+                type(group[0]).send_together(group)
+        except Exception as exc:  # noqa: BLE001  (batches ahead are optional: the next call says why)
+            logger.debug("could not ask for the next batches ahead: %s", exc)
             if generator is not None and before is not None:
                 generator.set_state(before)
-            return None
-        if generator is not None and before is not None:
-            round_.draws = (before, generator.get_state())
-        return round_
+            return []
+        return rounds
+
+    @staticmethod
+    def _ahead_fits(round_: _Round) -> int:
+        """How many batches like ``round_`` its owners' replies may hold at once (``_AHEAD_BYTES`` each)."""
+        if round_.batch is None or not round_.route.together:
+            return 1
+        batch_bytes = sum(c.numel() * c.element_size() for c in round_.batch)
+        return max(1, _AHEAD_BYTES * len(round_.route.together) // max(1, batch_bytes))
 
     def _land_round(self, round_: _Round, got: list[tuple[int, Picked, Ask]]) -> _Answers:
         """Every live shard's answer to ``round_``. If a shard fails or refuses, what the batch took goes back
@@ -624,7 +663,7 @@ class ShardSet:
                      allow_skip=False)
         self.rows.clear()
         self._masses.clear()
-        self._ahead = None
+        self._queued.clear()
 
     # -- connections -------------------------------------------------------------------------
     def on_each(self, shards: list[int], call: Any, counts: list[int], allow_skip: bool = True) -> list:
@@ -645,7 +684,7 @@ class ShardSet:
         """In a forked child (a DataLoader worker), the parent's sockets and threads are not ours."""
         if os.getpid() != self._pid:
             self._pid = os.getpid()
-            self._ahead = None
+            self._queued.clear()
             self._clients, self._transports = {}, {}
             self._fan_out.forget_threads()
 
@@ -745,3 +784,19 @@ def _merge_min(into: dict[str, float], scalars: dict[str, float]) -> None:
     for name, value in scalars.items():
         if name.startswith("min_") and value > 0:
             into[name] = min(into.get(name, value), value)
+
+
+def _same_flights(rounds: list[_Round]) -> list[list[Any]]:
+    """The rounds' flights to tcp owners, grouped where one write per owner can carry them: consecutive flights
+    of one kind over one route."""
+    groups: list[list[Any]] = []
+    last: _Round | None = None
+    for round_ in rounds:
+        if not round_.route.together:
+            continue
+        if last is not None and round_.route is last.route and type(round_.flight) is type(last.flight):
+            groups[-1].append(round_.flight)
+        else:
+            groups.append([round_.flight])
+        last = round_
+    return groups
