@@ -6,9 +6,10 @@ reward, done, and a learner that owns none, ``transport="tcp"``) runs under ``st
 ``--batches`` uniform batches of ``--batch`` through ``TensorDictReplayBuffer.sample()`` between two marks
 after a warm-up, and the trace between the marks is counted: each system call the learner's thread made per
 batch, and the owners' serving threads (those that sent) per request (``futex`` left out: the
-interpreter's own locks). ``strace`` must be installed.
+interpreter's own locks). ``--ahead N`` samples with ``storage.prefetch = N`` (N batches asked for at once;
+``--batches`` then a multiple of N). ``strace`` must be installed.
 
-    .venv/bin/python benchmarks/round_syscalls.py [--owners 1 8] [--batch 256] [--batches 50]
+    .venv/bin/python benchmarks/round_syscalls.py [--owners 1 8] [--batch 256] [--batches 50] [--ahead 0]
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ _START, _END = "ROUND_SYSCALLS_START", "ROUND_SYSCALLS_END"
 _CALL = re.compile(r"^(\d+)\s+([a-z_0-9]+)\(")
 
 
-def _rank(rank: int, world: int, port: int, owners: int, batch: int, batches: int, out) -> None:
+def _rank(rank: int, world: int, port: int, owners: int, batch: int, batches: int, ahead: int, out) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -48,6 +49,7 @@ def _rank(rank: int, world: int, port: int, owners: int, batch: int, batches: in
         _fill(storage.local, STEPS // owners, rank * STEPS)
     dist.barrier()
     if learner:
+        storage.prefetch = ahead
         rb = TensorDictReplayBuffer(storage=storage, batch_size=batch)
         for _ in range(200):
             rb.sample()
@@ -61,18 +63,19 @@ def _rank(rank: int, world: int, port: int, owners: int, batch: int, batches: in
     dist.destroy_process_group()
 
 
-def _world(owners: int, batch: int, batches: int) -> None:
+def _world(owners: int, batch: int, batches: int, ahead: int) -> None:
     """The world itself (run under strace by ``_traced``)."""
-    run_ranks(_rank, owners + 1, (owners + 1, free_port(), owners, batch, batches), f"world {owners}", 600)
+    run_ranks(_rank, owners + 1, (owners + 1, free_port(), owners, batch, batches, ahead), f"world {owners}", 600)
 
 
-def _traced(owners: int, batch: int, batches: int) -> dict[str, object]:
+def _traced(owners: int, batch: int, batches: int, ahead: int) -> dict[str, object]:
     """Run one world under ``strace -f``; the learner's calls per batch and the owners' per request."""
     with tempfile.TemporaryDirectory() as folder:
         trace = Path(folder) / "trace"
         python = [sys.executable, "-S"] if sys.flags.no_site else [sys.executable]  # (another tree's run)
         subprocess.run(["strace", "-f", "-qq", "-e", "trace=!futex", "-o", str(trace), *python, __file__,
-                        "--world", str(owners), "--batch", str(batch), "--batches", str(batches)], check=True,
+                        "--world", str(owners), "--batch", str(batch), "--batches", str(batches),
+                        "--ahead", str(ahead)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         lines = trace.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if _START in line)
@@ -85,7 +88,7 @@ def _traced(owners: int, batch: int, batches: int) -> dict[str, object]:
     learner_calls.pop("write", None)  # the marks
     per_batch = {k: v / batches for k, v in sorted(learner_calls.items())}
     per_request = {k: v / (batches * owners) for k, v in sorted(owner_calls.items())}
-    return {"owners": owners, "batch": batch,
+    return {"owners": owners, "batch": batch, "ahead": ahead,
             "learner calls per batch": f"{sum(per_batch.values()):.1f}",
             "learner per owner": f"{sum(per_batch.values()) / owners:.2f}",
             "learner": " ".join(f"{k} {v:.2f}" for k, v in per_batch.items()),
@@ -98,14 +101,15 @@ def main() -> None:
     parser.add_argument("--owners", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--batches", type=int, default=50)
+    parser.add_argument("--ahead", type=int, default=0, help="storage.prefetch: batches asked for at once")
     parser.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)  # one world, under strace
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.world is not None:
-        _world(args.world, args.batch, args.batches)
+        _world(args.world, args.batch, args.batches, args.ahead)
         return
     started = time.monotonic()
-    rows = [_traced(n, args.batch, args.batches) for n in args.owners]
+    rows = [_traced(n, args.batch, args.batches, args.ahead) for n in args.owners]
     print(table(rows, list(rows[0])))
     print(f"({time.monotonic() - started:.0f} s)")
     write_json(args.out, {"benchmark": "round_syscalls", "rows": rows})

@@ -4,7 +4,9 @@ One loopback job per world (spawned ranks under torch.distributed on 127.0.0.1):
 ``own`` is a world of one whose learner owns its only shard (``transport="auto"``,
 so same-host reads); ``tcp N`` is N owners and one learner that owns none
 (``transport="tcp"``). With several owners, ``prefetch`` is the same store asking for
-the next batch ahead (``storage.prefetch = True``), and ``raw`` the floor:
+the next batch ahead (``storage.prefetch = True``), ``ahead N`` for the next N at once
+(``storage.prefetch = N``, ``--ahead``, each owner's N requests in one write), and ``raw`` the floor
+of one round trip per batch:
 each owner answers a request with that many bytes in one framed message from
 a Python thread, no selection, and the learner receives them as ours does. The store holds obs f32[84], action f32[6], reward and
 done, 200k steps split over the owners, and the learner draws uniform batches
@@ -191,16 +193,17 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
     sharded = TensorDictReplayBuffer(storage=storage, batch_size=batches[0], **({"sampler": ours} if ours else {}))
     sample_sharded = _sampling(sharded, rule)
 
-    def with_prefetch(on: bool):
+    def with_prefetch(batches: int):
         def sample(b: int):
-            storage.prefetch = on
+            storage.prefetch = batches
             return sample_sharded(b)
         return sample
 
     contenders = {"LazyTensorStorage": _sampling(local, rule), "sharded": sample_sharded}
     if raw_ports and hasattr(storage, "prefetch"):  # (versions before 2026-11-26 have none)
-        contenders["sharded"] = with_prefetch(False)
-        contenders["prefetch"] = with_prefetch(True)
+        contenders["sharded"] = with_prefetch(0)
+        contenders["prefetch"] = with_prefetch(1)
+        contenders["ahead"] = with_prefetch(int(os.environ.get("GEAR_BENCH_AHEAD", "4")))
     if raw_ports:
         contenders["raw"] = _raw_batch(raw_ports)
     served_by = {name: {b: owner_pids for b in batches} for name in contenders}  # whose CPU serves a batch
@@ -386,6 +389,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cap-gbit", type=float, default=None)
+    parser.add_argument("--ahead", type=int, default=4, help="batches the 'ahead' contender asks for at once")
     parser.add_argument("--rule", choices=["rows", "windows", "prioritized"], default="rows",
                         help="uniform rows, 64-step windows, or prioritized rows with a priority update per batch")
     parser.add_argument("--learner-device", default="cpu", help="where the learner's batches go (e.g. cuda)")
@@ -404,6 +408,7 @@ def main() -> None:
     if args.ray_site:
         use_ray_site(args.ray_site)
     os.environ["GEAR_BENCH_RULE"] = args.rule
+    os.environ["GEAR_BENCH_AHEAD"] = str(args.ahead)
     os.environ["GEAR_BENCH_LEARNER_DEVICE"] = args.learner_device
     rows = []
     for world in args.worlds:
@@ -420,6 +425,14 @@ def main() -> None:
                          "M steps/s": f"{mine['steps_per_s'] / 1e6:.3f}",
                          "prefetch M steps/s": "-" if f"prefetch/{b}" not in result
                          else f"{result[f'prefetch/{b}']['steps_per_s'] / 1e6:.3f}",
+                         "prefetch learner us": "-" if f"prefetch/{b}" not in result
+                         else f"{result[f'prefetch/{b}']['learner_us']:.0f}",
+                         f"ahead {args.ahead} learner us": "-" if f"ahead/{b}" not in result
+                         else f"{result[f'ahead/{b}']['learner_us']:.0f}",
+                         f"ahead {args.ahead} owner us": "-" if f"ahead/{b}" not in result
+                         else f"{result[f'ahead/{b}']['owner_us']:.0f}",
+                         f"ahead {args.ahead} M steps/s": "-" if f"ahead/{b}" not in result
+                         else f"{result[f'ahead/{b}']['steps_per_s'] / 1e6:.3f}",
                          "raw M steps/s": "-" if raw is None else f"{raw['steps_per_s'] / 1e6:.3f}",
                          "local M steps/s": f"{peer['steps_per_s'] / 1e6:.3f}"})
             for transport in ("ray", "distributed") if args.ray_site else ():  # TorchRL's remote buffer
@@ -431,7 +444,7 @@ def main() -> None:
                                  else f"{mine['steps_per_s'] / ray['steps_per_s']:.1f}"})
             if args.cap_gbit is not None:  # the share of the links' capacity each contender used
                 cap = args.cap_gbit * 1e9 / 8 / ROW_BYTES  # steps/s through one capped link
-                for name in ("sharded", "prefetch", "raw", "torchrl-ray-ray", "torchrl-ray-distributed"):
+                for name in ("sharded", "prefetch", "ahead", "raw", "torchrl-ray-ray", "torchrl-ray-distributed"):
                     links = 1 if name.startswith("torchrl-ray") else int(world)  # Ray's buffer: one actor, one link
                     if f"{name}/{b}" in result:
                         rows[-1][f"{name} / caps"] = f"{result[f'{name}/{b}']['steps_per_s'] / (cap * links):.2f}"

@@ -36,7 +36,10 @@ struct Inbox {
   std::unique_ptr<char[]> bytes{new char[kCapacity]};
   size_t begin = 0, end = 0;  // the bytes not taken yet
   bool reads_ahead = false;   // more replies are owed after the next: its first read may take theirs too
+  uint64_t last_reply = 0;    // the last reply's bytes: a big one's successors are read in place, not copied
   size_t held() const { return end - begin; }
+  // What a reply's first read may take: several replies like the last one, where they are small.
+  size_t first_read(size_t stash) const { return reads_ahead && 2 * last_reply <= kCapacity ? kCapacity : stash; }
 };
 
 // Receives one framed message (distributed/wire.py) on each fd, all sockets waited on together.

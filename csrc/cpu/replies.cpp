@@ -23,7 +23,7 @@ namespace {
 
 // A reply's first read takes up to this much: all of a share of a batch split across owners, and no more than
 // a copy of a few microseconds for a big one, whose rest is read in place. Where more replies are owed on the
-// connection (Inbox::reads_ahead), the first read takes up to a whole inbox: theirs too, if they are there.
+// connection and they are small (Inbox::first_read), it takes up to a whole inbox: theirs too, if they are there.
 constexpr size_t kStash = 16 << 10;
 
 struct Pending {
@@ -92,6 +92,7 @@ bool place_arrays(Pending& p) {
     return false;
   }
   p.reply.op = op;
+  p.box->last_reply = kHeader + meta + 8ull * count + total;
   for (size_t i = 0; i < count; ++i) {
     if (i < tallied) {
       p.reply.tally.assign(tally, 0);
@@ -178,7 +179,7 @@ ssize_t receive_some(Pending& p) {
   if (p.part == 0 && p.got == 0) {  // the inbox is empty: a reply starts with it or is read whole
     Inbox& box = *p.box;
     box.begin = box.end = 0;
-    const ssize_t k = ::recv(p.fd, box.bytes.get(), box.reads_ahead ? Inbox::kCapacity : kStash, MSG_DONTWAIT);
+    const ssize_t k = ::recv(p.fd, box.bytes.get(), box.first_read(kStash), MSG_DONTWAIT);
     if (k > 0) {
       box.end = static_cast<size_t>(k);
       unstash(p);
