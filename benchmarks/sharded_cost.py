@@ -19,7 +19,9 @@ rows, and the two buffers take turns (interleaved rounds, medians): the ratio
 is measured in one process at one time. Reported per batch size: the
 learner's process CPU time per batch (every thread of it), the owners' CPU
 time per request (read from ``/proc/<pid>/task/*/schedstat``, every thread,
-divided by the requests each served), and steps per second of wall time.
+divided by the requests each served), steps per second of wall time, and how often the
+learner was taken off a core per batch while it could run (its involuntary context
+switches: with more processes than cores, each costs it a switch and a cache refilled).
 
 ``--learner-device cuda`` puts the learner on a GPU: every contender's batch is moved
 there (``.to("cuda", non_blocking=True)``; the sharded store receives into pinned
@@ -219,6 +221,12 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
         _measure(_to_learner_device(contenders), served_by, sample_sharded, batches, rounds, out)
 
 
+def _preemptions() -> int:
+    """How often this process was taken off a core while it could run (its involuntary context switches)."""
+    with open("/proc/self/status") as status:
+        return sum(int(line.split()[1]) for line in status if line.startswith("nonvoluntary_ctxt_switches"))
+
+
 def _measure(contenders: dict, served_by: dict, sample_sharded, batches: list[int], rounds: int, out) -> None:
     """Every contender's turns (interleaved rounds), then the medians to ``out``."""
     calls = {}
@@ -230,12 +238,12 @@ def _measure(contenders: dict, served_by: dict, sample_sharded, batches: list[in
         for _ in range(5):
             sample_sharded(b)
         calls[b] = max(5, int(SECONDS_PER_TURN / ((time.perf_counter() - start) / 5)))
-    samples: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    samples: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
     for _ in range(rounds):
         for b in batches:
             for name, sample in contenders.items():
                 owners0 = [_thread_cpu_ns(p) for p in served_by[name][b]]
-                cpu0, wall0 = time.process_time(), time.perf_counter()
+                cpu0, wall0, preempted0 = time.process_time(), time.perf_counter(), _preemptions()
                 for _ in range(calls[b]):
                     sample(b)
                 if torch.cuda.is_initialized():
@@ -243,12 +251,15 @@ def _measure(contenders: dict, served_by: dict, sample_sharded, batches: list[in
                 wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
                 owners = [(_thread_cpu_ns(p) - o) / 1e9 for p, o in zip(served_by[name][b], owners0)]
                 owner_cpu = statistics.mean(owners) if owners and name != "LazyTensorStorage" else float("nan")
-                samples.setdefault((name, b), []).append((cpu / calls[b], owner_cpu / calls[b], b * calls[b] / wall))
+                preempted = (_preemptions() - preempted0) / calls[b]
+                samples.setdefault((name, b), []).append((cpu / calls[b], owner_cpu / calls[b], b * calls[b] / wall,
+                                                          preempted))
     result = {}
     for (name, b), runs in samples.items():
         result[f"{name}/{b}"] = {"learner_us": statistics.median(r[0] for r in runs) * 1e6,
                                  "owner_us": statistics.median(r[1] for r in runs) * 1e6,
-                                 "steps_per_s": statistics.median(r[2] for r in runs)}
+                                 "steps_per_s": statistics.median(r[2] for r in runs),
+                                 "preempted": statistics.median(r[3] for r in runs)}
     if os.environ.get("GEAR_BENCH_PROFILE"):  # where the learner's time goes (--profile)
         import cProfile
         import pstats
@@ -419,6 +430,7 @@ def main() -> None:
             rows.append({"world": world, "batch": b,
                          "learner us": f"{mine['learner_us']:.0f}", "local us": f"{peer['learner_us']:.0f}",
                          "learner / local": f"{mine['learner_us'] / peer['learner_us']:.2f}",
+                         "learner preempted per batch": f"{mine.get('preempted', float('nan')):.2f}",
                          "raw learner us": "-" if raw is None else f"{raw['learner_us']:.0f}",
                          "owner us": "-" if mine["owner_us"] != mine["owner_us"] else f"{mine['owner_us']:.0f}",
                          "raw owner us": "-" if raw is None else f"{raw['owner_us']:.0f}",
@@ -429,6 +441,8 @@ def main() -> None:
                          else f"{result[f'prefetch/{b}']['learner_us']:.0f}",
                          f"ahead {args.ahead} learner us": "-" if f"ahead/{b}" not in result
                          else f"{result[f'ahead/{b}']['learner_us']:.0f}",
+                         f"ahead {args.ahead} preempted per batch": "-" if f"ahead/{b}" not in result
+                         else f"{result[f'ahead/{b}'].get('preempted', float('nan')):.2f}",
                          f"ahead {args.ahead} owner us": "-" if f"ahead/{b}" not in result
                          else f"{result[f'ahead/{b}']['owner_us']:.0f}",
                          f"ahead {args.ahead} M steps/s": "-" if f"ahead/{b}" not in result
