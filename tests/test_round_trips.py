@@ -229,6 +229,32 @@ def test_a_share_flight_answers_each_owner_with_its_count_its_refusal_or_its_fai
     assert shares.landed(3, 1).starts.tolist() == [7]
 
 
+def test_flights_sent_together_land_in_order_and_bytes_past_the_last_owed_reply_fail_that_owner(pairs):
+    """Two batches' flights in one write per owner: the replies, queued back to back, land each in its own batch;
+    an owner that sends more than it owes is dropped for breaking the protocol, the other is not."""
+    from gear_torchrl.distributed.shard_client import ShareFlight, Shares
+    from gear_torchrl.errors import ShardUnavailableError
+    from gear_torchrl.selection.uniform import UniformSpec
+
+    clients = [_client_on(a, j) for j, (a, _) in enumerate(pairs[:2])]
+    batches = [Shares(UniformSpec(), [1, 1], [b, b], [torch.zeros(2, 2)], Windows.of_rows(torch.zeros(2)), None)
+               for b in range(2)]
+    flights = [ShareFlight(clients, shares, [0, 1], send=False) for shares in batches]
+    ShareFlight.send_together(flights)
+    for j, (_, peer) in enumerate(pairs[:2]):
+        want = b"".join(shares.ask(j).frame() for shares in batches)
+        assert _read_exactly(peer, len(want)) == want
+        for b in range(2):
+            peer.sendall(_framed(wire.Op.ROWS, {}, [torch.tensor([9, 1]), torch.tensor([10 * b + j]),
+                                                     torch.full((1, 2), float(b))]))
+    pairs[1][1].sendall(b"GEAR and more")  # owed nothing after the second reply
+    assert flights[0].land() == [1, 1] and batches[0].picks.starts.tolist() == [0, 1]
+    second = flights[1].land()
+    assert second[0] == 1 and batches[1].picks.starts.tolist() == [10, 11] and batches[1].columns[0].eq(1.0).all()
+    assert isinstance(second[1], ShardUnavailableError) and "bytes past the last reply owed" in str(second[1])
+    assert clients[1]._sock is None and clients[0]._sock is not None and not clients[0]._awaiting
+
+
 def test_a_round_s_shares_go_framed_as_their_asks_would_be(pairs):
     from gear_torchrl.distributed.shard_client import Shares
     from gear_torchrl.selection.uniform import UniformSpec
