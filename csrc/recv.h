@@ -33,7 +33,7 @@ struct Reply {
 // one owner for several batches at once), kept for them. Nothing else reads a connection while it holds any.
 struct Inbox {
   static constexpr size_t kCapacity = 64 << 10;
-  std::unique_ptr<char[]> bytes{new char[kCapacity]};
+  std::unique_ptr<char[]> bytes;  // kCapacity of them, once a reply is first read
   size_t begin = 0, end = 0;  // the bytes not taken yet
   bool reads_ahead = false;   // more replies are owed after the next: its first read may take theirs too
   uint64_t last_reply = 0;    // the last reply's bytes: a big one's successors are read in place, not copied

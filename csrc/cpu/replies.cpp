@@ -178,6 +178,7 @@ ssize_t receive_arrays(Pending& p) {
 ssize_t receive_some(Pending& p) {
   if (p.part == 0 && p.got == 0) {  // the inbox is empty: a reply starts with it or is read whole
     Inbox& box = *p.box;
+    if (!box.bytes) box.bytes.reset(new char[Inbox::kCapacity]);
     box.begin = box.end = 0;
     const ssize_t k = ::recv(p.fd, box.bytes.get(), box.first_read(kStash), MSG_DONTWAIT);
     if (k > 0) {
