@@ -158,7 +158,7 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
 
     @property
     def live_shards(self) -> list[int]:
-        return self._shards.live_shards
+        return list(self._shards.live_shards)
 
     @property
     def failed_shards(self) -> dict[int, str]:

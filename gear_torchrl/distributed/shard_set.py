@@ -237,6 +237,8 @@ class ShardSet:
         self._served = served
         self._served_pid = os.getpid()
         self._queued: collections.deque[_Round] = collections.deque()  # the next batches, asked for (prefetch)
+        self._live: list[int] = []  # the live shards, as of ``_live_for`` failures (see ``live_shards``)
+        self._live_for = -1
 
     def set_prefetch(self, batches: int) -> None:
         options = dataclasses.replace(self.options, prefetch=batches)
@@ -255,7 +257,13 @@ class ShardSet:
 
     @property
     def live_shards(self) -> list[int]:
-        return [d.shard for d in self.descriptors if d.shard not in self.failed]
+        """The shards not skipped (made again only when one more failed: a shard once skipped stays so; the
+        list is shared, not to be changed)."""
+        failed = self._fan_out.failed
+        if self._live_for != len(failed):
+            self._live = [d.shard for d in self.descriptors if d.shard not in failed]
+            self._live_for = len(failed)
+        return self._live
 
     def live(self) -> list[int]:
         """The live shards; when skipping has left none, an error that names each failed shard and why."""
@@ -266,12 +274,13 @@ class ShardSet:
         return live
 
     def rows_known(self) -> bool:
-        return all(s in self.rows for s in self.live_shards)
+        return self.rows.keys() >= set(self.live_shards)
 
     def total_rows(self) -> int:
         if not self.rows_known():
             self.pick(_PROBE, 0, None)
-        return sum(self.rows.get(s, 0) for s in self.live())
+        rows = self.rows
+        return sum([rows.get(s, 0) for s in self.live()])
 
     # -- selection ------------------------------------------------------------------------
     def pick(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> ShardPicks | None:
@@ -343,8 +352,8 @@ class ShardSet:
         The first round of a batch reads into one batch, each shard into its slice;
         a later round (``remaining < count``) into buffers of each shard's own.
         """
-        live = self.live()
-        counts, seeds = _draw_shares(remaining, [self._masses[spec].get(s, 0.0) for s in live], generator)
+        live, masses = self.live(), self._masses[spec]
+        counts, seeds = _draw_shares(remaining, [masses.get(s, 0.0) for s in live], generator)
         batch, picks, extra, shares = None, None, None, None
         if remaining == count and any(counts):
             batch = self._empty_columns(self.table(next(s for s, k in zip(live, counts) if k)),
