@@ -10,11 +10,13 @@ split, the requests framed and sent, the replies received into the batch, the an
 assembled, with every system call that costs the learner. ``raw`` is the floor for the same sockets: a 24-byte
 request sent to each owner and one reply of the same bytes received by ``_C.receive_replies``, nothing
 else; ``raw sends`` its sends alone (on loopback a send also pays the receiving end's TCP processing, which
-a network card's peer does on its own host). Figures are this thread's CPU time per batch over ``--repeats`` windows of 20 calls, contenders in
+a network card's peer does on its own host). ``ahead N`` is ``ShardSet.pick`` with ``prefetch=N``: the N
+batches asked for already, every owner's N replies queued back to back, the last call asking for the next N in
+one write per owner. Figures are this thread's CPU time per batch over ``--repeats`` windows of 20 calls, contenders in
 turns: the median, and the 10th percentile (on a shared machine whose slow phases last seconds, the
 steadier of the two).
 
-    .venv/bin/python benchmarks/learner_round_cost.py [--owners 1 2 4 8] [--batch 256] [--repeats 60]
+    .venv/bin/python benchmarks/learner_round_cost.py [--owners 1 2 4 8] [--batch 256] [--repeats 60] [--ahead 4]
 """
 from __future__ import annotations
 
@@ -101,11 +103,11 @@ class Owners:
 class Learner:
     """``ShardSet.pick`` of uniform rows over N owners whose replies are queued before each call."""
 
-    def __init__(self, owners: int, batch: int) -> None:
+    def __init__(self, owners: int, batch: int, ahead: int = 0) -> None:
         self.owners, self.batch = Owners(owners), batch
         descriptors = [ShardDescriptor(s, s, "bench", "127.0.0.1", 0, "bench", ROWS_PER_SHARD, [], None)
                        for s in range(owners)]
-        shards = ShardSet(descriptors, b"", Options(transport="tcp", timeout=5.0))
+        shards = ShardSet(descriptors, b"", Options(transport="tcp", timeout=5.0, prefetch=ahead))
         table = TableSpec.from_data(_steps(1), 1)
         for s, (a, _) in enumerate(self.owners.pairs):
             shards._clients[s] = client = _client_on(a, s)
@@ -121,8 +123,11 @@ class Learner:
         ahead = torch.Generator()
         ahead.set_state(self.generator.get_state())
         counts, _ = _C.draw_shares([float(ROWS_PER_SHARD)] * len(self.owners.pairs), self.batch, ahead)
-        return [_framed(Op.ROWS, [torch.tensor([ROWS_PER_SHARD, k]), torch.arange(k), *(c[:k] for c in self.columns)])
-                for k in counts]
+        return [self._reply(k) for k in counts]
+
+    def _reply(self, count: int) -> bytes:
+        return _framed(Op.ROWS, [torch.tensor([ROWS_PER_SHARD, count]), torch.arange(count),
+                                 *(c[:count] for c in self.columns)])
 
     def __call__(self) -> float:
         self.owners.queue(self._replies())
@@ -135,6 +140,27 @@ class Learner:
 
     def close(self) -> None:
         self.owners.close()
+
+
+class LearnerAhead(Learner):
+    """The same with ``prefetch=ahead``: each call takes the ``ahead`` batches asked for already (every owner's
+    replies to them queued back to back before it), the last of them asking for the next ``ahead`` in one write
+    per owner; CPU per batch."""
+
+    def __init__(self, owners: int, batch: int, ahead: int) -> None:
+        super().__init__(owners, batch, ahead)
+        super().__call__()  # one batch as usual, then ``ahead`` are asked for
+
+    def __call__(self) -> float:
+        queued = list(self.shards._queued)  # drawn when they were asked for: their shares are known
+        self.owners.queue([b"".join(self._reply(r.counts[j]) for r in queued) for j in range(len(self.owners.pairs))])
+        start = time.thread_time()
+        for _ in queued:
+            picks = self.shards.pick(_SPEC, self.batch, self.generator)
+            assert picks is not None and picks.index.numel() == self.batch
+        spent = time.thread_time() - start
+        self.owners.drain()
+        return spent / len(queued)
 
 
 class Raw:
@@ -185,19 +211,23 @@ def main() -> None:
     parser.add_argument("--owners", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=60, help="windows of 20 calls per contender")
+    parser.add_argument("--ahead", type=int, default=4, help="batches the 'ahead' contender asks for at once")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = []
     for owners in args.owners:
         contenders: dict[str, Learner | Raw] = {"learner": Learner(owners, args.batch), "raw": Raw(owners, args.batch),
-                                                "raw sends": Raw(owners, args.batch, sends_only=True)}
+                                                "raw sends": Raw(owners, args.batch, sends_only=True),
+                                                "ahead": LearnerAhead(owners, args.batch, args.ahead)}
         got = _quantiles(contenders, args.repeats)
         (learner, learner_p10), (raw, raw_p10), (_, sends_p10) = got["learner"], got["raw"], got["raw sends"]
+        ahead, ahead_p10 = got["ahead"]
         out.append({"owners": owners, "batch": args.batch, "learner us": f"{learner * 1e6:.1f}",
                     "raw us": f"{raw * 1e6:.1f}", "learner us p10": f"{learner_p10 * 1e6:.1f}",
                     "raw us p10": f"{raw_p10 * 1e6:.1f}", "raw sends us p10": f"{sends_p10 * 1e6:.1f}",
-                    "above raw us p10": f"{(learner_p10 - raw_p10) * 1e6:.1f}"})
+                    "above raw us p10": f"{(learner_p10 - raw_p10) * 1e6:.1f}",
+                    f"ahead {args.ahead} us": f"{ahead * 1e6:.1f}", f"ahead {args.ahead} us p10": f"{ahead_p10 * 1e6:.1f}"})
         for c in contenders.values():
             c.close()
     print(table(out, list(out[0])))
