@@ -242,6 +242,7 @@ def _measure(contenders: dict, served_by: dict, sample_sharded, batches: list[in
     for _ in range(rounds):
         for b in batches:
             for name, sample in contenders.items():
+                sample(b)  # untimed: what the last contender left in flight is read past here, not in this turn
                 owners0 = [_thread_cpu_ns(p) for p in served_by[name][b]]
                 cpu0, wall0, preempted0 = time.process_time(), time.perf_counter(), _preemptions()
                 for _ in range(calls[b]):
