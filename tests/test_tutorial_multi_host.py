@@ -80,6 +80,7 @@ def test_windows_stay_inside_episodes_across_shards(local_run):
 
 def test_prefetch_loop_and_stats_report_every_shard(local_run):
     out = local_run
+    assert _learner_lines(out, r"uniform, prefetch=4, \d+ rows a batch: [\d,.]+ batches/s"), out  # rows checked
     assert _learner_lines(out, r"training loop with prefetch=2 and a 2 ms step: [\d,.]+ batches/s"), out
     stats = _learner_lines(out, r"stats: shard (\d+) \(rank \d+\): (\d+) rows readable, .*failed: None")
     assert sorted(int(m.group(1)) for m in stats) == list(range(OWNERS)), out

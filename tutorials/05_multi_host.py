@@ -255,6 +255,17 @@ def learn(storage: ShardedGearStorage, args: argparse.Namespace) -> None:
     say(rate(f"uniform, {args.batch} rows a batch", args.batches, seconds, nbytes))
     say(f"rows sampled per shard: {per_shard.tolist()} (every row checked against its global id and its image)")
 
+    # -- Batches in flight: storage.prefetch = N asks every owner reached over tcp for
+    #    the next N batches at once, in one request each, so the owners pick and send
+    #    them while the learner trains, and the learner reads their replies several at
+    #    a time. A seeded learner draws the same batches as without; rows written
+    #    meanwhile show up up to N batches later. (Shards read over "local" or "rdma"
+    #    are read when their batch is taken: for them prefetch changes nothing.)
+    storage.prefetch = 4
+    seconds, nbytes, _ = timed(rb, args.batches, lambda b: check_rows(b, args.frame))
+    storage.prefetch = 0
+    say(rate(f"uniform, prefetch=4, {args.batch} rows a batch", args.batches, seconds, nbytes))
+
     # -- Windows: GearSequenceSampler picks windows of seq_len steps inside one
     #    episode each, across all shards (a window never spans two shards: an
     #    episode lives where its actor wrote it). The batch is [windows * seq_len].
