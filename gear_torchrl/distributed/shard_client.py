@@ -81,17 +81,21 @@ class ShardClient:
         """The open connection, clear of any reply still owed to a request sent ahead; after a failure, a new one."""
         if self._sock is None:
             self._sock = self._dial()
-        if self._awaiting:  # nobody will take those replies now: read past them
-            fd, inbox = self._sock.fileno(), [self._inbox]
-            while self._awaiting:
-                self._awaiting.popleft()
-                inbox[0].reads_ahead = bool(self._awaiting)
-                status = _C.receive_replies([fd], [[]], [[]], self._timeout, inbox)[0][0]
-                if status:
-                    raise self._broken(wire.socket_error(status))
-        if self._inbox.held:
-            raise self._broken(wire.ProtocolError(f"{self._inbox.held} bytes past the last reply owed"))
+        while self._awaiting:  # nobody will take those replies now: read past them
+            self._inbox.reads_ahead = len(self._awaiting) > 1
+            status = _C.receive_replies([self._sock.fileno()], [[]], [[]], self._timeout, [self._inbox])[0][0]
+            failure = self._broken(wire.socket_error(status)) if status else self._taken()
+            if failure is not None:
+                raise failure
         return self._sock
+
+    def _taken(self) -> ShardUnavailableError | None:
+        """The first reply owed was taken; bytes past the last one owed break the protocol (what that says)."""
+        if self._awaiting:  # (a failure closed the connection, and forgot what it owed)
+            self._awaiting.popleft()
+        if self._awaiting or not self._inbox.held:
+            return None
+        return self._broken(wire.ProtocolError(f"{self._inbox.held} bytes past the last reply owed"))
 
     def _broken(self, exc: BaseException) -> ShardUnavailableError:
         """Drop the connection ``exc`` broke; the error that says so."""
@@ -552,11 +556,7 @@ class _Owed(ABC, Generic[Answer]):
             if owed:  # a client awaiting this flight's ticket still has the connection its request went on
                 fds = self._fds if len(owed) == len(self._fds) else [self._fds[i] for i in owed]
                 for i, answer in zip(owed, self._receive(fds, owed)):
-                    client = self.clients[i]
-                    if client._awaiting:  # (a failure closed the connection, and forgot what it owed)
-                        client._awaiting.popleft()
-                    outcomes[i] = answer if client._awaiting or not client._inbox.held else \
-                        client._broken(wire.ProtocolError(f"{client._inbox.held} bytes past the last reply owed"))
+                    outcomes[i] = self.clients[i]._taken() or answer
         return cast("list[Answer | Exception]", outcomes)  # every owed answer was taken
 
 
