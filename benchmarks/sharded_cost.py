@@ -205,7 +205,8 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
     if raw_ports and hasattr(storage, "prefetch"):  # (versions before 2026-11-26 have none)
         contenders["sharded"] = with_prefetch(0)
         contenders["prefetch"] = with_prefetch(1)
-        contenders["ahead"] = with_prefetch(int(os.environ.get("GEAR_BENCH_AHEAD", "4")))
+        for ahead in os.environ.get("GEAR_BENCH_AHEAD", "4").split(","):
+            contenders[f"ahead {ahead}"] = with_prefetch(int(ahead))
     if raw_ports:
         contenders["raw"] = _raw_batch(raw_ports)
     served_by = {name: {b: owner_pids for b in batches} for name in contenders}  # whose CPU serves a batch
@@ -319,6 +320,15 @@ def _ray_contenders(batches: list[int], placement: dict) -> dict:
     return found
 
 
+def _pin(learner: bool) -> None:
+    """``--pin``: the learner alone on this machine's first core, the owners on the others, every thread of
+    this process (its servers' too): the learner's cost per batch without owners taking its core."""
+    cpus = sorted(os.sched_getaffinity(0))
+    mine = set(cpus[:1]) if learner else set(cpus[1:])
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), mine)
+
+
 def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rounds: int, out) -> None:
     from datetime import timedelta
 
@@ -342,6 +352,8 @@ def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rou
         if not own:
             store.set(f"raw/{rank}", str(_raw_server(STEPS // owners)))
     dist.barrier()
+    if os.environ.get("GEAR_BENCH_PIN") and not own:
+        _pin(learner)
     if learner:
         pids = [] if own else [int(store.get(f"pid/{r}")) for r in range(owners)]
         raw = [] if own else [int(store.get(f"raw/{r}")) for r in range(owners)]
@@ -401,11 +413,14 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cap-gbit", type=float, default=None)
-    parser.add_argument("--ahead", type=int, default=4, help="batches the 'ahead' contender asks for at once")
+    parser.add_argument("--ahead", type=int, nargs="+", default=[4],
+                        help="batches each 'ahead N' contender asks for at once")
     parser.add_argument("--rule", choices=["rows", "windows", "prioritized"], default="rows",
                         help="uniform rows, 64-step windows, or prioritized rows with a priority update per batch")
     parser.add_argument("--learner-device", default="cpu", help="where the learner's batches go (e.g. cuda)")
     parser.add_argument("--profile", action="store_true", help="print where the learner's time goes")
+    parser.add_argument("--pin", action="store_true",
+                        help="the learner alone on the first core, every owner on the others")
     parser.add_argument("--ray-site", default=None,
                         help="a folder holding Ray (pip install --target): adds TorchRL's remote buffer on Ray, "
                              "transports ray and distributed, to the uniform-rows runs")
@@ -417,10 +432,12 @@ def main() -> None:
         os.environ["GEAR_BENCH_CAP_GBIT"] = str(args.cap_gbit)
     if args.profile:
         os.environ["GEAR_BENCH_PROFILE"] = "1"
+    if args.pin:
+        os.environ["GEAR_BENCH_PIN"] = "1"
     if args.ray_site:
         use_ray_site(args.ray_site)
     os.environ["GEAR_BENCH_RULE"] = args.rule
-    os.environ["GEAR_BENCH_AHEAD"] = str(args.ahead)
+    os.environ["GEAR_BENCH_AHEAD"] = ",".join(map(str, args.ahead))
     os.environ["GEAR_BENCH_LEARNER_DEVICE"] = args.learner_device
     rows = []
     for world in args.worlds:
@@ -440,16 +457,16 @@ def main() -> None:
                          else f"{result[f'prefetch/{b}']['steps_per_s'] / 1e6:.3f}",
                          "prefetch learner us": "-" if f"prefetch/{b}" not in result
                          else f"{result[f'prefetch/{b}']['learner_us']:.0f}",
-                         f"ahead {args.ahead} learner us": "-" if f"ahead/{b}" not in result
-                         else f"{result[f'ahead/{b}']['learner_us']:.0f}",
-                         f"ahead {args.ahead} preempted per batch": "-" if f"ahead/{b}" not in result
-                         else f"{result[f'ahead/{b}'].get('preempted', float('nan')):.2f}",
-                         f"ahead {args.ahead} owner us": "-" if f"ahead/{b}" not in result
-                         else f"{result[f'ahead/{b}']['owner_us']:.0f}",
-                         f"ahead {args.ahead} M steps/s": "-" if f"ahead/{b}" not in result
-                         else f"{result[f'ahead/{b}']['steps_per_s'] / 1e6:.3f}",
                          "raw M steps/s": "-" if raw is None else f"{raw['steps_per_s'] / 1e6:.3f}",
                          "local M steps/s": f"{peer['steps_per_s'] / 1e6:.3f}"})
+            for n in args.ahead:  # each depth of batches asked for at once
+                ahead = result.get(f"ahead {n}/{b}")
+                rows[-1].update({f"ahead {n} learner us": "-" if ahead is None else f"{ahead['learner_us']:.0f}",
+                                 f"ahead {n} preempted per batch": "-" if ahead is None
+                                 else f"{ahead.get('preempted', float('nan')):.2f}",
+                                 f"ahead {n} owner us": "-" if ahead is None else f"{ahead['owner_us']:.0f}",
+                                 f"ahead {n} M steps/s": "-" if ahead is None
+                                 else f"{ahead['steps_per_s'] / 1e6:.3f}"})
             for transport in ("ray", "distributed") if args.ray_site else ():  # TorchRL's remote buffer
                 ray = result.get(f"torchrl-ray-{transport}/{b}")
                 rows[-1].update({f"{transport}: learner us": "-" if ray is None else f"{ray['learner_us']:.0f}",
@@ -459,14 +476,15 @@ def main() -> None:
                                  else f"{mine['steps_per_s'] / ray['steps_per_s']:.1f}"})
             if args.cap_gbit is not None:  # the share of the links' capacity each contender used
                 cap = args.cap_gbit * 1e9 / 8 / ROW_BYTES  # steps/s through one capped link
-                for name in ("sharded", "prefetch", "ahead", "raw", "torchrl-ray-ray", "torchrl-ray-distributed"):
+                for name in ("sharded", "prefetch", *(f"ahead {n}" for n in args.ahead), "raw", "torchrl-ray-ray",
+                             "torchrl-ray-distributed"):
                     links = 1 if name.startswith("torchrl-ray") else int(world)  # Ray's buffer: one actor, one link
                     if f"{name}/{b}" in result:
                         rows[-1][f"{name} / caps"] = f"{result[f'{name}/{b}']['steps_per_s'] / (cap * links):.2f}"
         print(table(rows[-len(args.batches):], list(rows[0])), flush=True)
     print(table(rows, list(rows[0])))
     write_json(args.out, {"benchmark": "sharded_cost", "rule": args.rule, "steps": STEPS, "rounds": args.rounds,
-                          "cap_gbit": args.cap_gbit, "learner_device": args.learner_device,
+                          "cap_gbit": args.cap_gbit, "learner_device": args.learner_device, "pin": args.pin,
                           "rows": rows})
 
 

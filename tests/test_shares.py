@@ -33,6 +33,21 @@ def test_shares_follow_the_masses_and_a_shard_without_mass_gets_none():
     assert torch.allclose(share[[0, 1, 3]], torch.tensor([0.1, 0.2, 0.7]), atol=0.01)
 
 
+@pytest.mark.parametrize("shards", [3, 8, 13, 64])
+def test_many_shards_get_their_masses_share_and_those_without_mass_none(shards):
+    masses = [float(i % 4) for i in range(shards)]  # zeros among them, and at either end for some widths
+    masses[-1] = 0.0
+    generator = torch.Generator().manual_seed(shards)
+    totals = torch.zeros(shards, dtype=torch.float64)
+    for _ in range(100):
+        counts, _ = _C.draw_shares(masses, 2000, generator)
+        assert sum(counts) == 2000
+        totals += torch.tensor(counts, dtype=torch.float64)
+    expected = torch.tensor(masses, dtype=torch.float64) / sum(masses)
+    assert totals[expected == 0].sum() == 0
+    assert torch.allclose(totals / totals.sum(), expected, atol=0.005)
+
+
 def test_one_shard_takes_the_batch_without_drawing_and_no_mass_gives_no_shares():
     generator = torch.Generator().manual_seed(3)
     state = generator.get_state()

@@ -21,15 +21,40 @@ double uniform(at::CPUGeneratorImpl* engine) {
   return static_cast<double>(engine->random64() >> 11) * 0x1.0p-53;
 }
 
-// The shard a draw at `target` in [0, total) falls in: the first whose cumulative mass exceeds it. Rounding
-// at the very top lands on the last shard that has mass.
-size_t shard_at(const std::vector<double>& cumulative, const std::vector<double>& masses, double target) {
-  size_t i = std::upper_bound(cumulative.begin(), cumulative.end(), target) - cumulative.begin();
-  if (i < masses.size()) return i;
-  i = masses.size() - 1;
-  while (masses[i] <= 0) --i;
-  return i;
-}
+// Cumulative masses padded with +inf to a power of two, searched without branches: a batch's draws land on
+// shards at random, so a search that branches mispredicts about once per level, and that dominated the split.
+class Buckets {
+ public:
+  explicit Buckets(const std::vector<double>& masses) : masses_(masses) {
+    size_t width = 1;
+    while (width < masses.size()) width <<= 1;
+    cumulative_.assign(width, std::numeric_limits<double>::infinity());
+    double total = 0;
+    for (size_t i = 0; i < masses.size(); ++i) cumulative_[i] = total += masses[i];
+    total_ = total;
+  }
+
+  double total() const { return total_; }
+
+  // The shard a draw at `target` in [0, total) falls in: the first whose cumulative mass exceeds it. Rounding
+  // at the very top lands on the last shard that has mass.
+  size_t at(double target) const {
+    size_t below = 0;  // shards whose cumulative mass is at most `target`
+    for (size_t step = cumulative_.size() >> 1; step > 0; step >>= 1) {
+      below += cumulative_[below + step - 1] <= target ? step : 0;
+    }
+    below += cumulative_[below] <= target ? 1 : 0;  // the last level (below < width here)
+    if (below < masses_.size()) return below;
+    size_t i = masses_.size() - 1;
+    while (masses_[i] <= 0) --i;
+    return i;
+  }
+
+ private:
+  const std::vector<double>& masses_;
+  std::vector<double> cumulative_;
+  double total_ = 0;
+};
 
 }  // namespace
 
@@ -47,13 +72,12 @@ Shares draw_shares(const std::vector<double>& masses, int64_t count, std::option
   std::lock_guard<std::mutex> lock(engine_of.mutex());
 
   Shares shares{std::vector<int64_t>(masses.size(), 0), std::nullopt};
-  std::vector<double> cumulative(masses.size());
-  double total = 0;
-  for (size_t i = 0; i < masses.size(); ++i) cumulative[i] = total += masses[i];
+  const Buckets buckets(masses);
+  const double total = buckets.total();
   if (masses.size() == 1) {
     shares.counts[0] = total > 0 ? count : 0;
   } else if (total > 0) {
-    for (int64_t k = 0; k < count; ++k) ++shares.counts[shard_at(cumulative, masses, uniform(engine) * total)];
+    for (int64_t k = 0; k < count; ++k) ++shares.counts[buckets.at(uniform(engine) * total)];
   }
   if (generator) {
     shares.seeds.emplace(masses.size());
