@@ -19,9 +19,11 @@ so a learner's batch time is its slowest stage:
 world's measured steps/s against the model's, between one stage after another
 (learner, owner, link: no overlap) and every stage overlapped. Projections are
 printed twice: with today's coefficients, and with the raw floor's (what native
-per-request work on both ends would approach).
+per-request work on both ends would approach). ``--ahead N`` fits the ``ahead N``
+contender's columns (a learner asking for N batches at once, ``prefetch=N``) rather than
+the plain store's.
 
-    .venv/bin/python benchmarks/cost_model.py --runs bench_out/sharded_cost.json [--check-capped FILE]
+    .venv/bin/python benchmarks/cost_model.py --runs bench_out/sharded_cost.json [--ahead 4] [--check-capped FILE]
 """
 from __future__ import annotations
 
@@ -40,14 +42,20 @@ def _fit(features: list[list[float]], target: list[float]) -> list[float]:
     return torch.linalg.lstsq(x, y).solution.squeeze(1).tolist()
 
 
-def calibrate(run: dict) -> dict[str, list[float]]:
-    """The model's coefficients (µs, µs per owner, µs per byte) from one run's rows."""
+def _column(name: str, ahead: int) -> str:
+    """The run's column of ``name`` for the plain store (``ahead`` 0) or the ``ahead N`` contender."""
+    return f"ahead {ahead} {name}" if ahead else name
+
+
+def calibrate(run: dict, ahead: int = 0) -> dict[str, list[float]]:
+    """The model's coefficients (µs, µs per owner, µs per byte) from one run's rows (``ahead``: of the contender
+    asking for that many batches at once)."""
     rows = [r for r in run["rows"] if r["world"] != "own"]
     n = [float(r["world"]) for r in rows]
     nbytes = [float(r["batch"]) * ROW_BYTES for r in rows]
     per_owner = [b / k for b, k in zip(nbytes, n)]
-    learner = [float(r["learner us"]) for r in rows]
-    owner = [float(r["owner us"]) for r in rows]
+    learner = [float(r[_column("learner us", ahead)]) for r in rows]
+    owner = [float(r[_column("owner us", ahead)]) for r in rows]
     model = {"learner": _fit([[1, k, b] for k, b in zip(n, nbytes)], learner),
              "owner": _fit([[1, b] for b in per_owner], owner)}
     if all(r.get("raw learner us", "-") != "-" for r in rows):
@@ -79,11 +87,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--owner-cores", type=int, default=1, help="cores each owner's server uses")
     parser.add_argument("--check-capped", default=None, help="a --cap-gbit run of sharded_cost.py to check against")
+    parser.add_argument("--ahead", type=int, default=0,
+                        help="fit the 'ahead N' contender (N batches asked for at once) rather than the plain store")
     args = parser.parse_args()
     for path in args.runs:
         run = json.loads(Path(path).read_text())
-        model = calibrate(run)
-        print(f"{path} (rule {run.get('rule', 'rows')}):")
+        model = calibrate(run, args.ahead)
+        print(f"{path} (rule {run.get('rule', 'rows')}{f', ahead {args.ahead}' if args.ahead else ''}):")
         for name, c in model.items():
             terms = ["µs", "µs per owner", "µs per byte"] if len(c) == 3 else ["µs", "µs per byte"]
             print(f"  {name}: " + ", ".join(f"{v:.4g} {t}" for v, t in zip(c, terms)))
@@ -114,7 +124,7 @@ def main() -> None:
                 serial, overlapped = learner + owner + link, max(learner, owner, link)
                 print(f"    {owners} owners, batch {batch}: predicted {batch / serial / 1e6:.3f} (one stage after "
                       f"another) to {batch / overlapped / 1e6:.3f} M steps/s (all overlapped), measured "
-                      f"{r['M steps/s']} (prefetch {r.get('prefetch M steps/s', '-')})")
+                      f"{r[_column('M steps/s', args.ahead)]} (prefetch {r.get('prefetch M steps/s', '-')})")
 
 
 if __name__ == "__main__":
