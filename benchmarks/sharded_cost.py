@@ -322,7 +322,8 @@ def _ray_contenders(batches: list[int], placement: dict) -> dict:
 
 def _pin(learner: bool) -> None:
     """``--pin``: the learner alone on this machine's first core, the owners on the others, every thread of
-    this process (its servers' too): the learner's cost per batch without owners taking its core."""
+    this process (its servers' too). No owner takes the learner's core then, but on few cores the owners
+    answer one after another and the learner wakes for each reply: it is not a core per process."""
     cpus = sorted(os.sched_getaffinity(0))
     mine = set(cpus[:1]) if learner else set(cpus[1:])
     for tid in os.listdir("/proc/self/task"):
@@ -420,7 +421,8 @@ def main() -> None:
     parser.add_argument("--learner-device", default="cpu", help="where the learner's batches go (e.g. cuda)")
     parser.add_argument("--profile", action="store_true", help="print where the learner's time goes")
     parser.add_argument("--pin", action="store_true",
-                        help="the learner alone on the first core, every owner on the others")
+                        help="the learner alone on the first core, every owner on the others (owners then share "
+                             "what is left: not a core per process)")
     parser.add_argument("--ray-site", default=None,
                         help="a folder holding Ray (pip install --target): adds TorchRL's remote buffer on Ray, "
                              "transports ray and distributed, to the uniform-rows runs")
