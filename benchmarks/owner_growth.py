@@ -119,9 +119,10 @@ def main() -> None:
                         f"{label} growth": f"{got['learner_us'] / first['learner_us'] - 1:+.0%}",
                         f"{label} owner us": f"{got['owner_us']:.0f}",
                         f"{label} M steps/s": f"{got['steps_per_s'] / 1e6:.3f}",
-                        f"{label} preempted per batch": f"{got['preempted']:.2f}"})
+                        f"{label} preempted per batch": f"{got['preempted']:.2f}",
+                        f"{label} waits per batch": f"{got['waited']:.2f}"})
         rows.append(row)
-    print(table(rows, [c for c in rows[0] if not c.endswith(("owner us", "preempted per batch"))]))  # all in the JSON
+    print(table(rows, [c for c in rows[0] if not c.endswith(("owner us", "per batch"))]))  # all in the JSON
     write_json(args.out, {"benchmark": "owner_growth", "steps": STEPS, "rounds": args.rounds, "ahead": args.ahead,
                           "local M steps/s": local["steps_per_s"] / 1e6, "rows": rows})
 

@@ -222,10 +222,16 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
         _measure(_to_learner_device(contenders), served_by, sample_sharded, batches, rounds, out)
 
 
-def _preemptions() -> int:
-    """How often this process was taken off a core while it could run (its involuntary context switches)."""
+def _switches() -> tuple[int, int]:
+    """How often this process's main thread was taken off a core while it could run (involuntary context
+    switches), and how often it gave up its core to wait (voluntary: each a wake-up paid for)."""
+    counts = {}
     with open("/proc/self/status") as status:
-        return sum(int(line.split()[1]) for line in status if line.startswith("nonvoluntary_ctxt_switches"))
+        for line in status:
+            if "ctxt_switches:" in line:
+                name, value = line.split(":")
+                counts[name.strip()] = int(value)
+    return counts["nonvoluntary_ctxt_switches"], counts["voluntary_ctxt_switches"]
 
 
 def _measure(contenders: dict, served_by: dict, sample_sharded, batches: list[int], rounds: int, out) -> None:
@@ -245,7 +251,7 @@ def _measure(contenders: dict, served_by: dict, sample_sharded, batches: list[in
             for name, sample in contenders.items():
                 sample(b)  # untimed: what the last contender left in flight is read past here, not in this turn
                 owners0 = [_thread_cpu_ns(p) for p in served_by[name][b]]
-                cpu0, wall0, preempted0 = time.process_time(), time.perf_counter(), _preemptions()
+                cpu0, wall0, switches0 = time.process_time(), time.perf_counter(), _switches()
                 for _ in range(calls[b]):
                     sample(b)
                 if torch.cuda.is_initialized():
@@ -253,15 +259,16 @@ def _measure(contenders: dict, served_by: dict, sample_sharded, batches: list[in
                 wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
                 owners = [(_thread_cpu_ns(p) - o) / 1e9 for p, o in zip(served_by[name][b], owners0)]
                 owner_cpu = statistics.mean(owners) if owners and name != "LazyTensorStorage" else float("nan")
-                preempted = (_preemptions() - preempted0) / calls[b]
+                preempted, waited = ((n - n0) / calls[b] for n, n0 in zip(_switches(), switches0))
                 samples.setdefault((name, b), []).append((cpu / calls[b], owner_cpu / calls[b], b * calls[b] / wall,
-                                                          preempted))
+                                                          preempted, waited))
     result = {}
     for (name, b), runs in samples.items():
         result[f"{name}/{b}"] = {"learner_us": statistics.median(r[0] for r in runs) * 1e6,
                                  "owner_us": statistics.median(r[1] for r in runs) * 1e6,
                                  "steps_per_s": statistics.median(r[2] for r in runs),
-                                 "preempted": statistics.median(r[3] for r in runs)}
+                                 "preempted": statistics.median(r[3] for r in runs),
+                                 "waited": statistics.median(r[4] for r in runs)}
     if os.environ.get("GEAR_BENCH_PROFILE"):  # where the learner's time goes (--profile)
         import cProfile
         import pstats

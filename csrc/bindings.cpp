@@ -140,7 +140,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def_property_readonly("held", &gear::Inbox::held, "bytes kept, not taken yet")
       .def_readwrite("reads_ahead", &gear::Inbox::reads_ahead,
-                     "more replies are owed after the next: its first read may take theirs too");
+                     "more replies are owed after the next: its first read may take theirs too")
+      .def(
+          "owe", [](gear::Inbox& box, const std::vector<int64_t>& tickets) {
+            box.owed.insert(box.owed.end(), tickets.begin(), tickets.end());
+          },
+          "Owe replies with these tickets, after those owed already", py::arg("tickets"))
+      .def_property_readonly(
+          "owed", [](const gear::Inbox& box) { return std::vector<int64_t>(box.owed.begin(), box.owed.end()); },
+          "the tickets of the replies owed, in order")
+      .def_property_readonly("first_owed", &gear::Inbox::first_owed, "the ticket of the reply owed next (-1: none)");
+  m.attr("NOT_OWED") = gear::kNotOwed;
+  m.attr("BYTES_PAST") = gear::kBytesPast;
   m.def("gather", &gather, "Fill `out` from `columns` for windows (rows are windows of length 1)",
         py::arg("columns"), py::arg("out"), py::arg("starts"), py::arg("valid_begin") = py::none(),
         py::arg("valid_end") = py::none(), py::arg("seq_len") = 1, py::arg("mask") = py::none(),
@@ -156,9 +167,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "receive_replies",
       [](const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
-         const std::vector<std::vector<int64_t>>& first, double timeout_s, const Inboxes& inboxes) {
+         const std::vector<std::vector<int64_t>>& first, double timeout_s, const Inboxes& inboxes, int64_t ticket) {
         std::vector<gear::Reply> replies =
-            without_gil([&] { return gear::receive_replies(fds, landing, first, timeout_s, inboxes); });
+            without_gil([&] { return gear::receive_replies(fds, landing, first, timeout_s, inboxes, ticket); });
         std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>, at::Tensor, std::vector<at::Tensor>>> out;
         for (auto& r : replies) {
           out.emplace_back(r.status, r.op, std::move(r.tally), byte_tensor(r.head), std::move(r.small));
@@ -166,8 +177,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return out;
       },
       "One framed reply from each socket, waited on together (GIL released): (status, op, tally of a ROWS or "
-      "WINDOWS reply, head, small arrays). With inboxes (one per socket), bytes read past a reply are kept there.",
-      py::arg("fds"), py::arg("landing"), py::arg("first"), py::arg("timeout_s"), py::arg("inboxes") = Inboxes{});
+      "WINDOWS reply, head, small arrays). With inboxes (one per socket), bytes read past a reply are kept there; "
+      "with a ticket too, only sockets owing it next are read (else status NOT_OWED), and a reply read is struck "
+      "off (BYTES_PAST: bytes follow the last reply owed).",
+      py::arg("fds"), py::arg("landing"), py::arg("first"), py::arg("timeout_s"), py::arg("inboxes") = Inboxes{},
+      py::arg("ticket") = -1);
   m.def(
       "send_requests",
       [](const std::vector<int64_t>& fds, const std::vector<std::string>& frames, double timeout_s) {
@@ -188,9 +202,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "receive_shares",
       [](const std::vector<int64_t>& fds, const std::vector<at::Tensor>& landing, int64_t pick_arrays,
          const std::vector<int64_t>& firsts, const std::vector<int64_t>& asked, int64_t rows_per_pick, int64_t op,
-         double timeout_s, const Inboxes& inboxes) {
+         double timeout_s, const Inboxes& inboxes, int64_t ticket) {
         gear::ShareReplies r = without_gil([&] {
-          return gear::receive_shares(fds, landing, pick_arrays, firsts, asked, rows_per_pick, op, timeout_s, inboxes);
+          return gear::receive_shares(fds, landing, pick_arrays, firsts, asked, rows_per_pick, op, timeout_s, inboxes,
+                                      ticket);
         });
         py::list heads;
         for (auto& h : r.heads) heads.append(h.empty() ? py::none() : py::cast(byte_tensor(h)));
@@ -198,9 +213,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "Every owner's share of one batch, received together into the same landing tensors (GIL released): lists "
       "of status, picks, live rows, mass and least positive mass per socket, and an ERROR reply's head (else "
-      "None)",
+      "None); inboxes and a ticket as receive_replies takes them",
       py::arg("fds"), py::arg("landing"), py::arg("pick_arrays"), py::arg("firsts"), py::arg("asked"),
-      py::arg("rows_per_pick"), py::arg("op"), py::arg("timeout_s"), py::arg("inboxes") = Inboxes{});
+      py::arg("rows_per_pick"), py::arg("op"), py::arg("timeout_s"), py::arg("inboxes") = Inboxes{},
+      py::arg("ticket") = -1);
   m.def(
       "serve_samples",
       [](int64_t fd, at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,

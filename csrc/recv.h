@@ -3,8 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <deque>
 #include <memory>
-
 #include <string>
 #include <vector>
 
@@ -31,16 +31,24 @@ struct Reply {
 
 // A connection's bytes read past the reply being taken: the start of replies owed after it (a learner may ask
 // one owner for several batches at once), kept for them. Nothing else reads a connection while it holds any.
+// It also keeps the tickets of the replies owed, in the order they come, so a round's replies are matched to
+// their requests here, for every owner in one call, not in a Python loop per owner.
 struct Inbox {
   static constexpr size_t kCapacity = 64 << 10;
   std::unique_ptr<char[]> bytes;  // kCapacity of them, once a reply is first read
   size_t begin = 0, end = 0;  // the bytes not taken yet
   bool reads_ahead = false;   // more replies are owed after the next: its first read may take theirs too
   uint64_t last_reply = 0;    // the last reply's bytes: a big one's successors are read in place, not copied
+  std::deque<int64_t> owed;   // the tickets of the replies owed on the connection, in order
   size_t held() const { return end - begin; }
   // What a reply's first read may take: several replies like the last one, where they are small.
   size_t first_read(size_t stash) const { return reads_ahead && 2 * last_reply <= kCapacity ? kCapacity : stash; }
+  int64_t first_owed() const { return owed.empty() ? -1 : owed.front(); }
 };
+
+// Statuses of a reply matched to its ticket (receive_replies' `ticket`), besides 0 and -errno:
+constexpr int64_t kNotOwed = 1;    // the connection does not owe that reply next (it was read past): nothing read
+constexpr int64_t kBytesPast = 2;  // the reply landed, but bytes followed the last reply owed: a broken protocol
 
 // Receives one framed message (distributed/wire.py) on each fd, all sockets waited on together.
 // The last landing[i].size() arrays of an OK, ROWS, WINDOWS or PRIORITIZED reply land in landing[i]'s
@@ -50,10 +58,12 @@ struct Inbox {
 // float64 bits of the mass and of the smallest positive mass), which comes back as numbers. A socket that
 // delivers nothing for timeout_s (negative: no limit) times out. With `inboxes` (one per fd), a reply starts with
 // the bytes its fd's inbox holds, and bytes read past it are kept there; without, bytes behind a reply (read
-// with its first 16 KiB) are a protocol error, -EPROTO.
+// with its first 16 KiB) are a protocol error, -EPROTO. With a `ticket` (>= 0) and inboxes, only a socket whose
+// inbox owes that ticket next is read (the others: kNotOwed); a reply read whole is struck off its inbox's
+// tickets, and one after which the inbox holds bytes but owes nothing more is kBytesPast.
 std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
                                    const std::vector<std::vector<int64_t>>& first, double timeout_s,
-                                   const std::vector<std::shared_ptr<Inbox>>& inboxes = {});
+                                   const std::vector<std::shared_ptr<Inbox>>& inboxes = {}, int64_t ticket = -1);
 
 // Every owner's share of one batch, received at once: what receive_replies does for a round of SAMPLE_* asks
 // whose replies (op `op`: ROWS, WINDOWS or PRIORITIZED) all land in the same tensors, owner i's picks from pick
@@ -69,7 +79,7 @@ struct ShareReplies {
 ShareReplies receive_shares(const std::vector<int64_t>& fds, const std::vector<at::Tensor>& landing,
                             int64_t pick_arrays, const std::vector<int64_t>& firsts,
                             const std::vector<int64_t>& asked, int64_t rows_per_pick, int64_t op, double timeout_s,
-                            const std::vector<std::shared_ptr<Inbox>>& inboxes = {});
+                            const std::vector<std::shared_ptr<Inbox>>& inboxes = {}, int64_t ticket = -1);
 
 // Sends frames[i] whole on fds[i], each socket in turn, blocking or not (a full socket waits up to timeout_s
 // for room; negative: no limit). Each send's status: 0, or -errno (-ETIMEDOUT). One socket's failure is its

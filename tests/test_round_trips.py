@@ -319,6 +319,29 @@ def test_replies_read_ahead_wait_in_the_inbox_for_their_turn(pairs):
     assert torch.equal(out[0], big_rows) and inbox.held == 0
 
 
+def test_replies_are_matched_to_their_tickets_in_the_call_that_receives_them(pairs):
+    """With a ticket, only a connection owing it next is read (the other's bytes stay for their own turn); a reply
+    taken is struck off its inbox, and bytes after the last reply owed fail that connection alone."""
+    boxes = [_C.Inbox(), _C.Inbox()]
+    boxes[0].owe([7, 8])
+    boxes[1].owe([6, 7])  # its reply to 6 comes first
+    first = _framed(wire.Op.OK, {}, [torch.tensor([1, 2], dtype=torch.int64)])
+    second = _framed(wire.Op.OK, {}, [torch.tensor([3, 4], dtype=torch.int64)])
+    pairs[0][1].sendall(first + second + b"GEAR and more")
+    pairs[1][1].sendall(second)
+    fds, batch = [pairs[0][0].fileno(), pairs[1][0].fileno()], [torch.zeros(4, dtype=torch.int64)]
+    got = _C.receive_replies(fds, [batch, batch], [[0], [2]], 5.0, boxes, 7)
+    assert [status for status, *_ in got] == [0, _C.NOT_OWED]
+    assert batch[0].tolist() == [1, 2, 0, 0] and boxes[0].owed == [8] and boxes[1].owed == [6, 7]
+    got = _C.receive_replies(fds, [batch, batch], [[2], [2]], 5.0, boxes, 6)
+    assert [status for status, *_ in got] == [_C.NOT_OWED, 0] and boxes[1].owed == [7]
+    assert batch[0].tolist() == [1, 2, 3, 4] and boxes[0].first_owed == 8 and boxes[1].first_owed == 7
+    batch[0].zero_()
+    got = _C.receive_replies(fds[:1], [batch], [[0]], 5.0, boxes[:1], 8)
+    assert got[0][0] == _C.BYTES_PAST and batch[0].tolist() == [3, 4, 0, 0]  # it landed; what follows is not ours
+    assert boxes[0].owed == [] and boxes[0].first_owed == -1 and boxes[0].held > 0
+
+
 def test_a_share_lands_from_bytes_an_earlier_share_s_read_took(pairs):
     """Two batches' shares of one owner, sent back to back: the first receive takes both, the second lands its
     rows and tally from the inbox alone."""

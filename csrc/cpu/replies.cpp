@@ -245,40 +245,29 @@ double bits_as_double(int64_t bits) {
   return value;
 }
 
-}  // namespace
-
-std::vector<int64_t> send_requests(const std::vector<int64_t>& fds, const std::vector<std::string>& frames,
-                                   double timeout_s) {
-  TORCH_CHECK(fds.size() == frames.size(), "send_requests: one frame per socket");
-  const int wait_ms = timeout_s < 0 ? -1 : static_cast<int>(std::min(std::ceil(timeout_s * 1000.0), 1e9));
-  std::vector<int64_t> statuses(fds.size());
-  for (size_t i = 0; i < fds.size(); ++i) {
-    statuses[i] = send_whole(static_cast<int>(fds[i]), frames[i].data(), frames[i].size(), wait_ms);
+void check_landing(const std::vector<at::Tensor>& landing) {
+  for (const auto& c : landing) {
+    TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.dim() >= 1,
+                "receive_replies: landing tensors must be contiguous CPU tensors of at least one dimension");
   }
-  return statuses;
 }
 
-std::vector<int64_t> send_shares(const std::vector<int64_t>& fds, const std::string& head,
-                                 const std::vector<int64_t>& counts, const std::vector<int64_t>& seeds,
-                                 int64_t columns, double timeout_s) {
-  const size_t n = fds.size();
-  TORCH_CHECK(n > 0 && !counts.empty() && counts.size() % n == 0 && seeds.size() == counts.size(),
-              "send_shares: one count and one seed per socket for each batch");
-  std::vector<std::string> frames(n);
-  for (size_t i = 0; i < n; ++i) frames[i].reserve((head.size() + 24) * (counts.size() / n));
-  for (size_t at = 0; at < counts.size(); ++at) {
-    const int64_t ask[3] = {counts[at], seeds[at], columns};
-    frames[at % n].append(head).append(reinterpret_cast<const char*>(ask), sizeof ask);
-  }
-  return send_requests(fds, frames, timeout_s);
+// A reply read whole is struck off its inbox's tickets; bytes held past the last one owed break the protocol.
+void strike_off(Pending& p) {
+  if (p.reply.status != 0) return;
+  Inbox& box = *p.box;
+  box.owed.pop_front();
+  if (box.owed.empty() && box.held() > 0) p.reply.status = kBytesPast;
 }
 
-std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
-                                   const std::vector<std::vector<int64_t>>& first, double timeout_s,
-                                   const std::vector<std::shared_ptr<Inbox>>& inboxes) {
+// receive_replies, each socket's landing tensors named by pointer (a round's shares all land in one batch).
+std::vector<Reply> receive_into(const std::vector<int64_t>& fds, const std::vector<const std::vector<at::Tensor>*>& landing,
+                                const std::vector<std::vector<int64_t>>& first, double timeout_s,
+                                const std::vector<std::shared_ptr<Inbox>>& inboxes, int64_t ticket) {
   TORCH_CHECK(fds.size() == landing.size() && fds.size() == first.size(),
               "receive_replies: one list of landing tensors and one of first rows per socket");
   TORCH_CHECK(inboxes.empty() || inboxes.size() == fds.size(), "receive_replies: one inbox per socket, or none");
+  const bool matched = ticket >= 0 && !inboxes.empty();
   std::vector<Pending> pending(fds.size());
   for (size_t i = 0; i < fds.size(); ++i) {
     Pending& p = pending[i];
@@ -286,20 +275,23 @@ std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::v
     p.box = p.keeps_past ? inboxes[i] : std::make_shared<Inbox>();
     TORCH_CHECK(p.box, "receive_replies: an inbox that is None");
     p.fd = static_cast<int>(fds[i]);
-    p.landing = &landing[i];
+    p.landing = landing[i];
     p.first = &first[i];
-    TORCH_CHECK(first[i].size() == landing[i].size(), "receive_replies: one first row per landing tensor");
+    TORCH_CHECK(first[i].size() == landing[i]->size(), "receive_replies: one first row per landing tensor");
     for (const int64_t f : first[i]) TORCH_CHECK(f >= 0, "receive_replies: a negative first row");
-    for (const auto& c : landing[i]) {
-      TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.dim() >= 1,
-                  "receive_replies: landing tensors must be contiguous CPU tensors of at least one dimension");
-    }
   }
   using Clock = std::chrono::steady_clock;
   const auto patience = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(timeout_s < 0 ? 1e9 : timeout_s));
   for (auto& p : pending) {
     p.heard = Clock::now();
+    if (matched) {
+      if (p.box->first_owed() != ticket) {
+        finish(p, kNotOwed);
+        continue;
+      }
+      p.box->reads_ahead = p.box->owed.size() > 1;
+    }
     if (p.box->held() > 0) unstash(p);  // read ahead with an earlier reply
   }
   std::vector<pollfd> waiting;
@@ -330,26 +322,69 @@ std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::v
   }
   std::vector<Reply> replies;
   replies.reserve(pending.size());
-  for (auto& p : pending) replies.push_back(std::move(p.reply));
+  for (auto& p : pending) {
+    if (matched && p.reply.status != kNotOwed) strike_off(p);
+    replies.push_back(std::move(p.reply));
+  }
   return replies;
+}
+
+}  // namespace
+
+std::vector<int64_t> send_requests(const std::vector<int64_t>& fds, const std::vector<std::string>& frames,
+                                   double timeout_s) {
+  TORCH_CHECK(fds.size() == frames.size(), "send_requests: one frame per socket");
+  const int wait_ms = timeout_s < 0 ? -1 : static_cast<int>(std::min(std::ceil(timeout_s * 1000.0), 1e9));
+  std::vector<int64_t> statuses(fds.size());
+  for (size_t i = 0; i < fds.size(); ++i) {
+    statuses[i] = send_whole(static_cast<int>(fds[i]), frames[i].data(), frames[i].size(), wait_ms);
+  }
+  return statuses;
+}
+
+std::vector<int64_t> send_shares(const std::vector<int64_t>& fds, const std::string& head,
+                                 const std::vector<int64_t>& counts, const std::vector<int64_t>& seeds,
+                                 int64_t columns, double timeout_s) {
+  const size_t n = fds.size();
+  TORCH_CHECK(n > 0 && !counts.empty() && counts.size() % n == 0 && seeds.size() == counts.size(),
+              "send_shares: one count and one seed per socket for each batch");
+  std::vector<std::string> frames(n);
+  for (size_t i = 0; i < n; ++i) frames[i].reserve((head.size() + 24) * (counts.size() / n));
+  for (size_t at = 0; at < counts.size(); ++at) {
+    const int64_t ask[3] = {counts[at], seeds[at], columns};
+    frames[at % n].append(head).append(reinterpret_cast<const char*>(ask), sizeof ask);
+  }
+  return send_requests(fds, frames, timeout_s);
+}
+
+std::vector<Reply> receive_replies(const std::vector<int64_t>& fds, const std::vector<std::vector<at::Tensor>>& landing,
+                                   const std::vector<std::vector<int64_t>>& first, double timeout_s,
+                                   const std::vector<std::shared_ptr<Inbox>>& inboxes, int64_t ticket) {
+  std::vector<const std::vector<at::Tensor>*> lands;
+  for (const auto& l : landing) {
+    check_landing(l);
+    lands.push_back(&l);
+  }
+  return receive_into(fds, lands, first, timeout_s, inboxes, ticket);
 }
 
 ShareReplies receive_shares(const std::vector<int64_t>& fds, const std::vector<at::Tensor>& landing,
                             int64_t pick_arrays, const std::vector<int64_t>& firsts,
                             const std::vector<int64_t>& asked, int64_t rows_per_pick, int64_t op, double timeout_s,
-                            const std::vector<std::shared_ptr<Inbox>>& inboxes) {
+                            const std::vector<std::shared_ptr<Inbox>>& inboxes, int64_t ticket) {
   const size_t n = fds.size();
   TORCH_CHECK(firsts.size() == n && asked.size() == n, "receive_shares: one first pick and one count per socket");
   TORCH_CHECK(pick_arrays >= 0 && static_cast<size_t>(pick_arrays) <= landing.size() && rows_per_pick >= 1,
               "receive_shares: pick_arrays within the landing tensors, rows_per_pick at least 1");
   TORCH_CHECK(op == kRows || op == kWindows || op == kPrioritized, "receive_shares: a ROWS, WINDOWS or PRIORITIZED op");
-  std::vector<std::vector<at::Tensor>> lands(n, landing);
+  check_landing(landing);
+  const std::vector<const std::vector<at::Tensor>*> lands(n, &landing);
   std::vector<std::vector<int64_t>> rows_from(n);
   for (size_t i = 0; i < n; ++i) {
     rows_from[i].assign(landing.size(), firsts[i] * rows_per_pick);
     std::fill_n(rows_from[i].begin(), pick_arrays, firsts[i]);
   }
-  std::vector<Reply> replies = receive_replies(fds, lands, rows_from, timeout_s, inboxes);
+  std::vector<Reply> replies = receive_into(fds, lands, rows_from, timeout_s, inboxes, ticket);
   const size_t tally = op == kRows ? 2 : op == kWindows ? 3 : 4;
   ShareReplies out;
   for (auto* v : {&out.status, &out.count, &out.rows}) v->assign(n, 0);

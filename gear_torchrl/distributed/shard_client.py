@@ -1,7 +1,6 @@
 """A learner's connection to one shard owner: selection, priority updates, TCP reads."""
 from __future__ import annotations
 
-import collections
 import errno
 import functools
 import itertools
@@ -54,8 +53,8 @@ class ShardClient:
         self._timeout = timeout
         self._lock = threading.Lock()
         self._sock: socket.socket | None = self._dial() if connected is None else connected
-        self._awaiting: collections.deque[int] = collections.deque()  # tickets of replies owed, in order
-        self._inbox = _C.Inbox()  # bytes read past the reply taken: the start of the ones owed next
+        # bytes read past the reply taken (the start of the ones owed next), and the tickets of the replies owed
+        self._inbox = _C.Inbox()
 
     def _dial(self) -> socket.socket:
         """A connection to the owner that passed its challenge."""
@@ -77,25 +76,27 @@ class ShardClient:
             sock.close()
             raise ShardUnavailableError(f"cannot reach {where}: {self._why(exc)}") from exc
 
+    @property
+    def _awaiting(self) -> list[int]:
+        """The tickets of the replies owed on the connection, in order (its inbox keeps them)."""
+        return self._inbox.owed
+
     def _connection(self) -> socket.socket:
         """The open connection, clear of any reply still owed to a request sent ahead; after a failure, a new one."""
         if self._sock is None:
             self._sock = self._dial()
-        while self._awaiting:  # nobody will take those replies now: read past them
-            self._inbox.reads_ahead = len(self._awaiting) > 1
-            status = _C.receive_replies([self._sock.fileno()], [[]], [[]], self._timeout, [self._inbox])[0][0]
-            failure = self._broken(wire.socket_error(status)) if status else self._taken()
-            if failure is not None:
-                raise failure
+        inbox = self._inbox
+        while (ticket := inbox.first_owed) >= 0:  # nobody will take those replies now: read past them
+            status = _C.receive_replies([self._sock.fileno()], [[]], [[]], self._timeout, [inbox], ticket)[0][0]
+            if status:
+                raise self._failed(status)
         return self._sock
 
-    def _taken(self) -> ShardUnavailableError | None:
-        """The first reply owed was taken; bytes past the last one owed break the protocol (what that says)."""
-        if self._awaiting:  # (a failure closed the connection, and forgot what it owed)
-            self._awaiting.popleft()
-        if self._awaiting or not self._inbox.held:
-            return None
-        return self._broken(wire.ProtocolError(f"{self._inbox.held} bytes past the last reply owed"))
+    def _failed(self, status: int) -> ShardUnavailableError:
+        """A reply's receive status (0 aside) as the failure it is; the connection is dropped."""
+        if status == _C.BYTES_PAST:
+            return self._broken(wire.ProtocolError(f"{self._inbox.held} bytes past the last reply owed"))
+        return self._broken(wire.socket_error(status))
 
     def _broken(self, exc: BaseException) -> ShardUnavailableError:
         """Drop the connection ``exc`` broke; the error that says so."""
@@ -176,8 +177,7 @@ class ShardClient:
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
-        self._awaiting.clear()
-        self._inbox = _C.Inbox()
+        self._inbox = _C.Inbox()  # what the old one owed is owed no more
         if sock is not None:
             sock.close()
 
@@ -477,6 +477,7 @@ class Request(Protocol[Answer_co]):
 
 
 _TICKETS = itertools.count(1)
+_NOT_OWED: Any = object()  # an owner's answer while its connection does not owe the reply next (it was read past)
 
 
 class _Owed(ABC, Generic[Answer]):
@@ -489,16 +490,19 @@ class _Owed(ABC, Generic[Answer]):
     pick and send meanwhile, and a reply read with an earlier one waits in its
     connection's inbox. Flights land in the order they were sent. A connection used
     for anything else in between reads past its owed replies, and ``land`` asks
-    that owner again. Subclasses say how the requests are framed and sent
-    (``_send_to``) and how the replies are read (``_receive``).
+    that owner again. Each connection's inbox keeps the tickets of the replies it owes, so a round's replies are
+    matched to their requests in the native call that receives them, with nothing per owner in Python when all
+    is well. Subclasses say how the requests are framed and sent (``_send_to``) and how the replies are read
+    (``_receive``).
     """
 
     def __init__(self, clients: list[ShardClient], send: bool = True) -> None:
         self.clients = clients
         self._outcomes: list[Answer | Exception | None] = [None] * len(clients)  # None: owed
-        self._ticket = next(_TICKETS)  # what each client awaits while the reply it owes is this flight's
+        self._ticket = next(_TICKETS)  # what each connection owes while the reply it owes next is this flight's
         self._fds = [-1] * len(clients)  # the connection each request went on
         self._timeout = max((c._timeout for c in clients), default=0.0)
+        self.answered = False  # every owner answered when it landed: nothing in its outcomes to settle
         if send:
             with self._locked():
                 self._send(list(range(len(clients))))
@@ -516,8 +520,9 @@ class _Owed(ABC, Generic[Answer]):
         each."""
 
     @abstractmethod
-    def _receive(self, fds: list[int], owners: list[int]) -> list[Answer | Exception]:
-        """The replies owed by ``owners`` on ``fds``, received together: each answer, or what went wrong."""
+    def _receive(self, fds: list[int], owners: list[int]) -> tuple[list[Answer | Exception], bool]:
+        """The replies owed by ``owners`` on ``fds``, received together: each answer, what went wrong, or
+        ``_NOT_OWED`` where the connection was read past; and whether every one is an answer."""
 
     def _locked(self) -> _Locks:
         """Every owner's lock, taken in the flight's order (as every flight takes them)."""
@@ -536,28 +541,44 @@ class _Owed(ABC, Generic[Answer]):
                 self._fds[i] = fd
 
     def _inboxes(self, owners: list[int]) -> list[Any]:
-        """Each of ``owners``' inbox, told whether replies are owed after this flight's."""
-        inboxes = []
-        for i in owners:
-            client = self.clients[i]
-            client._inbox.reads_ahead = len(client._awaiting) > 1
-            inboxes.append(client._inbox)
-        return inboxes
+        clients = self.clients
+        return [clients[i]._inbox for i in owners]
+
+    def _fds_of(self, owners: list[int]) -> list[int]:
+        return self._fds if len(owners) == len(self._fds) else [self._fds[i] for i in owners]
 
     def land(self) -> list[Answer | Exception]:
         """Each owner's answer, or what went wrong."""
-        ticket, outcomes = self._ticket, self._outcomes
+        outcomes = self._outcomes
         with self._locked():
-            again = [i for i, client in enumerate(self.clients)  # replies read past meanwhile: ask again
-                     if outcomes[i] is None and (not client._awaiting or client._awaiting[0] != ticket)]
-            if again:
-                self._send(again)
-            owed = [i for i, o in enumerate(outcomes) if o is None]
-            if owed:  # a client awaiting this flight's ticket still has the connection its request went on
-                fds = self._fds if len(owed) == len(self._fds) else [self._fds[i] for i in owed]
-                for i, answer in zip(owed, self._receive(fds, owed)):
-                    outcomes[i] = self.clients[i]._taken() or answer
+            everyone = outcomes.count(None) == len(outcomes)
+            owed = list(range(len(outcomes))) if everyone else [i for i, o in enumerate(outcomes) if o is None]
+            if owed:
+                answers, answered = self._receive(self._fds_of(owed), owed)
+                if answered and everyone:
+                    self._outcomes = outcomes = answers
+                    self.answered = True
+                else:
+                    self._take(owed, answers)
         return cast("list[Answer | Exception]", outcomes)  # every owed answer was taken
+
+    def _take(self, owed: list[int], answers: list[Any]) -> None:
+        """Each of ``owed``'s answer in its place; an owner whose connection was read past meanwhile (its reply to
+        this flight's request gone with it) is asked again, and heard."""
+        outcomes, again = self._outcomes, []
+        for i, answer in zip(owed, answers):
+            if answer is _NOT_OWED:
+                again.append(i)
+            else:
+                outcomes[i] = answer
+        if not again:
+            return
+        self._send(again)  # (a failure to send is that owner's outcome)
+        asked = [i for i in again if outcomes[i] is None]
+        if asked:
+            for i, answer in zip(asked, self._receive(self._fds_of(asked), asked)[0]):
+                outcomes[i] = self.clients[i]._broken(wire.ProtocolError("a reply asked again is not owed")) \
+                    if answer is _NOT_OWED else answer
 
 
 class Flight(_Owed[Answer]):
@@ -572,11 +593,12 @@ class Flight(_Owed[Answer]):
         frames = [b"".join(f.asks[i].frame() for f in flights) for i in owners]
         return _C.send_requests(fds, frames, flights[0]._timeout)
 
-    def _receive(self, fds: list[int], owners: list[int]) -> list[Answer | Exception]:
+    def _receive(self, fds: list[int], owners: list[int]) -> tuple[list[Answer | Exception], bool]:
         replies = _C.receive_replies(fds, [list(self.asks[i].landing) for i in owners],
                                      [list(self.asks[i].firsts) for i in owners], self._timeout,
-                                     self._inboxes(owners))
-        return [_answer_of(self.clients[i], self.asks[i], *reply) for i, reply in zip(owners, replies)]
+                                     self._inboxes(owners), self._ticket)
+        answers = [_answer_of(self.clients[i], self.asks[i], *reply) for i, reply in zip(owners, replies)]
+        return answers, not any(a is _NOT_OWED or isinstance(a, Exception) for a in answers)
 
 
 @dataclass
@@ -641,16 +663,17 @@ class ShareFlight(_Owed[int]):
     def _send_to(cls, flights: Sequence[Self], fds: list[int], owners: list[int]) -> list[int]:
         """Every flight's shares (one rule, one batch size) framed and sent by the extension."""
         first = flights[0]
-        counts, seeds = [], []
-        for f in flights:
-            for i in owners:
-                j = f.members[i]
-                counts.append(f.shares.counts[j])
-                seeds.append(-1 if f.shares.seeds[j] is None else f.shares.seeds[j])
+        if len(owners) == len(first.shares.counts):  # every share's owner, in order (members are ascending)
+            counts = [k for f in flights for k in f.shares.counts]
+            seeds = [-1] * len(counts) if first.shares.seeds[0] is None else [d for f in flights for d in f.shares.seeds]
+        else:
+            members = [first.members[i] for i in owners]
+            counts = [f.shares.counts[j] for f in flights for j in members]
+            seeds = [-1 if f.shares.seeds[j] is None else f.shares.seeds[j] for f in flights for j in members]
         return _C.send_shares(fds, _sample_head(first._op, first.shares.spec), counts, seeds,
                               len(first.shares.columns), first._timeout)
 
-    def _receive(self, fds: list[int], owners: list[int]) -> list[int | Exception]:
+    def _receive(self, fds: list[int], owners: list[int]) -> tuple[list[int | Exception], bool]:
         shares = self.shares
         every = len(owners) == len(shares.counts)  # every share's owner, in order (members are ascending)
         members = owners if every else [self.members[i] for i in owners]
@@ -658,17 +681,17 @@ class ShareFlight(_Owed[int]):
             ([shares.firsts[j] for j in members], [shares.counts[j] for j in members])
         status, counts, rows, mass, min_mass, heads = _C.receive_shares(
             fds, self._landing, self._pick_arrays, firsts, asked, shares.spec.rows_per_pick, self._reply_op,
-            self._timeout, self._inboxes(owners))
+            self._timeout, self._inboxes(owners), self._ticket)
         if every:
             shares.mass, shares.rows, shares.min_mass = mass, rows, min_mass
         else:
             for at, j in enumerate(members):
                 shares.mass[j], shares.rows[j], shares.min_mass[j] = mass[at], rows[at], min_mass[at]
         if not any(status) and heads.count(None) == len(heads):
-            return counts
+            return counts, True
         return [counts[at] if not status[at] and head is None else
                 _failure_of(self.clients[i], status[at], head)
-                for at, (i, head) in enumerate(zip(owners, heads))]
+                for at, (i, head) in enumerate(zip(owners, heads))], False
 
 
 def post(clients: list[ShardClient], messages: list[EncodedMessage | bytes]) -> list[Exception | None]:
@@ -695,7 +718,7 @@ def _send_flights(flights: Sequence[_Owed[Any]], owners: list[int]) -> None:
     tickets = [f._ticket for f in flights]
     for i, failure in zip(owners, _send_all([first.clients[i] for i in owners], send)):
         if failure is None:
-            first.clients[i]._awaiting.extend(tickets)
+            first.clients[i]._inbox.owe(tickets)
         else:
             for f in flights:
                 f._outcomes[i] = failure
@@ -759,10 +782,14 @@ def _answer_of(client: ShardClient, ask: Request[Answer], status: int, op: int, 
 
 
 def _failure_of(client: ShardClient, status: int, head: torch.Tensor | None) -> Exception:
-    """What a reply that landed nothing says: its socket's error (``status``), else the owner's refusal (an
-    ERROR reply's ``head``)."""
+    """What a reply that landed nothing says: not owed next (``_NOT_OWED``: its connection was read past), its
+    socket's error or a broken protocol (``status``), else the owner's refusal (an ERROR reply's ``head``)."""
+    if status == _C.NOT_OWED:
+        return _NOT_OWED
+    if status:
+        return client._failed(status)
     try:
-        if status or head is None:
+        if head is None:
             raise wire.socket_error(status)
         return client._remote_error(wire.parse_head(head.numpy().tobytes())[1])
     except (OSError, wire.ProtocolError) as exc:

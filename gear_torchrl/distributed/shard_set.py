@@ -437,6 +437,8 @@ class ShardSet:
         live, asks, route = round_.live, round_.asks, round_.route
         if route.together == live:  # every shard in the flight, in order
             in_order: list[tuple[int, Any]] = list(zip(live, round_.flight.land()))
+            if round_.flight.answered:  # every one answered: nothing failed or was refused
+                return _Answers(round_, in_order, self.rows)
         else:
             outcomes: dict[int, Any] = dict(route.unreached)
             outcomes.update(self._fan_out.outcomes(
