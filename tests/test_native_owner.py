@@ -219,6 +219,24 @@ def test_asks_arriving_in_pieces_or_back_to_back_are_each_answered_by_the_extens
     assert o.python_picks == 0
 
 
+def test_replies_held_for_one_write_go_out_before_python_answers_the_request_behind_them(owner):
+    """Asks written together are answered into one write; a request the extension leaves to Python among them
+    is answered after the replies before it, and the ones behind it come after its own."""
+    o = owner(64)
+    o.rb.extend(w.keyed_rows(10, 0))
+    o.table()
+    ask = Message(Op.SAMPLE_ROWS, b"", [torch.tensor([6, 3, 1], dtype=torch.int64).view(torch.uint8)])
+    expected = o.client.request(ask).arrays[1].view(torch.int64)
+    frame, describe = bytes(wire.encode(ask)), bytes(wire.encode(Message(Op.DESCRIBE)))
+    sock = o.client._connection()
+    sock.sendall(frame + frame + describe + frame + frame)
+    replies = [wire.receive(sock) for _ in range(5)]
+    assert [r.op for r in replies] == [Op.ROWS, Op.ROWS, Op.OK, Op.ROWS, Op.ROWS]
+    assert "spec" in replies[2].meta
+    assert all(torch.equal(r.arrays[1].view(torch.int64), expected) for r in replies if r.op == Op.ROWS)
+    assert o.python_picks == 0
+
+
 def test_a_rows_reply_that_claims_more_picks_than_asked_for_does_not_parse():
     ask = Ask(UNIFORM, 4, 1, [torch.empty(4, 2)])
     head = torch.frombuffer(bytearray(wire.header(Op.ROWS, b"", [16, 32, 32])), dtype=torch.uint8)

@@ -38,6 +38,7 @@ namespace {
 constexpr size_t kAskBytes = 8 + 24;  // after the JSON: one array's length, then count, seed (-1: none), columns
 constexpr int64_t kMaxPositions = 1 << 24;          // shard_server.MAX_READ_POSITIONS
 constexpr size_t kKeepBytes = 64u << 20;            // a thread keeps its reply buffer up to this size
+constexpr size_t kFlushBytes = 1u << 20;            // replies held for one write, at most (then sent at once)
 
 // store/commit_log.py: header words, and a reader slot's.
 constexpr int64_t kCapacity = 2, kState = 4, kReserved = 5, kPublished = 6, kPublishedSeq = 8, kEpoch = 9;
@@ -125,6 +126,21 @@ int64_t receive(int fd, char* p, size_t n, bool peek, bool wait_first) {
   }
 }
 
+// Peeks at up to `cap` bytes of a request already queued, at least its fixed header: how many bytes it saw,
+// -EAGAIN when none is there yet, or -errno.
+int64_t peek_queued(int fd, char* p, size_t cap) {
+  for (;;) {
+    const ssize_t k = ::recv(fd, p, cap, MSG_DONTWAIT | MSG_PEEK);
+    if (k >= static_cast<ssize_t>(kHeader)) return k;
+    if (k == 0) return -ECONNRESET;
+    if (k > 0) {  // part of a header (rare): wait for the rest
+      const int64_t status = receive(fd, p, kHeader, true, false);
+      return status < 0 ? status : static_cast<int64_t>(kHeader);
+    }
+    if (errno != EINTR) return errno == EWOULDBLOCK ? -EAGAIN : -errno;
+  }
+}
+
 // Waits for the next request and peeks at up to `cap` bytes of it, at least its fixed header: how many bytes
 // it saw (all of a request the size of an ask, in one call), or -errno.
 int64_t peek_request(int fd, char* p, size_t cap) {
@@ -155,9 +171,26 @@ int64_t send_all(int fd, const char* p, size_t n) {
   return 0;
 }
 
-std::vector<char>& reply_buffer() {
-  thread_local std::vector<char> buffer;
-  return buffer;
+// Replies framed on this thread, the first `used` bytes sent only when the owner is about to wait for the next
+// ask or hand back to Python: a learner that asks for several batches at once gets their replies in one write
+// (one pass through the network stack and one wake-up on its side instead of one each).
+struct Outbox {
+  std::vector<char> bytes;
+  size_t used = 0;
+};
+
+Outbox& outbox() {
+  thread_local Outbox box;
+  return box;
+}
+
+// Sends the replies held; 0, or -errno. A buffer grown past kKeepBytes is let go.
+int64_t flush(int fd) {
+  Outbox& box = outbox();
+  const int64_t sent = box.used > 0 ? send_all(fd, box.bytes.data(), box.used) : 0;
+  box.used = 0;
+  if (box.bytes.size() > kKeepBytes) std::vector<char>().swap(box.bytes);
+  return sent;
 }
 
 // torch.randint(0, n, (count,), generator=...) as ATen's CPU kernel draws it (one engine output per value,
@@ -209,9 +242,11 @@ int64_t sample_rows(const OwnedStore& s, const Request& q, const at::Tensor& pic
   return section.close() ? live : -1;  // held too long: Python draws again (the same rows, for a seed)
 }
 
-// A reply taking shape in this thread's buffer: where each array's bytes go, and the message's size.
+// A reply taking shape in this thread's outbox, after the replies held there: where each array's bytes go
+// (offsets in the outbox), and the message's size.
 struct Reply {
   std::vector<char>& out;
+  size_t base;
   std::vector<size_t> at;
   size_t bytes;
 };
@@ -224,9 +259,10 @@ Reply frame_reply(uint16_t op, std::string_view meta, std::vector<uint64_t> leng
     lengths.push_back(static_cast<uint64_t>(positions) * static_cast<uint64_t>(row_bytes_of(columns[c])));
   }
   const size_t head = kHeader + meta.size() + 8 * lengths.size();
-  Reply reply{reply_buffer(), {}, head + std::accumulate(lengths.begin(), lengths.end(), size_t{0})};
-  if (reply.out.size() < reply.bytes) reply.out.resize(reply.bytes);
-  size_t at = write_head(reply.out.data(), op, meta, lengths);
+  Outbox& box = outbox();
+  Reply reply{box.bytes, box.used, {}, head + std::accumulate(lengths.begin(), lengths.end(), size_t{0})};
+  if (reply.out.size() < reply.base + reply.bytes) reply.out.resize(reply.base + reply.bytes);
+  size_t at = reply.base + write_head(reply.out.data() + reply.base, op, meta, lengths);
   for (const uint64_t n : lengths) {
     reply.at.push_back(at);
     at += n;
@@ -253,16 +289,16 @@ std::optional<Reply>& pending_reply() {
   return pending;
 }
 
-// Sends a framed reply; 0, or -errno. A buffer grown past kKeepBytes is let go.
-int64_t send_reply(int fd, const Reply& reply) {
-  const int64_t sent = send_all(fd, reply.out.data(), reply.bytes);
-  if (reply.out.size() > kKeepBytes) std::vector<char>().swap(reply.out);
-  return sent;
+// Holds a framed reply for the next write (sent now if the outbox is full); 0, or -errno.
+int64_t hold_reply(int fd, const Reply& reply) {
+  Outbox& box = outbox();
+  box.used = reply.base + reply.bytes;
+  return box.used >= kFlushBytes ? flush(fd) : 0;
 }
 
 // The ROWS reply (wire.Op.ROWS, shard_server._Session._sample): the tally (live rows, picks), the picks' ring
 // rows, then each column's rows; no JSON, so the learner lands it without parsing anything.
-// Returns 0 once sent, 1 when Python must answer, or -errno (the connection is broken).
+// Returns 0 once framed in the outbox, 1 when Python must answer, or -errno (the connection is broken).
 int64_t answer(int fd, const OwnedStore& s, const Request& q) {
   if (!answerable(s, q)) return 1;
   const auto ncols = static_cast<size_t>(q.columns);
@@ -272,7 +308,7 @@ int64_t answer(int fd, const OwnedStore& s, const Request& q) {
   if (live < 0) return 1;
   put<int64_t>(reply.out, reply.at[0], live);
   put<int64_t>(reply.out, reply.at[0] + 8, q.count);
-  return send_reply(fd, reply);
+  return hold_reply(fd, reply);
 }
 
 // What a WindowRule's draw gives: each window's ring row of position 0 and its valid range.
@@ -325,7 +361,7 @@ int64_t sample_windows(const OwnedStore& s, const Request& q, const WindowRule& 
 
 // The WINDOWS reply (wire.Op.WINDOWS, shard_server._Session._sample): the tally (live rows, picks, the mass's
 // float64 bits), the windows' starts and valid ranges, then each column's rows; no JSON, like ROWS.
-// Returns 0 once sent, 1 when Python must answer, or -errno.
+// Returns 0 once framed in the outbox, 1 when Python must answer, or -errno.
 int64_t answer_windows(int fd, const OwnedStore& s, const Request& q, const WindowRule& r, int64_t seen_seq) {
   std::optional<Reply> reply;
   const Landing land = [&](const Drawn& d, int64_t live, double mass) {
@@ -344,7 +380,7 @@ int64_t answer_windows(int fd, const OwnedStore& s, const Request& q, const Wind
     return rows_in(*reply, s.columns, ncols, q.count * r.window_len);
   };
   if (sample_windows(s, q, r, seen_seq, land) < 0) return 1;
-  return send_reply(fd, *reply);
+  return hold_reply(fd, *reply);
 }
 
 // What a PriorityRule's draw gives, copied out under the core's lock: the picks' ring rows, masses and
@@ -421,7 +457,7 @@ int64_t sample_prioritized(const OwnedStore& s, const Request& q, const Priority
 
 // The PRIORITIZED reply (wire.Op.PRIORITIZED, shard_server._Session._sample): the tally (rows the shard holds,
 // picks, the float64 bits of the mass and of the least positive mass), the picks' ring rows, masses and
-// generations, then each column's rows. Returns 0 once sent, 1 when Python must answer, or -errno.
+// generations, then each column's rows. Returns 0 once framed in the outbox, 1 when Python must answer, or -errno.
 int64_t answer_prioritized(int fd, const OwnedStore& s, const Request& q, const PriorityRule& r) {
   if (!answerable(s, q)) return 1;
   const auto ncols = static_cast<size_t>(q.columns);
@@ -437,7 +473,7 @@ int64_t answer_prioritized(int fd, const OwnedStore& s, const Request& q, const 
   put<int64_t>(reply.out, reply.at[0] + 8, q.count);
   put<double>(reply.out, reply.at[0] + 16, mass);
   put<double>(reply.out, reply.at[0] + 24, min_mass);
-  return send_reply(fd, reply);
+  return hold_reply(fd, reply);
 }
 
 // Whether the head at `p` (JSON of `meta` bytes) frames an update Python would parse: rows, as many priorities,
@@ -641,9 +677,10 @@ int64_t frame_rows_reply(int64_t op, const std::string& meta, const std::vector<
 int64_t send_framed_reply(int64_t fd) {
   std::optional<Reply>& pending = pending_reply();
   TORCH_CHECK(pending.has_value(), "send_framed_reply: no reply was framed on this thread");
-  const int64_t sent = send_reply(static_cast<int>(fd), *pending);
+  const int64_t held = hold_reply(static_cast<int>(fd), *pending);
   pending.reset();
-  return sent;
+  const int64_t sent = flush(static_cast<int>(fd));
+  return held < 0 ? held : sent;
 }
 
 Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t max_lag, double catch_up_s,
@@ -665,43 +702,58 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
   const size_t key_bytes = std::max({windows != nullptr ? windows->key.size() : 0,
                                      priorities != nullptr ? priorities->key.size() : 0,
                                      priorities != nullptr ? priorities->update_key.size() : 0});
-  std::vector<char> request(kHeader + key_bytes + kAskBytes);
+  // Room for the longest ask and the next one's header: a peek that sees past its ask knows another is queued.
+  std::vector<char> request(kHeader + key_bytes + kAskBytes + kHeader);
   char* p = request.data();
   Served served{kNextIsOther};
+  // Every way out sends the replies held first: what follows (Python's answer, or nothing) comes after them.
+  const auto leave = [&](Served out) -> Served {
+    const int64_t sent = flush(fd);
+    return sent < 0 && out.code >= 0 ? Served{sent, 0, -1, 0, out.answered} : out;
+  };
+  bool queued = false;  // the last peek saw bytes past the ask it led to: the next request is there already
   for (;;) {
-    const int64_t seen = peek_request(fd, p, request.size());  // blocks until a request (or the end) comes
-    if (seen < 0) return {seen, 0, -1, 0, served.answered};
-    if (std::memcmp(p, "GEAR", 4) != 0) return served;
+    int64_t seen = queued ? peek_queued(fd, p, request.size()) : -EAGAIN;
+    if (seen == -EAGAIN) {  // none yet: the replies held go out before waiting
+      const int64_t sent = flush(fd);
+      seen = sent < 0 ? sent : peek_request(fd, p, request.size());  // blocks until a request (or the end) comes
+    }
+    if (seen < 0) return leave({seen, 0, -1, 0, served.answered});
+    if (std::memcmp(p, "GEAR", 4) != 0) return leave(served);
     // Anything else, a malformed ask included, is Python's to read and answer (so nothing here waits for
     // bytes a message does not have).
     const auto op = field<uint16_t>(p + 4);
     if (op == kPostUpdate && priorities != nullptr) {
-      if (!took_update(fd, p, static_cast<size_t>(seen), *priorities, served)) return served;
+      if (!took_update(fd, p, static_cast<size_t>(seen), *priorities, served)) return leave(served);
+      queued = true;  // (whether another is there, the next peek finds out)
       continue;
     }
     const std::string* key = key_of(op);
-    if (key == nullptr || !frames_one_ask(p, key->size())) return served;
+    if (key == nullptr || !frames_one_ask(p, key->size())) return leave(served);
     const size_t meta = key->size();
     const size_t whole = kHeader + meta + kAskBytes;
     if (meta > 0) {  // an armed rule's, byte for byte, or Python's to answer
       const int64_t status = static_cast<size_t>(seen) >= whole ? 0 : receive(fd, p, whole, true, false);
-      if (status < 0) return {status, 0, -1, 0, served.answered};
-      if (std::memcmp(p + kHeader, key->data(), meta) != 0) return served;
+      if (status < 0) return leave({status, 0, -1, 0, served.answered});
+      if (std::memcmp(p + kHeader, key->data(), meta) != 0) return leave(served);
     }
     const bool due = std::chrono::steady_clock::now() > until || load(header, kPublishedSeq) - seen_seq > max_lag;
     if (due && served.answered > 0) {  // (the first answer of a call comes right after Python's turn)
-      return {kCatchUp, 0, -1, 0, served.answered};
+      return leave({kCatchUp, 0, -1, 0, served.answered});
     }
-    if (op == kSampleWindows && !current(header, seen_seq, *windows)) return {kCatchUp, 0, -1, 0, served.answered};
+    if (op == kSampleWindows && !current(header, seen_seq, *windows)) {
+      return leave({kCatchUp, 0, -1, 0, served.answered});
+    }
+    queued = static_cast<size_t>(seen) > whole;
     const int64_t got = receive(fd, p, whole, false, false);
-    if (got < 0) return {got, 0, -1, 0, served.answered};
+    if (got < 0) return leave({got, 0, -1, 0, served.answered});
     Request q{};
-    if (!parse_ask(p, meta, q)) return {-EPROTO, 0, -1, 0, served.answered};
+    if (!parse_ask(p, meta, q)) return leave({-EPROTO, 0, -1, 0, served.answered});
     const int64_t done = op == kSampleWindows       ? answer_windows(fd, s, q, *windows, seen_seq)
                          : op == kSamplePrioritized ? answer_prioritized(fd, s, q, *priorities)
                                                     : answer(fd, s, q);
-    if (done < 0) return {done, 0, -1, 0, served.answered};
-    if (done == 1) return {kServeInPython, q.count, q.seed, q.columns, served.answered, op};
+    if (done < 0) return leave({done, 0, -1, 0, served.answered});
+    if (done == 1) return leave({kServeInPython, q.count, q.seed, q.columns, served.answered, op});
     ++served.answered;
   }
 }

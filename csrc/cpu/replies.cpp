@@ -291,6 +291,7 @@ std::vector<Reply> receive_into(const std::vector<int64_t>& fds, const std::vect
         continue;
       }
       p.box->reads_ahead = p.box->owed.size() > 1;
+      p.readable = p.box->reads_ahead;  // asked for with later ones, so likely there already: read before polling
     }
     if (p.box->held() > 0) unstash(p);  // read ahead with an earlier reply
   }
