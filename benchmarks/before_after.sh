@@ -37,6 +37,7 @@ declare -A args=(
   [gather_cost]="--repeats 15"
   [learner_round_cost]="--repeats 30"
   [receive_cost]="--owners 1 8 --repeats 9"
+  [owner_cost]="--rows 16 256 4096 --learners 1 4 --rounds 5"
 )
 benches=${BENCHES:-plain_path prioritized_sampling sequence_sampling ndim2 shared_insert}
 

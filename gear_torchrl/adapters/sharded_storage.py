@@ -71,8 +71,9 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
             batches with it or without. A prefetched batch was picked one batch
             earlier, so rows written meanwhile show up one batch later. A number N
             asks for the next N batches at once when none is left asked for, each
-            owner's N requests in one write and small replies read several at a time
-            (fewer system calls per batch, less learner CPU; BENCHMARKS.md); rows
+            owner's N requests in one write, its N replies in one write back, read
+            several at a time (fewer system calls per batch, less learner CPU; with
+            many owners 8 is where each owner added costs least; BENCHMARKS.md); rows
             written meanwhile show up up to N batches later, and up to N batches are
             held (fewer where one owner's replies would pass 2 MiB). ``True`` is 1.
         heartbeat_s: how often an owner publishes its shard's statistics.
