@@ -126,27 +126,13 @@ int64_t receive(int fd, char* p, size_t n, bool peek, bool wait_first) {
   }
 }
 
-// Peeks at up to `cap` bytes of a request already queued, at least its fixed header: how many bytes it saw,
-// -EAGAIN when none is there yet, or -errno.
-int64_t peek_queued(int fd, char* p, size_t cap) {
-  for (;;) {
-    const ssize_t k = ::recv(fd, p, cap, MSG_DONTWAIT | MSG_PEEK);
-    if (k >= static_cast<ssize_t>(kHeader)) return k;
-    if (k == 0) return -ECONNRESET;
-    if (k > 0) {  // part of a header (rare): wait for the rest
-      const int64_t status = receive(fd, p, kHeader, true, false);
-      return status < 0 ? status : static_cast<int64_t>(kHeader);
-    }
-    if (errno != EINTR) return errno == EWOULDBLOCK ? -EAGAIN : -errno;
-  }
-}
-
-// Waits for the next request and peeks at up to `cap` bytes of it, at least its fixed header: how many bytes
-// it saw (all of a request the size of an ask, in one call), or -errno.
-int64_t peek_request(int fd, char* p, size_t cap) {
+// Peeks at up to `cap` bytes of the next request, at least its fixed header: how many bytes it saw (all of a
+// request the size of an ask, in one call), or -errno. With `wait`, it waits for one to come; without, one not
+// there yet is -EAGAIN.
+int64_t peek_request(int fd, char* p, size_t cap, bool wait) {
   for (;;) {
     pollfd pfd{fd, POLLIN, 0};
-    if (::poll(&pfd, 1, -1) < 0 && errno != EINTR) return -errno;
+    if (wait && ::poll(&pfd, 1, -1) < 0 && errno != EINTR) return -errno;
     const ssize_t k = ::recv(fd, p, cap, MSG_DONTWAIT | MSG_PEEK);
     if (k >= static_cast<ssize_t>(kHeader)) return k;
     if (k == 0) return -ECONNRESET;
@@ -154,7 +140,9 @@ int64_t peek_request(int fd, char* p, size_t cap) {
       const int64_t status = receive(fd, p, kHeader, true, false);
       return status < 0 ? status : static_cast<int64_t>(kHeader);
     }
-    if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
+    if (!wait) return -EAGAIN;
   }
 }
 
@@ -713,10 +701,10 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
   };
   bool queued = false;  // the last peek saw bytes past the ask it led to: the next request is there already
   for (;;) {
-    int64_t seen = queued ? peek_queued(fd, p, request.size()) : -EAGAIN;
+    int64_t seen = queued ? peek_request(fd, p, request.size(), false) : -EAGAIN;
     if (seen == -EAGAIN) {  // none yet: the replies held go out before waiting
       const int64_t sent = flush(fd);
-      seen = sent < 0 ? sent : peek_request(fd, p, request.size());  // blocks until a request (or the end) comes
+      seen = sent < 0 ? sent : peek_request(fd, p, request.size(), true);  // until a request (or the end) comes
     }
     if (seen < 0) return leave({seen, 0, -1, 0, served.answered});
     if (std::memcmp(p, "GEAR", 4) != 0) return leave(served);
