@@ -556,7 +556,7 @@ class _Owed(ABC, Generic[Answer]):
             if owed:
                 answers, answered = self._receive(self._fds_of(owed), owed)
                 if answered and everyone:
-                    self._outcomes = outcomes = answers
+                    self._outcomes = outcomes = cast("list[Answer | Exception | None]", answers)
                     self.answered = True
                 else:
                     self._take(owed, answers)
