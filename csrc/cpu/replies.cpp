@@ -261,7 +261,8 @@ void strike_off(Pending& p) {
 }
 
 // receive_replies, each socket's landing tensors named by pointer (a round's shares all land in one batch).
-std::vector<Reply> receive_into(const std::vector<int64_t>& fds, const std::vector<const std::vector<at::Tensor>*>& landing,
+std::vector<Reply> receive_into(const std::vector<int64_t>& fds,
+                                const std::vector<const std::vector<at::Tensor>*>& landing,
                                 const std::vector<std::vector<int64_t>>& first, double timeout_s,
                                 const std::vector<std::shared_ptr<Inbox>>& inboxes, int64_t ticket) {
   TORCH_CHECK(fds.size() == landing.size() && fds.size() == first.size(),
