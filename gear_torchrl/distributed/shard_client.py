@@ -663,13 +663,9 @@ class ShareFlight(_Owed[int]):
     def _send_to(cls, flights: Sequence[Self], fds: list[int], owners: list[int]) -> list[int]:
         """Every flight's shares (one rule, one batch size) framed and sent by the extension."""
         first = flights[0]
-        if len(owners) == len(first.shares.counts):  # every share's owner, in order (members are ascending)
-            counts = [k for f in flights for k in f.shares.counts]
-            seeds = [-1] * len(counts) if first.shares.seeds[0] is None else [d for f in flights for d in f.shares.seeds]
-        else:
-            members = [first.members[i] for i in owners]
-            counts = [f.shares.counts[j] for f in flights for j in members]
-            seeds = [-1 if f.shares.seeds[j] is None else f.shares.seeds[j] for f in flights for j in members]
+        members = [first.members[i] for i in owners]
+        counts = [f.shares.counts[j] for f in flights for j in members]
+        seeds = [-1 if f.shares.seeds[j] is None else f.shares.seeds[j] for f in flights for j in members]
         return _C.send_shares(fds, _sample_head(first._op, first.shares.spec), counts, seeds,
                               len(first.shares.columns), first._timeout)
 
