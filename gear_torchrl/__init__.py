@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "GearStorage": "gear_torchrl.adapters.storage",
     "GearStorageCheckpointer": "gear_torchrl.adapters.checkpointer",
+    "GearPackedSequenceSampler": "gear_torchrl.adapters.samplers",
+    "GearPrioritizedPackedSequenceSampler": "gear_torchrl.adapters.samplers",
     "GearPrioritizedSampler": "gear_torchrl.adapters.samplers",
     "GearPrioritizedSequenceSampler": "gear_torchrl.adapters.samplers",
     "GearSequenceSampler": "gear_torchrl.adapters.samplers",
@@ -56,6 +58,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads l
     from gear_torchrl.adapters.dataset import GearDataset
     from gear_torchrl.adapters.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
     from gear_torchrl.adapters.samplers import (
+        GearPackedSequenceSampler,
+        GearPrioritizedPackedSequenceSampler,
         GearPrioritizedSampler,
         GearPrioritizedSequenceSampler,
         GearSequenceSampler,

@@ -53,11 +53,63 @@ class WindowMarkers:
 
 
 @dataclass(frozen=True)
+class PackedMarkers:
+    """A pack's layout, as the keys every token of a packed batch carries (``samplers/packed.py``).
+
+    ``seq_id`` (0..S-1 in pack order, -1 on padding), ``position`` in its sequence and ``step`` in its
+    episode (-1 on padding), ``mask`` (False on padding and burn-in); SliceSampler's markers too:
+    ``truncated`` on each sequence's last token, ``done`` the stored flag or-ed with it, ``terminated``
+    as stored, and ``episode_start`` where a token is its episode's first step.
+    """
+
+    seq_id: torch.Tensor
+    position: torch.Tensor
+    step: torch.Tensor
+    mask: torch.Tensor
+    keys: WindowMarkers = WindowMarkers()
+    prefix: str = "packed"
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.seq_id.max()) + 1 if self.seq_id.numel() else 0
+
+    def last_tokens(self) -> torch.Tensor:
+        """Whether each token ends its sequence (padding never does)."""
+        following = torch.cat([self.seq_id[1:], self.seq_id.new_full((1,), -1)])
+        return (self.seq_id >= 0) & (following != self.seq_id)
+
+    def __call__(self, windows: Windows, columns: dict[NestedKey, torch.Tensor],
+                 mask: torch.Tensor) -> dict[NestedKey, torch.Tensor]:
+        device = mask.device
+        by_path = {as_path(k): t for k, t in columns.items()}
+        num_tokens = self.seq_id.numel()
+        truncated = self.last_tokens().reshape(num_tokens, 1).to(device)
+
+        def stored_flag(key: NestedKey) -> torch.Tensor:
+            flag = by_path.get(as_path(key))
+            if flag is None:
+                return torch.zeros_like(truncated)
+            flag = flag.reshape(num_tokens, -1)
+            return flag if flag.shape[1] == 1 and flag.dtype == torch.bool else flag.any(-1, keepdim=True)
+
+        return {
+            (self.prefix, "seq_id"): self.seq_id.to(device),
+            (self.prefix, "position"): self.position.to(device),
+            (self.prefix, "step"): self.step.to(device),
+            (self.prefix, "mask"): self.mask.to(device),
+            (self.prefix, "episode_start"): (self.step == 0).to(device),
+            self.keys.truncated_key: truncated,
+            self.keys.done_key: stored_flag(self.keys.done_key) | truncated,
+            self.keys.terminated_key: stored_flag(self.keys.terminated_key),
+        }
+
+
+@dataclass(frozen=True)
 class ReadPlan:
     """What ``get`` of a sampled index reads: windows (None: rows), their markers, rows already read."""
 
     windows: Windows | None = None
-    markers: WindowMarkers | None = None
+    markers: WindowMarkers | PackedMarkers | None = None
     columns: list[torch.Tensor] | None = None  # a sharded store's batch, read with the selection
     table: TableSpec | None = None  # what the columns are
 

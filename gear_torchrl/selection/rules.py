@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from gear_torchrl.selection.capped import CappedSpec
+from gear_torchrl.selection.packed import PackedSpec, PriorityPackedSpec
 from gear_torchrl.selection.priorities import PrioritySpec
 from gear_torchrl.selection.priority_windows import PriorityWindowSpec
 from gear_torchrl.selection.queue import QueueSpec
@@ -20,7 +21,7 @@ from gear_torchrl.selection.windows import WindowSpec
 
 RULES: dict[str, type[SelectionSpec]] = {
     spec.kind: spec for spec in (UniformSpec, WindowSpec, PrioritySpec, PriorityWindowSpec, QueueSpec, TopKSpec,
-                                 CappedSpec)}
+                                 CappedSpec, PackedSpec, PriorityPackedSpec)}
 
 
 def spec_from_json(blob: Any) -> SelectionSpec:

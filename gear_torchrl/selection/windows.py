@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -55,7 +55,20 @@ class WindowGeometry(SelectionSpec):
                              f"burn_in={self.burn_in}")
 
 
-def check_episode_markers(spec: WindowGeometry, shard: Shard) -> None:
+class EpisodeKeys(Protocol):
+    """What a rule over episodes says of them: the keys it expects to delimit them, and whether it may wrap."""
+
+    @property
+    def cross_ring_end(self) -> bool: ...
+
+    @property
+    def traj_key(self) -> Path | None: ...
+
+    @property
+    def end_key(self) -> Path | None: ...
+
+
+def check_episode_markers(spec: EpisodeKeys, shard: Shard) -> None:
     """Windows must not cross episodes: refuse when nothing in the data delimits them, or keys disagree."""
     if not shard.tracks_episodes:
         assert shard.table is not None  # a shard with rows has a table

@@ -1,0 +1,306 @@
+"""Packed sequences: whole episodes and spans of long ones, laid end to end into a token budget.
+
+A pick is a **token**: a pack of ``budget`` tokens is one pick of ``budget``, so a
+sharded store splits the budget across its owners as it splits rows, each owner
+packs its share, and the learner's batch is their packs end to end.
+
+What a sequence is. With ``T = max_len - burn_in`` training steps at most, an
+episode of ``L`` steps offers ``c = max(L - T + 1, 1)`` training spans of
+``min(L, T)`` steps, starting at its offsets ``0 .. c - 1``: an episode of at
+most ``T`` steps is one span, the whole episode. A sequence is a span with up to
+``burn_in`` steps of its episode before it (fewer near the episode start: there
+is no head padding in a pack). Its **key** is its first trained step.
+
+Which sequence (``PackedSpec.uniform_over``): an episode weighs ``max(1, c / T)``
+(``"steps"``: every step of an episode of at most ``T`` steps, and every step of a
+longer one at least ``min(T - 1, L - T)`` steps from both of its ends, is trained
+on equally often), ``c`` (``"sequences"``: every span equally likely) or 1 (``"episodes"``),
+then a span uniformly inside it. ``PriorityPackedSpec`` draws keys in proportion
+to their priority mass instead.
+
+The packing rule (next fit, the last sequence cut): sequences are drawn
+independently and laid end to end in draw order; the first that does not fit is
+cut to the room left, keeping its head (its burn-in and at least one trained
+step), or, where the room holds no trained step, the room is padding. So a pack is
+exactly ``budget`` tokens, at most ``burn_in`` of them padding, and every sequence
+but the last is drawn with the rule's probability and whole; the last is the head
+of one (which is all packing changes: the tail steps of long spans are trained on
+slightly less often, by about one span per pack). Draws beyond the pack are
+dropped; being independent of it, they change nothing.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from gear_torchrl.selection.base import Selector, needs_shard
+from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec
+from gear_torchrl.selection.random_draws import uniform
+from gear_torchrl.selection.specs import Path, SelectionSpec
+from gear_torchrl.selection.trees import PriorityTrees
+from gear_torchrl.selection.windows import check_episode_markers
+from gear_torchrl.store.episodes import Episodes, Position
+from gear_torchrl.store.shard import Shard
+from gear_torchrl.store.windows import Windows
+
+_MAX_DRAW_ROUNDS = 64
+UNIFORM_OVER = ("steps", "sequences", "episodes")
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """Drawn sequences, one per element: where each starts and how its tokens divide."""
+
+    first: torch.Tensor  # int64: window row of its first token (taken modulo the shard's window rows)
+    length: torch.Tensor  # int64: tokens, burn-in included (>= 1)
+    burn_in: torch.Tensor  # int64: burn-in tokens at its head (< length)
+    step: torch.Tensor  # int64: its first token's offset in its episode
+    mass: torch.Tensor | None = None  # float64: its key's priority mass (prioritized rules)
+
+    def head(self, count: int) -> Sequences:
+        return Sequences(self.first[:count], self.length[:count], self.burn_in[:count], self.step[:count],
+                         None if self.mass is None else self.mass[:count])
+
+    def cut_last_to(self, length: int) -> Sequences:
+        """These sequences with the last one's length set to ``length`` (its head kept)."""
+        lengths = self.length.clone()
+        lengths[-1] = length
+        return Sequences(self.first, lengths, self.burn_in, self.step, self.mass)
+
+    @staticmethod
+    def cat(parts: list[Sequences]) -> Sequences:
+        if len(parts) == 1:
+            return parts[0]
+        masses = [p.mass for p in parts if p.mass is not None]
+        return Sequences(torch.cat([p.first for p in parts]), torch.cat([p.length for p in parts]),
+                         torch.cat([p.burn_in for p in parts]), torch.cat([p.step for p in parts]),
+                         torch.cat(masses) if masses else None)
+
+
+def spans(episode_start: torch.Tensor, episode_length: torch.Tensor, slots: torch.Tensor, offset: torch.Tensor,
+          max_train: int, burn_in: int) -> Sequences:
+    """The sequence whose training span starts ``offset`` steps into episode ``slots``."""
+    length = episode_length[slots]
+    head = offset.clamp(max=burn_in)
+    return Sequences(episode_start[slots] + offset - head, head + (length - offset).clamp(max=max_train), head,
+                     offset - head)
+
+
+def span_counts(length: torch.Tensor, max_train: int) -> torch.Tensor:
+    """Training spans an episode of ``length`` steps offers: ``max(L - T + 1, 1)`` (0 for an empty slot)."""
+    return torch.where(length > 0, (length - max_train + 1).clamp_min(1), 0)
+
+
+def packed_prefix(sequences: Sequences, budget: int) -> Sequences:
+    """The packing rule: the sequences that fit ``budget`` in order, the first that does not cut to the room
+    left when that holds a trained step (``sequences`` hold ``budget`` tokens or more)."""
+    ends = torch.cumsum(sequences.length, 0)
+    whole = int(torch.searchsorted(ends, torch.tensor([budget]), right=True))
+    room = budget - (int(ends[whole - 1]) if whole else 0)
+    if room and whole < sequences.length.numel() and room > int(sequences.burn_in[whole]):
+        return sequences.head(whole + 1).cut_last_to(room)
+    return sequences.head(whole)
+
+
+def draw_pack(draw: Callable[[int], Sequences], budget: int, max_len: int) -> Sequences:
+    """Sequences from ``draw(n)`` (independent draws) until they hold ``budget`` tokens, packed.
+
+    The first round draws as many as the budget holds at ``max_len``; later ones what the room
+    left needs at the mean length drawn so far, a quarter more.
+    """
+    parts: list[Sequences] = []
+    tokens = drawn = 0
+    count = math.ceil(budget / max_len)
+    for _ in range(_MAX_DRAW_ROUNDS):
+        part = draw(count)
+        parts.append(part)
+        tokens += int(part.length.sum())
+        drawn += count
+        if tokens >= budget:
+            return packed_prefix(Sequences.cat(parts), budget)
+        count = math.ceil((budget - tokens) * drawn / tokens * 1.25) + 1
+    raise RuntimeError(f"drew {drawn} sequences of {tokens} tokens in all, short of a budget of {budget}")
+
+
+def pack_tokens(sequences: Sequences, budget: int, window_rows: int, mass: float | torch.Tensor,
+                scalars: dict[str, Any] | None = None) -> Picked:
+    """A pack of ``budget`` tokens as picks: each token a window of one row (padding: an empty one), with
+    its ``position`` in its sequence (-1: padding), its ``step`` in its episode and whether it is ``trained``
+    (not burn-in, not padding); prioritized rules add each token's sequence ``mass``."""
+    lengths = sequences.length
+    total = int(lengths.sum())
+    ends = torch.cumsum(lengths, 0)
+    # Each token's sequence: a binary search of the sequences' ends (repeat_interleave takes milliseconds on
+    # CPU once torchrl is imported).
+    seq = torch.searchsorted(ends, torch.arange(total), right=True)
+    position = torch.arange(total) - (ends - lengths)[seq]
+    pad = budget - total
+
+    def padded(real: torch.Tensor, fill: float | bool) -> torch.Tensor:
+        return torch.cat([real, torch.full((pad,), fill, dtype=real.dtype)]) if pad else real
+
+    rows = padded((sequences.first[seq] + position) % window_rows, 0)
+    valid = padded(torch.ones(total, dtype=torch.int64), 0)
+    extra = {"position": padded(position, -1), "step": padded(sequences.step[seq] + position, -1),
+             "trained": padded(position >= sequences.burn_in[seq], False)}
+    if sequences.mass is not None:
+        extra["mass"] = padded(sequences.mass[seq], 1.0)
+    return Picked(Windows(rows, 1, torch.zeros_like(valid), valid), mass, extra, scalars or {})
+
+
+def empty_pack(mass: float | torch.Tensor, scalars: dict[str, Any] | None = None) -> Picked:
+    none = torch.empty(0, dtype=torch.int64)
+    return Picked(Windows(none, 1, none, none), mass, {}, scalars or {})
+
+
+def no_sequence_reason(include_open: bool) -> str:
+    if include_open:
+        return "no episode holds a step to train on"
+    return "no closed episode to draw from (include_open=False and every stored episode is still open)"
+
+
+@dataclass(frozen=True)
+class PackedSpec(SelectionSpec):
+    """Packs of sequences drawn uniformly (see ``selection/packed.py``); ``seq_len``: training steps at most
+    (``max_len - burn_in``)."""
+
+    kind: ClassVar[str] = "packed"
+    per_reader: ClassVar[bool] = True
+    cross_ring_end: ClassVar[bool] = True  # a sequence's tokens are rows modulo the ring: it may wrap
+    seq_len: int
+    burn_in: int = 0
+    uniform_over: str = "steps"
+    include_open: bool = True
+    traj_key: Path | None = None
+    end_key: Path | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.burn_in + self.seq_len
+
+    def check(self) -> None:
+        if self.seq_len < 1 or self.burn_in < 0:
+            raise ValueError(f"max_len must exceed burn_in (at least one step to train on) and burn_in must be "
+                             f">= 0, got max_len={self.max_len}, burn_in={self.burn_in}")
+        if self.uniform_over not in UNIFORM_OVER:
+            raise ValueError(f"uniform_over must be one of {UNIFORM_OVER}, got {self.uniform_over!r}")
+
+    def build(self, capacity: int) -> PackedSelector:
+        return PackedSelector(self)
+
+
+class PackedSelector(Selector[PackedSpec]):
+    """Per-episode weights in a tree over episode slots (per reader: it follows the reader's index)."""
+
+    def __init__(self, spec: PackedSpec) -> None:
+        self.spec = spec
+        self.tree: PriorityTrees | None = None
+        self._seen: Position | None = None
+
+    def _weights(self, episodes: Episodes, slots: torch.Tensor) -> torch.Tensor:
+        live = episodes.slot_is_live(slots) & ~episodes.dead[slots]
+        if not self.spec.include_open:
+            live &= episodes.closed[slots]
+        count = torch.where(live, span_counts(episodes.length[slots], self.spec.seq_len), 0).to(torch.float64)
+        if self.spec.uniform_over == "episodes":
+            return (count > 0).to(torch.float64)
+        if self.spec.uniform_over == "steps":
+            return torch.where(count > 0, (count / self.spec.seq_len).clamp_min(1.0), 0.0)
+        return count
+
+    def _refresh(self, episodes: Episodes) -> PriorityTrees:
+        slots = episodes.changed_since(self._seen)
+        if slots is None or self.tree is None or self.tree.capacity != episodes.start.numel():
+            self.tree = PriorityTrees(episodes.start.numel())
+            slots = torch.arange(episodes.start.numel())
+        if slots.numel():
+            self.tree.set(slots, self._weights(episodes, slots))
+        self._seen = episodes.position
+        return self.tree
+
+    def mass(self, shard: Shard) -> float:
+        if shard.size == 0 or not shard.tracks_episodes:
+            return 0.0
+        return float(self._refresh(shard.episodes).total)
+
+    def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
+        """A pack of ``count`` tokens."""
+        shard = needs_shard(self, shard)
+        if shard.size:
+            check_episode_markers(self.spec, shard)
+        mass = self.mass(shard)
+        if count == 0 or not mass > 0:
+            return empty_pack(mass)
+        episodes, tree, spec = shard.episodes, self.tree, self.spec
+        assert tree is not None  # ``mass`` made it
+
+        def draw(n: int) -> Sequences:
+            u = uniform((2, n), generator)
+            slots = tree.find(u[0] * tree.total)
+            spans_in = span_counts(episodes.length[slots], spec.seq_len)
+            offset = torch.minimum((u[1] * spans_in).to(torch.int64), spans_in - 1)
+            return spans(episodes.start, episodes.length, slots, offset, spec.seq_len, spec.burn_in)
+
+        return pack_tokens(draw_pack(draw, count, spec.max_len), count, shard.window_rows, mass)
+
+    def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
+        return no_sequence_reason(self.spec.include_open)
+
+    def clear(self) -> None:
+        self.tree, self._seen = None, None
+
+
+@dataclass(frozen=True)
+class PriorityPackedSpec(PriorityWindowSpec):
+    """Packs of sequences drawn in proportion to their key's priority; the geometry of ``PackedSpec``
+    (``seq_len``: training steps at most), the priorities of ``PriorityWindowSpec``."""
+
+    kind: ClassVar[str] = "priority_packed"
+    strict_length: bool = False  # spans never pad; kept for the window rule's fields
+
+    @property
+    def max_len(self) -> int:
+        return self.window_len
+
+    @property
+    def rows_per_pick(self) -> int:
+        return 1  # a pick is a token
+
+    def build(self, capacity: int) -> PriorityPackedSelector:
+        return PriorityPackedSelector(self, capacity)
+
+
+class PriorityPackedSelector(PriorityWindowSelector):
+    """Key masses as ``PriorityWindowSelector`` keeps them; a key may start any span (offsets ``0 .. c - 1``)."""
+
+    spec: PriorityPackedSpec
+
+    def _key_offsets(self, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros_like(length), span_counts(length, self.spec.seq_len)
+
+    def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
+        """A pack of ``count`` tokens; each token carries its sequence's key mass."""
+        shard = needs_shard(self, shard)
+        if shard.size:
+            check_episode_markers(self.spec, shard)
+        mass = self.mass(shard)
+        scalars = {"min_mass": float(self.trees.minimum)}
+        if count == 0 or not mass > 0:
+            return empty_pack(mass, scalars)
+        episodes, spec = shard.episodes, self.spec
+
+        def draw(n: int) -> Sequences:
+            keys = self.trees.draw(n, generator)
+            slots, offset, _ = episodes.locate(keys)
+            drawn = spans(episodes.start, episodes.length, slots, offset, spec.seq_len, spec.burn_in)
+            return Sequences(drawn.first, drawn.length, drawn.burn_in, drawn.step, self.trees.get(keys))
+
+        return pack_tokens(draw_pack(draw, count, spec.max_len), count, shard.window_rows, mass, scalars)
+
+    def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
+        return no_sequence_reason(self.spec.include_open)
