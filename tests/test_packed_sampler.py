@@ -306,11 +306,12 @@ def test_sequence_priorities_reduce_over_trained_tokens():
     priority = torch.arange(40, dtype=torch.float64)
     sampler.update_priority(batch["index"], priority)
     ids = batch["packed", "seq_id"]
+    expected = {}  # a key drawn twice takes its last sequence's priority
     for s in range(int(ids.max()) + 1):
         tokens = (ids == s) & real
-        expected = 0.5 * priority[tokens].max() + 0.5 * priority[tokens].mean()
-        key = batch["index"][tokens][0]
-        assert torch.isclose(sampler.selector.row_mass[key], (expected + sampler.selector.eps) ** 1.0)
+        expected[int(batch["index"][tokens][0])] = 0.5 * priority[tokens].max() + 0.5 * priority[tokens].mean()
+    for key, value in expected.items():
+        assert torch.isclose(sampler.selector.row_mass[key], (value + sampler.selector.eps) ** 1.0)
 
 
 def test_bad_priorities_are_refused_and_change_nothing():
@@ -324,3 +325,23 @@ def test_bad_priorities_are_refused_and_change_nothing():
     with pytest.raises(IndexError):
         rb.sampler.update_priority(torch.tensor([500, 3]), torch.ones(2), storage=rb.storage)  # rows not stored
     assert torch.equal(rb.sampler.selector.row_mass, before)
+
+
+def test_priorities_of_rows_gone_since_the_draw_are_refused_or_skipped():
+    rb = prioritized([10] * 6, 60)
+    batch = rb.sample()
+    rb.empty()
+    rb.extend(episodes_of([5]))
+    with pytest.raises(IndexError, match="stored rows"):
+        rb.update_tensordict_priority(batch.set("td_error", torch.ones(60)))  # rows no longer stored
+    rb = prioritized([10] * 6, 60)
+    rb.set_rng(torch.Generator().manual_seed(1))
+    batch = rb.sample()
+    assert bool((batch["index"] == 0).any()), "the first episode's key is in the batch (seeded)"
+    rb.extend(episodes_of([10], first_id=50))  # overwrites the ring's oldest ten rows with a new episode
+    rewritten = torch.arange(10)
+    before = rb.sampler.selector.row_mass[rewritten].clone()
+    rb.update_tensordict_priority(batch.set("td_error", torch.full((60,), 1e-3)))
+    assert torch.equal(rb.sampler.selector.row_mass[rewritten], before), "a stale update reached rewritten rows"
+    kept = batch["index"][(batch["index"] >= 10) & batch["packed", "mask"]]
+    assert bool((rb.sampler.selector.row_mass[kept] < 0.01).any()), "the rows still stored took their update"

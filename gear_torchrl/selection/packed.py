@@ -61,25 +61,28 @@ class Sequences:
     burn_in: torch.Tensor  # int64: burn-in tokens at its head (< length)
     step: torch.Tensor  # int64: its first token's offset in its episode
     mass: torch.Tensor | None = None  # float64: its key's priority mass (prioritized rules)
+    generation: torch.Tensor | None = None  # int64: its key's write generation (prioritized rules)
 
     def head(self, count: int) -> Sequences:
         return Sequences(self.first[:count], self.length[:count], self.burn_in[:count], self.step[:count],
-                         None if self.mass is None else self.mass[:count])
+                         None if self.mass is None else self.mass[:count],
+                         None if self.generation is None else self.generation[:count])
 
     def cut_last_to(self, length: int) -> Sequences:
         """These sequences with the last one's length set to ``length`` (its head kept)."""
         lengths = self.length.clone()
         lengths[-1] = length
-        return Sequences(self.first, lengths, self.burn_in, self.step, self.mass)
+        return Sequences(self.first, lengths, self.burn_in, self.step, self.mass, self.generation)
 
     @staticmethod
     def cat(parts: list[Sequences]) -> Sequences:
         if len(parts) == 1:
             return parts[0]
         masses = [p.mass for p in parts if p.mass is not None]
+        generations = [p.generation for p in parts if p.generation is not None]
         return Sequences(torch.cat([p.first for p in parts]), torch.cat([p.length for p in parts]),
                          torch.cat([p.burn_in for p in parts]), torch.cat([p.step for p in parts]),
-                         torch.cat(masses) if masses else None)
+                         torch.cat(masses) if masses else None, torch.cat(generations) if generations else None)
 
 
 def spans(episode_start: torch.Tensor, episode_length: torch.Tensor, slots: torch.Tensor, offset: torch.Tensor,
@@ -131,7 +134,7 @@ def pack_tokens(sequences: Sequences, budget: int, window_rows: int, mass: float
                 scalars: dict[str, Any] | None = None) -> Picked:
     """A pack of ``budget`` tokens as picks: each token a window of one row (padding: an empty one), with
     its ``position`` in its sequence (-1: padding), its ``step`` in its episode and whether it is ``trained``
-    (not burn-in, not padding); prioritized rules add each token's sequence ``mass``."""
+    (not burn-in, not padding); prioritized rules add its sequence's key ``mass`` and ``generation``."""
     lengths = sequences.length
     total = int(lengths.sum())
     ends = torch.cumsum(lengths, 0)
@@ -148,8 +151,9 @@ def pack_tokens(sequences: Sequences, budget: int, window_rows: int, mass: float
     valid = padded(torch.ones(total, dtype=torch.int64), 0)
     extra = {"position": padded(position, -1), "step": padded(sequences.step[seq] + position, -1),
              "trained": padded(position >= sequences.burn_in[seq], False)}
-    if sequences.mass is not None:
+    if sequences.mass is not None and sequences.generation is not None:
         extra["mass"] = padded(sequences.mass[seq], 1.0)
+        extra["generation"] = padded(sequences.generation[seq], 0)
     return Picked(Windows(rows, 1, torch.zeros_like(valid), valid), mass, extra, scalars or {})
 
 
@@ -284,7 +288,7 @@ class PriorityPackedSelector(PriorityWindowSelector):
         return torch.zeros_like(length), span_counts(length, self.spec.seq_len)
 
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
-        """A pack of ``count`` tokens; each token carries its sequence's key mass."""
+        """A pack of ``count`` tokens; each token carries its sequence's key mass and generation."""
         shard = needs_shard(self, shard)
         if shard.size:
             check_episode_markers(self.spec, shard)
@@ -298,7 +302,8 @@ class PriorityPackedSelector(PriorityWindowSelector):
             keys = self.trees.draw(n, generator)
             slots, offset, _ = episodes.locate(keys)
             drawn = spans(episodes.start, episodes.length, slots, offset, spec.seq_len, spec.burn_in)
-            return Sequences(drawn.first, drawn.length, drawn.burn_in, drawn.step, self.trees.get(keys))
+            return Sequences(drawn.first, drawn.length, drawn.burn_in, drawn.step, self.trees.get(keys),
+                             self.generation[keys])
 
         return pack_tokens(draw_pack(draw, count, spec.max_len), count, shard.window_rows, mass, scalars)
 

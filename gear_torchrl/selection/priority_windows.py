@@ -16,7 +16,7 @@ import torch
 
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import needs_shard
-from gear_torchrl.selection.checked_inputs import as_priority, as_rows
+from gear_torchrl.selection.checked_inputs import as_generation, as_priority, validated
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priorities import PrioritySelector, ProportionalSpec
 from gear_torchrl.selection.specs import Path
@@ -183,10 +183,13 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
 
     # -- priorities ------------------------------------------------------------------
     def update(self, rows: Any, priority: Any, generation: Any = None, stored: int | None = None) -> None:
-        """Raw priorities of window keys (checked): what an update lands as, here or on a shard's owner."""
-        rows = as_rows(rows, self.capacity)
-        priority = as_priority(priority, rows.numel())
+        """Raw priorities of window keys (checked against the ``stored`` rows where known): what an update lands
+        as, here or on a shard's owner. Keys rewritten since their ``generation`` was drawn keep theirs."""
+        checked = validated(rows, priority, self.capacity, stored=stored)
+        rows, priority = checked.rows, as_priority(checked.priority, checked.rows.numel())
         keep = rows >= 0
+        if generation is not None:
+            keep &= self.generation[rows.clamp_min(0)] == as_generation(generation, rows.numel())
         rows, priority = rows[keep], priority[keep]
         if priority.numel():
             self.max_raw_priority = max(self.max_raw_priority, float(priority.max()))

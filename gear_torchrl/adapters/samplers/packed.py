@@ -90,7 +90,8 @@ class GearPackedSequenceSampler(SelectsThroughStorage, Sampler):
     def sample(self, storage: Any, batch_size: int) -> tuple[SelectionIndex, dict[str, Any]]:
         self.check_budget(storage, batch_size)
         selection = self._select(storage, batch_size, self.markers)
-        return self._packed(selection), self.info(selection)
+        self._pack_layout(selection)
+        return selection.index, self.info(selection)
 
     def check_budget(self, storage: Any, budget: int) -> None:
         """Refuse a budget no pack fits, before the store is touched."""
@@ -108,8 +109,8 @@ class GearPackedSequenceSampler(SelectsThroughStorage, Sampler):
     def info(self, selection: Selection) -> dict[str, Any]:
         return {}
 
-    def _packed(self, selection: Selection) -> SelectionIndex:
-        """The storage's index with the pack's layout as its markers, padding last and indexed -1."""
+    def _pack_layout(self, selection: Selection) -> None:
+        """The storage's index given the pack's layout as its markers, padding last and indexed -1."""
         plan = plan_of(selection.index)
         assert plan is not None and plan.windows is not None  # a pack is read as windows of one token
         index = selection.index.as_subclass(torch.Tensor)  # type: ignore[union-attr]  # a SampledIndex
@@ -125,7 +126,7 @@ class GearPackedSequenceSampler(SelectsThroughStorage, Sampler):
         seq_id = torch.where(padding, -1, torch.cumsum((position == 0).to(torch.int64), 0) - 1)
         markers = PackedMarkers(seq_id, position, extra["step"], extra["trained"], self.markers)
         index = torch.where(padding.to(index.device).reshape(-1, *[1] * (index.ndim - 1)), -1, index)
-        return SampledIndex(index, dataclasses.replace(plan, markers=markers))
+        selection.index = SampledIndex(index, dataclasses.replace(plan, markers=markers))
 
     # -- TorchRL contract -------------------------------------------------------------
     def mark_update(self, index: Any, *, storage: Any = None) -> None:
@@ -196,6 +197,7 @@ class GearPrioritizedPackedSequenceSampler(GearPackedSequenceSampler, GearPriori
         """Each token's importance weight: its sequence's (global minimum mass across shards); 0 on padding."""
         weight = self._importance_weights(selection.extra["mass"], selection.scalars["min_mass"])
         self._anneal_beta()
+        self._last_draw = (selection.index, selection.extra["generation"], self.selector.writes)
         return {"priority_weight": torch.where(selection.extra["position"] < 0, 0.0, weight)}
 
     @torch.no_grad()
@@ -207,17 +209,21 @@ class GearPrioritizedPackedSequenceSampler(GearPackedSequenceSampler, GearPriori
             return  # TorchRL's first-use seeding of stored rows: they are new rows, already at the top priority
         plan = plan_of(index)
         layout = plan.markers if plan is not None and isinstance(plan.markers, PackedMarkers) else None
+        if generation is None:
+            generation = self._generations_if_rewritten_since_drawn(index)
         rows = self._rows_of(storage, index)
         if layout is not None:
-            rows, priority = _sequence_priorities(layout, rows, priority, *self._priority_rule)
+            rows, priority, first = _sequence_priorities(layout, rows, priority, *self._priority_rule)
+            generation = None if generation is None else torch.as_tensor(generation).reshape(-1)[first]
         else:
             priority = as_priority(priority, rows.numel())
         keep = rows >= 0
         rows, priority = rows[keep], priority[keep]
+        generation = None if generation is None else torch.as_tensor(generation).reshape(-1)[keep]
         if callable(getattr(storage, "update_rows", None)):
-            storage.update_rows(self.selector, rows, priority)
+            storage.update_rows(self.selector, rows, priority, generation)
         else:
-            self._update(storage, rows, priority)
+            self._update(storage, rows, priority, generation)
 
     def _rows_of(self, storage: Any, index: Any) -> torch.Tensor:
         """Each token's row as the storage names it (global ids on a sharded store; -1: padding)."""
@@ -249,9 +255,10 @@ class GearPrioritizedPackedSequenceSampler(GearPackedSequenceSampler, GearPriori
 
 
 def _sequence_priorities(layout: PackedMarkers, rows: torch.Tensor, priority: Any, reduction: str,
-                         eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's key row and priority: given one per sequence, or reduced from one per token over its
-    trained tokens (``"r2d2"``: ``eta * max + (1 - eta) * mean``; ``"start"``: the key token's)."""
+                         eta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sequence's key row and priority, and where its key token is in the pack: the priority given one
+    per sequence, or reduced from one per token over its trained tokens (``"r2d2"``: ``eta * max + (1 - eta)
+    * mean``; ``"start"``: the key token's)."""
     seq_id, trained = layout.seq_id.to(rows.device), layout.mask.to(rows.device)
     count = layout.num_sequences
     first = torch.full((count,), rows.numel(), dtype=torch.int64)
@@ -260,12 +267,12 @@ def _sequence_priorities(layout: PackedMarkers, rows: torch.Tensor, priority: An
     keys = rows[first]
     given = torch.as_tensor(priority)
     if given.numel() == count and count != rows.numel():
-        return keys, as_priority(given, count)
+        return keys, as_priority(given, count), first
     per_token = as_priority(given, rows.numel())
     if reduction == "start":
-        return keys, per_token[first]
+        return keys, per_token[first], first
     values, ids = per_token[trained], seq_id[trained]
     peak = torch.zeros(count, dtype=torch.float64).scatter_reduce_(0, ids, values, reduce="amax", include_self=False)
     total = torch.zeros(count, dtype=torch.float64).index_add_(0, ids, values)
     mean = total / torch.bincount(ids, minlength=count).to(torch.float64)
-    return keys, eta * peak + (1 - eta) * mean
+    return keys, eta * peak + (1 - eta) * mean, first
