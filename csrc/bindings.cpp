@@ -4,6 +4,7 @@
 #include "episodes.h"
 #include "gather.h"
 #include "owner.h"
+#include "packing.h"
 #include "priorities.h"
 #include "recv.h"
 #include "shares.h"
@@ -349,6 +350,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uniform_windows", &gear::uniform_windows, "A uniform window of each chosen episode",
         py::arg("episode_start"), py::arg("episode_length"), py::arg("slots"), py::arg("u"), py::arg("window_len"),
         py::arg("burn_in"), py::arg("strict_length"));
+  m.def("place_spans", &gear::place_spans, "Packed sequences whose training spans start at `offset` (see packing.h)",
+        py::arg("episode_start"), py::arg("episode_length"), py::arg("slots"), py::arg("offset"),
+        py::arg("max_train"), py::arg("burn_in"));
+  m.def("uniform_spans", &gear::uniform_spans, "A uniform packed sequence of each chosen episode",
+        py::arg("episode_start"), py::arg("episode_length"), py::arg("slots"), py::arg("u"), py::arg("max_train"),
+        py::arg("burn_in"));
+  m.def("pack_tokens", &gear::pack_tokens, "Sequences' tokens end to end, padded to a budget (see packing.h)",
+        py::arg("first"), py::arg("length"), py::arg("burn_in"), py::arg("step"), py::arg("budget"),
+        py::arg("window_rows"));
   m.def("window_rows", &gear::window_rows, "Flat ring rows of windows", py::arg("starts"), py::arg("seq_len"),
         py::arg("capacity"));
   m.def("window_mask", &gear::window_mask, "Which positions of windows hold data", py::arg("valid_begin"),

@@ -78,6 +78,26 @@ def test_one_row_windows_are_rows_or_padding(dtype):
         assert same_bits(o, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.int64])
+def test_runs_of_consecutive_rows_read_as_rows(dtype):
+    """A packed batch's tokens: runs of consecutive rows (one copy each) broken by padding, by a jump and by
+    the ring's end, starts past the end included; the same bytes as reading each row."""
+    cap = 503
+    g = torch.Generator().manual_seed(4)
+    cols = [column(cap, (7,), dtype, 7), column(cap, (), torch.uint8, 8)]
+    lengths = torch.randint(1, 60, (80,), generator=g)
+    firsts = torch.randint(-cap, 2 * cap, (80,), generator=g)
+    firsts[3], lengths[3] = cap - 5, 20  # a run across the ring's end
+    rows = torch.cat([f + torch.arange(int(n)) for f, n in zip(firsts, lengths)])
+    valid = (torch.rand(rows.numel(), generator=g) > 0.05).to(torch.int64)  # padding inside runs too
+    out, mask = gather.gather_windows(cols, rows, 1, torch.device("cpu"), torch.zeros_like(valid), valid)
+    assert torch.equal(mask, valid.bool())
+    for c, o in zip(cols, out):
+        want = torch.zeros_like(o)
+        want[valid.bool()] = c[rows[valid.bool()] % cap]
+        assert same_bits(o, want)
+
+
 def test_window_longer_than_the_ring():
     col = torch.arange(5)
     out, mask = gather.gather_windows([col], torch.tensor([3]), 12, torch.device("cpu"))

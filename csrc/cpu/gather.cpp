@@ -78,12 +78,13 @@ struct ValidRanges {
   bool holds_row(int64_t i) const { return begin(i) == 0 && end(i) == 1; }
 };
 
+// Rows that follow each other in the ring and in the batch (a packed sequence's tokens) go in one copy.
 template <int64_t RowBytes>
 void copy_rows(char* dst, const char* column, int64_t dynamic_row_bytes, int64_t capacity,
                const int64_t* rows, const ValidRanges& valid, int64_t first, int64_t last) {
   const int64_t rb = RowBytes > 0 ? RowBytes : dynamic_row_bytes;
   const int64_t prefetch_lines = std::min<int64_t>((rb + 63) / 64, 16);
-  for (int64_t i = first; i < last; ++i) {
+  for (int64_t i = first; i < last;) {
     if (i + kPrefetchDistance < last) {
       const int64_t ahead = rows[i + kPrefetchDistance];
       if (static_cast<uint64_t>(ahead) < static_cast<uint64_t>(capacity)) {
@@ -93,10 +94,20 @@ void copy_rows(char* dst, const char* column, int64_t dynamic_row_bytes, int64_t
     }
     if (!valid.holds_row(i)) {
       std::memset(dst + i * rb, 0, RowBytes > 0 ? RowBytes : rb);
+      ++i;
       continue;
     }
     const int64_t row = ring_row(rows[i], capacity);
-    std::memcpy(dst + i * rb, column + row * rb, RowBytes > 0 ? RowBytes : rb);
+    int64_t run = 1;
+    while (i + run < last && row + run < capacity && rows[i + run] == rows[i] + run && valid.holds_row(i + run)) {
+      ++run;
+    }
+    if (run == 1) {
+      std::memcpy(dst + i * rb, column + row * rb, RowBytes > 0 ? RowBytes : rb);
+    } else {
+      std::memcpy(dst + i * rb, column + row * rb, run * rb);
+    }
+    i += run;
   }
 }
 
@@ -146,7 +157,7 @@ void gather_cpu(const GatherArgs& a) {
       for (int64_t j = 0; j < seq_len; ++j) m[j] = j >= begin && j < end;
     }
   };
-  if (seq_len == 1) {  // rows, and windows of one row: a copy (or padding) each
+  if (seq_len == 1) {  // rows, and windows of one row: a copy (or padding) each, or one for a run of them
     at::parallel_for(0, num_windows, grain, [&](int64_t first, int64_t last) {
       for (size_t c = 0; c < num_columns; ++c) {
         rows_fn_for(row_bytes[c])(dst[c], src[c], row_bytes[c], capacity, start_p, valid, first, last);

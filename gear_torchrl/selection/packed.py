@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import Selector, needs_shard
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec
@@ -85,15 +86,6 @@ class Sequences:
                          torch.cat(masses) if masses else None, torch.cat(generations) if generations else None)
 
 
-def spans(episode_start: torch.Tensor, episode_length: torch.Tensor, slots: torch.Tensor, offset: torch.Tensor,
-          max_train: int, burn_in: int) -> Sequences:
-    """The sequence whose training span starts ``offset`` steps into episode ``slots``."""
-    length = episode_length[slots]
-    head = offset.clamp(max=burn_in)
-    return Sequences(episode_start[slots] + offset - head, head + (length - offset).clamp(max=max_train), head,
-                     offset - head)
-
-
 def span_counts(length: torch.Tensor, max_train: int) -> torch.Tensor:
     """Training spans an episode of ``length`` steps offers: ``max(L - T + 1, 1)`` (0 for an empty slot)."""
     return torch.where(length > 0, (length - max_train + 1).clamp_min(1), 0)
@@ -110,23 +102,24 @@ def packed_prefix(sequences: Sequences, budget: int) -> Sequences:
     return sequences.head(whole)
 
 
-def draw_pack(draw: Callable[[int], Sequences], budget: int, max_len: int) -> Sequences:
-    """Sequences from ``draw(n)`` (independent draws) until they hold ``budget`` tokens, packed.
+def draw_pack(draw: Callable[[int], Sequences], budget: int, expected_length: float) -> Sequences:
+    """Sequences from ``draw(n)`` (independent draws, in order) until they hold ``budget`` tokens, packed.
 
-    The first round draws as many as the budget holds at ``max_len``; later ones what the room
-    left needs at the mean length drawn so far, a quarter more.
+    Each round draws what the room left needs at ``expected_length`` tokens a sequence (then at the mean
+    drawn so far), a tenth more: one round, most of the time.
     """
     parts: list[Sequences] = []
     tokens = drawn = 0
-    count = math.ceil(budget / max_len)
+    mean = max(expected_length, 1.0)
     for _ in range(_MAX_DRAW_ROUNDS):
+        count = math.ceil((budget - tokens) / mean * 1.1) + 1
         part = draw(count)
         parts.append(part)
         tokens += int(part.length.sum())
         drawn += count
         if tokens >= budget:
             return packed_prefix(Sequences.cat(parts), budget)
-        count = math.ceil((budget - tokens) * drawn / tokens * 1.25) + 1
+        mean = tokens / drawn
     raise RuntimeError(f"drew {drawn} sequences of {tokens} tokens in all, short of a budget of {budget}")
 
 
@@ -135,25 +128,13 @@ def pack_tokens(sequences: Sequences, budget: int, window_rows: int, mass: float
     """A pack of ``budget`` tokens as picks: each token a window of one row (padding: an empty one), with
     its ``position`` in its sequence (-1: padding), its ``step`` in its episode and whether it is ``trained``
     (not burn-in, not padding); prioritized rules add its sequence's key ``mass`` and ``generation``."""
-    lengths = sequences.length
-    total = int(lengths.sum())
-    ends = torch.cumsum(lengths, 0)
-    # Each token's sequence: a binary search of the sequences' ends (repeat_interleave takes milliseconds on
-    # CPU once torchrl is imported).
-    seq = torch.searchsorted(ends, torch.arange(total), right=True)
-    position = torch.arange(total) - (ends - lengths)[seq]
-    pad = budget - total
-
-    def padded(real: torch.Tensor, fill: float | bool) -> torch.Tensor:
-        return torch.cat([real, torch.full((pad,), fill, dtype=real.dtype)]) if pad else real
-
-    rows = padded((sequences.first[seq] + position) % window_rows, 0)
-    valid = padded(torch.ones(total, dtype=torch.int64), 0)
-    extra = {"position": padded(position, -1), "step": padded(sequences.step[seq] + position, -1),
-             "trained": padded(position >= sequences.burn_in[seq], False)}
+    rows, valid, position, step, trained, seq = _C.pack_tokens(
+        sequences.first, sequences.length, sequences.burn_in, sequences.step, budget, window_rows)
+    extra = {"position": position, "step": step, "trained": trained}
     if sequences.mass is not None and sequences.generation is not None:
-        extra["mass"] = padded(sequences.mass[seq], 1.0)
-        extra["generation"] = padded(sequences.generation[seq], 0)
+        real = seq >= 0
+        extra["mass"] = torch.where(real, sequences.mass[seq], 1.0)  # seq -1 reads the last: replaced
+        extra["generation"] = torch.where(real, sequences.generation[seq], 0)
     return Picked(Windows(rows, 1, torch.zeros_like(valid), valid), mass, extra, scalars or {})
 
 
@@ -205,6 +186,7 @@ class PackedSelector(Selector[PackedSpec]):
         self.spec = spec
         self.tree: PriorityTrees | None = None
         self._seen: Position | None = None
+        self._expected_length = float(spec.max_len)  # tokens a sequence, as the last pack drew them
 
     def _weights(self, episodes: Episodes, slots: torch.Tensor) -> torch.Tensor:
         live = episodes.slot_is_live(slots) & ~episodes.dead[slots]
@@ -244,13 +226,14 @@ class PackedSelector(Selector[PackedSpec]):
         assert tree is not None  # ``mass`` made it
 
         def draw(n: int) -> Sequences:
-            u = uniform((2, n), generator)
+            u = uniform((n, 2), generator).T  # sequence i takes draws 2i and 2i + 1, however many rounds
             slots = tree.find(u[0] * tree.total)
-            spans_in = span_counts(episodes.length[slots], spec.seq_len)
-            offset = torch.minimum((u[1] * spans_in).to(torch.int64), spans_in - 1)
-            return spans(episodes.start, episodes.length, slots, offset, spec.seq_len, spec.burn_in)
+            return Sequences(*_C.uniform_spans(episodes.start, episodes.length, slots, u[1].contiguous(),
+                                               spec.seq_len, spec.burn_in))
 
-        return pack_tokens(draw_pack(draw, count, spec.max_len), count, shard.window_rows, mass)
+        sequences = draw_pack(draw, count, self._expected_length)
+        self._expected_length = float(sequences.length.float().mean())
+        return pack_tokens(sequences, count, shard.window_rows, mass)
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return no_sequence_reason(self.spec.include_open)
@@ -284,6 +267,10 @@ class PriorityPackedSelector(PriorityWindowSelector):
 
     spec: PriorityPackedSpec
 
+    def __init__(self, spec: PriorityPackedSpec, capacity: int, device: torch.device | str = "cpu") -> None:
+        super().__init__(spec, capacity, device)
+        self._expected_length = float(spec.max_len)  # tokens a sequence, as the last pack drew them
+
     def _key_offsets(self, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros_like(length), span_counts(length, self.spec.seq_len)
 
@@ -301,11 +288,13 @@ class PriorityPackedSelector(PriorityWindowSelector):
         def draw(n: int) -> Sequences:
             keys = self.trees.draw(n, generator)
             slots, offset, _ = episodes.locate(keys)
-            drawn = spans(episodes.start, episodes.length, slots, offset, spec.seq_len, spec.burn_in)
-            return Sequences(drawn.first, drawn.length, drawn.burn_in, drawn.step, self.trees.get(keys),
-                             self.generation[keys])
+            first, length, burn_in, step = _C.place_spans(episodes.start, episodes.length, slots, offset,
+                                                          spec.seq_len, spec.burn_in)
+            return Sequences(first, length, burn_in, step, self.trees.get(keys), self.generation[keys])
 
-        return pack_tokens(draw_pack(draw, count, spec.max_len), count, shard.window_rows, mass, scalars)
+        sequences = draw_pack(draw, count, self._expected_length)
+        self._expected_length = float(sequences.length.float().mean())
+        return pack_tokens(sequences, count, shard.window_rows, mass, scalars)
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return no_sequence_reason(self.spec.include_open)
