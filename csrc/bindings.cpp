@@ -356,7 +356,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uniform_spans", &gear::uniform_spans, "A uniform packed sequence of each chosen episode",
         py::arg("episode_start"), py::arg("episode_length"), py::arg("slots"), py::arg("u"), py::arg("max_train"),
         py::arg("burn_in"));
-  m.def("pack_tokens", &gear::pack_tokens, "Sequences' tokens end to end, padded to a budget (see packing.h)",
+  m.def("pack_tokens", &gear::pack_tokens, "Sequences packed into a budget of tokens by the packing rule (see packing.h)",
         py::arg("first"), py::arg("length"), py::arg("burn_in"), py::arg("step"), py::arg("budget"),
         py::arg("window_rows"));
   m.def("window_rows", &gear::window_rows, "Flat ring rows of windows", py::arg("starts"), py::arg("seq_len"),

@@ -25,11 +25,13 @@ Sequences place_spans(const at::Tensor& episode_start, const at::Tensor& episode
 Sequences uniform_spans(const at::Tensor& episode_start, const at::Tensor& episode_length, const at::Tensor& slots,
                         const at::Tensor& u, int64_t max_train, int64_t burn_in);
 
-// The tokens of sequences (first, length, burn_in, step: int64 [S], lengths summing to at most budget)
-// laid end to end, then padding to `budget`: each token's window row (modulo window_rows; 0 on
-// padding), whether it holds data (int64 0/1), its position in its sequence and step in its episode
-// (-1 on padding), whether it is trained (bool: not burn-in, not padding) and its sequence (-1 on padding).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> pack_tokens(
+// The packing rule (next fit, the last sequence cut): sequences (first, length, burn_in, step: int64
+// [S]) laid end to end in order into `budget` tokens; the first that does not fit is cut to the room
+// left when that holds a trained step (more than its burn-in), else the room is padding; the rest are
+// not used. Per token: its window row (modulo window_rows; 0 on padding), whether it holds data (int64
+// 0/1), its position in its sequence and step in its episode (-1 on padding), whether it is trained
+// (bool: not burn-in, not padding), its sequence (-1 on padding) and whether it ends its sequence.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> pack_tokens(
     const at::Tensor& first, const at::Tensor& length, const at::Tensor& burn_in, const at::Tensor& step,
     int64_t budget, int64_t window_rows);
 

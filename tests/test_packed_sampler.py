@@ -19,7 +19,7 @@ from gear_torchrl import (
     RateLimiterTimeout,
     SampleToInsertRatio,
 )
-from gear_torchrl.selection.packed import Sequences, packed_prefix
+from gear_torchrl.kernels import _C
 
 I64 = torch.int64
 
@@ -120,15 +120,24 @@ def test_short_episodes_come_whole_and_long_ones_as_spans_of_max_len():
     assert whole == {0, 1, 3, 5}, "each short episode comes whole, from its first step"
 
 
+def packed_lengths(lengths: list[int], burn_in: list[int], budget: int) -> list[int]:
+    """What the packing rule makes of sequences of ``lengths``: the tokens each one keeps in the pack."""
+    n = len(lengths)
+    zeros = torch.zeros(n, dtype=I64)
+    _, valid, _, _, _, seq, last = _C.pack_tokens(zeros, torch.tensor(lengths), torch.tensor(burn_in), zeros, budget,
+                                                  1000)
+    assert int(valid.sum()) == int((seq >= 0).sum()) and int(last.sum()) == len(set(seq[seq >= 0].tolist()))
+    return torch.bincount(seq[seq >= 0]).tolist()
+
+
 def test_packing_rule_next_fit_with_the_last_sequence_cut():
-    lengths = torch.tensor([5, 3, 4, 6], dtype=I64)
-    drawn = Sequences(torch.zeros(4, dtype=I64), lengths, torch.tensor([2, 0, 1, 2]), torch.zeros(4, dtype=I64))
-    cut = packed_prefix(drawn, 10)  # 5 + 3 fit, the third is cut to the 2 tokens left (burn-in 1 + 1 trained)
-    assert cut.length.tolist() == [5, 3, 2]
-    unfit = packed_prefix(drawn, 9)  # 5 + 3, and a room of 1 holds only the third's burn-in: padding
-    assert unfit.length.tolist() == [5, 3]
-    exact = packed_prefix(drawn, 12)
-    assert exact.length.tolist() == [5, 3, 4]
+    lengths, burn_in = [5, 3, 4, 6], [2, 0, 1, 2]
+    assert packed_lengths(lengths, burn_in, 10) == [5, 3, 2]  # the third cut to the 2 tokens left: 1 + 1 trained
+    assert packed_lengths(lengths, burn_in, 9) == [5, 3]  # a room of 1 holds only the third's burn-in: padding
+    assert packed_lengths(lengths, burn_in, 12) == [5, 3, 4]  # exactly full: the fourth is not used
+    assert packed_lengths(lengths, burn_in, 30) == [5, 3, 4, 6]  # short of the budget: padding after them
+    with pytest.raises(RuntimeError, match="no step to train on"):
+        packed_lengths([3], [3], 10)
 
 
 def test_packs_fill_at_least_95_percent_of_the_budget_on_heavy_tailed_episodes():

@@ -64,7 +64,7 @@ Sequences uniform_spans(const at::Tensor& episode_start, const at::Tensor& episo
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> pack_tokens(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> pack_tokens(
     const at::Tensor& first, const at::Tensor& length, const at::Tensor& burn_in, const at::Tensor& step,
     int64_t budget, int64_t window_rows) {
   const int64_t n = first.numel();
@@ -77,24 +77,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor rows = at::empty({budget}, at::kLong), valid = at::empty({budget}, at::kLong);
   at::Tensor position = at::empty({budget}, at::kLong), token_step = at::empty({budget}, at::kLong);
   at::Tensor trained = at::empty({budget}, at::kBool), seq = at::empty({budget}, at::kLong);
+  at::Tensor last = at::empty({budget}, at::kBool);
   const int64_t *f = first.data_ptr<int64_t>(), *l = length.data_ptr<int64_t>(), *b = burn_in.data_ptr<int64_t>(),
                 *s = step.data_ptr<int64_t>();
   int64_t *r = rows.data_ptr<int64_t>(), *v = valid.data_ptr<int64_t>(), *p = position.data_ptr<int64_t>(),
           *ts = token_step.data_ptr<int64_t>(), *q = seq.data_ptr<int64_t>();
-  bool* t = trained.data_ptr<bool>();
+  bool *t = trained.data_ptr<bool>(), *e = last.data_ptr<bool>();
   int64_t at_token = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(l[i] >= 1 && at_token + l[i] <= budget, "packing: sequence ", i, " of ", l[i],
-                " tokens does not fit the budget of ", budget, " after ", at_token);
+  for (int64_t i = 0; i < n && at_token < budget; ++i) {
+    TORCH_CHECK(l[i] >= 1 && b[i] >= 0 && b[i] < l[i], "packing: sequence ", i, " of ", l[i],
+                " tokens with a burn-in of ", b[i], " has no step to train on");
+    const int64_t room = budget - at_token;
+    if (l[i] > room && room <= b[i]) break;  // the room holds no trained step of it: padding
+    const int64_t take = std::min(l[i], room);
     int64_t row = f[i] % window_rows;
     if (row < 0) row += window_rows;
-    for (int64_t j = 0; j < l[i]; ++j, ++at_token) {
+    for (int64_t j = 0; j < take; ++j, ++at_token) {
       r[at_token] = row;
       v[at_token] = 1;
       p[at_token] = j;
       ts[at_token] = s[i] + j;
       t[at_token] = j >= b[i];
       q[at_token] = i;
+      e[at_token] = j == take - 1;
       if (++row == window_rows) row = 0;
     }
   }
@@ -105,8 +110,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     ts[at_token] = -1;
     t[at_token] = false;
     q[at_token] = -1;
+    e[at_token] = false;
   }
-  return {rows, valid, position, token_step, trained, seq};
+  return {rows, valid, position, token_step, trained, seq, last};
 }
 
 }  // namespace gear

@@ -66,6 +66,7 @@ class PackedMarkers:
     position: torch.Tensor
     step: torch.Tensor
     mask: torch.Tensor
+    last: torch.Tensor  # whether a token ends its sequence (padding never does)
     keys: WindowMarkers = WindowMarkers()
     prefix: str = "packed"
 
@@ -73,17 +74,12 @@ class PackedMarkers:
     def num_sequences(self) -> int:
         return int(self.seq_id.max()) + 1 if self.seq_id.numel() else 0
 
-    def last_tokens(self) -> torch.Tensor:
-        """Whether each token ends its sequence (padding never does)."""
-        following = torch.cat([self.seq_id[1:], self.seq_id.new_full((1,), -1)])
-        return (self.seq_id >= 0) & (following != self.seq_id)
-
     def __call__(self, windows: Windows, columns: dict[NestedKey, torch.Tensor],
                  mask: torch.Tensor) -> dict[NestedKey, torch.Tensor]:
         device = mask.device
         by_path = {as_path(k): t for k, t in columns.items()}
         num_tokens = self.seq_id.numel()
-        truncated = self.last_tokens().reshape(num_tokens, 1).to(device)
+        truncated = self.last.reshape(num_tokens, 1).to(device)
 
         def stored_flag(key: NestedKey) -> torch.Tensor:
             flag = by_path.get(as_path(key))

@@ -64,17 +64,6 @@ class Sequences:
     mass: torch.Tensor | None = None  # float64: its key's priority mass (prioritized rules)
     generation: torch.Tensor | None = None  # int64: its key's write generation (prioritized rules)
 
-    def head(self, count: int) -> Sequences:
-        return Sequences(self.first[:count], self.length[:count], self.burn_in[:count], self.step[:count],
-                         None if self.mass is None else self.mass[:count],
-                         None if self.generation is None else self.generation[:count])
-
-    def cut_last_to(self, length: int) -> Sequences:
-        """These sequences with the last one's length set to ``length`` (its head kept)."""
-        lengths = self.length.clone()
-        lengths[-1] = length
-        return Sequences(self.first, lengths, self.burn_in, self.step, self.mass, self.generation)
-
     @staticmethod
     def cat(parts: list[Sequences]) -> Sequences:
         if len(parts) == 1:
@@ -91,19 +80,8 @@ def span_counts(length: torch.Tensor, max_train: int) -> torch.Tensor:
     return torch.where(length > 0, (length - max_train + 1).clamp_min(1), 0)
 
 
-def packed_prefix(sequences: Sequences, budget: int) -> Sequences:
-    """The packing rule: the sequences that fit ``budget`` in order, the first that does not cut to the room
-    left when that holds a trained step (``sequences`` hold ``budget`` tokens or more)."""
-    ends = torch.cumsum(sequences.length, 0)
-    whole = int(torch.searchsorted(ends, torch.tensor([budget]), right=True))
-    room = budget - (int(ends[whole - 1]) if whole else 0)
-    if room and whole < sequences.length.numel() and room > int(sequences.burn_in[whole]):
-        return sequences.head(whole + 1).cut_last_to(room)
-    return sequences.head(whole)
-
-
 def draw_pack(draw: Callable[[int], Sequences], budget: int, expected_length: float) -> Sequences:
-    """Sequences from ``draw(n)`` (independent draws, in order) until they hold ``budget`` tokens, packed.
+    """Sequences from ``draw(n)`` (independent draws, in order) until they hold ``budget`` tokens.
 
     Each round draws what the room left needs at ``expected_length`` tokens a sequence (then at the mean
     drawn so far), a tenth more: one round, most of the time.
@@ -118,24 +96,29 @@ def draw_pack(draw: Callable[[int], Sequences], budget: int, expected_length: fl
         tokens += int(part.length.sum())
         drawn += count
         if tokens >= budget:
-            return packed_prefix(Sequences.cat(parts), budget)
+            return Sequences.cat(parts)
         mean = tokens / drawn
     raise RuntimeError(f"drew {drawn} sequences of {tokens} tokens in all, short of a budget of {budget}")
 
 
 def pack_tokens(sequences: Sequences, budget: int, window_rows: int, mass: float | torch.Tensor,
                 scalars: dict[str, Any] | None = None) -> Picked:
-    """A pack of ``budget`` tokens as picks: each token a window of one row (padding: an empty one), with
-    its ``position`` in its sequence (-1: padding), its ``step`` in its episode and whether it is ``trained``
-    (not burn-in, not padding); prioritized rules add its sequence's key ``mass`` and ``generation``."""
-    rows, valid, position, step, trained, seq = _C.pack_tokens(
+    """A pack of ``budget`` tokens by the packing rule (``csrc/packing.h``), as picks: each token a window of
+    one row (padding: an empty one), with its ``position`` in its sequence (-1: padding), its ``step`` in its
+    episode, whether it is ``trained`` (not burn-in, not padding) and whether it is the ``last`` of its
+    sequence; prioritized rules add its sequence's key ``mass`` and ``generation``."""
+    rows, valid, position, step, trained, seq, last = _C.pack_tokens(
         sequences.first, sequences.length, sequences.burn_in, sequences.step, budget, window_rows)
-    extra = {"position": position, "step": step, "trained": trained}
+    extra = {"position": position, "step": step, "trained": trained, "last": last}
     if sequences.mass is not None and sequences.generation is not None:
         real = seq >= 0
         extra["mass"] = torch.where(real, sequences.mass[seq], 1.0)  # seq -1 reads the last: replaced
         extra["generation"] = torch.where(real, sequences.generation[seq], 0)
     return Picked(Windows(rows, 1, torch.zeros_like(valid), valid), mass, extra, scalars or {})
+
+
+def _mean_length(sequences: Sequences) -> float:
+    return float(sequences.length.sum()) / max(sequences.length.numel(), 1)
 
 
 def empty_pack(mass: float | torch.Tensor, scalars: dict[str, Any] | None = None) -> Picked:
@@ -232,7 +215,7 @@ class PackedSelector(Selector[PackedSpec]):
                                                spec.seq_len, spec.burn_in))
 
         sequences = draw_pack(draw, count, self._expected_length)
-        self._expected_length = float(sequences.length.float().mean())
+        self._expected_length = _mean_length(sequences)
         return pack_tokens(sequences, count, shard.window_rows, mass)
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
@@ -293,7 +276,7 @@ class PriorityPackedSelector(PriorityWindowSelector):
             return Sequences(first, length, burn_in, step, self.trees.get(keys), self.generation[keys])
 
         sequences = draw_pack(draw, count, self._expected_length)
-        self._expected_length = float(sequences.length.float().mean())
+        self._expected_length = _mean_length(sequences)
         return pack_tokens(sequences, count, shard.window_rows, mass, scalars)
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:

@@ -15,7 +15,7 @@ from gear_torchrl.store.windows import Windows
 # The per-pick values a core may return, and their dtypes (the wire carries bytes only).
 EXTRA_DTYPES = {"mass": torch.float64, "score": torch.float64, "generation": torch.int64,
                 # a packed token's place (``selection/packed.py``)
-                "position": torch.int64, "step": torch.int64, "trained": torch.bool}
+                "position": torch.int64, "step": torch.int64, "trained": torch.bool, "last": torch.bool}
 
 
 @dataclass

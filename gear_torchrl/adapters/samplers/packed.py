@@ -116,16 +116,19 @@ class GearPackedSequenceSampler(SelectsThroughStorage, Sampler):
         index = selection.index.as_subclass(torch.Tensor)  # type: ignore[union-attr]  # a SampledIndex
         extra = selection.extra
         padding = extra["position"] < 0
-        if bool((padding[:-1] & ~padding[1:]).any()):  # several owners' packs: move their padding last
+        pad = int(padding.sum())
+        if pad and not bool(padding[-pad:].all()):  # several owners' packs: move their padding last
             order = torch.argsort(padding.to(torch.int8), stable=True)
             selection.extra = extra = {k: v[order] for k, v in extra.items()}
-            index, padding = index[order.to(index.device)], padding[order]
+            index = index[order.to(index.device)]
             columns = None if plan.columns is None else [c[order] for c in plan.columns]
             plan = dataclasses.replace(plan, windows=plan.windows.subset(order), columns=columns)
         position = extra["position"]
-        seq_id = torch.where(padding, -1, torch.cumsum((position == 0).to(torch.int64), 0) - 1)
-        markers = PackedMarkers(seq_id, position, extra["step"], extra["trained"], self.markers)
-        index = torch.where(padding.to(index.device).reshape(-1, *[1] * (index.ndim - 1)), -1, index)
+        seq_id = torch.cumsum(position == 0, 0) - 1
+        if pad:  # the storage's index is this pack's own tensor: marked in place
+            seq_id[-pad:] = -1
+            index[-pad:] = -1
+        markers = PackedMarkers(seq_id, position, extra["step"], extra["trained"], extra["last"], self.markers)
         selection.index = SampledIndex(index, dataclasses.replace(plan, markers=markers))
 
     # -- TorchRL contract -------------------------------------------------------------
