@@ -247,3 +247,35 @@ def test_noncausal_sdpa_on_the_nested_view_matches_per_sequence_sdpa(lengths: li
         expected[start:end] = block(x[None, start:end], F.scaled_dot_product_attention)[0]
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
     assert not got[~real].any()
+
+
+@pytest.mark.parametrize("layout", [[5, 1, 17, 40, 3, 9], [64, 2, 2, 2], [30]])
+@pytest.mark.parametrize("padding", [0, 7])
+def test_length_buckets_match_each_sequence_alone_outputs_and_gradients(layout, padding):
+    """Forward and backward in float64: the buckets give what attending each sequence alone gives."""
+    from gear_torchrl.adapters.attention import LengthBuckets
+
+    lengths = torch.tensor(layout)
+    seq_id = torch.cat([torch.repeat_interleave(torch.arange(len(layout)), lengths), torch.full((padding,), -1)])
+    n, heads, dim = seq_id.numel(), 2, 8
+    g = torch.Generator().manual_seed(len(layout) + padding)
+    q, k, v = (torch.randn(n, heads, dim, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    weight = torch.randn(n, heads, dim, generator=g, dtype=torch.float64)
+    real = seq_id >= 0
+    out = LengthBuckets(seq_id, edges=(4, 16))(q, k, v)
+    ((out * weight)[real]).sum().backward()
+    ours = [out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
+    for t in (q, k, v):
+        t.grad = None
+    reference = torch.zeros_like(out)
+    starts = torch.cumsum(lengths, 0) - lengths
+    for start, length in zip(starts.tolist(), lengths.tolist()):
+        span = slice(start, start + length)
+        reference[span] = F.scaled_dot_product_attention(
+            q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1), is_causal=True).transpose(0, 1)
+    ((reference * weight)[real]).sum().backward()
+    theirs = [reference.detach(), q.grad, k.grad, v.grad]
+    assert torch.allclose(ours[0][real], theirs[0][real], atol=1e-12)
+    for a, b in zip(ours[1:], theirs[1:]):
+        assert torch.allclose(a[real], b[real], atol=1e-12)
+        assert torch.equal(a[~real], torch.zeros_like(a[~real]))  # padding's outputs feed no real loss

@@ -87,3 +87,30 @@ def test_06_gpu_says_why_it_cannot_run_without_a_gpu():
     out = run("06_gpu.py", "--steps", "1000", status=77)  # 77: skipped, so no script takes it for a pass
     assert "This tutorial needs a GPU. GearStorage(device='cuda') cannot run here: no CUDA device" in out, out
     assert "Nothing was run or measured; exiting with status 77 (skipped)." in out, out
+
+
+def test_07_packed_sequences_train_on_real_tokens_only():
+    out = run("07_packed_sequences.py", "--episodes", "400", "--budget", "1024", "--steps", "100")
+    difference = float(re.search(r"packed attention vs flex_attention\(document_causal_block_mask\(batch\)\) on a "
+                                 r"pack of \d+ sequences: max difference ([\d.e+-]+)", out).group(1))
+    assert difference < 1e-4, out  # the attention trained on is exactly document-causal
+    share, real = {}, {}
+    for name in ("padded", "packed"):
+        share[name], real[name], tokens_per_s = re.search(
+            rf"{name}: useful share ([\d.]+)% \(([\d,]+) real of [\d,]+ tokens per batch\), ([\d,]+) real tokens/s",
+            out).groups()
+        share[name], real[name] = float(share[name]) / 100, float(real[name].replace(",", ""))
+        assert float(tokens_per_s.replace(",", "")) > 0, out
+    assert share["packed"] >= 0.95, out  # burn_in=0: a pack is all real tokens
+    assert share["padded"] < 0.75 and share["padded"] < share["packed"] - 0.2, out  # windows pad short episodes
+    assert abs(real["padded"] - real["packed"]) < 0.1 * real["packed"], out  # same real tokens per optimizer step
+    curve = re.findall(r"^\s+\d+ - +\d+ +([\d.]+) \( *[\d.]+ s\) +([\d.]+) \( *[\d.]+ s\)$", out, re.M)
+    assert len(curve) == 5, out
+    for run_losses in zip(*curve):  # padded, then packed: both learn
+        assert float(run_losses[-1]) < 0.8 * float(run_losses[0]), out
+    blind = re.search(r"padded ([\d.]+)%, packed ([\d.]+)% of real tokens, so the loss cannot go below", out)
+    assert float(blind.group(2)) < float(blind.group(1)), out  # a pack keeps short episodes whole
+    accuracy = re.search(r"held-out accuracy where memory is needed: padded ([\d.]+), packed ([\d.]+) \(chance "
+                         r"([\d.]+)\)", out)
+    assert min(float(accuracy.group(1)), float(accuracy.group(2))) > 2 * float(accuracy.group(3)), out
+    assert re.search(r"^packed: [\d.]+x the real tokens per second of padded$", out, re.M), out

@@ -7,19 +7,25 @@ comes after the last real token. Every function here takes that TensorDict
 or the int seq_id tensor itself, and checks the layout before use (two host
 syncs; a bad layout raises ValueError naming the problem). From it they build
 flash-attn's varlen arguments, a FlexAttention ``BlockMask`` for
-document-causal attention, and a nested jagged view of per-token values (one
-component per sequence) with its inverse, ``unnest``.
+document-causal attention, a nested jagged view of per-token values (one
+component per sequence) with its inverse, ``unnest``, and ``LengthBuckets``:
+document-causal attention that trains anywhere ``scaled_dot_product_attention``
+does (FlexAttention has no backward on a CPU in torch 2.14, and SDPA on nested
+jagged tensors no causal CPU kernel).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from tensordict import TensorDictBase
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 __all__ = [
-    "document_causal_block_mask", "document_causal_mask_mod", "nested_view", "unnest", "varlen_inputs",
+    "LengthBuckets", "document_causal_block_mask", "document_causal_mask_mod", "nested_view", "unnest",
+    "varlen_inputs",
 ]
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -138,3 +144,76 @@ def unnest(nested: torch.Tensor, total_tokens: int) -> torch.Tensor:
     out = values.new_zeros((total_tokens, *values.shape[1:]))
     out[start:end] = values[start:end]
     return out
+
+
+class _Rows(torch.autograd.Function):
+    """``x[forward_rows]`` whose backward is the gather ``grad[backward_rows]`` (times ``keep``), not a
+    scatter-add: exact where each row of ``x`` lands in one output row at most, named by ``backward_rows``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_rows: torch.Tensor, backward_rows: torch.Tensor,
+                keep: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(backward_rows, keep)
+        return x.index_select(0, forward_rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        backward_rows, keep = ctx.saved_tensors
+        out = grad.index_select(0, backward_rows)
+        if keep is not None:
+            out = out * keep.view(-1, *[1] * (grad.dim() - 1))
+        return out, None, None, None
+
+
+class LengthBuckets:
+    """Document-causal attention over a pack as a few causal ``scaled_dot_product_attention`` calls.
+
+    The pack's sequences are grouped by length (``edges``: the longest sequence of each group; one more
+    group holds the longer ones); each group is one call over a ``[sequences, longest, ...]`` block,
+    shorter sequences filled with copies of their first token, which sit at later positions and so are
+    hidden by the causal mask. Trailing padding is one more sequence, attending among itself as in
+    ``document_causal_mask_mod``. Built once per batch, it serves every layer; forward and backward move
+    tokens with gathers only. Exact: the same outputs and gradients as attending each sequence alone.
+    """
+
+    def __init__(self, packed: torch.Tensor | TensorDictBase, edges: tuple[int, ...] = (16, 32, 64, 128, 256)) -> None:
+        seq_id = _seq_id(packed)
+        n = seq_id.numel()
+        real = int((seq_id >= 0).sum())
+        lengths = torch.bincount(seq_id[:real])
+        if real < n:
+            lengths = torch.cat([lengths, lengths.new_tensor([n - real])])
+        starts = lengths.cumsum(0) - lengths
+        group = torch.bucketize(lengths, torch.tensor(edges, device=lengths.device))
+        self.blocks: list[tuple[int, int, int]] = []  # (first slot, sequences, longest)
+        rows, valid = [], []
+        slots = 0
+        for g in torch.unique(group).tolist():
+            chosen = (group == g).nonzero().squeeze(1)
+            length, first = lengths[chosen], starts[chosen]
+            longest = int(length.max())
+            at = torch.arange(longest, device=lengths.device)
+            holds = at < length[:, None]
+            rows.append(torch.where(holds, first[:, None] + at, first[:, None]).reshape(-1))
+            valid.append(holds.reshape(-1))
+            self.blocks.append((slots, chosen.numel(), longest))
+            slots += chosen.numel() * longest
+        self.slot_row = torch.cat(rows) if rows else seq_id.new_empty(0)  # the pack row each slot reads
+        self.valid = torch.cat(valid) if valid else seq_id.new_empty(0, dtype=torch.bool)
+        self.row_slot = seq_id.new_empty(n)  # the slot holding each pack row
+        self.row_slot[self.slot_row[self.valid]] = torch.arange(slots, device=seq_id.device)[self.valid]
+        self.fill = n / max(slots, 1)  # the share of the calls' rows that are the pack's own
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q``, ``k``, ``v`` [N, heads, head_dim] -> [N, heads, head_dim]."""
+        return self.attend(torch.stack([q, k, v], 1))
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``qkv`` [N, 3, heads, head_dim] (one projection's output, viewed) -> [N, heads, head_dim]."""
+        slotted = _Rows.apply(qkv, self.slot_row, self.row_slot, None)
+        outs = []
+        for first, count, longest in self.blocks:
+            block = slotted[first:first + count * longest].view(count, longest, *qkv.shape[1:])
+            q, k, v = block.permute(2, 0, 3, 1, 4).unbind(0)  # each [count, heads, longest, head_dim]
+            outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(0, 1))
+        return _Rows.apply(torch.cat(outs), self.row_slot, self.slot_row, self.valid)
