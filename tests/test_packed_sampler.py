@@ -354,3 +354,15 @@ def test_priorities_of_rows_gone_since_the_draw_are_refused_or_skipped():
     assert torch.equal(rb.sampler.selector.row_mass[rewritten], before), "a stale update reached rewritten rows"
     kept = batch["index"][(batch["index"] >= 10) & batch["packed", "mask"]]
     assert bool((rb.sampler.selector.row_mass[kept] < 0.01).any()), "the rows still stored took their update"
+
+
+def test_a_prioritized_packed_buffer_checkpoints_its_priorities(tmp_path):
+    rb = prioritized([10] * 6, 60)
+    batch = rb.sample()
+    rb.update_tensordict_priority(batch.set("td_error", torch.rand(60, dtype=torch.float64) * 5))
+    rb.dumps(tmp_path / "ckpt")
+    restored = prioritized([3] * 20, 60)  # other rows and priorities, replaced by the load
+    restored.loads(tmp_path / "ckpt")
+    assert torch.equal(restored.sampler.selector.row_mass, rb.sampler.selector.row_mass)
+    assert torch.equal(restored.storage.get(torch.arange(60))["obs"], rb.storage.get(torch.arange(60))["obs"])
+    check_pack(restored.sample(), 60, 16, 0)

@@ -44,6 +44,8 @@ class GearPackedSequenceSampler(SelectsThroughStorage, Sampler):
     learner trains on, and what ``SampleToInsertRatio`` weighs against inserted steps.
     A sharded store splits the budget across its owners by their sequence mass; each
     packs its share and the batch is their packs end to end (padding moved last).
+    Data-parallel learners that want one pack each draw one each: every pack is exactly
+    its budget, so packs are balanced by construction.
 
     Args:
         max_len: tokens of a sequence at most, burn-in included (at most the budget).
