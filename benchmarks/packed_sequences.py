@@ -87,8 +87,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.data import LazyTensorStorage, SliceSampler, TensorDictReplayBuffer
 
-from gear_torchrl import GearPackedSequenceSampler, GearSequenceSampler, GearStorage
-from gear_torchrl.adapters.attention import LengthBuckets
+from gear_torchrl import GearPackedSequenceSampler, GearSequenceSampler, GearStorage, LengthBuckets
 
 OBS = 16
 MIXES = ("lognormal", "fail_success")

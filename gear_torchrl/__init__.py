@@ -32,6 +32,12 @@ _EXPORTS = {
     "StoreClosedError": "gear_torchrl.errors",
     "ReadRevokedError": "gear_torchrl.errors",
     "TrajectoryWriter": "gear_torchrl.adapters.trajectory_writer",
+    "LengthBuckets": "gear_torchrl.adapters.attention",
+    "document_causal_block_mask": "gear_torchrl.adapters.attention",
+    "document_causal_mask_mod": "gear_torchrl.adapters.attention",
+    "nested_view": "gear_torchrl.adapters.attention",
+    "unnest": "gear_torchrl.adapters.attention",
+    "varlen_inputs": "gear_torchrl.adapters.attention",
     "UnverifiedCheckpointWarning": "gear_torchrl.errors",
     "GearDataset": "gear_torchrl.adapters.dataset",
     "ShardedGearStorage": "gear_torchrl.adapters.sharded_storage",
@@ -54,6 +60,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads lazily
+    from gear_torchrl.adapters.attention import (
+        LengthBuckets,
+        document_causal_block_mask,
+        document_causal_mask_mod,
+        nested_view,
+        unnest,
+        varlen_inputs,
+    )
     from gear_torchrl.adapters.checkpointer import GearStorageCheckpointer
     from gear_torchrl.adapters.dataset import GearDataset
     from gear_torchrl.adapters.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio

@@ -49,8 +49,13 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 from torchrl.data import TensorDictReplayBuffer
 
-from gear_torchrl import GearPackedSequenceSampler, GearSequenceSampler, GearStorage
-from gear_torchrl.adapters.attention import LengthBuckets, document_causal_block_mask
+from gear_torchrl import (
+    GearPackedSequenceSampler,
+    GearSequenceSampler,
+    GearStorage,
+    LengthBuckets,
+    document_causal_block_mask,
+)
 
 # -- 1. The task and its episodes --------------------------------------------------------
 #
@@ -132,7 +137,7 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 #
 # On a GPU this is one call: flash-attn's varlen kernels with varlen_inputs(batch)
 # (cu_seqlens, max_seqlen), or flex_attention with document_causal_block_mask(batch),
-# both from gear_torchrl.adapters.attention. On a CPU (torch 2.14) neither trains:
+# both from gear_torchrl. On a CPU (torch 2.14) neither trains:
 # flex_attention has no backward there (eager or compiled), and
 # scaled_dot_product_attention on nested jagged tensors (nested_view) refuses
 # is_causal=True. One call over the whole pack with a dense document-causal mask is
