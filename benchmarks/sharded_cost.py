@@ -3,7 +3,7 @@
 One loopback job per world (spawned ranks under torch.distributed on 127.0.0.1):
 ``own`` is a world of one whose learner owns its only shard (``transport="auto"``,
 so same-host reads); ``tcp N`` is N owners and one learner that owns none
-(``transport="tcp"``). With several owners, ``prefetch`` is the same store asking for
+(``transport="tcp"``), ``localN`` the same read with ``transport="local"``. With several owners, ``prefetch`` is the same store asking for
 the next batch ahead (``storage.prefetch = True``), ``ahead N`` for the next N at once
 (``storage.prefetch = N``, ``--ahead``, each owner's N requests in one write), and ``raw`` the floor
 of one round trip per batch:
@@ -337,7 +337,8 @@ def _pin(learner: bool) -> None:
         os.sched_setaffinity(int(tid), mine)
 
 
-def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rounds: int, out) -> None:
+def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rounds: int, transport: str,
+          out) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -350,7 +351,7 @@ def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rou
     own = world == 1
     learner = rank == world - 1
     on_gpu = learner and os.environ.get("GEAR_BENCH_LEARNER_DEVICE", "cpu") != "cpu"
-    storage = ShardedGearStorage(STEPS // owners, owns_shard=own or not learner, transport="auto" if own else "tcp",
+    storage = ShardedGearStorage(STEPS // owners, owns_shard=own or not learner, transport="auto" if own else transport,
                                  serve_on="127.0.0.1", timeout=60, pin_memory=on_gpu)
     store = dist.distributed_c10d._get_default_store()
     if storage.local is not None:
@@ -375,9 +376,12 @@ def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rou
 
 
 def run_world(world_name: str, batches: list[int], rounds: int) -> dict:
-    owners = 1 if world_name == "own" else int(world_name)
+    """``own``; ``N``: N owners read over tcp; ``localN``: N owners on this host read with transport="local"."""
+    transport = "local" if world_name.startswith("local") else "tcp"
+    owners = 1 if world_name == "own" else int(world_name.removeprefix("local"))
     world = 1 if world_name == "own" else owners + 1
-    return run_ranks(_rank, world, (world, free_port(), owners, batches, rounds), f"world {world_name}", 1200)
+    return run_ranks(_rank, world, (world, free_port(), owners, batches, rounds, transport), f"world {world_name}",
+                     1200)
 
 
 def use_ray_site(folder: str) -> None:
