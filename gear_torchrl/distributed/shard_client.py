@@ -5,6 +5,7 @@ import errno
 import functools
 import itertools
 import json
+import select
 import socket
 import struct
 import threading
@@ -114,6 +115,18 @@ class ShardClient:
         if isinstance(exc, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):
             return "closed the connection"
         return f"{type(exc).__name__}: {exc}"
+
+    def check_alive(self) -> None:
+        """Raise ``ShardUnavailableError`` if the owner closed the connection (it died), else nothing: one poll,
+        for a learner that reads the shard without asking the owner (``transports/local.py``)."""
+        with self._lock:
+            sock = self._connection()
+            try:
+                ready, _, _ = select.select([sock], [], [], 0)
+                if ready and not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    raise ConnectionResetError("the owner closed the connection")
+            except (OSError, ValueError) as exc:
+                raise self._broken(exc) from exc
 
     def request(self, message: Message | EncodedMessage,
                 into: list[torch.Tensor] | wire.Allocator | None = None) -> Message:

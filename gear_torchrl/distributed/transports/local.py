@@ -1,33 +1,39 @@
-"""local: a learner on the shard's host reads its shared memory directly."""
+"""local: a shard another process on this host serves, read where it is mapped.
+
+Rules that follow a reader's own view of the store (uniform rows, windows,
+packed sequences: ``spec.per_reader``) are picked in the learner's process, from
+the learner's seed, by a view of the store of its own (its reader slot, its
+episode index, its cores: the same draws the owner would make), and gathered
+from the mapped segments, as a learner that owns the shard reads it
+(``in_process.py``): no message to the owner, and the read section ends here,
+not with a round trip. A check that the owner still holds its connection open
+(one poll) keeps a dead owner failing as it fails over tcp. Rules with per-row
+state live in the owner's process, one core per shard shared by its learners:
+the owner picks, this process gathers, and a release follows.
+"""
 from __future__ import annotations
 
-import torch
+from typing import Any
 
+from gear_torchrl.distributed.shard_client import Ask
+from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.transports.base import Transport
-from gear_torchrl.kernels import gather
-from gear_torchrl.store.shared_commits import SharedStoreHandle, shared_part, shared_shard
-from gear_torchrl.store.windows import Windows
+from gear_torchrl.distributed.transports.in_process import InProcessTransport
+from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.selector_registry import SelectorRegistry
+from gear_torchrl.store.shared_commits import SharedStoreHandle
 
 
-class LocalTransport(Transport):
-    """Gathers from the shard's segments mapped into this process: one copy, no socket.
+class LocalTransport(InProcessTransport):
+    """Picks of per-reader rules here, the others by the owner; every row gathered from shared memory."""
 
-    The rows stay readable because the owner holds the selection's read
-    section until the learner releases it.
-    """
-
-    name = "local"
+    speaks_to_owner = True  # rules with per-row state are picked by the owner
 
     def __init__(self, handle: SharedStoreHandle) -> None:
-        self._shard = shared_shard(handle.capacity, handle=handle)  # held: its part refers back to it weakly
-        self._shared = shared_part(self._shard)  # the segments it reads
+        super().__init__(ShardView(handle, SelectorRegistry(handle.capacity)))
 
-    def read(self, request: Windows, out: list[torch.Tensor]) -> None:
-        columns = self._shared.mapped_columns()
-        if not columns:
-            raise RuntimeError("the shard has published no rows yet")
-        gather.gather_windows(columns, request.starts, request.seq_len, torch.device("cpu"),
-                              request.valid_begin, request.valid_end, out=out)
-
-    def close(self) -> None:
-        self._shared.close()
+    def select(self, client: Any, ask: Ask) -> Picked:
+        if not ask.spec.per_reader:
+            return Transport.select(self, client, ask)
+        client.check_alive()
+        return super().select(client, ask)
