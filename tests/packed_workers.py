@@ -96,4 +96,21 @@ def _learn(storage) -> dict:
     after = [check_tokens(prioritized.sample()) for _ in range(5)]
     weights = prioritized.sample()["priority_weight"]
     results["prioritized"] = {"before": before, "after": after, "weights_finite": bool(weights.isfinite().all())}
+    results["seeded"] = _seeded_draws(storage)
     return results
+
+
+def _seeded_draws(storage) -> dict:
+    """What a seeded learner draws, rule by rule: over tcp the owners pick, over local this process does."""
+    from torchrl.data import RandomSampler, TensorDictReplayBuffer
+
+    from gear_torchrl import GearPackedSequenceSampler, GearSequenceSampler
+
+    samplers = {"rows": (RandomSampler(), 256), "windows": (GearSequenceSampler(8), 256),
+                "packed": (GearPackedSequenceSampler(MAX_LEN, burn_in=BURN_IN), BUDGET)}
+    drawn = {}
+    for rule, (sampler, batch_size) in samplers.items():
+        rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=batch_size)
+        rb.set_rng(torch.Generator().manual_seed(11))
+        drawn[rule] = [rb.sample()["index"].as_subclass(torch.Tensor).clone() for _ in range(3)]
+    return drawn

@@ -114,3 +114,12 @@ def test_sharded_priorities_follow_updates_on_their_owners(sharded, transport):
     assert min(later) > 0.9, later
     assert all(p["one_episode"] and p["consecutive"] and p["padding_last"] for p in found["before"] + found["after"])
     assert found["weights_finite"]
+
+
+def test_a_seeded_learner_draws_the_same_over_local_as_over_tcp(sharded):
+    """Over local the learner picks uniform rows, windows and packs itself; over tcp the owners do: the same
+    seed gives the same rows."""
+    for rule in ("rows", "windows", "packed"):
+        tcp, local = sharded["tcp"]["seeded"][rule], sharded["local"]["seeded"][rule]
+        assert all(torch.equal(a, b) for a, b in zip(tcp, local)), rule
+        assert not torch.equal(tcp[0], tcp[1]), rule  # the draws move on

@@ -51,9 +51,15 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
     Args:
         max_size: rows in this rank's shard (ignored where ``owns_shard=False``).
         owns_shard: hold and serve a shard on this rank. Ranks without one only sample.
-        transport: how rows move: ``"tcp"``, ``"local"`` (same host, shared
-            memory), ``"rdma"`` (one-sided reads), or ``"auto"``: rdma where a
-            device and the owner's region exist, local for same-host shards, else tcp.
+        transport: how rows move: ``"tcp"``, ``"local"`` (same host: this process
+            maps the shard's shared memory, picks uniform rows, windows and packed
+            sequences there itself from its seed, the draws the owner would make,
+            and gathers them, with no message to the owner; the owner picks only the
+            rules with per-row state, priorities, queues, top-k), ``"rdma"``
+            (one-sided reads), or ``"auto"``: rdma where a device and the owner's
+            region exist, local for same-host shards (the cheapest there: a batch of
+            256 costs the learner 0.65x what tcp does and the owner nothing;
+            BENCHMARKS.md), else tcp.
         on_shard_failure: a shard that dies or stops answering makes sampling
             ``"raise"`` :class:`ShardUnavailableError`, or ``"skip"`` it: sampling goes
             on over the other shards, without its mass, and a warning is logged.
