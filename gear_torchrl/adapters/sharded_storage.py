@@ -58,7 +58,7 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
             rules with per-row state, priorities, queues, top-k), ``"rdma"``
             (one-sided reads), or ``"auto"``: rdma where a device and the owner's
             region exist, local for same-host shards (the cheapest there: a batch of
-            256 costs the learner 0.65x what tcp does and the owner nothing;
+            256 costs the learner about two thirds of what tcp does, and the owner nothing;
             BENCHMARKS.md), else tcp.
         on_shard_failure: a shard that dies or stops answering makes sampling
             ``"raise"`` :class:`ShardUnavailableError`, or ``"skip"`` it: sampling goes
