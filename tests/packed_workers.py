@@ -7,19 +7,18 @@ its checksum, its episode and its shard, then writes what it found to a file.
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from sharded_workers import _wait_for
 from shared_workers import episode, verify
 
 OWNERS = 2
 CAPACITY = 2000
 EPISODES = [60, 40]  # per owner: unequal, so both must show up in proportion to their mass
 MAX_LEN, BURN_IN, BUDGET = 24, 3, 512
-WAIT_S = 240.0
 
 
 def run_rank(rank: int, world: int, port: int, tmp: str, transport: str) -> None:
@@ -47,14 +46,6 @@ def run_rank(rank: int, world: int, port: int, tmp: str, transport: str) -> None
     finally:
         storage.close()
     os._exit(0)
-
-
-def _wait_for(path: Path) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path.name} never came")
-        time.sleep(0.05)
 
 
 def check_tokens(batch) -> dict:

@@ -35,17 +35,22 @@ class WindowMarkers:
         truncated = torch.zeros(num_steps, 1, dtype=torch.bool, device=mask.device)
         last = torch.arange(windows.starts.numel()) * windows.seq_len + windows.valid_end - 1
         truncated[last.to(mask.device)] = True
+        return {self.mask_key: mask, **self.episode_ends(columns, truncated)}
+
+    def episode_ends(self, columns: dict[NestedKey, torch.Tensor],
+                     truncated: torch.Tensor) -> dict[NestedKey, torch.Tensor]:
+        """SliceSampler's end markers: ``truncated`` (bool [N, 1]) where a window or sequence ends, ``done`` the
+        stored flag or-ed with it, ``terminated`` as stored."""
         by_path = {as_path(k): t for k, t in columns.items()}
 
         def stored_flag(key: NestedKey) -> torch.Tensor:
             flag = by_path.get(as_path(key))
             if flag is None:
                 return torch.zeros_like(truncated)
-            flag = flag.reshape(num_steps, -1)
+            flag = flag.reshape(truncated.shape[0], -1)
             return flag if flag.shape[1] == 1 and flag.dtype == torch.bool else flag.any(-1, keepdim=True)
 
         return {
-            self.mask_key: mask,
             self.truncated_key: truncated,
             self.done_key: stored_flag(self.done_key) | truncated,
             self.terminated_key: stored_flag(self.terminated_key),
@@ -77,26 +82,13 @@ class PackedMarkers:
     def __call__(self, windows: Windows, columns: dict[NestedKey, torch.Tensor],
                  mask: torch.Tensor) -> dict[NestedKey, torch.Tensor]:
         device = mask.device
-        by_path = {as_path(k): t for k, t in columns.items()}
-        num_tokens = self.seq_id.numel()
-        truncated = self.last.reshape(num_tokens, 1).to(device)
-
-        def stored_flag(key: NestedKey) -> torch.Tensor:
-            flag = by_path.get(as_path(key))
-            if flag is None:
-                return torch.zeros_like(truncated)
-            flag = flag.reshape(num_tokens, -1)
-            return flag if flag.shape[1] == 1 and flag.dtype == torch.bool else flag.any(-1, keepdim=True)
-
         return {
             (self.prefix, "seq_id"): self.seq_id.to(device),
             (self.prefix, "position"): self.position.to(device),
             (self.prefix, "step"): self.step.to(device),
             (self.prefix, "mask"): self.mask.to(device),
             (self.prefix, "episode_start"): (self.step == 0).to(device),
-            self.keys.truncated_key: truncated,
-            self.keys.done_key: stored_flag(self.keys.done_key) | truncated,
-            self.keys.terminated_key: stored_flag(self.keys.terminated_key),
+            **self.keys.episode_ends(columns, self.last.reshape(-1, 1).to(device)),
         }
 
 

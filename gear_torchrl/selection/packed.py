@@ -38,14 +38,13 @@ from typing import Any, ClassVar
 import torch
 
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import Selector, needs_shard
+from gear_torchrl.selection.base import needs_shard
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec
 from gear_torchrl.selection.random_draws import uniform
 from gear_torchrl.selection.specs import Path, SelectionSpec
-from gear_torchrl.selection.trees import PriorityTrees
-from gear_torchrl.selection.windows import check_episode_markers
-from gear_torchrl.store.episodes import Episodes, Position
+from gear_torchrl.selection.windows import EpisodeTreeSelector, check_episode_markers
+from gear_torchrl.store.episodes import Episodes
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.windows import Windows
 
@@ -162,13 +161,11 @@ class PackedSpec(SelectionSpec):
         return PackedSelector(self)
 
 
-class PackedSelector(Selector[PackedSpec]):
-    """Per-episode weights in a tree over episode slots (per reader: it follows the reader's index)."""
+class PackedSelector(EpisodeTreeSelector[PackedSpec]):
+    """Per-episode weights (``uniform_over``) in a tree over episode slots."""
 
     def __init__(self, spec: PackedSpec) -> None:
-        self.spec = spec
-        self.tree: PriorityTrees | None = None
-        self._seen: Position | None = None
+        super().__init__(spec)
         self._expected_length = float(spec.max_len)  # tokens a sequence, as the last pack drew them
 
     def _weights(self, episodes: Episodes, slots: torch.Tensor) -> torch.Tensor:
@@ -181,21 +178,6 @@ class PackedSelector(Selector[PackedSpec]):
         if self.spec.uniform_over == "steps":
             return torch.where(count > 0, (count / self.spec.seq_len).clamp_min(1.0), 0.0)
         return count
-
-    def _refresh(self, episodes: Episodes) -> PriorityTrees:
-        slots = episodes.changed_since(self._seen)
-        if slots is None or self.tree is None or self.tree.capacity != episodes.start.numel():
-            self.tree = PriorityTrees(episodes.start.numel())
-            slots = torch.arange(episodes.start.numel())
-        if slots.numel():
-            self.tree.set(slots, self._weights(episodes, slots))
-        self._seen = episodes.position
-        return self.tree
-
-    def mass(self, shard: Shard) -> float:
-        if shard.size == 0 or not shard.tracks_episodes:
-            return 0.0
-        return float(self._refresh(shard.episodes).total)
 
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         """A pack of ``count`` tokens."""
@@ -220,9 +202,6 @@ class PackedSelector(Selector[PackedSpec]):
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return no_sequence_reason(self.spec.include_open)
-
-    def clear(self) -> None:
-        self.tree, self._seen = None, None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ then an offset inside each.
 from __future__ import annotations
 
 import dataclasses
+from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -15,7 +16,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import Selector, needs_shard
+from gear_torchrl.selection.base import Selector, SpecT_co, needs_shard
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.random_draws import uniform
 from gear_torchrl.selection.specs import Path, SelectionSpec
@@ -156,13 +157,43 @@ class WindowSpec(WindowGeometry):
         return WindowSelector(self)
 
 
-class WindowSelector(Selector[WindowSpec]):
-    """Per-episode window counts in a tree over episode slots; per reader (it follows the reader's index)."""
+class EpisodeTreeSelector(Selector[SpecT_co]):
+    """A rule that draws episodes by a weight each (windows, packed sequences): the weights in a tree over
+    episode slots, kept current from the episode index's change log; per reader (it follows the reader's
+    index)."""
 
-    def __init__(self, spec: WindowSpec) -> None:
+    def __init__(self, spec: SpecT_co) -> None:
         self.spec = spec
         self.tree: PriorityTrees | None = None
         self._seen: Position | None = None  # the episode index's position when last refreshed
+
+    @abstractmethod
+    def _weights(self, episodes: Episodes, slots: torch.Tensor) -> torch.Tensor:
+        """float64 weights of episode ``slots`` (0: not drawn)."""
+
+    def _refresh(self, episodes: Episodes) -> PriorityTrees:
+        """The weight tree, brought up to the index's revision."""
+        slots = episodes.changed_since(self._seen)
+        if slots is None or self.tree is None or self.tree.capacity != episodes.start.numel():
+            self.tree = PriorityTrees(episodes.start.numel())
+            slots = torch.arange(episodes.start.numel())
+        if slots.numel():
+            self.tree.set(slots, self._weights(episodes, slots))
+        self._seen = episodes.position
+        return self.tree
+
+    def mass(self, shard: Shard) -> float:
+        """The shard's total weight: how many windows (or eligible episodes, ...) it holds."""
+        if shard.size == 0 or not shard.tracks_episodes:
+            return 0.0
+        return float(self._refresh(shard.episodes).total)
+
+    def clear(self) -> None:
+        self.tree, self._seen = None, None
+
+
+class WindowSelector(EpisodeTreeSelector[WindowSpec]):
+    """Per-episode window counts in a tree over episode slots."""
 
     def _windows_in(self, length: torch.Tensor) -> torch.Tensor:
         if self.spec.strict_length:
@@ -177,23 +208,6 @@ class WindowSelector(Selector[WindowSpec]):
         if self.spec.uniform_over == "episodes":
             count = (count > 0).to(count.dtype)
         return count.to(torch.float64)
-
-    def _refresh(self, episodes: Episodes) -> PriorityTrees:
-        """The window-count tree, brought up to the index's revision."""
-        slots = episodes.changed_since(self._seen)
-        if slots is None or self.tree is None or self.tree.capacity != episodes.start.numel():
-            self.tree = PriorityTrees(episodes.start.numel())
-            slots = torch.arange(episodes.start.numel())
-        if slots.numel():
-            self.tree.set(slots, self._weights(episodes, slots))
-        self._seen = episodes.position
-        return self.tree
-
-    def mass(self, shard: Shard) -> float:
-        """How many windows (or eligible episodes) the shard holds."""
-        if shard.size == 0 or not shard.tracks_episodes:
-            return 0.0
-        return float(self._refresh(shard.episodes).total)
 
     def draw_state(self, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """What ``pick`` draws from, brought up to the shard's index: the tree's sums and the episodes'
@@ -229,5 +243,3 @@ class WindowSelector(Selector[WindowSpec]):
                                     self.spec.burn_in, self.spec.strict_length)
         return Windows(placed[0], self.spec.window_len, *placed[1:])
 
-    def clear(self) -> None:
-        self.tree, self._seen = None, None

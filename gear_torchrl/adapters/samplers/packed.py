@@ -25,7 +25,7 @@ from gear_torchrl.adapters.sampled_index import (
     WindowMarkers,
     plan_of,
 )
-from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler
+from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler, KeyedPriorityState
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.selection.checked_inputs import as_priority, as_rows, integer_rows, seeds_defaults
 from gear_torchrl.selection.packed import PackedSelector, PackedSpec, PriorityPackedSelector, PriorityPackedSpec
@@ -154,7 +154,7 @@ class GearPackedSequenceSampler(SelectsThroughStorage, Sampler):
                 f"uniform_over={self.uniform_over!r})")
 
 
-class GearPrioritizedPackedSequenceSampler(GearPackedSequenceSampler, GearPrioritizedSampler):
+class GearPrioritizedPackedSequenceSampler(KeyedPriorityState, GearPackedSequenceSampler, GearPrioritizedSampler):
     """Packed sequences drawn in proportion to their key's priority (the key: a sequence's first trained step),
     with an importance weight per token (0 on padding).
 
@@ -242,17 +242,6 @@ class GearPrioritizedPackedSequenceSampler(GearPackedSequenceSampler, GearPriori
         if storage is None or plan_of(index) is not None or torch.as_tensor(index).numel() != len(storage):
             return False
         return seeds_defaults(index, priority, self.default_priority)
-
-    _torchrl_files = False  # its masses weigh sequence keys: no TorchRL sampler holds that state
-
-    def _empty(self) -> None:
-        GearPrioritizedSampler._empty(self)
-
-    state_dict = GearPrioritizedSampler.state_dict
-    load_state_dict = GearPrioritizedSampler.load_state_dict
-    dumps = GearPrioritizedSampler.dumps
-    loads = GearPrioritizedSampler.loads
-    mark_update = GearPrioritizedSampler.mark_update
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(max_len={self.max_len}, burn_in={self.burn_in}, "

@@ -252,3 +252,17 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
 
     def __getstate__(self) -> dict:
         return dict(self.__dict__)
+
+
+class KeyedPriorityState:
+    """Listed first in the bases of a prioritized sampler over another sampler's draws (windows, packs): its
+    state, files and write-following are ``GearPrioritizedSampler``'s, over masses of keys (each window's or
+    sequence's first trained step), which no TorchRL sampler's files hold."""
+
+    _torchrl_files = False
+    _empty = GearPrioritizedSampler._empty
+    state_dict = GearPrioritizedSampler.state_dict
+    load_state_dict = GearPrioritizedSampler.load_state_dict
+    dumps = GearPrioritizedSampler.dumps
+    loads = GearPrioritizedSampler.loads
+    mark_update = GearPrioritizedSampler.mark_update

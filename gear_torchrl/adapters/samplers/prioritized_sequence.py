@@ -12,14 +12,14 @@ from typing import Any, Literal, cast
 import torch
 
 from gear_torchrl.adapters.sampled_index import Selection
-from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler
+from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler, KeyedPriorityState
 from gear_torchrl.adapters.samplers.sequence import GearSequenceSampler
 from gear_torchrl.selection.checked_inputs import as_rows, integer_rows, seeds_defaults
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec, key_priorities
 from gear_torchrl.selection.windows import WindowSpec
 
 
-class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler):  # type: ignore[misc]  # windows' sample
+class GearPrioritizedSequenceSampler(KeyedPriorityState, GearSequenceSampler, GearPrioritizedSampler):  # type: ignore[misc]  # windows' sample
     """Windows drawn in proportion to their priority, with importance weights per step.
 
     Takes GearSequenceSampler's window options plus ``alpha``, ``beta``, ``eps``
@@ -104,18 +104,6 @@ class GearPrioritizedSequenceSampler(GearSequenceSampler, GearPrioritizedSampler
     def set_key_priorities(self, rows: torch.Tensor, priority: torch.Tensor) -> None:
         """Raw priorities of window keys (checked)."""
         self.selector.update(rows, priority)
-
-    # -- state ------------------------------------------------------------------------------
-    _torchrl_files = False  # its masses weigh window keys: TorchRL's PrioritizedSliceSampler state differs
-
-    def _empty(self) -> None:
-        GearPrioritizedSampler._empty(self)
-
-    state_dict = GearPrioritizedSampler.state_dict
-    load_state_dict = GearPrioritizedSampler.load_state_dict
-    dumps = GearPrioritizedSampler.dumps
-    loads = GearPrioritizedSampler.loads
-    mark_update = GearPrioritizedSampler.mark_update
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(seq_len={self.seq_len}, burn_in={self.burn_in}, "
