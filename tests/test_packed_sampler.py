@@ -366,3 +366,20 @@ def test_a_prioritized_packed_buffer_checkpoints_its_priorities(tmp_path):
     assert torch.equal(restored.sampler.selector.row_mass, rb.sampler.selector.row_mass)
     assert torch.equal(restored.storage.get(torch.arange(60))["obs"], rb.storage.get(torch.arange(60))["obs"])
     check_pack(restored.sample(), 60, 16, 0)
+
+
+def test_ndim2_prioritized_packs_follow_their_updates():
+    envs, steps = 3, 100
+    columns = [episodes_of([10] * 10, first_id=100 * e) for e in range(envs)]
+    data = torch.stack(columns, 1)  # [T, num_envs]
+    sampler = GearPrioritizedPackedSequenceSampler(steps * envs, 16, alpha=1.0, beta=0.5)
+    rb = TensorDictReplayBuffer(storage=GearStorage(steps * envs, ndim=2), sampler=sampler, batch_size=160,
+                                dim_extend=0, priority_key="td_error")
+    rb.extend(data)
+    check_pack(rb.sample(), 160, 16, 0)
+    for _ in range(4):  # env 1's episode 105 gets a large error: it comes to fill the packs
+        batch = rb.sample()
+        batch["td_error"] = torch.where(batch["ep"] == 105, 1000.0, 1e-3).to(torch.float64)
+        rb.update_tensordict_priority(batch)
+    eps = torch.cat([rb.sample()["ep"] for _ in range(5)])
+    assert float((eps == 105).float().mean()) > 0.8
