@@ -7,7 +7,8 @@ tokens, at the end) marked, every token carrying ``("packed", "seq_id")``,
 ``("packed", "mask")`` (False on padding and burn-in), ``("packed",
 "episode_start")`` and SliceSampler's ``("next", "truncated"/"done"/"terminated")``,
 besides the stored columns and the sampled ``"index"`` (-1 on padding).
-``gear_torchrl.adapters.attention`` turns it into attention inputs.
+``varlen_inputs``, ``document_causal_block_mask``, ``nested_view`` and ``LengthBuckets``
+(``adapters/attention.py``, public in ``gear_torchrl``) turn it into attention inputs.
 """
 from __future__ import annotations
 
