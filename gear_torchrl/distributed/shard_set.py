@@ -218,7 +218,9 @@ class ShardSet:
     """A learner's view of every shard: connections, transports, masses and the failure policy."""
 
     _served: tuple[int, Any] | None = None  # (shard, ShardServer) this process serves
-    _kept_route: _Route | None = None  # how the live shards were last reached, while every connection holds
+    # how the live shards were last reached for rules per reader (True) or with per-row state (False), kept
+    # while every connection holds
+    _kept_routes: dict[bool, _Route]
 
     def __init__(self, descriptors: list[ShardDescriptor], secret: bytes, options: Options,
                  control: Any = None, rank: int | None = None, served: tuple[int, Any] | None = None) -> None:
@@ -239,6 +241,7 @@ class ShardSet:
         self._queued: collections.deque[_Round] = collections.deque()  # the next batches, asked for (prefetch)
         self._live: list[int] = []  # the live shards, as of ``_live_for`` failures (see ``live_shards``)
         self._live_for = -1
+        self._kept_routes = {}
 
     def set_prefetch(self, batches: int) -> None:
         options = dataclasses.replace(self.options, prefetch=batches)
@@ -360,7 +363,7 @@ class ShardSet:
                                         count * spec.rows_per_pick)
             picks, extra = landing_picks(count, spec.rows_per_pick), landing_extra(spec, count)
             shares = Shares(spec, counts, seeds, batch, picks, extra)
-        route = self._route(live)
+        route = self._route(live, spec)
         if shares is not None and shares.asked_natively:
             asks = {s: self._ask_in(shares, live.index(s), s) for s in route.apart}
             flight: Flight[Picked] | ShareFlight = ShareFlight(route.clients, shares, route.members, send)
@@ -371,15 +374,18 @@ class ShardSet:
             flight = Flight(route.clients, [asks[s] for s in route.together], send)
         return _Round((spec, count, generator), live, counts, batch, picks, extra, shares, asks, route, flight)
 
-    def _route(self, live: list[int]) -> _Route:
-        """How to reach ``live`` this round: the route kept for it, or a new one (kept if it is whole)."""
-        kept, pid = self._kept_route, os.getpid()
+    def _route(self, live: list[int], spec: SelectionSpec) -> _Route:
+        """How to reach ``live`` this round for ``spec``: the route kept for it, or a new one (kept if it is whole).
+        A transport may answer a rule apart or send its rows in the owner's reply (``Transport.replies_with_rows``),
+        depending on whether the rule follows a reader's view (``spec.per_reader``): a route is kept for each."""
+        kept, pid = self._kept_routes.get(spec.per_reader), os.getpid()
         if kept is not None and kept.live == live and kept.pid == pid:
             return kept
         transports = {s: self._opened_transport(s) for s in live}
         together, clients, unreached = [], [], []
         for s in live:
-            if getattr(transports[s], "replies_with_rows", False):
+            transport = transports[s]
+            if not isinstance(transport, Exception) and transport.replies_with_rows(spec):
                 try:
                     clients.append(self.client(s))
                     together.append(s)
@@ -388,7 +394,10 @@ class ShardSet:
         asked = set(together) | {s for s, _ in unreached}
         route = _Route(live, transports, together, clients, [live.index(s) for s in together], unreached,
                        [s for s in live if s not in asked], pid)
-        self._kept_route = route if route.whole else None
+        if route.whole:
+            self._kept_routes[spec.per_reader] = route
+        else:
+            self._kept_routes.pop(spec.per_reader, None)
         return route
 
     def _send_ahead(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> list[_Round]:
@@ -683,7 +692,7 @@ class ShardSet:
 
     def _disconnect(self, shard: int) -> None:
         """Close the shard's connection and transport; the next use opens new ones."""
-        self._kept_route = None
+        self._kept_routes = {}
         client = self._clients.pop(shard, None)
         if client is not None:
             client.close()
@@ -763,7 +772,7 @@ class ShardSet:
                 for c in table.columns]
 
     def close(self) -> None:
-        self._kept_route = None
+        self._kept_routes = {}
         for t in self._transports.values():
             t.close()
         for c in self._clients.values():

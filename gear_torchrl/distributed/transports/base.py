@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.windows import Windows
 
 if TYPE_CHECKING:
@@ -32,8 +33,12 @@ class Transport(ABC):
 
     name: str
     writes_padding: bool = True  # whether padding positions come back as zeros (else: left untouched)
-    replies_with_rows: bool = False  # the owner sends a selection's rows in its reply: shards share one wait
     speaks_to_owner: bool = True  # picks go through the learner's connection to the owner (else: in this process)
+
+    def replies_with_rows(self, spec: SelectionSpec) -> bool:
+        """Whether the owner sends the rows of ``spec``'s picks in its reply (tcp): such shards are asked together
+        and share one wait; the others are answered apart (``select``)."""
+        return False
 
     @abstractmethod
     def read(self, request: Windows, out: list[torch.Tensor]) -> None:

@@ -9,7 +9,9 @@ from the mapped segments, as a learner that owns the shard reads it
 not with a round trip. A check that the owner still holds its connection open
 (one poll) keeps a dead owner failing as it fails over tcp. Rules with per-row
 state live in the owner's process, one core per shard shared by its learners:
-the owner picks, this process gathers, and a release follows.
+the owner picks and sends the rows in its reply, as over tcp (one round trip, its
+extension answering prioritized rows; picking there and gathering here would
+cost a second round trip to release the rows).
 """
 from __future__ import annotations
 
@@ -17,23 +19,24 @@ from typing import Any
 
 from gear_torchrl.distributed.shard_client import Ask
 from gear_torchrl.distributed.shard_view import ShardView
-from gear_torchrl.distributed.transports.base import Transport
 from gear_torchrl.distributed.transports.in_process import InProcessTransport
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.selector_registry import SelectorRegistry
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shared_commits import SharedStoreHandle
 
 
 class LocalTransport(InProcessTransport):
-    """Picks of per-reader rules here, the others by the owner; every row gathered from shared memory."""
+    """Picks of per-reader rules here, gathered from shared memory; the others by the owner, rows in its reply."""
 
     speaks_to_owner = True  # rules with per-row state are picked by the owner
 
     def __init__(self, handle: SharedStoreHandle) -> None:
         super().__init__(ShardView(handle, SelectorRegistry(handle.capacity)))
 
+    def replies_with_rows(self, spec: SelectionSpec) -> bool:
+        return not spec.per_reader  # the owner's core picks: its reply carries the rows, as over tcp
+
     def select(self, client: Any, ask: Ask) -> Picked:
-        if not ask.spec.per_reader:
-            return Transport.select(self, client, ask)
         client.check_alive()
         return super().select(client, ask)

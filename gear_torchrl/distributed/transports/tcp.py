@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from gear_torchrl.distributed.transports.base import Transport
+from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.windows import Windows
 
 
@@ -17,7 +18,9 @@ class TcpTransport(Transport):
     """
 
     name = "tcp"
-    replies_with_rows = True
+
+    def replies_with_rows(self, spec: SelectionSpec) -> bool:
+        return True
 
     def __init__(self, client) -> None:
         self._client = client
