@@ -18,10 +18,15 @@ LAYERS = ("kernels", "store", "selection", "distributed", "adapters")
 SHARED = "gear_torchrl.errors"
 
 
-def _imports(path: Path, *, top_level_only: bool = False) -> set[str]:
-    """Modules of the package (and others) that ``path`` imports: ``from gear_torchrl import x`` counts as ``x``."""
+def _imports(path: Path, *, top_level_only: bool = False, type_checking: bool = False) -> set[str]:
+    """Modules of the package (and others) that ``path`` imports: ``from gear_torchrl import x`` counts as ``x``.
+
+    ``top_level_only``: the module-level statements (not the imports deferred into functions), and with
+    ``type_checking`` those under ``if TYPE_CHECKING:`` too (what a type checker follows)."""
     tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    nodes = list(ast.walk(tree))
+    if top_level_only:
+        nodes = [*tree.body, *(n for block in tree.body if type_checking and _checks_types(block) for n in block.body)]
     names: set[str] = set()
     for node in nodes:
         if isinstance(node, ast.Import):
@@ -31,6 +36,11 @@ def _imports(path: Path, *, top_level_only: bool = False) -> set[str]:
             names |= {f"{node.module}.{alias.name}" for alias in node.names
                       if _module_file(f"{node.module}.{alias.name}") is not None}
     return names
+
+
+def _checks_types(node: ast.stmt) -> bool:
+    """Whether ``node`` is ``if TYPE_CHECKING:`` (imports only a type checker follows)."""
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
 def _module_file(name: str) -> Path | None:
@@ -81,27 +91,42 @@ def test_errors_and_the_face_import_no_layer_at_run_time():
     assert not {n for n in face if n.startswith("gear_torchrl")}, "the face loads its names lazily"
 
 
+# A shard and the visibility part it is built from refer to each other (for types only): the one cycle left, until
+# that seam is declared as an interface of its own (issue 49). Listed so that a new cycle, or this one gone, fails.
+KNOWN_CYCLES = [{"gear_torchrl.store.own_writes", "gear_torchrl.store.shard", "gear_torchrl.store.visibility"}]
+
+
 def test_no_import_cycle_between_modules():
-    """Every module's imports as Python runs them (top-level statements), followed to the end: no module reaches itself."""
+    """Every module's imports at its top level, those only a type checker follows included, followed to the end:
+    no module reaches itself but those of ``KNOWN_CYCLES``."""
     graph = {}
     for path in PACKAGE.rglob("*.py"):
-        graph[_module_name(path)] = {_module_name(f) for n in _imports(path, top_level_only=True)
+        graph[_module_name(path)] = {_module_name(f) for n in _imports(path, top_level_only=True, type_checking=True)
                                      if (f := _module_file(n)) is not None} - {_module_name(path)}
-    state: dict[str, int] = {}  # 1 on the path, 2 done
-
-    def visit(name: str, path: list[str]) -> None:
-        state[name] = 1
-        for dep in sorted(graph.get(name, ())):
-            if state.get(dep) == 1:
-                raise AssertionError("import cycle: " + " -> ".join([*path[path.index(dep):], name, dep]))
-            if dep not in state:
-                visit(dep, [*path, name])
-        state[name] = 2
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [])
     assert len(graph) > 80
+    assert _cycles(graph) == KNOWN_CYCLES
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The groups of modules that reach each other (strongly connected components of more than one)."""
+    reaches = {name: _reached(graph, name) for name in graph}
+    groups: list[set[str]] = []
+    for name in sorted(graph):
+        group = {other for other in reaches[name] if name in reaches[other]} | {name}
+        if len(group) > 1 and group not in groups:
+            groups.append(group)
+    return groups
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = list(graph[start])
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(graph.get(name, ()))
+    return seen
 
 
 def test_importing_every_layer_below_the_adapters_loads_no_torchrl():

@@ -33,8 +33,7 @@ from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.bootstrap import Membership, join
 from gear_torchrl.distributed.directory import ShardDescriptor, host_id
 from gear_torchrl.distributed.shard_set import Options, ShardSet
-from gear_torchrl.selection.base import Selector
-from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.selection.base import SelectionSpec, Selector
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store.shard import DEFAULT_END_KEYS
 from gear_torchrl.store.table_spec import Data, NestedKey

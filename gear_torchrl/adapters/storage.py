@@ -24,10 +24,9 @@ from gear_torchrl.adapters.stats import Rates
 from gear_torchrl.adapters.torchrl_state import state_from_torchrl, torchrl_fields
 from gear_torchrl.errors import EmptyStoreError
 from gear_torchrl.kernels import gather
-from gear_torchrl.selection.base import Selector, pick_exactly
+from gear_torchrl.selection.base import SelectionSpec, Selector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.addressing import Addressing, StepRows
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.store.indices import Index

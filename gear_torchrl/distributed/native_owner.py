@@ -34,9 +34,9 @@ from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.errors import ReadRevokedError, StoreClosedError
 from gear_torchrl.kernels import _C
+from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
 from gear_torchrl.store.windows import Windows
 

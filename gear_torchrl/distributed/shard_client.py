@@ -18,13 +18,12 @@ import torch
 
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.directory import ShardDescriptor
-from gear_torchrl.distributed.transports.base import RemoteShardError
 from gear_torchrl.distributed.wire import EncodedMessage, Message, Op
 from gear_torchrl.errors import CheckpointError, EmptyStoreError, ShardUnavailableError
 from gear_torchrl.kernels import _C
+from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
 from gear_torchrl.selection.priorities import PrioritySpec
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.selection.windows import WindowSpec
 from gear_torchrl.store.windows import Windows
@@ -37,6 +36,10 @@ _REMOTE_TYPES: dict[str, type[Exception]] = {
     "IndexError": IndexError, "ValueError": ValueError, "EmptyStoreError": EmptyStoreError,
     "NotImplementedError": NotImplementedError, "CheckpointError": CheckpointError,
 }
+
+
+class RemoteShardError(RuntimeError):
+    """A shard owner rejected a request (the message says why); the connection stays usable."""
 
 
 class ShardClient:

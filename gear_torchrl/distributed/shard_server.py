@@ -33,10 +33,10 @@ from gear_torchrl.distributed.shard_client import PRIORITIZED_EXTRA
 from gear_torchrl.distributed.shard_view import ShardView, spec_of
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.kernels import _C
+from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import EXTRA_DTYPES
 from gear_torchrl.selection.priorities import PrioritySpec
 from gear_torchrl.selection.selector_registry import SelectorRegistry
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.selection.windows import WindowSpec
 from gear_torchrl.store.shared_commits import SharedStoreHandle

@@ -42,6 +42,7 @@ from gear_torchrl.distributed.transports.registry import CHOICES, Reach, open_tr
 from gear_torchrl.distributed.wire import Op
 from gear_torchrl.errors import EmptyStoreError, ShardUnavailableError, SpecMismatchError
 from gear_torchrl.kernels import _C
+from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.checked_inputs import (
     as_generation,
     refuse_out_of_range,
@@ -49,7 +50,6 @@ from gear_torchrl.selection.checked_inputs import (
     shaped_priority,
 )
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store.table_spec import TableSpec
 from gear_torchrl.store.windows import Windows

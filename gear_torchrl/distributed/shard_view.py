@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 
-from gear_torchrl.selection.base import Selector
+from gear_torchrl.selection.base import SelectionSpec, Selector
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.rules import spec_from_json
 from gear_torchrl.selection.selector_registry import SelectorRegistry
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shared_commits import SharedStoreHandle, shared_part, shared_shard
 
 

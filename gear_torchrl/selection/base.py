@@ -1,24 +1,67 @@
-"""The interfaces of a selection core (in the spirit of Reverb's selectors): picking, and the state of a rule that has one.
+"""The interfaces of a selection rule (in the spirit of Reverb's selectors): its spec, and its core.
 
-A core runs one rule over one shard: it follows the shard's writes, reports
-its mass (what a batch is split across shards by), picks ``n`` rows or
-windows with a given ``torch.Generator``, takes priority updates and takes
-back picks that were not used. A rule with per-row state of its own
-(priorities, queue order, scores, counts) is a ``StatefulSelector``: it also
-saves and restores that state, and a shard owner shares one such core among
-its learners. A core knows tensors and the store, never TorchRL: a local
-sampler and a shard owner run the same core.
+A spec (``SelectionSpec``) says what rule picks, with which settings. It is frozen
+and hashable: a shard owner keeps one core per spec, and the same spec travels to
+every owner of a sharded store (``to_json``, and ``rules.spec_from_json`` back,
+checked field by field: an owner trusts no learner's types). ``build`` makes the
+core that runs the rule over one shard; each rule's spec lives in its core's file.
+
+A core (``Selector``) runs one rule over one shard: it follows the shard's writes,
+reports its mass (what a batch is split across shards by), picks ``n`` rows or
+windows with a given ``torch.Generator``, takes priority updates and takes back
+picks that were not used. A rule with per-row state of its own (priorities, queue
+order, scores, counts) is a ``StatefulSelector``: it also saves and restores that
+state, and a shard owner shares one such core among its learners. A core knows
+tensors and the store, never TorchRL: a local sampler and a shard owner run the
+same core.
 """
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shard import Shard
+
+
+@dataclass(frozen=True)
+class SelectionSpec:
+    """A rule and its settings. ``per_reader``: each reader has its own state (else one per shard, shared)."""
+
+    kind: ClassVar[str] = ""
+    per_reader: ClassVar[bool] = False
+    merges_best: ClassVar[bool] = False  # across shards: every owner picks ``n``, the best ``n`` are kept
+    can_exclude: ClassVar[bool] = False  # its core can leave rows out of its draws (what a cap needs)
+
+    @property
+    def rows_per_pick(self) -> int:
+        """Rows one pick covers: 1 for rows, the window length for windows."""
+        return 1
+
+    def build(self, capacity: int) -> Selector[SelectionSpec]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The rule in a few words, for messages."""
+        return self.kind
+
+    def to_json(self) -> dict[str, Any]:
+        fields = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            fields[f.name] = value.to_json() if isinstance(value, SelectionSpec) else value
+        return {"kind": self.kind, **fields}
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError naming a setting out of range."""
+
 
 SpecT_co = TypeVar("SpecT_co", bound=SelectionSpec, covariant=True)  # a core's spec is set once, when made
 

@@ -11,11 +11,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from gear_torchrl.selection.base import Selector, StatefulSelector
+from gear_torchrl.selection.base import SelectionSpec, Selector, StatefulSelector
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priorities import PrioritySelector, ProportionalSpec
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.topk import TopKSelector
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.state_checks import checked_tensor, field, require_nonnegative

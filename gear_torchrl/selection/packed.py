@@ -38,14 +38,14 @@ from typing import Any, ClassVar
 import torch
 
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import needs_shard
+from gear_torchrl.selection.base import SelectionSpec, needs_shard
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec
 from gear_torchrl.selection.random_draws import uniform
-from gear_torchrl.selection.specs import Path, SelectionSpec
 from gear_torchrl.selection.windows import EpisodeTreeSelector, check_episode_markers
 from gear_torchrl.store.episodes import Episodes
 from gear_torchrl.store.shard import Shard
+from gear_torchrl.store.table_spec import Path
 from gear_torchrl.store.windows import Windows
 
 _MAX_DRAW_ROUNDS = 64

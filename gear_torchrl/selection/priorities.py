@@ -13,7 +13,7 @@ import torch
 
 from gear_torchrl.errors import CheckpointError
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import StatefulSelector
+from gear_torchrl.selection.base import SelectionSpec, StatefulSelector
 from gear_torchrl.selection.block_sums import BlockPrefixSums
 from gear_torchrl.selection.checked_inputs import (
     as_generation,
@@ -25,7 +25,6 @@ from gear_torchrl.selection.checked_inputs import (
     validated,
 )
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.selection.trees import PriorityTrees
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.state_checks import (

@@ -19,7 +19,6 @@ from gear_torchrl.selection.base import needs_shard
 from gear_torchrl.selection.checked_inputs import as_generation, as_priority, validated
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priorities import PrioritySelector, ProportionalSpec
-from gear_torchrl.selection.specs import Path
 from gear_torchrl.selection.windows import (
     WindowGeometry,
     WindowSpec,
@@ -30,6 +29,7 @@ from gear_torchrl.selection.windows import (
 )
 from gear_torchrl.store.episodes import Episodes, Position
 from gear_torchrl.store.shard import Shard
+from gear_torchrl.store.table_spec import Path
 from gear_torchrl.store.windows import Windows
 
 _NONE = torch.empty(0, dtype=torch.int64)

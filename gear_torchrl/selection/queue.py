@@ -12,10 +12,9 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from gear_torchrl.errors import CheckpointError
-from gear_torchrl.selection.base import StatefulSelector
+from gear_torchrl.selection.base import SelectionSpec, StatefulSelector
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.last_writes import last_write_positions
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.state_checks import (

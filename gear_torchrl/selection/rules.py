@@ -9,15 +9,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.capped import CappedSpec
 from gear_torchrl.selection.packed import PackedSpec, PriorityPackedSpec
 from gear_torchrl.selection.priorities import PrioritySpec
 from gear_torchrl.selection.priority_windows import PriorityWindowSpec
 from gear_torchrl.selection.queue import QueueSpec
-from gear_torchrl.selection.specs import SelectionSpec, optional_path
 from gear_torchrl.selection.topk import TopKSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.selection.windows import WindowSpec
+from gear_torchrl.store.table_spec import optional_path
 
 RULES: dict[str, type[SelectionSpec]] = {
     spec.kind: spec for spec in (UniformSpec, WindowSpec, PrioritySpec, PriorityWindowSpec, QueueSpec, TopKSpec,

@@ -13,8 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import Selector, StatefulSelector
-from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.selection.base import SelectionSpec, Selector, StatefulSelector
 
 SelectorLock = Any  # _C.SelectorLock: acquire, release, and a context manager
 

@@ -13,13 +13,13 @@ import torch
 
 from gear_torchrl.errors import CheckpointError
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import StatefulSelector
+from gear_torchrl.selection.base import SelectionSpec, StatefulSelector
 from gear_torchrl.selection.checked_inputs import as_priority, as_rows
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import Path, SelectionSpec
 from gear_torchrl.selection.trees import ScoreTree
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.state_checks import checked_tensor, field, require_nothing_past
+from gear_torchrl.store.table_spec import Path
 
 
 @dataclass(frozen=True)

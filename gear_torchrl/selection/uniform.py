@@ -6,9 +6,8 @@ from typing import ClassVar
 
 import torch
 
-from gear_torchrl.selection.base import Selector, needs_shard
+from gear_torchrl.selection.base import SelectionSpec, Selector, needs_shard
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shard import Shard
 
 _NONE = torch.empty(0, dtype=torch.int64)

@@ -16,14 +16,13 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import Selector, SpecT_co, needs_shard
+from gear_torchrl.selection.base import SelectionSpec, Selector, SpecT_co, needs_shard
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.random_draws import uniform
-from gear_torchrl.selection.specs import Path, SelectionSpec
 from gear_torchrl.selection.trees import PriorityTrees
 from gear_torchrl.store.episodes import Episodes, Position
 from gear_torchrl.store.shard import Shard
-from gear_torchrl.store.table_spec import as_path
+from gear_torchrl.store.table_spec import Path, as_path
 from gear_torchrl.store.windows import Windows
 
 _MAX_REJECTION_ROUNDS = 16

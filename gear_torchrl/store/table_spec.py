@@ -699,3 +699,10 @@ def stacked_rows(rows: list) -> Data:
             raise SpecMismatchError(f"leaf {j} of the list's rows differs in dtype or shape from row to row "
                                     f"({sorted(map(str, shapes))}): the rows do not stack")
     return pytree.tree_unflatten([torch.stack(column) for column in columns], tree)
+
+
+def optional_path(key: NestedKey | list[str] | None) -> Path | None:
+    """A rule's key setting as a path: unset stays None, and JSON's lists name the same key as tuples."""
+    if key is None:
+        return None
+    return as_path(tuple(key) if isinstance(key, list) else key)

@@ -30,8 +30,7 @@ from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler, K
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.selection.checked_inputs import as_priority, as_rows, integer_rows, seeds_defaults
 from gear_torchrl.selection.packed import PackedSelector, PackedSpec, PriorityPackedSelector, PriorityPackedSpec
-from gear_torchrl.selection.specs import optional_path
-from gear_torchrl.store.table_spec import NestedKey
+from gear_torchrl.store.table_spec import NestedKey, optional_path
 
 
 class GearPackedSequenceSampler(SelectsThroughStorage, Sampler):

@@ -12,9 +12,8 @@ from typing import Any
 import torch
 
 from gear_torchrl.adapters.sampled_index import Selection, WindowMarkers, local_selection
-from gear_torchrl.selection.base import Selector, StatefulSelector, pick_exactly
+from gear_torchrl.selection.base import SelectionSpec, Selector, StatefulSelector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
-from gear_torchrl.selection.specs import SelectionSpec
 
 
 def select_over_rows(storage: Any, selector: Selector[SelectionSpec], count: int,

@@ -18,9 +18,8 @@ from torchrl.data.replay_buffers.samplers import Sampler
 from gear_torchrl.adapters.sampled_index import SelectionIndex, WindowMarkers
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector
-from gear_torchrl.selection.specs import optional_path
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
-from gear_torchrl.store.table_spec import NestedKey
+from gear_torchrl.store.table_spec import NestedKey, optional_path
 
 
 class GearSequenceSampler(SelectsThroughStorage, Sampler):

@@ -9,10 +9,9 @@ from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.adapters.sampled_index import SelectionIndex
 from gear_torchrl.adapters.samplers.selecting import SavesCoreState
-from gear_torchrl.selection.specs import optional_path
 from gear_torchrl.selection.state_file import StateDictFile
 from gear_torchrl.selection.topk import TopKSelector, TopKSpec
-from gear_torchrl.store.table_spec import NestedKey
+from gear_torchrl.store.table_spec import NestedKey, optional_path
 
 
 class TopKSampler(SavesCoreState, StateDictFile, Sampler):

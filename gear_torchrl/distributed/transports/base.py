@@ -7,16 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.windows import Windows
 
 if TYPE_CHECKING:
     from gear_torchrl.distributed.shard_client import Ask
-
-
-class RemoteShardError(RuntimeError):
-    """A shard owner rejected a request (the message says why); the connection stays usable."""
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from gear_torchrl.distributed.shard_client import Ask
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.transports.base import Transport
 from gear_torchrl.kernels import gather
+from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.windows import Windows
 
 _CPU = torch.device("cpu")

@@ -20,9 +20,9 @@ from typing import Any
 from gear_torchrl.distributed.shard_client import Ask
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.transports.in_process import InProcessTransport
+from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.selector_registry import SelectorRegistry
-from gear_torchrl.selection.specs import SelectionSpec
 from gear_torchrl.store.shared_commits import SharedStoreHandle
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from gear_torchrl.distributed.transports.base import Transport
-from gear_torchrl.selection.specs import SelectionSpec
+from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.store.windows import Windows
 
 
