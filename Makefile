@@ -12,7 +12,7 @@ quickstart: build
 	$(VPY) quickstart.py
 
 test: build
-	$(VENV)/bin/ruff check gear_torchrl
+	$(VENV)/bin/ruff check gear_torchrl tests
 	$(VENV)/bin/mypy
 	$(VPY) -m pytest -q tests
 

@@ -62,7 +62,8 @@ def check_tokens(batch) -> dict:
         "one_episode": bool((batch["ep"][real] == batch["ep"][real][first]).all()),
         "consecutive": bool((batch["step"][real] == batch["step"][real][first] + position).all()),
         "one_shard": bool((batch["shard"][real] == batch["shard"][real][first]).all()),
-        "max_len": int(lengths.max()), "ids_in_order": bool(((ids[1:] - ids[:-1]).clamp(0, 1) == ids[1:] - ids[:-1]).all()),
+        "max_len": int(lengths.max()),
+        "ids_in_order": bool(((ids[1:] - ids[:-1]).clamp(0, 1) == ids[1:] - ids[:-1]).all()),
         "index_marks_padding": bool((batch["index"][~real] == -1).all()),
         "shards": torch.bincount(batch["shard"][real], minlength=OWNERS),
     }

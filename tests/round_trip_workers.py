@@ -68,7 +68,8 @@ def run(port: int, out: str) -> None:
                                             [t.tolist() for t in _seeded(tcp, [32, 48, 48])])
 
         # priorities set through the in-process path land in the cores the owner's server uses for everyone
-        prioritized = TensorDictReplayBuffer(storage=own, sampler=GearPrioritizedSampler(ROWS, 0.9, 0.4), batch_size=256)
+        prioritized = TensorDictReplayBuffer(storage=own, sampler=GearPrioritizedSampler(ROWS, 0.9, 0.4),
+                                             batch_size=256)
         first = prioritized.sample()
         priority = torch.full((ROWS,), 1e-6)
         priority[7] = 1e6

@@ -144,7 +144,8 @@ def test_a_full_store_names_its_column_files_twice_and_writes_them_once(tmp_path
     rb.dumps(tmp_path)
     manifest = json.loads((tmp_path / "storage" / "shard.json").read_text())
     obs = next(i for i, c in enumerate(manifest["spec"]["columns"]) if c["key"] == ["obs"])
-    assert os.stat(tmp_path / "storage" / f"column_{obs}.bin").st_ino == os.stat(tmp_path / "storage" / "obs.memmap").st_ino
+    storage = tmp_path / "storage"
+    assert os.stat(storage / f"column_{obs}.bin").st_ino == os.stat(storage / "obs.memmap").st_ino
 
 
 def test_without_the_torchrl_layout_only_gear_files_are_written_and_an_older_torchrl_manifest_goes(tmp_path):
@@ -354,7 +355,8 @@ def test_a_sampler_that_keeps_nothing_crosses_and_one_without_a_saved_state_is_r
 def pytree_rows(n: int, seed: int) -> list:
     """Rows one by one, as TorchRL's own pytree tests write them: ``rb.extend`` of a list stacks them."""
     g = torch.Generator().manual_seed(seed)
-    return [{"a": torch.randint(10, (), generator=g), "b": {"c": [torch.randn(2, generator=g), (torch.randn(2, 3, generator=g),)]},
+    return [{"a": torch.randint(10, (), generator=g),
+             "b": {"c": [torch.randn(2, generator=g), (torch.randn(2, 3, generator=g),)]},
              30: torch.randn(1, generator=g)} for _ in range(n)]
 
 
@@ -495,7 +497,8 @@ def truncate(path: Path) -> None:
 
 
 DAMAGE = {
-    "manifest not JSON": (lambda p: (p / "storage" / "storage_metadata.json").write_text("{"), r"storage_metadata.json"),
+    "manifest not JSON": (lambda p: (p / "storage" / "storage_metadata.json").write_text("{"),
+                          r"storage_metadata.json"),
     "manifest without TorchRL's fields": (
         lambda p: (p / "storage" / "storage_metadata.json").write_text("{}"), r"is_pytree"),
     "len beyond the slots": (

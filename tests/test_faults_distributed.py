@@ -5,6 +5,7 @@ processes and shared memory, whatever happens.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import multiprocessing as mp
@@ -261,10 +262,8 @@ def _run_job(tmp: Path, world: int, options: dict, during=None) -> dict:
 def _candidate_keys(value: bytes) -> list[bytes]:
     """Every form in which a stored value could be a key: as stored, stripped, and hex- or text-decoded."""
     candidates = {value, value.strip()}
-    try:
+    with contextlib.suppress(ValueError):
         candidates.add(bytes.fromhex(value.decode().strip()))
-    except ValueError:
-        pass
     return [c for c in candidates if c]
 
 
@@ -280,11 +279,10 @@ def test_nothing_in_the_rendezvous_store_authenticates_and_servers_do_not_listen
         address = (server["host"], server["port"])
         stored = json.loads((tmp_path / "store.json").read_text())
         assert stored, "the outsider found no keys at all"
-        for key, value in stored.items():
+        for value in stored.values():
             for candidate in _candidate_keys(bytes.fromhex(value) if not value.startswith("unreadable") else b""):
-                with socket.create_connection(address, timeout=10) as sock:
-                    with pytest.raises(PermissionError):
-                        wire.answer_challenge(sock, candidate)
+                with socket.create_connection(address, timeout=10) as sock, pytest.raises(PermissionError):
+                    wire.answer_challenge(sock, candidate)
 
     results = _run_job(tmp_path, 2, {"owners": [0]}, outsider)
     assert results["learner_1"]["before"] == "served"

@@ -65,7 +65,8 @@ def _layer(name: str) -> str | None:
 def test_the_package_is_the_layers_and_nothing_else():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
     files = {p.name for p in PACKAGE.glob("*.py")}
-    assert folders == set(LAYERS), f"folders that are not a layer of DESIGN.md (or layers missing): {folders ^ set(LAYERS)}"
+    assert folders == set(LAYERS), \
+        f"folders that are not a layer of DESIGN.md (or layers missing): {folders ^ set(LAYERS)}"
     assert files == {"__init__.py", "errors.py"}, f"modules outside every layer: {files - {'__init__.py', 'errors.py'}}"
 
 
@@ -134,7 +135,8 @@ def test_importing_every_layer_below_the_adapters_loads_no_torchrl():
                      if p.name != "rdma.py")  # rdma needs pyverbs, and imports nothing of ours above it
     code = ("import importlib, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torchrl' or m.startswith('gear_torchrl.adapters'))\n"
+            "bad = sorted(m for m in sys.modules\n"
+            "             if m.split('.')[0] == 'torchrl' or m.startswith('gear_torchrl.adapters'))\n"
             "print(bad)\nsys.exit(1 if bad else 0)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

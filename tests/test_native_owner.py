@@ -24,11 +24,11 @@ from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.transports.in_process import InProcessTransport
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.kernels import _C
+from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priorities import PrioritySpec
 from gear_torchrl.selection.priority_windows import PriorityWindowSpec
 from gear_torchrl.selection.selector_registry import SelectorRegistry
-from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.selection.windows import WindowSpec
 from gear_torchrl.store import commit_log

@@ -61,7 +61,8 @@ def test_live_time_steps_are_the_newest_written_oldest_first_through_wraps():
             kept, newest = len(shared) // ENVS, min(10, sum(b.shape[1] for b in written))
             assert len(shared) % ENVS == 0 and newest - 2 <= kept <= newest and shared.shape == (kept, ENVS)
             assert_same_td(shared[:].exclude("index"), _time_steps(written, kept))
-            assert_same_td(shared[torch.tensor([0, kept - 1])].exclude("index"), _time_steps(written, kept)[[0, kept - 1]])
+            assert_same_td(shared[torch.tensor([0, kept - 1])].exclude("index"),
+                           _time_steps(written, kept)[[0, kept - 1]])
             t, e = torch.tensor([0, kept - 1]), torch.tensor([3, 1])
             assert_same_td(shared[(t, e)].exclude("index"), _time_steps(written, kept)[t, e])
             # With trajectory ids, commits continue episodes: each column's episodes are its done-delimited runs.

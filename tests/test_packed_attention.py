@@ -128,7 +128,7 @@ def test_block_mask_matches_the_token_mask(lengths: list[int], n: int, block_siz
     packed = make_packed(lengths, n)
     block_mask = document_causal_block_mask(packed, block_size=block_size)
     blocks = -(-n // block_size)
-    assert block_mask.shape == (1, 1, n, n) and block_mask.BLOCK_SIZE == (block_size, block_size)
+    assert block_mask.shape == (1, 1, n, n) and (block_size, block_size) == block_mask.BLOCK_SIZE
     # A block is kept iff some (q, k) in it is allowed; padding the token mask out to whole blocks.
     q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
     tokens = document_causal_mask_mod(packed)(torch.tensor(0), torch.tensor(0), q, k)

@@ -76,9 +76,9 @@ def test_other_samplers_refuse_a_float_index(make):
 
 # -- capacities -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("make", [lambda n: GearPrioritizedSampler(n, 0.6, 0.4), lambda n: QueueSampler(n),
-                                  lambda n: TopKSampler(n), lambda n: MaxTimesSampled(GearPrioritizedSampler(n, 0.6, 0.4),
-                                                                                       max_times=2, max_capacity=n)])
+@pytest.mark.parametrize("make", [
+    lambda n: GearPrioritizedSampler(n, 0.6, 0.4), lambda n: QueueSampler(n), lambda n: TopKSampler(n),
+    lambda n: MaxTimesSampled(GearPrioritizedSampler(n, 0.6, 0.4), max_times=2, max_capacity=n)])
 def test_a_sampler_smaller_than_its_storage_is_refused_when_the_buffer_is_built(make):
     storage = GearStorage(CAPACITY)
     with pytest.raises(ValueError, match=rf"for 8 rows, but its storage holds {CAPACITY}"):

@@ -185,12 +185,12 @@ def execute_plan(plan, remote: np.ndarray, remote_base: int, local: np.ndarray, 
     writes = np.zeros(local.size, dtype=np.int64)
     for remote_addr, length, sges in wrs(plan):
         start = remote_addr - remote_base
-        assert 0 <= start and start + length <= remote.size, "a WR reads outside the remote segment"
+        assert start >= 0 and start + length <= remote.size, "a WR reads outside the remote segment"
         data = remote[start:start + length]
         done = 0
         for local_addr, sge_len in sges:
             at = local_addr - local_base
-            assert sge_len > 0 and 0 <= at and at + sge_len <= local.size
+            assert sge_len > 0 and at >= 0 and at + sge_len <= local.size
             local[at:at + sge_len] = data[done:done + sge_len]
             writes[at:at + sge_len] += 1
             done += sge_len

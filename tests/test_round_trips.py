@@ -39,7 +39,7 @@ def pairs():
 def test_replies_of_many_sockets_land_in_their_rows_of_one_batch(pairs):
     batch = [torch.zeros(6, 2), torch.zeros(6, dtype=torch.int64)]
     replies = []
-    for i, (_, peer) in enumerate(pairs[:3]):
+    for i in range(len(pairs[:3])):
         small = torch.arange(i + 1, dtype=torch.int64)
         rows = [torch.full((2, 2), float(i)), torch.full((2,), 10 + i, dtype=torch.int64)]
         replies.append(_framed(wire.Op.OK, {"shard": i}, [small, *rows]))
@@ -210,8 +210,8 @@ def test_a_share_flight_answers_each_owner_with_its_count_its_refusal_or_its_fai
     from gear_torchrl.selection.uniform import UniformSpec
 
     columns = [torch.zeros(8, 2)]
-    shares = Shares(UniformSpec(), [2, 2, 2, 2], [1, 2, 3, 4], columns, Windows.of_rows(torch.zeros(8, dtype=torch.int64)),
-                    None)
+    shares = Shares(UniformSpec(), [2, 2, 2, 2], [1, 2, 3, 4], columns,
+                    Windows.of_rows(torch.zeros(8, dtype=torch.int64)), None)
     clients = [_client_on(a, j) for j, (a, _) in enumerate(pairs)]
     flight = ShareFlight(clients, shares, [0, 1, 2, 3])
     asks = [shares.ask(j).frame() for j in range(4)]

@@ -171,8 +171,8 @@ def test_every_rule_with_a_kind_is_listed_in_rules():
     import pkgutil
 
     import gear_torchrl.selection as package
-    from gear_torchrl.selection.rules import RULES
     from gear_torchrl.selection.base import SelectionSpec
+    from gear_torchrl.selection.rules import RULES
 
     for module in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"{package.__name__}.{module.name}")

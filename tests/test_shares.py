@@ -98,7 +98,7 @@ def test_entries_of_a_skipped_shard_are_left_out_and_their_rows_not_checked():
 @pytest.mark.parametrize("shards, rows, priority, expected", [
     ([0, 1, 1], [1, 2, 3], [1.0, float("nan"), -1.0], (1, 1, 0, 0)),  # the first bad priority
     ([0, 1, 2, 1], [1, 12, 3, 4], [1.0] * 4, (2, 1, 4, 12)),          # shard 1's rows span 4..12
-    ([0, 5, 4, 2], [1, 1, 1, 11], [1.0] * 4, (2, 2, 11, 11)),         # a row past its shard, before shards past the store
+    ([0, 5, 4, 2], [1, 1, 1, 11], [1.0] * 4, (2, 2, 11, 11)),  # a row past its shard, before shards past the store
     ([0, 5, 4], [1, 1, 1], [1.0] * 3, (3, 4, 0, 0)),                  # the first shard past the store
 ])
 def test_refusals_name_the_first_problem_in_the_order_python_checks_and_frame_nothing(shards, rows, priority,

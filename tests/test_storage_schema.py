@@ -158,7 +158,8 @@ def test_an_append_that_leaves_a_stored_key_out_is_refused_naming_it():
 
 
 @pytest.mark.parametrize("bad,message", [
-    ({"obs": torch.zeros(2, 3, dtype=torch.float64)}, "key 'obs' has dtype torch.float64, the store holds torch.float32"),
+    ({"obs": torch.zeros(2, 3, dtype=torch.float64)},
+     "key 'obs' has dtype torch.float64, the store holds torch.float32"),
     ({"obs": torch.zeros(2, 4)}, r"key 'obs' has shape \(2, 4\), expected \(2, 3\)"),
 ])
 def test_a_write_with_a_new_key_and_a_wrong_one_is_refused_and_adds_nothing(bad, message):

@@ -123,7 +123,8 @@ def test_sequence_sampler_takes_slice_samplers_names():
     for sampler in (SliceSampler(slice_len=4, traj_key="ep"),
                     GearSequenceSampler(slice_len=4, traj_key="ep"),
                     GearSequenceSampler(num_slices=8, slice_len=4, strict_length=True, end_key=("next", "done"))):
-        storage = GearStorage(400, traj_key="ep") if isinstance(sampler, GearSequenceSampler) else LazyTensorStorage(400)
+        windows = isinstance(sampler, GearSequenceSampler)
+        storage = GearStorage(400, traj_key="ep") if windows else LazyTensorStorage(400)
         rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=32)
         rb.extend(_episodes_td())
         ep = rb.sample()["ep"].view(8, 4)

@@ -44,7 +44,8 @@ class AppendTurns:
             self._queue.append(turn)
             return turn
 
-    def wait(self, turn: _Turn, deadline: float | None, released: Callable[[], contextlib.AbstractContextManager]) -> None:
+    def wait(self, turn: _Turn, deadline: float | None,
+             released: Callable[[], contextlib.AbstractContextManager]) -> None:
         """Until every earlier append is done; raise if one of them failed (our rows would follow a gap)."""
         while True:
             with self._cond:

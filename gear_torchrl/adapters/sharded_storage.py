@@ -290,7 +290,9 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
             raise NotImplementedError("this rank owns no shard, so it cannot write: write on a rank built with "
                                       "owns_shard=True (through this storage or `storage.local`), or from actors "
                                       "with a TrajectoryWriter on `storage.local`")
-        with self._appending(None, torch.as_tensor(cursor).numel(), lambda *_: None) if set_cursor else contextlib.nullcontext():
+        appending = self._appending(None, torch.as_tensor(cursor).numel(), lambda *_: None) if set_cursor \
+            else contextlib.nullcontext()
+        with appending:
             self._local.set(cursor, data, set_cursor=set_cursor)
         if self.shard_id is not None:  # set with self._local
             self._shards.rows.pop(self.shard_id, None)  # len() asks the shard again

@@ -98,8 +98,8 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     they carry. A wrong dtype or shape is refused naming the key. Pytrees, tensorclasses,
     strings / ``NonTensorData`` and lazy stacks whose members differ come back as
     ``LazyTensorStorage`` returns them; non-tensor leaves are kept in this process, beside
-    the columns (a shared store refuses them; it takes new tensor keys from any process); ``rb.dumps`` saves them as JSON
-    (strings, numbers, lists, string-keyed dicts) and refuses other objects by name.
+    the columns (a shared store refuses them; it takes new tensor keys from any process); ``rb.dumps``
+    saves them as JSON (strings, numbers, lists, string-keyed dicts) and refuses other objects by name.
 
     Over a shared store, an index from outside this library's samplers (TorchRL's
     ``SamplerWithoutReplacement`` and ``SliceSampler``, ``rb[i]``) numbers the live
@@ -587,8 +587,8 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         spec = self._shard.table
         keys = "<empty>" if spec is None else ", ".join(
             f"{c.key}: {c.dtype} {tuple(c.row_shape)}" for c in spec.columns)
-        return (f"{type(self).__name__}(len={len(self)}, max_size={self.max_size}, device={self.device}, memory={self.memory}, "
-                f"episodes={self._shard.episodes.num_episodes}, columns=[{keys}])")
+        return (f"{type(self).__name__}(len={len(self)}, max_size={self.max_size}, device={self.device}, "
+                f"memory={self.memory}, episodes={self._shard.episodes.num_episodes}, columns=[{keys}])")
 
 
 def _check_sampler_capacity(storage: GearStorage, sampler: Any) -> None:

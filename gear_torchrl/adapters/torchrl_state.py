@@ -89,7 +89,8 @@ def state_of_slots(slots: Data, length: int, shard: Shard, cursor: int | None = 
     except (SpecMismatchError, TypeError) as err:
         raise CheckpointError(f"the TorchRL rows do not fit this storage: {err}") from None
     if shard.table is not None and leaves.spec != shard.table:
-        raise CheckpointError(f"the TorchRL rows' columns differ from this storage's ({_difference(leaves.spec, shard.table)}): "
+        difference = _difference(leaves.spec, shard.table)
+        raise CheckpointError(f"the TorchRL rows' columns differ from this storage's ({difference}): "
                               "load them into a new GearStorage, or one written with the same keys")
     head = (cursor or 0) % shard.capacity if full else length
     scratch.take_rows(leaves, length, head % shard.capacity)

@@ -17,6 +17,7 @@ few and timed out.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import select
@@ -155,10 +156,8 @@ class ShardServer:
     def close(self) -> None:
         self._closed.set()
         for sock in (self._listener, *self._connections_now()):
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the threads blocked on it (close alone would not)
-            except OSError:
-                pass
         self._listener.close()
         with self._lock:  # their threads end now: none is left to wake while the interpreter exits
             self._all_ended.wait_for(lambda: not self._connections, _CLOSE_WAIT_S)

@@ -173,7 +173,8 @@ def receive(sock: socket.socket, into: Sequence[torch.Tensor] | Allocator | None
 
 
 def _rest_of_head(fixed: bytes) -> int:
-    """Bytes of metadata and lengths that follow the fixed header at the start of ``fixed``, checked against the limits."""
+    """Bytes of metadata and lengths that follow the fixed header at the start of ``fixed``, checked against the
+    limits."""
     magic, _, count, meta_len, total = _HEADER.unpack_from(fixed)
     if magic != MAGIC:
         raise ProtocolError("the peer does not speak the gear_torchrl shard protocol")

@@ -82,8 +82,12 @@ def gather(columns: list[torch.Tensor], out: list[torch.Tensor], starts: torch.T
     num_windows, capacity = starts.numel(), columns[0].shape[0]
     if num_windows == 0:
         return
-    on_device = lambda t: None if t is None else t.to(device, torch.int64, non_blocking=True)
-    pointer = lambda t: np.uint64(0 if t is None else t.data_ptr())
+    def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, torch.int64, non_blocking=True)
+
+    def pointer(t: torch.Tensor | None) -> np.uint64:
+        return np.uint64(0 if t is None else t.data_ptr())
+
     starts_d, begin_d, end_d = on_device(starts), on_device(valid_begin), on_device(valid_end)
     hot_rows = 0 if hot_owner is None else hot_owner.numel()
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)

@@ -103,7 +103,7 @@ class Addressing(ABC):
     def check_state(self, state: dict, size: int, head: int, tracked: bool) -> None:
         """Raise CheckpointError unless a shard ``state`` of ``size`` rows, cursor ``head``, fits this addressing."""
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: dict) -> None:  # noqa: B027  (a hook: an addressing with no layout takes none)
         """Take a checked ``state``'s layout (its episode index is loaded by the shard)."""
 
 

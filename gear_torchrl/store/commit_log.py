@@ -347,7 +347,8 @@ class CommitLog:
         self.raise_if_revoked()
 
     def claim_longer(self, seconds: float) -> None:
-        """Let writers wait ``seconds`` more than the reader timeout for the open read section (claims add up to the largest).
+        """Let writers wait ``seconds`` more than the reader timeout for the open read section (claims add up to the
+        largest).
 
         For a read that is long by nature (a checkpoint copying the whole store) and
         says so up front: still bounded, so a stalled one is revoked too.

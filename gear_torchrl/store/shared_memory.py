@@ -56,7 +56,8 @@ def map_segment(path: Path) -> mmap.mmap:
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
-        raise FileNotFoundError(f"shared segment {path} does not exist: its store was closed or its owner died") from None
+        raise FileNotFoundError(f"shared segment {path} does not exist: its store was closed or its owner "
+                                "died") from None
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:

@@ -6,7 +6,8 @@ import torch
 
 
 def cuda_extension():
-    """``gear_torchrl.kernels._C`` when it can gather on this machine's GPU. Call at module level: it skips the module otherwise."""
+    """``gear_torchrl.kernels._C`` when it can gather on this machine's GPU. Call at module level: it skips the
+    module otherwise."""
     try:
         from gear_torchrl.kernels import _C  # the package imports its kernels without torchrl
     except ImportError as err:  # pragma: no cover - depends on the machine

@@ -131,7 +131,9 @@ def gather_both(columns, starts, seq_len=1, valid_begin=None, valid_end=None, wi
     mask = torch.ones(rows, dtype=torch.bool, device=DEVICE) if with_mask else None
     if with_mask:
         mask.view(torch.uint8).fill_(0xA5)
-    move = (lambda t: None if t is None else t.to(idx_device))
+    def move(t):
+        return None if t is None else t.to(idx_device)
+
     _C.gather(columns, outs, move(starts), valid_begin=move(valid_begin), valid_end=move(valid_end),
               seq_len=seq_len, mask=mask)
     torch.cuda.synchronize()

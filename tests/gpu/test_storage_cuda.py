@@ -100,14 +100,14 @@ def test_checkpoint_round_trip_on_gpu(tmp_path):
 def test_cupy_runtime_path_gives_the_same_batches():
     pytest.importorskip("cupy")
     script = (
-        "import torch, sys; sys.path.insert(0, %r)\n"
+        f"import torch, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from test_storage_cuda import pair, assert_same\n"
         "from gear_torchrl.kernels import gather\n"
         "assert gather._use_cupy()\n"
         "cpu, gpu = pair('host')\n"
         "index = torch.randint(0, 500, (777,))\n"
         "assert_same(gpu.storage.get(index.cuda()), cpu.storage.get(index))\n"
-        "print('cupy path ok')\n" % str(Path(__file__).parent)
+        "print('cupy path ok')\n"
     )
     env = {**os.environ, "GEAR_TORCHRL_FORCE_CUPY": "1"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)

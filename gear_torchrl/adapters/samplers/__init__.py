@@ -8,4 +8,8 @@ from gear_torchrl.adapters.samplers.sequence import GearSequenceSampler
 from gear_torchrl.adapters.samplers.topk import TopKSampler
 from gear_torchrl.adapters.samplers.uniform import GearUniformSampler
 
-__all__ = ["GearPackedSequenceSampler", "GearPrioritizedPackedSequenceSampler", "GearPrioritizedSampler", "GearPrioritizedSequenceSampler", "GearSequenceSampler", "GearUniformSampler", "MaxTimesSampled", "QueueSampler", "TopKSampler"]
+__all__ = [
+    "GearPackedSequenceSampler", "GearPrioritizedPackedSequenceSampler", "GearPrioritizedSampler",
+    "GearPrioritizedSequenceSampler", "GearSequenceSampler", "GearUniformSampler", "MaxTimesSampled", "QueueSampler",
+    "TopKSampler",
+]
