@@ -9,7 +9,7 @@ loading its own checkpoint of the same rows (memory-mapped files, no checksum),
 takes the same turns. Also reported: how fast each candidate hash runs over one
 buffer on this CPU, the reason XXH3 was chosen.
 
-    .venv/bin/python benchmarks/checkpoint_restore.py [--gib 1.5] [--repeats 7] [--out docs/checkpoint_restore.json]
+    .venv/bin/python benchmarks/checkpoint_restore.py [--gib 1.5] [--repeats 7] [--out docs/results/checkpoint_restore.json]
 """
 from __future__ import annotations
 
