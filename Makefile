@@ -12,7 +12,7 @@ quickstart: build
 	$(VPY) quickstart.py
 
 test: build
-	$(VENV)/bin/ruff check gear_torchrl tests
+	$(VENV)/bin/ruff check gear_torchrl tests benchmarks scripts tutorials quickstart.py
 	$(VENV)/bin/mypy
 	$(VPY) -m pytest -q tests
 

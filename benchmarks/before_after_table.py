@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from collections.abc import Callable
@@ -49,7 +50,7 @@ def figures() -> list[tuple[str, str, Pick]]:
         out.append((f"shared insert, {writers} writer(s), x TorchRL", "shared_insert",
                     lambda d, w=writers: float(_first(d["rows"], writers=w)["insert ratio"].rstrip("x"))))
     for world in ("own", "1", "2", "4", "8"):
-        row = lambda d, w=world, b=256: _first(d["rows"], world=w, batch=b)
+        row = functools.partial(_row_of, world=world)
         out.append((f"sharded rows, world {world}, batch 256: learner us CPU", "sharded_cost",
                     lambda d, row=row: float(row(d)["learner us"])))
         out.append((f"sharded rows, world {world}, batch 256: learner / LazyTensorStorage", "sharded_cost",
@@ -62,17 +63,22 @@ def figures() -> list[tuple[str, str, Pick]]:
         out.append((f"sharded rows, world {world}, batch 4096: M steps/s", "sharded_cost",
                     lambda d, w=world: float(_first(d["rows"], world=w, batch=4096)["M steps/s"])))
     for owners in (1, 2, 4, 8):
-        row = lambda d, n=owners: _first(d["rows"], owners=n, batch=256)
+        row = functools.partial(_row_of, owners=owners)
         out.append((f"learner alone, {owners} owner(s), batch 256: us CPU p10", "learner_round_cost",
                     lambda d, row=row: float(row(d)["learner us p10"])))
         out.append((f"learner alone, {owners} owner(s), batch 256: raw floor us p10", "learner_round_cost",
                     lambda d, row=row: float(row(d)["raw us p10"])))
     for owners in (1, 8):
-        row = lambda d, n=owners: _first(d["rows"], owners=n, batch=256)
+        row = functools.partial(_row_of, owners=owners)
         for kind in ("rows", "windows", "raw"):
             out.append((f"receive, {owners} owner(s), batch 256: {kind} us", "receive_cost",
                         lambda d, row=row, k=kind: float(row(d)[f"{k} us"])))
     return out
+
+
+def _row_of(d: dict, **match: Any) -> dict:
+    """The batch-256 row of a result's rows that matches ``match``."""
+    return _first(d["rows"], batch=256, **match)
 
 
 def _picked(pick: Pick, run: dict[str, Any]) -> float | None:
@@ -93,7 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path, help="the folder before_after.sh wrote (bench_out/before_after)")
     root = parser.parse_args().root
-    print(f"| figure | before: median [range] | after: median [range] |\n|---|---|---|")
+    print("| figure | before: median [range] | after: median [range] |\n|---|---|---|")
     for label, bench, pick in figures():
         cells = []
         for side in ("before", "after"):

@@ -9,7 +9,8 @@ loading its own checkpoint of the same rows (memory-mapped files, no checksum),
 takes the same turns. Also reported: how fast each candidate hash runs over one
 buffer on this CPU, the reason XXH3 was chosen.
 
-    .venv/bin/python benchmarks/checkpoint_restore.py [--gib 1.5] [--repeats 7] [--out docs/results/checkpoint_restore.json]
+    .venv/bin/python benchmarks/checkpoint_restore.py [--gib 1.5] [--repeats 7] \
+        [--out docs/results/checkpoint_restore.json]
 """
 from __future__ import annotations
 
@@ -126,7 +127,8 @@ def main() -> None:
             times = interleaved_medians({"checksummed": lambda: target.loads(verified),
                                          "unverified": lambda: target.loads(unverified),
                                          "torchrl": lambda: peer.loads(peer_path),
-                                         # a TorchRL checkpoint moved to gear (its layout read, the episode index rebuilt)
+                                         # a TorchRL checkpoint moved to gear (its layout read,
+                                         # the episode index rebuilt)
                                          "torchrl_into_gear": lambda: target.loads(peer_path)},
                                         repeats=args.repeats, inner=1, warmup=1)
         assert len(target) == len(source) == len(peer)

@@ -193,7 +193,7 @@ class Bench:
         print(f"hot tier {share:>5.0%} of {capacity} rows  batch {batch:>5} x {seq_len:>3}  row {row:>6} B  "
               f"{res['gear_hot_gbps']:8.2f} GB/s  host only {res['gear_host_gbps']:7.2f} GB/s  "
               f"x{res['x_host']:5.2f}", flush=True)
-        del hot, owner, out
+        hot = owner = out = None  # the timed calls are done: their memory goes back
         torch.cuda.empty_cache()
         return res
 

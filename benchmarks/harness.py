@@ -149,5 +149,8 @@ def write_json(path: str | None, payload: dict) -> None:
 
 def table(rows: list[dict], columns: list[str]) -> str:
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
-    line = lambda vals: "  ".join(str(v).rjust(w) for v, w in zip(vals, widths))
-    return "\n".join([line(columns), line(["-" * w for w in widths]), *(line([r.get(c, "") for c in columns]) for r in rows)])
+    def line(vals: list) -> str:
+        return "  ".join(str(v).rjust(w) for v, w in zip(vals, widths))
+
+    return "\n".join([line(columns), line(["-" * w for w in widths]),
+                      *(line([r.get(c, "") for c in columns]) for r in rows)])

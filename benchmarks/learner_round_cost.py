@@ -227,7 +227,8 @@ def main() -> None:
                     "raw us": f"{raw * 1e6:.1f}", "learner us p10": f"{learner_p10 * 1e6:.1f}",
                     "raw us p10": f"{raw_p10 * 1e6:.1f}", "raw sends us p10": f"{sends_p10 * 1e6:.1f}",
                     "above raw us p10": f"{(learner_p10 - raw_p10) * 1e6:.1f}",
-                    f"ahead {args.ahead} us": f"{ahead * 1e6:.1f}", f"ahead {args.ahead} us p10": f"{ahead_p10 * 1e6:.1f}"})
+                    f"ahead {args.ahead} us": f"{ahead * 1e6:.1f}",
+                    f"ahead {args.ahead} us p10": f"{ahead_p10 * 1e6:.1f}"})
         for c in contenders.values():
             c.close()
     print(table(out, list(out[0])))

@@ -1,4 +1,5 @@
-"""What an owner's thread spends on a reply of rows its Python picked: prioritized rows, and windows asked with a SELECT.
+"""What an owner's thread spends on a reply of rows its Python picked: prioritized rows, and windows asked with a
+SELECT.
 
 One process serves a shared store of 200k steps (obs f32[84], action f32[6],
 reward, done: 365 bytes a step) on loopback and asks it as a learner would, read

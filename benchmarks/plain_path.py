@@ -64,7 +64,8 @@ def main() -> None:
         gear = times[f"{op} / GearStorage"]
         for label in CONTENDERS:
             t = times[f"{op} / {label}"]
-            results.append({"op": op, "storage": label, "us_cpu": round(t * 1e6, 1), "gear_speedup": round(t / gear, 2)})
+            results.append({"op": op, "storage": label, "us_cpu": round(t * 1e6, 1),
+                            "gear_speedup": round(t / gear, 2)})
     print(f"gear_torchrl from {gear_torchrl.__file__}; {args.rows:,} rows, batch {args.batch} (extend), one step "
           f"(add); CPU time on one thread, median of {args.repeats}")
     print(table(results, ["op", "storage", "us_cpu", "gear_speedup"]))

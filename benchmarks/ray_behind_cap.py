@@ -109,4 +109,5 @@ class RayBehindCap:
 
 
 def _run(*cmd: str, quiet: bool = False) -> None:
-    subprocess.run(list(cmd), check=True, **({"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL} if quiet else {}))
+    silenced = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL} if quiet else {}
+    subprocess.run(list(cmd), check=True, **silenced)

@@ -3,12 +3,14 @@
 One loopback job per world (spawned ranks under torch.distributed on 127.0.0.1):
 ``own`` is a world of one whose learner owns its only shard (``transport="auto"``,
 so same-host reads); ``tcp N`` is N owners and one learner that owns none
-(``transport="tcp"``), ``localN`` the same read with ``transport="local"``. With several owners, ``prefetch`` is the same store asking for
+(``transport="tcp"``), ``localN`` the same read with ``transport="local"``. With several owners,
+``prefetch`` is the same store asking for
 the next batch ahead (``storage.prefetch = True``), ``ahead N`` for the next N at once
 (``storage.prefetch = N``, ``--ahead``, each owner's N requests in one write), and ``raw`` the floor
 of one round trip per batch:
 each owner answers a request with that many bytes in one framed message from
-a Python thread, no selection, and the learner receives them as ours does. The store holds obs f32[84], action f32[6], reward and
+a Python thread, no selection, and the learner receives them as ours does. The store holds obs f32[84],
+action f32[6], reward and
 done, 200k steps split over the owners, and the learner draws uniform batches
 with ``TensorDictReplayBuffer.sample()`` (``--rule windows``: 64-step windows
 against TorchRL's ``SliceSampler``; ``--rule prioritized``: prioritized rows and a
@@ -71,10 +73,8 @@ def _thread_cpu_ns(pid: int) -> int:
     """Every thread's CPU time of process ``pid`` so far (nanoseconds)."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
             total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass  # a thread that ended meanwhile
     return total
 
 

@@ -122,7 +122,8 @@ def main() -> None:
                 "insert ratio": f"{gear['inserts'] / base['inserts']:.2f}x",
                 "gear learner loaded/idle": f"{gear['loaded'] / gear['idle']:.2f}",
                 "torchrl learner loaded/idle": f"{base['loaded'] / base['idle']:.2f}",
-                "gear batches/s (loaded)": f"{gear['loaded']:.0f}", "torchrl batches/s (loaded)": f"{base['loaded']:.0f}",
+                "gear batches/s (loaded)": f"{gear['loaded']:.0f}",
+                "torchrl batches/s (loaded)": f"{base['loaded']:.0f}",
             })
             print(table(rows[-1:], list(rows[-1])), flush=True)
     print()

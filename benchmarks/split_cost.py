@@ -38,7 +38,8 @@ def main() -> None:
     for n in args.owners:
         got = interleaved_medians(_contenders(n, args.batch), repeats=args.repeats, inner=args.calls)
         rows.append({"owners": n, "batch": args.batch, "draw_shares us": f"{got['ours'] * 1e6:.2f}",
-                     "torch.multinomial us": f"{got['torch'] * 1e6:.2f}", "torch / ours": f"{got['torch'] / got['ours']:.1f}"})
+                     "torch.multinomial us": f"{got['torch'] * 1e6:.2f}",
+                     "torch / ours": f"{got['torch'] / got['ours']:.1f}"})
     print(table(rows, list(rows[0])))
     write_json(args.out, {"benchmark": "split_cost", "rows": rows})
 

@@ -69,7 +69,8 @@ def _own_members(cls: type) -> list[tuple[str, str]]:
         if isinstance(value, property):
             label, func = attr, value.fget
         elif isinstance(value, (staticmethod, classmethod)):
-            label, func = f"{attr}{_signature(value.__func__, drop_first=isinstance(value, classmethod))}", value.__func__
+            signature = _signature(value.__func__, drop_first=isinstance(value, classmethod))
+            label, func = f"{attr}{signature}", value.__func__
         elif inspect.isfunction(value):
             label, func = f"{attr}{_signature(value, drop_first=True)}", value
         else:

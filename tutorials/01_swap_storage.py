@@ -63,7 +63,8 @@ def main() -> None:
     data = collect(args.steps)
     q_net = torch.nn.Linear(84, 6)  # small on purpose: the loop's cost is the replay buffer's
     seconds = {}
-    for name, storage in (("LazyTensorStorage", LazyTensorStorage(args.steps)), ("GearStorage", GearStorage(args.steps))):
+    for name, storage in (("LazyTensorStorage", LazyTensorStorage(args.steps)),
+                          ("GearStorage", GearStorage(args.steps))):
         rb = make_buffer(storage, args.batch)
         rb.extend(data)
         train(rb, q_net, 10)  # warm up

@@ -290,7 +290,7 @@ def learn(storage: ShardedGearStorage, args: argparse.Namespace) -> None:
     #    (--step-ms), the way a GPU step leaves the CPU free while it runs.
     step_s = args.step_ms / 1e3
     start = time.perf_counter()
-    for batch in GearDataset(rb, num_batches=args.batches, prefetch=2):
+    for _ in GearDataset(rb, num_batches=args.batches, prefetch=2):
         time.sleep(step_s)
     seconds = time.perf_counter() - start
     say(f"training loop with prefetch=2 and a {args.step_ms:g} ms step: {args.batches / seconds:,.1f} batches/s "

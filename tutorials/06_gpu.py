@@ -185,7 +185,8 @@ def plot(path: str, host: dict[str, float], device: dict[str, float]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {"gear": "GearStorage\n(host rows)", "torchrl": "TorchRL\n+ .to(cuda)", "pcie": "pinned memcpy\n(PCIe limit)",
+    labels = {"gear": "GearStorage\n(host rows)", "torchrl": "TorchRL\n+ .to(cuda)",
+              "pcie": "pinned memcpy\n(PCIe limit)",
               "device tier": "GearStorage\n(device tier)", "d2d": "device copy"}
     bars = {labels[k]: v for k, v in {**host, **device}.items()}
     fig, ax = plt.subplots(figsize=(8, 3.5))

@@ -202,7 +202,8 @@ def memory_accuracy(model, batch: TensorDict, max_len: int, delay: int) -> float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Padded windows against packed sequences, same model, same real tokens")
+    parser = argparse.ArgumentParser(
+        description="Padded windows against packed sequences, same model, same real tokens")
     parser.add_argument("--episodes", type=int, default=2_000, help="episodes to store")
     parser.add_argument("--median-len", type=float, default=20.0, help="median episode length (lognormal)")
     parser.add_argument("--sigma", type=float, default=1.0, help="spread of the log of the episode length")
@@ -218,7 +219,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--points", type=int, default=5, help="points of the printed loss curves")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timings on a shared machine)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: steadier timings on a shared machine)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not args.min_len <= args.max_episode or args.delay >= args.min_len or args.max_len > args.budget:
