@@ -79,8 +79,9 @@ def span_counts(length: torch.Tensor, max_train: int) -> torch.Tensor:
     return torch.where(length > 0, (length - max_train + 1).clamp_min(1), 0)
 
 
-def draw_pack(draw: Callable[[int], Sequences], budget: int, expected_length: float) -> Sequences:
-    """Sequences from ``draw(n)`` (independent draws, in order) until they hold ``budget`` tokens.
+def draw_pack(draw: Callable[[int], Sequences], budget: int, expected_length: float) -> tuple[Sequences, float]:
+    """Sequences from ``draw(n)`` (independent draws, in order) until they hold ``budget`` tokens, and their mean
+    length (what the next pack expects).
 
     Each round draws what the room left needs at ``expected_length`` tokens a sequence (then at the mean
     drawn so far), a tenth more: one round, most of the time.
@@ -94,9 +95,9 @@ def draw_pack(draw: Callable[[int], Sequences], budget: int, expected_length: fl
         parts.append(part)
         tokens += int(part.length.sum())
         drawn += count
-        if tokens >= budget:
-            return Sequences.cat(parts)
         mean = tokens / drawn
+        if tokens >= budget:
+            return Sequences.cat(parts), mean
     raise RuntimeError(f"drew {drawn} sequences of {tokens} tokens in all, short of a budget of {budget}")
 
 
@@ -114,10 +115,6 @@ def pack_tokens(sequences: Sequences, budget: int, window_rows: int, mass: float
         extra["mass"] = torch.where(real, sequences.mass[seq], 1.0)  # seq -1 reads the last: replaced
         extra["generation"] = torch.where(real, sequences.generation[seq], 0)
     return Picked(Windows(rows, 1, torch.zeros_like(valid), valid), mass, extra, scalars or {})
-
-
-def _mean_length(sequences: Sequences) -> float:
-    return float(sequences.length.sum()) / max(sequences.length.numel(), 1)
 
 
 def empty_pack(mass: float | torch.Tensor, scalars: dict[str, Any] | None = None) -> Picked:
@@ -196,8 +193,7 @@ class PackedSelector(EpisodeTreeSelector[PackedSpec]):
             return Sequences(*_C.uniform_spans(episodes.start, episodes.length, slots, u[1].contiguous(),
                                                spec.seq_len, spec.burn_in))
 
-        sequences = draw_pack(draw, count, self._expected_length)
-        self._expected_length = _mean_length(sequences)
+        sequences, self._expected_length = draw_pack(draw, count, self._expected_length)
         return pack_tokens(sequences, count, shard.window_rows, mass)
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
@@ -254,8 +250,7 @@ class PriorityPackedSelector(PriorityWindowSelector):
                                                           spec.seq_len, spec.burn_in)
             return Sequences(first, length, burn_in, step, self.trees.get(keys), self.generation[keys])
 
-        sequences = draw_pack(draw, count, self._expected_length)
-        self._expected_length = _mean_length(sequences)
+        sequences, self._expected_length = draw_pack(draw, count, self._expected_length)
         return pack_tokens(sequences, count, shard.window_rows, mass, scalars)
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:

@@ -27,13 +27,13 @@ from gear_torchrl.adapters.sampled_index import (
     plan_of,
 )
 from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler, KeyedPriorityState
-from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
-from gear_torchrl.selection.checked_inputs import as_priority, as_rows, integer_rows, seeds_defaults
+from gear_torchrl.adapters.samplers.selecting import FollowsEpisodes
+from gear_torchrl.selection.checked_inputs import as_priority
 from gear_torchrl.selection.packed import PackedSelector, PackedSpec, PriorityPackedSelector, PriorityPackedSpec
 from gear_torchrl.store.table_spec import NestedKey, optional_path
 
 
-class GearPackedSequenceSampler(SelectsThroughStorage, Sampler):
+class GearPackedSequenceSampler(FollowsEpisodes, Sampler):
     """Whole episodes, and spans of at most ``max_len`` steps of longer ones, packed into the batch's tokens.
 
     Sampling and packing follow ``selection/packed.py``: each sequence is drawn
@@ -133,22 +133,6 @@ class GearPackedSequenceSampler(SelectsThroughStorage, Sampler):
         markers = PackedMarkers(seq_id, position, extra["step"], extra["trained"], extra["last"], self.markers)
         selection.index = SampledIndex(index, dataclasses.replace(plan, markers=markers))
 
-    # -- TorchRL contract -------------------------------------------------------------
-    def mark_update(self, index: Any, *, storage: Any = None) -> None:
-        """Nothing to do: sequences follow the storage's episode index."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # everything is derived from the storage's episode index
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._empty()
-
-    def dumps(self, path: Any) -> None:
-        """Nothing to save: the episode tree is rebuilt from the storage's episode index."""
-
-    def loads(self, path: Any) -> None:
-        self._empty()
-
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(max_len={self.max_len}, burn_in={self.burn_in}, "
                 f"uniform_over={self.uniform_over!r})")
@@ -208,15 +192,13 @@ class GearPrioritizedPackedSequenceSampler(KeyedPriorityState, GearPackedSequenc
     @torch.no_grad()
     def update_priority(self, index: Any, priority: Any, *, storage: Any = None, generation: Any = None) -> None:
         """Priorities of sampled sequences, from a packed batch's ``"index"`` (see the class docstring)."""
-        if self._is_seeding(index, priority, storage):
-            if not getattr(storage, "owners_seed_new_rows", False):
-                self.mark_update(index)
-            return  # TorchRL's first-use seeding of stored rows: they are new rows, already at the top priority
+        if self._took_seeding(index, priority, storage):
+            return
         plan = plan_of(index)
         layout = plan.markers if plan is not None and isinstance(plan.markers, PackedMarkers) else None
         if generation is None:
             generation = self._generations_if_rewritten_since_drawn(index)
-        rows = self._rows_of(storage, index)
+        rows = self._index_rows(storage, index)
         if layout is not None:
             rows, priority, first = _sequence_priorities(layout, rows, priority, *self._priority_rule)
             generation = None if generation is None else torch.as_tensor(generation).reshape(-1)[first]
@@ -225,23 +207,7 @@ class GearPrioritizedPackedSequenceSampler(KeyedPriorityState, GearPackedSequenc
         keep = rows >= 0
         rows, priority = rows[keep], priority[keep]
         generation = None if generation is None else torch.as_tensor(generation).reshape(-1)[keep]
-        if callable(getattr(storage, "update_rows", None)):
-            storage.update_rows(self.selector, rows, priority, generation)
-        else:
-            self._update(storage, rows, priority, generation)
-
-    def _rows_of(self, storage: Any, index: Any) -> torch.Tensor:
-        """Each token's row as the storage names it (global ids on a sharded store; -1: padding)."""
-        if getattr(storage, "owners_seed_new_rows", False):
-            return integer_rows(index).reshape(-1).as_subclass(torch.Tensor)
-        if callable(getattr(storage, "_selector_rows", None)):
-            return storage._selector_rows(index)
-        return as_rows(integer_rows(index).reshape(-1).as_subclass(torch.Tensor), self._max_capacity)
-
-    def _is_seeding(self, index: Any, priority: Any, storage: Any) -> bool:
-        if storage is None or plan_of(index) is not None or torch.as_tensor(index).numel() != len(storage):
-            return False
-        return seeds_defaults(index, priority, self.default_priority)
+        self._update_keys(storage, rows, priority, generation)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(max_len={self.max_len}, burn_in={self.burn_in}, "

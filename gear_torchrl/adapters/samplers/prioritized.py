@@ -8,7 +8,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.adapters.sampled_index import Selection, SelectionIndex
+from gear_torchrl.adapters.sampled_index import Selection, SelectionIndex, plan_of
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.adapters.torchrl_layout import (
     TORCHRL_SAMPLER_MANIFEST,
@@ -16,7 +16,7 @@ from gear_torchrl.adapters.torchrl_layout import (
     torchrl_files_are_current,
     write_torchrl_priorities,
 )
-from gear_torchrl.selection.checked_inputs import seeds_defaults
+from gear_torchrl.selection.checked_inputs import as_rows, integer_rows, seeds_defaults
 from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec, ProportionalSpec
 from gear_torchrl.selection.state_file import StateDictFile
 from gear_torchrl.store.persistence import tensor_file
@@ -174,6 +174,36 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
         if generation is None:
             generation = self._generations_if_rewritten_since_drawn(index)
         self._update(storage, index, priority, generation)
+
+    # -- what samplers of keyed rules share (windows, packs: a pick's key is a row) ----------------------
+    def _took_seeding(self, index: Any, priority: Any, storage: Any) -> bool:
+        """Whether ``update_priority`` is TorchRL's first-use seeding of every stored row at the default
+        priority (rows 0..len-1, not a sampled index): they are new rows, followed here (or by their owners);
+        nothing else is to be done."""
+        if storage is None or plan_of(index) is not None or torch.as_tensor(index).numel() != len(storage):
+            return False
+        if not seeds_defaults(index, priority, self.default_priority):
+            return False
+        if not getattr(storage, "owners_seed_new_rows", False):
+            self.mark_update(index)
+        return True
+
+    def _index_rows(self, storage: Any, index: Any) -> torch.Tensor:
+        """The rows a batch's index names, as the storage names them (global ids on a sharded store, whose
+        owners check them; ``(t, e)`` of ``ndim=2`` as ``t * E + e``); -1 skips."""
+        if getattr(storage, "owners_seed_new_rows", False):
+            return integer_rows(index).reshape(-1).as_subclass(torch.Tensor)
+        if callable(getattr(storage, "_selector_rows", None)):
+            return storage._selector_rows(index)
+        return as_rows(integer_rows(index).reshape(-1).as_subclass(torch.Tensor), self._max_capacity)
+
+    def _update_keys(self, storage: Any, keys: torch.Tensor, priority: torch.Tensor,
+                     generation: torch.Tensor | None = None) -> None:
+        """Raw priorities of keys that are the store's rows already (checked against the rows stored)."""
+        if callable(getattr(storage, "update_rows", None)):
+            storage.update_rows(self.selector, keys, priority, generation)
+        else:
+            self._update(storage, keys, priority, generation)
 
     def _generations_if_rewritten_since_drawn(self, index: Any) -> torch.Tensor | None:
         """The last draw's generations when ``index`` is its rows and some write came since, else None.

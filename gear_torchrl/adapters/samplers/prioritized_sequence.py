@@ -14,7 +14,6 @@ import torch
 from gear_torchrl.adapters.sampled_index import Selection
 from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler, KeyedPriorityState
 from gear_torchrl.adapters.samplers.sequence import GearSequenceSampler
-from gear_torchrl.selection.checked_inputs import as_rows, integer_rows, seeds_defaults
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec, key_priorities
 from gear_torchrl.selection.windows import WindowSpec
 
@@ -78,28 +77,10 @@ class GearPrioritizedSequenceSampler(KeyedPriorityState, GearSequenceSampler, Ge
     @torch.no_grad()
     def update_priority(self, index: Any, priority: Any, *, storage: Any = None, generation: Any = None) -> None:
         """Priorities for sampled windows: ``index`` is the batch's flat index (``[W * window_len]``)."""
-        if self._is_seeding(index, priority, storage):
-            # TorchRL's first-use seeding of stored rows (not windows): they become new rows, here or on their owners.
-            if not getattr(storage, "owners_seed_new_rows", False):
-                self.mark_update(index)
+        if self._took_seeding(index, priority, storage):
             return
-        if getattr(storage, "owners_seed_new_rows", False):  # global row ids: the owners check them
-            rows = integer_rows(index).reshape(-1).as_subclass(torch.Tensor)
-        elif callable(getattr(storage, "_selector_rows", None)):  # the store's rows ((t, e) of ndim=2: t * E + e)
-            rows = storage._selector_rows(index)
-        else:
-            rows = as_rows(integer_rows(index).reshape(-1).as_subclass(torch.Tensor), self._max_capacity)
-        targets, priority = key_priorities(self.selector.spec, rows, priority)
-        if callable(getattr(storage, "update_rows", None)):  # window keys are the store's rows already
-            storage.update_rows(self.selector, targets, priority)
-        else:
-            self._update(storage, targets, priority)
-
-    def _is_seeding(self, index: Any, priority: Any, storage: Any) -> bool:
-        """Whether TorchRL's buffer is giving every stored row the default priority (rows 0..len-1)."""
-        if storage is None or torch.as_tensor(index).numel() != len(storage):
-            return False
-        return seeds_defaults(index, priority, self.default_priority)
+        targets, priority = key_priorities(self.selector.spec, self._index_rows(storage, index), priority)
+        self._update_keys(storage, targets, priority)
 
     def set_key_priorities(self, rows: torch.Tensor, priority: torch.Tensor) -> None:
         """Raw priorities of window keys (checked)."""

@@ -64,6 +64,26 @@ class SelectsThroughStorage:
         self.selector.clear()
 
 
+class FollowsEpisodes(SelectsThroughStorage):
+    """Mixin for a sampler whose rule is derived wholly from the storage's episode index (windows, packs):
+    nothing to note at writes, nothing to save; a load or an empty store starts its core anew."""
+
+    def mark_update(self, index: Any, *, storage: Any = None) -> None:
+        """Nothing to do: the rule follows the storage's episode index."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._empty()
+
+    def dumps(self, path: Any) -> None:
+        """Nothing to save: the core's tree is rebuilt from the storage's episode index."""
+
+    def loads(self, path: Any) -> None:
+        self._empty()
+
+
 class SavesCoreState(SelectsThroughStorage):
     """Mixin for a sampler whose state is its core's (queues, top-k): what ``StateDictFile`` saves and loads."""
 

@@ -16,13 +16,13 @@ from typing import Any, Literal
 from torchrl.data.replay_buffers.samplers import Sampler
 
 from gear_torchrl.adapters.sampled_index import SelectionIndex, WindowMarkers
-from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.adapters.samplers.selecting import FollowsEpisodes
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
 from gear_torchrl.store.table_spec import NestedKey, optional_path
 
 
-class GearSequenceSampler(SelectsThroughStorage, Sampler):
+class GearSequenceSampler(FollowsEpisodes, Sampler):
     """Windows of ``burn_in + seq_len`` steps inside one episode each.
 
     Args:
@@ -109,22 +109,6 @@ class GearSequenceSampler(SelectsThroughStorage, Sampler):
         if batch_size % self.window_len:
             raise ValueError(f"batch size {batch_size} is not a multiple of the window length {self.window_len}")
         return batch_size // self.window_len
-
-    # -- TorchRL contract -------------------------------------------------------------
-    def mark_update(self, index: Any, *, storage: Any = None) -> None:
-        """Nothing to do: windows follow the storage's episode index."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # everything is derived from the storage's episode index
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._empty()
-
-    def dumps(self, path) -> None:
-        """Nothing to save: the window tree is rebuilt from the storage's episode index."""
-
-    def loads(self, path) -> None:
-        self._empty()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(seq_len={self.seq_len}, burn_in={self.burn_in}, "
