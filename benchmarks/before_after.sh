@@ -9,8 +9,9 @@
 # Python runs with -S and the tree first on PYTHONPATH, so the editable install of this checkout cannot
 # shadow it. Each turn runs every benchmark on "before", then on "after": a loaded machine hits both alike.
 # BENCHES overrides the list, e.g. BENCHES="plain_path" for one, or BENCHES="sharded_cost" for the sharded
-# store's (uniform rows from 1 to 8 owners; SHARDED_COST_ARGS="--rule windows ..." for others). A change in csrc/: build BEFORE's extension and name it in
-# BEFORE_EXTENSION, so that each side runs its own.
+# store's (uniform rows from 1 to 8 owners; SHARDED_COST_ARGS="--rule windows ..." for others); a name is a
+# script of benchmarks/ or of benchmarks/probes/ (gather_cost, owner_cost, ...), looked up in each tree. A change
+# in csrc/: build BEFORE's extension and name it in BEFORE_EXTENSION, so that each side runs its own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 before=${1:?usage: benchmarks/before_after.sh BEFORE [AFTER] [TURNS]}
@@ -64,7 +65,9 @@ for turn in $(seq 1 "$turns"); do
     mkdir -p "$out"
     for bench in $benches; do
       echo "turn $turn, $side: $bench"
-      (cd "$tree" && PYTHONPATH="$tree:$tree/benchmarks:$site" "$py" -S "benchmarks/$bench.py" ${args[$bench]} \
+      script=benchmarks/$bench.py  # a comparison; a probe is under probes/ (at the top in trees before the move)
+      [ -e "$tree/$script" ] || script=benchmarks/probes/$bench.py
+      (cd "$tree" && PYTHONPATH="$tree:$tree/benchmarks:$site" "$py" -S "$script" ${args[$bench]} \
         --out "$out/$bench.json" > "$out/$bench.txt" 2>&1) || { echo "  failed: see $out/$bench.txt" >&2; exit 1; }
     done
   done

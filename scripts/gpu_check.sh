@@ -12,8 +12,8 @@
 # storage (benchmarks/gpu_storage_sampling.py, two row sizes), sharded (benchmarks/sharded_cost.py,
 # uniform rows from 1, 2, 4 and 8 owners on this machine's cores, the learner's batches on the CPU and
 # then on the GPU), sharded_windows (the same for 64-step windows), many_learners (one owner serving 1, 2
-# and 4 learners), learner_alone (benchmarks/learner_round_cost.py: the learner's own CPU per batch from 1
-# to 8 owners, replies queued, with the raw floor and its sends), owner_growth (benchmarks/owner_growth.py:
+# and 4 learners), learner_alone (benchmarks/probes/learner_round_cost.py: the learner's own CPU per batch from 1
+# to 8 owners, replies queued, with the raw floor and its sends), owner_growth (benchmarks/probes/owner_growth.py:
 # stores over 1, 2, 4 and 8 owners in one job, sampled in the same turns, plain and 4 or 8 batches ahead),
 # memcheck.
 # Carried wheels: .whl/*.whl (torchrl, tensordict and their small deps) are
@@ -166,10 +166,10 @@ if has_step many_learners; then  # one owner serving 1, 2 and 4 learners, each w
 fi
 
 if has_step owner_growth; then  # the learner's growth from 1 to 8 owners, every world in the same turns
-  run_bench owner_growth owner_growth.py --rounds 5 --ahead 4 8 --out "$OUT/owner_growth.json"
+  run_bench owner_growth probes/owner_growth.py --rounds 5 --ahead 4 8 --out "$OUT/owner_growth.json"
 fi
 if has_step learner_alone; then  # the learner's own cost per owner added, no owner competing
-  run_bench learner_alone learner_round_cost.py --repeats 60 --out "$OUT/learner_round_cost.json"
+  run_bench learner_alone probes/learner_round_cost.py --repeats 60 --out "$OUT/learner_round_cost.json"
 fi
 
 # ---- compute-sanitizer memcheck over the gather tests -----------------------------

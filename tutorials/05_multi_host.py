@@ -383,7 +383,7 @@ def main() -> None:
 #
 # The learner prints GB/s and batches/s as it saw them, with
 # every process of the job sharing the machine. To know what the hardware allows,
-# compare with benchmarks/remote_read.py: it reads a sharded store over tcp on
+# compare with benchmarks/probes/remote_read.py: it reads a sharded store over tcp on
 # loopback next to a raw socket sending the same bytes (the ceiling for tcp), and
 # reports sampled rows and windows the same way. For "local" reads the ceiling is
 # the machine's memory bandwidth (a copy out of shared memory); for "rdma", the

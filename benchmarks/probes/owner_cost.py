@@ -10,7 +10,7 @@ medians of interleaved rounds. The ``native`` path is what learners use; the
 (what every request cost before). Fitted over the sizes: the fixed cost per
 request and the cost per KiB of rows (gathering them and the kernel's copy).
 
-    .venv/bin/python benchmarks/owner_cost.py [--rows 1 16 256 4096] [--learners 1 4] [--rounds 5]
+    .venv/bin/python benchmarks/probes/owner_cost.py [--rows 1 16 256 4096] [--learners 1 4] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import multiprocessing as mp
 import statistics
 import time
 
+import _harness_path  # noqa: F401  (benchmarks/ on sys.path: harness, sharded_cost)
 import torch
 from harness import machine, table, write_json
 from sharded_cost import ROW_BYTES, STEPS, _thread_cpu_ns

@@ -5,12 +5,13 @@ found among the cumulative masses). The peer is what a Python learner would writ
 ``torch.multinomial(masses, batch, replacement=True).bincount(minlength=owners)``. Median of ``--repeats``
 windows of ``--calls`` calls each, the two in turns, µs per split.
 
-    .venv/bin/python benchmarks/split_cost.py [--owners 2 8 64] [--batch 256]
+    .venv/bin/python benchmarks/probes/split_cost.py [--owners 2 8 64] [--batch 256]
 """
 from __future__ import annotations
 
 import argparse
 
+import _harness_path  # noqa: F401  (benchmarks/ on sys.path: harness, sharded_cost)
 import torch
 from harness import interleaved_medians, table, write_json
 

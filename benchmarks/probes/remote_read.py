@@ -14,7 +14,7 @@ nothing can move the same bytes over the same sockets faster. The learner measur
 - ``sample rows``: ``rb.sample()`` of 4096 steps (selection on the owners, read, batch);
 - ``sample windows``: ``rb.sample()`` of 64 windows of 64 steps (GearSequenceSampler).
 
-    .venv/bin/python benchmarks/remote_read.py [--shards 1 2 4] [--rounds 5]
+    .venv/bin/python benchmarks/probes/remote_read.py [--shards 1 2 4] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import _harness_path  # noqa: F401  (benchmarks/ on sys.path: harness, sharded_cost)
 import torch
 import torch.distributed as dist
 from harness import free_port, sharded_rank, table, write_json

@@ -8,8 +8,9 @@ the rows, sending) and ``_Session._select`` (the pick too) are timed by the
 owner thread's CPU clock. Medians over ``--requests`` requests of each size. Run
 it in two worktrees (``before_after.sh`` makes them) to compare two commits:
 
-    .venv/bin/python benchmarks/owner_reply_cost.py [--requests 300]
-    (cd bench_out/before_after/trees/before && PYTHONPATH=$PWD:$PWD/benchmarks python -S benchmarks/owner_reply_cost.py)
+    .venv/bin/python benchmarks/probes/owner_reply_cost.py [--requests 300]
+    (cd bench_out/before_after/trees/before && \
+        PYTHONPATH=$PWD:$PWD/benchmarks python -S benchmarks/probes/owner_reply_cost.py)
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import json
 import statistics
 import time
 
+import _harness_path  # noqa: F401  (benchmarks/ on sys.path: harness, sharded_cost)
 import torch
 from harness import machine, table, write_json
 from sharded_cost import STEPS, _rows

@@ -6,7 +6,7 @@ Batches of ``--batch`` updates over 1 and 8 owners of 25,000 rows each, the prio
 each figure is the median over ``--repeats`` of this process's CPU time per call, the contenders taking
 turns (one thread):
 
-    .venv/bin/python benchmarks/update_split.py [--batch 256] [--repeats 7] [--out FILE]
+    .venv/bin/python benchmarks/probes/update_split.py [--batch 256] [--repeats 7] [--out FILE]
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import argparse
 import functools
 import time
 
+import _harness_path  # noqa: F401  (benchmarks/ on sys.path: harness, sharded_cost)
 import torch
 from harness import interleaved_medians, machine, table, write_json
 

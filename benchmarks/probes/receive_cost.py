@@ -8,7 +8,7 @@ median over ``--repeats`` of this thread's CPU time per call, the contenders tak
 queued before the call, what is measured is the receive's own work (its system calls and copies), not a
 wait. ``--extension`` loads another build of the extension (a commit's before a change):
 
-    .venv/bin/python benchmarks/receive_cost.py [--owners 1 8] [--batch 256] [--repeats 7] [--extension SO]
+    .venv/bin/python benchmarks/probes/receive_cost.py [--owners 1 8] [--batch 256] [--repeats 7] [--extension SO]
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 
+import _harness_path  # noqa: F401  (benchmarks/ on sys.path: harness, sharded_cost)
 import torch
 from harness import interleaved_medians, machine, table, write_json
 

@@ -23,7 +23,8 @@ per-request work on both ends would approach). ``--ahead N`` fits the ``ahead N`
 contender's columns (a learner asking for N batches at once, ``prefetch=N``) rather than
 the plain store's.
 
-    .venv/bin/python benchmarks/cost_model.py --runs bench_out/sharded_cost.json [--ahead 4] [--check-capped FILE]
+    .venv/bin/python benchmarks/probes/cost_model.py --runs bench_out/sharded_cost.json [--ahead 4] \
+        [--check-capped FILE]
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ uniformly; one-row windows carry valid ranges, as an owner's picks do. Each figu
 ``--repeats`` of the thread's CPU time per call, the contenders taking turns. ``--extension`` loads another
 build of the extension (a before side):
 
-    .venv/bin/python benchmarks/gather_cost.py [--extension /tmp/before_C.so] [--out FILE]
+    .venv/bin/python benchmarks/probes/gather_cost.py [--extension /tmp/before_C.so] [--out FILE]
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 
+import _harness_path  # noqa: F401  (benchmarks/ on sys.path: harness, sharded_cost)
 import torch
 from harness import interleaved_medians, machine, table, write_json
 

@@ -9,7 +9,7 @@ batch, and the owners' serving threads (those that sent) per request (``futex`` 
 interpreter's own locks). ``--ahead N`` samples with ``storage.prefetch = N`` (N batches asked for at once;
 ``--batches`` then a multiple of N). ``strace`` must be installed.
 
-    .venv/bin/python benchmarks/round_syscalls.py [--owners 1 8] [--batch 256] [--batches 50] [--ahead 0]
+    .venv/bin/python benchmarks/probes/round_syscalls.py [--owners 1 8] [--batch 256] [--batches 50] [--ahead 0]
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _harness_path  # noqa: F401  (benchmarks/ on sys.path: harness, sharded_cost)
 import torch
 from harness import free_port, run_ranks, table, write_json
 from sharded_cost import STEPS, _fill

@@ -16,7 +16,7 @@ one write per owner. Figures are this thread's CPU time per batch over ``--repea
 turns: the median, and the 10th percentile (on a shared machine whose slow phases last seconds, the
 steadier of the two).
 
-    .venv/bin/python benchmarks/learner_round_cost.py [--owners 1 2 4 8] [--batch 256] [--repeats 60] [--ahead 4]
+    .venv/bin/python benchmarks/probes/learner_round_cost.py [--owners 1 2 4 8] [--batch 256] [--repeats 60] [--ahead 4]
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import socket
 import statistics
 import time
 
+import _harness_path  # noqa: F401  (benchmarks/ on sys.path: harness, sharded_cost)
 import torch
 from harness import machine, table, write_json
 from tensordict import TensorDict

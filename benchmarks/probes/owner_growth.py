@@ -13,13 +13,14 @@ owner, no selection) and ``LazyTensorStorage`` in the learner's process. Reporte
 CPU time per batch (median of ``--rounds`` turns), its growth from one owner, the owners' CPU per request,
 steps per second, and the learner's preemptions per batch.
 
-    .venv/bin/python benchmarks/owner_growth.py [--owners 1 2 4 8] [--batch 256] [--rounds 5] [--ahead 4 8]
+    .venv/bin/python benchmarks/probes/owner_growth.py [--owners 1 2 4 8] [--batch 256] [--rounds 5] [--ahead 4 8]
 """
 from __future__ import annotations
 
 import argparse
 import os
 
+import _harness_path  # noqa: F401  (benchmarks/ on sys.path: harness, sharded_cost)
 import torch
 from harness import free_port, run_ranks, table, write_json
 from sharded_cost import EPISODE, STEPS, _fill, _measure, _raw_batch, _raw_server, _rows
