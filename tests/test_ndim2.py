@@ -434,7 +434,7 @@ def test_uniform_selection_names_stored_steps():
     storage = GearStorage(40, ndim=2)
     rb = TensorDictReplayBuffer(storage=storage, batch_size=8)
     rb.extend(envs.batch(6))
-    t, e = storage.select(UniformSpec().build(40), 500, torch.Generator().manual_seed(0)).index
+    t, e = storage.table.select(UniformSpec().build(40), 500, torch.Generator().manual_seed(0)).index
     assert bool((t >= 0).all() & (t < 6).all() & (e >= 0).all() & (e < ENVS).all())
     assert len(set(zip(t.tolist(), e.tolist()))) == 24  # every stored step drawn at least once
     assert torch.equal(storage[(t, e)]["env"], e)

@@ -16,24 +16,20 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torchrl.data.replay_buffers.storages import Storage, TensorStorage
+from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.adapters.rate_gate import RateLimitedStorage
-from gear_torchrl.adapters.sampled_index import (
-    ReadPlan,
-    SampledIndex,
-    Selection,
-    SelectionIndex,
-    WindowMarkers,
-    plan_of,
-)
 from gear_torchrl.adapters.stats import Rates
 from gear_torchrl.adapters.storage import GearStorage
+from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.bootstrap import Membership, join
 from gear_torchrl.distributed.directory import ShardDescriptor, host_id
 from gear_torchrl.distributed.shard_set import Options, ShardSet
-from gear_torchrl.selection.base import SelectionSpec, Selector
+from gear_torchrl.distributed.sharded_table import ShardedTable
+from gear_torchrl.selection.sample import (
+    SelectionIndex,
+    plan_of,
+)
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store.shard import DEFAULT_END_KEYS
 from gear_torchrl.store.table_spec import Data, NestedKey
@@ -44,7 +40,7 @@ _NO_STATE_DICT = ("a sharded store's rows stay on their owners: save it with rb.
                   "writes its shard to, not with a state dict")
 
 
-class ShardedGearStorage(RateLimitedStorage, TensorStorage):
+class ShardedGearStorage(TableStorage):
     """The union of one shard per owning rank, as one storage for ``ReplayBuffer``.
 
     Args:
@@ -96,7 +92,7 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
     rendezvous store.
     """
 
-    owners_seed_new_rows = True  # TorchRL's first-use priority seeding does not apply: owners follow writes
+    table: ShardedTable
     _local: GearStorage | None
     device: torch.device  # TorchRL allows a string; rows arrive on the CPU
     _membership: Membership | None
@@ -148,7 +144,7 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
         self._local = None
         self._membership = None
         self.shard_id = None
-        self._rows_sampled = 0
+        self.table = ShardedTable(self._shards, self._sampling)
         self._rates = Rates()
         self.__dict__["_storage_keys"] = None
 
@@ -225,37 +221,8 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
     def initialized(self) -> bool:  # type: ignore[override]  # TorchRL sets it; the shards are always laid out
         return True
 
-    # -- selection (what our samplers ask for) ------------------------------------------
-    def select(self, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None = None,
-               markers: WindowMarkers | None = None) -> Selection:
-        """``count`` picks of ``selector``'s rule across the shards, their rows read already.
-
-        Each owner runs its own core for the rule's spec; ``selector`` names the rule.
-        The index is global row ids carrying the batch, so ``get`` of it costs nothing.
-        """
-        if count <= 0:
-            raise ValueError(f"select at least one row or window, got {count}")
-        with self._sampling(count * selector.spec.rows_per_pick):
-            picks = self._shards.pick(selector.spec, count, generator)
-        assert picks is not None  # None answers a count of 0
-        self._rows_sampled += picks.index.numel()
-        windows = picks.windows if picks.windows.seq_len > 1 or markers is not None else None
-        plan = ReadPlan(windows, markers, picks.columns, picks.spec)
-        return Selection(SampledIndex(picks.index, plan), picks.extra, picks.scalars)
-
-    def note_written(self, selector: Selector[SelectionSpec], index: Any) -> None:
-        """Nothing to do: each owner's cores follow its shard's commits."""
-
-    def update_selection(self, selector: Selector[SelectionSpec], index: Any, priority: Any,
-                         generation: Any = None) -> None:
-        """Priorities for global row ids, routed to the owners of the rows."""
-        self._shards.update(selector.spec, torch.as_tensor(index).as_subclass(torch.Tensor), priority, generation)
-
-    def give_back(self, selector: Selector[SelectionSpec], index: Any) -> None:
-        self._shards.give_back_ids(selector.spec, torch.as_tensor(index).as_subclass(torch.Tensor))
-
     def _rand_given_ndim(self, batch_size: int) -> SelectionIndex:
-        return self.select(_UNIFORM, batch_size, getattr(self, "_rng", None)).index
+        return self.table.select(_UNIFORM, batch_size, getattr(self, "_rng", None)).index
 
     # -- reads -----------------------------------------------------------------------------
     def get(self, index: Any) -> Data:
@@ -281,7 +248,7 @@ class ShardedGearStorage(RateLimitedStorage, TensorStorage):
         control plane (not pickled copies) see.
         """
         directory = None if self._membership is None else self._membership.directory
-        return self._shards.stats(directory, self._rates, self._rows_sampled)
+        return self._shards.stats(directory, self._rates, self.table.rows_sampled)
 
     # -- writes go to a shard ------------------------------------------------------------------------
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:

@@ -1,8 +1,11 @@
-"""GearStorage: a TorchRL ``Storage`` backed by a gear_torchrl shard.
+"""GearStorage: a TorchRL ``Storage`` backed by a gear_torchrl shard, of steps or of ``[T, num_envs]`` steps.
 
 It subclasses TorchRL's ``TensorStorage`` so replay buffers pick the identity
 collate and TorchRL's samplers and writers treat it as a tensor storage; all
-state lives in the shard, not in TensorStorage's fields.
+state lives in the shard, not in TensorStorage's fields, and samplers draw
+through its table (``selection/table.py``). ``GearStorage(ndim=2)`` builds an
+:class:`EnvColumnsStorage`: the same shard addressed as env columns, with
+TorchRL's ``(time, env)`` indices turned into its rows (``env_indices.py``).
 """
 from __future__ import annotations
 
@@ -17,28 +20,36 @@ from tensordict import TensorDictBase
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 
 from gear_torchrl.adapters.checkpointer import GearStorageCheckpointer
-from gear_torchrl.adapters.rate_gate import RateGate, RateLimitedStorage, check_sampler_is_gated
+from gear_torchrl.adapters.env_indices import (
+    envs_in,
+    is_basic,
+    is_int,
+    is_time_index,
+    refuse_unsupported,
+    steps_read_at,
+    steps_written_at,
+)
+from gear_torchrl.adapters.rate_gate import RateGate, check_sampler_is_gated
 from gear_torchrl.adapters.rate_limiters import RateLimiter
-from gear_torchrl.adapters.sampled_index import Selection, SelectionIndex, WindowMarkers, local_selection, plan_of
 from gear_torchrl.adapters.stats import Rates
+from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.adapters.torchrl_state import state_from_torchrl, torchrl_fields
 from gear_torchrl.errors import EmptyStoreError
 from gear_torchrl.kernels import gather
-from gear_torchrl.selection.base import SelectionSpec, Selector, pick_exactly
-from gear_torchrl.selection.checked_inputs import as_rows
-from gear_torchrl.selection.picked import Picked
-from gear_torchrl.store.addressing import Addressing, StepRows
+from gear_torchrl.selection.sample import SelectionIndex, plan_of
+from gear_torchrl.selection.table import ShardTable
+from gear_torchrl.store.addressing import Addressing, EnvColumns, StepRows
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.store.indices import Index
 from gear_torchrl.store.rate_counters import LocalRateCounters, SharedRateCounters
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, Shard
 from gear_torchrl.store.shared_commits import SharedCommits, SharedStoreHandle, shared_shard
-from gear_torchrl.store.table_spec import Data, NestedKey, stacked_rows
+from gear_torchrl.store.table_spec import Data, NestedKey, lead_shape, stacked_rows
 
 logger = logging.getLogger(__name__)
 
 
-class GearStorage(RateLimitedStorage, TensorStorage):
+class GearStorage(TableStorage):
     """Columnar step ring with an episode index; a drop-in for ``LazyTensorStorage``.
 
     Args:
@@ -110,17 +121,13 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     _default_checkpointer = GearStorageCheckpointer  # type: ignore[assignment]  # any StorageCheckpointerBase serves
     _addressing: type[Addressing] = StepRows  # what a ring row is: a step of one stream
     _shard: Shard  # with a SharedCommits part where the store is shared
+    table: ShardTable  # over ``_shard``
     device: torch.device  # TorchRL allows a string; ours is always a device
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "ndim" in cls.__dict__:  # the glue of another TorchRL layout (adapters/__init__.py imports it)
-            _LAYOUTS[cls.ndim] = cls
 
     def __new__(cls, *args: Any, ndim: int = 1, handle: SharedStoreHandle | None = None,  # noqa: PYI034
                 **kwargs: Any) -> GearStorage:
-        if cls is GearStorage:  # an attached store takes the layout of the store it attaches to
-            cls = _LAYOUTS.get(ndim if handle is None else handle.ndim, cls)  # noqa: PLW0642
+        if cls is GearStorage and (ndim if handle is None else handle.ndim) == 2:  # an attached store: its layout
+            cls = EnvColumnsStorage  # noqa: PLW0642
         return super().__new__(cls)
 
     def __init__(
@@ -176,7 +183,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         self._home_pid = os.getpid()  # a copy in another process (pickled, forked) is not these rows
         self._warned_copy = False
         self._rates = Rates()
-        self._drawn: Any = None  # the index this store's sampler drew last: ``get`` reads it unchecked
+        self.table = ShardTable(self._shard, device, self._sampling)
         self.__dict__["_storage_keys"] = None
         self._rule_version = -1  # of a shared store's published rule, as this process last read it
         if rate_limiter is not None:
@@ -224,55 +231,8 @@ class GearStorage(RateLimitedStorage, TensorStorage):
     def _rand_given_ndim(self, batch_size: int) -> SelectionIndex:
         with self._sampling(batch_size), self._shard.picking():
             rows = self._shard.visibility.uniform_rows(batch_size, self._rng, self.device)
-        self._drawn = rows  # in range by construction: ``get`` skips checking them (a wait for the GPU)
+        self.table.drawn = rows  # in range by construction: ``get`` skips checking them (a wait for the GPU)
         return rows
-
-    # -- selection (what our samplers ask for) ------------------------------------------
-    def select(self, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None = None,
-               markers: WindowMarkers | None = None) -> Selection:
-        """``count`` picks of ``selector``'s rule over this store, drawn with ``generator``.
-
-        The index names ring rows (for windows: every position, padding included) and
-        carries the windows, so ``get`` of it, or of a copy, reads them back.
-        """
-        shard = self._shard
-        with self._sampling(count * selector.spec.rows_per_pick), shard.picking():  # catches up with commits
-            if shard.size == 0:
-                raise EmptyStoreError("cannot sample from an empty storage: write some data first")
-            selector.follow(shard)
-            picked = pick_exactly(selector, shard, count, generator)
-        selection = self._selection(picked, markers)
-        index = selection.index
-        if plan_of(index) is None and (not isinstance(index, torch.Tensor) or index.device == self.device):
-            self._drawn = index  # rows picked here are in range: ``get`` skips checking them
-        return selection
-
-    def _selection(self, picked: Picked, markers: WindowMarkers | None) -> Selection:
-        """TorchRL's index for ``picked``: ring rows, windows carried along (``local_selection``)."""
-        return local_selection(picked, self._shard.capacity, self.device, markers)
-
-    def _selector_rows(self, index: Any) -> torch.Tensor:
-        """The checked rows of a TorchRL index given to a sampler (``mark_update``, ``give_back``); -1 skips."""
-        return as_rows(index, self.max_size)
-
-    def note_written(self, selector: Selector[SelectionSpec], index: Any) -> None:
-        """TorchRL's writer wrote rows ``index`` (``mark_update``): the selector's per-row state follows."""
-        rows = self._selector_rows(index)
-        selector.written(rows[rows >= 0], self._shard)
-
-    def update_selection(self, selector: Selector[SelectionSpec], index: Any, priority: Any,
-                         generation: Any = None) -> None:
-        """Priorities for the rows TorchRL's ``index`` names (checked against the rows stored)."""
-        self.update_rows(selector, index, priority, generation)
-
-    def update_rows(self, selector: Selector[SelectionSpec], rows: Any, priority: Any,
-                    generation: Any = None) -> None:
-        """Priorities for this store's ``rows`` (checked against the rows stored) of ``selector``'s rule."""
-        selector.update(rows, priority, generation, stored=self._shard.ring_rows)
-
-    def give_back(self, selector: Selector[SelectionSpec], index: Any) -> None:
-        """Picks that were not used (a batch cut short): rules that consume rows take them back."""
-        selector.give_back(self._selector_rows(index))
 
     # -- episodes -------------------------------------------------------------------
     @property
@@ -364,7 +324,7 @@ class GearStorage(RateLimitedStorage, TensorStorage):
         plan = plan_of(index)
         if plan is not None and plan.windows is not None:
             return self._shard.read_windows(plan.windows, plan.markers)
-        drawn, self._drawn = self._drawn, None
+        drawn, self.table.drawn = self.table.drawn, None
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(k, str) for k in index)):
             # A key: that column of every row (TorchRL's Sequence unit); rows that are one tensor have no keys.
             return cast(TensorDictBase, self.get(slice(None)))[index]
@@ -619,7 +579,158 @@ def _positions(cursor: Index, capacity: int) -> torch.Tensor:
     return torch.arange(capacity)[cursor] if isinstance(cursor, slice) else torch.as_tensor(cursor).reshape(-1)
 
 
-_LAYOUTS: dict[int, type[GearStorage]] = {}  # TorchRL's ndim -> its glue, if not GearStorage's own (ndim=1)
+
+class EnvColumnsStorage(GearStorage):
+    """What ``GearStorage(max_size, ndim=2)`` builds: ``[max_size // num_envs, num_envs]`` steps.
+
+    The number of envs comes from the first write (``rb.extend`` of ``[T, num_envs]``
+    data, or ``[num_envs, T]`` data with the buffer's ``dim_extend=1``, TorchRL's
+    default for ``ndim=2``); ``max_size`` must be a whole number of time steps of
+    them. The episode index keeps each env column's episodes apart, so windows of
+    :class:`GearSequenceSampler` never cross envs or episodes.
+
+    A ``shared`` store takes ``[T, num_envs]`` appends from every process (the number
+    of envs is published with the columns, so all must agree); its indices from
+    outside this library's samplers number the live time steps oldest first, as a
+    1-D shared store numbers its rows. GPU devices are refused so far.
+    """
+
+    ndim = 2
+    _addressing = EnvColumns
+
+    def __init__(self, max_size: int, **kwargs: Any) -> None:
+        refuse_unsupported(kwargs)
+        kwargs.setdefault("ndim", 2)
+        super().__init__(max_size, **kwargs)
+        self._first_write_ring = self.max_size  # the writer's ring for a write before the layout is known
+
+    @property
+    def _columns(self) -> EnvColumns:
+        """The shard's addressing: its env columns."""
+        return cast(EnvColumns, self._shard.addressing)
+
+    @property
+    def _envs(self) -> int:
+        return self._columns.num_envs
+
+    @property
+    def _time_rows(self) -> int:
+        """Readable time rows."""
+        return self._shard.readable_rows() // self._envs if self._envs else 0
+
+    # -- size and shape (TorchRL's, for ndim=2) ------------------------------------------
+    @property
+    def _len(self) -> int:
+        return self._shard.readable_rows()
+
+    @_len.setter
+    def _len(self, value: int) -> None:  # TorchRL counts steps; the store holds whole time steps
+        envs = self._envs or 1
+        self._shard.set_size(-(-int(value) // envs) * envs)
+
+    @property
+    def _total_shape(self) -> torch.Size | None:
+        return torch.Size([self._columns.time_capacity, self._envs]) if self._envs else None
+
+    @property
+    def _len_along_dim0(self) -> int:
+        return self._time_rows
+
+    def _max_size_along_dim0(self, *, single_data: Any = None, batched_data: Any = None) -> int:
+        if self._envs:
+            return self._columns.time_capacity
+        if single_data is None and batched_data is None:
+            raise ValueError("single_data or batched_data must be passed.")
+        envs = envs_in(single_data, 0) if single_data is not None else envs_in(batched_data, 1)
+        return -(self.max_size // -envs) if envs else self.max_size
+
+    @property
+    def shape(self) -> torch.Size | None:
+        return torch.Size([self._time_rows, self._envs]) if self._envs else None
+
+    def flatten(self) -> TensorStorage:
+        """The stored steps as a 1-D TorchRL storage (views of the same rows), as ``LazyTensorStorage.flatten``."""
+        if not self.initialized:
+            raise RuntimeError("Cannot flatten a non-initialized storage.")
+        return TensorStorage(self.get(slice(None)).reshape(-1))
+
+    def _rand_given_ndim(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uniform ``(t, e)`` coordinates, drawn exactly as ``LazyTensorStorage(ndim=2)`` draws them."""
+        with self._sampling(batch_size):
+            shape = self.shape
+            if shape is None or shape.numel() == 0:
+                raise EmptyStoreError("cannot sample from an empty storage: write some data first")
+            t, e = (torch.randint(dim, (batch_size,), generator=self._rng, device=self.device) for dim in shape)
+            return t, e
+
+    # -- writes ------------------------------------------------------------------------
+    def _write(self, cursor: Index, data: Data, append: bool) -> None:
+        """Time rows (or coordinates) ``cursor`` of ``[T, num_envs]`` data, written as flat rows."""
+        shard = self._shard
+        laid_out_now = False
+        if is_time_index(cursor):  # appends and whole time steps fix (or must match) the number of envs
+            envs = envs_in(data, 0 if is_int(cursor) else 1)
+            self._first_write_ring = -(-self.max_size // envs) if envs else self.max_size
+            if envs is None:
+                raise ValueError(f"an ndim=2 storage takes [T, num_envs] steps; got data of batch shape "
+                                 f"{lead_shape(data)} for {'a time row' if is_int(cursor) else 'time rows'}. "
+                                 "Batched envs give [num_envs, T]: extend a buffer with dim_extend=1 (TorchRL's "
+                                 "default for ndim=2) or transpose")
+            laid_out_now = self._columns.lay_out(envs)
+        elif not self._envs:
+            raise ValueError("the first write to an ndim=2 storage must name time rows (rb.extend / rb.add)")
+        try:
+            rows = steps_written_at(cursor, self._envs, self._columns.time_capacity)
+            lead = lead_shape(data)[: rows.ndim]
+            if lead != rows.shape:
+                raise ValueError(f"the data's batch shape {tuple(lead)} does not match the {tuple(rows.shape)} steps "
+                                 f"its index names in this [{self._columns.time_capacity}, {self._envs}] storage")
+            shard.write(rows.reshape(-1), data, append=append, lead=rows.shape if rows.ndim > 1 else None)
+        except BaseException:
+            if laid_out_now:
+                self._columns.forget_layout()
+            raise
+
+    def _writer_ring(self) -> int:
+        return self._columns.time_capacity or self._first_write_ring
+
+    def _steps_in(self, positions: torch.Tensor, data: Data) -> int:
+        """Time rows times envs: every env's step at each time row (``[num_envs]`` data for one time row)."""
+        envs = self._envs or envs_in(data, 1 if len(lead_shape(data)) > 1 else 0) or 1
+        return positions.numel() * envs
+
+    def _sync_cursor_from_shard(self) -> None:
+        shard = self._shard
+        self._set_last_cursor((shard.head // self._envs - 1) % self._columns.time_capacity if shard.size else None)
+
+    # -- reads -------------------------------------------------------------------------
+    def _read_rows(self, index: Any, drawn: Any) -> Data:
+        if index is drawn:  # (t, e) of ring rows this store's sampler picked, in its open read section
+            t, e = index
+            return self._shard.read(t.cpu() * self._envs + e.cpu(), in_range=True)
+        if is_basic(index):  # slices and ints: views, so in-place writes reach the rows (as LazyTensorStorage)
+            views = self._shard.slice_views(index)
+            if views is not None:
+                return views
+            if self.shared and isinstance(index if not isinstance(index, tuple) else index[0], slice):
+                return self._shard.read(index)  # a scan: the live steps it numbers hold for the sample's reads
+        steps = steps_read_at(index, self._time_rows, self._envs)  # checked: steps of [0, len)
+        return self._shard.read(steps, in_range=not self.shared)  # a shared store numbers its live steps
+
+    def __getitems__(self, indices: list[int]) -> Data:
+        """Steps ``indices`` of ``[0, len)``, time-major (step ``i`` is ``(i // num_envs, i % num_envs)``), in one
+        read: ``DataLoader(storage, batch_size=...)`` then passes over every stored step once per epoch."""
+        return self._shard.read(torch.as_tensor(indices, dtype=torch.long))
+
+    def contains(self, item: Any) -> bool | torch.Tensor:
+        """Whether time row(s) ``item`` are stored (TorchRL's dim-0 meaning)."""
+        steps = self._time_rows
+        if isinstance(item, int):
+            return -steps <= item < steps
+        if isinstance(item, torch.Tensor):
+            return (item >= -steps) & (item < steps)
+        raise NotImplementedError(f"contains() does not take {type(item).__name__}")
+
 
 
 def _attach(handle: SharedStoreHandle, device: str) -> GearStorage:

@@ -18,7 +18,11 @@ from typing import Any, Literal
 import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
-from gear_torchrl.adapters.sampled_index import (
+from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler, KeyedPriorityState
+from gear_torchrl.adapters.samplers.selecting import FollowsEpisodes
+from gear_torchrl.selection.checked_inputs import as_priority
+from gear_torchrl.selection.packed import PackedSelector, PackedSpec, PriorityPackedSelector, PriorityPackedSpec
+from gear_torchrl.selection.sample import (
     PackedMarkers,
     SampledIndex,
     Selection,
@@ -26,10 +30,6 @@ from gear_torchrl.adapters.sampled_index import (
     WindowMarkers,
     plan_of,
 )
-from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler, KeyedPriorityState
-from gear_torchrl.adapters.samplers.selecting import FollowsEpisodes
-from gear_torchrl.selection.checked_inputs import as_priority
-from gear_torchrl.selection.packed import PackedSelector, PackedSpec, PriorityPackedSelector, PriorityPackedSpec
 from gear_torchrl.store.table_spec import NestedKey, optional_path
 
 

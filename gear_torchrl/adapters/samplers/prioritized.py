@@ -8,8 +8,8 @@ import torch
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.adapters.sampled_index import Selection, SelectionIndex, plan_of
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.adapters.torchrl_layout import (
     TORCHRL_SAMPLER_MANIFEST,
     read_torchrl_priorities,
@@ -18,6 +18,7 @@ from gear_torchrl.adapters.torchrl_layout import (
 )
 from gear_torchrl.selection.checked_inputs import as_rows, integer_rows, seeds_defaults
 from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec, ProportionalSpec
+from gear_torchrl.selection.sample import Selection, SelectionIndex, plan_of
 from gear_torchrl.selection.state_file import StateDictFile
 from gear_torchrl.store.persistence import tensor_file
 from gear_torchrl.store.state_checks import checked_float, checked_int, field
@@ -168,8 +169,7 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
         generation: torch.Tensor | None = None,
     ) -> None:
         """Set raw priorities; everything is checked before any priority changes."""
-        if getattr(storage, "owners_seed_new_rows", False) and seeds_defaults(index, priority,
-                                                                               self.default_priority):
+        if _follows_writes(storage) and seeds_defaults(index, priority, self.default_priority):
             return  # TorchRL's first-use seeding of stored rows: owners give new rows this priority already
         if generation is None:
             generation = self._generations_if_rewritten_since_drawn(index)
@@ -184,24 +184,22 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
             return False
         if not seeds_defaults(index, priority, self.default_priority):
             return False
-        if not getattr(storage, "owners_seed_new_rows", False):
+        if not _follows_writes(storage):
             self.mark_update(index)
         return True
 
     def _index_rows(self, storage: Any, index: Any) -> torch.Tensor:
         """The rows a batch's index names, as the storage names them (global ids on a sharded store, whose
         owners check them; ``(t, e)`` of ``ndim=2`` as ``t * E + e``); -1 skips."""
-        if getattr(storage, "owners_seed_new_rows", False):
-            return integer_rows(index).reshape(-1).as_subclass(torch.Tensor)
-        if callable(getattr(storage, "_selector_rows", None)):
-            return storage._selector_rows(index)
+        if isinstance(storage, TableStorage):
+            return storage.table.rows_of(index)
         return as_rows(integer_rows(index).reshape(-1).as_subclass(torch.Tensor), self._max_capacity)
 
     def _update_keys(self, storage: Any, keys: torch.Tensor, priority: torch.Tensor,
                      generation: torch.Tensor | None = None) -> None:
         """Raw priorities of keys that are the store's rows already (checked against the rows stored)."""
-        if callable(getattr(storage, "update_rows", None)):
-            storage.update_rows(self.selector, keys, priority, generation)
+        if isinstance(storage, TableStorage):
+            storage.table.update_rows(self.selector, keys, priority, generation)
         else:
             self._update(storage, keys, priority, generation)
 
@@ -296,3 +294,9 @@ class KeyedPriorityState:
     dumps = GearPrioritizedSampler.dumps
     loads = GearPrioritizedSampler.loads
     mark_update = GearPrioritizedSampler.mark_update
+
+
+def _follows_writes(storage: Storage | None) -> bool:
+    """Whether ``storage``'s table follows writes itself (a sharded store's owners): TorchRL's first-use
+    priority seeding of new rows is then theirs already."""
+    return isinstance(storage, TableStorage) and storage.table.follows_writes

@@ -11,10 +11,10 @@ from typing import Any, Literal, cast
 
 import torch
 
-from gear_torchrl.adapters.sampled_index import Selection
 from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler, KeyedPriorityState
 from gear_torchrl.adapters.samplers.sequence import GearSequenceSampler
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec, key_priorities
+from gear_torchrl.selection.sample import Selection
 from gear_torchrl.selection.windows import WindowSpec
 
 

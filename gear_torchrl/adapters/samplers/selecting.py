@@ -1,8 +1,9 @@
 """What every gear sampler shares: it asks its storage to select with its selection core.
 
 The core (``gear_torchrl/selection``) holds the rule and its state; the
-storage runs it, over its own shard (``GearStorage``) or by sending the
-core's spec to every shard's owner (``ShardedGearStorage``). A sampler adds
+storage's table (``selection/table.py``) runs it, over its own shard
+(``GearStorage``) or by sending the core's spec to every shard's owner
+(``ShardedGearStorage``). A sampler adds
 only TorchRL's side: the buffer's generator, its info keys, its state files.
 """
 from __future__ import annotations
@@ -10,48 +11,52 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.adapters.sampled_index import Selection, WindowMarkers, local_selection
+from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.selection.base import SelectionSpec, Selector, StatefulSelector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
+from gear_torchrl.selection.sample import Selection, WindowMarkers
 
 
-def select_over_rows(storage: Any, selector: Selector[SelectionSpec], count: int,
+def select_over_rows(storage: Storage, selector: Selector[SelectionSpec], count: int,
                      generator: torch.Generator | None) -> Selection:
-    """A row rule over a storage that cannot select (TorchRL's own): its rows are ``0..len-1``."""
+    """A row rule over a storage without a table (TorchRL's own): its rows are ``0..len-1``."""
     if selector.spec.rows_per_pick != 1 or not selector.keeps_row_state:
         raise TypeError(f"a {selector.spec.kind} selection needs a GearStorage or ShardedGearStorage (it reads "
                         f"the store's episodes or keeps no per-row state), got {type(storage).__name__}")
     if len(storage) == 0:
         raise RuntimeError("cannot sample from an empty storage: write some data first")
-    return local_selection(pick_exactly(selector, None, count, generator), len(storage), torch.device("cpu"))
+    picked = pick_exactly(selector, None, count, generator)
+    return Selection(picked.starts, picked.extra, picked.scalars)
 
 
 class SelectsThroughStorage:
-    """Mixin for a TorchRL ``Sampler`` whose rule is ``self.selector``."""
+    """Mixin for a TorchRL ``Sampler`` whose rule is ``self.selector``, run by the storage's table."""
 
     selector: Selector[SelectionSpec]
     _rng: torch.Generator | None = None
 
-    def _select(self, storage: Any, count: int, markers: WindowMarkers | None = None) -> Selection:
-        if not callable(getattr(storage, "select", None)):
-            return select_over_rows(storage, self.selector, count, self._rng)
-        return storage.select(self.selector, count, self._rng, markers)
+    def _select(self, storage: Storage, count: int, markers: WindowMarkers | None = None) -> Selection:
+        if isinstance(storage, TableStorage):
+            return storage.table.select(self.selector, count, self._rng, markers)
+        return select_over_rows(storage, self.selector, count, self._rng)
 
-    def mark_update(self, index: Any, *, storage: Any = None) -> None:
+    def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
         """Rows were (over)written through TorchRL's writer: the rule's per-row state follows."""
         if not self.selector.keeps_row_state:
             return
-        if storage is None or not callable(getattr(storage, "note_written", None)):
+        if isinstance(storage, TableStorage):
+            storage.table.note_written(self.selector, index)
+        else:
             rows = as_rows(index, self.selector_capacity)
             self.selector.written(rows[rows >= 0], None)
-        else:
-            storage.note_written(self.selector, index)
 
-    def _update(self, storage: Any, index: Any, priority: Any, generation: Any = None) -> None:
-        """Priorities through the storage (checked against its rows; routed to owners), else to the core."""
-        if storage is not None and callable(getattr(storage, "update_selection", None)):
-            storage.update_selection(self.selector, index, priority, generation)
+    def _update(self, storage: Storage | None, index: Any, priority: Any, generation: Any = None) -> None:
+        """Priorities through the storage's table (checked against its rows; routed to owners), else to the
+        core."""
+        if isinstance(storage, TableStorage):
+            storage.table.update(self.selector, index, priority, generation)
         else:
             self.selector.update(index, priority, generation)
 

@@ -7,7 +7,7 @@ The batch comes back in ``SliceSampler``'s layout: ``num_windows * window_len``
 flat steps that reshape to ``[num_windows, window_len]``, ``("next",
 "truncated")`` marking each window's last valid step and ``("next", "done")``
 or-ed with it, plus the validity mask under ``("collector", "mask")``. The
-windows travel with the returned index (``sampled_index.py``).
+windows travel with the returned index (``selection/sample.py``).
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from torchrl.data.replay_buffers.samplers import Sampler
 
-from gear_torchrl.adapters.sampled_index import SelectionIndex, WindowMarkers
 from gear_torchrl.adapters.samplers.selecting import FollowsEpisodes
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector
+from gear_torchrl.selection.sample import SelectionIndex, WindowMarkers
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
 from gear_torchrl.store.table_spec import NestedKey, optional_path
 

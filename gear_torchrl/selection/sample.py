@@ -14,7 +14,6 @@ from typing import Any, SupportsIndex
 
 import torch
 
-from gear_torchrl.selection.picked import Picked
 from gear_torchrl.store.table_spec import NestedKey, TableSpec, as_path
 from gear_torchrl.store.windows import Windows
 
@@ -156,14 +155,3 @@ class Selection:
     index: SelectionIndex  # a SampledIndex for windows, and for rows a sharded store read already
     extra: dict[str, torch.Tensor]  # per pick (mass, generation, score), in batch order
     scalars: dict[str, Any]  # e.g. min_mass, over every shard picked from
-
-
-def local_selection(picked: Picked, capacity: int, device: torch.device,
-                    markers: WindowMarkers | None = None) -> Selection:
-    """One local shard's picks as a selection: rows as they are, windows as a SampledIndex of every position."""
-    if picked.seq_len == 1 and markers is None:
-        return Selection(picked.starts, picked.extra, picked.scalars)
-    windows = picked.windows
-    # On the storage's device already: TorchRL would otherwise move it (a copy, which keeps the plan all the same).
-    rows = windows.rows(capacity).to(device)
-    return Selection(SampledIndex(rows, ReadPlan(windows, markers)), picked.extra, picked.scalars)

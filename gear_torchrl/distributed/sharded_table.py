@@ -1,0 +1,60 @@
+"""Many shards as one table (``selection/table.py``): a learner's picks across every shard's owner.
+
+Each owner runs the same core class as a local table would, over its own shard, for
+the spec the learner sends; the rows come back read with the picks. Row names are
+global ids (``global_ids.py``), and the owners' cores follow their shards' writes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gear_torchrl.distributed.shard_set import ShardSet
+from gear_torchrl.selection.base import SelectionSpec, Selector
+from gear_torchrl.selection.checked_inputs import integer_rows
+from gear_torchrl.selection.sample import ReadPlan, SampledIndex, Selection, WindowMarkers
+from gear_torchrl.selection.table import Gate, Table
+
+
+class ShardedTable(Table):
+    """The shards of ``shards``, each draw inside ``gate``."""
+
+    follows_writes = True  # each owner's cores follow its shard's commits
+
+    def __init__(self, shards: ShardSet, gate: Gate) -> None:
+        self.shards = shards
+        self._gate = gate
+        self.rows_sampled = 0  # rows this process drew (a storage's stats)
+
+    def select(self, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None = None,
+               markers: WindowMarkers | None = None) -> Selection:
+        """``count`` picks across the shards, their rows read already: the index is global row ids carrying
+        the batch, so ``get`` of it costs nothing."""
+        if count <= 0:
+            raise ValueError(f"select at least one row or window, got {count}")
+        with self._gate(count * selector.spec.rows_per_pick):
+            picks = self.shards.pick(selector.spec, count, generator)
+        assert picks is not None  # None answers a count of 0
+        self.rows_sampled += picks.index.numel()
+        windows = picks.windows if picks.windows.seq_len > 1 or markers is not None else None
+        plan = ReadPlan(windows, markers, picks.columns, picks.spec)
+        return Selection(SampledIndex(picks.index, plan), picks.extra, picks.scalars)
+
+    def rows_of(self, index: Any) -> torch.Tensor:
+        """Global ids, as given: their owners check them."""
+        return integer_rows(index).reshape(-1).as_subclass(torch.Tensor)
+
+    def note_written(self, selector: Selector[SelectionSpec], index: Any) -> None:
+        """Nothing to do: each owner's cores follow its shard's commits."""
+
+    def update(self, selector: Selector[SelectionSpec], index: Any, priority: Any, generation: Any = None) -> None:
+        """Priorities for global row ids, routed to the owners of the rows."""
+        self.shards.update(selector.spec, torch.as_tensor(index).as_subclass(torch.Tensor), priority, generation)
+
+    def update_rows(self, selector: Selector[SelectionSpec], rows: torch.Tensor, priority: Any,
+                    generation: Any = None) -> None:
+        self.update(selector, rows, priority, generation)
+
+    def give_back(self, selector: Selector[SelectionSpec], index: Any) -> None:
+        self.shards.give_back_ids(selector.spec, torch.as_tensor(index).as_subclass(torch.Tensor))
