@@ -86,6 +86,19 @@ def test_each_folder_imports_only_the_folders_below_it():
     assert checked > 70, f"the walk found only {checked} modules"
 
 
+def test_the_extensions_kernels_include_nothing_of_its_network_part():
+    """csrc/ in two parts: the kernels (csrc/kernels/) know tensors only; the network owner and receiver
+    (csrc/net/) may use them. Each part binds itself (its bindings.cpp); csrc/module.cpp binds both."""
+    csrc = PACKAGE.parent / "csrc"
+    kernels = [f for f in (csrc / "kernels").rglob("*") if f.suffix in {".h", ".cpp", ".cu", ".cuh"}]
+    assert len(kernels) > 15
+    for path in kernels:
+        for line in path.read_text().splitlines():
+            if line.startswith("#include"):
+                assert "net/" not in line, f"{path.relative_to(csrc)} includes {line.split()[1]}, of the network part"
+    assert {p.name for p in csrc.iterdir()} == {"kernels", "net", "module.cpp"}
+
+
 def test_errors_and_the_face_import_no_layer_at_run_time():
     assert not {n for n in _imports(PACKAGE / "errors.py") if n.startswith("gear_torchrl")}
     face = _imports(PACKAGE / "__init__.py", top_level_only=True)

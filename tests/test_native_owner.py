@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import threading
 import time
 
@@ -450,11 +449,22 @@ def test_windows_read_while_writers_lap_the_ring_are_never_torn(owner):
     assert o.python_picks < 150, "most asks were answered natively"
 
 
-def test_the_extension_assumes_the_words_codes_and_limits_python_uses():
-    modules = {"commit_log": commit_log, "wire": wire, "shard_server": shard_server}
-    for name, value in _C.owner_constants():
-        module, *path = name.split(".")
-        assert functools.reduce(getattr, path, modules[module]) == value, name
+def test_python_reads_the_words_codes_and_limits_the_extension_defines():
+    """Defined once, in csrc/net/control_words.h and csrc/net/framing.h: every op has its name in wire.Op, no two
+    ops or header words share a number, and the Python names are the extension's."""
+    ops = {name: getattr(_C.wire, name) for name in dir(_C.wire) if name.isupper() and name not in LIMITS}
+    assert {name: getattr(wire.Op, name) for name in ops} == ops and len(set(ops.values())) == len(ops)
+    assert {name for name in vars(wire.Op) if name.isupper()} == set(ops), "an op wire.Op names but C++ does not"
+    assert shard_server.MAX_READ_POSITIONS == wire.MAX_READ_POSITIONS == _C.wire.MAX_READ_POSITIONS
+    assert wire.MAGIC == _C.wire.MAGIC and wire.MAX_ARRAY_BYTES == _C.wire.MAX_ARRAY_BYTES
+    words = {name: getattr(_C.control, name) for name in dir(_C.control) if name.startswith("H_")}
+    assert len(set(words.values())) == len(words), "two header words share a slot"
+    assert all(getattr(commit_log, f"_{name}") == value for name, value in words.items())
+    assert (commit_log.OPEN, commit_log.CLOSED, commit_log.OWNER_DIED) == (
+        _C.control.OPEN, _C.control.CLOSED, _C.control.OWNER_DIED)
+
+
+LIMITS = {"HEADER_BYTES", "MAX_META_BYTES", "MAX_ARRAYS", "MAX_ARRAY_BYTES", "MAX_READ_POSITIONS", "MAGIC"}
 
 
 class InPlace(CountedStore):

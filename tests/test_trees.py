@@ -16,7 +16,7 @@ def levels_from_leaves(leaves: torch.Tensor, combine) -> list[torch.Tensor]:
 
 
 def stored_levels(tree: torch.Tensor, leaf_count: int) -> list[torch.Tensor]:
-    """The same levels read from the flat layout of csrc/trees.h (level k >= 1 starts at 8 + (8^k - 8) / 7)."""
+    """The same levels read from the flat layout of csrc/kernels/trees.h (level k >= 1 starts at 8 + (8^k - 8) / 7)."""
     depth = len(f"{leaf_count:o}") - 1  # leaf_count == 8 ** depth
     out = []
     for k in range(depth, 0, -1):

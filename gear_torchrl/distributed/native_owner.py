@@ -40,15 +40,14 @@ from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
 from gear_torchrl.store.windows import Windows
 
-_NEXT_IS_OTHER, _SERVE_IN_PYTHON, _CATCH_UP = 0, 1, 2  # csrc/owner.h ServeCode
+# why _C.serve_samples returned (csrc/net/owner.h ServeCode)
+_NEXT_IS_OTHER, _SERVE_IN_PYTHON, _CATCH_UP = _C.SERVE_NEXT_IS_OTHER, _C.SERVE_IN_PYTHON, _C.SERVE_CATCH_UP
 CATCH_UP_S = 1.0  # the view replays the records published meanwhile at least this often
 
 # (layout version, control segment header, this connection's reader slot, the columns of that layout)
 _Source = tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]
-# csrc/owner.h WindowRule: (key, tree, episode starts, lengths, window_len, burn_in, strict_length, seen lo, hi)
-_WindowRule = tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor, int, int, bool, int, int]
-# csrc/owner.h PriorityRule: (key, update key, *PrioritySelector.native_tables(), rows per step, lock)
-_PriorityRule = tuple[Any, ...]
+_WindowRule = Any  # _C.WindowRule: csrc/net/owner.h WindowRule, its fields by name
+_PriorityRule = Any  # _C.PriorityRule: csrc/net/owner.h PriorityRule, its fields by name
 _Armed = tuple[bytes, dict[str, Any], SelectionSpec]  # an armed rule: its JSON as sent, parsed, and its spec
 
 
@@ -112,8 +111,11 @@ class NativeOwner:
             state = selector.draw_state(self.view.shard) if isinstance(selector, WindowSelector) else None
         if state is None:
             return None
+        tree, episode_start, episode_length = state
         lo, hi = self.view.shared.seen_positions
-        return key, *state, spec.window_len, spec.burn_in, spec.strict_length, lo, hi
+        return _C.WindowRule(key=key, tree=tree, episode_start=episode_start, episode_length=episode_length,
+                             window_len=spec.window_len, burn_in=spec.burn_in, strict_length=spec.strict_length,
+                             seen_lo=lo, seen_hi=hi)
 
     def _priority_rule(self) -> _PriorityRule | None:
         """The armed prioritized rule as the extension draws and updates it: the shared core's tables and lock."""
@@ -124,7 +126,8 @@ class NativeOwner:
         tables = core.native_tables() if isinstance(core, PrioritySelector) else None
         if tables is None:
             return None
-        return key, rule_meta(spec), *tables, self.view.shard.addressing.rows_per_step, lock
+        return _C.PriorityRule(key=key, update_key=rule_meta(spec), **tables._asdict(),
+                               rows_per_step=self.view.shard.addressing.rows_per_step, lock=lock)
 
     def answer_in_place(self, ask: Ask) -> Picked | None:
         """``ask``'s uniform rows, or windows or prioritized rows of an armed rule, drawn and gathered into its

@@ -45,7 +45,7 @@ from gear_torchrl.store.windows import Windows
 
 logger = logging.getLogger(__name__)
 
-MAX_READ_POSITIONS = 1 << 24  # rows in one READ
+MAX_READ_POSITIONS = wire.MAX_READ_POSITIONS  # rows in one READ
 MAX_HANDSHAKES = 64  # connections that have not answered the challenge yet, at once
 _CLOSE_WAIT_S = 2.0  # how long close waits for the connections' threads to end
 _PAUSES_S = (0.01, 1.0)  # after a failed accept: the first pause, and the longest
@@ -273,7 +273,7 @@ class _Session:
         return None
 
     def _sample(self, spec: SelectionSpec, count: int, seed: object, num_columns: int, op: int) -> Message | None:
-        """A reply of ``op`` with no JSON: the ROWS or WINDOWS reply the extension sends (``csrc/cpu/owner.cpp``),
+        """A reply of ``op`` with no JSON: the ROWS or WINDOWS reply the extension sends (``csrc/net/owner.cpp``),
         for the requests it leaves to Python, or PRIORITIZED. A tally, the picks (rows: their ring rows alone;
         prioritized rows: with their masses and generations), then their rows."""
         if not 0 <= count <= MAX_READ_POSITIONS:

@@ -60,7 +60,8 @@ _MAX_ROUNDS = 8  # selection rounds per batch (shards that came up short, or fai
 _AHEAD_BYTES = 2 << 20  # the most of a learner's batches asked for ahead that one owner's replies may hold
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 _PROBE = UniformSpec()  # what asks every shard for its rows
-_BAD_PRIORITY, _BAD_ROW, _BAD_SHARD = 1, 2, 3  # csrc/shares.h UpdateRefusal
+# why _C.split_updates refused a batch (csrc/net/updates.h UpdateRefusal)
+_BAD_PRIORITY, _BAD_ROW, _BAD_SHARD = _C.UPDATE_BAD_PRIORITY, _C.UPDATE_BAD_ROW, _C.UPDATE_BAD_SHARD
 
 
 @dataclass

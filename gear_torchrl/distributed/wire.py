@@ -26,40 +26,52 @@ from gear_torchrl.kernels import _C
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-MAGIC = b"GEAR"
+# The ops, the magic and the limits are defined once, in the extension that frames and reads messages too
+# (csrc/net/framing.h, as ``_C.wire``); what each op asks or answers is said here.
+_WIRE = _C.wire
+MAGIC: bytes = _WIRE.MAGIC
 VERSION = 1
 _HEADER = struct.Struct("<4sHHIQ")  # magic, op, number of arrays, JSON bytes, array bytes
 _LENGTH = struct.Struct("<Q")
 _HELLO = struct.Struct("<4sH16s")  # magic, version, nonce
 _DIGEST_BYTES = 32
+assert _HEADER.size == _WIRE.HEADER_BYTES
 
-MAX_META_BYTES = 1 << 16
-MAX_ARRAYS = 64
-MAX_ARRAY_BYTES = 1 << 34  # 16 GiB in one message
+MAX_META_BYTES: int = _WIRE.MAX_META_BYTES
+MAX_ARRAYS: int = _WIRE.MAX_ARRAYS
+MAX_ARRAY_BYTES: int = _WIRE.MAX_ARRAY_BYTES  # 16 GiB in one message
+MAX_READ_POSITIONS: int = _WIRE.MAX_READ_POSITIONS  # rows (window positions) in one READ or SAMPLE_* reply
 
 
 class Op:
-    """Request and reply codes."""
+    """Request and reply codes (their numbers: csrc/net/framing.h)."""
 
-    OK = 0
-    ERROR = 1
-    SELECT = 2  # pick rows with a named selector, holding them readable until RELEASE/READ
-    READ = 3  # gather windows of rows and send their bytes
-    RELEASE = 4  # end the read section SELECT opened (after a one-sided read)
-    UPDATE = 5  # set priorities of rows
-    DESCRIBE = 6  # the shard's table spec and layout
-    GIVE_BACK = 7  # picks a learner could not use (a batch left unfilled): consumed rows return to their queue
-    DUMP = 8  # save the shard and its shared selection state under a directory
-    LOAD = 9  # restore them from one, into the empty shard
-    SAMPLE_ROWS = 10  # uniform rows, read back at once: a SELECT the owner answers in the extension
-    ROWS = 11  # SAMPLE_ROWS's reply: no JSON; the tally (live rows, picks), the picks, then each column's rows
-    SAMPLE_WINDOWS = 12  # uniform windows read back at once (JSON: the rule): a SELECT the extension may answer
-    WINDOWS = 13  # SAMPLE_WINDOWS's reply: no JSON; the tally (live rows, picks, the mass's float64 bits), the
-    # windows' starts, valid_begin and valid_end, then each column's rows
-    SAMPLE_PRIORITIZED = 14  # prioritized rows read back at once (JSON: the rule)
-    PRIORITIZED = 15  # its reply: no JSON; the tally (live rows, picks, the float64 bits of the mass and of the
-    # least positive mass), the picks' rows, masses (float64) and generations (int64), then each column's rows
-    POST_UPDATE = 16  # an UPDATE the learner does not wait for: no reply (it checked the rows; a refusal is logged)
+    OK: int = _WIRE.OK
+    ERROR: int = _WIRE.ERROR
+    SELECT: int = _WIRE.SELECT  # pick rows with a named selector, holding them readable until RELEASE/READ
+    READ: int = _WIRE.READ  # gather windows of rows and send their bytes
+    RELEASE: int = _WIRE.RELEASE  # end the read section SELECT opened (after a one-sided read)
+    UPDATE: int = _WIRE.UPDATE  # set priorities of rows
+    DESCRIBE: int = _WIRE.DESCRIBE  # the shard's table spec and layout
+    # picks a learner could not use (a batch left unfilled): consumed rows return to their queue
+    GIVE_BACK: int = _WIRE.GIVE_BACK
+    DUMP: int = _WIRE.DUMP  # save the shard and its shared selection state under a directory
+    LOAD: int = _WIRE.LOAD  # restore them from one, into the empty shard
+    # uniform rows, read back at once: a SELECT the owner answers in the extension
+    SAMPLE_ROWS: int = _WIRE.SAMPLE_ROWS
+    # SAMPLE_ROWS's reply: no JSON; the tally (live rows, picks), the picks, then each column's rows
+    ROWS: int = _WIRE.ROWS
+    # uniform windows read back at once (JSON: the rule): a SELECT the extension may answer
+    SAMPLE_WINDOWS: int = _WIRE.SAMPLE_WINDOWS
+    # SAMPLE_WINDOWS's reply: no JSON; the tally (live rows, picks, the mass's float64 bits), the windows' starts,
+    # valid_begin and valid_end, then each column's rows
+    WINDOWS: int = _WIRE.WINDOWS
+    SAMPLE_PRIORITIZED: int = _WIRE.SAMPLE_PRIORITIZED  # prioritized rows read back at once (JSON: the rule)
+    # its reply: no JSON; the tally (live rows, picks, the float64 bits of the mass and of the least positive
+    # mass), the picks' rows, masses (float64) and generations (int64), then each column's rows
+    PRIORITIZED: int = _WIRE.PRIORITIZED
+    # an UPDATE the learner does not wait for: no reply (it checked the rows; a refusal is logged)
+    POST_UPDATE: int = _WIRE.POST_UPDATE
 
 
 class ProtocolError(ConnectionError):

@@ -1,7 +1,7 @@
 """The CUDA gather without the extension's CUDA part: the same kernel source, compiled by CuPy.
 
 A ``pip install`` on a machine without nvcc builds only the C++ part; on a
-GPU machine with CuPy this module compiles ``csrc/cuda/gather_kernel.cuh``
+GPU machine with CuPy this module compiles ``csrc/kernels/cuda/gather_kernel.cuh``
 (shipped in the package as ``gear_torchrl/kernels/gather_kernel.cuh``) with
 NVRTC at first use and launches it with the calling convention documented at
 the top of that file. Nothing here is a copy of the kernel.
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 _PACKAGE_KERNEL = Path(__file__).parent / "gather_kernel.cuh"
-_SOURCE_KERNEL = Path(__file__).parents[2] / "csrc" / "cuda" / "gather_kernel.cuh"
-# The launch constants of csrc/cuda/gather_kernel.cuh (GEAR_*).
+_SOURCE_KERNEL = Path(__file__).parents[2] / "csrc" / "kernels" / "cuda" / "gather_kernel.cuh"
+# The launch constants of csrc/kernels/cuda/gather_kernel.cuh (GEAR_*).
 _THREADS = 256
 _MASK_WINDOWS = 32
 _DESC_WORDS = 5
@@ -75,7 +75,7 @@ def gather(columns: list[torch.Tensor], out: list[torch.Tensor], starts: torch.T
            valid_begin: torch.Tensor | None, valid_end: torch.Tensor | None, seq_len: int,
            mask: torch.Tensor | None, hot_columns: Sequence[torch.Tensor] = (),
            hot_owner: torch.Tensor | None = None) -> None:
-    """Same contract as ``_C.gather`` for CUDA outputs (see csrc/gather.h)."""
+    """Same contract as ``_C.gather`` for CUDA outputs (see csrc/kernels/gather.h)."""
     import cupy as cp
 
     device = out[0].device

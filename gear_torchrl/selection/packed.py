@@ -103,7 +103,7 @@ def draw_pack(draw: Callable[[int], Sequences], budget: int, expected_length: fl
 
 def pack_tokens(sequences: Sequences, budget: int, window_rows: int, mass: float | torch.Tensor,
                 scalars: dict[str, Any] | None = None) -> Picked:
-    """A pack of ``budget`` tokens by the packing rule (``csrc/packing.h``), as picks: each token a window of
+    """A pack of ``budget`` tokens by the packing rule (``csrc/kernels/packing.h``), as picks: each token a window of
     one row (padding: an empty one), with its ``position`` in its sequence (-1: padding), its ``step`` in its
     episode, whether it is ``trained`` (not burn-in, not padding) and whether it is the ``last`` of its
     sequence; prioritized rules add its sequence's key ``mass`` and ``generation``."""

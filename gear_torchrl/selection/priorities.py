@@ -7,7 +7,7 @@ lets an update for a row rewritten since it was drawn be dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
 
@@ -38,8 +38,18 @@ from gear_torchrl.store.state_checks import (
 )
 
 _NONE = torch.empty(0, dtype=torch.int64)
-# (sum tree, min tree, generations, followed positions, largest raw priority, alpha, eps)
-NativeTables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float]
+
+
+class NativeTables(NamedTuple):
+    """What the native owner draws from and updates, named as ``_C.PriorityRule``'s fields (csrc/net/owner.h)."""
+
+    sum_tree: torch.Tensor
+    min_tree: torch.Tensor
+    generation: torch.Tensor  # each row's write generation
+    followed: torch.Tensor  # the positions [lo, hi) the core has followed
+    max_priority: torch.Tensor  # the largest raw priority seen
+    alpha: float
+    eps: float
 
 
 class ProportionalSpec(SelectionSpec):
@@ -108,11 +118,11 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
             self.followed_words.copy_(torch.tensor(position, dtype=torch.int64))
 
     def native_tables(self) -> NativeTables | None:
-        """What the native owner draws from and updates (csrc/owner.h PriorityRule); None on a GPU."""
+        """What the native owner draws from and updates (csrc/net/owner.h PriorityRule); None on a GPU."""
         if not isinstance(self.trees, PriorityTrees):
             return None
-        return (self.trees.sum, self.trees.min, self.generation, self.followed_words, self.max_raw_priority,
-                self.alpha, self.eps)
+        return NativeTables(self.trees.sum, self.trees.min, self.generation, self.followed_words, self.max_raw_priority,
+                            self.alpha, self.eps)
 
     def retire(self) -> None:
         self.followed_words.fill_(-1)  # never the store's positions: the extension leaves every draw to Python

@@ -2,7 +2,7 @@
 
 float64 because float32 trees lose mass once millions of priorities are
 summed. The layout (8-ary, one cache line per node's children) lives in
-csrc/trees.h; here the trees are tensors plus where their leaves start.
+csrc/kernels/trees.h; here the trees are tensors plus where their leaves start.
 """
 from __future__ import annotations
 

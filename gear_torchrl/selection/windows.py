@@ -210,7 +210,7 @@ class WindowSelector(EpisodeTreeSelector[WindowSpec]):
 
     def draw_state(self, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """What ``pick`` draws from, brought up to the shard's index: the tree's sums and the episodes'
-        starts and lengths, for a draw outside Python that repeats ``_draw`` (``csrc/cpu/owner.cpp``).
+        starts and lengths, for a draw outside Python that repeats ``_draw`` (``csrc/net/owner.cpp``).
         None where ``pick`` does more than that one draw (windows kept off the ring end, env columns)."""
         if not self.spec.cross_ring_end or shard.num_envs is not None or not self.mass(shard) > 0:
             return None

@@ -42,32 +42,35 @@ import numpy as np
 import torch
 
 from gear_torchrl.errors import ReadRevokedError, StoreClosedError
-from gear_torchrl.store import janitor
+from gear_torchrl.kernels import _C
 from gear_torchrl.store.shared_memory import PAGE, SegmentLock, map_segment, page_round
 
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x47454152_54524C31  # "GEARTRL1"
-_H_MAGIC, _H_CAPACITY, _H_OWNER = 0, 2, 3
-_H_STATE = janitor.STATE_SLOT
-_H_RESERVED, _H_PUBLISHED, _H_NEXT_SEQ, _H_PUBLISHED_SEQ, _H_EPOCH = 5, 6, 7, 8, 9
-_H_INSERTS, _H_SPEC_LEN, _H_RECORDS, _H_READERS, _H_FLOOR = 10, 12, 13, 14, 15
-_H_EVICTED, _H_EVICT_EPOCH = 17, 18  # rows below EVICTED - capacity are gone, since that epoch
-_H_READER_TIMEOUT_US = 19  # how long a writer waits for a reader before revoking its read
-_H_LAYOUT_VERSION = 20  # bumped each time the columns' layout grows (0: none yet)
-_H_DEAD_END = 21  # the end of the newest run a dead writer left: readable rows above it are all whole
+# The header's words, a reader slot's and the store's states are defined once, in the extension that reads
+# them too (csrc/net/control_words.h, as ``_C.control``).
+_W = _C.control
+_H_MAGIC, _H_CAPACITY, _H_OWNER, _H_STATE = _W.H_MAGIC, _W.H_CAPACITY, _W.H_OWNER, _W.H_STATE
+_H_RESERVED, _H_PUBLISHED, _H_NEXT_SEQ = _W.H_RESERVED, _W.H_PUBLISHED, _W.H_NEXT_SEQ
+_H_PUBLISHED_SEQ, _H_EPOCH, _H_INSERTS = _W.H_PUBLISHED_SEQ, _W.H_EPOCH, _W.H_INSERTS
+_H_SPEC_LEN, _H_RECORDS, _H_READERS, _H_FLOOR = _W.H_SPEC_LEN, _W.H_RECORDS, _W.H_READERS, _W.H_FLOOR
+_H_EVICTED, _H_EVICT_EPOCH = _W.H_EVICTED, _W.H_EVICT_EPOCH  # rows below EVICTED - capacity are gone, since that epoch
+_H_READER_TIMEOUT_US = _W.H_READER_TIMEOUT_US  # how long a writer waits for a reader before revoking its read
+_H_LAYOUT_VERSION = _W.H_LAYOUT_VERSION  # bumped each time the columns' layout grows (0: none yet)
+_H_DEAD_END = _W.H_DEAD_END  # the end of the newest run a dead writer left: readable rows above it are all whole
 _EVICT_BLOCKS = 64  # the ring evicts 1/64 of itself at a time
 _HEADER_SLOTS = PAGE // 8
 _SPEC_BYTES = 1 << 16
 
-OPEN, CLOSED, OWNER_DIED = 0, janitor.CLOSED, janitor.OWNER_DIED
+OPEN, CLOSED, OWNER_DIED = _W.OPEN, _W.CLOSED, _W.OWNER_DIED
 RESERVED, COMMITTED, DEAD = 1, 2, 3
 
 _GRACE_POLL_S = 50e-6
 RECORDS = 1 << 16  # commits a reader may lag behind before it loses track of the oldest rows
 READER_SLOTS = 256  # processes reading one store at once
-_SLOT_PID, _SLOT_EPOCH, _SLOT_REVOKED, _SLOT_LONGER_US = 0, 1, 2, 3  # a reader slot's words
-_SLOT_WORDS = 4
+_SLOT_PID, _SLOT_EPOCH, _SLOT_REVOKED, _SLOT_LONGER_US = _W.SLOT_PID, _W.SLOT_EPOCH, _W.SLOT_REVOKED, _W.SLOT_LONGER_US
+_SLOT_WORDS = _W.SLOT_WORDS
 DEFAULT_READER_TIMEOUT_S = 1.0  # on top of what each read claims for its size (claim_gather)
 
 
@@ -372,7 +375,7 @@ class CommitLog:
                 "may have overwritten them, so they are not returned. Sample again.")
 
     def native_words(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The header and this process's reader slot, for the extension's reader (``csrc/cpu/owner.cpp``):
+        """The header and this process's reader slot, for the extension's reader (``csrc/net/owner.cpp``):
         it follows ``begin_read`` and ``end_read`` without the lock, and leaves rows a dead writer left,
         and everything else unusual, to this class."""
         with self._locked():

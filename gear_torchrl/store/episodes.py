@@ -226,7 +226,7 @@ class EpisodeIndex:
 
     def _record(self, rows: torch.Tensor, ends: torch.Tensor, evicted: int, dead: bool = False) -> None:
         """Drop the ``evicted`` oldest steps, then record ``rows`` as the newest. The rules are the
-        kernel's, shared with the env columns of a ``[T, num_envs]`` store (``csrc/episodes.h``)."""
+        kernel's, shared with the env columns of a ``[T, num_envs]`` store (``csrc/kernels/episodes.h``)."""
         ends = ends.cpu().reshape(-1, 1)
         # numpy: one small count costs a fraction of a torch reduction
         remapped = self._reserve(self.num_episodes + int(np.count_nonzero(ends.numpy()[:-1])) + (rows.numel() > 0))

@@ -7,7 +7,7 @@ over whenever it is written, so the newest ``slots`` rows of an appending
 writer are on the GPU (all of them unless they wrap the ring's end, where two
 of them may share a slot). ``owner[s]`` names the row slot ``s`` holds; the
 kernel reads a row from its slot when the owner matches and from host memory
-otherwise, in the same launch (csrc/cuda/gather_kernel.cuh).
+otherwise, in the same launch (csrc/kernels/cuda/gather_kernel.cuh).
 
 Every write reaches the host rows first and then the tier, so a row's two
 copies agree whenever the gather can see the tier's one.

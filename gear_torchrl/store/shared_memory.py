@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from gear_torchrl.kernels import _C
+
 SHM_DIR = Path(os.environ.get("GEAR_TORCHRL_SHM_DIR", "/dev/shm"))
 PREFIX = "gear_torchrl-"
 PAGE = mmap.PAGESIZE
@@ -102,7 +104,8 @@ class Janitor:
 
     def __init__(self, store_id: str) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "gear_torchrl.store.janitor", str(SHM_DIR), f"{PREFIX}{store_id}"],
+            [sys.executable, "-m", "gear_torchrl.store.janitor", str(SHM_DIR), f"{PREFIX}{store_id}",
+             *(str(v) for v in (_C.control.H_STATE, _C.control.CLOSED, _C.control.OWNER_DIED))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )

@@ -1,4 +1,4 @@
-#include "trees.h"
+#include "kernels/trees.h"
 
 #include <ATen/Parallel.h>
 

@@ -1,41 +1,18 @@
-// Python face of the extension: raw tensors in, raw tensors out.
+// The network owner and receiver's Python face: the native owner's answers (owner.h), replies received and
+// requests sent without the interpreter (recv.h), priority updates framed per owner (updates.h), and the
+// numbers Python shares with them, defined once in C++: the wire's ops and limits (`_C.wire`, framing.h) and
+// the control segment's words (`_C.control`, control_words.h).
+#include "net/bindings.h"
+
 #include <torch/extension.h>
 
-#include "episodes.h"
-#include "gather.h"
-#include "owner.h"
-#include "packing.h"
-#include "priorities.h"
-#include "recv.h"
-#include "shares.h"
-#include "trees.h"
-#include "windows.h"
+#include "net/control_words.h"
+#include "net/framing.h"
+#include "net/owner.h"
+#include "net/recv.h"
+#include "net/updates.h"
 
 namespace {
-
-// A WindowRule as Python passes it: (key, tree, episode_start, episode_length, window_len, burn_in,
-// strict_length, seen_lo, seen_hi).
-using WindowRuleArgs =
-    std::tuple<std::string, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, bool, int64_t, int64_t>;
-
-gear::WindowRule window_rule(WindowRuleArgs&& args) {
-  auto& [key, tree, start, length, window_len, burn_in, strict, seen_lo, seen_hi] = args;
-  return {std::move(key), std::move(tree), std::move(start), std::move(length), window_len, burn_in, strict,
-          seen_lo, seen_hi};
-}
-
-// A PriorityRule as Python passes it: (key, update key, sum tree, min tree, generation, followed, largest
-// priority, alpha, eps, rows per step, lock).
-using PriorityRuleArgs = std::tuple<std::string, std::string, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                    double, double, int64_t, std::shared_ptr<gear::SelectorLock>>;
-
-gear::PriorityRule priority_rule(PriorityRuleArgs&& args) {
-  auto& [key, update_key, sum_tree, min_tree, generation, followed, max_priority, alpha, eps, rows_per_step, lock] =
-      args;
-  return {std::move(key),  std::move(update_key),   std::move(sum_tree), std::move(min_tree),
-          std::move(generation), std::move(followed), std::move(max_priority), alpha, eps, rows_per_step,
-          std::move(lock)};
-}
 
 // Takes a SelectorLock from Python: at once when it is free, else waiting with the GIL released (its
 // holder may be a native owner's thread, or a Python thread that needs the GIL to let it go).
@@ -50,40 +27,6 @@ void acquire(gear::SelectorLock& lock) {
 void release(gear::SelectorLock& lock) {
   if (!lock.held_by_python.exchange(false)) throw std::runtime_error("release of a SelectorLock nobody acquired");
   lock.mutex.unlock();
-}
-
-gear::GatherArgs make_args(std::vector<at::Tensor> columns, std::vector<at::Tensor> out, at::Tensor starts,
-                           std::optional<at::Tensor> valid_begin, std::optional<at::Tensor> valid_end,
-                           int64_t seq_len, std::optional<at::Tensor> mask, std::vector<at::Tensor> hot_columns,
-                           std::optional<at::Tensor> hot_owner) {
-  gear::GatherArgs args{std::move(columns),   std::move(out),  std::move(starts),      std::move(valid_begin),
-                        std::move(valid_end), std::move(mask), seq_len, std::move(hot_columns),
-                        std::move(hot_owner)};
-  gear::check_gather_args(args);
-  return args;
-}
-
-void gather(std::vector<at::Tensor> columns, std::vector<at::Tensor> out, at::Tensor starts,
-            std::optional<at::Tensor> valid_begin, std::optional<at::Tensor> valid_end, int64_t seq_len,
-            std::optional<at::Tensor> mask, std::vector<at::Tensor> hot_columns,
-            std::optional<at::Tensor> hot_owner) {
-  const gear::GatherArgs args =
-      make_args(std::move(columns), std::move(out), std::move(starts), std::move(valid_begin), std::move(valid_end),
-                seq_len, std::move(mask), std::move(hot_columns), std::move(hot_owner));
-  if (args.out.front().is_cuda()) {
-#ifdef GEAR_WITH_CUDA
-    gear::gather_cuda(args);
-    return;
-#else
-    TORCH_CHECK(false, "gather into CUDA tensors needs the extension's CUDA part, which this build of "
-                       "gear_torchrl does not have (it was built without nvcc or with a CPU torch)");
-#endif
-  }
-  for (const auto& col : args.columns) {
-    TORCH_CHECK(col.device().is_cpu(), "gather: CPU outputs need CPU columns, got a column on ", col.device());
-  }
-  TORCH_CHECK(args.starts.device().is_cpu(), "gather: CPU outputs need CPU starts");
-  gear::gather_cpu(args);
 }
 
 // Bytes as a uint8 tensor, for Python to read (a reply's head).
@@ -114,18 +57,79 @@ auto without_gil(F&& f) {
 
 using Inboxes = std::vector<std::shared_ptr<gear::Inbox>>;
 
-bool built_with_cuda() {
-#ifdef GEAR_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
+// The numbers Python reads rather than repeats, as attributes of `_C.control` and `_C.wire`.
+void bind_numbers(py::module_& m) {
+  py::module_ control = m.def_submodule(
+      "control", "The control segment's words, a reader slot's and the store's states (csrc/net/control_words.h)");
+  for (const auto& [name, value] : gear::control::kPythonNames) control.attr(name) = value;
+  py::module_ wire =
+      m.def_submodule("wire", "The shard protocol's ops, magic and limits (csrc/net/framing.h; wire.Op names them)");
+  for (const auto& [name, value] : gear::kWireOps) wire.attr(name) = value;
+  for (const auto& [name, value] : gear::kWireLimits) wire.attr(name) = value;
+  wire.attr("MAGIC") = py::bytes(gear::kWireMagic, 4);
+  // Statuses and codes the calls below return.
+  m.attr("NOT_OWED") = gear::kNotOwed;
+  m.attr("BYTES_PAST") = gear::kBytesPast;
+  m.attr("SERVE_NEXT_IS_OTHER") = static_cast<int64_t>(gear::kNextIsOther);
+  m.attr("SERVE_IN_PYTHON") = static_cast<int64_t>(gear::kServeInPython);
+  m.attr("SERVE_CATCH_UP") = static_cast<int64_t>(gear::kCatchUp);
+  m.attr("UPDATE_OK") = static_cast<int64_t>(gear::kUpdateOk);
+  m.attr("UPDATE_BAD_PRIORITY") = static_cast<int64_t>(gear::kBadPriority);
+  m.attr("UPDATE_BAD_ROW") = static_cast<int64_t>(gear::kBadRow);
+  m.attr("UPDATE_BAD_SHARD") = static_cast<int64_t>(gear::kBadShard);
+}
+
+// The native owner's rules, built by keyword from Python (distributed/native_owner.py): see owner.h.
+void bind_rules(py::module_& m) {
+  py::class_<gear::WindowRule>(m, "WindowRule", "Uniform windows the native owner draws (csrc/net/owner.h)")
+      .def(py::init([](std::string key, at::Tensor tree, at::Tensor episode_start, at::Tensor episode_length,
+                       int64_t window_len, int64_t burn_in, bool strict_length, int64_t seen_lo, int64_t seen_hi) {
+             return gear::WindowRule{std::move(key),    std::move(tree), std::move(episode_start),
+                                     std::move(episode_length), window_len, burn_in, strict_length, seen_lo,
+                                     seen_hi};
+           }),
+           py::kw_only(), py::arg("key"), py::arg("tree"), py::arg("episode_start"), py::arg("episode_length"),
+           py::arg("window_len"), py::arg("burn_in"), py::arg("strict_length"), py::arg("seen_lo"),
+           py::arg("seen_hi"))
+      .def_property_readonly("key", [](const gear::WindowRule& r) { return py::bytes(r.key); })
+      .def_readonly("tree", &gear::WindowRule::tree)
+      .def_readonly("episode_start", &gear::WindowRule::episode_start)
+      .def_readonly("episode_length", &gear::WindowRule::episode_length)
+      .def_readonly("window_len", &gear::WindowRule::window_len)
+      .def_readonly("burn_in", &gear::WindowRule::burn_in)
+      .def_readonly("strict_length", &gear::WindowRule::strict_length)
+      .def_readonly("seen_lo", &gear::WindowRule::seen_lo)
+      .def_readonly("seen_hi", &gear::WindowRule::seen_hi);
+  py::class_<gear::PriorityRule>(m, "PriorityRule",
+                                 "Prioritized rows the native owner draws and updates (csrc/net/owner.h)")
+      .def(py::init([](std::string key, std::string update_key, at::Tensor sum_tree, at::Tensor min_tree,
+                       at::Tensor generation, at::Tensor followed, at::Tensor max_priority, double alpha, double eps,
+                       int64_t rows_per_step, std::shared_ptr<gear::SelectorLock> lock) {
+             return gear::PriorityRule{std::move(key),        std::move(update_key), std::move(sum_tree),
+                                       std::move(min_tree),   std::move(generation), std::move(followed),
+                                       std::move(max_priority), alpha, eps, rows_per_step, std::move(lock)};
+           }),
+           py::kw_only(), py::arg("key"), py::arg("update_key"), py::arg("sum_tree"), py::arg("min_tree"),
+           py::arg("generation"), py::arg("followed"), py::arg("max_priority"), py::arg("alpha"), py::arg("eps"),
+           py::arg("rows_per_step"), py::arg("lock"))
+      .def_property_readonly("key", [](const gear::PriorityRule& r) { return py::bytes(r.key); })
+      .def_property_readonly("update_key", [](const gear::PriorityRule& r) { return py::bytes(r.update_key); })
+      .def_readonly("sum_tree", &gear::PriorityRule::sum_tree)
+      .def_readonly("min_tree", &gear::PriorityRule::min_tree)
+      .def_readonly("generation", &gear::PriorityRule::generation)
+      .def_readonly("followed", &gear::PriorityRule::followed)
+      .def_readonly("max_priority", &gear::PriorityRule::max_priority)
+      .def_readonly("alpha", &gear::PriorityRule::alpha)
+      .def_readonly("eps", &gear::PriorityRule::eps)
+      .def_readonly("rows_per_step", &gear::PriorityRule::rows_per_step)
+      .def_readonly("lock", &gear::PriorityRule::lock);
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "gear_torchrl kernels: gather, trees, window geometry, episode indices";
+void bind_net(py::module_& m) {
+  bind_numbers(m);
+  bind_rules(m);
   py::class_<gear::SelectorLock, std::shared_ptr<gear::SelectorLock>>(
       m, "SelectorLock", "A shared selection core's lock, taken by Python and by the native owner alike")
       .def(py::init<>())
@@ -151,13 +155,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "owed", [](const gear::Inbox& box) { return std::vector<int64_t>(box.owed.begin(), box.owed.end()); },
           "the tickets of the replies owed, in order")
       .def_property_readonly("first_owed", &gear::Inbox::first_owed, "the ticket of the reply owed next (-1: none)");
-  m.attr("NOT_OWED") = gear::kNotOwed;
-  m.attr("BYTES_PAST") = gear::kBytesPast;
-  m.def("gather", &gather, "Fill `out` from `columns` for windows (rows are windows of length 1)",
-        py::arg("columns"), py::arg("out"), py::arg("starts"), py::arg("valid_begin") = py::none(),
-        py::arg("valid_end") = py::none(), py::arg("seq_len") = 1, py::arg("mask") = py::none(),
-        py::arg("hot_columns") = std::vector<at::Tensor>{}, py::arg("hot_owner") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
   m.def(
       "recv_exact",
       [](int64_t fd, const at::Tensor& out, double timeout_s) {
@@ -221,17 +218,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "serve_samples",
       [](int64_t fd, at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
-         int64_t seen_seq, int64_t max_lag, double catch_up_s, std::optional<WindowRuleArgs> windows,
-         std::optional<PriorityRuleArgs> priorities) {
+         int64_t seen_seq, int64_t max_lag, double catch_up_s, const gear::WindowRule* windows,
+         const gear::PriorityRule* priorities) {
         const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
-        std::optional<gear::WindowRule> rule;
-        if (windows) rule = window_rule(std::move(*windows));
-        std::optional<gear::PriorityRule> prioritized;
-        if (priorities) prioritized = priority_rule(std::move(*priorities));
-        const gear::Served s = without_gil([&] {
-          return gear::serve_samples(fd, store, seen_seq, max_lag, catch_up_s, rule ? &*rule : nullptr,
-                                     prioritized ? &*prioritized : nullptr);
-        });
+        const gear::Served s = without_gil(
+            [&] { return gear::serve_samples(fd, store, seen_seq, max_lag, catch_up_s, windows, priorities); });
         return std::make_tuple(s.code, s.count, s.seed, s.columns, s.answered, s.op, s.arrays);
       },
       "Answer SAMPLE_ROWS, and SAMPLE_WINDOWS, SAMPLE_PRIORITIZED and POST_UPDATE of the armed rules, natively "
@@ -254,12 +245,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "sample_prioritized_into",
       [](at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
-         PriorityRuleArgs priorities, int64_t count, int64_t seed, const at::Tensor& picks, const at::Tensor& mass,
-         const at::Tensor& generation, const std::vector<at::Tensor>& out) {
+         const gear::PriorityRule& priorities, int64_t count, int64_t seed, const at::Tensor& picks,
+         const at::Tensor& mass, const at::Tensor& generation, const std::vector<at::Tensor>& out) {
         const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
-        const gear::PriorityRule rule = priority_rule(std::move(priorities));
-        const gear::PrioritizedInto got = without_gil(
-            [&] { return gear::sample_prioritized_into(store, rule, count, seed, picks, mass, generation, out); });
+        const gear::PrioritizedInto got = without_gil([&] {
+          return gear::sample_prioritized_into(store, priorities, count, seed, picks, mass, generation, out);
+        });
         return std::make_tuple(got.live, got.mass, got.min_mass);
       },
       "serve_samples's answer of prioritized rows into this process's tensors (GIL released): (the rows the shard "
@@ -269,11 +260,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "sample_windows_into",
       [](at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
-         WindowRuleArgs windows, int64_t seen_seq, int64_t count, int64_t seed, const std::vector<at::Tensor>& out) {
+         const gear::WindowRule& windows, int64_t seen_seq, int64_t count, int64_t seed,
+         const std::vector<at::Tensor>& out) {
         const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
-        const gear::WindowRule rule = window_rule(std::move(windows));
         gear::WindowsInto got =
-            without_gil([&] { return gear::sample_windows_into(store, rule, seen_seq, count, seed, out); });
+            without_gil([&] { return gear::sample_windows_into(store, windows, seen_seq, count, seed, out); });
         return std::make_tuple(got.live, got.mass, std::move(got.starts), std::move(got.valid_begin),
                                std::move(got.valid_end));
       },
@@ -288,14 +279,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("send_framed_reply", &gear::send_framed_reply,
         "Send the reply frame_rows_reply framed on this thread (GIL released): 0, or -errno", py::arg("fd"),
         py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "draw_shares",
-      [](const std::vector<double>& masses, int64_t count, std::optional<at::Generator> generator) {
-        gear::Shares shares = gear::draw_shares(masses, count, std::move(generator));
-        return std::make_pair(std::move(shares.counts), std::move(shares.seeds));
-      },
-      "A batch's split across shards of `masses`, and a seed per owner (None without a generator)",
-      py::arg("masses"), py::arg("count"), py::arg("generator") = py::none());
   m.def(
       "split_updates",
       [](const at::Tensor& shards, const at::Tensor& rows, const at::Tensor& priority,
@@ -314,63 +297,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "priority, generation, frames)",
       py::arg("shards"), py::arg("rows"), py::arg("priority"), py::arg("generation"), py::arg("capacities"),
       py::arg("op"), py::arg("meta"));
-  m.def("owner_constants", &gear::owner_constants);
-  m.def("built_with_cuda", &built_with_cuda);
-  m.def("tree_nodes", &gear::tree_nodes, "Size of a tree tensor over `capacity` leaves", py::arg("capacity"));
-  m.def("tree_leaf_offset", &gear::tree_leaf_offset, py::arg("nodes"));
-  m.def("max_tree_set", &gear::max_tree_set, py::arg("tree"), py::arg("index"), py::arg("values"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("max_tree_topk", &gear::max_tree_topk, py::arg("tree"), py::arg("k"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("priority_set", &gear::priority_set, py::arg("sum_tree"), py::arg("min_tree"), py::arg("index"),
-        py::arg("mass"), py::arg("keep") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("sum_tree_find", &gear::sum_tree_find, py::arg("tree"), py::arg("mass"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("sum_tree_draw", &gear::sum_tree_draw, "`count` leaves drawn in proportion to their values",
-        py::arg("tree"), py::arg("count"), py::arg("generator") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "priority_update",
-      [](const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& generation, const at::Tensor& rows,
-         const at::Tensor& priority, const std::optional<at::Tensor>& drawn, double alpha, double eps, int64_t bound) {
-        const gear::PriorityUpdate u =
-            gear::priority_update(sum_tree, min_tree, generation, rows, priority, drawn, alpha, eps, bound);
-        return std::make_tuple(u.applied, u.lo, u.hi, u.bad, u.landed_max);
-      },
-      "A priority table's checked update in one pass: (applied, lowest row, highest row, first bad priority, "
-      "largest priority landed)",
-      py::arg("sum_tree"), py::arg("min_tree"), py::arg("generation"), py::arg("rows"), py::arg("priority"),
-      py::arg("drawn"), py::arg("alpha"), py::arg("eps"), py::arg("bound"), py::call_guard<py::gil_scoped_release>());
-  m.def("episodes_append", &gear::episodes_append,
-        "Evict the oldest steps of every column and record new ones (see episodes.h)", py::arg("start"),
-        py::arg("length"), py::arg("closed"), py::arg("dead"), py::arg("first"), py::arg("next"), py::arg("rows"),
-        py::arg("ends"), py::arg("evicted"), py::arg("ring_rows"), py::arg("dead_rows") = false);
-  m.def("place_windows", &gear::place_windows, "Windows at positions `first` of episode slots",
-        py::arg("episode_start"), py::arg("episode_length"), py::arg("slots"), py::arg("first"),
-        py::arg("window_len"));
-  m.def("uniform_windows", &gear::uniform_windows, "A uniform window of each chosen episode",
-        py::arg("episode_start"), py::arg("episode_length"), py::arg("slots"), py::arg("u"), py::arg("window_len"),
-        py::arg("burn_in"), py::arg("strict_length"));
-  m.def("place_spans", &gear::place_spans, "Packed sequences whose training spans start at `offset` (see packing.h)",
-        py::arg("episode_start"), py::arg("episode_length"), py::arg("slots"), py::arg("offset"),
-        py::arg("max_train"), py::arg("burn_in"));
-  m.def("uniform_spans", &gear::uniform_spans, "A uniform packed sequence of each chosen episode",
-        py::arg("episode_start"), py::arg("episode_length"), py::arg("slots"), py::arg("u"), py::arg("max_train"),
-        py::arg("burn_in"));
-  m.def("pack_tokens", &gear::pack_tokens, "Sequences packed into a budget of tokens by the packing rule (see packing.h)",
-        py::arg("first"), py::arg("length"), py::arg("burn_in"), py::arg("step"), py::arg("budget"),
-        py::arg("window_rows"));
-  m.def("window_rows", &gear::window_rows, "Flat ring rows of windows", py::arg("starts"), py::arg("seq_len"),
-        py::arg("capacity"));
-  m.def("window_mask", &gear::window_mask, "Which positions of windows hold data", py::arg("valid_begin"),
-        py::arg("valid_end"), py::arg("seq_len"));
-  m.def("check_windows", &gear::check_windows, "Bounds of a request's windows", py::arg("starts"),
-        py::arg("valid_begin"), py::arg("valid_end"), py::arg("seq_len"), py::arg("capacity"));
-  m.def("first_row_outside", &gear::first_row_outside, "First valid row outside a ring interval, or -1",
-        py::arg("starts"), py::arg("valid_begin"), py::arg("valid_end"), py::arg("seq_len"), py::arg("capacity"),
-        py::arg("first"), py::arg("count"));
-#ifdef GEAR_WITH_CUDA
-  m.def("cuda_host_register", &gear::cuda_host_register,
-        "Pin and map a host tensor's memory so CUDA kernels read it in place");
-  m.def("cuda_host_unregister", &gear::cuda_host_unregister);
-#endif
 }

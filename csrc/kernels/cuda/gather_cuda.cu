@@ -15,7 +15,7 @@
 #include <cstring>
 #include <vector>
 
-#include "../gather.h"
+#include "kernels/gather.h"
 #include "gather_kernel.cuh"
 
 namespace gear {

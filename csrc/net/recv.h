@@ -1,4 +1,4 @@
-// Receive a tensor's bytes from a socket without the interpreter (see cpu/recv.cpp).
+// Receive a tensor's bytes from a socket without the interpreter (see recv.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,7 +20,7 @@ int64_t recv_exact(int64_t fd, const at::Tensor& out, double timeout_s);
 
 namespace gear {
 
-// One reply from each of many sockets, received at once (see cpu/replies.cpp).
+// One reply from each of many sockets, received at once (see replies.cpp).
 struct Reply {
   int64_t status;                 // 0, or -errno: -ECONNRESET (peer closed), -ETIMEDOUT, -EPROTO (not our framing)
   int64_t op = -1;                // the reply's op (wire.Op), once its header arrived

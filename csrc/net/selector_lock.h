@@ -1,5 +1,5 @@
 // A shared selection core's lock, one object that Python (selection/selector_registry.py, as a context
-// manager) and the native owner (cpu/owner.cpp) both take: a native draw never sees a table that a
+// manager) and the native owner (net/owner.cpp) both take: a native draw never sees a table that a
 // learner's priority update, a checkpoint or a pick in Python has half changed.
 #pragma once
 

@@ -1,8 +1,8 @@
 // One pass where the tensor ops took a dozen calls (min/max, finiteness, masks, gathers, pow, max), each
 // a dispatch that cost more than the work at a learner's batch sizes.
-#include "priorities.h"
+#include "kernels/priorities.h"
 
-#include "trees.h"
+#include "kernels/trees.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "episodes.h"
+#include "kernels/episodes.h"
 
 #include <algorithm>
 #include <vector>

@@ -4,7 +4,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "gather.h"
+#include "kernels/gather.h"
 
 namespace gear {
 namespace {

@@ -1,8 +1,8 @@
 // An owner's answers that need no interpreter: uniform rows and uniform windows, drawn, read and sent
-// natively (see cpu/owner.cpp; Python's side is distributed/native_owner.py).
+// natively (see owner.cpp; Python's side is distributed/native_owner.py).
 #pragma once
 
-#include "selector_lock.h"
+#include "net/selector_lock.h"
 
 #include <ATen/ATen.h>
 
@@ -40,7 +40,7 @@ struct WindowRule {
 // read section shows since it last looked (`followed`), as its Python follow would; a core replaced or
 // emptied (`followed` is -1) or dead rows among the new ones leave the request to Python.
 // Priority updates a learner posts (POST_UPDATE) are applied here too, as the core's update does on the
-// CPU (cpu/priorities.cpp); one the checks refuse is handed to Python whole, which logs why.
+// CPU (kernels/priorities.cpp); one the checks refuse is handed to Python whole, which logs why.
 struct PriorityRule {
   std::string key;          // the rule's JSON, byte for byte as learners send it in SAMPLE_PRIORITIZED
   std::string update_key;   // a POST_UPDATE's JSON for that rule
@@ -54,7 +54,7 @@ struct PriorityRule {
   std::shared_ptr<SelectorLock> lock;
 };
 
-// Why serve_samples returned (negative: -errno, the connection is done for).
+// Why serve_samples returned (negative: -errno, the connection is done for); Python reads these as _C.SERVE_*.
 enum ServeCode : int64_t {
   kNextIsOther = 0,  // the next request is another op: nothing of it was read
   kServeInPython = 1,  // a SAMPLE_ROWS or SAMPLE_WINDOWS was read that Python answers (its fields come back)
@@ -125,9 +125,5 @@ int64_t frame_rows_reply(int64_t op, const std::string& meta, const std::vector<
 
 // Sends the reply frame_rows_reply framed on this thread: 0, or -errno (the connection is done for).
 int64_t send_framed_reply(int64_t fd);
-
-// What this file assumes of the Python side (control segment words, wire codes, limits), by the
-// Python name each must equal: a test holds the two together.
-std::vector<std::pair<std::string, int64_t>> owner_constants();
 
 }  // namespace gear

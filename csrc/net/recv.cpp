@@ -1,7 +1,7 @@
 // A batch arrives as a few large arrays. Receiving each in one C++ loop, with the GIL
 // released throughout, spares the learner's threads a Python iteration, a GIL hand-off and
 // a poll per chunk the kernel delivers (tens per MiB on loopback).
-#include "recv.h"
+#include "net/recv.h"
 
 #include <poll.h>
 #include <sys/socket.h>

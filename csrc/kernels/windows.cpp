@@ -1,4 +1,4 @@
-#include "windows.h"
+#include "kernels/windows.h"
 
 #include <algorithm>
 #include <cmath>

@@ -3,12 +3,12 @@
 // memory), zero-fills head/tail padding and writes the validity mask.
 //
 // This file is standalone on purpose: no torch or std headers, so that
-//   * csrc/cuda/gather_cuda.cu includes it (nvcc, the compiled extension), and
+//   * csrc/kernels/cuda/gather_cuda.cu includes it (nvcc, the compiled extension), and
 //   * the package's CuPy fallback compiles the very same text at run time with
 //     NVRTC (cupy.RawModule(code=..., options=("--std=c++17",)),
 //     name_expressions not needed: the entry point is extern "C").
 //
-// Semantics (csrc/cpu/gather.cpp is the reference): window i, position j in
+// Semantics (csrc/kernels/gather.cpp is the reference): window i, position j in
 // [0, seq_len): if begin_i <= j < end_i (begin clamped to [0, seq_len], end to
 // [begin, seq_len]; no bounds -> 0 / seq_len) then out row i*seq_len+j = column
 // row (starts[i]+j) mod capacity (non-negative), else zeros;

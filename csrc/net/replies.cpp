@@ -14,9 +14,9 @@
 #include <memory>
 #include <string>
 
-#include "framing.h"
-#include "gather.h"
-#include "recv.h"
+#include "kernels/gather.h"
+#include "net/framing.h"
+#include "net/recv.h"
 
 namespace gear {
 namespace {
@@ -63,7 +63,7 @@ bool read_header(Pending& p) {
   const auto count = field<uint16_t>(h + 6);
   const auto meta = field<uint32_t>(h + 8);
   const auto total = field<uint64_t>(h + 12);
-  if (std::memcmp(h, "GEAR", 4) != 0 || meta > kMaxMeta || count > kMaxArrays || total > kMaxTotal) {
+  if (std::memcmp(h, kWireMagic, 4) != 0 || meta > kMaxMeta || count > kMaxArrays || total > kMaxTotal) {
     finish(p, -EPROTO);
     return false;
   }

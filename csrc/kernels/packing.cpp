@@ -1,4 +1,4 @@
-#include "packing.h"
+#include "kernels/packing.h"
 
 #include <algorithm>
 #include <cmath>

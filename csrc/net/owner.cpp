@@ -1,7 +1,7 @@
 // Uniform rows are the one rule with no state of its own: a draw over the shard's readable range. An
 // owner answers them here, the interpreter released, with the same steps as the Python path: open a
 // read section in the store's control segment, draw from the learner's seed exactly as torch.randint
-// would, gather the rows out of the ring (cpu/gather.cpp, into the reply itself), close the section
+// would, gather the rows out of the ring (kernels/gather.cpp, into the reply itself), close the section
 // (a revoked one is never sent) and send the reply in one framed message. A learner reading the shard
 // its own process serves gets the same answer into its batch (sample_rows_into), with no socket.
 // Uniform windows take the same steps, drawn from the state Python's view keeps (WindowRule) while
@@ -10,13 +10,14 @@
 // learners' posted priority updates are applied to them.
 // Anything unusual goes back to Python, which answers it in full; the rows Python picks go out framed
 // and gathered here too (frame_rows_reply, then send_framed_reply once Python closed its read section).
-#include "owner.h"
+#include "net/owner.h"
 
-#include "framing.h"
-#include "gather.h"
-#include "priorities.h"
-#include "trees.h"
-#include "windows.h"
+#include "kernels/gather.h"
+#include "kernels/priorities.h"
+#include "kernels/trees.h"
+#include "kernels/windows.h"
+#include "net/control_words.h"
+#include "net/framing.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <poll.h>
@@ -36,15 +37,11 @@ namespace gear {
 namespace {
 
 constexpr size_t kAskBytes = 8 + 24;  // after the JSON: one array's length, then count, seed (-1: none), columns
-constexpr int64_t kMaxPositions = 1 << 24;          // shard_server.MAX_READ_POSITIONS
+constexpr int64_t kMaxPositions = kMaxReadPositions;
 constexpr size_t kKeepBytes = 64u << 20;            // a thread keeps its reply buffer up to this size
 constexpr size_t kFlushBytes = 1u << 20;            // replies held for one write, at most (then sent at once)
 
-// store/commit_log.py: header words, and a reader slot's.
-constexpr int64_t kCapacity = 2, kState = 4, kReserved = 5, kPublished = 6, kPublishedSeq = 8, kEpoch = 9;
-constexpr int64_t kFloor = 15, kEvicted = 17, kLayoutVersion = 20, kDeadEnd = 21;
-constexpr int64_t kSlotEpoch = 1, kSlotRevoked = 2, kSlotLongerUs = 3;
-constexpr int64_t kOpen = 0;
+using namespace control;  // the store's header words, a reader slot's, its states
 
 int64_t load(const int64_t* words, int64_t i) { return __atomic_load_n(words + i, __ATOMIC_ACQUIRE); }
 void store(int64_t* words, int64_t i, int64_t v) { __atomic_store_n(words + i, v, __ATOMIC_RELEASE); }
@@ -707,7 +704,7 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
       seen = sent < 0 ? sent : peek_request(fd, p, request.size(), true);  // until a request (or the end) comes
     }
     if (seen < 0) return leave({seen, 0, -1, 0, served.answered});
-    if (std::memcmp(p, "GEAR", 4) != 0) return leave(served);
+    if (std::memcmp(p, kWireMagic, 4) != 0) return leave(served);
     // Anything else, a malformed ask included, is Python's to read and answer (so nothing here waits for
     // bytes a message does not have).
     const auto op = field<uint16_t>(p + 4);
@@ -744,31 +741,6 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
     if (done == 1) return leave({kServeInPython, q.count, q.seed, q.columns, served.answered, op});
     ++served.answered;
   }
-}
-
-std::vector<std::pair<std::string, int64_t>> owner_constants() {
-  return {{"commit_log._H_CAPACITY", kCapacity},
-          {"commit_log._H_STATE", kState},
-          {"commit_log._H_RESERVED", kReserved},
-          {"commit_log._H_PUBLISHED", kPublished},
-          {"commit_log._H_PUBLISHED_SEQ", kPublishedSeq},
-          {"commit_log._H_EPOCH", kEpoch},
-          {"commit_log._H_FLOOR", kFloor},
-          {"commit_log._H_EVICTED", kEvicted},
-          {"commit_log._H_LAYOUT_VERSION", kLayoutVersion},
-          {"commit_log._H_DEAD_END", kDeadEnd},
-          {"commit_log._SLOT_EPOCH", kSlotEpoch},
-          {"commit_log._SLOT_REVOKED", kSlotRevoked},
-          {"commit_log._SLOT_LONGER_US", kSlotLongerUs},
-          {"commit_log.OPEN", kOpen},
-          {"wire.Op.OK", kOk},
-          {"wire.Op.SAMPLE_ROWS", kSampleRows},
-          {"wire.Op.ROWS", kRows},
-          {"wire.Op.SAMPLE_WINDOWS", kSampleWindows},
-          {"wire.Op.WINDOWS", kWindows},
-          {"wire.Op.SAMPLE_PRIORITIZED", kSamplePrioritized},
-          {"wire.Op.PRIORITIZED", kPrioritized},
-          {"shard_server.MAX_READ_POSITIONS", kMaxPositions}};
 }
 
 }  // namespace gear

@@ -1,4 +1,4 @@
-#include "gather.h"
+#include "kernels/gather.h"
 
 namespace gear {
 
