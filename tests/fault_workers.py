@@ -110,7 +110,9 @@ def run_rank(rank: int, world: int, port: int, tmp: str, options: dict) -> None:
         os._exit(0)
     if owner:
         fill(storage.local, 64 * (rank + 1))
-        host, port_ = storage._membership.server.address
+        membership = storage._membership
+        assert membership is not None and membership.server is not None  # an owner serves its shard
+        host, port_ = membership.server.address
         (tmp_path / f"server_{rank}.json").write_text(json.dumps({"host": host, "port": port_}))
     dist.barrier()
     try:
@@ -137,7 +139,7 @@ def _learn(storage, tmp: Path, rank: int) -> dict:
     index = rb.sample()["index"].as_subclass(torch.Tensor)  # plain ids: ``get`` asks the shards for them
     prioritized.sample()
     top.sample()
-    results = {"before": "served"}
+    results: dict[str, object] = {"before": "served"}
     if not (tmp / "stop").exists():  # a job that only checks the secret
         return results
     (tmp / f"sampled_{rank}").touch()
@@ -156,7 +158,7 @@ def _outcome(call) -> dict:
     start = time.monotonic()
     try:
         call()
-        outcome = {"type": None}
+        outcome: dict[str, str | None] = {"type": None}
     except Exception as exc:
         outcome = {"type": type(exc).__name__, "message": str(exc)}
     return {**outcome, "seconds": time.monotonic() - start}

@@ -1,8 +1,16 @@
 """Shared builders for the tests: data that looks like a TorchRL collector's."""
 from __future__ import annotations
 
+import re
+from multiprocessing.process import BaseProcess
+from typing import Any
+
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
+from torchrl.data.replay_buffers.writers import RoundRobinWriter
+
+from gear_torchrl import GearStorage
+from gear_torchrl.store.shared_commits import SharedCommits
 
 
 def make_steps(n: int, seed: int, done_prob: float = 0.1, obs_dim: int = 4) -> TensorDict:
@@ -78,3 +86,38 @@ def _owner_pid(segment: str) -> int:
         return int(segment[len("gear_torchrl-"):].split("-", 1)[0])
     except ValueError:
         return 0
+
+
+# -- typed accessors: they narrow what the package and TorchRL declare broadly, and fail loudly where a test's
+# assumption (a shared store, a round-robin writer, a printed line) does not hold.
+def found(pattern: str, text: str, flags: int = 0) -> re.Match[str]:
+    """``re.search`` that fails, showing the text, where the pattern is absent."""
+    match = re.search(pattern, text, flags)
+    assert match is not None, f"{pattern!r} not found in:\n{text}"
+    return match
+
+
+def pid_of(process: BaseProcess) -> int:
+    """A started process's id (``Process.pid`` is None before ``start``)."""
+    assert process.pid is not None, "the process was never started"
+    return process.pid
+
+
+def commits_of(storage: GearStorage) -> SharedCommits:
+    """A shared store's commit part: its shard's visibility."""
+    visibility = storage.shard.visibility
+    assert isinstance(visibility, SharedCommits), "not a shared store"
+    return visibility
+
+
+def as_td(data: Any) -> TensorDictBase:
+    """Rows a storage read back, as the TensorDict they are (storages declare tensors or TensorDicts)."""
+    assert isinstance(data, TensorDictBase), type(data)
+    return data
+
+
+def writer_cursor(rb: Any) -> int:
+    """Where a replay buffer's round-robin writer writes next."""
+    writer = rb._writer
+    assert isinstance(writer, RoundRobinWriter), type(writer)
+    return writer._cursor

@@ -9,11 +9,15 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from sharded_workers import _wait_for
 from shared_workers import episode, verify
+
+if TYPE_CHECKING:
+    from gear_torchrl.adapters.sharded_storage import TransportName
 
 OWNERS = 2
 CAPACITY = 2000
@@ -21,7 +25,7 @@ EPISODES = [60, 40]  # per owner: unequal, so both must show up in proportion to
 MAX_LEN, BURN_IN, BUDGET = 24, 3, 512
 
 
-def run_rank(rank: int, world: int, port: int, tmp: str, transport: str) -> None:
+def run_rank(rank: int, world: int, port: int, tmp: str, transport: TransportName) -> None:
     from gear_torchrl import ShardedGearStorage, TrajectoryWriter
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -30,6 +34,7 @@ def run_rank(rank: int, world: int, port: int, tmp: str, transport: str) -> None
     storage = ShardedGearStorage(CAPACITY, owns_shard=owner, serve_on="127.0.0.1", timeout=10.0, transport=transport)
     if owner:
         generator = torch.Generator().manual_seed(rank)
+        assert storage.local is not None  # an owning rank holds its shard
         writer = TrajectoryWriter(storage.local)
         for e in range(EPISODES[rank]):
             data = episode(rank * 1000 + e, int(torch.randint(3, 60, (1,), generator=generator)), generator)

@@ -12,6 +12,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -129,7 +130,7 @@ def _learn(storage, rank: int, tmp: Path) -> dict:
 
 def sample_until_refused(rb, refusal: type[Exception], limit: int = 1 << 20) -> tuple[list, str | None]:
     """Batches (each row checked against its id) until sampling raises ``refusal``, and what it said."""
-    batches = []
+    batches: list = []
     for _ in range(limit):
         try:
             batch = rb.sample()
@@ -313,8 +314,8 @@ def _copied_index_reads(storage) -> dict:
     found = {}
     for name, sampler in (("uniform", None), ("prioritized", GearPrioritizedSampler(CAPACITY, 0.5, BETA)),
                           ("windows", GearSequenceSampler(SEQ_LEN, strict_length=False, burn_in=2))):
-        rb = TensorDictReplayBuffer(storage=storage, batch_size=192,
-                                    **({} if sampler is None else {"sampler": sampler}))
+        chosen: dict[str, Any] = {} if sampler is None else {"sampler": sampler}
+        rb = TensorDictReplayBuffer(storage=storage, batch_size=192, **chosen)
         batch, info = rb.sample(return_info=True)
         index = info["index"]
         again = storage.get(index.clone())

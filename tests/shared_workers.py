@@ -171,11 +171,13 @@ def reserve_then_hang(storage, num_rows: int, ready) -> None:
 
 def attach_and_write(handle, result_queue) -> None:
     """Attach to a store, wait for its owner to die, then be the first to write."""
+    from helpers import commits_of
+
     from gear_torchrl import GearStorage, StoreClosedError
 
     storage = GearStorage(0, handle=handle)
     result_queue.put("attached")
-    while storage.shard.visibility.log.owner_pid and os.path.exists(f"/proc/{storage.shard.visibility.log.owner_pid}"):
+    while commits_of(storage).log.owner_pid and os.path.exists(f"/proc/{commits_of(storage).log.owner_pid}"):
         time.sleep(0.01)
     try:
         storage.set(torch.arange(4), episode(1, 4))

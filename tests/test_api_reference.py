@@ -9,6 +9,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "api_reference.py"
 
 def _generator():
     spec = importlib.util.spec_from_file_location("api_reference", SCRIPT)
+    assert spec is not None and spec.loader is not None, SCRIPT
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_same_td, make_steps
+from helpers import as_td, assert_same_td, make_steps
 from tensordict import TensorDict
 
 from gear_torchrl import GearStorage
@@ -41,7 +41,7 @@ def test_checkpoint_past_2_gib(tmp_path):
         restored = GearStorage(rows)
         restored.loads(tmp_path)
         assert len(restored) == rows
-        probe = restored.get(torch.tensor([0, 1023, 2047, 2048, rows - 1]))["blob"].view(torch.int64)
+        probe = as_td(restored.get(torch.tensor([0, 1023, 2047, 2048, rows - 1])))["blob"].view(torch.int64)
         assert torch.equal(probe[:, 0], torch.tensor([0, 1023, 2047, 2048, rows - 1]))
         assert torch.equal(probe[:, -1], probe[:, 0])
     finally:  # 2 GiB left behind per run fills small CI disks

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same_td, make_steps
+from helpers import assert_same_td, make_steps, writer_cursor
 from torchrl.data import TensorDictReplayBuffer
 
 from gear_torchrl import (
@@ -93,7 +93,7 @@ def snapshot(rb: TensorDictReplayBuffer) -> dict:
         "shard": shard.state(),
         "buffers": list(shard.columns),
         "cursor": storage._last_cursor_index,
-        "writer": rb._writer._cursor,
+        "writer": writer_cursor(rb),
         "sampler": sampler.state_dict(),
         "trees": None if trees is None else [getattr(trees, k) for k in ("sum", "min") if hasattr(trees, k)],
         "max_priority": getattr(inner, "_max_raw_priority", None),

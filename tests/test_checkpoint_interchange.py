@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same_td, make_steps
+from helpers import assert_same_td, make_steps, writer_cursor
 from tensordict import LazyStackedTensorDict, TensorDict, tensorclass
 from torch.utils._pytree import tree_flatten
 from torchrl.checkpoint import Checkpoint
@@ -85,7 +85,7 @@ def assert_same_next_steps(source, loaded, rows=make_steps) -> None:
     more = rows(WRITES[2], 2)
     source.extend(more.clone())
     loaded.extend(more.clone())
-    assert source._writer._cursor == loaded._writer._cursor == 7
+    assert writer_cursor(source) == writer_cursor(loaded) == 7
     assert_same_td(source[:], loaded[:])
 
 
@@ -101,7 +101,7 @@ def test_a_torchrl_checkpoint_loads_into_gear_storage(tmp_path, theirs, via):
     load(loaded, tmp_path / "ckpt", via)
     reference = wrapped(seeded(GearStorage(CAPACITY)))  # the same rows written into a GearStorage
     assert len(loaded) == len(source) == CAPACITY
-    assert loaded._writer._cursor == source._writer._cursor == 4
+    assert writer_cursor(loaded) == writer_cursor(source) == 4
     assert_same_td(loaded[:], source[:])
     assert loaded.storage._last_cursor_index == reference.storage._last_cursor_index == 3
     assert all(torch.equal(a, b) for a, b in zip(episodes(loaded.storage).values(),
@@ -117,7 +117,7 @@ def test_a_gear_checkpoint_loads_into_torchrl_storages(tmp_path, theirs, via):
     loaded = seeded(TORCHRL[theirs](CAPACITY))
     load(loaded, tmp_path / "ckpt", via)
     assert len(loaded) == len(source) == CAPACITY
-    assert loaded._writer._cursor == source._writer._cursor == 4
+    assert writer_cursor(loaded) == writer_cursor(source) == 4
     assert_same_td(loaded[:], source[:])
     assert_same_next_steps(source, loaded)
 
@@ -134,7 +134,7 @@ def test_a_partly_filled_store_crosses_and_its_unwritten_slots_read_zeros(tmp_pa
     back = TensorDictReplayBuffer(storage=GearStorage(CAPACITY))
     theirs.dumps(tmp_path / "back")
     back.loads(tmp_path / "back")
-    assert len(back) == 5 and back._writer._cursor == 5
+    assert len(back) == 5 and writer_cursor(back) == 5
     assert_same_td(back[:], source[:])
     assert all(torch.equal(a, b) for a, b in zip(episodes(back.storage).values(), episodes(source.storage).values()))
 
@@ -246,7 +246,7 @@ def test_ndim2_storages_cross_both_ways(tmp_path, direction):
     loaded = buffer(target_cls)
     loaded.loads(tmp_path)
     assert len(loaded) == len(source) == 40 and loaded.storage.shape == source.storage.shape == (10, 4)
-    assert loaded._writer._cursor == source._writer._cursor == 3
+    assert writer_cursor(loaded) == writer_cursor(source) == 3
     assert_same_td(loaded[:], source[:])
     if target_cls is GearStorage:
         reference = buffer(GearStorage)
@@ -388,7 +388,7 @@ def test_pytree_rows_cross_through_dumps(tmp_path, direction):
     loaded = ReplayBuffer(storage=target_cls(CAPACITY))
     loaded.extend(pytree_rows(1, seed=2))  # TorchRL's pytree checkpoints record no structure: the target knows it
     loaded.loads(tmp_path)
-    assert len(loaded) == CAPACITY and loaded._writer._cursor == source._writer._cursor == 4
+    assert len(loaded) == CAPACITY and writer_cursor(loaded) == writer_cursor(source) == 4
     assert same_tree(loaded[:], source[:])
 
 
@@ -448,7 +448,7 @@ def test_tensorclass_rows_cross_through_dumps(tmp_path, direction, where):
     loaded.loads(tmp_path)
     assert type(loaded[:]) is cls
     assert_same_td(loaded[:]._tensordict, source[:]._tensordict)
-    assert loaded._writer._cursor == 4
+    assert writer_cursor(loaded) == 4
     if target_cls is GearStorage:
         more = rows(3, 7)  # the loaded store takes the class's rows on
         loaded.extend(more)
@@ -467,7 +467,7 @@ def in_use_target() -> TensorDictReplayBuffer:
 
 def snapshot(rb) -> dict:
     state = rb.storage.state_dict()
-    return {"rows": rb.storage.get(slice(None)).clone(), "len": len(rb), "cursor": rb._writer._cursor,
+    return {"rows": rb.storage.get(slice(None)).clone(), "len": len(rb), "cursor": writer_cursor(rb),
             "episodes": {k: v.clone() for k, v in episodes(rb.storage).items()},
             "head": state["head"], "mass": rb.sampler.masses(torch.arange(CAPACITY)).clone()}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import fault_workers as fw
 import pytest
 import torch
-from helpers import segments_left_by_dead_owners, shm_segments
+from helpers import pid_of, segments_left_by_dead_owners, shm_segments
 
 from gear_torchrl import GearStorage
 from gear_torchrl.distributed import wire
@@ -253,7 +253,7 @@ def _run_job(tmp: Path, world: int, options: dict, during=None) -> dict:
     finally:
         for p in processes:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGCONT)
+                os.kill(pid_of(p), signal.SIGCONT)
         _stop(processes)
     assert not segments_left_by_dead_owners(before)
     return {f.stem: json.loads(f.read_text()) for f in tmp.glob("*.json")}

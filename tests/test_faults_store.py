@@ -17,6 +17,7 @@ import time
 import pytest
 import shared_workers as w
 import torch
+from helpers import commits_of, pid_of
 from torchrl.data import (
     PrioritizedSampler,
     RandomSampler,
@@ -50,7 +51,7 @@ def _pick_and_hold(storage: GearStorage, claim_s: float = 0.0) -> torch.Tensor:
     """32 rows picked as a sampler picks them: their read section stays open until they are read."""
     with storage.shard.picking():
         rows = storage.shard.visibility.uniform_rows(32, None, torch.device("cpu"))
-        storage.shard.visibility.log.claim_longer(claim_s)
+        commits_of(storage).log.claim_longer(claim_s)
     return rows
 
 
@@ -66,7 +67,7 @@ def test_a_stopped_reader_does_not_freeze_writers_and_its_read_is_revoked():
         time.sleep(0.2)  # it is stopped now, holding its read section
         committed = _write_for(storage, 2.0, first_id=10_000)
         assert committed > 20, f"writers committed {committed} episodes in 2 s past a stopped reader"
-        os.kill(reader.pid, signal.SIGCONT)
+        os.kill(pid_of(reader), signal.SIGCONT)
         outcome = results.get(timeout=JOIN_S)
         reader.join(JOIN_S)
         assert outcome.startswith("revoked") and "reader timeout" in outcome, outcome
@@ -170,7 +171,7 @@ def _check_torchrl_samplers(storage: GearStorage) -> None:
 def test_torchrl_samplers_see_only_live_rows_of_a_wrapped_shared_store():
     storage = _wrapped_store()
     try:
-        assert storage.shard.visibility.log.inserts > 2 * storage.max_size
+        assert commits_of(storage).log.inserts > 2 * storage.max_size
         _check_torchrl_samplers(storage)
     finally:
         storage.close()
@@ -185,7 +186,7 @@ def test_torchrl_samplers_and_len_skip_what_a_killed_writer_left():
         hung = CTX.Process(target=w.reserve_then_hang, args=(storage, 120_000, ready))
         hung.start()
         assert ready.wait(60)
-        w.kill(hung.pid)
+        w.kill(pid_of(hung))
         hung.join(10)
         for e in range(50, 75):
             storage.set(torch.arange(40), w.episode(e, 40))  # 1,000 more, after the dead run
@@ -236,7 +237,7 @@ def test_a_first_write_after_the_owner_died_fails_clearly_and_leaks_no_segment()
     writer = CTX.Process(target=w.attach_and_write, args=(handle, results))
     writer.start()
     assert results.get(timeout=JOIN_S) == "attached"
-    w.kill(owner.pid)
+    w.kill(pid_of(owner))
     owner.join(10)
     outcome = results.get(timeout=JOIN_S)
     writer.join(JOIN_S)

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 import torch
-from helpers import assert_same_td
+from helpers import assert_same_td, writer_cursor
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torchrl.data import (
     LazyTensorStorage,
@@ -503,7 +503,7 @@ def test_a_capacity_that_is_not_whole_time_steps_is_refused_before_anything_is_l
     rb = TensorDictReplayBuffer(storage=GearStorage(10, ndim=2), batch_size=2)
     with pytest.raises(ValueError, match="multiple of the number of envs"):
         rb.extend(BatchedEnvs(num_envs=4).batch(4))  # the writer's cursor went round a ring of 3 time rows
-    assert len(rb) == 0 and rb.storage.shape is None and rb._writer._cursor == 0  # and came back
+    assert len(rb) == 0 and rb.storage.shape is None and writer_cursor(rb) == 0  # and came back
     rb.extend(BatchedEnvs(num_envs=5).batch(3))  # 10 = 2 time steps of 5 envs
     assert rb.storage.shape == (2, 5) and len(rb) == 10
 

@@ -242,7 +242,7 @@ def test_stores_that_cannot_pack_say_why():
 def test_ndim2_packs_stay_inside_one_env_column_and_episode():
     envs, steps = 4, 120
     columns = [episodes_of(heavy_tailed(12, seed=10 + e), first_id=1000 * e)[:steps] for e in range(envs)]
-    data = torch.stack(columns, 1)  # [T, num_envs], written as it is
+    data: TensorDict = torch.stack(columns, 1)  # [T, num_envs], written as it is
     data["env"] = torch.arange(envs).expand(steps, envs)
     rb = TensorDictReplayBuffer(storage=GearStorage(steps * envs, ndim=2), sampler=GearPackedSequenceSampler(
         32, burn_in=2), batch_size=512, dim_extend=0)

@@ -11,6 +11,7 @@ import json
 import sys
 import threading
 import types
+from typing import cast
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from gear_torchrl.distributed.transports import rdma
 from gear_torchrl.distributed.transports.base import ColumnLayout
 from gear_torchrl.distributed.transports.rdma import (
     Completion,
+    KeyValueStore,
     RdmaEndpointInfo,
     RdmaExporter,
     RdmaOptions,
@@ -56,6 +58,12 @@ GiB = 1 << 30
 REMOTE_BASE = 1 << 40  # fake addresses: planning is arithmetic only
 LOCAL_BASE = 1 << 41
 
+
+
+def hash_store() -> KeyValueStore:
+    """A torch HashStore as the handshake sees it: torch's stubs type ``Store.set``'s value as str only, though it
+    stores bytes (what the handshake writes)."""
+    return cast(KeyValueStore, torch.distributed.HashStore())
 
 def windows(starts, seq_len, begin=None, end=None) -> Windows:
     starts = torch.tensor(starts, dtype=torch.int64)
@@ -358,12 +366,13 @@ def test_a_sealed_store_believes_only_records_the_job_wrote():
 
 
 def test_handshake_over_a_blocking_torch_store():
-    store, prefix = torch.distributed.HashStore(), "p"
-    got = []
+    store, prefix = hash_store(), "p"
+    got: list = []
     learner = threading.Thread(target=lambda: got.append(await_endpoint(store, prefix, "L", "owner")))
     learner.start()
     announce_learner(store, prefix, "L", ENDPOINT)
     (learner_id,) = pending_learners(store, prefix, 0)
+    assert learner_id is not None
     learner_info = await_endpoint(store, prefix, learner_id, "learner")
     store.set(endpoint_key(prefix, learner_id, "owner"), learner_info.to_bytes())
     learner.join(timeout=10)
@@ -445,7 +454,8 @@ def test_copy_staged_leaves_padding_untouched():
 
 
 def test_drive_completions_keeps_the_window_and_stops_on_errors_and_time():
-    in_flight, peak, posted = [], [0], []
+    in_flight: list = []
+    peak, posted = [0], []
 
     def post(begin, end):
         posted.append((begin, end))
@@ -643,7 +653,7 @@ def require_rdma():
 def test_end_to_end_loopback_read_on_a_device():
     require_rdma()
     segment, columns, layout, _ = make_shard(capacity=1000)
-    store, prefix = torch.distributed.HashStore(), "gear/rdma/test"
+    store, prefix = hash_store(), "gear/rdma/test"
     exporter = RdmaExporter(store, prefix, segment.data_ptr(), segment.numel())
     try:
         exporter.publish_region()
@@ -668,9 +678,10 @@ def test_end_to_end_loopback_read_on_a_device():
 def test_end_to_end_accept_pending_on_a_device():
     require_rdma()
     segment, columns, layout, _ = make_shard(capacity=64)
-    store, prefix = torch.distributed.HashStore(), "gear/rdma/pending"
+    store, prefix = hash_store(), "gear/rdma/pending"
     exporter = RdmaExporter(store, prefix, segment.data_ptr(), segment.numel())
-    stop, accepted = threading.Event(), []
+    stop = threading.Event()
+    accepted: list = []
 
     def serve():
         while not stop.is_set() and not accepted:
@@ -705,9 +716,9 @@ def require_pyverbs():
 
 def test_verbs_work_requests_are_built_from_the_plan():
     pv = require_pyverbs()
-    posted = []
+    posted: list = []
     queue = rdma._VerbsQueue.__new__(rdma._VerbsQueue)
-    queue.device = types.SimpleNamespace(pv=pv)
+    queue.device = cast(rdma._VerbsDevice, types.SimpleNamespace(pv=pv))  # a stand-in that holds only pv
     queue.qp = types.SimpleNamespace(post_send=posted.append)
     layout = ColumnLayout(offsets=(0,), row_bytes=(4,), capacity=32)
     plan = plan_reads(windows([0, 2, 4, 6, 8], 3, [0] * 5, [2] * 5), layout, REMOTE_BASE, [LOCAL_BASE], 2, 1 << 20)
@@ -721,7 +732,7 @@ def test_verbs_connect_sets_rc_attributes():
     pv = require_pyverbs()
     device = rdma._VerbsDevice.__new__(rdma._VerbsDevice)
     device.pv, device.port_num, device.gid_index, device.ethernet = pv, 1, 3, True
-    seen = {}
+    seen: dict[str, tuple] = {}
 
     class FakeQP:
         def to_init(self, attr):

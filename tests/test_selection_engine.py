@@ -6,6 +6,7 @@ and a plain index reads rows. The layering itself is held by ``test_layers.py``.
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -74,8 +75,8 @@ SAMPLERS = {
 
 def _buffer(name: str) -> TensorDictReplayBuffer:
     sampler = SAMPLERS[name]()
-    rb = TensorDictReplayBuffer(storage=GearStorage(ROWS), batch_size=72,
-                                **({} if sampler is None else {"sampler": sampler}))
+    chosen: dict[str, Any] = {} if sampler is None else {"sampler": sampler}
+    rb = TensorDictReplayBuffer(storage=GearStorage(ROWS), batch_size=72, **chosen)
     rb.extend(make_steps(ROWS + 37, seed=5))  # wrapped: the ring's end lies inside the stored rows
     return rb
 

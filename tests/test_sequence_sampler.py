@@ -36,7 +36,7 @@ def filled(capacity, total, done_at, **kwargs):
 
 def all_windows(capacity, total, done_at, window_len, strict=True):
     """Every (first step, valid length) a window may show, from the brute-force episode model."""
-    history = [(g, g in done_at, None) for g in range(total)]
+    history: list[tuple[int, bool, int | None]] = [(g, g in done_at, None) for g in range(total)]
     out = []
     base = max(0, total - capacity)
     for start_row, length, _ in model_episodes(history, capacity):

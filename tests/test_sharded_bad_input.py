@@ -52,9 +52,9 @@ def test_sampling_an_empty_sharded_store_says_so(storage):
 
 def test_bad_options_are_refused_before_anything_starts():
     with pytest.raises(ValueError, match="transport"):
-        ShardedGearStorage(10, transport="carrier-pigeon")
+        ShardedGearStorage(10, transport="carrier-pigeon")  # type: ignore[arg-type]  # bad input: no such transport
     with pytest.raises(ValueError, match="on_shard_failure"):
-        ShardedGearStorage(10, on_shard_failure="ignore")
+        ShardedGearStorage(10, on_shard_failure="ignore")  # type: ignore[arg-type]  # bad input: no such policy
 
 
 def test_an_owner_extends_the_union_into_its_own_shard_and_a_reader_cannot(storage):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import sharded_workers as w
 import torch
-from helpers import segments_left_by_dead_owners, shm_segments
+from helpers import pid_of, segments_left_by_dead_owners, shm_segments
 
 LEARNER_SKIP, LEARNER_RAISE = w.OWNERS, w.OWNERS + 1
 # learner options per rank: one reads over tcp and skips failed shards, one picks the transport and raises
@@ -50,16 +50,16 @@ def job(tmp_path_factory):
     try:
         deadline = time.monotonic() + 300
         _wait([tmp / f"phase1_{r}" for r in OPTIONS], processes, deadline)
-        os.kill(processes[w.KILLED].pid, signal.SIGKILL)
+        os.kill(pid_of(processes[w.KILLED]), signal.SIGKILL)
         processes[w.KILLED].join(10)
         (tmp / "killed").touch()
         _wait([tmp / f"phase2_{r}" for r in OPTIONS], processes, deadline)
-        os.kill(processes[w.STOPPED].pid, signal.SIGSTOP)
+        os.kill(pid_of(processes[w.STOPPED]), signal.SIGSTOP)
         (tmp / "stopped").touch()
         try:
             _wait([tmp / f"learner_{r}.pt" for r in OPTIONS], processes, deadline)
         finally:
-            os.kill(processes[w.STOPPED].pid, signal.SIGCONT)
+            os.kill(pid_of(processes[w.STOPPED]), signal.SIGCONT)
         (tmp / "finish").touch()
         for p in processes:
             p.join(60)

@@ -203,7 +203,9 @@ def test_a_shard_that_adds_a_key_keeps_serving_learners_that_know_the_older_tabl
         rb.extend(w.keyed_rows(10, 10, v=3.0))  # the owner's actors bring a key after the learner looked
         out = [torch.empty(4, *c.row_shape, dtype=c.dtype) for c in learners_table.columns]
         client.read(Windows.of_rows(torch.tensor([0, 5, 12, 19])), out)
-        assert out[learners_table.find("obs")].tolist() == [0.0, 5.0, 12.0, 19.0]
+        obs = learners_table.find("obs")
+        assert obs is not None
+        assert out[obs].tolist() == [0.0, 5.0, 12.0, 19.0]
         described = client.describe()
         assert TableSpec.from_json(described["spec"]).find("v") is not None
         assert described["offsets"] is None  # one-sided reads would miss the new segment: refused by the learner

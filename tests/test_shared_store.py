@@ -8,6 +8,7 @@ import time
 import pytest
 import shared_workers as w
 import torch
+from helpers import as_td, commits_of, pid_of
 from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
 from gear_torchrl import (
@@ -50,7 +51,7 @@ def test_handle_is_small_and_attaches_to_the_same_rows():
         assert len(other) == 5 and torch.equal(other.get(torch.arange(5))["ep"], torch.full((5,), 7))
         other.set(torch.arange(3), w.episode(8, 3))  # the cursor a TorchRL writer passes is ignored: appended
         assert len(storage) == 8
-        assert torch.equal(storage.get(torch.arange(8))["ep"][5:], torch.full((3,), 8))
+        assert torch.equal(as_td(storage.get(torch.arange(8)))["ep"][5:], torch.full((3,), 8))
         other.close()
     finally:
         storage.close()
@@ -69,7 +70,7 @@ def test_rejected_writes_leave_the_store_as_it_was():
             storage.set(torch.arange(4), w.episode(3, 4), set_cursor=False)
         with pytest.raises(IndexError, match="out of range"):
             storage.get(torch.tensor([4]))
-        assert len(storage) == 4 and storage.shard.visibility.log.inserts == 4
+        assert len(storage) == 4 and commits_of(storage).log.inserts == 4
         w.verify(storage.get(torch.arange(4)))
     finally:
         storage.close()
@@ -102,7 +103,7 @@ def test_four_writers_and_a_sampling_reader_see_only_whole_rows():
         _join(writers)
         written = dict(results.get(timeout=10) for _ in writers)
         assert batches > 0
-        assert storage.shard.visibility.log.inserts == sum(written.values())
+        assert commits_of(storage).log.inserts == sum(written.values())
         snapshot = storage.stats()  # inserts: every writer's; samples: this process's reads
         assert snapshot["inserts"] == sum(written.values()) and snapshot["samples"] == batches * (256 + 64)
         # The ring is full but for the block evicted ahead of the writers, and nothing else is missing.
@@ -113,7 +114,7 @@ def test_four_writers_and_a_sampling_reader_see_only_whole_rows():
         # Whole episodes only, apart from the oldest one (the ring cut its head off).
         with storage.shard.picking():
             view = storage.shard.episodes.live()
-        lengths = storage.get(view.start)["len"]  # ring rows, read in the section picking opened
+        lengths = as_td(storage.get(view.start))["len"]  # ring rows, read in the section picking opened
         assert torch.equal(view.length[1:], lengths[1:])
         assert int(view.length.sum()) == len(storage)
     finally:
@@ -132,11 +133,11 @@ def test_a_writer_killed_mid_episode_leaves_nothing_sampleable():
         assert ready.wait(60)
         copying.start()
         assert reserved.wait(60)
-        assert storage.shard.visibility.log.reserved_end == 15
+        assert commits_of(storage).log.reserved_end == 15
         storage.set(torch.arange(6), w.episode(2, 6))  # committed after the hung reservation
         assert len(storage) == 10  # the hung reservation holds back what follows it
         for p in (staged, copying):
-            w.kill(p.pid)
+            w.kill(pid_of(p))
             p.join(10)
         # The next reader finds the dead writer, and the rows after its reservation become readable.
         batch = TensorDictReplayBuffer(storage=storage, batch_size=500).sample()
@@ -162,7 +163,7 @@ def test_owner_death_makes_attached_processes_fail_clearly_and_frees_memory():
     writer.extend(w.episode(5, 3))
     writer.end_episode()
     assert len(storage) == 7
-    w.kill(owner.pid)
+    w.kill(pid_of(owner))
     owner.join(10)
     deadline = time.monotonic() + 10
     while store_segments(handle.store_id) and time.monotonic() < deadline:
@@ -198,7 +199,7 @@ def test_dataloader_workers_see_rows_written_after_they_started():
         writer = TrajectoryWriter(storage)
         writer.extend(w.episode(2, 400))
         writer.end_episode()
-        seen = set()
+        seen: set[int] = set()
         deadline = time.monotonic() + 60
         while {1, 2} - seen and time.monotonic() < deadline:
             batch = next(batches)
@@ -337,7 +338,7 @@ def test_a_writer_that_dies_after_admission_leaves_nothing_counted():
         child.start()
         _join([child])
         assert limiter.inserts == 10 and limiter.can_insert(90)  # the dead writer's 80 rows are forgotten
-        assert storage.shard.visibility.rates.counts().admitted == 0
+        assert commits_of(storage).rates.counts().admitted == 0
     finally:
         storage.close()
 
@@ -365,7 +366,7 @@ def test_a_shared_store_checkpoints_while_a_writer_runs_and_loads_local_or_share
         results = CTX.Queue()
         writer = CTX.Process(target=w.write_episodes, args=(owner, 3, 1500, 20, True, results))
         writer.start()
-        snapshots = []
+        snapshots: list = []
         while writer.is_alive() and len(snapshots) < 3:
             if len(owner) > 100:  # the ring has wrapped or is about to: snapshots race its evictions
                 path = tmp_path / f"snapshot_{len(snapshots)}"
@@ -385,7 +386,7 @@ def test_a_shared_store_checkpoints_while_a_writer_runs_and_loads_local_or_share
             opened.append(shared)
             shared.loads(path)
             assert len(shared) == rows and _assert_whole_episodes(shared) == rows
-            assert torch.equal(shared[:]["check"], local.get(torch.arange(rows))["check"])
+            assert torch.equal(shared[:]["check"], as_td(local.get(torch.arange(rows)))["check"])
             rb = TensorDictReplayBuffer(storage=shared, sampler=GearSequenceSampler(4, strict_length=False),
                                         batch_size=64)
             batch = rb.sample()
@@ -396,7 +397,7 @@ def test_a_shared_store_checkpoints_while_a_writer_runs_and_loads_local_or_share
             assert torch.equal(shared[:]["check"], before["check"])
         final = GearStorage(500)
         final.loads(tmp_path / "final")
-        assert torch.equal(final.get(torch.arange(len(final)))["check"], owner[:]["check"])
+        assert torch.equal(as_td(final.get(torch.arange(len(final))))["check"], owner[:]["check"])
     finally:
         for storage in opened:
             storage.close()

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import segments_left_by_dead_owners, shm_segments
+from helpers import found, segments_left_by_dead_owners, shm_segments
 
 TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
 
@@ -32,7 +32,7 @@ def test_02_dqn_cartpole_learns():
     target = 300.0
     out = run("02_dqn_cartpole.py", "--frames", "30000", "--target", str(target))
     assert "reached the target" in out, out  # an evaluation's mean return reached the target
-    before = float(re.search(r"before training: mean return ([\d.]+)", out).group(1))
+    before = float(found(r"before training: mean return ([\d.]+)", out).group(1))
     assert target > before + 100, out  # ... which is clearly better than the untrained greedy policy
 
 
@@ -49,12 +49,12 @@ def run_without_leaks(script: str, *args: str) -> str:
 
 def test_03_sequence_transformer_learns_what_needs_memory():
     out = run_without_leaks("03_sequence_transformer.py", "--episodes", "400", "--steps", "800", "--workers", "2")
-    first, last = map(float, re.search(r"loss: first ([\d.]+) -> last ([\d.]+)", out).groups())
+    first, last = map(float, found(r"loss: first ([\d.]+) -> last ([\d.]+)", out).groups())
     assert last < 0.5 * first, out  # the masked loss clearly falls
-    accuracy, baseline = map(float, re.search(r"memory accuracy: ([\d.]+) on \d+ expert steps \(per-step baseline "
-                                              r"([\d.]+)", out).groups())
+    accuracy, baseline = map(float, found(r"memory accuracy: ([\d.]+) on \d+ expert steps \(per-step baseline "
+                                          r"([\d.]+)", out).groups())
     assert accuracy > 2 * baseline, out  # thousands of scored steps: chance gives the baseline +- 0.01
-    best, got_best, got_none, behaviour = map(float, re.search(
+    best, got_best, got_none, behaviour = map(float, found(
         r"asked for (\d+), got ([\d.]+); asked for 0, got ([\d.]+) \(random play [\d.]+, the behaviour policies "
         r"([\d.]+)\)", out).groups())
     assert got_best > behaviour and got_best > 0.75 * best, out  # asked for a high return, it plays the expert
@@ -69,12 +69,12 @@ def test_04_many_actors_hold_the_sample_to_insert_ratio():
                             "--ratio", str(ratio), "--chunk", str(chunk), "--batch", str(batch), "--min-size", "500")
     assert f"{actors} actors inserted {actors * steps} rows" in out, out  # every actor's every step arrived
     assert re.search(r"[\d,]+ inserts/s", out) and re.search(r"[\d,]+ samples/s", out), out
-    achieved = float(re.search(r"sample-to-insert ratio: target [\d.]+, achieved ([\d.]+)", out).group(1))
+    achieved = float(found(r"sample-to-insert ratio: target [\d.]+, achieved ([\d.]+)", out).group(1))
     assert abs(achieved - ratio) < 0.1 * ratio, out
-    worst, error_buffer = map(float, re.search(r"largest distance from the target line: (\d+) sampled rows "
-                                               r"\(error buffer ([\d.]+)\)", out).groups())
+    worst, error_buffer = map(float, found(r"largest distance from the target line: (\d+) sampled rows "
+                                           r"\(error buffer ([\d.]+)\)", out).groups())
     assert worst <= error_buffer, out  # the rule holds across processes
-    first, last = map(float, re.search(r"dynamics model loss: first ([\d.]+) -> last ([\d.]+)", out).groups())
+    first, last = map(float, found(r"dynamics model loss: first ([\d.]+) -> last ([\d.]+)", out).groups())
     assert last < 0.2 * first, out  # the learner learned from rows that several processes wrote
     assert "actors joined, store closed" in out, out
 
@@ -91,15 +91,16 @@ def test_06_gpu_says_why_it_cannot_run_without_a_gpu():
 
 def test_07_packed_sequences_train_on_real_tokens_only():
     out = run("07_packed_sequences.py", "--episodes", "400", "--budget", "1024", "--steps", "100")
-    difference = float(re.search(r"packed attention vs flex_attention\(document_causal_block_mask\(batch\)\) on a "
-                                 r"pack of \d+ sequences: max difference ([\d.e+-]+)", out).group(1))
+    difference = float(found(r"packed attention vs flex_attention\(document_causal_block_mask\(batch\)\) on a "
+                             r"pack of \d+ sequences: max difference ([\d.e+-]+)", out).group(1))
     assert difference < 1e-4, out  # the attention trained on is exactly document-causal
-    share, real = {}, {}
+    share: dict[str, float] = {}
+    real: dict[str, float] = {}
     for name in ("padded", "packed"):
-        share[name], real[name], tokens_per_s = re.search(
+        share_pct, real_tokens, tokens_per_s = found(
             rf"{name}: useful share ([\d.]+)% \(([\d,]+) real of [\d,]+ tokens per batch\), ([\d,]+) real tokens/s",
             out).groups()
-        share[name], real[name] = float(share[name]) / 100, float(real[name].replace(",", ""))
+        share[name], real[name] = float(share_pct) / 100, float(real_tokens.replace(",", ""))
         assert float(tokens_per_s.replace(",", "")) > 0, out
     assert share["packed"] >= 0.95, out  # burn_in=0: a pack is all real tokens
     assert share["padded"] < 0.75 and share["padded"] < share["packed"] - 0.2, out  # windows pad short episodes
@@ -108,9 +109,9 @@ def test_07_packed_sequences_train_on_real_tokens_only():
     assert len(curve) == 5, out
     for run_losses in zip(*curve):  # padded, then packed: both learn
         assert float(run_losses[-1]) < 0.8 * float(run_losses[0]), out
-    blind = re.search(r"padded ([\d.]+)%, packed ([\d.]+)% of real tokens, so the loss cannot go below", out)
+    blind = found(r"padded ([\d.]+)%, packed ([\d.]+)% of real tokens, so the loss cannot go below", out)
     assert float(blind.group(2)) < float(blind.group(1)), out  # a pack keeps short episodes whole
-    accuracy = re.search(r"held-out accuracy where memory is needed: padded ([\d.]+), packed ([\d.]+) \(chance "
-                         r"([\d.]+)\)", out)
+    accuracy = found(r"held-out accuracy where memory is needed: padded ([\d.]+), packed ([\d.]+) \(chance "
+                     r"([\d.]+)\)", out)
     assert min(float(accuracy.group(1)), float(accuracy.group(2))) > 2 * float(accuracy.group(3)), out
     assert re.search(r"^packed: [\d.]+x the real tokens per second of padded$", out, re.M), out

@@ -18,7 +18,9 @@ def test_quickstart_prints_all_three_storages():
 
 def test_readme_example_runs(tmp_path):
     readme = (ROOT / "README.md").read_text()
-    example = re.search(r"```python\n(.*?)```", readme, re.S).group(1).replace("/tmp/ckpt", str(tmp_path / "ckpt"))
+    block = re.search(r"```python\n(.*?)```", readme, re.S)
+    assert block is not None, "README.md has no python example"
+    example = block.group(1).replace("/tmp/ckpt", str(tmp_path / "ckpt"))
     out = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=300, check=True)
     assert "EpisodeView(" in out.stdout
     assert (tmp_path / "ckpt" / "storage" / "shard.json").exists()

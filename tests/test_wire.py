@@ -106,7 +106,7 @@ def test_oversized_or_foreign_messages_are_protocol_errors():
 @pytest.mark.parametrize("client_secret", [b"s" * 32, b"wrong"])
 def test_only_holders_of_the_secret_pass_the_challenge(client_secret):
     a, b = socket.socketpair()
-    verdict = {}
+    verdict: dict[str, bool] = {}
     with a, b:
         server = threading.Thread(target=lambda: verdict.setdefault("ok", wire.challenge(a, b"s" * 32)))
         server.start()

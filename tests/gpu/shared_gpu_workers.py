@@ -48,6 +48,7 @@ def pinned_sharded_rank(rank: int, world: int, port: int, results) -> None:
                                  timeout=30, pin_memory=learner)
     try:
         if not learner:
+            assert storage.local is not None  # an owning rank holds its shard
             writer = TrajectoryWriter(storage.local)
             writer.extend(frames(0, 300))
             writer.end_episode()

@@ -129,7 +129,7 @@ def gather_both(columns, starts, seq_len=1, valid_begin=None, valid_end=None, wi
     for o in outs:  # garbage everywhere: the kernel must write every byte
         as_bytes(o).fill_(0xA5)
     mask = torch.ones(rows, dtype=torch.bool, device=DEVICE) if with_mask else None
-    if with_mask:
+    if mask is not None:  # with_mask
         mask.view(torch.uint8).fill_(0xA5)
     def move(t):
         return None if t is None else t.to(idx_device)

@@ -113,6 +113,7 @@ def test_hot_tier_argument_errors():
 
 # ---------------------------------------------------------------- through GearStorage
 try:
+    from helpers import as_td  # tests/helpers.py, which imports torchrl
     from tensordict import TensorDict
 
     from gear_torchrl import GearStorage
@@ -144,6 +145,7 @@ def test_storage_with_hot_rows_reads_what_the_plain_one_reads():
     for s in (plain, tiered):
         s.set(scattered, steps(150, seed=99), set_cursor=False)
 
+    assert tiered.shard.hot is not None and tiered.shard.hot.rows is not None
     owner = tiered.shard.hot.rows.owner.cpu()
     newest = (torch.arange(cursor - hot_rows, cursor) % capacity)
     newest = newest[~torch.isin(newest, scattered)]  # some slots went to the scattered rows since
@@ -151,19 +153,20 @@ def test_storage_with_hot_rows_reads_what_the_plain_one_reads():
     assert held.float().mean() > 0.5, "the newest appended rows should mostly be hot"
 
     index = torch.randint(0, capacity, (4000,))
-    a, b = plain.get(index), tiered.get(index)
+    a, b = as_td(plain.get(index)), as_td(tiered.get(index))
     for key in a.keys(True, True):
         assert torch.equal(a.get(key).cpu(), b.get(key).cpu()), key
     windows = Windows(torch.randint(0, capacity, (64,)), 40, torch.randint(0, 5, (64,)),
                       torch.randint(30, 41, (64,)))
-    wa, wb = plain.shard.read_windows(windows), tiered.shard.read_windows(windows)
+    wa, wb = as_td(plain.shard.read_windows(windows)), as_td(tiered.shard.read_windows(windows))
     for key in wa.keys(True, True):
         assert torch.equal(wa.get(key).cpu(), wb.get(key).cpu()), key
 
     # A restored checkpoint replaces the host rows: the tier forgets what it held.
     state = plain.state_dict()
     tiered.load_state_dict(state)
+    assert tiered.shard.hot is not None and tiered.shard.hot.rows is not None
     assert bool((tiered.shard.hot.rows.owner == -1).all())
-    c = tiered.get(index)
+    c = as_td(tiered.get(index))
     for key in a.keys(True, True):
         assert torch.equal(a.get(key).cpu(), c.get(key).cpu()), key

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
 try:
+    from helpers import as_td  # tests/helpers.py, which imports torchrl
     from tensordict import TensorDict
     from torchrl.data import RandomSampler, TensorDictReplayBuffer
 
@@ -41,7 +43,7 @@ def assert_same(cuda_td, cpu_td):
         assert torch.equal(got.cpu(), want), key
 
 
-def pair(memory: str, capacity=500, sampler=None):
+def pair(memory: Literal["host", "device"], capacity=500, sampler=None):
     cpu = TensorDictReplayBuffer(storage=GearStorage(capacity), sampler=sampler() if sampler else None)
     gpu = TensorDictReplayBuffer(storage=GearStorage(capacity, device="cuda", memory=memory),
                                  sampler=sampler() if sampler else None)
@@ -138,7 +140,7 @@ def test_shared_store_is_read_on_the_gpu_by_every_process():
         assert status == "ok", same
         assert same is True and written == 40 and child.exitcode == 0
         assert len(owner) == 340
-        everything = owner.get(torch.arange(340, device="cuda"))
+        everything = as_td(owner.get(torch.arange(340, device="cuda")))
         assert torch.equal(everything["obs"].cpu(), frames(0, 340)["obs"])  # the child's rows, read by the owner
         sample = rb.sample()
         assert sample["obs"].is_cuda

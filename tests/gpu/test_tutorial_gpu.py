@@ -22,10 +22,14 @@ def test_06_gpu_tutorial(tmp_path):
     out = result.stdout
     assert result.returncode == 0, out[-2000:] + result.stderr[-4000:]
     assert "equal to the stored rows" in out, out
-    speedup = float(re.search(r"GearStorage is ([\d.]+)x faster", out).group(1))
+    timing = re.search(r"GearStorage is ([\d.]+)x faster", out)
+    assert timing is not None, out
+    speedup = float(timing.group(1))
     assert speedup > 1.0, out  # the zero-copy batch beats CPU gather + pin + copy
     assert re.search(r"memory='device': [\d.]+ ms", out), out
-    store, batch = map(int, re.search(r"rewarding steps are (\d+)% of the store and (\d+)% of a batch", out).groups())
+    shares = re.search(r"rewarding steps are (\d+)% of the store and (\d+)% of a batch", out)
+    assert shares is not None, out
+    store, batch = map(int, shares.groups())
     assert batch > 2 * store, out  # priorities 100x higher on rewarding steps: they dominate the batches
     assert re.search(r"windows: \(16, 16, 4, 84, 84\) on the GPU", out), out
     assert plot.stat().st_size > 10_000
