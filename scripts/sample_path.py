@@ -3,10 +3,11 @@
     .venv/bin/python scripts/sample_path.py
 
 Traces one ``rb.sample()`` (after a warm-up one) over a ``GearStorage`` with TorchRL's
-``RandomSampler`` and with ``GearSequenceSampler``, and lists every function of
-``gear_torchrl`` it calls (by module and qualified name) and every type of ours on the
-way: the classes those functions belong to and the types of the values they return.
-``_C`` calls are listed apart. docs/architecture.md quotes what this prints.
+``RandomSampler`` and with ``GearSequenceSampler``. The *path* is every function of
+``gear_torchrl`` on the stack when a ``_C`` function is called (from TorchRL's call down
+to the kernel), its *types* the classes those functions belong to and the types of ours
+they return; everything else of ours the call runs (property reads, the batch built
+after the gather) is counted apart. docs/architecture.md quotes what this prints.
 """
 from __future__ import annotations
 
@@ -31,33 +32,68 @@ def _ours(module: str | None) -> bool:
     return bool(module) and (module == "gear_torchrl" or module.startswith("gear_torchrl."))  # type: ignore[union-attr]
 
 
-def trace(call: Callable[[], Any]) -> tuple[list[str], list[str], list[str]]:
-    """Our functions, our types and the ``_C`` functions ``call()`` runs, in first-call order."""
-    functions: dict[str, None] = {}
-    types: dict[str, None] = {}
-    kernels: dict[str, None] = {}
+def _name(frame: FrameType) -> str | None:
+    """``module:qualname`` of a frame running our code (comprehensions are their function's), else None."""
+    code = frame.f_code
+    if not code.co_filename.startswith(PACKAGE) or code.co_name.startswith("<"):
+        return None
+    return f"{frame.f_globals.get('__name__', '?')}:{code.co_qualname}"
 
-    def profile(frame: FrameType, event: str, arg: Any) -> None:
+
+def _owner(frame: FrameType) -> str | None:
+    """``module:Class`` of a method's frame, else None."""
+    owner = frame.f_code.co_qualname.split(".")[0]
+    if "." in frame.f_code.co_qualname and isinstance(frame.f_globals.get(owner), type):
+        return f"{frame.f_globals['__name__']}:{owner}"
+    return None
+
+
+class Trace:
+    """What one call runs of ours: the path to ``_C`` (functions, types), the other functions, the kernels."""
+
+    def __init__(self) -> None:
+        self.path: dict[str, None] = {}
+        self.types: dict[str, None] = {}
+        self.other: dict[str, None] = {}
+        self.kernels: dict[str, None] = {}
+        self._returned: dict[str, str] = {}  # function -> the type of ours it returned
+
+    def profile(self, frame: FrameType, event: str, arg: Any) -> None:
         if event == "c_call" and getattr(arg, "__module__", None) == "gear_torchrl.kernels._C":
-            kernels[f"_C.{arg.__name__}"] = None
-        code = frame.f_code
-        if not code.co_filename.startswith(PACKAGE):
+            self.kernels[f"_C.{arg.__name__}"] = None
+            on_stack: FrameType | None = frame
+            while on_stack is not None:
+                name = _name(on_stack)
+                if name is not None:
+                    self.path[name] = None
+                on_stack = on_stack.f_back
+            return
+        name = _name(frame)
+        if name is None:
             return
         if event == "call":
-            module = frame.f_globals.get("__name__", "?")
-            functions[f"{module}:{code.co_qualname}"] = None
-            owner = code.co_qualname.split(".")[0]
-            if "." in code.co_qualname and owner != "<locals>" and isinstance(frame.f_globals.get(owner), type):
-                types[f"{module}:{owner}"] = None
+            self.other[name] = None
         elif event == "return" and arg is not None and _ours(type(arg).__module__):
-            types[f"{type(arg).__module__}:{type(arg).__qualname__}"] = None
+            self._returned[name] = f"{type(arg).__module__}:{type(arg).__qualname__}"
 
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return list(functions), list(types), list(kernels)
+    def run(self, call: Callable[[], Any]) -> None:
+        sys.setprofile(self.profile)
+        try:
+            call()
+        finally:
+            sys.setprofile(None)
+        owners = {}
+        frames_of = {}
+        for name in self.path:
+            module, qualname = name.split(":")
+            if "." in qualname:
+                owners[name] = f"{module}:{qualname.split('.')[0]}"
+            frames_of[name] = None
+        for name in self.path:
+            for t in (owners.get(name), self._returned.get(name)):
+                if t is not None:
+                    self.types[t] = None
+        self.other = {n: None for n in self.other if n not in self.path}
 
 
 def _buffer(sampler: Any, batch_size: int) -> TensorDictReplayBuffer:
@@ -77,11 +113,14 @@ def main() -> None:
              "GearSequenceSampler": _buffer(GearSequenceSampler(slice_len=16), 256)}
     for name, rb in cases.items():
         rb.sample()  # warm-up: first-use set-up is not the path of a batch
-        functions, types, kernels = trace(rb.sample)
-        print(f"## rb.sample() with {name}: {len(functions)} functions, {len(types)} types of ours")
-        print("functions:", *functions, sep="\n  ")
-        print("types:", *types, sep="\n  ")
-        print("_C:", *kernels, sep="\n  ")
+        trace = Trace()
+        trace.run(rb.sample)
+        print(f"## rb.sample() with {name}: {len(trace.path)} functions and {len(trace.types)} types of ours on "
+              f"the path to _C; {len(trace.other)} other functions of ours")
+        print("path:", *trace.path, sep="\n  ")
+        print("types:", *trace.types, sep="\n  ")
+        print("_C:", *trace.kernels, sep="\n  ")
+        print("other:", *trace.other, sep="\n  ")
 
 
 if __name__ == "__main__":

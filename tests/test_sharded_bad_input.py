@@ -84,6 +84,7 @@ def test_bad_row_ids_and_priorities_leave_the_owner_unchanged(storage):
         rb.update_priority(global_ids.encode(0, torch.tensor([500])), torch.tensor([1.0]))
     with pytest.raises(IndexError, match="names shard 5"):
         storage.get(global_ids.encode(5, torch.tensor([0])))
+    rb.sample()  # updates are posted: the owner has applied them when it answers the connection's next request
     owner = next(sel for spec, sel, _ in storage._membership.server.selectors.shared() if spec.kind == "priorities")
     expected = torch.arange(1.0, 11.0, dtype=torch.float64) + 1e-8  # alpha 1, eps 1e-8
     assert torch.allclose(owner.masses(torch.arange(first, first + 10)), expected)

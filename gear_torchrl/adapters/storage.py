@@ -10,7 +10,6 @@ TorchRL's ``(time, env)`` indices turned into its rows (``env_indices.py``).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Sequence
 from typing import Any, Literal, cast
@@ -29,8 +28,9 @@ from gear_torchrl.adapters.env_indices import (
     steps_read_at,
     steps_written_at,
 )
-from gear_torchrl.adapters.rate_gate import RateGate, check_sampler_is_gated
+from gear_torchrl.adapters.rate_gate import check_sampler_is_gated
 from gear_torchrl.adapters.rate_limiters import RateLimiter
+from gear_torchrl.adapters.sharing import SharedAcrossProcesses
 from gear_torchrl.adapters.stats import Rates
 from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.adapters.torchrl_state import state_from_torchrl, torchrl_fields
@@ -41,15 +41,12 @@ from gear_torchrl.selection.table import ShardTable
 from gear_torchrl.store.addressing import Addressing, EnvColumns, StepRows
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.store.indices import Index
-from gear_torchrl.store.rate_counters import LocalRateCounters, SharedRateCounters
 from gear_torchrl.store.shard import DEFAULT_END_KEYS, Shard
-from gear_torchrl.store.shared_commits import SharedCommits, SharedStoreHandle, shared_shard
+from gear_torchrl.store.shared_commits import SharedStoreHandle, shared_shard
 from gear_torchrl.store.table_spec import Data, NestedKey, lead_shape, stacked_rows
 
-logger = logging.getLogger(__name__)
 
-
-class GearStorage(TableStorage):
+class GearStorage(SharedAcrossProcesses, TableStorage):
     """Columnar step ring with an episode index; a drop-in for ``LazyTensorStorage``.
 
     Args:
@@ -449,32 +446,7 @@ class GearStorage(TableStorage):
         self._set_last_cursor((shard.head - 1) % shard.capacity if shard.size else None)
 
     # -- the rate limiter's counts and rule (RateLimitedStorage) ---------------------------------
-    def _rate_counters(self) -> LocalRateCounters | SharedRateCounters:
-        shared = self._shared
-        return LocalRateCounters() if shared is None else shared.rates
-
-    def _publish_rate_limiter(self, limiter: RateLimiter | None) -> None:
-        shared = self._shared
-        if shared is not None:
-            shared.rates.publish_rule(None if limiter is None else limiter.numbers)
-            self._rule_version = shared.rates.rule_version
-
-    def _current_gate(self) -> RateGate | None:
-        """A shared store's rule may have been set or changed by another process: follow it."""
-        shared = self._shared
-        if shared is not None and shared.rates.rule_version != self._rule_version:
-            self._follow_published_rule(shared.rates)
-        return self._gate
-
-    def _follow_published_rule(self, rates: SharedRateCounters) -> None:
-        self._rule_version = rates.rule_version
-        numbers = rates.rule()
-        if numbers is None:
-            self._gate = None
-            return
-        self._install_gate(RateLimiter.from_numbers(numbers), rates)
-
-    # -- sharing across processes ------------------------------------------------------
+    # -- across processes (the rest: sharing.py) ----------------------------------------
     def check_writable_here(self) -> None:
         """Refuse a write into a copy of a local store in another process: it would never reach the rows.
 
@@ -487,23 +459,6 @@ class GearStorage(TableStorage):
                 f"this GearStorage was created in process {self._home_pid}; process {os.getpid()} holds a copy "
                 "(pickled or forked), so rows written here would never reach the buffer. Build it with "
                 "GearStorage(..., shared=True) to write from other processes (collector workers, actors).")
-
-    def _warn_if_a_copy(self) -> None:
-        if not self.shared and not self._warned_copy and os.getpid() != self._home_pid:
-            self._warned_copy = True
-            logger.warning("process %d reads a copy of a GearStorage created in process %d: rows written there "
-                           "after the copy are not seen here; use GearStorage(..., shared=True) to share them",
-                           os.getpid(), self._home_pid)
-
-    @property
-    def shared(self) -> bool:
-        return self._shared is not None
-
-    @property
-    def _shared(self) -> SharedCommits | None:
-        """The shared commit log the rows are read through; None for a local store."""
-        visibility = self._shard.visibility
-        return visibility if isinstance(visibility, SharedCommits) else None
 
     @property
     def shared_init(self) -> bool:
