@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,18 +18,16 @@ from gear_torchrl.store.addressing import StepRows
 from gear_torchrl.store.indices import TORCHRL_INDEX, Index, as_index_tensor
 from gear_torchrl.store.last_writes import last_write_positions
 from gear_torchrl.store.local_commits import CommitRecord
+from gear_torchrl.store.ring import Ring
 from gear_torchrl.store.table_spec import Data, Leaves
 from gear_torchrl.store.visibility import Visibility
 from gear_torchrl.store.windows import Windows
-
-if TYPE_CHECKING:
-    from gear_torchrl.store.shard import Shard
 
 
 class OwnWrites(Visibility):
     """Rows ``[0, size)`` of the ring, with the append cursor at ``head``."""
 
-    def bind(self, shard: Shard) -> None:
+    def bind(self, shard: Ring) -> None:
         super().bind(shard)
         self.capacity = shard.capacity
         self._size = 0  # rows [0, size) are readable
@@ -84,7 +81,8 @@ class OwnWrites(Visibility):
         single = isinstance(index, (int, np.integer))
         rows = as_index_tensor([index] if single else index, self.capacity, "write")
         at_cursor = append and self._continues_ring(rows)
-        leaves = self.shard.validated(data, single, complete=at_cursor, lead=lead)
+        spec = None if self.takes_any_layout else self.shard.table  # emptied: the data's own (``Shard.validated``)
+        leaves = self.shard.as_leaves(data, single, spec, complete=at_cursor, lead=lead)
         if rows.numel() != leaves.n:
             raise IndexError(f"{rows.numel()} write indices for {leaves.n} rows of data")
         if leaves.n == 0:
@@ -234,7 +232,7 @@ class OwnWrites(Visibility):
         return torch.randint(0, self._size, (n,), generator=generator, device=device)
 
     def read(self, index: Index) -> Data:
-        return self.shard.read(self.shard.ring_index(index), in_range=True)  # ring rows are what it numbers
+        return self.read_rows(self.ring_index(index))  # ring rows are what it numbers
 
     def rows_changed_since(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         """The TrajectoryWriter's commits: TorchRL's writer reports its own writes to the sampler."""
@@ -253,7 +251,7 @@ class OwnWrites(Visibility):
         return shard.ring_state(saved, self._size if laid_out else 0, self._head if laid_out else 0)
 
     def load_state(self, state: dict) -> None:
-        """Restore from ``state()``; checks everything (``Shard.checked_state``) before changing anything."""
+        """Restore from ``state()``; checks everything (``Ring.checked_state``) before changing anything."""
         spec, columns, objects = self.shard.checked_state(state)
         self.shard.load_ring(state, spec, columns, objects)
         self._size = int(state["size"])

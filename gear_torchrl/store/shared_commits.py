@@ -37,7 +37,8 @@ from gear_torchrl.store.commit_log import (
 from gear_torchrl.store.indices import TORCHRL_INDEX, Index, as_index_tensor
 from gear_torchrl.store.live_rows import LiveRows, dead_runs_array
 from gear_torchrl.store.rate_counters import SharedRateCounters
-from gear_torchrl.store.shard import DEFAULT_END_KEYS, Shard
+from gear_torchrl.store.ring import DEFAULT_END_KEYS, Ring
+from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.shared_memory import (
     Janitor,
     create_segment,
@@ -109,7 +110,7 @@ class SharedCommits(Visibility):
         self._attach_to = handle
         self._reader_timeout_s = reader_timeout_s
 
-    def bind(self, shard: Shard) -> None:
+    def bind(self, shard: Ring) -> None:
         """Create the store's segments (no handle) or attach to them."""
         super().bind(shard)
         handle = self._attach_to
@@ -219,7 +220,8 @@ class SharedCommits(Visibility):
                 "a shared GearStorage takes appends only (extend, add, TrajectoryWriter): an in-place "
                 "write (write_at, storage[i] = ...) could change rows another process is reading")
         self._map_data()  # check against the layout other processes may have grown since
-        leaves = self.shard.validated(data, isinstance(index, (int, np.integer)), lead=lead)
+        single = isinstance(index, (int, np.integer))
+        leaves = self.shard.as_leaves(data, single, self.shard.table, lead=lead)  # never any layout: the store's
         return self.commit(leaves.flat())
 
     def commit(self, leaves: Leaves) -> torch.Tensor:
@@ -321,7 +323,7 @@ class SharedCommits(Visibility):
         """
         if self._snapshot is not None and not self._scan_held:  # ring rows, picked in this read section
             with self.reading():  # ends the section, however the checks go
-                return self.shard.read(self.shard.ring_index(index), in_range=True)
+                return self.read_rows(self.ring_index(index))
         if isinstance(index, slice) or (isinstance(index, tuple) and isinstance(index[0], slice)):
             self._drop_scan()
             self.refresh()
@@ -353,7 +355,7 @@ class SharedCommits(Visibility):
                                  "since it was numbered (writers lapped the store meanwhile); sample again")
             rows = (positions % self.capacity).reshape(offsets.shape)
             self._hold_section = self._scan_held = self._scan is not None
-            batch = self.shard.read(rows.reshape(()) if isinstance(index, (int, np.integer)) else rows, in_range=True)
+            batch = self.read_rows(rows.reshape(()) if isinstance(index, (int, np.integer)) else rows)
             if self._scan_held:
                 self.log.raise_if_revoked()
             return batch

@@ -3,7 +3,9 @@
 A shard is a ring of columns built from two parts, as Reverb's ``Table`` holds
 its selectors and limiter: an addressing (``store/addressing.py``: what a row
 is) and a visibility (this module: what a reader sees). The ring, its gathers
-and the samplers above are the same whatever the parts; only these calls differ:
+and the samplers above are the same whatever the parts; only these calls differ.
+A visibility part knows its shard as the ring (``store/ring.py``) it reads and
+writes, not as the shard, which is built from it:
 
 - ``OwnWrites`` (``store/own_writes.py``): the rows this process wrote, readable as
   soon as written; any write (appends, in-place writes, ``set_size``) is allowed.
@@ -15,30 +17,30 @@ from __future__ import annotations
 import weakref
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 
+from gear_torchrl.errors import EmptyStoreError
+from gear_torchrl.store.indices import Index, as_index_tensor
+from gear_torchrl.store.ring import Ring
 from gear_torchrl.store.table_spec import Data, Leaves
 from gear_torchrl.store.windows import Windows
-
-if TYPE_CHECKING:
-    from gear_torchrl.store.shard import Index, Shard
 
 
 class Visibility(ABC):
     """The calls through which a shard's readers and writers meet its rows."""
 
-    shard: Shard
+    shard: Ring  # the shard, as the ring this part reads and writes
 
-    def bind(self, shard: Shard) -> None:
+    def bind(self, shard: Ring) -> None:
         """Become ``shard``'s visibility (its ring and addressing are set up by then)."""
         self.point_back(shard)
 
-    def point_back(self, shard: Shard) -> None:
+    def point_back(self, shard: Ring) -> None:
         """Refer to ``shard``, weakly: the shard owns its parts, so a shard its users let go of is
         freed at once, its columns with it, not whenever the cycle collector runs."""
-        self.shard = cast("Shard", weakref.proxy(shard))
+        self.shard = cast(Ring, weakref.proxy(shard))
 
     def __getstate__(self) -> dict:
         """A copy (pickled with its shard) leaves the reference back out: the copied shard points it back."""
@@ -142,7 +144,29 @@ class Visibility(ABC):
     @abstractmethod
     def read(self, index: Index) -> Data:
         """Rows at an index from outside this library's samplers (``storage[i]``, TorchRL's samplers):
-        what it numbers, checked, read as ring rows (``Shard.ring_index``, then ``Shard.read``)."""
+        what it numbers, checked, read as ring rows (``ring_index``, then ``read_rows``)."""
+
+    def ring_index(self, index: Index) -> torch.Tensor:
+        """``index`` as ring rows of ``[0, ring_rows)`` (negatives count from the end), each checked
+        readable: what ``read_rows`` takes. Raises IndexError naming the first bad one."""
+        shard = self.shard
+        if shard.table is None or self.size == 0:
+            raise EmptyStoreError("cannot read from an empty storage: write some data first")
+        index_device = shard.out_device if shard.out_device.type == "cuda" else None
+        rows = as_index_tensor(index, self.ring_rows, "read", device=index_device)
+        self.check_readable(rows)
+        return rows
+
+    def read_rows(self, rows: torch.Tensor) -> Data:
+        """The data at ring ``rows`` (a tensor of any shape, in ``[0, ring_rows)``, readable: drawn by
+        this store in the open read section, or checked by ``ring_index``), gathered under ``reading``."""
+        shard = self.shard
+        with self.reading():
+            if shard.table is None or self.size == 0:
+                raise EmptyStoreError("cannot read from an empty storage: write some data first")
+            self.claim_gather(rows.numel())
+            flat = shard.gather_rows(rows)
+        return shard.rows_data(shard.table, rows, flat)
 
     @abstractmethod
     def rows_changed_since(self, position: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
