@@ -26,10 +26,8 @@ from gear_torchrl.distributed.bootstrap import Membership, join
 from gear_torchrl.distributed.directory import ShardDescriptor, host_id
 from gear_torchrl.distributed.shard_set import Options, ShardSet
 from gear_torchrl.distributed.sharded_table import ShardedTable
-from gear_torchrl.selection.sample import (
-    SelectionIndex,
-    plan_of,
-)
+from gear_torchrl.selection.picked import SelectionIndex
+from gear_torchrl.selection.sample import sample_of
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.store.shard import DEFAULT_END_KEYS
 from gear_torchrl.store.table_spec import Data, NestedKey
@@ -226,14 +224,13 @@ class ShardedGearStorage(TableStorage):
 
     # -- reads -----------------------------------------------------------------------------
     def get(self, index: Any) -> Data:
-        plan = plan_of(index)
-        if plan is not None and plan.columns is not None:
-            columns, table, windows = plan.columns, plan.table, plan.windows
+        sample = sample_of(index)
+        if sample is not None and sample.columns is not None:
+            columns, table, windows = sample.columns, sample.table, sample.windows
             assert table is not None  # select reads the columns with their table
             extra = None
-            if plan.markers is not None:
-                assert windows is not None  # select keeps the windows where markers are asked for
-                extra = plan.markers(windows, dict(zip(table.names, columns)), windows.mask())
+            if sample.markers is not None:
+                extra = sample.markers(windows, dict(zip(table.names, columns)), windows.mask())
             return table.unflatten(columns, torch.Size([columns[0].shape[0]]), device=self.device, extra=extra)
         ids = torch.as_tensor(index).as_subclass(torch.Tensor)
         table, out = self._shards.read_ids(ids)

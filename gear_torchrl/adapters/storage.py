@@ -36,7 +36,8 @@ from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.adapters.torchrl_state import state_from_torchrl, torchrl_fields
 from gear_torchrl.errors import EmptyStoreError
 from gear_torchrl.kernels import gather
-from gear_torchrl.selection.sample import SelectionIndex, plan_of
+from gear_torchrl.selection.picked import SelectionIndex
+from gear_torchrl.selection.sample import sample_of
 from gear_torchrl.selection.table import ShardTable
 from gear_torchrl.store.addressing import Addressing, EnvColumns, StepRows
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
@@ -318,9 +319,9 @@ class GearStorage(SharedAcrossProcesses, TableStorage):
 
     def get(self, index: Index) -> Data:
         self._warn_if_a_copy()
-        plan = plan_of(index)
-        if plan is not None and plan.windows is not None:
-            return self._shard.read_windows(plan.windows, plan.markers)
+        sample = sample_of(index)
+        if sample is not None:  # windows (or rows with markers) this store's table picked
+            return self._shard.read_windows(sample.windows, sample.markers)
         drawn, self.table.drawn = self.table.drawn, None
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(k, str) for k in index)):
             # A key: that column of every row (TorchRL's Sequence unit); rows that are one tensor have no keys.

@@ -13,7 +13,9 @@ import torch
 from gear_torchrl.distributed.shard_set import ShardSet
 from gear_torchrl.selection.base import SelectionSpec, Selector
 from gear_torchrl.selection.checked_inputs import integer_rows
-from gear_torchrl.selection.sample import ReadPlan, SampledIndex, Selection, WindowMarkers
+from gear_torchrl.selection.markers import WindowMarkers
+from gear_torchrl.selection.picked import Picked
+from gear_torchrl.selection.sample import SampledIndex
 from gear_torchrl.selection.table import Gate, Table
 
 
@@ -28,7 +30,7 @@ class ShardedTable(Table):
         self.rows_sampled = 0  # rows this process drew (a storage's stats)
 
     def select(self, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None = None,
-               markers: WindowMarkers | None = None) -> Selection:
+               markers: WindowMarkers | None = None) -> Picked:
         """``count`` picks across the shards, their rows read already: the index is global row ids carrying
         the batch, so ``get`` of it costs nothing."""
         if count <= 0:
@@ -37,9 +39,10 @@ class ShardedTable(Table):
             picks = self.shards.pick(selector.spec, count, generator)
         assert picks is not None  # None answers a count of 0
         self.rows_sampled += picks.index.numel()
-        windows = picks.windows if picks.windows.seq_len > 1 or markers is not None else None
-        plan = ReadPlan(windows, markers, picks.columns, picks.spec)
-        return Selection(SampledIndex(picks.index, plan), picks.extra, picks.scalars)
+        # One batch across shards: their masses stay with the split (``ShardSet``).
+        picked = Picked(picks.windows, 0.0, picks.extra, picks.scalars, markers, picks.columns, picks.spec)
+        picked.index = SampledIndex(picks.index, picked)
+        return picked
 
     def rows_of(self, index: Any) -> torch.Tensor:
         """Global ids, as given: their owners check them."""

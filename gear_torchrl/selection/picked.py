@@ -1,7 +1,10 @@
-"""What a selection core returns: picks on one shard, as windows of ring rows (rows: windows of length one).
+"""The one sample type: picks as windows of ring rows (rows: windows of length one) and what they carry.
 
-The windows are the one type that carries picks from a core to a kernel (``Windows``); a
-``Picked`` adds only what the rule says of them: the shard's mass, per-pick values, scalars.
+A core returns a ``Picked`` for its shard: the windows (``Windows``, what the gather kernel
+reads), the shard's mass, per-pick values (weights, generations, a pack's places), scalars.
+A table (``selection/table.py``) hands the same object to the sampler, with TorchRL's
+``index`` for it and what the storage's read needs (markers; over a sharded store the
+rows read already); the index carries it back to ``storage.get`` (``selection/sample.py``).
 """
 from __future__ import annotations
 
@@ -10,7 +13,12 @@ from typing import Any
 
 import torch
 
+from gear_torchrl.selection.markers import PackedMarkers, WindowMarkers
+from gear_torchrl.store.table_spec import TableSpec
 from gear_torchrl.store.windows import Windows
+
+# What TorchRL's samplers hand its storages: flat rows, or the (time, env) coordinates of an ndim=2 storage.
+SelectionIndex = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 # The per-pick values a core may return, and their dtypes (the wire carries bytes only).
 EXTRA_DTYPES = {"mass": torch.float64, "score": torch.float64, "generation": torch.int64,
@@ -20,13 +28,30 @@ EXTRA_DTYPES = {"mass": torch.float64, "score": torch.float64, "generation": tor
 
 @dataclass
 class Picked:
-    """One shard's share of a batch."""
+    """A batch of picks: one shard's share from its core, or a whole batch as a table answers it."""
 
     windows: Windows  # each pick's window of ring rows (rows: windows of length one)
     mass: float | torch.Tensor  # the shard's total mass after picking: what the next batch is split by
     # (from a core on a GPU, a 0-dim tensor there: a float would wait for the device)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per pick, named in EXTRA_DTYPES
     scalars: dict[str, Any] = field(default_factory=dict)  # e.g. min_mass (a float, or a device scalar locally)
+    # Set by the table that answers a sampler:
+    markers: WindowMarkers | PackedMarkers | None = None  # the per-step keys the read adds
+    columns: list[torch.Tensor] | None = None  # a sharded store's batch, read with the picks
+    table: TableSpec | None = None  # what ``columns`` are
+    _index: SelectionIndex | None = None
+
+    @property
+    def index(self) -> SelectionIndex:
+        """TorchRL's index of the picks, as the table answering a sampler made it (for windows a
+        ``SampledIndex`` carrying this sample, so ``storage.get`` of it reads them)."""
+        if self._index is None:
+            raise RuntimeError("these picks have no index yet: a table makes it when it answers a sampler")
+        return self._index
+
+    @index.setter
+    def index(self, index: SelectionIndex) -> None:
+        self._index = index
 
     @classmethod
     def rows(cls, rows: torch.Tensor, mass: float | torch.Tensor, **kw: Any) -> Picked:

@@ -24,7 +24,9 @@ import torch
 from gear_torchrl.errors import EmptyStoreError
 from gear_torchrl.selection.base import SelectionSpec, Selector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
-from gear_torchrl.selection.sample import ReadPlan, SampledIndex, Selection, SelectionIndex, WindowMarkers
+from gear_torchrl.selection.markers import WindowMarkers
+from gear_torchrl.selection.picked import Picked, SelectionIndex
+from gear_torchrl.selection.sample import SampledIndex
 from gear_torchrl.store.shard import Shard
 
 # Around a draw of that many rows: where a storage's rate limiter waits (``adapters/rate_gate.py``).
@@ -40,11 +42,11 @@ class Table(ABC):
 
     @abstractmethod
     def select(self, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None = None,
-               markers: WindowMarkers | None = None) -> Selection:
+               markers: WindowMarkers | None = None) -> Picked:
         """``count`` picks of ``selector``'s rule, drawn with ``generator``.
 
-        The index carries what ``get`` needs to read the picks back (windows, ``markers``, rows read
-        already), so a copy of it reads the same batch.
+        Its ``index`` is TorchRL's; for windows (or ``markers``) it carries the picks, so ``get`` of it,
+        or of a copy, reads them back.
         """
 
     @abstractmethod
@@ -81,7 +83,7 @@ class ShardTable(Table):
         self.drawn: SelectionIndex | None = None
 
     def select(self, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None = None,
-               markers: WindowMarkers | None = None) -> Selection:
+               markers: WindowMarkers | None = None) -> Picked:
         shard = self.shard
         with self._gate(count * selector.spec.rows_per_pick), shard.picking():  # catches up with commits
             if shard.size == 0:
@@ -93,10 +95,12 @@ class ShardTable(Table):
             index = addressing.index_of(picked.starts)
             if not isinstance(index, torch.Tensor) or index.device == self.device:
                 self.drawn = index
-            return Selection(index, picked.extra, picked.scalars)
-        # On the storage's device already: TorchRL would otherwise move it (a copy, which keeps the plan too).
-        rows = addressing.window_index(picked.windows).to(self.device)
-        return Selection(SampledIndex(rows, ReadPlan(picked.windows, markers)), picked.extra, picked.scalars)
+            picked.index = index
+            return picked
+        picked.markers = markers
+        # On the storage's device already: TorchRL would otherwise move it (a copy, which keeps the sample too).
+        picked.index = SampledIndex(addressing.window_index(picked.windows).to(self.device), picked)
+        return picked
 
     def rows_of(self, index: Any) -> torch.Tensor:
         return as_rows(self.shard.addressing.rows_of(index), self.shard.capacity)

@@ -18,7 +18,7 @@ from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.errors import CheckpointError
 from gear_torchrl.selection.base import SelectionSpec, Selector
 from gear_torchrl.selection.capped import CappedSelector, CappedSpec
-from gear_torchrl.selection.sample import SelectionIndex
+from gear_torchrl.selection.picked import SelectionIndex
 from gear_torchrl.selection.state_file import SAMPLER_FORMAT, StateDictFile, load_pickled
 from gear_torchrl.store.persistence import write_checkpoint
 from gear_torchrl.store.state_checks import checked_tensor, field, require_nonnegative

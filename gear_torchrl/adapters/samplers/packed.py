@@ -12,7 +12,6 @@ besides the stored columns and the sampled ``"index"`` (-1 on padding).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal
 
 import torch
@@ -21,15 +20,10 @@ from torchrl.data.replay_buffers.samplers import Sampler
 from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler, KeyedPriorityState
 from gear_torchrl.adapters.samplers.selecting import FollowsEpisodes
 from gear_torchrl.selection.checked_inputs import as_priority
+from gear_torchrl.selection.markers import PackedMarkers, WindowMarkers
 from gear_torchrl.selection.packed import PackedSelector, PackedSpec, PriorityPackedSelector, PriorityPackedSpec
-from gear_torchrl.selection.sample import (
-    PackedMarkers,
-    SampledIndex,
-    Selection,
-    SelectionIndex,
-    WindowMarkers,
-    plan_of,
-)
+from gear_torchrl.selection.picked import Picked, SelectionIndex
+from gear_torchrl.selection.sample import SampledIndex, sample_of
 from gear_torchrl.store.table_spec import NestedKey, optional_path
 
 
@@ -108,30 +102,31 @@ class GearPackedSequenceSampler(FollowsEpisodes, Sampler):
             raise ValueError(f"max_len={self.max_len} is above the storage's {capacity} rows: no stored episode "
                              "can be that long")
 
-    def info(self, selection: Selection) -> dict[str, Any]:
+    def info(self, selection: Picked) -> dict[str, Any]:
         return {}
 
-    def _pack_layout(self, selection: Selection) -> None:
+    def _pack_layout(self, picked: Picked) -> None:
         """The storage's index given the pack's layout as its markers, padding last and indexed -1."""
-        plan = plan_of(selection.index)
-        assert plan is not None and plan.windows is not None  # a pack is read as windows of one token
-        index = selection.index.as_subclass(torch.Tensor)  # type: ignore[union-attr]  # a SampledIndex
-        extra = selection.extra
+        index = picked.index
+        assert isinstance(index, SampledIndex)  # a pack is read as windows of one token
+        index = index.as_subclass(torch.Tensor)
+        extra = picked.extra
         padding = extra["position"] < 0
         pad = int(padding.sum())
         if pad and not bool(padding[-pad:].all()):  # several owners' packs: move their padding last
             order = torch.argsort(padding.to(torch.int8), stable=True)
-            selection.extra = extra = {k: v[order] for k, v in extra.items()}
+            picked.extra = extra = {k: v[order] for k, v in extra.items()}
             index = index[order.to(index.device)]
-            columns = None if plan.columns is None else [c[order] for c in plan.columns]
-            plan = dataclasses.replace(plan, windows=plan.windows.subset(order), columns=columns)
+            picked.windows = picked.windows.subset(order)
+            if picked.columns is not None:
+                picked.columns = [c[order] for c in picked.columns]
         position = extra["position"]
         seq_id = torch.cumsum(position == 0, 0) - 1
         if pad:  # the storage's index is this pack's own tensor: marked in place
             seq_id[-pad:] = -1
             index[-pad:] = -1
-        markers = PackedMarkers(seq_id, position, extra["step"], extra["trained"], extra["last"], self.markers)
-        selection.index = SampledIndex(index, dataclasses.replace(plan, markers=markers))
+        picked.markers = PackedMarkers(seq_id, position, extra["step"], extra["trained"], extra["last"], self.markers)
+        picked.index = SampledIndex(index, picked)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(max_len={self.max_len}, burn_in={self.burn_in}, "
@@ -182,7 +177,7 @@ class GearPrioritizedPackedSequenceSampler(KeyedPriorityState, GearPackedSequenc
     def sample(self, storage: Any, batch_size: int) -> tuple[SelectionIndex, dict[str, Any]]:  # type: ignore[override]  # TorchRL annotates Tensor; its samplers return (index, info)
         return GearPackedSequenceSampler.sample(self, storage, batch_size)
 
-    def info(self, selection: Selection) -> dict[str, Any]:
+    def info(self, selection: Picked) -> dict[str, Any]:
         """Each token's importance weight: its sequence's (global minimum mass across shards); 0 on padding."""
         weight = self._importance_weights(selection.extra["mass"], selection.scalars["min_mass"])
         self._anneal_beta()
@@ -194,8 +189,8 @@ class GearPrioritizedPackedSequenceSampler(KeyedPriorityState, GearPackedSequenc
         """Priorities of sampled sequences, from a packed batch's ``"index"`` (see the class docstring)."""
         if self._took_seeding(index, priority, storage):
             return
-        plan = plan_of(index)
-        layout = plan.markers if plan is not None and isinstance(plan.markers, PackedMarkers) else None
+        sample = sample_of(index)
+        layout = sample.markers if sample is not None and isinstance(sample.markers, PackedMarkers) else None
         if generation is None:
             generation = self._generations_if_rewritten_since_drawn(index)
         rows = self._index_rows(storage, index)

@@ -17,8 +17,9 @@ from gear_torchrl.adapters.torchrl_layout import (
     write_torchrl_priorities,
 )
 from gear_torchrl.selection.checked_inputs import as_rows, integer_rows, seeds_defaults
+from gear_torchrl.selection.picked import Picked, SelectionIndex
 from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec, ProportionalSpec
-from gear_torchrl.selection.sample import Selection, SelectionIndex, plan_of
+from gear_torchrl.selection.sample import sample_of
 from gear_torchrl.selection.state_file import StateDictFile
 from gear_torchrl.store.persistence import tensor_file
 from gear_torchrl.store.state_checks import checked_float, checked_int, field
@@ -140,7 +141,7 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
         selection = self._select(storage, batch_size)
         return selection.index, self.info(selection)
 
-    def info(self, selection: Selection) -> dict[str, Any]:
+    def info(self, selection: Picked) -> dict[str, Any]:
         """Importance weights (global: the smallest mass of every shard picked from) and write generations."""
         generation = selection.extra["generation"]
         self._last_draw = (selection.index, generation, self.selector.writes)
@@ -180,7 +181,7 @@ class GearPrioritizedSampler(SelectsThroughStorage, StateDictFile, PrioritizedSa
         """Whether ``update_priority`` is TorchRL's first-use seeding of every stored row at the default
         priority (rows 0..len-1, not a sampled index): they are new rows, followed here (or by their owners);
         nothing else is to be done."""
-        if storage is None or plan_of(index) is not None or torch.as_tensor(index).numel() != len(storage):
+        if storage is None or sample_of(index) is not None or torch.as_tensor(index).numel() != len(storage):
             return False
         if not seeds_defaults(index, priority, self.default_priority):
             return False

@@ -13,8 +13,8 @@ import torch
 
 from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler, KeyedPriorityState
 from gear_torchrl.adapters.samplers.sequence import GearSequenceSampler
+from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec, key_priorities
-from gear_torchrl.selection.sample import Selection
 from gear_torchrl.selection.windows import WindowSpec
 
 
@@ -68,7 +68,7 @@ class GearPrioritizedSequenceSampler(KeyedPriorityState, GearSequenceSampler, Ge
         return self.selector.trees
 
     # -- sampling and priorities ----------------------------------------------------------
-    def info(self, selection: Selection) -> dict[str, Any]:
+    def info(self, selection: Picked) -> dict[str, Any]:
         """Each window's importance weight, repeated over its steps (global minimum mass across shards)."""
         weight = self._importance_weights(selection.extra["mass"], selection.scalars["min_mass"])
         self._anneal_beta()

@@ -16,11 +16,12 @@ from torchrl.data.replay_buffers.storages import Storage
 from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.selection.base import SelectionSpec, Selector, StatefulSelector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
-from gear_torchrl.selection.sample import Selection, WindowMarkers
+from gear_torchrl.selection.markers import WindowMarkers
+from gear_torchrl.selection.picked import Picked
 
 
 def select_over_rows(storage: Storage, selector: Selector[SelectionSpec], count: int,
-                     generator: torch.Generator | None) -> Selection:
+                     generator: torch.Generator | None) -> Picked:
     """A row rule over a storage without a table (TorchRL's own): its rows are ``0..len-1``."""
     if selector.spec.rows_per_pick != 1 or not selector.keeps_row_state:
         raise TypeError(f"a {selector.spec.kind} selection needs a GearStorage or ShardedGearStorage (it reads "
@@ -28,7 +29,8 @@ def select_over_rows(storage: Storage, selector: Selector[SelectionSpec], count:
     if len(storage) == 0:
         raise RuntimeError("cannot sample from an empty storage: write some data first")
     picked = pick_exactly(selector, None, count, generator)
-    return Selection(picked.starts, picked.extra, picked.scalars)
+    picked.index = picked.starts
+    return picked
 
 
 class SelectsThroughStorage:
@@ -37,7 +39,7 @@ class SelectsThroughStorage:
     selector: Selector[SelectionSpec]
     _rng: torch.Generator | None = None
 
-    def _select(self, storage: Storage, count: int, markers: WindowMarkers | None = None) -> Selection:
+    def _select(self, storage: Storage, count: int, markers: WindowMarkers | None = None) -> Picked:
         if isinstance(storage, TableStorage):
             return storage.table.select(self.selector, count, self._rng, markers)
         return select_over_rows(storage, self.selector, count, self._rng)

@@ -16,8 +16,9 @@ from typing import Any, Literal
 from torchrl.data.replay_buffers.samplers import Sampler
 
 from gear_torchrl.adapters.samplers.selecting import FollowsEpisodes
+from gear_torchrl.selection.markers import WindowMarkers
+from gear_torchrl.selection.picked import SelectionIndex
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector
-from gear_torchrl.selection.sample import SelectionIndex, WindowMarkers
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
 from gear_torchrl.store.table_spec import NestedKey, optional_path
 

@@ -8,7 +8,7 @@ from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
-from gear_torchrl.selection.sample import SelectionIndex
+from gear_torchrl.selection.picked import SelectionIndex
 from gear_torchrl.selection.state_file import StateDictFile
 from gear_torchrl.selection.uniform import UniformSelector, UniformSpec
 
