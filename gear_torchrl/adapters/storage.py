@@ -28,10 +28,12 @@ from gear_torchrl.adapters.env_indices import (
     steps_read_at,
     steps_written_at,
 )
+from gear_torchrl.adapters.in_place import InPlaceWrites
 from gear_torchrl.adapters.rate_gate import check_sampler_is_gated
 from gear_torchrl.adapters.rate_limiters import RateLimiter
 from gear_torchrl.adapters.sharing import SharedAcrossProcesses
 from gear_torchrl.adapters.stats import Rates
+from gear_torchrl.adapters.steps_shape import StepsShape
 from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.adapters.torchrl_state import state_from_torchrl, torchrl_fields
 from gear_torchrl.errors import EmptyStoreError
@@ -47,7 +49,7 @@ from gear_torchrl.store.shared_commits import SharedStoreHandle, shared_shard
 from gear_torchrl.store.table_spec import Data, NestedKey, lead_shape, stacked_rows
 
 
-class GearStorage(SharedAcrossProcesses, TableStorage):
+class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage):
     """Columnar step ring with an episode index; a drop-in for ``LazyTensorStorage``.
 
     Args:
@@ -187,45 +189,6 @@ class GearStorage(SharedAcrossProcesses, TableStorage):
         if rate_limiter is not None:
             self.rate_limiter = rate_limiter
 
-    # -- size and shape -------------------------------------------------------------
-    @property
-    def initialized(self) -> bool:  # type: ignore[override]  # TorchRL sets it; here the shard knows
-        return self._shard.table is not None
-
-    @property
-    def _len(self) -> int:
-        return self._shard.readable_rows()
-
-    @_len.setter
-    def _len(self, value: int) -> None:
-        self._shard.set_size(int(value))
-
-    def __len__(self) -> int:
-        return self._shard.readable_rows()
-
-    @property
-    def _total_shape(self) -> torch.Size | None:  # None: not laid out yet (an ndim=2 store before its first write)
-        return torch.Size([self.max_size])
-
-    @property
-    def _len_along_dim0(self) -> int:
-        return self._shard.readable_rows()
-
-    def _max_size_along_dim0(self, *, single_data=None, batched_data=None) -> int:
-        return self.max_size
-
-    @property
-    def shape(self) -> torch.Size | None:  # None: not laid out yet (an ndim=2 store before its first write)
-        return torch.Size([self._shard.readable_rows()])
-
-    @property
-    def _is_full(self) -> bool:
-        # A shared store's indices number its live rows oldest first: they never wrap.
-        return not self.shared and self._shard.size == self.max_size
-
-    def flatten(self) -> TensorStorage:
-        return self
-
     def _rand_given_ndim(self, batch_size: int) -> SelectionIndex:
         with self._sampling(batch_size), self._shard.picking():
             rows = self._shard.visibility.uniform_rows(batch_size, self._rng, self.device)
@@ -343,84 +306,6 @@ class GearStorage(SharedAcrossProcesses, TableStorage):
         this once per batch, where it would call ``storage[i]`` once per row."""
         return self.get(torch.as_tensor(indices, dtype=torch.long))
 
-    def _bump_mutation_revision(self) -> None:
-        """TorchRL calls this after writing in place into ``storage[:]`` (``rb.set_``, ``set_at_``, ``update_``).
-
-        Over local CPU rows those writes went through the views ``get`` returned: the
-        episode index is re-derived from the flags they may have changed. Anywhere
-        else ``storage[:]`` was a copy, and the write is refused rather than lost.
-        """
-        if not self._shard.slice_views_possible:
-            raise NotImplementedError(
-                f"rb.set_ / set_at_ / update_ write in place into storage[:], which for this GearStorage "
-                f"({'shared' if self.shared else f'batches on {self.device}'}) is a copy: the write did not "
-                "reach the stored rows. Write rows with rb.extend / rb[index] = data instead"
-                + (" (a shared store takes appends only)." if self.shared else "."))
-        self._rows_changed_in_place()
-
-    def _conditional_patch_leaf(self, key: NestedKey) -> torch.Tensor:
-        """The stored column ``key``, which TorchRL's ``rb.update_if_present`` patches in place."""
-        self.check_writable_here()
-        if self.shared:
-            raise NotImplementedError("rb.update_if_present writes rows in place; a shared GearStorage takes "
-                                      "appends only (another process could be reading the rows)")
-        column = self._shard.column(key)
-        if column is None:
-            raise KeyError(f"key {key!r} is not stored; conditional patches can only target stored keys "
-                           f"({'nothing is stored yet' if self._shard.table is None else self._shard.table.keys})")
-        return column
-
-    def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[NestedKey, torch.Tensor]) -> None:
-        rows = tuple(index.unbind(-1)) if index.ndim > 1 else (index,)
-        for key, value in patch.items():
-            self._conditional_patch_leaf(key)[rows] = value
-        self._rows_changed_in_place()
-
-    def _rows_changed_in_place(self) -> None:
-        self._shard.after_inplace_write()
-        self._note_mutation()
-
-    def _note_mutation(self) -> None:
-        Storage._bump_mutation_revision(self)
-
-    def loads(self, path: Any) -> None:
-        foreign = not isinstance(self.checkpointer, GearStorageCheckpointer)
-        if foreign and self.initialized:  # TorchRL's copy every slot in through ``_storage``
-            self._shard.fill_unwritten()
-        self.checkpointer.loads(self, path)
-        if foreign:
-            self._rows_changed_in_place()
-        else:
-            self._note_mutation()
-
-    @property
-    def _storage(self) -> Data:  # type: ignore[override]  # TorchRL's is the data; here, views of the columns
-        """Every row slot as views of the columns (``[max_size]``), where TorchRL's checkpointers look.
-
-        Only a local store on the CPU has such views; elsewhere this is an AttributeError
-        that says why (TorchRL's ``FlatStorageCheckpointer`` and its kin need them).
-        """
-        if not self._shard.slice_views_possible or self._shard.table is None:
-            raise AttributeError(
-                "GearStorage._storage (what TorchRL's own checkpointers read and write) exists only for a "
-                "local store with rows on the CPU that holds data; use the default GearStorageCheckpointer")
-        return self._shard.slice_views(slice(None), all_slots=True)
-
-    def _init(self, row: Data) -> None:  # type: ignore[override]  # as LazyTensorStorage's: laid out for a row
-        """Lay the columns out for rows like ``row``: TorchRL's checkpointers restore into a new storage so,
-        then write every slot through ``_storage``."""
-        self._shard.write(0, row, append=False)
-        self._shard.clear()
-        self._shard.fill_unwritten()
-
-    def contains(self, item: Any) -> bool | torch.Tensor:
-        size = self._shard.size
-        if isinstance(item, int):
-            return -size <= item < size
-        if isinstance(item, torch.Tensor):
-            return (item >= -size) & (item < size)
-        raise NotImplementedError(f"contains() does not take {type(item).__name__}")
-
     def _empty(self) -> None:
         self._shard.clear()
         self._set_last_cursor(None)
@@ -446,7 +331,6 @@ class GearStorage(SharedAcrossProcesses, TableStorage):
         shard = self._shard
         self._set_last_cursor((shard.head - 1) % shard.capacity if shard.size else None)
 
-    # -- the rate limiter's counts and rule (RateLimitedStorage) ---------------------------------
     # -- across processes (the rest: sharing.py) ----------------------------------------
     def check_writable_here(self) -> None:
         """Refuse a write into a copy of a local store in another process: it would never reach the rows.
