@@ -98,7 +98,7 @@ def _beat(membership: Membership, shard_id: int, shard: Shard) -> dict[str, Any]
     shared = shared_part(shard)
     if mine.rdma is not None and shared.mapped_columns():
         if membership.exporter is None:
-            membership.exporter = _rdma_exporter(membership.control, mine.rdma["prefix"], shared.segment)
+            membership.exporter = _rdma_exporter(membership.control, mine.rdma["prefix"], shared.columns.segment)
         membership.exporter.accept_pending()
     return {"rows": shard.readable_rows(), "capacity": shard.capacity, "inserts": shared.log.inserts}
 

@@ -362,7 +362,7 @@ class _Session:
         shared.mapped_columns()
         spec = self.shard.table
         return Message(Op.OK, {"spec": None if spec is None else spec.to_json(), "capacity": self.shard.capacity,
-                               "offsets": None if spec is None else shared.column_offsets()})
+                               "offsets": None if spec is None else shared.columns.column_offsets()})
 
     def close(self) -> None:
         self.native.close()

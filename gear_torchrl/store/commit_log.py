@@ -31,21 +31,19 @@ drops a dead process's ``flock``, so no crash can leave the store locked.
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from gear_torchrl.errors import ReadRevokedError, StoreClosedError
+from gear_torchrl.errors import StoreClosedError
 from gear_torchrl.kernels import _C
+from gear_torchrl.store.control_layout import SPEC_BYTES, PublishedLayout
+from gear_torchrl.store.processes import pid_exists, process_alive
+from gear_torchrl.store.reader_slots import ReaderSlots
 from gear_torchrl.store.shared_memory import PAGE, SegmentLock, map_segment, page_round
-
-logger = logging.getLogger(__name__)
 
 MAGIC = 0x47454152_54524C31  # "GEARTRL1"
 # The header's words, a reader slot's and the store's states are defined once, in the extension that reads
@@ -61,16 +59,13 @@ _H_LAYOUT_VERSION = _W.H_LAYOUT_VERSION  # bumped each time the columns' layout 
 _H_DEAD_END = _W.H_DEAD_END  # the end of the newest run a dead writer left: readable rows above it are all whole
 _EVICT_BLOCKS = 64  # the ring evicts 1/64 of itself at a time
 _HEADER_SLOTS = PAGE // 8
-_SPEC_BYTES = 1 << 16
 
 OPEN, CLOSED, OWNER_DIED = _W.OPEN, _W.CLOSED, _W.OWNER_DIED
 RESERVED, COMMITTED, DEAD = 1, 2, 3
 
-_GRACE_POLL_S = 50e-6
 RECORDS = 1 << 16  # commits a reader may lag behind before it loses track of the oldest rows
 READER_SLOTS = 256  # processes reading one store at once
-_SLOT_PID, _SLOT_EPOCH, _SLOT_REVOKED, _SLOT_LONGER_US = _W.SLOT_PID, _W.SLOT_EPOCH, _W.SLOT_REVOKED, _W.SLOT_LONGER_US
-_SLOT_WORDS = _W.SLOT_WORDS
+_SLOT_WORDS = _W.SLOT_WORDS  # a reader slot's words (store/reader_slots.py)
 DEFAULT_READER_TIMEOUT_S = 1.0  # on top of what each read claims for its size (claim_gather)
 
 
@@ -107,13 +102,18 @@ def reader_timeout_us(seconds: float) -> int:
 
 
 def control_bytes(num_records: int = RECORDS, num_readers: int = READER_SLOTS) -> int:
-    return page_round(8 * (_HEADER_SLOTS + 4 * num_records + _SLOT_WORDS * num_readers) + _SPEC_BYTES)
+    return page_round(8 * (_HEADER_SLOTS + 4 * num_records + _SLOT_WORDS * num_readers) + SPEC_BYTES)
 
 
 class CommitLog:
-    """One process's view of a store's control segment."""
+    """One process's view of a store's control segment: the header's words and the records, with the
+    writers' and readers' protocol over them.
 
-    def __init__(self, path, *, create_capacity: int | None = None, num_records: int = RECORDS,
+    The segment's other regions are parts of their own: the reader slots (``readers``,
+    ``store/reader_slots.py``) and the columns' layout (``layout``, ``store/control_layout.py``).
+    """
+
+    def __init__(self, path: Path, *, create_capacity: int | None = None, num_records: int = RECORDS,
                  num_readers: int = READER_SLOTS, reader_timeout_s: float = DEFAULT_READER_TIMEOUT_S) -> None:
         self.path = path
         self._map = map_segment(path)
@@ -133,13 +133,11 @@ class CommitLog:
         self.capacity = int(self._h[_H_CAPACITY])
         self.owner_pid = int(self._h[_H_OWNER])
         self._records = words[_HEADER_SLOTS: _HEADER_SLOTS + 4 * k].reshape(k, 4)
-        self._readers = words[_HEADER_SLOTS + 4 * k: _HEADER_SLOTS + 4 * k + _SLOT_WORDS * s].reshape(s, _SLOT_WORDS)
+        readers = words[_HEADER_SLOTS + 4 * k: _HEADER_SLOTS + 4 * k + _SLOT_WORDS * s].reshape(s, _SLOT_WORDS)
         spec_at = 8 * (_HEADER_SLOTS + 4 * k + _SLOT_WORDS * s)
-        self._spec = memoryview(self._map)[spec_at: spec_at + _SPEC_BYTES]
         self._lock = SegmentLock(path)
-        self._reader_slot: int | None = None
-        self._revocations = 0  # the slot's revocation count when this process's read began
-        self._reading = False  # a read section is open
+        self.readers = ReaderSlots(readers, self._h, self._lock)  # who reads, since which epoch
+        self.layout = PublishedLayout(self._h, memoryview(self._map)[spec_at: spec_at + SPEC_BYTES], self._lock)
         self._seen_seq = 0  # records before this one are in this reader's view
 
     # -- locking and liveness --------------------------------------------------------
@@ -150,7 +148,7 @@ class CommitLog:
         state = int(self._h[_H_STATE])
         # The janitor marks the state when the owner ends; the signal-0 probe covers a janitor
         # killed with it (a zombie owner passes it, but its janitor has marked the state by then).
-        if state == OPEN and _exists(self.owner_pid):
+        if state == OPEN and pid_exists(self.owner_pid):
             return
         if state == CLOSED:
             raise StoreClosedError("the shared store was closed by its owner")
@@ -158,46 +156,6 @@ class CommitLog:
 
     def mark_closed(self) -> None:
         self._h[_H_STATE] = CLOSED
-
-    # -- the columns' layout (set by the first writer, grown by any) ---------------------------
-    @property
-    def layout_version(self) -> int:
-        """How many times the layout was published (read without the lock: a cheap check for news)."""
-        return int(self._h[_H_LAYOUT_VERSION])
-
-    def read_layout(self) -> tuple[int, dict | None]:
-        """The layout and its version, read whole (under the lock: a writer may be replacing it)."""
-        with self._locked():
-            n = int(self._h[_H_SPEC_LEN])
-            return int(self._h[_H_LAYOUT_VERSION]), None if n == 0 else json.loads(bytes(self._spec[:n]))
-
-    def publish_layout(self, layout: dict, expected_version: int, create_data: Callable[[], None],
-                       remove_data: Callable[[], None]) -> bool:
-        """Replace the layout at ``expected_version`` by ``layout``; False if another process changed it first.
-
-        ``create_data`` (the segment the new columns live in) runs under the lock, before
-        the layout becomes visible, so whoever sees a layout finds its segments; a writer
-        that dies meanwhile leaves the old layout in force (the lock dies with it). It runs
-        only while the store is open, and ``remove_data`` undoes it if the owner ended
-        meanwhile: its janitor may have swept already, and nothing else would remove it.
-        """
-        blob = json.dumps(layout).encode()
-        if len(blob) > _SPEC_BYTES:
-            raise ValueError(f"the table's layout takes {len(blob)} bytes; a shared store holds at most {_SPEC_BYTES}")
-        with self._locked():
-            self.check_open()
-            if int(self._h[_H_LAYOUT_VERSION]) != expected_version:
-                return False
-            create_data()
-            try:
-                self.check_open()
-            except StoreClosedError:
-                remove_data()
-                raise
-            self._spec[: len(blob)] = blob
-            self._h[_H_SPEC_LEN] = len(blob)
-            self._h[_H_LAYOUT_VERSION] = expected_version + 1
-            return True
 
     # -- writers ------------------------------------------------------------------------
     def reserve(self, num_rows: int) -> Reservation:
@@ -233,48 +191,14 @@ class CommitLog:
         self._h[_H_EPOCH] += 1
         self._h[_H_EVICT_EPOCH] = self._h[_H_EPOCH]
 
-    @property
-    def reader_timeout_s(self) -> float:
-        """How long a writer waits for a reader before it revokes the read (the owner sets it)."""
-        return int(self._h[_H_READER_TIMEOUT_US]) / 1e6
-
     def await_readers(self, reservation: Reservation) -> None:
         """Wait until no reader that began before the reservation's eviction is still reading.
 
-        A reader still there after the reader timeout loses its claim (see ``end_read``):
+        A reader still there after the reader timeout loses its claim (``ReaderSlots.wait_for``):
         no reader, stopped or slow, holds writers back for longer.
         """
-        if not reservation.evicts:
-            return
-        start = time.monotonic()
-        while True:
-            old = self._old_readers(reservation.epoch)
-            if old.size == 0:
-                return
-            for slot in old:
-                if not process_alive(int(self._readers[slot, _SLOT_PID])):
-                    self._readers[slot, _SLOT_EPOCH] = 0
-            self.check_open()
-            longer = int(self._readers[old, _SLOT_LONGER_US].max()) / 1e6
-            if time.monotonic() - start > self.reader_timeout_s + longer:
-                self._revoke(reservation.epoch)
-                return
-            time.sleep(_GRACE_POLL_S)
-
-    def _old_readers(self, epoch: int) -> np.ndarray:
-        epochs = self._readers[:, _SLOT_EPOCH]
-        return np.flatnonzero((epochs > 0) & (epochs < epoch))
-
-    def _revoke(self, epoch: int) -> None:
-        """Take back the claims of readers that began before ``epoch`` (they overstayed)."""
-        with self._locked():
-            for slot in self._old_readers(epoch):
-                self._readers[slot, _SLOT_REVOKED] += 1
-                self._readers[slot, _SLOT_EPOCH] = 0
-                self._readers[slot, _SLOT_LONGER_US] = 0
-                logger.warning("a reader (pid %d) held rows of the shared store for over %.3g s; its read was "
-                               "revoked so writers can go on", int(self._readers[slot, _SLOT_PID]),
-                               self.reader_timeout_s)
+        if reservation.evicts:
+            self.readers.wait_for(reservation.epoch, self.check_open)
 
     def commit(self, reservation: Reservation, *, dead: bool = False) -> None:
         """Publish a reservation; its rows count as inserts."""
@@ -313,11 +237,7 @@ class CommitLog:
         with self._locked():
             self.check_open()
             self._publish()  # also finds writers that died holding the head reservation
-            slot = self._reader_slot if self._reader_slot is not None else self._claim_reader_slot()
-            if not self._reading:  # an open section keeps its older epoch: its picks stay protected
-                self._readers[slot, _SLOT_EPOCH] = self._h[_H_EPOCH]
-                self._revocations = int(self._readers[slot, _SLOT_REVOKED])
-                self._reading = True
+            self.readers.begin(int(self._h[_H_EPOCH]))  # an open section keeps its older epoch
             published_seq = int(self._h[_H_PUBLISHED_SEQ])
             k = self._records.shape[0]
             first = max(self._seen_seq, published_seq - k)
@@ -336,56 +256,27 @@ class CommitLog:
         return int(h[_H_PUBLISHED_SEQ]), int(h[_H_RESERVED]), int(h[_H_EVICTED]), int(h[_H_FLOOR])
 
     def end_read(self) -> None:
-        """Close the read section; raises ReadRevokedError if a writer took it back meanwhile.
-
-        The count is read after the reader's copy and a writer bumps it before it
-        overwrites, so a read that finds it unchanged copied rows no writer touched.
-        """
-        slot = self._reader_slot
-        if slot is None or not self._reading:
-            return
-        self._reading = False
-        self._readers[slot, _SLOT_LONGER_US] = 0
-        self._readers[slot, _SLOT_EPOCH] = 0
-        self.raise_if_revoked()
+        """Close the read section; raises ReadRevokedError if a writer took it back meanwhile
+        (``ReaderSlots.end``)."""
+        self.readers.end()
 
     def claim_longer(self, seconds: float) -> None:
-        """Let writers wait ``seconds`` more than the reader timeout for the open read section (claims add up to the
-        largest).
-
-        For a read that is long by nature (a checkpoint copying the whole store) and
-        says so up front: still bounded, so a stalled one is revoked too.
-        """
-        if self._reader_slot is not None and self._reading:
-            slot = self._reader_slot
-            self._readers[slot, _SLOT_LONGER_US] = max(int(self._readers[slot, _SLOT_LONGER_US]), int(seconds * 1e6))
-
-    def revoked(self) -> bool:
-        """Whether a writer took back this process's open read section (its rows may be overwritten)."""
-        slot = self._reader_slot
-        return slot is not None and int(self._readers[slot, _SLOT_REVOKED]) != self._revocations
-
-    def raise_if_revoked(self) -> None:
-        """Raise ReadRevokedError if the read section was taken back (call after copying rows out)."""
-        if self.revoked():
-            self._revocations = int(self._readers[self._reader_slot, _SLOT_REVOKED])
-            raise ReadRevokedError(
-                f"this read held the shared store's rows for longer than its reader timeout "
-                f"({self.reader_timeout_s:g} s; was this process stopped or paused?): writers went on and "
-                "may have overwritten them, so they are not returned. Sample again.")
+        """Let writers wait ``seconds`` more than the reader timeout for the open read section
+        (``ReaderSlots.claim_longer``)."""
+        self.readers.claim_longer(seconds)
 
     def native_words(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The header and this process's reader slot, for the extension's reader (``csrc/net/owner.cpp``):
         it follows ``begin_read`` and ``end_read`` without the lock, and leaves rows a dead writer left,
         and everything else unusual, to this class."""
         with self._locked():
-            slot = self._reader_slot if self._reader_slot is not None else self._claim_reader_slot()
-        return torch.from_numpy(self._h), torch.from_numpy(self._readers[slot])
+            own = self.readers.own_words()
+        return torch.from_numpy(self._h), torch.from_numpy(own)
 
     @property
     def reading(self) -> bool:
         """Whether this process's read section is open."""
-        return self._reading
+        return self.readers.reading
 
     @property
     def seen_seq(self) -> int:
@@ -399,22 +290,6 @@ class CommitLog:
     def records_unseen(self) -> int:
         """Records published since this reader last looked (read without the lock)."""
         return int(self._h[_H_PUBLISHED_SEQ]) - self._seen_seq
-
-    def forget_reads(self) -> None:
-        """Start this reader's view again from the oldest record still held."""
-        self._seen_seq = 0
-
-    def _claim_reader_slot(self) -> int:
-        pids = self._readers[:, 0]
-        for slot in range(pids.shape[0]):
-            pid = int(pids[slot])
-            if pid == 0 or not process_alive(pid):
-                self._readers[slot, _SLOT_PID] = os.getpid()
-                self._readers[slot, _SLOT_EPOCH] = 0
-                self._readers[slot, _SLOT_LONGER_US] = 0
-                self._reader_slot = slot
-                return slot
-        raise RuntimeError(f"all {pids.shape[0]} reader slots of the shared store are taken by live processes")
 
     @property
     def inserts(self) -> int:
@@ -430,11 +305,6 @@ class CommitLog:
         """Positions below this minus the capacity are gone (reserved over, or evicted ahead)."""
         return max(int(self._h[_H_RESERVED]), int(self._h[_H_EVICTED]))
 
-    def readable_rows(self) -> int:
-        """Rows a reader would find now, read without the lock (for ``len``)."""
-        published = int(self._h[_H_PUBLISHED])
-        return max(0, published - max(self._evicted_end() - self.capacity, int(self._h[_H_FLOOR]), 0))
-
     def empty(self) -> None:
         """Every row written or being written so far stops being readable."""
         with self._locked():
@@ -443,40 +313,9 @@ class CommitLog:
 
     def close(self) -> None:
         """Unmap; the segment itself belongs to the janitor."""
-        if self._reader_slot is not None:
-            self._readers[self._reader_slot, _SLOT_PID] = 0
-            self._readers[self._reader_slot, _SLOT_EPOCH] = 0
-            self._reader_slot = None
+        self.readers.close()
         self._lock.close()
-        del self._h, self._records, self._readers
-        self._spec.release()
+        del self._h, self._records
+        self.layout.close()
         self._map.close()
 
-
-def _exists(pid: int) -> bool:
-    """Whether ``pid`` exists, zombie or not (one system call: cheap enough for every commit)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie counts as dead: it will never write again).
-
-    When ``/proc`` cannot be read for another reason (no file descriptor left, say),
-    a process that exists counts as alive: a transient OS error never declares a
-    live writer dead, nor kills the caller.
-    """
-    if not _exists(pid):
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    except OSError:
-        return True

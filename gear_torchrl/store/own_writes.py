@@ -7,9 +7,6 @@ Nothing is shared, so reads need no section and every row below ``size`` is read
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import numpy as np
 import torch
 
@@ -21,11 +18,15 @@ from gear_torchrl.store.local_commits import CommitRecord
 from gear_torchrl.store.ring import Ring
 from gear_torchrl.store.table_spec import Data, Leaves
 from gear_torchrl.store.visibility import Visibility
-from gear_torchrl.store.windows import Windows
 
 
 class OwnWrites(Visibility):
-    """Rows ``[0, size)`` of the ring, with the append cursor at ``head``."""
+    """Rows ``[0, size)`` of the ring, with the append cursor at ``head``.
+
+    Reads take ``Visibility``'s defaults: no section, every row below ``size`` readable.
+    """
+
+    in_place_writes = True
 
     def bind(self, shard: Ring) -> None:
         super().bind(shard)
@@ -67,9 +68,6 @@ class OwnWrites(Visibility):
         """Emptied (``clear``): like LazyTensorStorage, the next write may bring other keys."""
         return self.written == 0
 
-    @property
-    def in_place_writes(self) -> bool:
-        return True
 
     # -- writes --------------------------------------------------------------------------
     # The rule for keys (docs/decisions.md, "Columns"): an append at the cursor (TorchRL's
@@ -202,30 +200,7 @@ class OwnWrites(Visibility):
         flagged, traj = self.shard.stored_ends(order)
         self.shard.addressing.rebuild(order, flagged if ends is None else flagged | ends, traj)
 
-    # -- reads: nothing else writes here, so no section is needed ---------------------------
-    @contextmanager
-    def picking(self) -> Iterator[None]:
-        yield
-
-    @contextmanager
-    def reading(self) -> Iterator[None]:
-        yield
-
-    def release(self) -> None:
-        pass
-
-    def refresh(self) -> None:
-        pass
-
-    def claim_gather(self, num_rows: int) -> None:
-        pass
-
-    def check_readable(self, rows: torch.Tensor) -> None:
-        pass  # every row below ``size`` holds data
-
-    def check_readable_windows(self, windows: Windows) -> None:
-        pass
-
+    # -- reads: nothing else writes here, so no section is needed (``Visibility``'s defaults) ---
     def uniform_rows(self, n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
         if self._size == 0:
             raise EmptyStoreError("cannot sample from an empty storage: write some data first")
@@ -266,9 +241,6 @@ class OwnWrites(Visibility):
         self._size, self._head, self.written = size, head, leaves.n
         if self.shard.tracks_episodes:
             self.rebuild_episodes(ends)
-
-    def close(self) -> None:
-        pass
 
 
 def _is_ring_run(rows: torch.Tensor, head: int, capacity: int) -> bool:

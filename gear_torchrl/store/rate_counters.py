@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gear_torchrl.store.commit_log import process_alive
+from gear_torchrl.store.processes import process_alive
 from gear_torchrl.store.shared_memory import PAGE, SegmentLock, create_segment, map_segment
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager
-from typing import cast
+from contextlib import AbstractContextManager, nullcontext
+from typing import ClassVar, cast
 
 import torch
 
@@ -29,9 +29,17 @@ from gear_torchrl.store.windows import Windows
 
 
 class Visibility(ABC):
-    """The calls through which a shard's readers and writers meet its rows."""
+    """The calls through which a shard's readers and writers meet its rows.
+
+    The abstract members are what every part answers in its own way. The others
+    have a concrete default: what a part whose rows only this process writes does
+    (nothing: no section to open, nothing committed elsewhere, every row below
+    ``size`` readable, nothing to let go of). A part overrides those it needs.
+    """
 
     shard: Ring  # the shard, as the ring this part reads and writes
+    in_place_writes: ClassVar[bool]
+    """Whether stored rows may be written in place (views of the columns, ``set_size``): each part says."""
 
     def bind(self, shard: Ring) -> None:
         """Become ``shard``'s visibility (its ring and addressing are set up by then)."""
@@ -72,14 +80,12 @@ class Visibility(ABC):
         """How many rows an index from outside this library's samplers numbers now."""
 
     @property
-    @abstractmethod
     def takes_any_layout(self) -> bool:
-        """Whether the next write may bring other keys than the stored ones (an emptied local store)."""
+        """Whether the next write may bring other keys than the stored ones (an emptied local store).
 
-    @property
-    @abstractmethod
-    def in_place_writes(self) -> bool:
-        """Whether stored rows may be written in place (views of the columns, ``set_size``)."""
+        Default: no, the layout the first write laid out only grows (by keys later writes bring).
+        """
+        return False
 
     # -- writes --------------------------------------------------------------------------
     @abstractmethod
@@ -94,9 +100,12 @@ class Visibility(ABC):
     def set_size(self, size: int) -> None:
         """Make rows ``[0, size)`` readable (TorchRL writers set ``_len``)."""
 
-    @abstractmethod
     def fill_to(self, end: int) -> None:
-        """Zero rows below ``end`` no write reached, so no read exposes memory nothing filled."""
+        """Zero rows below ``end`` no write reached, so no read exposes memory nothing filled.
+
+        Default: nothing to do, for rows that live in memory created zero-filled (a shared store's segments).
+        """
+        return None
 
     @abstractmethod
     def clear(self) -> None:
@@ -109,33 +118,36 @@ class Visibility(ABC):
     # -- reads -----------------------------------------------------------------------------
     # A sampler picks rows inside ``picking()``, then the storage reads them under
     # ``reading()``: nothing may change between the two.
-    @abstractmethod
+    # The defaults are those of rows nothing else writes: no section is needed, so these do nothing.
     def picking(self) -> AbstractContextManager[None]:
-        """Around picking rows: what is readable is fixed until they are read."""
+        """Around picking rows: what is readable is fixed until they are read. Default: nothing to hold."""
+        return nullcontext()
 
-    @abstractmethod
     def reading(self) -> AbstractContextManager[None]:
-        """Around a gather of rows picked earlier."""
+        """Around a gather of rows picked earlier. Default: nothing to hold."""
+        return nullcontext()
 
-    @abstractmethod
     def release(self) -> None:
-        """End the read section ``picking`` opened, for rows read by other means (a remote learner)."""
+        """End the read section ``picking`` opened, for rows read by other means (a remote learner).
+        Default: no section was opened."""
+        return None
 
-    @abstractmethod
     def refresh(self) -> None:
-        """Open a read section and catch up with rows committed elsewhere."""
+        """Open a read section and catch up with rows committed elsewhere. Default: none are."""
+        return None
 
-    @abstractmethod
     def claim_gather(self, num_rows: int) -> None:
-        """About to gather ``num_rows`` rows in the open read section."""
+        """About to gather ``num_rows`` rows in the open read section. Default: no writer waits for it."""
+        return None
 
-    @abstractmethod
     def check_readable(self, rows: torch.Tensor) -> None:
-        """Raise IndexError if any of ``rows`` (ring rows in range) holds no readable data."""
+        """Raise IndexError if any of ``rows`` (ring rows in range) holds no readable data.
+        Default: every row below ``size`` holds data."""
+        return None
 
-    @abstractmethod
     def check_readable_windows(self, windows: Windows) -> None:
-        """``check_readable`` of the windows' valid positions."""
+        """``check_readable`` of the windows' valid positions. Default: as ``check_readable``, all are."""
+        return None
 
     @abstractmethod
     def uniform_rows(self, n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -181,6 +193,6 @@ class Visibility(ABC):
     def load_state(self, state: dict) -> None:
         """Restore a ``state()``, checked in full before anything changes."""
 
-    @abstractmethod
     def close(self) -> None:
-        """Let go of what the rows live in beyond this process's memory."""
+        """Let go of what the rows live in beyond this process's memory. Default: they live in none."""
+        return None
