@@ -227,15 +227,15 @@ def read_after_growth(storage, ready, go, results) -> None:
 
 def die_adding_a_key(storage) -> None:
     """Lay a new column's segment out, then die before its layout is published (inside the store's lock)."""
-    from gear_torchrl.store import shared_commits
+    from gear_torchrl.store import shared_columns
 
-    real = shared_commits.create_segment
+    real = shared_columns.create_segment
 
     def create_then_die(path, nbytes):
         real(path, nbytes)
         os._exit(3)
 
-    shared_commits.create_segment = create_then_die
+    shared_columns.create_segment = create_then_die
     extend_with_keys(storage, 3, 100, {"v": 9.0})
 
 
