@@ -418,14 +418,14 @@ def _refusals(storage) -> dict:
         ShardClient(storage.descriptors[0], b"not the secret", TIMEOUT_S)
     except PermissionError as exc:
         found["wrong_secret"] = str(exc)
-    client = ShardClient(storage.descriptors[0], storage._shards._secret, TIMEOUT_S)
-    spec = storage._shards.table(0)
+    client = ShardClient(storage.descriptors[0], storage._shards.links._secret, TIMEOUT_S)
+    spec = storage._shards.links.table(0)
     for name, rows in (("past_capacity", [CAPACITY + 5]), ("negative", [-1]), ("never_written", [CAPACITY - 1])):
         try:
-            client.read(Windows.of_rows(torch.tensor(rows)), storage._shards._empty_columns(spec, 1))
+            client.read(Windows.of_rows(torch.tensor(rows)), storage._shards.links.empty_columns(spec, 1))
         except IndexError as exc:
             found[name] = str(exc)
-    out = storage._shards._empty_columns(spec, 2)
+    out = storage._shards.links.empty_columns(spec, 2)
     client.read(Windows.of_rows(torch.tensor([0, 7])), out)  # the connection still serves
     found["still_serves"] = out[spec.find("pos")].tolist()
     client.close()

@@ -101,16 +101,16 @@ def test_a_queue_batch_the_shards_cannot_fill_takes_nothing(storage):
     assert torch.equal(served.sort().values, global_ids.encode(0, torch.arange(waiting)))
 
 
-def test_give_back_returns_every_round_of_a_shards_picks():
+def test_give_back_returns_every_round_of_a_shards_picks(monkeypatch):
     """A shard that picked in several rounds of one batch gets all of them back, in order."""
-    from gear_torchrl.distributed.fan_out import FanOut
-    from gear_torchrl.distributed.shard_set import ShardSet
+    from gear_torchrl.distributed.shard_client import Ask
+    from gear_torchrl.distributed.shard_links import ShardLinks
+    from gear_torchrl.distributed.shard_owners import ShardOwners
     from gear_torchrl.selection.picked import Picked
     from gear_torchrl.selection.queue import QueueSpec
 
-    sharded = ShardSet.__new__(ShardSet)  # only what give_back touches
-    sharded._fan_out = FanOut("skip", 3)
-    sharded._fan_out.failed[2] = "gone"
+    links = ShardLinks([], b"", "tcp", 1.0, False, "skip")  # no descriptors: only what give_back touches
+    links.fan_out.failed[2] = "gone"
     given: dict[int, list[int]] = {}
 
     class Client:
@@ -120,11 +120,12 @@ def test_give_back_returns_every_round_of_a_shards_picks():
         def give_back(self, selection, rows) -> None:
             given.setdefault(self.shard, []).extend(rows.tolist())
 
-    sharded.client = Client
-    sharded.on_each = lambda shards, call, counts, allow_skip=True: [(s, call(s, 0)) for s in shards]
-    got = [(0, Picked.rows(torch.tensor([1, 2]), 0.0), []), (1, Picked.rows(torch.tensor([5]), 0.0), []),
-           (2, Picked.rows(torch.tensor([7]), 0.0), []), (0, Picked.rows(torch.tensor([3]), 0.0), [])]
-    sharded.give_back(QueueSpec("fifo"), got)
+    monkeypatch.setattr(links, "client", Client)
+    spec = QueueSpec("fifo")
+    ask = Ask(spec, 0, None)
+    got = [(0, Picked.rows(torch.tensor([1, 2]), 0.0), ask), (1, Picked.rows(torch.tensor([5]), 0.0), ask),
+           (2, Picked.rows(torch.tensor([7]), 0.0), ask), (0, Picked.rows(torch.tensor([3]), 0.0), ask)]
+    ShardOwners(links).give_back(spec, got)
     assert given == {0: [1, 2, 3], 1: [5]}  # the failed shard is not asked
 
 

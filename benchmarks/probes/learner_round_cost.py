@@ -111,11 +111,11 @@ class Learner:
         shards = ShardSet(descriptors, b"", Options(transport="tcp", timeout=5.0, prefetch=ahead))
         table = TableSpec.from_data(_steps(1), 1)
         for s, (a, _) in enumerate(self.owners.pairs):
-            shards._clients[s] = client = _client_on(a, s)
-            shards._transports[s] = TcpTransport(client)
-            shards._specs[s] = table
+            shards.links._clients[s] = client = _client_on(a, s)
+            shards.links.transports[s] = TcpTransport(client)
+            shards.links._specs[s] = table
             shards.rows[s] = ROWS_PER_SHARD
-        shards._masses[_SPEC] = {s: float(ROWS_PER_SHARD) for s in range(owners)}
+        shards.batches._masses[_SPEC] = {s: float(ROWS_PER_SHARD) for s in range(owners)}
         self.shards, self.generator = shards, torch.Generator().manual_seed(0)
         self.columns = [t for t in _steps(batch).values()]
 
@@ -153,7 +153,7 @@ class LearnerAhead(Learner):
         super().__call__()  # one batch as usual, then ``ahead`` are asked for
 
     def __call__(self) -> float:
-        queued = list(self.shards._queued)  # drawn when they were asked for: their shares are known
+        queued = list(self.shards.batches._queued)  # drawn when they were asked for: their shares are known
         self.owners.queue([b"".join(self._reply(r.counts[j]) for r in queued) for j in range(len(self.owners.pairs))])
         start = time.thread_time()
         for _ in queued:

@@ -102,21 +102,21 @@ def _learner(storage, shards: int, rounds: int, out) -> None:
     windows_rb = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(SEQ_LEN),
                                         batch_size=SEQ_LEN * WINDOWS)
     rows_rb.sample()
-    spec = storage._shards.table(0)
+    spec = storage._shards.links.table(0)
     per_shard = BATCH // shards
     # fresh rows on every call (cycling through 32 batches), as sampling gets: no batch stays in cache
     row_reads = [[Windows.of_rows(torch.randint(0, ROWS, (per_shard,))) for _ in range(shards)]
                  for _ in range(32)]
     window_reads = [[_windows(torch.randint(0, ROWS - SEQ_LEN, (per_shard // SEQ_LEN,))) for _ in range(shards)]
                     for _ in range(32)]
-    blocks = [storage._shards._empty_columns(spec, per_shard) for _ in range(shards)]
+    blocks = [storage._shards.links.empty_columns(spec, per_shard) for _ in range(shards)]
 
     def reader(batches):
         turn = iter(range(1 << 62))
 
         def read() -> None:
             requests = batches[next(turn) % len(batches)]
-            list(pool.map(lambda i: storage._shards.client(i).read(requests[i], blocks[i]), range(shards)))
+            list(pool.map(lambda i: storage._shards.links.client(i).read(requests[i], blocks[i]), range(shards)))
         return read
 
     contenders = {"raw": raw_batch, "read rows": reader(row_reads), "read windows": reader(window_reads),

@@ -15,7 +15,7 @@ import torch
 from gear_torchrl.errors import CheckpointError
 from gear_torchrl.selection.selector_registry import SelectorRegistry, shared_core
 from gear_torchrl.selection.state_file import read_rows_state, save_rows_state
-from gear_torchrl.store.persistence import read_checkpoint, read_shard, save_shard, write_checkpoint
+from gear_torchrl.store.persistence import read_shard, save_shard
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.shared_commits import shared_part
 
@@ -74,37 +74,3 @@ def _core_dirs(directory: Path) -> list[Path]:
     if any(not p.name.isdigit() for p in found):
         raise CheckpointError(f"{root} holds entries that are not saved selections: the checkpoint is damaged")
     return found
-
-
-# -- the whole sharded store: a layout manifest, then one directory per shard --------------------
-LAYOUT_FORMAT = "gear_torchrl.sharded/1"
-_LAYOUT_FILE = "sharded.json"
-
-
-def shard_directory(root: str | Path, shard: int) -> str:
-    return str(Path(root) / f"shard_{shard}")
-
-
-def write_layout(root: str | Path, capacities: list[int]) -> None:
-    """What a restore must match: the number of shards and each one's capacity."""
-    write_checkpoint(root, _LAYOUT_FILE, LAYOUT_FORMAT, {"capacities": capacities}, {})
-
-
-def check_layout(root: str | Path, capacities: list[int]) -> None:
-    """Refuse a checkpoint of another layout, saying what differs."""
-    path = Path(root) / _LAYOUT_FILE
-    if not path.exists():
-        raise CheckpointError(f"no sharded checkpoint at {root} (missing {_LAYOUT_FILE})")
-
-    def checked(fields: dict, tensors: dict) -> list[int]:
-        saved = fields.get("capacities")
-        if not isinstance(saved, list) or not all(isinstance(c, int) and c > 0 for c in saved):
-            raise CheckpointError(f"{path}: the saved layout is damaged")
-        return saved
-
-    saved = read_checkpoint(root, _LAYOUT_FILE, LAYOUT_FORMAT, checked)
-    if len(saved) != len(capacities):
-        raise CheckpointError(f"{root} holds {len(saved)} shards; this store has {len(capacities)} owners: "
-                              "restore it on as many owners as saved it")
-    if saved != capacities:
-        raise CheckpointError(f"{root} holds shards of {saved} rows; this store's shards hold {capacities}")

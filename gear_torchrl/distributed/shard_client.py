@@ -706,7 +706,7 @@ class ShareFlight(_Owed[int]):
                 for at, (i, head) in enumerate(zip(owners, heads))], False
 
 
-def post(clients: list[ShardClient], messages: list[EncodedMessage | bytes]) -> list[Exception | None]:
+def post(clients: list[ShardClient], messages: Sequence[EncodedMessage | bytes]) -> list[Exception | None]:
     """Send each client its message (or its bytes, framed already), waiting for no reply (posted priority
     updates): one native send under the clients' locks (taken in the order given, as a flight takes them).
     Each failure is that client's."""
