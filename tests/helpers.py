@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import re
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import torch
 from tensordict import TensorDict, TensorDictBase
+from torch.utils.data import Dataset
 from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
 from gear_torchrl import GearStorage
@@ -121,3 +122,17 @@ def writer_cursor(rb: Any) -> int:
     writer = rb._writer
     assert isinstance(writer, RoundRobinWriter), type(writer)
     return writer._cursor
+
+
+def as_dataset(storage: Any) -> Dataset[Any]:
+    """A storage as the map-style dataset a ``DataLoader`` takes. torch annotates ``DataLoader(dataset)`` as a
+    ``Dataset``, but at run time any object with ``__getitem__`` and ``__len__`` is one (the loader only indexes
+    it); storages, GearStorage and TorchRL's alike, are not ``Dataset`` subclasses."""
+    return cast("Dataset[Any]", storage)
+
+
+class SliceKeys(TypedDict, total=False):
+    """What marks episodes for TorchRL's ``SliceSampler(**keys)``: collector trajectory ids or done flags."""
+
+    traj_key: tuple[str, ...]
+    end_key: tuple[str, ...]

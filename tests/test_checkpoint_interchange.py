@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -42,6 +43,11 @@ WRITES = (11, 9, 3)  # 20 rows into 16: the ring wraps, the writer's cursor ends
 class Step:
     obs: torch.Tensor
     done: torch.Tensor
+
+    # tensordict is untyped to mypy (no py.typed), so it does not see @tensorclass's dataclass_transform: the part of
+    # the generated __init__ these tests call, for the checker only.
+    if TYPE_CHECKING:
+        def __init__(self, *, obs: torch.Tensor, done: torch.Tensor, batch_size: Sequence[int]) -> None: ...
 
 
 TORCHRL = {"LazyTensorStorage": LazyTensorStorage, "LazyMemmapStorage": LazyMemmapStorage}

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing.context
 import sys
 import threading
+from collections.abc import Generator
 from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same_td, make_steps
+from helpers import as_dataset, assert_same_td, make_steps
 from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
@@ -24,6 +26,7 @@ def test_dataset_prefetch_yields_the_same_stream_and_forwards_errors():
     ahead = [b["obs"] for b in GearDataset(rb, num_batches=5, prefetch=2)]
     assert len(ahead) == 5 and all(torch.equal(a, b) for a, b in zip(plain, ahead))
     stream = iter(GearDataset(rb, prefetch=3))  # endless: stopping early must not hang
+    assert isinstance(stream, Generator), type(stream)  # (declared an Iterator: closing is a generator's)
     next(stream)
     stream.close()
     empty = TensorDictReplayBuffer(storage=GearStorage(10), batch_size=4)
@@ -165,12 +168,18 @@ def test_workers_fork_only_where_it_is_safe():
         pytest.skip(f"worker_context chooses fork or forkserver on Linux only (this is {sys.platform})")
     if torch.cuda.is_initialized():
         pytest.skip("CUDA is initialized in this test process: forking is never chosen here")
-    assert worker_context().get_start_method() == ("fork" if threading.active_count() == 1 else "forkserver")
+
+    def chosen() -> multiprocessing.context.BaseContext:
+        context = worker_context()
+        assert context is not None, "Linux starts workers by fork or forkserver"
+        return context
+
+    assert chosen().get_start_method() == ("fork" if threading.active_count() == 1 else "forkserver")
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait)
     thread.start()
     try:
-        assert worker_context().get_start_method() == "forkserver"  # a thread may hold a lock the child needs
+        assert chosen().get_start_method() == "forkserver"  # a thread may hold a lock the child needs
     finally:
         stop.set()
         thread.join()
@@ -190,7 +199,7 @@ def test_the_owner_closes_its_store_while_forked_workers_still_run(no_shm_leaks)
 
 # -- The storage itself as a map-style Dataset (TorchRL's proposal: one get per batch) --------
 
-def test_a_dataloader_over_the_storage_gets_each_batch_in_one_call():
+def test_a_dataloader_over_the_storage_gets_each_batch_in_one_call(monkeypatch):
     from torch.utils.data import DataLoader
     from torchrl.data import LazyTensorStorage
 
@@ -198,11 +207,15 @@ def test_a_dataloader_over_the_storage_gets_each_batch_in_one_call():
     ours, theirs = GearStorage(100), LazyTensorStorage(100)
     for storage in (ours, theirs):
         TensorDictReplayBuffer(storage=storage).extend(data)
-    calls = []
+    calls: list[Any] = []
     get = ours.get
-    ours.get = lambda index: calls.append(index) or get(index)  # count the reads the loader makes
 
-    epoch = list(DataLoader(ours, batch_size=16, shuffle=True, collate_fn=lambda batch: batch,
+    def counted(index: Any) -> Any:  # count the reads the loader makes
+        calls.append(index)
+        return get(index)
+
+    monkeypatch.setattr(ours, "get", counted)
+    epoch = list(DataLoader(as_dataset(ours), batch_size=16, shuffle=True, collate_fn=lambda batch: batch,
                             generator=torch.Generator().manual_seed(0)))
     assert len(calls) == len(epoch) == 7  # one get per batch, not one per row
     rows = torch.cat([batch["info", "step"] for batch in epoch])
@@ -210,7 +223,7 @@ def test_a_dataloader_over_the_storage_gets_each_batch_in_one_call():
     for batch in epoch:
         assert_same_td(batch.exclude("index"), data[batch["info", "step"] - 30_000])
     # TorchRL's own storage, read one row at a time, gives the same batches in the same order.
-    same = DataLoader(theirs, batch_size=16, shuffle=True, collate_fn=torch.stack,
+    same = DataLoader(as_dataset(theirs), batch_size=16, shuffle=True, collate_fn=torch.stack,
                       generator=torch.Generator().manual_seed(0))
     for mine, reference in zip(epoch, same):
         assert_same_td(mine, reference)

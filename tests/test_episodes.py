@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 from gear_torchrl import GearStorage
 from gear_torchrl.store.addressing import EnvColumns
+from gear_torchrl.store.env_episodes import EnvEpisodes
 from gear_torchrl.store.shard import Shard
 
 
@@ -129,7 +130,9 @@ def env_steps_td(first: int, dones: list[list[bool]], traj: list[list[int]] | No
 def test_env_columns_each_equal_the_model_and_readers_hear_of_every_change(time_capacity, envs, use_traj,
                                                                            batches):
     shard = Shard(time_capacity * envs, traj_key="traj" if use_traj else None, addressing=EnvColumns)
-    shard.addressing.lay_out(envs)
+    addressing = shard.addressing
+    assert isinstance(addressing, EnvColumns)
+    addressing.lay_out(envs)
     history: list[list[tuple[int, bool, int | None]]] = [[] for _ in range(envs)]
     g = 0
     for steps, seed in batches:
@@ -137,6 +140,7 @@ def test_env_columns_each_equal_the_model_and_readers_hear_of_every_change(time_
         dones = (torch.rand(steps, envs, generator=gen) < 0.3).tolist()
         trajs = torch.randint(0, 2, (steps, envs), generator=gen).tolist() if use_traj else None
         index = shard.episodes
+        assert isinstance(index, EnvEpisodes), type(index)  # env columns' episodes
         before = (index.start.clone(), index.length.clone(), index.closed.clone(), index.position)
         rows = (torch.arange(g * envs, (g + steps) * envs)) % (time_capacity * envs)
         shard.write(rows, env_steps_td(g, dones, trajs), append=True)

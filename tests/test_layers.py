@@ -11,6 +11,7 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+from typing import TypeGuard
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gear_torchrl"
 # Bottom to top: a module may import its own folder and the folders before it.
@@ -38,7 +39,7 @@ def _imports(path: Path, *, top_level_only: bool = False, type_checking: bool = 
     return names
 
 
-def _checks_types(node: ast.stmt) -> bool:
+def _checks_types(node: ast.stmt) -> TypeGuard[ast.If]:
     """Whether ``node`` is ``if TYPE_CHECKING:`` (imports only a type checker follows)."""
     return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 

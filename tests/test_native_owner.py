@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import shared_workers as w
@@ -21,11 +22,11 @@ from gear_torchrl.distributed.shard_client import Ask, Flight, ShardClient, post
 from gear_torchrl.distributed.shard_server import ShardServer
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.transports.in_process import InProcessTransport
-from gear_torchrl.distributed.wire import Message, Op
+from gear_torchrl.distributed.wire import EncodedMessage, Message, Op
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.priorities import PrioritySpec
+from gear_torchrl.selection.priorities import NativeTables, PrioritySelector, PrioritySpec
 from gear_torchrl.selection.priority_windows import PriorityWindowSpec
 from gear_torchrl.selection.selector_registry import SelectorRegistry
 from gear_torchrl.selection.uniform import UniformSpec
@@ -33,6 +34,10 @@ from gear_torchrl.selection.windows import WindowSpec
 from gear_torchrl.store import commit_log
 from gear_torchrl.store.table_spec import TableSpec
 from gear_torchrl.store.windows import Windows
+
+if TYPE_CHECKING:
+    from gear_torchrl.distributed.shard_set import ShardPicks, ShardSet
+    from gear_torchrl.selection.selector_registry import SelectorLock
 
 SECRET = b"n" * 32
 UNIFORM = UniformSpec()
@@ -64,7 +69,12 @@ class CountedStore:
 def _made(kind: type[CountedStore], monkeypatch: pytest.MonkeyPatch):
     """A fixture's maker of ``kind(capacity)``, each closed at the end."""
     made: list[CountedStore] = []
-    yield lambda capacity: made.append(kind(capacity, monkeypatch)) or made[-1]
+
+    def make(capacity: int) -> CountedStore:
+        made.append(kind(capacity, monkeypatch))
+        return made[-1]
+
+    yield make
     for o in made:
         o.close()
 
@@ -125,6 +135,27 @@ def _python_picked(storage: GearStorage, count: int, seed: int, spec: SelectionS
         view.close()
 
 
+def _picks(shards: ShardSet, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> ShardPicks:
+    """``shards.pick`` of ``count > 0`` picks (it answers None only to a probe of none)."""
+    picks = shards.pick(spec, count, generator)
+    assert picks is not None
+    return picks
+
+
+def _priority_core(registry: SelectorRegistry) -> tuple[PrioritySelector[PrioritySpec], SelectorLock]:
+    """The registry's shared core of ``PRIORITIES`` (a ``PrioritySelector``) and its lock."""
+    core, lock = registry.shared_core(PRIORITIES)
+    assert isinstance(core, PrioritySelector), type(core)
+    return core, lock
+
+
+def _native_tables(core: PrioritySelector[PrioritySpec]) -> NativeTables:
+    """What the native owner draws from (a core on the CPU has them)."""
+    tables = core.native_tables()
+    assert tables is not None, "a core on the CPU"
+    return tables
+
+
 def test_the_extension_draws_what_the_python_path_draws_and_sends_the_rows(owner):
     o = owner(128)
     o.rb.extend(w.keyed_rows(100, 0))
@@ -175,7 +206,7 @@ def test_an_empty_store_and_bad_asks_get_pythons_answers_and_the_connection_goes
     o.rb.extend(w.keyed_rows(8, 0))
     for ask, words in (([8, -5, 1], "seed"), ([1 << 30, 1, 1], "cannot select"), ([8, 1, 99], "columns")):
         with pytest.raises(ValueError, match=words):
-            o.client.request(Message(Op.SAMPLE_ROWS, b"", [torch.tensor(ask, dtype=torch.int64)]))
+            o.client.request(EncodedMessage(Op.SAMPLE_ROWS, b"", [torch.tensor(ask, dtype=torch.int64)]))
     picked, rows = o.sample(8, seed=2)
     assert picked.count == 8 and torch.equal(rows["obs"] + 4, picked.starts.float())  # emptied rows stay used
 
@@ -185,10 +216,10 @@ def test_both_paths_reply_rows_with_a_tally_and_no_json(owner):
     o.rb.extend(w.keyed_rows(10, 0))
     ask = torch.tensor([6, 3, 1], dtype=torch.int64).view(torch.uint8)
     o.table()  # (the owner maps the columns a learner described)
-    native = o.client.request(Message(Op.SAMPLE_ROWS, b"", [ask]))
+    native = o.client.request(EncodedMessage(Op.SAMPLE_ROWS, b"", [ask]))
     log = o.storage.shard.visibility.log
     log.commit(log.reserve(2), dead=True)  # rows a dead writer left: Python answers from now on
-    python = o.client.request(Message(Op.SAMPLE_ROWS, b"", [ask]))
+    python = o.client.request(EncodedMessage(Op.SAMPLE_ROWS, b"", [ask]))
     assert o.python_picks == 1
     for reply, rows in ((native, 10), (python, 12)):
         assert (reply.op, reply.meta, len(reply.arrays)) == (Op.ROWS, {}, 3)  # tally, picks, one column
@@ -203,7 +234,7 @@ def test_asks_arriving_in_pieces_or_back_to_back_are_each_answered_by_the_extens
     o = owner(64)
     o.rb.extend(w.keyed_rows(10, 0))
     o.table()
-    ask = Message(Op.SAMPLE_ROWS, b"", [torch.tensor([6, 3, 1], dtype=torch.int64).view(torch.uint8)])
+    ask = EncodedMessage(Op.SAMPLE_ROWS, b"", [torch.tensor([6, 3, 1], dtype=torch.int64).view(torch.uint8)])
     expected = o.client.request(ask).arrays[1].view(torch.int64)
     frame = bytes(wire.encode(ask))
     sock = o.client._connection()
@@ -224,7 +255,7 @@ def test_replies_held_for_one_write_go_out_before_python_answers_the_request_beh
     o = owner(64)
     o.rb.extend(w.keyed_rows(10, 0))
     o.table()
-    ask = Message(Op.SAMPLE_ROWS, b"", [torch.tensor([6, 3, 1], dtype=torch.int64).view(torch.uint8)])
+    ask = EncodedMessage(Op.SAMPLE_ROWS, b"", [torch.tensor([6, 3, 1], dtype=torch.int64).view(torch.uint8)])
     expected = o.client.request(ask).arrays[1].view(torch.int64)
     frame, describe = bytes(wire.encode(ask)), bytes(wire.encode(Message(Op.DESCRIBE)))
     sock = o.client._connection()
@@ -252,6 +283,8 @@ def test_columns_added_later_are_served_to_learners_that_know_them_and_to_those_
     o.rb.extend(w.keyed_rows(10, 10, v=3.0))  # a new key: a new layout the extension was not given
     columns = [torch.empty(16, *c.row_shape, dtype=c.dtype) for c in older.columns]
     picked = Flight([o.client], [Ask(UNIFORM, 16, 7, columns)]).land()[0]
+    if isinstance(picked, BaseException):
+        raise picked
     assert torch.equal(columns[older.find("obs")], picked.starts.float())
     calls = o.python_picks
     picked, rows = o.sample(16, seed=8)
@@ -400,9 +433,11 @@ def test_bad_window_asks_get_pythons_errors_and_the_connection_goes_on(owner):
         with pytest.raises(ValueError, match=words):
             o.client.request(Message(Op.SAMPLE_WINDOWS, WINDOWS.to_json(), [torch.tensor(ask, dtype=torch.int64)]))
     two_arrays = [torch.tensor([4, 1, 1]), torch.tensor([4, 1, 1])]
-    for op in (Op.SAMPLE_WINDOWS, Op.SAMPLE_ROWS):  # malformed: Python reads the whole message and says so
+    malformed: list[Message | EncodedMessage] = [Message(Op.SAMPLE_WINDOWS, WINDOWS.to_json(), two_arrays),
+                                                 EncodedMessage(Op.SAMPLE_ROWS, b"", [*two_arrays])]
+    for message in malformed:  # Python reads the whole message and says so
         with pytest.raises(ValueError, match="carries one array"):
-            o.client.request(Message(op, WINDOWS.to_json() if op == Op.SAMPLE_WINDOWS else b"", two_arrays))
+            o.client.request(message)
     calls = o.python_picks
     _check_windows(*o.sample(4, 2, WINDOWS))
     assert o.python_picks == calls
@@ -480,6 +515,7 @@ class InPlace(CountedStore):
         """(picks, the ask's picks (rows only), rows by column name) of ``spec`` read back into a batch from
         row ``first`` on."""
         table = self.storage.shard.table
+        assert table is not None, "the store has no columns yet"
         rows = count * spec.rows_per_pick
         batch = [torch.full((first + rows, *c.row_shape), -1, dtype=c.dtype) for c in table.columns]
         ask = Ask(spec, count, seed, batch, first)
@@ -686,12 +722,12 @@ def test_a_learner_refuses_an_update_past_an_owners_capacity_before_telling_any_
     shards = ShardSet([o.client.descriptor], SECRET, Options(transport="tcp", timeout=5.0))
     try:
         spec = PrioritySpec(alpha=1.0, eps=0.0)
-        assert shards.pick(spec, 8, torch.Generator().manual_seed(0)).index.numel() == 8  # the table follows
+        assert _picks(shards, spec, 8, torch.Generator().manual_seed(0)).index.numel() == 8  # the table follows
         shards.update(spec, global_ids.encode(0, torch.arange(100)), torch.zeros(100))
         shards.update(spec, global_ids.encode(0, torch.tensor([4])), torch.tensor([2.0]))
         with pytest.raises(IndexError, match="priority index 128 is out of range for 128 rows"):
             shards.update(spec, global_ids.encode(0, torch.tensor([6, 128])), torch.tensor([5.0, 5.0]))
-        picked = shards.pick(spec, 50, torch.Generator().manual_seed(1))  # after the posted updates
+        picked = _picks(shards, spec, 50, torch.Generator().manual_seed(1))  # after the posted updates
         assert set(global_ids.decode(picked.index)[1].tolist()) == {4}, "row 6 got no priority: nothing was sent"
         assert float(picked.extra["mass"][0]) == 2.0 and picked.scalars["min_mass"] == 2.0
     finally:
@@ -710,7 +746,7 @@ def test_batches_asked_for_four_at_a_time_are_answered_natively_and_draw_what_on
         try:
             shards.pick(UNIFORM, 16, None)  # the first learns the shard's mass (a probe the owner answers in Python)
             generator, before = torch.Generator().manual_seed(3), o.python_picks
-            batches = [shards.pick(UNIFORM, 16, generator) for _ in range(9)]
+            batches = [_picks(shards, UNIFORM, 16, generator) for _ in range(9)]
             assert o.python_picks == before, "every ask, four to a write, is answered by the extension"
             obs = [c.key for c in batches[0].spec.columns].index("obs")
             assert all(torch.equal(b.columns[obs], global_ids.decode(b.index)[1].float()) for b in batches), \
@@ -718,7 +754,7 @@ def test_batches_asked_for_four_at_a_time_are_answered_natively_and_draw_what_on
             drawn[ahead] = [b.index.tolist() for b in batches]
             for bad in (-1, 1.5, "4"):
                 with pytest.raises(ValueError, match="prefetch must be a bool or a number of batches >= 0"):
-                    shards.set_prefetch(bad)
+                    shards.set_prefetch(bad)  # type: ignore[arg-type]  # bad input: a float and a str on purpose
             assert shards.options.prefetch == ahead, "a refused value changes nothing"
         finally:
             shards.close()
@@ -835,16 +871,16 @@ def test_a_native_draw_never_sees_an_update_half_applied(owner):
 
 def test_a_replaced_or_emptied_core_is_never_drawn_from_natively():
     registry = SelectorRegistry(16)
-    core, lock = registry.shared_core(PRIORITIES)
+    core, lock = _priority_core(registry)
     core._followed = (3, 9)
     words = core.followed_words
     assert words.tolist() == [3, 9], "the extension checks the positions the core followed"
     registry.adopt(PRIORITIES, PRIORITIES.build(16))  # a checkpoint load
     assert words.tolist() == [-1, -1] and registry.shared_core(PRIORITIES)[1] is not lock
-    core = registry.shared_core(PRIORITIES)[0]
-    words, tables = core.followed_words, core.native_tables()
+    core = _priority_core(registry)[0]
+    words, tables = core.followed_words, _native_tables(core)
     core.clear()  # the store was emptied: new tables
-    assert words.tolist() == [-1, -1] and core.native_tables()[0] is not tables[0]
+    assert words.tolist() == [-1, -1] and _native_tables(core)[0] is not tables[0]
 
 
 def test_a_selector_lock_waits_without_the_interpreter_and_refuses_a_release_nobody_acquired():
@@ -873,7 +909,12 @@ def test_posted_updates_of_the_armed_rule_land_without_the_interpreter_as_python
     o.sample(1, seed=0, spec=PRIORITIES)  # Python answers the rule's first ask and arms it
     in_python: list[object] = []
     update = ShardView.update
-    monkeypatch.setattr(ShardView, "update", lambda view, *args: in_python.append(args) or update(view, *args))
+
+    def counted(view: ShardView, *args: Any) -> None:
+        in_python.append(args)
+        update(view, *args)
+
+    monkeypatch.setattr(ShardView, "update", counted)
     picked, _ = o.sample(8, 1, PRIORITIES)
     rows = picked.starts.unique()
     generation = torch.ones(rows.numel(), dtype=torch.int64)

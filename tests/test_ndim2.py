@@ -12,7 +12,7 @@ import logging
 
 import pytest
 import torch
-from helpers import assert_same_td, writer_cursor
+from helpers import SliceKeys, as_dataset, assert_same_td, writer_cursor
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torchrl.data import (
     LazyTensorStorage,
@@ -99,8 +99,8 @@ def test_extend_and_reads_match_lazy_tensor_storage_through_wraps(dim_extend, bu
     for index in ([1], [0, 3], slice(1, 3), torch.tensor([2, 2, 0])):
         assert_same_td(ours[index], theirs[index])
     t, e = torch.tensor([0, 9, 4, -1]), torch.tensor([3, 0, 2, 1])
-    for index in ((t, e), 5, -1, slice(2, 7), torch.tensor([1, 8]), (slice(None), 2), (3, slice(1, None))):
-        assert_same_td(ours.storage[index], theirs.storage[index])
+    for at in ((t, e), 5, -1, slice(2, 7), torch.tensor([1, 8]), (slice(None), 2), (3, slice(1, None))):
+        assert_same_td(ours.storage[at], theirs.storage[at])
 
 
 def test_non_tensor_leaves_and_pytrees_land_as_lazy_tensor_storage_keeps_them():
@@ -173,7 +173,7 @@ def test_sampler_without_replacement_covers_every_step_once_as_torchrl_does():
 @pytest.mark.parametrize("variant", ["traj_key", "end_key"])
 def test_slice_sampler_reads_the_same_windows(variant, strict_length):
     envs = BatchedEnvs(traj_ids=variant == "traj_key", done_prob=0.1)
-    kw = {"traj_key": ("collector", "traj_ids")} if variant == "traj_key" else {"end_key": ("next", "done")}
+    kw: SliceKeys = {"traj_key": ("collector", "traj_ids")} if variant == "traj_key" else {"end_key": ("next", "done")}
     theirs, ours = _pair(80, sampler=lambda: SliceSampler(slice_len=4, strict_length=strict_length, **kw),
                          batch_size=24)
     for steps in (12, 15):  # the second write wraps the 20 time rows
@@ -423,7 +423,8 @@ def test_a_data_loader_over_the_storage_passes_over_every_step_once():
     storage = GearStorage(40, ndim=2)
     TensorDictReplayBuffer(storage=storage, batch_size=4).extend(BatchedEnvs().batch(6))
     seen = torch.cat([batch["step"] * ENVS + batch["env"]
-                      for batch in DataLoader(storage, batch_size=5, shuffle=True, collate_fn=lambda rows: rows)])
+                      for batch in DataLoader(as_dataset(storage), batch_size=5, shuffle=True,
+                                              collate_fn=lambda rows: rows)])
     assert sorted(seen.tolist()) == list(range(24))
 
 
@@ -461,7 +462,8 @@ def test_a_batch_of_another_number_of_envs_is_refused_and_changes_nothing():
     before, episodes = ours[:].clone(), _episodes(ours)
     with pytest.raises(ValueError, match="holds 4 env columns.*the data has 3"):
         ours.extend(BatchedEnvs(num_envs=3).batch(2))
-    assert_same_td(ours[:], before) and _episodes(ours) == episodes
+    assert_same_td(ours[:], before)
+    assert _episodes(ours) == episodes
     _assert_same_layout(ours, theirs)
     more = envs.batch(2)  # the next good write lands where it would have
     ours.extend(more.clone())
@@ -619,7 +621,12 @@ def test_a_rate_limiter_counts_steps_of_every_env():
     envs = BatchedEnvs(num_envs=4)
     rb.extend(envs.batch(4))  # 16 steps: diff 16 = offset 8 + 8, the most the rule allows
     done = threading.Event()
-    inserter = threading.Thread(target=lambda: (rb.extend(envs.batch(2)), done.set()))
+
+    def insert() -> None:
+        rb.extend(envs.batch(2))
+        done.set()
+
+    inserter = threading.Thread(target=insert)
     inserter.start()
     time.sleep(0.3)
     assert not done.is_set() and len(rb) == 16  # 8 more steps must wait for 8 samples

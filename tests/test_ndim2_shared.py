@@ -12,7 +12,7 @@ import multiprocessing as mp
 
 import pytest
 import torch
-from helpers import assert_same_td
+from helpers import SliceKeys, assert_same_td
 from ndim2_workers import ENVS, EnvSteps, extend_batches
 from tensordict import TensorDict
 from torchrl.data import (
@@ -176,7 +176,8 @@ def test_torchrl_slice_sampler_reads_windows_of_live_steps(variant):
     same live steps (the scan holds them)."""
     storage = GearStorage(4 * 32, ndim=2, shared=True)
     try:
-        kwargs = {"traj_key": ("collector", "traj_ids")} if variant == "traj_key" else {"end_key": ("next", "done")}
+        kwargs: SliceKeys = ({"traj_key": ("collector", "traj_ids")} if variant == "traj_key"
+                             else {"end_key": ("next", "done")})
         rb = _buffer(storage, SliceSampler(slice_len=4, strict_length=True, **kwargs), batch_size=32)
         envs = EnvSteps(done_prob=0.1)
         for steps in (10, 12, 14):  # wraps the ring of 32 time steps

@@ -208,6 +208,8 @@ def test_compiled_flex_attention_matches_per_sequence_sdpa() -> None:
 
 @pytest.mark.parametrize(("lengths", "n"), [([5, 30, 1, 50], 100), ([1, 1, 1], 3), ([7], 10)])
 def test_nested_view_round_trips_through_unnest(lengths: list[int], n: int) -> None:
+    from torch.nested._internal.nested_tensor import NestedTensor  # torch's private NJT class
+
     torch.manual_seed(0)
     packed = make_packed(lengths, n)
     real = packed["packed", "seq_id"] >= 0
@@ -217,6 +219,7 @@ def test_nested_view_round_trips_through_unnest(lengths: list[int], n: int) -> N
     assert [t.shape[0] for t in nested.unbind()] == lengths
     assert nested.values().data_ptr() == x.data_ptr(), "nested_view copied its values"
     # The seqlen hints CUDA's fused kernels read instead of syncing (private attributes of torch's NJT).
+    assert isinstance(nested, NestedTensor), type(nested)
     assert (nested._maybe_min_seqlen, nested._maybe_max_seqlen) == (min(lengths), max(lengths))
     flat = unnest(nested, n)
     assert torch.equal(flat[real], x[real]) and not flat[~real].any()
@@ -249,6 +252,12 @@ def test_noncausal_sdpa_on_the_nested_view_matches_per_sequence_sdpa(lengths: li
     assert not got[~real].any()
 
 
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    """``t.grad``, which a backward pass through ``t`` has filled."""
+    assert t.grad is not None, "no gradient reached this tensor"
+    return t.grad
+
+
 @pytest.mark.parametrize("layout", [[5, 1, 17, 40, 3, 9], [64, 2, 2, 2], [30]])
 @pytest.mark.parametrize("padding", [0, 7])
 def test_length_buckets_match_each_sequence_alone_outputs_and_gradients(layout, padding):
@@ -264,7 +273,7 @@ def test_length_buckets_match_each_sequence_alone_outputs_and_gradients(layout, 
     real = seq_id >= 0
     out = LengthBuckets(seq_id, edges=(4, 16))(q, k, v)
     ((out * weight)[real]).sum().backward()
-    ours = [out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
+    ours = [out.detach(), _grad(q).clone(), _grad(k).clone(), _grad(v).clone()]
     for t in (q, k, v):
         t.grad = None
     reference = torch.zeros_like(out)
@@ -274,7 +283,7 @@ def test_length_buckets_match_each_sequence_alone_outputs_and_gradients(layout, 
         reference[span] = F.scaled_dot_product_attention(
             q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1), is_causal=True).transpose(0, 1)
     ((reference * weight)[real]).sum().backward()
-    theirs = [reference.detach(), q.grad, k.grad, v.grad]
+    theirs = [reference.detach(), _grad(q), _grad(k), _grad(v)]
     assert torch.allclose(ours[0][real], theirs[0][real], atol=1e-12)
     for a, b in zip(ours[1:], theirs[1:]):
         assert torch.allclose(a[real], b[real], atol=1e-12)

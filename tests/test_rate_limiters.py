@@ -143,7 +143,12 @@ def test_an_insert_blocked_inside_set_lets_a_sampler_of_the_same_buffer_in(buffe
     rb.extend(make_steps(8, seed=0))
     assert not limiter.can_insert(4)
     inserted = threading.Event()
-    inserter = threading.Thread(target=lambda: (rb.extend(make_steps(4, seed=1)), inserted.set()))
+
+    def insert() -> None:
+        rb.extend(make_steps(4, seed=1))
+        inserted.set()
+
+    inserter = threading.Thread(target=insert)
     inserter.start()
     time.sleep(0.3)
     assert not inserted.is_set() and len(rb) == 8, "the insert should wait for samples"

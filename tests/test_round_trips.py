@@ -367,8 +367,9 @@ def test_many_batches_asked_in_one_write_per_owner(pairs):
     from gear_torchrl.selection.uniform import UniformSpec
 
     columns = [torch.zeros(20, 2), torch.zeros(20)]
+    asks: list[tuple[list[int], list[int | None]]] = [([3, 4], [7, None]), ([5, 6], [8, 9])]  # (counts, seeds)
     batches = [Shares(UniformSpec(), counts, seeds, columns, Windows.of_rows(torch.zeros(20)), None)
-               for counts, seeds in (([3, 4], [7, None]), ([5, 6], [8, 9]))]
+               for counts, seeds in asks]
     head = batches[0].ask(0).frame()[: -24]
     fds = [a.fileno() for a, _ in pairs[:2]]
     assert _C.send_shares(fds, head, [3, 4, 5, 6], [7, -1, 8, 9], 2, 5.0) == [0, 0]

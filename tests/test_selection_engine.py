@@ -24,7 +24,7 @@ from gear_torchrl import (
     TopKSampler,
 )
 from gear_torchrl.selection.capped import CappedSpec
-from gear_torchrl.selection.priorities import PrioritySpec
+from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
 from gear_torchrl.selection.priority_windows import PriorityWindowSpec
 from gear_torchrl.selection.queue import QueueSpec
 from gear_torchrl.selection.rules import spec_from_json
@@ -147,6 +147,7 @@ def test_a_shards_checkpoint_restores_its_cores_and_refuses_damage(tmp_path):
         load_shard(target.shard, restored, tmp_path / "ok")
         [(spec, core, _)] = restored.shared()
         assert spec == PrioritySpec(0.5) and len(target) == 64
+        assert isinstance(core, PrioritySelector), type(core)
         assert torch.allclose(core.masses(torch.arange(64)), (torch.arange(64, dtype=torch.float64) + 1 + 1e-8) ** 0.5)
         with pytest.raises(ValueError, match="empty"):  # the rows are there already: nothing is loaded twice
             load_shard(target.shard, restored, tmp_path / "ok")

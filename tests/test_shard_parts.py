@@ -19,6 +19,13 @@ def _steps(n: int, first: int = 0) -> dict[str, torch.Tensor]:
     return {"obs": torch.arange(first, first + n, dtype=torch.float32).unsqueeze(1)}
 
 
+def _read(shard: Shard, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``shard.read``: rows written as a dict of tensors come back as one."""
+    got = shard.read(rows)
+    assert isinstance(got, dict), type(got)
+    return got
+
+
 def test_a_dropped_shard_is_freed_without_the_cycle_collector():
     """Its visibility refers back weakly: the columns go as soon as the last user lets go."""
     gc.disable()
@@ -39,8 +46,8 @@ def test_a_copied_shard_reads_and_writes_its_own_rows(clone):
     twin = clone(shard)
     assert twin.visibility.shard.capacity == 8 and twin.size == 4
     twin.write(torch.arange(4, 6), _steps(2, first=10), append=True)
-    assert twin.read(torch.arange(6))["obs"].reshape(-1).tolist() == [0, 1, 2, 3, 10, 11]
-    assert shard.size == 4 and shard.read(torch.arange(4))["obs"].reshape(-1).tolist() == [0, 1, 2, 3]
+    assert _read(twin, torch.arange(6))["obs"].reshape(-1).tolist() == [0, 1, 2, 3, 10, 11]
+    assert shard.size == 4 and _read(shard, torch.arange(4))["obs"].reshape(-1).tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("addressing", [StepRows, EnvColumns])
@@ -66,6 +73,6 @@ def test_only_own_writes_take_writes_in_place():
             shared.write(torch.arange(2), _steps(2), append=False)
         with pytest.raises(NotImplementedError, match="cannot be set"):
             shared.set_size(2)
-        assert shared.read(torch.arange(4))["obs"].reshape(-1).tolist() == [0, 1, 2, 3]
+        assert _read(shared, torch.arange(4))["obs"].reshape(-1).tolist() == [0, 1, 2, 3]
     finally:
         shared.close()

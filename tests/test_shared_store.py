@@ -21,6 +21,7 @@ from gear_torchrl import (
     TopKSampler,
     TrajectoryWriter,
 )
+from gear_torchrl.store.episodes import EpisodeIndex
 from gear_torchrl.store.shared_memory import store_segments
 
 pytestmark = pytest.mark.usefixtures("no_shm_leaks")
@@ -346,8 +347,10 @@ def test_a_writer_that_dies_after_admission_leaves_nothing_counted():
 def _assert_whole_episodes(storage: GearStorage) -> int:
     """Every live episode holds consecutive steps of one written episode, complete but for the oldest."""
     with storage.shard.picking():  # a shared store's index catches up with the commits first
-        view = storage.shard.episodes.live()
-        slots = storage.shard.episodes.slots_of(view.serial)
+        episodes = storage.shard.episodes
+        assert isinstance(episodes, EpisodeIndex), type(episodes)  # one stream's episodes
+        view = episodes.live()
+        slots = episodes.slots_of(view.serial)
     storage.shard.release()
     for i, (slot, length) in enumerate(zip(slots.tolist(), view.length.tolist())):
         batch = _read_ring_rows(storage, storage.shard.episodes.rows_of(torch.tensor([slot])))

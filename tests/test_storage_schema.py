@@ -8,6 +8,9 @@ naming the key, and the store is left exactly as it was.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 from helpers import assert_same_td, same_bytes
@@ -218,9 +221,14 @@ def test_a_pytree_of_another_structure_is_refused():
     assert len(rb) == 3 and rb[:]["b"][0].shape == (3, 2)
 
 
+# tensordict is untyped to mypy (no py.typed), so it does not see @tensorclass's dataclass_transform: each class
+# declares, for the checker only, the part of the generated __init__ these tests call.
 @tensorclass
 class Inner:
     z: torch.Tensor
+
+    if TYPE_CHECKING:
+        def __init__(self, *, z: torch.Tensor, batch_size: Sequence[int]) -> None: ...
 
 
 @tensorclass
@@ -228,6 +236,9 @@ class Step:
     obs: torch.Tensor
     inner: Inner
     tag: str
+
+    if TYPE_CHECKING:
+        def __init__(self, *, obs: torch.Tensor, inner: Inner, tag: str, batch_size: Sequence[int]) -> None: ...
 
 
 def test_tensorclasses_come_back_as_their_class():
