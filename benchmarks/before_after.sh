@@ -24,7 +24,7 @@ for candidate in "$site"/gear_torchrl/kernels/_C*.so "$site"/gear_torchrl/_C*.so
   if [ -e "$candidate" ]; then extension=$candidate; break; fi
 done
 [ -n "$extension" ] || { echo "no built extension under $site/gear_torchrl: run make build" >&2; exit 1; }
-kernel_source=csrc/cuda/gather_kernel.cuh
+kernel_source=csrc/kernels/cuda/gather_kernel.cuh
 py="$PWD/.venv/bin/python"  # the venv's, not the interpreter it links to
 
 declare -A args=(

@@ -120,7 +120,7 @@ class Bench:
         outs = [torch.empty(batch * seq_len, *c.shape[1:], dtype=c.dtype, device=dev) for c in cols]
 
         def gear():
-            _C.gather(cols, outs, starts, seq_len=seq_len)
+            _C.gather(cols, outs, starts, window_len=seq_len)
 
         res = {"section": section, "tier": tier, "batch": batch, "seq_len": seq_len, "row_bytes": row_bytes,
                "columns": len(cols), "bytes": nbytes}

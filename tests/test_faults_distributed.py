@@ -87,7 +87,7 @@ def _requests_that_stall(kind: str) -> list[Message]:
         return [Message(Op.SELECT, {"selection": uniform, "count": 16 * CAPACITY, "read": True})]
     if kind == "read":
         rows = torch.arange(16 * CAPACITY, dtype=torch.int64) % CAPACITY
-        return [Message(Op.READ, {"seq_len": 1}, [rows, torch.zeros_like(rows), torch.ones_like(rows)])]
+        return [Message(Op.READ, {"window_len": 1}, [rows, torch.zeros_like(rows), torch.ones_like(rows)])]
     return [Message(Op.SELECT, {"selection": uniform, "count": 64, "read": False})]  # then no RELEASE
 
 
@@ -126,7 +126,7 @@ def test_a_learner_that_reads_late_gets_exactly_its_rows(pause_s):
         expected, _ = gather.gather_windows(storage.shard.visibility.mapped_columns(), starts, 8, torch.device("cpu"),
                                             valid_begin, valid_end)
         learner = _authenticated(server.address, rcvbuf=4096 if pause_s else None)
-        wire.send(learner, Message(Op.READ, {"seq_len": 8}, [starts, valid_begin, valid_end]))
+        wire.send(learner, Message(Op.READ, {"window_len": 8}, [starts, valid_begin, valid_end]))
         time.sleep(pause_s)  # long past the moment the owner stops waiting for room
         reply = wire.receive(learner)
         learner.close()

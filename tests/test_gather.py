@@ -33,28 +33,28 @@ def test_rows_match_index_select(dtype, shape):
     assert same_bits(out, col[rows])
 
 
-def reference_windows(col, starts, seq_len, begin, end):
+def reference_windows(col, starts, window_len, begin, end):
     cap = col.shape[0]
-    out = torch.zeros((starts.numel() * seq_len, *col.shape[1:]), dtype=col.dtype)
-    mask = torch.zeros(starts.numel() * seq_len, dtype=torch.bool)
+    out = torch.zeros((starts.numel() * window_len, *col.shape[1:]), dtype=col.dtype)
+    mask = torch.zeros(starts.numel() * window_len, dtype=torch.bool)
     for i, s in enumerate(starts.tolist()):
-        for j in range(seq_len):
+        for j in range(window_len):
             if begin[i] <= j < end[i]:
-                out[i * seq_len + j] = col[(s + j) % cap]
-                mask[i * seq_len + j] = True
+                out[i * window_len + j] = col[(s + j) % cap]
+                mask[i * window_len + j] = True
     return out, mask
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int64])
 def test_windows_with_padding_and_wrap(dtype):
-    cap, seq_len = 23, 6
+    cap, window_len = 23, 6
     cols = [column(cap, (3,), dtype, 1), column(cap, (), torch.uint8, 2)]
     starts = torch.tensor([0, 20, -3, 17, 5, 100])
     begin = torch.tensor([0, 0, 2, 1, 6, -4])
     end = torch.tensor([6, 6, 6, 4, 6, 99])
-    out, mask = gather.gather_windows(cols, starts, seq_len, torch.device("cpu"), begin, end)
+    out, mask = gather.gather_windows(cols, starts, window_len, torch.device("cpu"), begin, end)
     for c, o in zip(cols, out):
-        want, want_mask = reference_windows(c, starts, seq_len, begin.clamp(0, seq_len), end.clamp(0, seq_len))
+        want, want_mask = reference_windows(c, starts, window_len, begin.clamp(0, window_len), end.clamp(0, window_len))
         assert same_bits(o, want)
         assert torch.equal(mask, want_mask)
 

@@ -103,7 +103,7 @@ class Owner(CountedStore):
         picked = Flight([self.client], [Ask(spec, count, seed, columns)]).land()[0]
         if isinstance(picked, BaseException):
             raise picked
-        return picked, {c.key: col[: picked.count * picked.seq_len] for c, col in zip(table.columns, columns)}
+        return picked, {c.key: col[: picked.count * picked.window_len] for c, col in zip(table.columns, columns)}
 
     def is_learners(self, view: ShardView) -> bool:
         return threading.current_thread() is not threading.main_thread()  # the server's, not the test's
@@ -129,7 +129,7 @@ def _python_picked(storage: GearStorage, count: int, seed: int, spec: SelectionS
     try:
         picked = view.pick(spec, count, seed)
         w_ = picked.windows
-        return dataclasses.replace(picked, windows=Windows(w_.starts.clone(), w_.seq_len, w_.valid_begin.clone(),
+        return dataclasses.replace(picked, windows=Windows(w_.starts.clone(), w_.window_len, w_.valid_begin.clone(),
                                                            w_.valid_end.clone()))
     finally:
         view.close()
@@ -164,7 +164,7 @@ def test_the_extension_draws_what_the_python_path_draws_and_sends_the_rows(owner
     expected = _python_pick(o.storage, 64, 1234)
     assert torch.equal(picked.starts, expected)
     assert torch.equal(rows["obs"], picked.starts.float())  # each row holds its own number
-    assert picked.mass == 100.0 and picked.scalars["rows"] == 100 and picked.seq_len == 1
+    assert picked.mass == 100.0 and picked.scalars["rows"] == 100 and picked.window_len == 1
     assert torch.equal(picked.windows.valid_begin, torch.zeros(64, dtype=torch.int64))
     assert torch.equal(picked.windows.valid_end, torch.ones(64, dtype=torch.int64))
     again, _ = o.sample(64, seed=1234)
@@ -366,7 +366,8 @@ def _check_windows(picked: Picked, rows: dict[str, torch.Tensor]) -> None:
 def _assert_same_picks(got: Picked, expected: Picked) -> None:
     for name in ("starts", "valid_begin", "valid_end"):
         assert torch.equal(getattr(got.windows, name), getattr(expected.windows, name)), name
-    assert (got.seq_len, got.mass, got.scalars["rows"]) == (expected.seq_len, expected.mass, expected.scalars["rows"])
+    assert (got.window_len, got.mass, got.scalars["rows"]) == (
+        expected.window_len, expected.mass, expected.scalars["rows"])
 
 
 def test_the_extension_draws_the_windows_python_draws_and_sends_their_rows(owner):
@@ -453,8 +454,8 @@ def test_an_ask_for_no_picks_gets_the_shards_mass_from_the_extension(owner, spec
         picked, rows = o.sample(0, seed, spec)
         expected = _python_picked(o.storage, 1, 5, spec)
         assert picked.count == 0 and all(r.numel() == 0 for r in rows.values())
-        assert (picked.seq_len, picked.mass, picked.scalars["rows"]) == (
-            expected.seq_len, expected.mass, expected.scalars["rows"])
+        assert (picked.window_len, picked.mass, picked.scalars["rows"]) == (
+            expected.window_len, expected.mass, expected.scalars["rows"])
     assert o.python_picks == calls, "a round's empty share is answered without the interpreter"
     _episodes(o.rb, [5], first_ep=4)
     assert o.sample(0, 6, spec)[0].mass == _python_picked(o.storage, 1, 6, spec).mass, "the mass follows writes"
@@ -520,7 +521,7 @@ class InPlace(CountedStore):
         batch = [torch.full((first + rows, *c.row_shape), -1, dtype=c.dtype) for c in table.columns]
         ask = Ask(spec, count, seed, batch, first)
         picked = ask.placed(self.transport.select(None, ask))
-        got = {c.key: col[first: first + picked.count * picked.seq_len] for c, col in zip(table.columns, batch)}
+        got = {c.key: col[first: first + picked.count * picked.window_len] for c, col in zip(table.columns, batch)}
         landed = None if ask.picks is None else ask.picks.starts[first: first + picked.count]
         return picked, landed, got
 
@@ -544,7 +545,7 @@ def test_a_learner_on_its_own_shard_gets_the_extensions_answer_in_its_batch(in_p
     assert o.python_picks == 0, "uniform rows of this process's shard are drawn and read natively"
     assert torch.equal(picked.starts, _python_pick(o.storage, 64, 1234)), "the draw the Python path makes"
     assert torch.equal(landed, picked.starts) and torch.equal(rows["obs"], picked.starts.float())
-    assert picked.mass == 100.0 and picked.scalars["rows"] == 100 and picked.seq_len == 1
+    assert picked.mass == 100.0 and picked.scalars["rows"] == 100 and picked.window_len == 1
     again, _, _ = o.sample(64, seed=1234)
     assert torch.equal(again.starts, picked.starts)
     unseeded, _, rows = o.sample(64, seed=None)

@@ -65,11 +65,11 @@ def hash_store() -> KeyValueStore:
     stores bytes (what the handshake writes)."""
     return cast(KeyValueStore, torch.distributed.HashStore())
 
-def windows(starts, seq_len, begin=None, end=None) -> Windows:
+def windows(starts, window_len, begin=None, end=None) -> Windows:
     starts = torch.tensor(starts, dtype=torch.int64)
     begin = torch.zeros_like(starts) if begin is None else torch.tensor(begin, dtype=torch.int64)
-    end = torch.full_like(starts, seq_len) if end is None else torch.tensor(end, dtype=torch.int64)
-    return Windows(starts, seq_len, begin, end)
+    end = torch.full_like(starts, window_len) if end is None else torch.tensor(end, dtype=torch.int64)
+    return Windows(starts, window_len, begin, end)
 
 
 def wrs(plan) -> list[tuple[int, int, list[tuple[int, int]]]]:
@@ -211,7 +211,7 @@ def direct_gather(request: Windows, layout: ColumnLayout, remote: np.ndarray, lo
     """What a read must produce, written the obvious way."""
     n = request.num_positions
     pos = valid_positions(request).numpy()
-    w, p = pos // request.seq_len, pos % request.seq_len
+    w, p = pos // request.window_len, pos % request.window_len
     rows = (request.starts.numpy()[w] + p) % layout.capacity
     for off, rb, out_off in zip(layout.offsets, layout.row_bytes, out_offsets):
         column = remote[off:off + layout.capacity * rb].reshape(layout.capacity, rb)
@@ -228,14 +228,14 @@ def random_case(rng: np.random.Generator):
         offsets.append(end)
         end += capacity * rb
     layout = ColumnLayout(tuple(offsets), tuple(row_bytes), capacity)
-    seq_len = int(rng.integers(1, min(capacity, 8) + 1))
+    window_len = int(rng.integers(1, min(capacity, 8) + 1))
     num_windows = int(rng.integers(0, 25))
     starts = rng.integers(0, capacity, size=num_windows)
-    a = rng.integers(0, seq_len + 1, size=num_windows)
-    b = rng.integers(0, seq_len + 1, size=num_windows)
+    a = rng.integers(0, window_len + 1, size=num_windows)
+    b = rng.integers(0, window_len + 1, size=num_windows)
     if rng.random() < 0.3:  # whole windows, like plain rows
-        a, b = np.zeros_like(a), np.full_like(b, seq_len)
-    request = windows(starts.tolist(), seq_len, np.minimum(a, b).tolist(), np.maximum(a, b).tolist())
+        a, b = np.zeros_like(a), np.full_like(b, window_len)
+    request = windows(starts.tolist(), window_len, np.minimum(a, b).tolist(), np.maximum(a, b).tolist())
     out_offsets, local_size = staging_layout([request.num_positions * rb for rb in row_bytes],
                                              align=int(rng.choice([1, 8, 64])))
     return layout, request, end, out_offsets, local_size
@@ -558,7 +558,7 @@ def make_shard(capacity=13):
 def expected(columns, request, fill):
     outs = []
     pos = valid_positions(request)
-    w, p = pos // request.seq_len, pos % request.seq_len
+    w, p = pos // request.window_len, pos % request.window_len
     rows = (request.starts[w] + p) % columns[0].shape[0]
     for col, f in zip(columns, fill):
         out = f.clone()

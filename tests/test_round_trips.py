@@ -117,7 +117,7 @@ def test_replies_trickling_in_pieces_that_split_arrays_land_whole(pairs):
 
 
 def test_a_windows_reply_lands_its_picks_and_rows_each_from_its_own_row(pairs):
-    """Windows land at pick ``f`` in the batch's picks and at row ``f * seq_len`` in its columns."""
+    """Windows land at pick ``f`` in the batch's picks and at row ``f * window_len`` in its columns."""
     starts, begin, end = (torch.full((3,), -1, dtype=torch.int64) for _ in range(3))
     rows = torch.zeros(6, 2)
     mass_bits = torch.tensor([2.5], dtype=torch.float64).view(torch.int64)

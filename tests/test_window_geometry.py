@@ -56,11 +56,11 @@ def test_place_windows_pads_head_and_tail():
     assert end.tolist() == [6, 6, 6, 2]
 
 
-@pytest.mark.parametrize("seq_len,capacity", [(8, 100), (8, 5), (1, 3)])
-def test_window_rows_wrap_the_ring(seq_len, capacity):
+@pytest.mark.parametrize("window_len,capacity", [(8, 100), (8, 5), (1, 3)])
+def test_window_rows_wrap_the_ring(window_len, capacity):
     starts = torch.tensor([0, capacity - 1, -2, 3 * capacity + 1, 37])
-    expected = ((starts % capacity)[:, None] + torch.arange(seq_len)) % capacity
-    assert torch.equal(_C.window_rows(starts, seq_len, capacity), expected.reshape(-1))
+    expected = ((starts % capacity)[:, None] + torch.arange(window_len)) % capacity
+    assert torch.equal(_C.window_rows(starts, window_len, capacity), expected.reshape(-1))
 
 
 def test_bad_arguments_are_refused():
@@ -91,9 +91,9 @@ def test_check_windows_names_the_bad_window():
         _C.check_windows(torch.tensor([0, 10]), begin, end, 4, 10)
     with pytest.raises(IndexError, match=r"window 1 has \[3, 2\)"):
         _C.check_windows(starts, torch.tensor([0, 3]), torch.tensor([4, 2]), 4, 10)
-    with pytest.raises(IndexError, match="valid_end <= seq_len"):
+    with pytest.raises(IndexError, match="valid_end <= window_len"):
         _C.check_windows(starts, begin, torch.tensor([4, 5]), 4, 10)
-    with pytest.raises(ValueError, match="seq_len 11 is outside"):
+    with pytest.raises(ValueError, match="window_len 11 is outside"):
         _C.check_windows(starts, begin, end, 11, 10)
     with pytest.raises(ValueError, match="differ in length"):
         _C.check_windows(starts, begin, torch.tensor([4]), 4, 10)
@@ -102,12 +102,12 @@ def test_check_windows_names_the_bad_window():
 @pytest.mark.parametrize("lo,hi", [(0, 10), (3, 8), (7, 12), (15, 40), (9, 9)])
 def test_first_row_outside_matches_the_position_formula(lo, hi):
     """Rows readable in positions [lo, hi) of a ring of 10: the shared store's check, row by row."""
-    capacity, seq_len = 10, 3
+    capacity, window_len = 10, 3
     starts = torch.arange(capacity)
-    begin, end = torch.zeros(capacity, dtype=torch.int64), torch.full((capacity,), seq_len)
+    begin, end = torch.zeros(capacity, dtype=torch.int64), torch.full((capacity,), window_len)
     end[4] = 1  # a window whose tail is padding: its padded rows are not checked
     rows = torch.cat([(s + torch.arange(int(e))) % capacity for s, e in zip(starts, end)])
     newest = hi - 1 - (hi - 1 - rows) % capacity
     stale = rows[newest < lo]
-    got = _C.first_row_outside(starts, begin, end, seq_len, capacity, lo % capacity, hi - lo)
+    got = _C.first_row_outside(starts, begin, end, window_len, capacity, lo % capacity, hi - lo)
     assert got == (int(stale[0]) if stale.numel() else -1)

@@ -25,19 +25,20 @@ def _received(sender, nbytes: int) -> bytes:
 
 def test_a_reply_of_rows_is_framed_as_the_wire_frames_it_with_the_gathered_windows():
     g = torch.Generator().manual_seed(0)
-    capacity, seq_len = 50, 7
+    capacity, window_len = 50, 7
     columns = [torch.randn(capacity, 300, generator=g),
                torch.randint(0, 255, (capacity, 3), generator=g, dtype=torch.uint8),
                torch.randn(capacity, 2, generator=g).to(torch.float64)]
     starts = torch.tensor([0, 46, 10, 49, 10])  # 46 and 49 wrap the ring end
     valid_begin = torch.tensor([0, 2, 0, 1, 3])
     valid_end = torch.tensor([7, 7, 5, 6, 3])  # the last window is all padding
-    rows, _ = gather.gather_windows(columns, starts, seq_len, torch.device("cpu"), valid_begin, valid_end)
+    rows, _ = gather.gather_windows(columns, starts, window_len, torch.device("cpu"), valid_begin, valid_end)
     arrays = [starts, torch.tensor([1.5, 2.5])]
-    meta = b'{"seq_len":7}'
+    meta = b'{"window_len":7}'
     expected = wire.header(Op.OK, meta, [a.nbytes for a in arrays] + [r.nbytes for r in rows]) + b"".join(
         bytes(wire.as_bytes(t)) for t in (*arrays, *rows))
-    assert _C.frame_rows_reply(Op.OK, meta, arrays, columns, starts, valid_begin, valid_end, seq_len) == len(expected)
+    framed = _C.frame_rows_reply(Op.OK, meta, arrays, columns, starts, valid_begin, valid_end, window_len)
+    assert framed == len(expected)
     got = _received(lambda s: _C.send_framed_reply(s.fileno()), len(expected))
     assert got == expected
     with pytest.raises(RuntimeError, match="no reply was framed"):

@@ -16,22 +16,22 @@ namespace {
 
 gear::GatherArgs make_args(std::vector<at::Tensor> columns, std::vector<at::Tensor> out, at::Tensor starts,
                            std::optional<at::Tensor> valid_begin, std::optional<at::Tensor> valid_end,
-                           int64_t seq_len, std::optional<at::Tensor> mask, std::vector<at::Tensor> hot_columns,
+                           int64_t window_len, std::optional<at::Tensor> mask, std::vector<at::Tensor> hot_columns,
                            std::optional<at::Tensor> hot_owner) {
   gear::GatherArgs args{std::move(columns),   std::move(out),  std::move(starts),      std::move(valid_begin),
-                        std::move(valid_end), std::move(mask), seq_len, std::move(hot_columns),
+                        std::move(valid_end), std::move(mask), window_len, std::move(hot_columns),
                         std::move(hot_owner)};
   gear::check_gather_args(args);
   return args;
 }
 
 void gather(std::vector<at::Tensor> columns, std::vector<at::Tensor> out, at::Tensor starts,
-            std::optional<at::Tensor> valid_begin, std::optional<at::Tensor> valid_end, int64_t seq_len,
+            std::optional<at::Tensor> valid_begin, std::optional<at::Tensor> valid_end, int64_t window_len,
             std::optional<at::Tensor> mask, std::vector<at::Tensor> hot_columns,
             std::optional<at::Tensor> hot_owner) {
   const gear::GatherArgs args =
       make_args(std::move(columns), std::move(out), std::move(starts), std::move(valid_begin), std::move(valid_end),
-                seq_len, std::move(mask), std::move(hot_columns), std::move(hot_owner));
+                window_len, std::move(mask), std::move(hot_columns), std::move(hot_owner));
   if (args.out.front().is_cuda()) {
 #ifdef GEAR_WITH_CUDA
     gear::gather_cuda(args);
@@ -61,7 +61,7 @@ bool built_with_cuda() {
 void bind_kernels(py::module_& m) {
   m.def("gather", &gather, "Fill `out` from `columns` for windows (rows are windows of length 1)",
         py::arg("columns"), py::arg("out"), py::arg("starts"), py::arg("valid_begin") = py::none(),
-        py::arg("valid_end") = py::none(), py::arg("seq_len") = 1, py::arg("mask") = py::none(),
+        py::arg("valid_end") = py::none(), py::arg("window_len") = 1, py::arg("mask") = py::none(),
         py::arg("hot_columns") = std::vector<at::Tensor>{}, py::arg("hot_owner") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def(
@@ -116,14 +116,14 @@ void bind_kernels(py::module_& m) {
   m.def("pack_tokens", &gear::pack_tokens, "Sequences packed into a budget of tokens by the packing rule (see packing.h)",
         py::arg("first"), py::arg("length"), py::arg("burn_in"), py::arg("step"), py::arg("budget"),
         py::arg("window_rows"));
-  m.def("window_rows", &gear::window_rows, "Flat ring rows of windows", py::arg("starts"), py::arg("seq_len"),
+  m.def("window_rows", &gear::window_rows, "Flat ring rows of windows", py::arg("starts"), py::arg("window_len"),
         py::arg("capacity"));
   m.def("window_mask", &gear::window_mask, "Which positions of windows hold data", py::arg("valid_begin"),
-        py::arg("valid_end"), py::arg("seq_len"));
+        py::arg("valid_end"), py::arg("window_len"));
   m.def("check_windows", &gear::check_windows, "Bounds of a request's windows", py::arg("starts"),
-        py::arg("valid_begin"), py::arg("valid_end"), py::arg("seq_len"), py::arg("capacity"));
+        py::arg("valid_begin"), py::arg("valid_end"), py::arg("window_len"), py::arg("capacity"));
   m.def("first_row_outside", &gear::first_row_outside, "First valid row outside a ring interval, or -1",
-        py::arg("starts"), py::arg("valid_begin"), py::arg("valid_end"), py::arg("seq_len"), py::arg("capacity"),
+        py::arg("starts"), py::arg("valid_begin"), py::arg("valid_end"), py::arg("window_len"), py::arg("capacity"),
         py::arg("first"), py::arg("count"));
 #ifdef GEAR_WITH_CUDA
   m.def("cuda_host_register", &gear::cuda_host_register,

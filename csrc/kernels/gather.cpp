@@ -20,10 +20,10 @@ inline int64_t ring_row(int64_t row, int64_t capacity) {
 // small columns (rewards, flags) become single loads instead of memcpy calls.
 template <int64_t RowBytes>
 void copy_window(char* dst, const char* column, int64_t dynamic_row_bytes, int64_t capacity,
-                 int64_t start, int64_t begin, int64_t end, int64_t seq_len) {
+                 int64_t start, int64_t begin, int64_t end, int64_t window_len) {
   const int64_t rb = RowBytes > 0 ? RowBytes : dynamic_row_bytes;
   if (begin > 0) std::memset(dst, 0, begin * rb);
-  if (end < seq_len) std::memset(dst + end * rb, 0, (seq_len - end) * rb);
+  if (end < window_len) std::memset(dst + end * rb, 0, (window_len - end) * rb);
   int64_t pos = begin;
   while (pos < end) {  // at most two runs unless the window is longer than the ring
     const int64_t row = ring_row(start + pos, capacity);
@@ -66,14 +66,14 @@ CopyFn copy_fn_for(int64_t row_bytes) {
 // prefetch their first rows likewise).
 constexpr int64_t kPrefetchDistance = 8;
 
-// The valid range [begin, end) of window i, clamped to [0, seq_len) (no bounds: the whole window).
+// The valid range [begin, end) of window i, clamped to [0, window_len) (no bounds: the whole window).
 struct ValidRanges {
   const int64_t* begins;
   const int64_t* ends;
-  int64_t seq_len;
+  int64_t window_len;
 
-  int64_t begin(int64_t i) const { return begins ? std::clamp<int64_t>(begins[i], 0, seq_len) : 0; }
-  int64_t end(int64_t i) const { return ends ? std::clamp<int64_t>(ends[i], begin(i), seq_len) : seq_len; }
+  int64_t begin(int64_t i) const { return begins ? std::clamp<int64_t>(begins[i], 0, window_len) : 0; }
+  int64_t end(int64_t i) const { return ends ? std::clamp<int64_t>(ends[i], begin(i), window_len) : window_len; }
   // A window of one row: whether that row is read (else it is padding).
   bool holds_row(int64_t i) const { return begin(i) == 0 && end(i) == 1; }
 };
@@ -136,7 +136,7 @@ void gather_cpu(const GatherArgs& a) {
   const int64_t num_windows = a.num_windows();
   if (num_windows == 0) return;
   const int64_t capacity = a.capacity();
-  const int64_t seq_len = a.seq_len;
+  const int64_t window_len = a.window_len;
   const at::Tensor starts = a.starts.contiguous();
   const at::Tensor begins = a.valid_begin ? a.valid_begin->contiguous() : at::Tensor();
   const at::Tensor ends = a.valid_end ? a.valid_end->contiguous() : at::Tensor();
@@ -156,21 +156,21 @@ void gather_cpu(const GatherArgs& a) {
     dst[c] = static_cast<char*>(a.out[c].data_ptr());
     row_bytes[c] = a.row_bytes(c);
     copy[c] = copy_fn_for(row_bytes[c]);
-    window_bytes += row_bytes[c] * seq_len;
+    window_bytes += row_bytes[c] * window_len;
   }
   // About 64 KiB per task: enough to amortize scheduling, small enough to balance.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(window_bytes, 1));
 
-  const ValidRanges valid{begin_p, end_p, seq_len};
+  const ValidRanges valid{begin_p, end_p, window_len};
   const auto fill_mask = [&](int64_t first, int64_t last) {
     if (!mask_p) return;
     for (int64_t i = first; i < last; ++i) {
       const int64_t begin = valid.begin(i), end = valid.end(i);
-      bool* m = mask_p + i * seq_len;
-      for (int64_t j = 0; j < seq_len; ++j) m[j] = j >= begin && j < end;
+      bool* m = mask_p + i * window_len;
+      for (int64_t j = 0; j < window_len; ++j) m[j] = j >= begin && j < end;
     }
   };
-  if (seq_len == 1) {  // rows, and windows of one row: a copy (or padding) each, or one for a run of them
+  if (window_len == 1) {  // rows, and windows of one row: a copy (or padding) each, or one for a run of them
     const bool runs = mostly_runs(start_p, num_windows);
     at::parallel_for(0, num_windows, grain, [&](int64_t first, int64_t last) {
       for (size_t c = 0; c < num_columns; ++c) {
@@ -191,7 +191,7 @@ void gather_cpu(const GatherArgs& a) {
           for (int64_t line = 0; line < prefetch_lines; ++line) __builtin_prefetch(p + line * 64);
         }
         const int64_t begin = valid.begin(i);
-        copy[c](dst[c] + i * seq_len * rb, src[c], rb, capacity, start_p[i], begin, valid.end(i), seq_len);
+        copy[c](dst[c] + i * window_len * rb, src[c], rb, capacity, start_p[i], begin, valid.end(i), window_len);
       }
     }
     fill_mask(first, last);

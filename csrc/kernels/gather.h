@@ -1,6 +1,6 @@
 // One gather for every column of a table: rows are windows of length 1.
 //
-// Window i covers ring rows (starts[i] + j) mod capacity for j in [0, seq_len).
+// Window i covers ring rows (starts[i] + j) mod capacity for j in [0, window_len).
 // Positions j outside [valid_begin[i], valid_end[i]) are head/tail padding:
 // zero-filled, mask false. The ring wrap makes every index in range by
 // construction, so a bad start can never read outside a column.
@@ -25,12 +25,12 @@ inline int64_t row_bytes_of(const at::Tensor& column) {
 
 struct GatherArgs {
   std::vector<at::Tensor> columns;  // each [capacity, *step_shape], contiguous
-  std::vector<at::Tensor> out;      // each [num_windows * seq_len, *step_shape]
+  std::vector<at::Tensor> out;      // each [num_windows * window_len, *step_shape]
   at::Tensor starts;                // int64 [num_windows]
   std::optional<at::Tensor> valid_begin;  // int64 [num_windows], or all 0
-  std::optional<at::Tensor> valid_end;    // int64 [num_windows], or all seq_len
-  std::optional<at::Tensor> mask;         // bool [num_windows * seq_len]
-  int64_t seq_len = 1;
+  std::optional<at::Tensor> valid_end;    // int64 [num_windows], or all window_len
+  std::optional<at::Tensor> mask;         // bool [num_windows * window_len]
+  int64_t window_len = 1;
   std::vector<at::Tensor> hot_columns;    // empty: no hot tier
   std::optional<at::Tensor> hot_owner;    // int64 [hot_rows]
 

@@ -33,7 +33,7 @@ void check_gather_args(const GatherArgs& a) {
   TORCH_CHECK(!a.columns.empty(), "gather: no columns");
   TORCH_CHECK(a.columns.size() == a.out.size(), "gather: ", a.columns.size(), " columns but ",
               a.out.size(), " outputs");
-  TORCH_CHECK(a.seq_len >= 1, "gather: seq_len must be >= 1, got ", a.seq_len);
+  TORCH_CHECK(a.window_len >= 1, "gather: window_len must be >= 1, got ", a.window_len);
   TORCH_CHECK(a.starts.dim() == 1 && a.starts.scalar_type() == at::kLong,
               "gather: starts must be a 1-D int64 tensor, got ", a.starts.scalar_type(), " of dim ",
               a.starts.dim());
@@ -50,8 +50,8 @@ void check_gather_args(const GatherArgs& a) {
   }
   if (a.mask.has_value()) {
     const at::Tensor& m = a.mask.value();
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.is_contiguous() && m.numel() == num_windows * a.seq_len,
-                "gather: mask must be a contiguous bool tensor of ", num_windows * a.seq_len, " elements");
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.is_contiguous() && m.numel() == num_windows * a.window_len,
+                "gather: mask must be a contiguous bool tensor of ", num_windows * a.window_len, " elements");
   }
   const at::Device out_device = a.out.front().device();
   for (size_t c = 0; c < a.columns.size(); ++c) {
@@ -63,8 +63,8 @@ void check_gather_args(const GatherArgs& a) {
                 " and its output must be contiguous");
     TORCH_CHECK(col.scalar_type() == out.scalar_type(), "gather: column ", c, " is ",
                 col.scalar_type(), " but its output is ", out.scalar_type());
-    TORCH_CHECK(out.dim() >= 1 && out.size(0) == num_windows * a.seq_len, "gather: output ", c,
-                " must have ", num_windows * a.seq_len, " rows");
+    TORCH_CHECK(out.dim() >= 1 && out.size(0) == num_windows * a.window_len, "gather: output ", c,
+                " must have ", num_windows * a.window_len, " rows");
     TORCH_CHECK(out.sizes().slice(1) == col.sizes().slice(1), "gather: output ", c, " rows have shape ",
                 out.sizes().slice(1), " but the column's rows have shape ", col.sizes().slice(1));
     TORCH_CHECK(out.device() == out_device, "gather: all outputs must be on one device");

@@ -85,29 +85,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uniform_windows(const at::Tensor&
   return out.done();
 }
 
-at::Tensor window_rows(const at::Tensor& starts, int64_t seq_len, int64_t capacity) {
+at::Tensor window_rows(const at::Tensor& starts, int64_t window_len, int64_t capacity) {
   TORCH_CHECK(starts.device().is_cpu() && starts.scalar_type() == at::kLong && starts.dim() == 1,
               "window_rows: starts must be a 1-D int64 CPU tensor");
-  TORCH_CHECK(seq_len >= 1 && capacity >= 1, "window_rows: need seq_len >= 1 and capacity >= 1, got ", seq_len,
+  TORCH_CHECK(window_len >= 1 && capacity >= 1, "window_rows: need window_len >= 1 and capacity >= 1, got ", window_len,
               ", ", capacity);
   const at::Tensor s = starts.contiguous();
   const int64_t n = s.numel();
-  at::Tensor rows = at::empty({n * seq_len}, at::kLong);
+  at::Tensor rows = at::empty({n * window_len}, at::kLong);
   const int64_t* sp = s.data_ptr<int64_t>();
   int64_t* out = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     int64_t row = sp[i] % capacity;
     if (row < 0) row += capacity;
-    for (int64_t j = 0; j < seq_len; ++j) {
-      out[i * seq_len + j] = row;
+    for (int64_t j = 0; j < window_len; ++j) {
+      out[i * window_len + j] = row;
       if (++row == capacity) row = 0;
     }
   }
   return rows;
 }
 
-at::Tensor window_mask(const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t seq_len) {
-  TORCH_CHECK(seq_len >= 1, "window_mask: seq_len must be >= 1, got ", seq_len);
+at::Tensor window_mask(const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t window_len) {
+  TORCH_CHECK(window_len >= 1, "window_mask: window_len must be >= 1, got ", window_len);
   for (const at::Tensor* t : {&valid_begin, &valid_end}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1,
                 "window_mask: valid_begin and valid_end must be 1-D int64 CPU tensors");
@@ -115,12 +115,12 @@ at::Tensor window_mask(const at::Tensor& valid_begin, const at::Tensor& valid_en
   TORCH_CHECK(valid_begin.numel() == valid_end.numel(), "window_mask: valid_begin and valid_end differ in length");
   const at::Tensor b = valid_begin.contiguous(), e = valid_end.contiguous();
   const int64_t n = b.numel();
-  at::Tensor mask = at::zeros({n * seq_len}, at::kBool);
+  at::Tensor mask = at::zeros({n * window_len}, at::kBool);
   bool* m = mask.data_ptr<bool>();
   const int64_t *bp = b.data_ptr<int64_t>(), *ep = e.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t lo = std::min(std::max<int64_t>(bp[i], 0), seq_len), hi = std::min(std::max(ep[i], lo), seq_len);
-    std::fill(m + i * seq_len + lo, m + i * seq_len + hi, true);
+    const int64_t lo = std::min(std::max<int64_t>(bp[i], 0), window_len), hi = std::min(std::max(ep[i], lo), window_len);
+    std::fill(m + i * window_len + lo, m + i * window_len + hi, true);
   }
   return mask;
 }
@@ -139,22 +139,22 @@ void check_window_tensors(const at::Tensor& starts, const at::Tensor& valid_begi
 }  // namespace
 
 void check_windows(const at::Tensor& starts, const at::Tensor& valid_begin, const at::Tensor& valid_end,
-                   int64_t seq_len, int64_t capacity) {
+                   int64_t window_len, int64_t capacity) {
   check_window_tensors(starts, valid_begin, valid_end);
-  TORCH_CHECK_VALUE(seq_len >= 1 && seq_len <= capacity, "seq_len ", seq_len, " is outside [1, ", capacity, "]");
+  TORCH_CHECK_VALUE(window_len >= 1 && window_len <= capacity, "window_len ", window_len, " is outside [1, ", capacity, "]");
   const int64_t *s = starts.data_ptr<int64_t>(), *b = valid_begin.data_ptr<int64_t>(),
                 *e = valid_end.data_ptr<int64_t>();
   for (int64_t i = 0; i < starts.numel(); ++i) {
     TORCH_CHECK_INDEX(s[i] >= 0 && s[i] < capacity, "row ", s[i], " is out of range for a shard of ", capacity,
                       " rows");
-    TORCH_CHECK_INDEX(0 <= b[i] && b[i] <= e[i] && e[i] <= seq_len,
-                      "valid ranges must satisfy 0 <= valid_begin <= valid_end <= seq_len (", seq_len,
+    TORCH_CHECK_INDEX(0 <= b[i] && b[i] <= e[i] && e[i] <= window_len,
+                      "valid ranges must satisfy 0 <= valid_begin <= valid_end <= window_len (", window_len,
                       "); window ", i, " has [", b[i], ", ", e[i], ")");
   }
 }
 
 int64_t first_row_outside(const at::Tensor& starts, const at::Tensor& valid_begin, const at::Tensor& valid_end,
-                          int64_t seq_len, int64_t capacity, int64_t first, int64_t count) {
+                          int64_t window_len, int64_t capacity, int64_t first, int64_t count) {
   check_window_tensors(starts, valid_begin, valid_end);
   TORCH_CHECK_VALUE(capacity >= 1 && first >= 0 && first < capacity && count >= 0,
                     "first_row_outside: need 0 <= first < capacity and count >= 0");

@@ -30,22 +30,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uniform_windows(const at::Tensor&
                                                                bool strict_length);
 
 // Flat ring rows of every position of every window: (starts[i] mod capacity + j) mod capacity,
-// int64 [W * seq_len].
-at::Tensor window_rows(const at::Tensor& starts, int64_t seq_len, int64_t capacity);
+// int64 [W * window_len].
+at::Tensor window_rows(const at::Tensor& starts, int64_t window_len, int64_t capacity);
 
-// Which positions of each window hold data: j in [valid_begin[i], valid_end[i]), bool [W * seq_len].
-at::Tensor window_mask(const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t seq_len);
+// Which positions of each window hold data: j in [valid_begin[i], valid_end[i]), bool [W * window_len].
+at::Tensor window_mask(const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t window_len);
 
 // A request's windows against a ring of `capacity` rows: same lengths, starts in
-// [0, capacity), 0 <= valid_begin <= valid_end <= seq_len. Throws IndexError or
+// [0, capacity), 0 <= valid_begin <= valid_end <= window_len. Throws IndexError or
 // ValueError naming the first bad window (a remote learner's request: nothing trusted).
 void check_windows(const at::Tensor& starts, const at::Tensor& valid_begin, const at::Tensor& valid_end,
-                   int64_t seq_len, int64_t capacity);
+                   int64_t window_len, int64_t capacity);
 
 // The first ring row at a valid position of the windows outside the ring interval of `count`
 // rows from row `first` (count >= capacity: the whole ring), or -1 when every row is inside.
 // What a store can read is such an interval, so this is a readability check per row in one pass.
 int64_t first_row_outside(const at::Tensor& starts, const at::Tensor& valid_begin, const at::Tensor& valid_end,
-                          int64_t seq_len, int64_t capacity, int64_t first, int64_t count);
+                          int64_t window_len, int64_t capacity, int64_t first, int64_t count);
 
 }  // namespace gear

@@ -275,7 +275,7 @@ void bind_net(py::module_& m) {
   m.def("frame_rows_reply", &gear::frame_rows_reply,
         "Frame a reply of rows Python picked into this thread's reply buffer (GIL released): its bytes",
         py::arg("op"), py::arg("meta"), py::arg("arrays"), py::arg("columns"), py::arg("starts"),
-        py::arg("valid_begin"), py::arg("valid_end"), py::arg("seq_len"), py::call_guard<py::gil_scoped_release>());
+        py::arg("valid_begin"), py::arg("valid_end"), py::arg("window_len"), py::call_guard<py::gil_scoped_release>());
   m.def("send_framed_reply", &gear::send_framed_reply,
         "Send the reply frame_rows_reply framed on this thread (GIL released): 0, or -errno", py::arg("fd"),
         py::call_guard<py::gil_scoped_release>());

@@ -633,9 +633,9 @@ PrioritizedInto sample_prioritized_into(const OwnedStore& s, const PriorityRule&
 
 int64_t frame_rows_reply(int64_t op, const std::string& meta, const std::vector<at::Tensor>& arrays,
                          const std::vector<at::Tensor>& columns, const at::Tensor& starts,
-                         const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t seq_len) {
+                         const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t window_len) {
   TORCH_CHECK(op >= 0 && op <= 0xffff && meta.size() <= kMaxMeta, "frame_rows_reply: bad op or metadata");
-  const int64_t positions = starts.numel() * seq_len;
+  const int64_t positions = starts.numel() * window_len;
   TORCH_CHECK(positions <= kMaxPositions, "frame_rows_reply: ", positions, " rows in one reply");
   std::vector<uint64_t> lengths;
   for (const at::Tensor& a : arrays) {
@@ -649,9 +649,9 @@ int64_t frame_rows_reply(int64_t op, const std::string& meta, const std::vector<
     if (lengths[i] > 0) std::memcpy(reply.out.data() + reply.at[i], arrays[i].data_ptr(), lengths[i]);
   }
   if (!columns.empty()) {
-    check_windows(starts, valid_begin, valid_end, seq_len, columns.front().size(0));
+    check_windows(starts, valid_begin, valid_end, window_len, columns.front().size(0));
     const GatherArgs rows{columns, rows_in(reply, columns, columns.size(), positions), starts, valid_begin,
-                          valid_end, std::nullopt, seq_len};
+                          valid_end, std::nullopt, window_len};
     check_gather_args(rows);
     gather_cpu(rows);
   }

@@ -121,7 +121,7 @@ PrioritizedInto sample_prioritized_into(const OwnedStore& store, const PriorityR
 // it never holds back the writers.
 int64_t frame_rows_reply(int64_t op, const std::string& meta, const std::vector<at::Tensor>& arrays,
                          const std::vector<at::Tensor>& columns, const at::Tensor& starts,
-                         const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t seq_len);
+                         const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t window_len);
 
 // Sends the reply frame_rows_reply framed on this thread: 0, or -errno (the connection is done for).
 int64_t send_framed_reply(int64_t fd);

@@ -296,21 +296,21 @@ class ShardBatches:
         """The batch in pick order from the rounds' answers, each read where it landed (``batch``: where every
         answer's rows landed in order, a first round that filled it whole)."""
         picks = [p for _, p, _ in got]
-        seq_len = picks[0].seq_len
+        window_len = picks[0].window_len
         windows = Windows.cat([p.windows for p in picks])
         index = self._global_ids([s for s, _, _ in got], [p.count for p in picks], windows)
         if batch is None:
-            parts = [a.rows(p.count * seq_len) for _, p, a in got]
+            parts = [a.rows(p.count * window_len) for _, p, a in got]
             batch = parts[0] if len(parts) == 1 else [torch.cat(c) for c in zip(*parts)]
         extra = {n: torch.cat([p.extra[n] for p in picks]) for n in picks[0].extra}
         return ShardPicks(index, windows, batch, self._links.table(got[0][0]), extra, scalars)
 
     def _global_ids(self, shards: list[int], counts: list[int], windows: Windows) -> torch.Tensor:
         """The global id of every row of ``windows``: runs of ``counts[i]`` windows of ``shards[i]``."""
-        if windows.seq_len == 1:  # rows are their starts: one pass tags them all with their shards
+        if windows.window_len == 1:  # rows are their starts: one pass tags them all with their shards
             return global_ids.encode_runs(shards, counts, windows.starts)
         capacities = [self._links.descriptors[s].capacity for s in shards]
-        return global_ids.encode_runs(shards, [c * windows.seq_len for c in counts],
+        return global_ids.encode_runs(shards, [c * windows.window_len for c in counts],
                                       _ring_rows(windows, capacities, counts))
 
 

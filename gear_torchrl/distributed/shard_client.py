@@ -160,7 +160,7 @@ class ShardClient:
     def read(self, request: Windows, out: list[torch.Tensor]) -> None:
         """Bytes of the windows' rows, received straight into ``out`` (padding arrives as zeros)."""
         arrays = [request.starts.contiguous(), request.valid_begin.contiguous(), request.valid_end.contiguous()]
-        self.request(Message(Op.READ, {"seq_len": request.seq_len, "columns": len(out)}, arrays), into=out)
+        self.request(Message(Op.READ, {"window_len": request.window_len, "columns": len(out)}, arrays), into=out)
 
     def release(self) -> None:
         """Let the owner's writers reuse the rows of our last selection (no reply comes back)."""
@@ -380,8 +380,8 @@ class LandedPicks(Picked):
         return self._count
 
     @property
-    def seq_len(self) -> int:
-        return self._batch.seq_len
+    def window_len(self) -> int:
+        return self._batch.window_len
 
 
 @dataclass
@@ -435,12 +435,12 @@ def landing_extra(spec: SelectionSpec, count: int) -> dict[str, torch.Tensor] | 
     return {name: torch.empty(count, dtype=EXTRA_DTYPES[name]) for name in PRIORITIZED_EXTRA}
 
 
-def landing_picks(count: int, seq_len: int) -> Windows:
+def landing_picks(count: int, window_len: int) -> Windows:
     """Room for ``count`` picks that ROWS or WINDOWS replies land (rows: their valid ranges are known already)."""
     starts = torch.empty(count, dtype=torch.int64)
-    if seq_len == 1:
+    if window_len == 1:
         return Windows.of_rows(starts)
-    return Windows(starts, seq_len, torch.empty(count, dtype=torch.int64), torch.empty(count, dtype=torch.int64))
+    return Windows(starts, window_len, torch.empty(count, dtype=torch.int64), torch.empty(count, dtype=torch.int64))
 
 
 _SEED_BOUND = 1 << 63  # a SAMPLE_* request carries its seed as an int64
@@ -816,6 +816,6 @@ def _picked_of(meta: dict[str, Any], arrays: list[torch.Tensor]) -> Picked:
     if unknown or len(names) != len(rest):
         raise ValueError(f"per-pick values this learner does not know: {sorted(set(names) - set(EXTRA_DTYPES))}")
     values = {n: a.view(EXTRA_DTYPES[n]) for n, a in zip(names, rest)}
-    windows = Windows(starts.view(torch.int64), int(meta["seq_len"]), valid_begin.view(torch.int64),
+    windows = Windows(starts.view(torch.int64), int(meta["window_len"]), valid_begin.view(torch.int64),
                       valid_end.view(torch.int64))
     return Picked(windows, float(meta["mass"]), values, meta["scalars"])

@@ -260,7 +260,7 @@ class _Session:
             raise ValueError(f"cannot select {count} rows in one request")
         picked = self.view.pick(spec, count, seed)
         names = sorted(picked.extra)
-        meta = {"seq_len": picked.seq_len, "mass": picked.mass, "scalars": picked.scalars, "extra": names}
+        meta = {"window_len": picked.window_len, "mass": picked.mass, "scalars": picked.scalars, "extra": names}
         windows = picked.windows.contiguous()
         arrays = [windows.starts, windows.valid_begin, windows.valid_end,
                   *(picked.extra[n].cpu().contiguous() for n in names)]
@@ -307,7 +307,7 @@ class _Session:
 
     def _read(self, request: Message) -> None:
         """Reply with the windows' rows."""
-        seq_len = int(request.meta["seq_len"])
+        window_len = int(request.meta["window_len"])
         if len(request.arrays) != 3:
             raise ValueError("a READ carries starts, valid_begin and valid_end")
         starts, valid_begin, valid_end = (_viewed(a, torch.int64) for a in request.arrays)
@@ -315,10 +315,10 @@ class _Session:
         with shard.reading():
             if shard.table is None or shard.size == 0:
                 raise IndexError("the shard holds no rows yet")
-            if starts.numel() * seq_len > MAX_READ_POSITIONS:
+            if starts.numel() * window_len > MAX_READ_POSITIONS:
                 raise ValueError(f"a READ covers at most {MAX_READ_POSITIONS} rows")
-            _C.check_windows(starts, valid_begin, valid_end, seq_len, shard.capacity)
-            windows = Windows(starts, seq_len, valid_begin, valid_end)
+            _C.check_windows(starts, valid_begin, valid_end, window_len, shard.capacity)
+            windows = Windows(starts, window_len, valid_begin, valid_end)
             shard.check_readable_windows(windows)
             self._send_rows({}, [], windows, self._columns_asked(request.meta.get("columns")))
 
@@ -332,7 +332,7 @@ class _Session:
         blob = meta if isinstance(meta, bytes) else json.dumps(meta, separators=(",", ":")).encode()
         try:
             _C.frame_rows_reply(op, blob, arrays, self.shard.columns[:num_columns], windows.starts,
-                                windows.valid_begin, windows.valid_end, windows.seq_len)
+                                windows.valid_begin, windows.valid_end, windows.window_len)
         finally:
             self._release()  # the rows are out of the ring (or were not copied: nothing is sent)
         code = _C.send_framed_reply(self.conn.fileno())

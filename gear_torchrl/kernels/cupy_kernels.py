@@ -72,7 +72,7 @@ def _device_address(column: torch.Tensor, index: int) -> int:
 
 
 def gather(columns: list[torch.Tensor], out: list[torch.Tensor], starts: torch.Tensor,
-           valid_begin: torch.Tensor | None, valid_end: torch.Tensor | None, seq_len: int,
+           valid_begin: torch.Tensor | None, valid_end: torch.Tensor | None, window_len: int,
            mask: torch.Tensor | None, hot_columns: Sequence[torch.Tensor] = (),
            hot_owner: torch.Tensor | None = None) -> None:
     """Same contract as ``_C.gather`` for CUDA outputs (see csrc/kernels/gather.h)."""
@@ -98,7 +98,7 @@ def gather(columns: list[torch.Tensor], out: list[torch.Tensor], starts: torch.T
             row_bytes = columns[c][0].numel() * columns[c].element_size() if capacity else 0
             hot = 0 if hot_owner is None else hot_columns[c].data_ptr()
             descriptors += [_device_address(columns[c], c), out[c].data_ptr(), row_bytes, items, hot]
-            items += num_windows * ((row_bytes * seq_len + _CHUNK_BYTES - 1) // _CHUNK_BYTES)
+            items += num_windows * ((row_bytes * window_len + _CHUNK_BYTES - 1) // _CHUNK_BYTES)
         copy_items = items
         group_mask = mask if first == 0 else None
         if group_mask is not None:
@@ -111,7 +111,7 @@ def gather(columns: list[torch.Tensor], out: list[torch.Tensor], starts: torch.T
             _kernel(device.index)(
                 (blocks,), (_THREADS,),
                 (pointer(desc), np.int32(len(group)), pointer(starts_d), pointer(begin_d), pointer(end_d),
-                 pointer(group_mask), np.int64(num_windows), np.int64(seq_len), np.int64(capacity),
+                 pointer(group_mask), np.int64(num_windows), np.int64(window_len), np.int64(capacity),
                  np.int64(_CHUNK_BYTES), np.int64(copy_items), np.int64(items), pointer(hot_owner),
                  np.int64(hot_rows)),
                 shared_mem=len(group) * _DESC_WORDS * 8)

@@ -43,13 +43,13 @@ class HotRows(NamedTuple):
     owner: torch.Tensor  # int64 [slots]: the row each slot holds, -1 for none
 
 
-def _launch(columns, out, starts, valid_begin=None, valid_end=None, seq_len=1, mask=None,
+def _launch(columns, out, starts, valid_begin=None, valid_end=None, window_len=1, mask=None,
             hot: HotRows | None = None) -> None:
     hot_columns, hot_owner = ([], None) if hot is None else hot
     if out[0].is_cuda and _use_cupy():
-        cupy_kernels.gather(columns, out, starts, valid_begin, valid_end, seq_len, mask, hot_columns, hot_owner)
+        cupy_kernels.gather(columns, out, starts, valid_begin, valid_end, window_len, mask, hot_columns, hot_owner)
     else:
-        _C.gather(columns, out, starts, valid_begin, valid_end, seq_len, mask, hot_columns, hot_owner)
+        _C.gather(columns, out, starts, valid_begin, valid_end, window_len, mask, hot_columns, hot_owner)
 
 
 def _empty_like_rows(columns: list[torch.Tensor], num_rows: int, device: torch.device) -> list[torch.Tensor]:
@@ -67,22 +67,22 @@ def gather_rows(columns: list[torch.Tensor], rows: torch.Tensor, device: torch.d
 def gather_windows(
     columns: list[torch.Tensor],
     starts: torch.Tensor,
-    seq_len: int,
+    window_len: int,
     device: torch.device,
     valid_begin: torch.Tensor | None = None,
     valid_end: torch.Tensor | None = None,
     out: list[torch.Tensor] | None = None,
     hot: HotRows | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Windows of ``seq_len`` ring rows from ``starts``, padded outside ``[valid_begin, valid_end)``.
+    """Windows of ``window_len`` ring rows from ``starts``, padded outside ``[valid_begin, valid_end)``.
 
-    Returns the flat ``[num_windows * seq_len, ...]`` columns (``out`` when given:
+    Returns the flat ``[num_windows * window_len, ...]`` columns (``out`` when given:
     contiguous tensors of that shape) and the validity mask.
     """
     if out is None:
-        out = _empty_like_rows(columns, starts.numel() * seq_len, device)
-    mask = torch.empty(starts.numel() * seq_len, dtype=torch.bool, device=device)
-    _launch(columns, out, starts, valid_begin, valid_end, seq_len, mask, hot)
+        out = _empty_like_rows(columns, starts.numel() * window_len, device)
+    mask = torch.empty(starts.numel() * window_len, dtype=torch.bool, device=device)
+    _launch(columns, out, starts, valid_begin, valid_end, window_len, mask, hot)
     return out, mask
 
 

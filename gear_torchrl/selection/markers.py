@@ -23,7 +23,7 @@ class WindowMarkers:
         """The marker keys, from the columns just gathered (no second gather, no per-key insert afterwards)."""
         num_steps = mask.numel()
         truncated = torch.zeros(num_steps, 1, dtype=torch.bool, device=mask.device)
-        last = torch.arange(windows.starts.numel()) * windows.seq_len + windows.valid_end - 1
+        last = torch.arange(windows.starts.numel()) * windows.window_len + windows.valid_end - 1
         truncated[last.to(mask.device)] = True
         return {self.mask_key: mask, **self.episode_ends(columns, truncated)}
 

@@ -63,8 +63,8 @@ class Picked:
         return self.windows.starts
 
     @property
-    def seq_len(self) -> int:
-        return self.windows.seq_len
+    def window_len(self) -> int:
+        return self.windows.window_len
 
     @property
     def count(self) -> int:

@@ -91,7 +91,7 @@ class ShardTable(Table):
             selector.follow(shard)
             picked = pick_exactly(selector, shard, count, generator)
         addressing = shard.addressing
-        if picked.seq_len == 1 and markers is None:
+        if picked.window_len == 1 and markers is None:
             index = addressing.index_of(picked.starts)
             if not isinstance(index, torch.Tensor) or index.device == self.device:
                 self.drawn = index

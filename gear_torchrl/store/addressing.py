@@ -166,7 +166,7 @@ class StepRows(Addressing):
         return rows
 
     def window_index(self, windows: Windows) -> torch.Tensor:
-        """Ring rows ``[W * seq_len]``."""
+        """Ring rows ``[W * window_len]``."""
         return windows.rows(self.capacity)
 
     def rows_of(self, index: Any) -> Any:
@@ -281,7 +281,7 @@ class EnvColumns(Addressing):
         return rows // self._envs, rows % self._envs
 
     def window_index(self, windows: Windows) -> torch.Tensor:
-        """``[W * seq_len, 2]`` coordinates ``(t, e)`` of every window position, padding included."""
+        """``[W * window_len, 2]`` coordinates ``(t, e)`` of every window position, padding included."""
         return torch.stack(self.window_coordinates(windows), -1)
 
     def rows_of(self, index: Any) -> torch.Tensor:
@@ -309,8 +309,8 @@ class EnvColumns(Addressing):
         return self.episodes.window_rows
 
     def window_coordinates(self, windows: Windows) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(t, e)`` of every window position, padding included: ``[W * seq_len]`` each."""
-        return self.episodes.coordinates(_C.window_rows(windows.starts, windows.seq_len, self.window_rows))
+        """``(t, e)`` of every window position, padding included: ``[W * window_len]`` each."""
+        return self.episodes.coordinates(_C.window_rows(windows.starts, windows.window_len, self.window_rows))
 
     def ring_rows(self, window_rows: torch.Tensor) -> torch.Tensor:
         t, e = self.episodes.coordinates(window_rows)
@@ -318,7 +318,7 @@ class EnvColumns(Addressing):
 
     def gather_plan(self, windows: Windows) -> Windows:
         """Each position as a window of one flat row, empty where it is padding (the same kernel reads it)."""
-        rows = self.ring_rows(_C.window_rows(windows.starts, windows.seq_len, self.window_rows))
+        rows = self.ring_rows(_C.window_rows(windows.starts, windows.window_len, self.window_rows))
         valid = windows.mask().to(torch.int64)
         return Windows(rows, 1, torch.zeros_like(valid), valid)
 

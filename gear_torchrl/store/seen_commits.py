@@ -123,7 +123,7 @@ class SeenCommits:
         """``check_readable`` of the windows' valid positions."""
         # The readable rows are the ring interval of positions [lo, hi): one C++ pass, no row list.
         plan = self._ring.addressing.gather_plan(windows)  # runs of ring rows
-        row = _C.first_row_outside(plan.starts, plan.valid_begin, plan.valid_end, plan.seq_len,
+        row = _C.first_row_outside(plan.starts, plan.valid_begin, plan.valid_end, plan.window_len,
                                    self.capacity, self.lo % self.capacity, self.hi - self.lo)
         if row >= 0:
             raise IndexError(f"row {row} is not readable: it was evicted or is being rewritten")

@@ -229,7 +229,7 @@ class Shard(Ring):
         self.visibility.after_inplace_write()
 
     def read_windows(self, windows: Windows, markers: Markers | None = None) -> Data:
-        """Windows as a flat batch of ``W * seq_len`` rows on ``out_device``, padding zero-filled.
+        """Windows as a flat batch of ``W * window_len`` rows on ``out_device``, padding zero-filled.
 
         ``markers`` adds keys derived from the gathered columns (a window sampler's trajectory markers).
         """
@@ -237,8 +237,8 @@ class Shard(Ring):
         with self.reading():
             if self.table is None or self.size == 0:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")
-            self.visibility.claim_gather(windows.starts.numel() * windows.seq_len)
-            flat, mask = gather.gather_windows(self.columns, plan.starts, plan.seq_len, self.out_device,
+            self.visibility.claim_gather(windows.starts.numel() * windows.window_len)
+            flat, mask = gather.gather_windows(self.columns, plan.starts, plan.window_len, self.out_device,
                                                plan.valid_begin, plan.valid_end, hot=self._hot_rows())
             self.rows_read += flat[0].shape[0]
         # Windows are read where episodes are delimited by named flag columns: never a plain tensor's table.

@@ -112,17 +112,17 @@ def assert_bitwise_equal(gpu, ref, what=""):
                              f"(gpu {g[bad[0]].item()} ref {r[bad[0]].item()})")
 
 
-def gather_both(columns, starts, seq_len=1, valid_begin=None, valid_end=None, with_mask=False,
+def gather_both(columns, starts, window_len=1, valid_begin=None, valid_end=None, with_mask=False,
                 idx_device="cpu"):
     """Run the CUDA gather on `columns` (any tier) and the CPU gather on CPU copies; compare."""
     n = starts.shape[0]
-    rows = n * seq_len
+    rows = n * window_len
     cpu_cols = [c if c.device.type == "cpu" else c.cpu() for c in columns]
     ref_out = [torch.empty((rows, *c.shape[1:]), dtype=c.dtype) for c in cpu_cols]
     for o in ref_out:
         as_bytes(o).fill_(0x5A)
     ref_mask = torch.ones(rows, dtype=torch.bool) if with_mask else None
-    _C.gather(cpu_cols, ref_out, starts, valid_begin=valid_begin, valid_end=valid_end, seq_len=seq_len,
+    _C.gather(cpu_cols, ref_out, starts, valid_begin=valid_begin, valid_end=valid_end, window_len=window_len,
               mask=ref_mask)
 
     outs = [torch.empty((rows, *c.shape[1:]), dtype=c.dtype, device=DEVICE) for c in columns]
@@ -135,7 +135,7 @@ def gather_both(columns, starts, seq_len=1, valid_begin=None, valid_end=None, wi
         return None if t is None else t.to(idx_device)
 
     _C.gather(columns, outs, move(starts), valid_begin=move(valid_begin), valid_end=move(valid_end),
-              seq_len=seq_len, mask=mask)
+              window_len=window_len, mask=mask)
     torch.cuda.synchronize()
     for k, (o, r) in enumerate(zip(outs, ref_out)):
         assert_bitwise_equal(o, r, f"column {k} ({r.dtype}, step {tuple(r.shape[1:])})")
@@ -163,29 +163,29 @@ def test_rows_every_dtype(tier, dtype, place):
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_windows_every_dtype_padding_and_mask(tier, dtype, place):
     gen = torch.Generator().manual_seed(2)
-    capacity, seq_len, n = 500, 16, 300
+    capacity, window_len, n = 500, 16, 300
     cols = [place(random_column(capacity, shape, dtype, gen), tier) for shape in [(), (3,), (33,)]]
     starts = torch.randint(-capacity, capacity, (n,), generator=gen)
-    begin = torch.randint(-2, seq_len + 2, (n,), generator=gen)  # clamped by the gather
-    end = torch.randint(-2, seq_len + 3, (n,), generator=gen)
-    gather_both(cols, starts, seq_len, begin, end, with_mask=True)
+    begin = torch.randint(-2, window_len + 2, (n,), generator=gen)  # clamped by the gather
+    end = torch.randint(-2, window_len + 3, (n,), generator=gen)
+    gather_both(cols, starts, window_len, begin, end, with_mask=True)
 
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("row_bytes", [1, 2, 3, 5, 7, 12, 16, 17, 100, 4096, 4100, 65536])
-@pytest.mark.parametrize("seq_len", [1, 7, 64])
-def test_odd_row_sizes(tier, row_bytes, seq_len, place):
+@pytest.mark.parametrize("window_len", [1, 7, 64])
+def test_odd_row_sizes(tier, row_bytes, window_len, place):
     """Row sizes that give every source/destination alignment mod 16."""
-    gen = torch.Generator().manual_seed(row_bytes * 100 + seq_len)
+    gen = torch.Generator().manual_seed(row_bytes * 100 + window_len)
     capacity = max(8, min(4000, (64 << 20) // (row_bytes * 16)))
-    n = max(1, min(512, (32 << 20) // (row_bytes * seq_len)))
+    n = max(1, min(512, (32 << 20) // (row_bytes * window_len)))
     cols = [place(random_column(capacity, (row_bytes,), torch.uint8, gen), tier)]
     if row_bytes % 2 == 0:
         cols.append(place(random_column(capacity, (row_bytes // 2,), torch.bfloat16, gen), tier))
     starts = torch.randint(-2 * capacity, 2 * capacity, (n,), generator=gen)
-    begin = torch.randint(0, seq_len, (n,), generator=gen) if seq_len > 1 else None
-    end = torch.randint(0, seq_len + 1, (n,), generator=gen) if seq_len > 1 else None
-    gather_both(cols, starts, seq_len, begin, end, with_mask=seq_len > 1)
+    begin = torch.randint(0, window_len, (n,), generator=gen) if window_len > 1 else None
+    end = torch.randint(0, window_len + 1, (n,), generator=gen) if window_len > 1 else None
+    gather_both(cols, starts, window_len, begin, end, with_mask=window_len > 1)
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -196,49 +196,49 @@ def test_mixed_columns_one_call(tier, place):
     specs = [((4, 21, 21), torch.uint8), ((17,), torch.float32), ((), torch.int64), ((), torch.float32),
              ((), torch.bool), ((6,), torch.bfloat16), ((3,), torch.int16), ((2, 2), torch.float64)]
     cols = [place(random_column(capacity, s, d, gen), tier) for s, d in specs]
-    n, seq_len = 256, 40
+    n, window_len = 256, 40
     starts = torch.randint(0, capacity, (n,), generator=gen)
     begin = torch.randint(0, 10, (n,), generator=gen)
-    end = torch.randint(30, seq_len + 1, (n,), generator=gen)
-    gather_both(cols, starts, seq_len, begin, end, with_mask=True)
+    end = torch.randint(30, window_len + 1, (n,), generator=gen)
+    gather_both(cols, starts, window_len, begin, end, with_mask=True)
     gather_both(cols, starts[:5], 1)
 
 
 @pytest.mark.parametrize("tier", TIERS)
 def test_ring_wrap_and_negative_starts(tier, place):
     gen = torch.Generator().manual_seed(4)
-    capacity, seq_len = 50, 20
+    capacity, window_len = 50, 20
     cols = [place(random_column(capacity, (9,), torch.float32, gen), tier),
             place(random_column(capacity, (), torch.uint8, gen), tier)]
     starts = torch.tensor([capacity - 1, capacity - 5, -1, -capacity, -7 * capacity - 3, 10**12, -(10**12) + 7, 0])
-    gather_both(cols, starts, seq_len)
-    gather_both(cols, starts, seq_len, torch.full_like(starts, 3), torch.full_like(starts, 15), with_mask=True)
+    gather_both(cols, starts, window_len)
+    gather_both(cols, starts, window_len, torch.full_like(starts, 3), torch.full_like(starts, 15), with_mask=True)
 
 
 @pytest.mark.parametrize("tier", TIERS)
 def test_window_longer_than_ring(tier, place):
     gen = torch.Generator().manual_seed(5)
-    capacity, seq_len = 7, 50
+    capacity, window_len = 7, 50
     cols = [place(random_column(capacity, (5,), torch.int32, gen), tier),
             place(random_column(capacity, (), torch.bool, gen), tier)]
     starts = torch.randint(-20, 20, (33,), generator=gen)
     begin = torch.randint(-1, 10, (33,), generator=gen)
     end = torch.randint(10, 60, (33,), generator=gen)
-    gather_both(cols, starts, seq_len, begin, end, with_mask=True)
+    gather_both(cols, starts, window_len, begin, end, with_mask=True)
 
 
 @pytest.mark.parametrize("idx_device", ["cpu", "cuda"])
 def test_indices_on_either_device(idx_device, place):
     gen = torch.Generator().manual_seed(6)
-    capacity, seq_len, n = 300, 12, 77
+    capacity, window_len, n = 300, 12, 77
     cols = [place(random_column(capacity, (11,), torch.float16, gen), "pinned"),
             place(random_column(capacity, (4,), torch.float32, gen), "device")]  # tiers mix in one call
     starts = torch.randint(-500, 500, (n,), generator=gen)
     begin = torch.randint(0, 6, (n,), generator=gen)
     end = torch.randint(6, 13, (n,), generator=gen)
-    gather_both(cols, starts, seq_len, begin, end, with_mask=True, idx_device=idx_device)
-    gather_both(cols, starts, seq_len, None, end, with_mask=True, idx_device=idx_device)
-    gather_both(cols, starts, seq_len, begin, None, with_mask=False, idx_device=idx_device)
+    gather_both(cols, starts, window_len, begin, end, with_mask=True, idx_device=idx_device)
+    gather_both(cols, starts, window_len, None, end, with_mask=True, idx_device=idx_device)
+    gather_both(cols, starts, window_len, begin, None, with_mask=False, idx_device=idx_device)
 
 
 def test_misaligned_column_views(place):
@@ -343,23 +343,23 @@ def test_table_larger_than_4gib(tier):
         pytest.skip(f"needs about {2 * nbytes / 2**30:.1f} GiB of free host memory, "
                     f"{_free_host_bytes() / 2**30:.1f} GiB available")
     gen = torch.Generator().manual_seed(11)
-    n, seq_len = 512, 4
+    n, window_len = 512, 4
     starts = torch.cat([torch.randint(capacity - 200_000, capacity, (n - 8,), generator=gen),
                         torch.tensor([capacity - 1, capacity - 2, -1, 0, 1, (4 << 30) // row, (4 << 30) // row - 1,
                                       capacity - 3])])
-    touched = torch.unique(torch.cat([(starts + j) % capacity for j in range(seq_len)]))
+    touched = torch.unique(torch.cat([(starts + j) % capacity for j in range(window_len)]))
     if tier == "registered":
         table = page_aligned_empty(nbytes).view(capacity, row)
     else:
         table = torch.empty(capacity, row, dtype=torch.uint8, pin_memory=True)
     table[touched] = torch.randint(0, 256, (touched.numel(), row), generator=gen, dtype=torch.uint8)
-    expected = table[(starts[:, None] + torch.arange(seq_len)).reshape(-1) % capacity]
+    expected = table[(starts[:, None] + torch.arange(window_len)).reshape(-1) % capacity]
     if tier == "registered":
         _C.cuda_host_register(table)
     try:
         src = table.to(DEVICE) if tier == "device" else table
-        out = torch.empty(n * seq_len, row, dtype=torch.uint8, device=DEVICE)
-        _C.gather([src], [out], starts, seq_len=seq_len)
+        out = torch.empty(n * window_len, row, dtype=torch.uint8, device=DEVICE)
+        _C.gather([src], [out], starts, window_len=window_len)
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), expected)
         del src
@@ -376,19 +376,19 @@ def test_kernel_source_compiles_with_nvrtc_via_cupy():
     from gear_torchrl.kernels import cupy_kernels
 
     gen = torch.Generator().manual_seed(12)
-    capacity, seq_len, n = 300, 10, 97
+    capacity, window_len, n = 300, 10, 97
     cols = [random_column(capacity, (7,), torch.uint8, gen).pin_memory(),
             random_column(capacity, (32,), torch.float32, gen).to(DEVICE)]
     starts = torch.randint(-400, 400, (n,), generator=gen)
     begin = torch.randint(0, 4, (n,), generator=gen)
     end = torch.randint(5, 11, (n,), generator=gen)
-    ref = [torch.empty(n * seq_len, *c.shape[1:], dtype=c.dtype) for c in cols]
-    ref_mask = torch.empty(n * seq_len, dtype=torch.bool)
-    _C.gather([c.cpu() for c in cols], ref, starts, begin, end, seq_len, ref_mask)
+    ref = [torch.empty(n * window_len, *c.shape[1:], dtype=c.dtype) for c in cols]
+    ref_mask = torch.empty(n * window_len, dtype=torch.bool)
+    _C.gather([c.cpu() for c in cols], ref, starts, begin, end, window_len, ref_mask)
 
-    outs = [torch.full((n * seq_len, *c.shape[1:]), 7, dtype=c.dtype, device=DEVICE) for c in cols]
-    mask = torch.ones(n * seq_len, dtype=torch.bool, device=DEVICE)
-    cupy_kernels.gather(cols, outs, starts, begin, end, seq_len, mask)
+    outs = [torch.full((n * window_len, *c.shape[1:]), 7, dtype=c.dtype, device=DEVICE) for c in cols]
+    mask = torch.ones(n * window_len, dtype=torch.bool, device=DEVICE)
+    cupy_kernels.gather(cols, outs, starts, begin, end, window_len, mask)
     torch.cuda.synchronize()
     for o, r in zip(outs, ref):
         assert_bitwise_equal(o, r, "cupy kernel")

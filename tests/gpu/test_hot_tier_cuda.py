@@ -40,39 +40,39 @@ def owner_random(slots: int, capacity: int, gen) -> torch.Tensor:
     return owner
 
 
-def oracle(host, hot, owner, starts, seq_len, begin=None, end=None):
+def oracle(host, hot, owner, starts, window_len, begin=None, end=None):
     """What a gather with a hot tier must return, by plain indexing (CPU tensors)."""
     capacity, slots = host.shape[0], owner.numel()
-    rows = (starts[:, None] + torch.arange(seq_len)) % capacity
+    rows = (starts[:, None] + torch.arange(window_len)) % capacity
     slot = rows % slots
     out = host[rows]
     from_hot = owner[slot] == rows
     out[from_hot] = hot[slot[from_hot]]
-    pos = torch.arange(seq_len)
-    b = torch.zeros_like(starts) if begin is None else begin.clamp(0, seq_len)
-    e = torch.full_like(starts, seq_len) if end is None else torch.maximum(end, b).clamp(max=seq_len)
+    pos = torch.arange(window_len)
+    b = torch.zeros_like(starts) if begin is None else begin.clamp(0, window_len)
+    e = torch.full_like(starts, window_len) if end is None else torch.maximum(end, b).clamp(max=window_len)
     out[~((pos >= b[:, None]) & (pos < e[:, None]))] = 0
     return out.reshape(-1, *host.shape[1:]), from_hot
 
 
 @pytest.mark.parametrize("row_bytes", [3, 12, 1024])
-@pytest.mark.parametrize("seq_len", [1, 5, 64])
+@pytest.mark.parametrize("window_len", [1, 5, 64])
 @pytest.mark.parametrize("owners", ["appends", "random"])
-def test_each_row_comes_from_its_tier(row_bytes, seq_len, owners):
-    gen = torch.Generator().manual_seed(row_bytes * 100 + seq_len)
+def test_each_row_comes_from_its_tier(row_bytes, window_len, owners):
+    gen = torch.Generator().manual_seed(row_bytes * 100 + window_len)
     capacity, slots, n = 1000, 137, 300  # slots divide neither the capacity nor a window
     host = random_bytes((capacity, row_bytes), gen).pin_memory()
     hot = random_bytes((slots, row_bytes), gen)
     owner = owner_after_appends(slots, capacity, 2345) if owners == "appends" else owner_random(slots, capacity, gen)
     starts = torch.randint(-capacity, 2 * capacity, (n,), generator=gen)
-    begin = torch.randint(-1, seq_len, (n,), generator=gen) if seq_len > 1 else None
-    end = torch.randint(0, seq_len + 2, (n,), generator=gen) if seq_len > 1 else None
-    want, from_hot = oracle(host, hot, owner, starts, seq_len, begin, end)
+    begin = torch.randint(-1, window_len, (n,), generator=gen) if window_len > 1 else None
+    end = torch.randint(0, window_len + 2, (n,), generator=gen) if window_len > 1 else None
+    want, from_hot = oracle(host, hot, owner, starts, window_len, begin, end)
     assert 0 < int(from_hot.sum()) < from_hot.numel(), "the case must mix both tiers"
 
-    out = torch.full((n * seq_len, row_bytes), 0xA5, dtype=torch.uint8, device=DEVICE)
-    mask = torch.empty(n * seq_len, dtype=torch.bool, device=DEVICE) if seq_len > 1 else None
-    _C.gather([host], [out], starts, begin, end, seq_len, mask, hot_columns=[hot.to(DEVICE)],
+    out = torch.full((n * window_len, row_bytes), 0xA5, dtype=torch.uint8, device=DEVICE)
+    mask = torch.empty(n * window_len, dtype=torch.bool, device=DEVICE) if window_len > 1 else None
+    _C.gather([host], [out], starts, begin, end, window_len, mask, hot_columns=[hot.to(DEVICE)],
               hot_owner=owner.to(DEVICE))
     got = out.cpu()
     bad = (got != want).any(-1).nonzero().flatten()
@@ -81,17 +81,17 @@ def test_each_row_comes_from_its_tier(row_bytes, seq_len, owners):
 
 def test_many_columns_and_device_indices():
     gen = torch.Generator().manual_seed(3)
-    capacity, slots, n, seq_len = 500, 64, 128, 16
+    capacity, slots, n, window_len = 500, 64, 128, 16
     shapes = [(4,), (33,), (1,), (2, 5)]
     hosts = [random_bytes((capacity, *s), gen).pin_memory() for s in shapes]
     hots = [random_bytes((slots, *s), gen) for s in shapes]
     owner = owner_after_appends(slots, capacity, 777)
     starts = torch.randint(0, capacity, (n,), generator=gen)
-    outs = [torch.empty((n * seq_len, *s), dtype=torch.uint8, device=DEVICE) for s in shapes]
-    _C.gather(hosts, outs, starts.to(DEVICE), seq_len=seq_len, hot_columns=[h.to(DEVICE) for h in hots],
+    outs = [torch.empty((n * window_len, *s), dtype=torch.uint8, device=DEVICE) for s in shapes]
+    _C.gather(hosts, outs, starts.to(DEVICE), window_len=window_len, hot_columns=[h.to(DEVICE) for h in hots],
               hot_owner=owner.to(DEVICE))
     for host, hot, out in zip(hosts, hots, outs):
-        want, _ = oracle(host, hot, owner, starts, seq_len)
+        want, _ = oracle(host, hot, owner, starts, window_len)
         assert torch.equal(out.cpu(), want)
 
 

@@ -83,7 +83,7 @@ void gather_cuda(const GatherArgs& a) {
   const at::Device device = a.out.front().device();
   const c10::cuda::CUDAGuard guard(device);
   const int64_t num_windows = a.num_windows();
-  const int64_t seq_len = a.seq_len;
+  const int64_t window_len = a.window_len;
   const int64_t num_columns = static_cast<int64_t>(a.columns.size());
   if (a.mask) {
     TORCH_CHECK(a.mask->is_cuda(), "gather: the mask must be on the outputs' device");
@@ -102,7 +102,7 @@ void gather_cuda(const GatherArgs& a) {
   auto* h = reinterpret_cast<unsigned long long*>(host.data_ptr<int64_t>());
 
   int64_t total_bytes = 0;
-  for (int64_t c = 0; c < num_columns; ++c) total_bytes += a.row_bytes(c) * seq_len * num_windows;
+  for (int64_t c = 0; c < num_columns; ++c) total_bytes += a.row_bytes(c) * window_len * num_windows;
   const int64_t chunk = gear_gather_chunk_bytes(total_bytes, num_sms(device.index()));
 
   // Columns go in launches of at most GEAR_MAX_LAUNCH_COLUMNS (their descriptors
@@ -121,7 +121,7 @@ void gather_cuda(const GatherArgs& a) {
     d[2] = static_cast<unsigned long long>(rb);
     d[3] = static_cast<unsigned long long>(items);
     d[4] = hot ? reinterpret_cast<unsigned long long>(a.hot_columns[c].data_ptr()) : 0ull;
-    items += num_windows * ((rb * seq_len + chunk - 1) / chunk);
+    items += num_windows * ((rb * window_len + chunk - 1) / chunk);
   }
   launch_items.push_back(items);
 
@@ -187,7 +187,7 @@ void gather_cuda(const GatherArgs& a) {
     const size_t shared = static_cast<size_t>(cols) * GEAR_DESC_WORDS * sizeof(unsigned long long);
     gear_gather_kernel<<<static_cast<unsigned int>(blocks), GEAR_GATHER_THREADS, shared, stream>>>(
         staged + GEAR_DESC_WORDS * first, static_cast<int>(cols), starts_p, begins_p, ends_p,
-        with_mask ? mask_p : nullptr, num_windows, seq_len, capacity, chunk, copy_items, total, owner_p, hot_rows);
+        with_mask ? mask_p : nullptr, num_windows, window_len, capacity, chunk, copy_items, total, owner_p, hot_rows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -9,10 +9,10 @@
 //     name_expressions not needed: the entry point is extern "C").
 //
 // Semantics (csrc/kernels/gather.cpp is the reference): window i, position j in
-// [0, seq_len): if begin_i <= j < end_i (begin clamped to [0, seq_len], end to
-// [begin, seq_len]; no bounds -> 0 / seq_len) then out row i*seq_len+j = column
+// [0, window_len): if begin_i <= j < end_i (begin clamped to [0, window_len], end to
+// [begin, window_len]; no bounds -> 0 / window_len) then out row i*window_len+j = column
 // row (starts[i]+j) mod capacity (non-negative), else zeros;
-// mask[i*seq_len+j] = (begin_i <= j < end_i). Rows are windows of seq_len 1.
+// mask[i*window_len+j] = (begin_i <= j < end_i). Rows are windows of window_len 1.
 //
 // Hot tier (optional): for each column a device copy of some rows in
 // hot_rows slots, row r in slot r % hot_rows when hot_owner[r % hot_rows] == r.
@@ -25,13 +25,13 @@
 //                  +1 output base address (device memory),
 //                  +2 row bytes,
 //                  +3 first work item of column c (exclusive prefix sum of
-//                     num_windows * ceil(seq_len * row_bytes / chunk_bytes)),
+//                     num_windows * ceil(window_len * row_bytes / chunk_bytes)),
 //                  +4 hot tier base address (device memory), or 0 without one.
 //                num_columns <= GEAR_MAX_LAUNCH_COLUMNS; dynamic shared memory
 //                of num_columns * GEAR_DESC_WORDS * 8 bytes.
 //   starts       int64 [num_windows]
-//   begins/ends  int64 [num_windows], or null (0 / seq_len)
-//   mask         device bool/uint8 [num_windows * seq_len], or null
+//   begins/ends  int64 [num_windows], or null (0 / window_len)
+//   mask         device bool/uint8 [num_windows * window_len], or null
 //   desc, starts, begins and ends may live in device memory or in mapped pinned
 //   host memory (read in place: a launch needs no copy before it).
 //   chunk_bytes  bytes of one window's output span one warp copies per item,
@@ -154,12 +154,12 @@ __device__ __forceinline__ void zero_part(char* wdst, i64 lo, i64 hi, i64 c0, i6
   if (a < b) warp_zero(wdst + a, b - a, lane);
 }
 
-__device__ __forceinline__ void window_bounds(const i64* begins, const i64* ends, i64 i, i64 seq_len, i64* begin,
+__device__ __forceinline__ void window_bounds(const i64* begins, const i64* ends, i64 i, i64 window_len, i64* begin,
                                               i64* end) {
   i64 b = begins ? begins[i] : 0;
-  b = imin(imax(b, 0), seq_len);
-  i64 e = ends ? ends[i] : seq_len;
-  e = imin(imax(e, b), seq_len);
+  b = imin(imax(b, 0), window_len);
+  i64 e = ends ? ends[i] : window_len;
+  e = imin(imax(e, b), window_len);
   *begin = b;
   *end = e;
 }
@@ -168,18 +168,18 @@ __device__ __forceinline__ void window_bounds(const i64* begins, const i64* ends
 // (one round trip for all, wherever the bounds live), then the warp writes the
 // positions in order, taking each position's bounds from its window's lane.
 __device__ __forceinline__ void write_mask(unsigned char* mask, const i64* begins, const i64* ends, i64 i0,
-                                           i64 num_windows, i64 seq_len, int lane) {
+                                           i64 num_windows, i64 window_len, int lane) {
   const i64 n = imin(GEAR_MASK_WINDOWS, num_windows - i0);
   i64 b = 0, e = 0;
-  if (lane < n) window_bounds(begins, ends, i0 + lane, seq_len, &b, &e);
-  const i64 total = n * seq_len;
+  if (lane < n) window_bounds(begins, ends, i0 + lane, window_len, &b, &e);
+  const i64 total = n * window_len;
   for (i64 q0 = 0; q0 < total; q0 += 32) {  // the same trip count on every lane (shuffles)
     const i64 q = q0 + lane;
-    const int w = q < total ? (int)(q / seq_len) : 0;
+    const int w = q < total ? (int)(q / window_len) : 0;
     const i64 bw = __shfl_sync(0xffffffffu, b, w);
     const i64 ew = __shfl_sync(0xffffffffu, e, w);
-    const i64 j = q - (i64)w * seq_len;
-    if (q < total) mask[i0 * seq_len + q] = (j >= bw && j < ew) ? 1 : 0;
+    const i64 j = q - (i64)w * window_len;
+    if (q < total) mask[i0 * window_len + q] = (j >= bw && j < ew) ? 1 : 0;
   }
 }
 
@@ -203,7 +203,7 @@ __device__ __forceinline__ i64 tier_run(const i64* hot_owner, i64 hot_rows, i64 
 extern "C" __global__ void __launch_bounds__(GEAR_GATHER_THREADS)
 gear_gather_kernel(const unsigned long long* __restrict__ desc, int num_columns, const long long* __restrict__ starts,
                    const long long* __restrict__ begins, const long long* __restrict__ ends,
-                   unsigned char* __restrict__ mask, long long num_windows, long long seq_len, long long capacity,
+                   unsigned char* __restrict__ mask, long long num_windows, long long window_len, long long capacity,
                    long long chunk_bytes, long long copy_items, long long total_items,
                    const long long* __restrict__ hot_owner, long long hot_rows) {
   using namespace gear_kernel;
@@ -219,7 +219,7 @@ gear_gather_kernel(const unsigned long long* __restrict__ desc, int num_columns,
 
   for (i64 item = first_warp; item < total_items; item += num_warps) {
     if (item >= copy_items) {
-      write_mask(mask, begins, ends, (item - copy_items) * GEAR_MASK_WINDOWS, num_windows, seq_len, lane);
+      write_mask(mask, begins, ends, (item - copy_items) * GEAR_MASK_WINDOWS, num_windows, window_len, lane);
       continue;
     }
     // Which column: the last c with first_item(c) <= item (binary search).
@@ -234,7 +234,7 @@ gear_gather_kernel(const unsigned long long* __restrict__ desc, int num_columns,
     char* dst = (char*)d[1];
     const i64 rb = (i64)d[2];
     const char* hot_src = (const char*)d[4];
-    const i64 span = seq_len * rb;  // bytes of one window's output
+    const i64 span = window_len * rb;  // bytes of one window's output
     const i64 chunks = (span + chunk_bytes - 1) / chunk_bytes;
     const i64 local = item - (i64)d[3];
     const i64 i = local / chunks;
@@ -243,7 +243,7 @@ gear_gather_kernel(const unsigned long long* __restrict__ desc, int num_columns,
 
     const i64 start = starts[i];
     i64 begin, end;
-    window_bounds(begins, ends, i, seq_len, &begin, &end);
+    window_bounds(begins, ends, i, window_len, &begin, &end);
     char* wdst = dst + i * span;
     zero_part(wdst, 0, begin * rb, c0, c1, lane);
     zero_part(wdst, end * rb, span, c0, c1, lane);

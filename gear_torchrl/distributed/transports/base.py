@@ -38,9 +38,9 @@ class Transport(ABC):
 
     @abstractmethod
     def read(self, request: Windows, out: list[torch.Tensor]) -> None:
-        """Fill ``out[c][w * seq_len + p]`` for every valid position, for every column ``c``.
+        """Fill ``out[c][w * window_len + p]`` for every valid position, for every column ``c``.
 
-        ``out`` holds one contiguous CPU tensor per column, ``[W * seq_len, *row_shape]``.
+        ``out`` holds one contiguous CPU tensor per column, ``[W * window_len, *row_shape]``.
         Padding positions are written as zeros, or left untouched where
         ``writes_padding`` is False (the caller then passes zeroed tensors).
         Raises ``ShardUnavailableError`` if the shard cannot be reached and
@@ -57,7 +57,7 @@ class Transport(ABC):
         picked = client.select(ask.spec, ask.count, ask.seed)
         if ask.columns is None or not picked.count:
             return picked
-        out = ask.rows(picked.count * picked.seq_len)
+        out = ask.rows(picked.count * picked.window_len)
         self.read(picked.windows, out)
         client.release()
         return picked

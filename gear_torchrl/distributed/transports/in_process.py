@@ -52,13 +52,13 @@ class InProcessTransport(Transport):
             self._native.arm(ask.spec.to_json(), ask.spec)  # the extension answers its next asks
         try:
             if ask.columns is not None and picked.count:
-                self._gather(picked.windows, ask.rows(picked.count * picked.seq_len))
+                self._gather(picked.windows, ask.rows(picked.count * picked.window_len))
         finally:
             self._view.release()
         return picked
 
     def _gather(self, w: Windows, out: list[torch.Tensor]) -> None:
-        gather.gather_windows(self._view.shard.columns[: len(out)], w.starts, w.seq_len, _CPU, w.valid_begin,
+        gather.gather_windows(self._view.shard.columns[: len(out)], w.starts, w.window_len, _CPU, w.valid_begin,
                               w.valid_end, out=out)
 
     def update(self, spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,

@@ -39,7 +39,7 @@ class RowRuns:
 
     row_start: np.ndarray  # int64 [R], first ring row of the run
     num_rows: np.ndarray  # int64 [R], > 0
-    out_pos: np.ndarray  # int64 [R], output position (w * seq_len + p) of the first row
+    out_pos: np.ndarray  # int64 [R], output position (w * window_len + p) of the first row
 
 
 @dataclass(frozen=True)
@@ -98,22 +98,22 @@ def window_row_runs(request: Windows, capacity: int) -> RowRuns:
     starts = _as_int64(request.starts)
     begin = _as_int64(request.valid_begin)
     end = _as_int64(request.valid_end)
-    seq_len = int(request.seq_len)
+    window_len = int(request.window_len)
     if not (starts.size == begin.size == end.size):
         raise ValueError("starts, valid_begin and valid_end must have one entry per window")
     if capacity <= 0:
         raise ValueError(f"capacity must be positive, got {capacity}")
     if starts.size and (starts.min() < 0 or starts.max() >= capacity):
         raise IndexError(f"window starts must lie in [0, {capacity})")
-    if starts.size and (begin.min() < 0 or end.max() > seq_len or (begin > end).any()):
-        raise ValueError(f"need 0 <= valid_begin <= valid_end <= seq_len ({seq_len})")
+    if starts.size and (begin.min() < 0 or end.max() > window_len or (begin > end).any()):
+        raise ValueError(f"need 0 <= valid_begin <= valid_end <= window_len ({window_len})")
     count = end - begin
     if count.size and count.max() > capacity:
         raise ValueError(f"a window reads {int(count.max())} rows, more than the ring's {capacity}")
 
     first_row = (starts + begin) % capacity
     first_count = np.minimum(count, capacity - first_row)
-    first_pos = np.arange(starts.size, dtype=_I64) * seq_len + begin
+    first_pos = np.arange(starts.size, dtype=_I64) * window_len + begin
     # Two runs per window, interleaved so the output order is kept: [w0a, w0b, w1a, ...].
     row_start = np.stack([first_row, np.zeros_like(first_row)], axis=1).reshape(-1)
     num_rows = np.stack([first_count, count - first_count], axis=1).reshape(-1)
@@ -242,8 +242,8 @@ def region_end_of(layout: ColumnLayout) -> int:
 
 
 def valid_positions(request: Windows) -> torch.Tensor:
-    """Output positions (``w * seq_len + p``) that a read fills, ascending, int64."""
+    """Output positions (``w * window_len + p``) that a read fills, ascending, int64."""
     begin = request.valid_begin.reshape(-1, 1).to(torch.int64)
     end = request.valid_end.reshape(-1, 1).to(torch.int64)
-    p = torch.arange(request.seq_len, dtype=torch.int64).reshape(1, -1)
+    p = torch.arange(request.window_len, dtype=torch.int64).reshape(1, -1)
     return torch.nonzero(((p >= begin) & (p < end)).reshape(-1)).reshape(-1)
