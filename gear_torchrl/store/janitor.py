@@ -1,4 +1,4 @@
-"""Janitor of one store's shared memory: ``python -m gear_torchrl.store.janitor DIR PREFIX STATE CLOSED DIED``.
+"""Janitor of one store's shared memory: ``python -S janitor.py DIR PREFIX STATE CLOSED DIED``.
 
 It waits for its stdin to close (the owner closed the store, or died), then
 marks the store dead in its control segment, so attached processes fail

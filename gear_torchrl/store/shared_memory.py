@@ -104,10 +104,11 @@ class Janitor:
 
     def __init__(self, store_id: str) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "gear_torchrl.store.janitor", str(SHM_DIR), f"{PREFIX}{store_id}",
+            # The janitor script beside this file, on the standard library alone (-S): the same code as this
+            # process runs, whatever an installer's import hooks would resolve the package to.
+            [sys.executable, "-S", str(Path(__file__).with_name("janitor.py")), str(SHM_DIR), f"{PREFIX}{store_id}",
              *(str(v) for v in (_C.control.H_STATE, _C.control.CLOSED, _C.control.OWNER_DIED))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None  # both are pipes
         self._stdin, self._stdout = self._proc.stdin, self._proc.stdout
