@@ -38,8 +38,7 @@ from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.adapters.torchrl_state import state_from_torchrl, torchrl_fields
 from gear_torchrl.errors import EmptyStoreError
 from gear_torchrl.kernels import gather
-from gear_torchrl.selection.picked import SelectionIndex
-from gear_torchrl.selection.sample import sample_of
+from gear_torchrl.selection.picked import SelectionIndex, sample_of
 from gear_torchrl.selection.table import ShardTable
 from gear_torchrl.store.addressing import Addressing, EnvColumns, StepRows
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S

@@ -15,7 +15,6 @@ from gear_torchrl.selection.base import SelectionSpec, Selector
 from gear_torchrl.selection.checked_inputs import integer_rows
 from gear_torchrl.selection.markers import WindowMarkers
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.sample import SampledIndex
 from gear_torchrl.selection.table import Gate, Table
 
 
@@ -41,7 +40,7 @@ class ShardedTable(Table):
         self.rows_sampled += picks.index.numel()
         # One batch across shards: their masses stay with the split (``ShardSet``).
         picked = Picked(picks.windows, 0.0, picks.extra, picks.scalars, markers, picks.columns, picks.spec)
-        picked.index = SampledIndex(picks.index, picked)
+        picked.carried_by(picks.index)
         return picked
 
     def rows_of(self, index: Any) -> torch.Tensor:

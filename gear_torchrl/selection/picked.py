@@ -1,15 +1,22 @@
-"""The one sample type: picks as windows of ring rows (rows: windows of length one) and what they carry.
+"""The one sample type: picks as windows of ring rows (rows: windows of length one) and what they carry;
+and the index a sampler returns, which carries them back to ``storage.get``.
 
 A core returns a ``Picked`` for its shard: the windows (``Windows``, what the gather kernel
 reads), the shard's mass, per-pick values (weights, generations, a pack's places), scalars.
 A table (``selection/table.py``) hands the same object to the sampler, with TorchRL's
 ``index`` for it and what the storage's read needs (markers; over a sharded store the
-rows read already); the index carries it back to ``storage.get`` (``selection/sample.py``).
+rows read already).
+
+TorchRL hands a sampler's index to ``storage.get``. Windows need more than their flat
+rows (where padding is, which marker keys to write), and a sharded store has the rows
+read already. So the index is a ``SampledIndex``, carrying its picks: copies made by
+``clone``, ``to``, ``detach`` keep them, so ``get(index.clone())`` is ``get(index)``;
+any other op gives a plain tensor, which reads the rows it names.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
@@ -40,18 +47,30 @@ class Picked:
     columns: list[torch.Tensor] | None = None  # a sharded store's batch, read with the picks
     table: TableSpec | None = None  # what ``columns`` are
     _index: SelectionIndex | None = None
+    _carried: bool = False  # whether the index carries these picks (a SampledIndex, made when it is read)
 
     @property
     def index(self) -> SelectionIndex:
-        """TorchRL's index of the picks, as the table answering a sampler made it (for windows a
-        ``SampledIndex`` carrying this sample, so ``storage.get`` of it reads them)."""
-        if self._index is None:
+        """TorchRL's index of the picks, as the table answering a sampler made it: rows, or a ``SampledIndex``
+        carrying this sample, so that ``storage.get`` of it (or of a copy) reads them back."""
+        index = self._index
+        if index is None:
             raise RuntimeError("these picks have no index yet: a table makes it when it answers a sampler")
-        return self._index
+        # Made on each read, not kept: an index kept here would refer back to these picks (a cycle the
+        # garbage collector, not the reference count, would free, holding a batch's columns meanwhile).
+        if self._carried:
+            assert isinstance(index, torch.Tensor)  # carried_by takes a tensor
+            return SampledIndex(index, self)
+        return index
 
     @index.setter
     def index(self, index: SelectionIndex) -> None:
-        self._index = index
+        """Rows (or ``(t, e)`` coordinates) that name the picks and carry nothing."""
+        self._index, self._carried = index, False
+
+    def carried_by(self, rows: torch.Tensor) -> None:
+        """TorchRL's index is ``rows``, carrying these picks (``SampledIndex``)."""
+        self._index, self._carried = rows, True
 
     @classmethod
     def rows(cls, rows: torch.Tensor, mass: float | torch.Tensor, **kw: Any) -> Picked:
@@ -83,3 +102,46 @@ class Picked:
             return parts[0]
         extra = {k: torch.cat([p.extra[k] for p in parts]) for k in parts[0].extra}
         return Picked(Windows.cat([p.windows for p in parts]), mass, extra, dict(parts[-1].scalars))
+
+
+# Copies of an index: they keep its sample. Everything else (slicing, arithmetic...) gives plain rows.
+_COPIES = {torch.Tensor.clone, torch.clone, torch.Tensor.to, torch.Tensor.detach, torch.detach, torch.Tensor.cpu,
+           torch.Tensor.cuda, torch.Tensor.contiguous, torch.Tensor.pin_memory}
+
+
+class SampledIndex(torch.Tensor):
+    """A sampler's flat row index with the ``sample`` it reads (its windows, markers, rows read already)."""
+
+    sample: Picked
+
+    @staticmethod
+    def __new__(cls, rows: torch.Tensor, sample: Picked) -> SampledIndex:  # noqa: PYI034  (a tensor subclass)
+        out = torch.Tensor._make_subclass(cls, rows)
+        out.sample = sample
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        # The C implementation runs the op on the plain tensor (a property read costs ~1 us, half the
+        # Python context manager's); only copies are wrapped again.
+        out = torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+        source = args[0] if args else None
+        if func in _COPIES and isinstance(source, SampledIndex) and isinstance(out, torch.Tensor):
+            return out if out is source else SampledIndex(out, source.sample)
+        return out
+
+    def __deepcopy__(self, memo: dict) -> SampledIndex:
+        return SampledIndex(self.as_subclass(torch.Tensor).clone(), self.sample)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        return SampledIndex, (self.as_subclass(torch.Tensor).clone(), self.sample)
+
+    def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]  # mypy refuses even Tensor's own signature here
+        return f"SampledIndex({self.as_subclass(torch.Tensor)!r})"
+
+
+def sample_of(index: Any) -> Picked | None:
+    """The sample ``index`` carries, if it is a sampled index (possibly inside TorchRL's 1-tuple)."""
+    if isinstance(index, tuple) and len(index) == 1:
+        index = index[0]
+    return index.sample if isinstance(index, SampledIndex) else None

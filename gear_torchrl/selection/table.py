@@ -26,7 +26,6 @@ from gear_torchrl.selection.base import SelectionSpec, Selector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.markers import WindowMarkers
 from gear_torchrl.selection.picked import Picked, SelectionIndex
-from gear_torchrl.selection.sample import SampledIndex
 from gear_torchrl.store.shard import Shard
 
 # Around a draw of that many rows: where a storage's rate limiter waits (``adapters/rate_gate.py``).
@@ -99,7 +98,7 @@ class ShardTable(Table):
             return picked
         picked.markers = markers
         # On the storage's device already: TorchRL would otherwise move it (a copy, which keeps the sample too).
-        picked.index = SampledIndex(addressing.window_index(picked.windows).to(self.device), picked)
+        picked.carried_by(addressing.window_index(picked.windows).to(self.device))
         return picked
 
     def rows_of(self, index: Any) -> torch.Tensor:

@@ -167,7 +167,7 @@ class StepRows(Addressing):
 
     def window_index(self, windows: Windows) -> torch.Tensor:
         """Ring rows ``[W * window_len]``."""
-        return windows.rows(self.capacity)
+        return _C.window_rows(windows.starts, windows.window_len, self.capacity)
 
     def rows_of(self, index: Any) -> Any:
         """The index itself."""

@@ -22,8 +22,7 @@ from gear_torchrl.adapters.samplers.selecting import FollowsEpisodes
 from gear_torchrl.selection.checked_inputs import as_priority
 from gear_torchrl.selection.markers import PackedMarkers, WindowMarkers
 from gear_torchrl.selection.packed import PackedSelector, PackedSpec, PriorityPackedSelector, PriorityPackedSpec
-from gear_torchrl.selection.picked import Picked, SelectionIndex
-from gear_torchrl.selection.sample import SampledIndex, sample_of
+from gear_torchrl.selection.picked import Picked, SampledIndex, SelectionIndex, sample_of
 from gear_torchrl.store.table_spec import NestedKey, optional_path
 
 
@@ -126,7 +125,7 @@ class GearPackedSequenceSampler(FollowsEpisodes, Sampler):
             seq_id[-pad:] = -1
             index[-pad:] = -1
         picked.markers = PackedMarkers(seq_id, position, extra["step"], extra["trained"], extra["last"], self.markers)
-        picked.index = SampledIndex(index, picked)
+        picked.carried_by(index)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(max_len={self.max_len}, burn_in={self.burn_in}, "

@@ -11,9 +11,8 @@ from gear_torchrl.adapters.samplers.priority_state import PriorityState
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
 from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.selection.checked_inputs import as_rows, integer_rows, seeds_defaults
-from gear_torchrl.selection.picked import Picked, SelectionIndex
+from gear_torchrl.selection.picked import Picked, SelectionIndex, sample_of
 from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec, ProportionalSpec
-from gear_torchrl.selection.sample import sample_of
 
 
 class GearPrioritizedSampler(SelectsThroughStorage, PriorityState, PrioritizedSampler):

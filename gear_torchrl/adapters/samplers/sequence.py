@@ -7,7 +7,7 @@ The batch comes back in ``SliceSampler``'s layout: ``num_windows * window_len``
 flat steps that reshape to ``[num_windows, window_len]``, ``("next",
 "truncated")`` marking each window's last valid step and ``("next", "done")``
 or-ed with it, plus the validity mask under ``("collector", "mask")``. The
-windows travel with the returned index (``selection/sample.py``).
+windows travel with the returned index (``selection/picked.py``).
 """
 from __future__ import annotations
 
