@@ -13,6 +13,7 @@ quickstart: build
 
 test: build
 	$(VENV)/bin/ruff check gear_torchrl tests benchmarks scripts tutorials quickstart.py
+	$(VENV)/bin/ruff format --check gear_torchrl tests benchmarks scripts tutorials quickstart.py
 	$(VENV)/bin/mypy
 	$(VPY) -m pytest -q tests
 

@@ -7,6 +7,7 @@ and prints their throughput side by side.
 
     make quickstart            # or: .venv/bin/python quickstart.py --steps 1000000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,11 +72,12 @@ def main() -> None:
 
         gear = storages["GearStorage"]
         print(f"{gear}\n")
-        print(f"Uniform batches of {args.batch} from {args.steps:,} stored steps "
-              f"({gear.shard.episodes.num_episodes} episodes):")
+        print(
+            f"Uniform batches of {args.batch} from {args.steps:,} stored steps "
+            f"({gear.shard.episodes.num_episodes} episodes):"
+        )
         for name, rate in rates.items():
-            print(f"  {name:<18} {rate / 1e6:6.2f} M steps/s   GearStorage is "
-                  f"{rates['GearStorage'] / rate:4.2f}x this")
+            print(f"  {name:<18} {rate / 1e6:6.2f} M steps/s   GearStorage is {rates['GearStorage'] / rate:4.2f}x this")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ buffer on this CPU, the reason XXH3 was chosen.
     .venv/bin/python benchmarks/checkpoint_restore.py [--gib 1.5] [--repeats 7] \
         [--out docs/results/checkpoint_restore.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,12 +46,21 @@ def filled_store(gib: float) -> GearStorage:
     g = torch.Generator().manual_seed(0)
     for first in range(0, rows, 4096):
         n = min(4096, rows - first)
-        storage.set(torch.arange(first, first + n), TensorDict({
-            "pixels": torch.randint(0, 256, (n, *FRAME), dtype=torch.uint8, generator=g),
-            "next": {"pixels": torch.randint(0, 256, (n, *FRAME), dtype=torch.uint8, generator=g),
-                     "reward": torch.randn(n, generator=g), "done": torch.rand(n, 1, generator=g) < 0.001},
-            "action": torch.randint(0, 18, (n,), dtype=torch.int64, generator=g),
-        }, [n]))
+        storage.set(
+            torch.arange(first, first + n),
+            TensorDict(
+                {
+                    "pixels": torch.randint(0, 256, (n, *FRAME), dtype=torch.uint8, generator=g),
+                    "next": {
+                        "pixels": torch.randint(0, 256, (n, *FRAME), dtype=torch.uint8, generator=g),
+                        "reward": torch.randn(n, generator=g),
+                        "done": torch.rand(n, 1, generator=g) < 0.001,
+                    },
+                    "action": torch.randint(0, 18, (n,), dtype=torch.int64, generator=g),
+                },
+                [n],
+            ),
+        )
     return storage
 
 
@@ -71,13 +81,14 @@ def unverified_copy(source: Path, target: Path) -> None:
 def hash_rates(nbytes: int = 256 << 20) -> dict[str, float]:
     """GB/s of each candidate over one buffer, chunk by chunk as the loader hashes."""
     view = memoryview(os.urandom(nbytes))
-    chunks = [view[i: i + CHUNK] for i in range(0, nbytes, CHUNK)]
+    chunks = [view[i : i + CHUNK] for i in range(0, nbytes, CHUNK)]
 
     def streaming(update, start):
         def run():
             state = start
             for c in chunks:
                 state = update(c, state)
+
         return run
 
     def hashlib_run(name):
@@ -85,6 +96,7 @@ def hash_rates(nbytes: int = 256 << 20) -> dict[str, float]:
             h = hashlib.new(name)
             for c in chunks:
                 h.update(c)
+
         return run
 
     def xxh3_run():
@@ -92,8 +104,12 @@ def hash_rates(nbytes: int = 256 << 20) -> dict[str, float]:
         for c in chunks:
             digest.update(c)
 
-    candidates = {"xxh3_64": xxh3_run, "crc32": streaming(zlib.crc32, 0), "adler32": streaming(zlib.adler32, 1),
-                  **{name: hashlib_run(name) for name in ("sha256", "blake2b", "sha1")}}
+    candidates = {
+        "xxh3_64": xxh3_run,
+        "crc32": streaming(zlib.crc32, 0),
+        "adler32": streaming(zlib.adler32, 1),
+        **{name: hashlib_run(name) for name in ("sha256", "blake2b", "sha1")},
+    }
     rates = {}
     for name, run in candidates.items():
         best = float("inf")
@@ -124,13 +140,19 @@ def main() -> None:
         target = GearStorage(source.max_size)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UnverifiedCheckpointWarning)
-            times = interleaved_medians({"checksummed": lambda: target.loads(verified),
-                                         "unverified": lambda: target.loads(unverified),
-                                         "torchrl": lambda: peer.loads(peer_path),
-                                         # a TorchRL checkpoint moved to gear (its layout read,
-                                         # the episode index rebuilt)
-                                         "torchrl_into_gear": lambda: target.loads(peer_path)},
-                                        repeats=args.repeats, inner=1, warmup=1)
+            times = interleaved_medians(
+                {
+                    "checksummed": lambda: target.loads(verified),
+                    "unverified": lambda: target.loads(unverified),
+                    "torchrl": lambda: peer.loads(peer_path),
+                    # a TorchRL checkpoint moved to gear (its layout read,
+                    # the episode index rebuilt)
+                    "torchrl_into_gear": lambda: target.loads(peer_path),
+                },
+                repeats=args.repeats,
+                inner=1,
+                warmup=1,
+            )
         assert len(target) == len(source) == len(peer)
     nbytes = source.shard.nbytes
     result = {

@@ -21,6 +21,7 @@ this process trains.
     .venv/bin/python benchmarks/dataloader.py [--rows 100000] [--batch 512] [--batches 300] [--repeats 3] \
         [--threads 1] [--out bench_out/dataloader.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,18 @@ OBS = 84
 def steps(n: int, seed: int) -> TensorDict:
     """Vector-observation transitions: obs f32[84], next obs, action, reward, done (685 B a step)."""
     g = torch.Generator().manual_seed(seed)
-    return TensorDict({"obs": torch.randn(n, OBS, generator=g), "action": torch.randint(0, 6, (n,), generator=g),
-                       "next": {"obs": torch.randn(n, OBS, generator=g), "reward": torch.randn(n, 1, generator=g),
-                                "done": torch.rand(n, 1, generator=g) < 0.01}}, [n])
+    return TensorDict(
+        {
+            "obs": torch.randn(n, OBS, generator=g),
+            "action": torch.randint(0, 6, (n,), generator=g),
+            "next": {
+                "obs": torch.randn(n, OBS, generator=g),
+                "reward": torch.randn(n, 1, generator=g),
+                "done": torch.rand(n, 1, generator=g) < 0.01,
+            },
+        },
+        [n],
+    )
 
 
 class Sampled(IterableDataset):
@@ -82,6 +92,7 @@ class Learner:
 
 def ways(gear: Any, torchrl: Any, workers: int) -> dict[str, Callable[[], Iterator[Any]]]:
     """Each way, as a function that starts a fresh stream of batches."""
+
     def direct(rb: Any) -> Callable[[], Iterator[Any]]:
         return lambda: iter(rb.sample, None)
 
@@ -90,15 +101,20 @@ def ways(gear: Any, torchrl: Any, workers: int) -> dict[str, Callable[[], Iterat
         "direct rb.sample / LazyTensorStorage": direct(torchrl),
         "GearDataset, 0 workers": lambda: iter(GearDataset(gear, prefetch=2).loader(num_workers=0)),
         f"GearDataset, {workers} workers (slots)": lambda: iter(
-            GearDataset(gear, prefetch=2).loader(num_workers=workers)),
+            GearDataset(gear, prefetch=2).loader(num_workers=workers)
+        ),
         f"GearDataset, {workers} workers (pickled)": lambda: iter(
-            GearDataset(gear, prefetch=2).loader(num_workers=workers, batch_slots=0)),
+            GearDataset(gear, prefetch=2).loader(num_workers=workers, batch_slots=0)
+        ),
         f"GearDataset, {workers} workers (slots, spawn)": lambda: iter(
-            GearDataset(gear, prefetch=2).loader(num_workers=workers, multiprocessing_context="spawn")),
+            GearDataset(gear, prefetch=2).loader(num_workers=workers, multiprocessing_context="spawn")
+        ),
         "TorchRL buffer in a DataLoader, 0 workers": lambda: iter(
-            DataLoader(Sampled(torchrl), batch_size=None, collate_fn=as_is, num_workers=0)),
+            DataLoader(Sampled(torchrl), batch_size=None, collate_fn=as_is, num_workers=0)
+        ),
         f"TorchRL buffer in a DataLoader, {workers} workers": lambda: iter(
-            DataLoader(Sampled(torchrl), batch_size=None, collate_fn=as_is, num_workers=workers)),
+            DataLoader(Sampled(torchrl), batch_size=None, collate_fn=as_is, num_workers=workers)
+        ),
     }
 
 
@@ -127,8 +143,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["consume", "train"], choices=["consume", "train"])
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads here (with workers on 2 cores, more make every step wait on the others)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads here (with workers on 2 cores, more make every step wait on the others)",
+    )
     parser.add_argument("--out", default=None, help="write results as JSON here")
     args = parser.parse_args()
     logging.getLogger("torchrl").setLevel(logging.WARNING)
@@ -137,8 +157,9 @@ def main() -> None:
 
     storage = GearStorage(args.rows, shared=True)
     gear = TensorDictReplayBuffer(storage=storage, batch_size=args.batch)
-    torchrl = TensorDictReplayBuffer(storage=LazyTensorStorage(args.rows), sampler=RandomSampler(),
-                                     batch_size=args.batch)
+    torchrl = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(args.rows), sampler=RandomSampler(), batch_size=args.batch
+    )
     for first in range(0, args.rows, 10_000):
         chunk = steps(min(10_000, args.rows - first), seed=first)
         gear.extend(chunk)
@@ -162,22 +183,43 @@ def main() -> None:
                 # Ratio to direct sampling round by round, then the median: a slow moment of
                 # the machine weighs on one round, not on one way.
                 ratio = statistics.median(r / b for r, b in zip(rates[name], base))
-                results.append({"mode": mode, "way": name, "batches_per_s": round(rate),
-                                "vs_direct_gear": round(ratio, 2),
-                                "first_batch_s": round(statistics.median(firsts[name]), 3),
-                                "runs_batches_per_s": [round(r) for r in rates[name]],
-                                "runs_first_batch_s": [round(f, 3) for f in firsts[name]]})
+                results.append(
+                    {
+                        "mode": mode,
+                        "way": name,
+                        "batches_per_s": round(rate),
+                        "vs_direct_gear": round(ratio, 2),
+                        "first_batch_s": round(statistics.median(firsts[name]), 3),
+                        "runs_batches_per_s": [round(r) for r in rates[name]],
+                        "runs_first_batch_s": [round(f, 3) for f in firsts[name]],
+                    }
+                )
     finally:
         storage.close()
-    print(f"\n== batch {args.batch} of {args.rows:,} steps, {args.batches} batches per stream, "
-          f"median of {args.repeats} ==")
+    print(
+        f"\n== batch {args.batch} of {args.rows:,} steps, {args.batches} batches per stream, "
+        f"median of {args.repeats} =="
+    )
     print(table(results, ["mode", "way", "batches_per_s", "vs_direct_gear", "first_batch_s"]))
     load = {"before": load_before, "after": os.getloadavg()}
-    print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}: other processes share "
-          "these cores when it is above the workers' count")
-    write_json(args.out, {"benchmark": "dataloader", "rows": args.rows, "batch": args.batch,
-                          "batches": args.batches, "workers": args.workers, "repeats": args.repeats,
-                          "threads": args.threads, "load_average": load, "results": results})
+    print(
+        f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}: other processes share "
+        "these cores when it is above the workers' count"
+    )
+    write_json(
+        args.out,
+        {
+            "benchmark": "dataloader",
+            "rows": args.rows,
+            "batch": args.batch,
+            "batches": args.batches,
+            "workers": args.workers,
+            "repeats": args.repeats,
+            "threads": args.threads,
+            "load_average": load,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ One torch thread, as in the tutorial.
 
     .venv/bin/python benchmarks/dqn_cartpole.py [--frames 10000] [--repeats 3] [--out bench_out/dqn_cartpole.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,11 +41,13 @@ CAPACITY = 50_000
 def buffers() -> dict[str, Callable[[], TensorDictReplayBuffer]]:
     return {
         "GearStorage + GearPrioritizedSampler": lambda: TensorDictReplayBuffer(
-            storage=GearStorage(CAPACITY), sampler=GearPrioritizedSampler(CAPACITY, alpha=0.6, beta=0.4),
-            batch_size=128),
+            storage=GearStorage(CAPACITY), sampler=GearPrioritizedSampler(CAPACITY, alpha=0.6, beta=0.4), batch_size=128
+        ),
         "LazyTensorStorage + PrioritizedSampler": lambda: TensorDictReplayBuffer(
-            storage=LazyTensorStorage(CAPACITY), sampler=PrioritizedSampler(CAPACITY, alpha=0.6, beta=0.4),
-            batch_size=128),
+            storage=LazyTensorStorage(CAPACITY),
+            sampler=PrioritizedSampler(CAPACITY, alpha=0.6, beta=0.4),
+            batch_size=128,
+        ),
     }
 
 
@@ -53,18 +56,25 @@ def run(make_rb: Callable[[], TensorDictReplayBuffer], frames: int, updates: int
     torch.manual_seed(seed)
     env = TransformedEnv(GymEnv("CartPole-v1"), StepCounter())
     env.set_seed(seed)
-    actor = QValueActor(MLP(in_features=4, out_features=2, num_cells=[128, 128]), in_keys=["observation"],
-                        spec=env.action_spec)
-    explore = TensorDictSequential(actor, EGreedyModule(env.action_spec, eps_init=1.0, eps_end=0.05,
-                                                        annealing_num_steps=frames // 3))
-    loss = DQNLoss(actor, action_space=env.action_spec, delay_value=True, double_dqn=True,
-                   loss_function="smooth_l1")
+    actor = QValueActor(
+        MLP(in_features=4, out_features=2, num_cells=[128, 128]), in_keys=["observation"], spec=env.action_spec
+    )
+    explore = TensorDictSequential(
+        actor, EGreedyModule(env.action_spec, eps_init=1.0, eps_end=0.05, annealing_num_steps=frames // 3)
+    )
+    loss = DQNLoss(actor, action_space=env.action_spec, delay_value=True, double_dqn=True, loss_function="smooth_l1")
     loss.make_value_estimator(gamma=0.99)
     target_update = SoftUpdate(loss, eps=0.98)
     optimizer = torch.optim.Adam(loss.parameters(), lr=5e-4)
     rb = make_rb()
-    collector = Collector(env, explore, frames_per_batch=100, total_frames=frames, init_random_frames=1_000,
-                          auto_register_policy_transforms=False)
+    collector = Collector(
+        env,
+        explore,
+        frames_per_batch=100,
+        total_frames=frames,
+        init_random_frames=1_000,
+        auto_register_policy_transforms=False,
+    )
     replay = 0.0
     start = time.perf_counter()
     for batch in collector:
@@ -112,22 +122,40 @@ def main() -> None:
         replay = statistics.median(r["replay_s"] for r in results)
         # Ratios run by run (same seed, back to back), then their median: a slow moment of
         # the machine then weighs on one pair, not on one side.
-        rows.append({"replay buffer": name, "total_s": round(total, 1), "replay_s": round(replay, 2),
-                     "replay_share": f"{100 * replay / total:.0f}%",
-                     "total_vs_gear": round(statistics.median(r["total_s"] / g["total_s"]
-                                                              for r, g in zip(results, gear)), 3),
-                     "replay_vs_gear": round(statistics.median(r["replay_s"] / g["replay_s"]
-                                                               for r, g in zip(results, gear)), 2),
-                     "runs_total_s": [round(r["total_s"], 1) for r in results],
-                     "runs_replay_s": [round(r["replay_s"], 2) for r in results]})
+        rows.append(
+            {
+                "replay buffer": name,
+                "total_s": round(total, 1),
+                "replay_s": round(replay, 2),
+                "replay_share": f"{100 * replay / total:.0f}%",
+                "total_vs_gear": round(
+                    statistics.median(r["total_s"] / g["total_s"] for r, g in zip(results, gear)), 3
+                ),
+                "replay_vs_gear": round(
+                    statistics.median(r["replay_s"] / g["replay_s"] for r, g in zip(results, gear)), 2
+                ),
+                "runs_total_s": [round(r["total_s"], 1) for r in results],
+                "runs_replay_s": [round(r["replay_s"], 2) for r in results],
+            }
+        )
     updates = (args.frames - 1_000) // 100 * args.updates
-    print(f"\n== DQN on CartPole, {args.frames:,} frames, {updates:,} updates of batch 128, "
-          f"median of {args.repeats} ==")
+    print(
+        f"\n== DQN on CartPole, {args.frames:,} frames, {updates:,} updates of batch 128, median of {args.repeats} =="
+    )
     print(table(rows, ["replay buffer", "total_s", "replay_s", "replay_share", "total_vs_gear", "replay_vs_gear"]))
     load = {"before": load_before, "after": os.getloadavg()}
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}")
-    write_json(args.out, {"benchmark": "dqn_cartpole", "frames": args.frames, "updates_per_100_frames": args.updates,
-                          "repeats": args.repeats, "load_average": load, "results": rows})
+    write_json(
+        args.out,
+        {
+            "benchmark": "dqn_cartpole",
+            "frames": args.frames,
+            "updates_per_100_frames": args.updates,
+            "repeats": args.repeats,
+            "load_average": load,
+            "results": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

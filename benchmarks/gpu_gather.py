@@ -22,6 +22,7 @@ is included), and per call over 2-16 calls (64 MiB) issued back to back ("stream
 the sustained rate of a training loop, where each call's host work overlaps
 the device work of the one before). Needs torch and the compiled extension only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,7 +93,7 @@ class Bench:
         self.dev = torch.device("cuda")
         t0 = time.perf_counter()
         self.host = torch.empty(table_bytes, dtype=torch.uint8, pin_memory=True)
-        self.host[:: 4096].fill_(1)  # touch
+        self.host[::4096].fill_(1)  # touch
         self.pin_s = time.perf_counter() - t0
         self.device_table = None
         self.results = []
@@ -106,7 +107,7 @@ class Bench:
             row = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
             n = capacity * row
             assert off + n <= buf.numel(), "table buffer too small"
-            cols.append(buf[off:off + n].view(dtype).view(capacity, *shape))
+            cols.append(buf[off : off + n].view(dtype).view(capacity, *shape))
             off += -(-n // 256) * 256
         return cols
 
@@ -122,8 +123,15 @@ class Bench:
         def gear():
             _C.gather(cols, outs, starts, window_len=seq_len)
 
-        res = {"section": section, "tier": tier, "batch": batch, "seq_len": seq_len, "row_bytes": row_bytes,
-               "columns": len(cols), "bytes": nbytes}
+        res = {
+            "section": section,
+            "tier": tier,
+            "batch": batch,
+            "seq_len": seq_len,
+            "row_bytes": row_bytes,
+            "columns": len(cols),
+            "bytes": nbytes,
+        }
         res["gear_s"] = time_op(gear, self.reps)
         res["gear_gbps"] = gbps(nbytes, res["gear_s"])
         res["gear_stream_s"] = time_stream(gear, self.reps, nbytes)
@@ -145,6 +153,7 @@ class Bench:
             res["pct_memcpy_stream"] = 100.0 * res["gear_stream_gbps"] / res["memcpy_stream_gbps"]
             del dst
             if baselines:
+
                 def torchrl_path():
                     # what TorchRL's LazyTensorStorage + sampler + .to('cuda') do for each key
                     return [torch.index_select(c, 0, rows).pin_memory().to(dev, non_blocking=True) for c in cols]
@@ -166,7 +175,6 @@ class Bench:
         print(format_row(res), flush=True)
         return res
 
-
     def hot_case(self, row, batch, seq_len, share):
         """Uniform starts over a host table whose newest ``share`` of rows also sit in a hot tier."""
         _C, dev = self._C, self.dev
@@ -181,26 +189,42 @@ class Bench:
         starts = torch.randint(0, capacity, (batch,), generator=self.gen)
         out = torch.empty(batch * seq_len, row, dtype=torch.uint8, device=dev)
         nbytes = out.numel()
-        tiered = time_op(lambda: _C.gather([col], [out], starts, seq_len=seq_len, hot_columns=[hot], hot_owner=owner),
-                         self.reps)
+        tiered = time_op(
+            lambda: _C.gather([col], [out], starts, seq_len=seq_len, hot_columns=[hot], hot_owner=owner), self.reps
+        )
         rows = flat_rows(starts, seq_len, capacity)
         assert torch.equal(out[:64].cpu(), col[rows[:64]]), "wrong bytes with a hot tier"
         host_only = time_op(lambda: _C.gather([col], [out], starts, seq_len=seq_len), self.reps)
-        res = {"section": "hot-tier", "batch": batch, "seq_len": seq_len, "row_bytes": row, "bytes": nbytes,
-               "hot_share": share, "gear_hot_s": tiered, "gear_hot_gbps": gbps(nbytes, tiered),
-               "gear_host_s": host_only, "gear_host_gbps": gbps(nbytes, host_only), "x_host": host_only / tiered}
+        res = {
+            "section": "hot-tier",
+            "batch": batch,
+            "seq_len": seq_len,
+            "row_bytes": row,
+            "bytes": nbytes,
+            "hot_share": share,
+            "gear_hot_s": tiered,
+            "gear_hot_gbps": gbps(nbytes, tiered),
+            "gear_host_s": host_only,
+            "gear_host_gbps": gbps(nbytes, host_only),
+            "x_host": host_only / tiered,
+        }
         self.hot_results.append(res)
-        print(f"hot tier {share:>5.0%} of {capacity} rows  batch {batch:>5} x {seq_len:>3}  row {row:>6} B  "
-              f"{res['gear_hot_gbps']:8.2f} GB/s  host only {res['gear_host_gbps']:7.2f} GB/s  "
-              f"x{res['x_host']:5.2f}", flush=True)
+        print(
+            f"hot tier {share:>5.0%} of {capacity} rows  batch {batch:>5} x {seq_len:>3}  row {row:>6} B  "
+            f"{res['gear_hot_gbps']:8.2f} GB/s  host only {res['gear_host_gbps']:7.2f} GB/s  "
+            f"x{res['x_host']:5.2f}",
+            flush=True,
+        )
         hot = owner = out = None  # the timed calls are done: their memory goes back
         torch.cuda.empty_cache()
         return res
 
 
-HEADER = (f"{'section':<16}{'tier':<7}{'batch':>6}{'seq':>5}{'row B':>8}{'MiB':>8}"
-          f"{'gear GB/s':>11}{'memcpy':>9}{'%memcpy':>9}{'torchrl':>9}{'x torchrl':>10}"
-          f"{'streamed':>10}{'memcpy':>9}{'%memcpy':>9}{'x torchrl':>10}")
+HEADER = (
+    f"{'section':<16}{'tier':<7}{'batch':>6}{'seq':>5}{'row B':>8}{'MiB':>8}"
+    f"{'gear GB/s':>11}{'memcpy':>9}{'%memcpy':>9}{'torchrl':>9}{'x torchrl':>10}"
+    f"{'streamed':>10}{'memcpy':>9}{'%memcpy':>9}{'x torchrl':>10}"
+)
 
 
 def format_row(r):
@@ -211,12 +235,17 @@ def format_row(r):
         ref, pct = r["d2d_gbps"], r["pct_d2d"]
     trl = f"{r['torchrl_gbps']:9.2f}" if "torchrl_gbps" in r else f"{'-':>9}"
     xt = f"{r['x_torchrl']:10.1f}" if "x_torchrl" in r else f"{'-':>10}"
-    streamed = (f"{r['gear_stream_gbps']:10.2f}{r['memcpy_stream_gbps']:9.2f}{r['pct_memcpy_stream']:8.0f}%"
-                if "pct_memcpy_stream" in r else f"{r['gear_stream_gbps']:10.2f}")
+    streamed = (
+        f"{r['gear_stream_gbps']:10.2f}{r['memcpy_stream_gbps']:9.2f}{r['pct_memcpy_stream']:8.0f}%"
+        if "pct_memcpy_stream" in r
+        else f"{r['gear_stream_gbps']:10.2f}"
+    )
     if "x_torchrl_stream" in r:
         streamed += f"{r['x_torchrl_stream']:10.1f}"
-    return (f"{r['section']:<16}{r['tier']:<7}{r['batch']:>6}{r['seq_len']:>5}{r['row_bytes']:>8}{mib:8.1f}"
-            f"{r['gear_gbps']:11.2f}{ref:9.2f}{pct:8.0f}%{trl}{xt}{streamed}")
+    return (
+        f"{r['section']:<16}{r['tier']:<7}{r['batch']:>6}{r['seq_len']:>5}{r['row_bytes']:>8}{mib:8.1f}"
+        f"{r['gear_gbps']:11.2f}{ref:9.2f}{pct:8.0f}%{trl}{xt}{streamed}"
+    )
 
 
 def main(argv=None):
@@ -238,9 +267,12 @@ def main(argv=None):
     table_bytes = int(args.table_gib * 2**30)
     b = Bench(_C, reps, table_bytes)
     props = torch.cuda.get_device_properties(0)
-    print(f"device {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
-          f"{torch.get_num_threads()} CPU threads; pinned {table_bytes / 2**30:.1f} GiB in {b.pin_s:.1f} s; "
-          f"median of {reps}", flush=True)
+    print(
+        f"device {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
+        f"{torch.get_num_threads()} CPU threads; pinned {table_bytes / 2**30:.1f} GiB in {b.pin_s:.1f} s; "
+        f"median of {reps}",
+        flush=True,
+    )
     print(HEADER, flush=True)
 
     u8 = torch.uint8
@@ -277,7 +309,7 @@ def main(argv=None):
     b.device_table = torch.empty(table_bytes, dtype=torch.uint8, device=b.dev)
     b.device_table.fill_(3)
     for row in window_rows:
-        for batch in ([32, 1024] if not args.quick else [1024]):
+        for batch in [32, 1024] if not args.quick else [1024]:
             if batch * 64 * row <= max_bytes:
                 b.case("windows", [((row,), u8)], capacity_for(row), batch, 64, tier="device")
     for row in step_rows:
@@ -292,7 +324,7 @@ def main(argv=None):
         "cpu_threads": torch.get_num_threads(),
         "reps": reps,
         "timing": "median of reps, CUDA events around the whole call on an idle stream (*_s); "
-                  "*_stream_s: per call, 2-16 calls (64 MiB) back to back between the events",
+        "*_stream_s: per call, 2-16 calls (64 MiB) back to back between the events",
         "gb": 1e9,
         "results": b.results,
         "hot_tier": b.hot_results,
@@ -304,13 +336,18 @@ def main(argv=None):
         trl = [r["x_torchrl"] for r in host if "x_torchrl" in r]
         if trl:
             summary["min_x_torchrl_rows_ge_1KiB"] = min(trl)
-            summary["min_x_torchrl_stream_rows_ge_1KiB"] = min(r["x_torchrl_stream"] for r in host
-                                                               if "x_torchrl_stream" in r)
+            summary["min_x_torchrl_stream_rows_ge_1KiB"] = min(
+                r["x_torchrl_stream"] for r in host if "x_torchrl_stream" in r
+            )
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
     print(f"wrote {args.out}")
-    for k in ("min_pct_memcpy_rows_ge_1KiB", "min_pct_memcpy_stream_rows_ge_1KiB", "min_x_torchrl_rows_ge_1KiB",
-              "min_x_torchrl_stream_rows_ge_1KiB"):
+    for k in (
+        "min_pct_memcpy_rows_ge_1KiB",
+        "min_pct_memcpy_stream_rows_ge_1KiB",
+        "min_x_torchrl_rows_ge_1KiB",
+        "min_x_torchrl_stream_rows_ge_1KiB",
+    ):
         if k in summary:
             print(f"{k}: {summary[k]:.2f}")
     return 0

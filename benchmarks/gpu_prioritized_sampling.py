@@ -11,6 +11,7 @@ differs from the pinned one (the lent GPU image), pass ``--torchrl-site``, a
 folder holding a torchrl and tensordict built for this torch (pip install
 --target); TorchRL's sampler is then timed there, in a subprocess of this run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,7 @@ def loop(sampler, storage, batch, device):
     def step():
         index, _ = sampler.sample(storage, batch)
         sampler.update_priority(index, torch.rand(batch, device=device) + 0.01)
+
     return step
 
 
@@ -56,8 +58,14 @@ def torchrl_seconds_elsewhere(site: str, rows: int, batch: int) -> float:
     """TorchRL's sampler timed in a subprocess that imports torchrl from ``site``."""
     path = [site, os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-    out = subprocess.run([sys.executable, __file__, "--torchrl-only", "--rows", str(rows), "--batch", str(batch)],
-                         env=env, capture_output=True, text=True, check=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, __file__, "--torchrl-only", "--rows", str(rows), "--batch", str(batch)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
 
 
@@ -82,17 +90,28 @@ def main() -> None:
     }
     times = {name: seconds_per_iteration(make, n, batch, device) for name, (make, device) in contenders.items()}
     try:
-        times[TORCHRL] = (torchrl_seconds_elsewhere(args.torchrl_site, n, batch) if args.torchrl_site
-                          else torchrl_seconds(n, batch))
+        times[TORCHRL] = (
+            torchrl_seconds_elsewhere(args.torchrl_site, n, batch) if args.torchrl_site else torchrl_seconds(n, batch)
+        )
     except Exception as err:  # torchrl's C++ trees need the torch they were built for
         print(f"{TORCHRL}: not measured here ({type(err).__name__}: {err}); see --torchrl-site")
     base = times.get(TORCHRL, times["GearPrioritizedSampler (CPU trees)"])
-    rows = [{"contender": k, "ms_per_iter": round(t * 1e3, 3), "x_vs_torchrl": round(base / t, 2)}
-            for k, t in times.items()]
+    rows = [
+        {"contender": k, "ms_per_iter": round(t * 1e3, 3), "x_vs_torchrl": round(base / t, 2)} for k, t in times.items()
+    ]
     print(f"== {torch.cuda.get_device_name()}: sample + update, batch {batch} over {n:,} rows ==")
     print(table(rows, ["contender", "ms_per_iter", "x_vs_torchrl"]))
-    write_json(args.out, {"benchmark": "gpu_prioritized_sampling", "device": torch.cuda.get_device_name(),
-                          "rows": n, "batch": batch, "torchrl_site": args.torchrl_site, "results": rows})
+    write_json(
+        args.out,
+        {
+            "benchmark": "gpu_prioritized_sampling",
+            "device": torch.cuda.get_device_name(),
+            "rows": n,
+            "batch": batch,
+            "torchrl_site": args.torchrl_site,
+            "results": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

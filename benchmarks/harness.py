@@ -1,4 +1,5 @@
 """Timing helpers shared by the benchmarks: medians of repetitions, ratios, JSON out."""
+
 from __future__ import annotations
 
 import json
@@ -27,6 +28,7 @@ def median_seconds(fn: Callable[[], object], *, repeats: int = 7, inner: int = 2
 
 def cuda_median_seconds(fn: Callable[[], object], *, repeats: int = 7, inner: int = 20, warmup: int = 3) -> float:
     """``median_seconds`` for GPU work: the device is synchronized before the clock stops."""
+
     def synchronized():
         for _ in range(inner):
             fn()
@@ -38,9 +40,15 @@ def cuda_median_seconds(fn: Callable[[], object], *, repeats: int = 7, inner: in
     return median_seconds(synchronized, repeats=repeats, inner=1, warmup=0) / inner
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int = 7, inner: int = 20,
-                        warmup: int = 3, finish: Callable[[], object] = lambda: None,
-                        clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]],
+    *,
+    repeats: int = 7,
+    inner: int = 20,
+    warmup: int = 3,
+    finish: Callable[[], object] = lambda: None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
     """Like ``median_seconds`` for several contenders, taking turns so noise hits all alike.
 
     ``finish`` runs before each clock stops (``torch.cuda.synchronize`` for GPU work);
@@ -61,8 +69,9 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int = 
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def cold_median_seconds(fn: Callable[[], object], *, repeats: int = 7, inner: int = 10,
-                        evict_bytes: int = 64 << 20) -> float:
+def cold_median_seconds(
+    fn: Callable[[], object], *, repeats: int = 7, inner: int = 10, evict_bytes: int = 64 << 20
+) -> float:
     """``median_seconds`` with the CPU caches flushed before every call (not timed).
 
     The same ``evict_bytes`` are written whatever ``fn`` does, so calls on small
@@ -127,8 +136,9 @@ def sharded_rank(rank: int, world: int, port: int, rows: int, timeout_s: float):
     from gear_torchrl import ShardedGearStorage
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
     return ShardedGearStorage(rows, owns_shard=rank < world - 1, transport="tcp", serve_on="127.0.0.1", timeout=60)
 
 
@@ -149,8 +159,10 @@ def write_json(path: str | None, payload: dict) -> None:
 
 def table(rows: list[dict], columns: list[str]) -> str:
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+
     def line(vals: list) -> str:
         return "  ".join(str(v).rjust(w) for v, w in zip(vals, widths))
 
-    return "\n".join([line(columns), line(["-" * w for w in widths]),
-                      *(line([r.get(c, "") for c in columns]) for r in rows)])
+    return "\n".join(
+        [line(columns), line(["-" * w for w in widths]), *(line([r.get(c, "") for c in columns]) for r in rows)]
+    )

@@ -24,6 +24,7 @@ serving side's CPU per request (each owner, or the Ray actor: every thread, from
     .venv/bin/python benchmarks/many_learners.py --ray-site .ray-site [--owners 1 2] [--learners 1 2] \
         [--rule rows|prioritized]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,6 +46,7 @@ def _ours(rb, storage, prefetch: bool, rule: str):
     def sample(b: int):
         storage.prefetch = prefetch
         return step(b)
+
     return sample
 
 
@@ -71,13 +73,21 @@ def _ray_contenders(learner: int, learners: int, store, batches: list[int]) -> t
         keep = []
     contenders = {}
     for t in pids:
-        contenders[f"torchrl-ray-{t}"] = ((lambda b, t=t: mine[(t, b)].sample(b)),
-                                          {b: [pids[t][b]] for b in batches})
+        contenders[f"torchrl-ray-{t}"] = ((lambda b, t=t: mine[(t, b)].sample(b)), {b: [pids[t][b]] for b in batches})
     return contenders, keep
 
 
-def _learn(storage, learner: int, learners: int, group, store, owner_pids: list[int], batches: list[int],
-           rounds: int, rule: str) -> dict | None:
+def _learn(
+    storage,
+    learner: int,
+    learners: int,
+    group,
+    store,
+    owner_pids: list[int],
+    batches: list[int],
+    rounds: int,
+    rule: str,
+) -> dict | None:
     """Take turns with every contender; learner 0 returns the medians (the others None)."""
     import logging
 
@@ -88,8 +98,10 @@ def _learn(storage, learner: int, learners: int, group, store, owner_pids: list[
     sampler = _samplers(rule)[1]
     rb = TensorDictReplayBuffer(storage=storage, batch_size=batches[0], **({"sampler": sampler} if sampler else {}))
     served = {b: owner_pids for b in batches}
-    contenders = {"sharded": (_ours(rb, storage, False, rule), served),
-                  "prefetch": (_ours(rb, storage, True, rule), served)}
+    contenders = {
+        "sharded": (_ours(rb, storage, False, rule), served),
+        "prefetch": (_ours(rb, storage, True, rule), served),
+    }
     keep: list = []
     if os.environ.get("GEAR_BENCH_RAY_SITE") and rule == "rows":
         ray_contenders, keep = _ray_contenders(learner, learners, store, batches)
@@ -127,17 +139,24 @@ def _learn(storage, learner: int, learners: int, group, store, owner_pids: list[
     for turn in zip(*everyone):  # the same turn on every learner
         name, b = turn[0][0], turn[0][1]
         requests = learners * calls[b]
-        turns.setdefault((name, b), []).append((learners * calls[b] * b / max(t[2] for t in turn),
-                                                statistics.mean(t[3] for t in turn) / calls[b],
-                                                turn[0][4] / requests))
-    return {f"{name}/{b}": {"steps_per_s": statistics.median(r[0] for r in runs),
-                            "learner_us": statistics.median(r[1] for r in runs) * 1e6,
-                            "serving_us": statistics.median(r[2] for r in runs) * 1e6}
-            for (name, b), runs in turns.items()}
+        turns.setdefault((name, b), []).append(
+            (
+                learners * calls[b] * b / max(t[2] for t in turn),
+                statistics.mean(t[3] for t in turn) / calls[b],
+                turn[0][4] / requests,
+            )
+        )
+    return {
+        f"{name}/{b}": {
+            "steps_per_s": statistics.median(r[0] for r in runs),
+            "learner_us": statistics.median(r[1] for r in runs) * 1e6,
+            "serving_us": statistics.median(r[2] for r in runs) * 1e6,
+        }
+        for (name, b), runs in turns.items()
+    }
 
 
-def _rank(rank: int, owners: int, learners: int, port: int, batches: list[int], rounds: int, rule: str,
-          out) -> None:
+def _rank(rank: int, owners: int, learners: int, port: int, batches: list[int], rounds: int, rule: str, out) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -145,11 +164,17 @@ def _rank(rank: int, owners: int, learners: int, port: int, batches: list[int], 
     from gear_torchrl import ShardedGearStorage
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=owners + learners,
-                            timeout=timedelta(seconds=900))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=owners + learners,
+        timeout=timedelta(seconds=900),
+    )
     group = dist.new_group(list(range(owners, owners + learners)))
-    storage = ShardedGearStorage(STEPS // owners, owns_shard=rank < owners, transport="tcp",
-                                 serve_on="127.0.0.1", timeout=60)
+    storage = ShardedGearStorage(
+        STEPS // owners, owns_shard=rank < owners, transport="tcp", serve_on="127.0.0.1", timeout=60
+    )
     store = dist.distributed_c10d._get_default_store()
     if storage.local is not None:
         _fill(storage.local, STEPS // owners, rank * STEPS)
@@ -166,23 +191,38 @@ def _rank(rank: int, owners: int, learners: int, port: int, batches: list[int], 
 
 
 def run_job(owners: int, learners: int, batches: list[int], rounds: int, rule: str = "rows") -> dict:
-    return run_ranks(_rank, owners + learners, (owners, learners, free_port(), batches, rounds, rule),
-                     f"{owners} owners, {learners} learners", 1800)
+    return run_ranks(
+        _rank,
+        owners + learners,
+        (owners, learners, free_port(), batches, rounds, rule),
+        f"{owners} owners, {learners} learners",
+        1800,
+    )
 
 
 def _row(owners: int, learners: int, b: int, result: dict) -> dict:
     ours, ahead = result[f"sharded/{b}"], result[f"prefetch/{b}"]
-    row = {"owners": owners, "learners": learners, "batch": b,
-           "M steps/s": f"{ours['steps_per_s'] / 1e6:.3f}", "prefetch": f"{ahead['steps_per_s'] / 1e6:.3f}",
-           "learner us": f"{ours['learner_us']:.0f}", "owner us": f"{ours['serving_us']:.0f}"}
+    row = {
+        "owners": owners,
+        "learners": learners,
+        "batch": b,
+        "M steps/s": f"{ours['steps_per_s'] / 1e6:.3f}",
+        "prefetch": f"{ahead['steps_per_s'] / 1e6:.3f}",
+        "learner us": f"{ours['learner_us']:.0f}",
+        "owner us": f"{ours['serving_us']:.0f}",
+    }
     for transport in ("ray", "distributed"):
         theirs = result.get(f"torchrl-ray-{transport}/{b}")
         if theirs is not None:
-            row.update({f"{transport}: M steps/s": f"{theirs['steps_per_s'] / 1e6:.3f}",
-                        f"{transport}: learner us": f"{theirs['learner_us']:.0f}",
-                        f"{transport}: actor us": f"{theirs['serving_us']:.0f}",
-                        f"ours / {transport}": f"{ours['steps_per_s'] / theirs['steps_per_s']:.1f} "
-                                               f"({ahead['steps_per_s'] / theirs['steps_per_s']:.1f})"})
+            row.update(
+                {
+                    f"{transport}: M steps/s": f"{theirs['steps_per_s'] / 1e6:.3f}",
+                    f"{transport}: learner us": f"{theirs['learner_us']:.0f}",
+                    f"{transport}: actor us": f"{theirs['serving_us']:.0f}",
+                    f"ours / {transport}": f"{ours['steps_per_s'] / theirs['steps_per_s']:.1f} "
+                    f"({ahead['steps_per_s'] / theirs['steps_per_s']:.1f})",
+                }
+            )
     return row
 
 
@@ -192,10 +232,17 @@ def main() -> None:
     parser.add_argument("--learners", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rule", choices=["rows", "prioritized"], default="rows",
-                        help="uniform rows, or prioritized rows with a priority update per batch")
-    parser.add_argument("--ray-site", default=None,
-                        help="a folder holding Ray (pip install --target): adds TorchRL's remote buffer on Ray")
+    parser.add_argument(
+        "--rule",
+        choices=["rows", "prioritized"],
+        default="rows",
+        help="uniform rows, or prioritized rows with a priority update per batch",
+    )
+    parser.add_argument(
+        "--ray-site",
+        default=None,
+        help="a folder holding Ray (pip install --target): adds TorchRL's remote buffer on Ray",
+    )
     parser.add_argument("--out", default="bench_out/many_learners.json")
     args = parser.parse_args()
     if args.ray_site:
@@ -207,10 +254,11 @@ def main() -> None:
         for learners in args.learners:
             result = run_job(owners, learners, args.batches, args.rounds, args.rule)
             rows += [_row(owners, learners, b, result) for b in args.batches]
-            print(table(rows[-len(args.batches):], list(rows[-1])), flush=True)
+            print(table(rows[-len(args.batches) :], list(rows[-1])), flush=True)
     print(table(rows, list(rows[0])))
-    write_json(args.out, {"benchmark": "many_learners", "rule": args.rule, "steps": STEPS, "rounds": args.rounds,
-                          "rows": rows})
+    write_json(
+        args.out, {"benchmark": "many_learners", "rule": args.rule, "steps": STEPS, "rounds": args.rounds, "rows": rows}
+    )
 
 
 if __name__ == "__main__":

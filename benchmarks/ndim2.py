@@ -7,6 +7,7 @@ them), uniform steps, and windows (``GearSequenceSampler`` against TorchRL's
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ndim2.py [--envs 16] [--steps 65536] [--out FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,15 @@ def env_batch(envs: int, t: int, first: int) -> TensorDict:
     """``[envs, t]`` steps of 50-step episodes, as a batched env's collector returns them."""
     step = torch.arange(first, first + t).expand(envs, t)
     done = ((step + torch.arange(envs).unsqueeze(1) * 7) % 50 == 49).unsqueeze(-1)
-    return TensorDict({"obs": torch.randn(envs, t, 64), "action": torch.zeros(envs, t, dtype=torch.long),
-                       ("next", "done"): done, ("next", "reward"): torch.randn(envs, t, 1)}, [envs, t])
+    return TensorDict(
+        {
+            "obs": torch.randn(envs, t, 64),
+            "action": torch.zeros(envs, t, dtype=torch.long),
+            ("next", "done"): done,
+            ("next", "reward"): torch.randn(envs, t, 1),
+        },
+        [envs, t],
+    )
 
 
 def main() -> None:
@@ -39,18 +47,30 @@ def main() -> None:
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     chunk = env_batch(args.envs, 200, 0)
     fns = {}
-    stores = (("GearStorage", GearStorage), ("LazyTensorStorage", LazyTensorStorage),
-              ("shared GearStorage", lambda n, ndim: GearStorage(n, ndim=ndim, shared=True)))
+    stores = (
+        ("GearStorage", GearStorage),
+        ("LazyTensorStorage", LazyTensorStorage),
+        ("shared GearStorage", lambda n, ndim: GearStorage(n, ndim=ndim, shared=True)),
+    )
     for label, make in stores:
+
         def buffer(sampler=None, batch=256, make=make):
-            rb = TensorDictReplayBuffer(storage=make(args.steps, ndim=2), dim_extend=1, batch_size=batch,
-                                        **({} if sampler is None else {"sampler": sampler}))
+            rb = TensorDictReplayBuffer(
+                storage=make(args.steps, ndim=2),
+                dim_extend=1,
+                batch_size=batch,
+                **({} if sampler is None else {"sampler": sampler}),
+            )
             for first in range(0, args.steps // args.envs, 200):
                 rb.extend(env_batch(args.envs, 200, first))
             return rb
+
         uniform = buffer()
-        windows_sampler = (SliceSampler(slice_len=32, end_key=("next", "done"), strict_length=True)
-                           if label == "LazyTensorStorage" else GearSequenceSampler(32, strict_length=True))
+        windows_sampler = (
+            SliceSampler(slice_len=32, end_key=("next", "done"), strict_length=True)
+            if label == "LazyTensorStorage"
+            else GearSequenceSampler(32, strict_length=True)
+        )
         windows = buffer(windows_sampler, batch=64 * 32)
         fns[f"extend [{args.envs}, 200] / {label}"] = lambda rb=uniform: rb.extend(chunk)
         fns[f"256 uniform steps / {label}"] = uniform.sample
@@ -61,8 +81,14 @@ def main() -> None:
         lazy = times[f"{op} / LazyTensorStorage"]
         for label, suffix in (("GearStorage", ""), ("shared GearStorage", " (shared)")):
             gear = times[f"{op} / {label}"]
-            results.append({"op": op + suffix, "gear_ms": round(gear * 1e3, 3), "torchrl_ms": round(lazy * 1e3, 3),
-                            "gear_speedup": round(lazy / gear, 2)})
+            results.append(
+                {
+                    "op": op + suffix,
+                    "gear_ms": round(gear * 1e3, 3),
+                    "torchrl_ms": round(lazy * 1e3, 3),
+                    "gear_speedup": round(lazy / gear, 2),
+                }
+            )
     print(f"ndim=2, {args.envs} envs, {args.steps:,} steps stored; one thread, median of {args.repeats}")
     print(table(results, ["op", "gear_ms", "torchrl_ms", "gear_speedup"]))
     write_json(args.out, {"benchmark": "ndim2", "envs": args.envs, "steps": args.steps, "results": results})

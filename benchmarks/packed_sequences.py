@@ -68,6 +68,7 @@ Command (the real sizes; ``--quick`` for a seconds-long smoke run, which also ch
 ``--threads 1`` keeps other jobs on a shared 2-core machine from stretching
 torch's two intra-op threads (which slowed both parts several-fold there).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -106,8 +107,11 @@ def episode_lengths(mix: str, steps: int, generator: torch.Generator) -> torch.T
             lengths = torch.exp(4.0 + 1.0 * torch.randn(count, generator=generator)).round().clamp(10, 1000)
         elif mix == "fail_success":
             success = torch.rand(count, generator=generator) < 0.2
-            lengths = torch.where(success, torch.randint(500, 1001, (count,), generator=generator),
-                                  torch.randint(10, 31, (count,), generator=generator))
+            lengths = torch.where(
+                success,
+                torch.randint(500, 1001, (count,), generator=generator),
+                torch.randint(10, 31, (count,), generator=generator),
+            )
         else:
             raise ValueError(f"unknown mix {mix!r}")
         parts.append(lengths.to(torch.int64))
@@ -128,8 +132,9 @@ def fill(buffers: list[TensorDictReplayBuffer], mix: str, steps: int, seed: int)
     done[lengths.cumsum(0) - 1] = True
     for first in range(0, steps, CHUNK):
         n = min(CHUNK, steps - first)
-        chunk = TensorDict({"obs": torch.randn(n, OBS, generator=generator),
-                            ("next", "done"): done[first:first + n]}, [n])
+        chunk = TensorDict(
+            {"obs": torch.randn(n, OBS, generator=generator), ("next", "done"): done[first : first + n]}, [n]
+        )
         for rb in buffers:
             rb.extend(chunk)
     return lengths
@@ -152,8 +157,9 @@ def sampling(mix: str, steps: int, args: argparse.Namespace) -> list[dict]:
     windows = budget // max_len
     gear, ref = GearStorage(steps), LazyTensorStorage(steps)
     buffers: dict[str, TensorDictReplayBuffer] = {
-        "packed": TensorDictReplayBuffer(storage=gear, sampler=GearPackedSequenceSampler(max_len=max_len),
-                                         batch_size=budget),
+        "packed": TensorDictReplayBuffer(
+            storage=gear, sampler=GearPackedSequenceSampler(max_len=max_len), batch_size=budget
+        ),
         "padded": TensorDictReplayBuffer(storage=gear, sampler=padded_sampler(max_len), batch_size=windows * max_len),
         "slice": TensorDictReplayBuffer(storage=ref, sampler=slice_sampler(max_len), batch_size=windows * max_len),
     }
@@ -164,23 +170,37 @@ def sampling(mix: str, steps: int, args: argparse.Namespace) -> list[dict]:
         per_window = statistics.mean(real_tokens(buffers[name].sample()) for _ in range(args.stat_batches)) / windows
         matched = max(1, round(budget / per_window))
         storage = gear if name == "padded" else ref
-        buffers[f"{name}_matched"] = TensorDictReplayBuffer(storage=storage, sampler=make(max_len),
-                                                            batch_size=matched * max_len)
+        buffers[f"{name}_matched"] = TensorDictReplayBuffer(
+            storage=storage, sampler=make(max_len), batch_size=matched * max_len
+        )
         asked_for[f"{name}_matched"] = matched * max_len
-    stats = {name: [(real_tokens(b), b.numel()) for b in (rb.sample() for _ in range(args.stat_batches))]
-             for name, rb in buffers.items()}
-    times = interleaved_medians({name: rb.sample for name, rb in buffers.items()}, repeats=args.repeats,
-                                inner=args.inner, warmup=1)
+    stats = {
+        name: [(real_tokens(b), b.numel()) for b in (rb.sample() for _ in range(args.stat_batches))]
+        for name, rb in buffers.items()
+    }
+    times = interleaved_medians(
+        {name: rb.sample for name, rb in buffers.items()}, repeats=args.repeats, inner=args.inner, warmup=1
+    )
     rows = []
     for name in buffers:
         real = statistics.mean(r for r, _ in stats[name])
         rows_back = statistics.mean(n for _, n in stats[name])
         asked = asked_for[name]
-        rows.append({"mix": mix, "stored_steps": steps, "episodes": lengths.numel(), "contender": name,
-                     "asked": asked, "rows_back": round(rows_back), "real_tokens": round(real, 1),
-                     "useful_share": round(real / asked, 3), "ms_per_batch": round(times[name] * 1e3, 3),
-                     "us_per_real_token": round(times[name] * 1e6 / real, 5),
-                     "M_real_tokens_per_s": round(real / times[name] / 1e6, 2)})
+        rows.append(
+            {
+                "mix": mix,
+                "stored_steps": steps,
+                "episodes": lengths.numel(),
+                "contender": name,
+                "asked": asked,
+                "rows_back": round(rows_back),
+                "real_tokens": round(real, 1),
+                "useful_share": round(real / asked, 3),
+                "ms_per_batch": round(times[name] * 1e3, 3),
+                "us_per_real_token": round(times[name] * 1e6 / real, 5),
+                "M_real_tokens_per_s": round(real / times[name] / 1e6, 2),
+            }
+        )
     packed = rows[0]["us_per_real_token"]
     for r in rows[1:]:
         r["cost_packed/this"] = round(packed / r["us_per_real_token"], 3)
@@ -260,8 +280,9 @@ class Transformer(nn.Module):
         return self.head(self.norm(x))
 
 
-def masked_loss(model: Transformer, obs: torch.Tensor, position: torch.Tensor, mask: torch.Tensor,
-                layout: Any) -> torch.Tensor:
+def masked_loss(
+    model: Transformer, obs: torch.Tensor, position: torch.Tensor, mask: torch.Tensor, layout: Any
+) -> torch.Tensor:
     err = (model(obs, position, layout) - obs).pow(2).mean(-1)
     return (err * mask).sum() / mask.sum().clamp_min(1)
 
@@ -287,15 +308,18 @@ def learner(args: argparse.Namespace) -> list[dict]:
     torch.manual_seed(args.seed)
     budget, max_len = args.learner_budget, args.max_len
     gear = GearStorage(args.learner_steps)
-    packed_rb = TensorDictReplayBuffer(storage=gear, sampler=GearPackedSequenceSampler(max_len=max_len),
-                                       batch_size=budget)
+    packed_rb = TensorDictReplayBuffer(
+        storage=gear, sampler=GearPackedSequenceSampler(max_len=max_len), batch_size=budget
+    )
     fill([packed_rb], "lognormal", args.learner_steps, args.seed)
     pilot = TensorDictReplayBuffer(storage=gear, sampler=padded_sampler(max_len), batch_size=32 * max_len)
     share = statistics.mean(real_tokens(pilot.sample()) for _ in range(args.stat_batches)) / (32 * max_len)
     windows = max(1, round(budget / (max_len * share)))
     padded_rb = TensorDictReplayBuffer(storage=gear, sampler=padded_sampler(max_len), batch_size=windows * max_len)
-    pool = {"packed": [packed_rb.sample() for _ in range(args.learner_inner)],
-            "padded": [padded_rb.sample() for _ in range(args.learner_inner)]}
+    pool = {
+        "packed": [packed_rb.sample() for _ in range(args.learner_inner)],
+        "padded": [padded_rb.sample() for _ in range(args.learner_inner)],
+    }
     base = Transformer(args.width, args.heads, args.layers, max_len)
     models = {name: copy.deepcopy(base) for name in pool}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
@@ -311,18 +335,26 @@ def learner(args: argparse.Namespace) -> list[dict]:
                 layout = Windows(batch["collector", "mask"].reshape(-1), max_len)
                 inputs = padded_inputs(batch, max_len)
             return train_step(models[name], optimizers[name], inputs, layout)
+
         return step
 
-    times = interleaved_medians({name: stepper(name) for name in pool}, repeats=args.learner_repeats,
-                                inner=args.learner_inner, warmup=1)
+    times = interleaved_medians(
+        {name: stepper(name) for name in pool}, repeats=args.learner_repeats, inner=args.learner_inner, warmup=1
+    )
     rows = []
     for name, batches in pool.items():
         real = statistics.mean(real_tokens(b) for b in batches)
         positions = batches[0].numel()
-        row = {"contender": name, "attention": "length buckets" if name == "packed" else "window mask",
-               "positions": positions, "real_tokens": round(real, 1), "useful_share": round(real / positions, 3),
-               "s_per_step": round(times[name], 3), "us_per_real_token": round(times[name] * 1e6 / real, 2),
-               "real_tokens_per_s": round(real / times[name])}
+        row = {
+            "contender": name,
+            "attention": "length buckets" if name == "packed" else "window mask",
+            "positions": positions,
+            "real_tokens": round(real, 1),
+            "useful_share": round(real / positions, 3),
+            "s_per_step": round(times[name], 3),
+            "us_per_real_token": round(times[name] * 1e6 / real, 2),
+            "real_tokens_per_s": round(real / times[name]),
+        }
         if name == "packed":
             row["bucket_fill"] = round(statistics.mean(LengthBuckets(b).fill for b in batches), 3)
         else:
@@ -342,8 +374,9 @@ def check(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     max_len, budget, steps = 64, 300, 3000
     gear = GearStorage(steps)
-    rb = TensorDictReplayBuffer(storage=gear, sampler=GearPackedSequenceSampler(max_len=max_len, burn_in=8),
-                                batch_size=budget)
+    rb = TensorDictReplayBuffer(
+        storage=gear, sampler=GearPackedSequenceSampler(max_len=max_len, burn_in=8), batch_size=budget
+    )
     fill([rb], "lognormal", steps, args.seed)
     model = Transformer(32, 4, 2, max_len).double()
     result = {}
@@ -361,27 +394,38 @@ def check(args: argparse.Namespace) -> dict:
             masked_loss(model, *inputs, lay).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         grad_err = max(float((a - b).abs().max()) for a, b in zip(*grads))
-        result[name] = {"sequences": len(reference.bounds), "padding_tokens": padding,
-                        "max_output_error": out_err, "max_grad_error": grad_err}
+        result[name] = {
+            "sequences": len(reference.bounds),
+            "padding_tokens": padding,
+            "max_output_error": out_err,
+            "max_grad_error": grad_err,
+        }
         if not (out_err < 1e-9 and grad_err < 1e-9):
             raise AssertionError(f"{name} differs from per-sequence attention: {result[name]}")
 
     # Two packs without trailing padding and two with (a pack pads when the room left is within burn-in).
     packs = [rb.sample() for _ in range(200)]
-    packs = ([b for b in packs if not (b["packed", "seq_id"] < 0).any()][:2]
-             + [b for b in packs if (b["packed", "seq_id"] < 0).any()][:2])
+    packs = [b for b in packs if not (b["packed", "seq_id"] < 0).any()][:2] + [
+        b for b in packs if (b["packed", "seq_id"] < 0).any()
+    ][:2]
     for attempt, batch in enumerate(packs):
         seq_id = batch["packed", "seq_id"]
         bounds = [(int(a), int(b)) for a, b in zip(*_bounds(seq_id))]
         inputs = (batch["obs"], batch["packed", "position"], batch["packed", "mask"])
-        compare(f"packed #{attempt}", inputs, LengthBuckets(seq_id), PerSequence(bounds, budget),
-                int((seq_id < 0).sum()))
+        compare(
+            f"packed #{attempt}", inputs, LengthBuckets(seq_id), PerSequence(bounds, budget), int((seq_id < 0).sum())
+        )
     padded = TensorDictReplayBuffer(storage=gear, sampler=padded_sampler(max_len), batch_size=6 * max_len).sample()
     valid = padded["collector", "mask"].reshape(-1)
     lengths = valid.view(-1, max_len).sum(1)
     bounds = [(w * max_len, w * max_len + int(n)) for w, n in enumerate(lengths)]
-    compare("padded windows", padded_inputs(padded, max_len), Windows(valid, max_len),
-            PerSequence(bounds, padded.numel()), int((~valid).sum()))
+    compare(
+        "padded windows",
+        padded_inputs(padded, max_len),
+        Windows(valid, max_len),
+        PerSequence(bounds, padded.numel()),
+        int((~valid).sum()),
+    )
     return result
 
 
@@ -430,23 +474,59 @@ def main() -> None:
     if args.check:
         payload["check"] = check(args)
         worst = max(max(v["max_output_error"], v["max_grad_error"]) for v in payload["check"].values())
-        print(f"== check: packed (length buckets) and padded attention = each sequence alone, "
-              f"{len(payload['check'])} cases, worst error {worst:.1e} (float64) ==")
+        print(
+            f"== check: packed (length buckets) and padded attention = each sequence alone, "
+            f"{len(payload['check'])} cases, worst error {worst:.1e} (float64) =="
+        )
     if "sampling" in args.parts:
         rows = [row for mix in args.mixes for steps in args.sizes for row in sampling(mix, steps, args)]
         payload["sampling"] = rows
-        print(f"== sampling: budget {args.budget}, max_len {args.max_len}, median of {args.repeats} turns "
-              f"x {args.inner} calls ==")
-        print(table(rows, ["mix", "stored_steps", "contender", "asked", "rows_back", "real_tokens", "useful_share",
-                           "ms_per_batch", "us_per_real_token", "M_real_tokens_per_s", "cost_packed/this"]))
+        print(
+            f"== sampling: budget {args.budget}, max_len {args.max_len}, median of {args.repeats} turns "
+            f"x {args.inner} calls =="
+        )
+        print(
+            table(
+                rows,
+                [
+                    "mix",
+                    "stored_steps",
+                    "contender",
+                    "asked",
+                    "rows_back",
+                    "real_tokens",
+                    "useful_share",
+                    "ms_per_batch",
+                    "us_per_real_token",
+                    "M_real_tokens_per_s",
+                    "cost_packed/this",
+                ],
+            )
+        )
     if "learner" in args.parts:
         rows = learner(args)
         payload["learner"] = rows
-        print(f"== learner step (CPU, {torch.get_num_threads()} threads): {args.layers} layers, width {args.width}, "
-              f"{args.heads} heads, lognormal, ~{args.learner_budget} real tokens, median of "
-              f"{args.learner_repeats} turns x {args.learner_inner} steps ==")
-        print(table(rows, ["contender", "attention", "positions", "real_tokens", "useful_share", "s_per_step",
-                           "us_per_real_token", "real_tokens_per_s", "packed/padded_tokens_per_s"]))
+        print(
+            f"== learner step (CPU, {torch.get_num_threads()} threads): {args.layers} layers, width {args.width}, "
+            f"{args.heads} heads, lognormal, ~{args.learner_budget} real tokens, median of "
+            f"{args.learner_repeats} turns x {args.learner_inner} steps =="
+        )
+        print(
+            table(
+                rows,
+                [
+                    "contender",
+                    "attention",
+                    "positions",
+                    "real_tokens",
+                    "useful_share",
+                    "s_per_step",
+                    "us_per_real_token",
+                    "real_tokens_per_s",
+                    "packed/padded_tokens_per_s",
+                ],
+            )
+        )
     payload["wall_s"] = round(time.perf_counter() - started, 1)
     write_json(args.out, payload)
     if args.out:

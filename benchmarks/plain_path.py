@@ -12,6 +12,7 @@ under a load of 10 on 2 cores), far less the CPU time a call itself spends.
 
     .venv/bin/python benchmarks/plain_path.py [--rows 1000000] [--batch 4096] [--repeats 9] [--out FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,12 @@ from gear_torchrl import GearStorage, RateLimiter
 
 LIMITED = "GearStorage + RateLimiter"
 SHARED = "GearStorage(shared=True)"
-CONTENDERS = {"GearStorage": GearStorage, "LazyTensorStorage": LazyTensorStorage, LIMITED: GearStorage,
-              SHARED: lambda n: GearStorage(n, shared=True)}
+CONTENDERS = {
+    "GearStorage": GearStorage,
+    "LazyTensorStorage": LazyTensorStorage,
+    LIMITED: GearStorage,
+    SHARED: lambda n: GearStorage(n, shared=True),
+}
 
 
 def main() -> None:
@@ -64,10 +69,13 @@ def main() -> None:
         gear = times[f"{op} / GearStorage"]
         for label in CONTENDERS:
             t = times[f"{op} / {label}"]
-            results.append({"op": op, "storage": label, "us_cpu": round(t * 1e6, 1),
-                            "gear_speedup": round(t / gear, 2)})
-    print(f"gear_torchrl from {gear_torchrl.__file__}; {args.rows:,} rows, batch {args.batch} (extend), one step "
-          f"(add); CPU time on one thread, median of {args.repeats}")
+            results.append(
+                {"op": op, "storage": label, "us_cpu": round(t * 1e6, 1), "gear_speedup": round(t / gear, 2)}
+            )
+    print(
+        f"gear_torchrl from {gear_torchrl.__file__}; {args.rows:,} rows, batch {args.batch} (extend), one step "
+        f"(add); CPU time on one thread, median of {args.repeats}"
+    )
     print(table(results, ["op", "storage", "us_cpu", "gear_speedup"]))
     write_json(args.out, {"benchmark": "plain_path", "rows": args.rows, "batch": args.batch, "results": results})
 

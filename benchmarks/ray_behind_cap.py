@@ -17,6 +17,7 @@ namespace's alone.
     with RayBehindCap(0.1) as placement:   # actors whose remote_config adds ``placement`` run behind the cap
         ...
 """
+
 from __future__ import annotations
 
 import json
@@ -51,27 +52,72 @@ class RayBehindCap:
         with tempfile.NamedTemporaryFile("w", prefix="gear_capped_hosts_", delete=False) as hosts:
             hosts.write(f"127.0.0.1 localhost\n{NODE_IP} {socket.gethostname()}\n")
         self._hosts = hosts.name
-        self._holder = subprocess.Popen(["unshare", "-n", "-m", "sh", "-c",
-                                         f"mount --bind {self._hosts} /etc/hosts && exec sleep infinity"])
+        self._holder = subprocess.Popen(
+            ["unshare", "-n", "-m", "sh", "-c", f"mount --bind {self._hosts} /etc/hosts && exec sleep infinity"]
+        )
         time.sleep(0.5)
         _run("ip", "link", "add", "gearA", "type", "veth", "peer", "name", "gearB", "netns", str(self._holder.pid))
         _run("ip", "addr", "add", f"{HEAD_IP}/24", "dev", "gearA")
         _run("ip", "link", "set", "gearA", "up")
-        for cmd in (("ip", "addr", "add", f"{NODE_IP}/24", "dev", "gearB"), ("ip", "link", "set", "gearB", "up"),
-                    ("ip", "link", "set", "lo", "up"),
-                    ("tc", "qdisc", "add", "dev", "gearB", "root", "handle", "1:", "htb", "default", "1"),
-                    ("tc", "class", "add", "dev", "gearB", "parent", "1:", "classid", "1:1", "htb", "rate",
-                     f"{self.gbit}gbit", "ceil", f"{self.gbit}gbit", "quantum", "200000")):
+        for cmd in (
+            ("ip", "addr", "add", f"{NODE_IP}/24", "dev", "gearB"),
+            ("ip", "link", "set", "gearB", "up"),
+            ("ip", "link", "set", "lo", "up"),
+            ("tc", "qdisc", "add", "dev", "gearB", "root", "handle", "1:", "htb", "default", "1"),
+            (
+                "tc",
+                "class",
+                "add",
+                "dev",
+                "gearB",
+                "parent",
+                "1:",
+                "classid",
+                "1:1",
+                "htb",
+                "rate",
+                f"{self.gbit}gbit",
+                "ceil",
+                f"{self.gbit}gbit",
+                "quantum",
+                "200000",
+            ),
+        ):
             self._in_node(*cmd)
         self._gloo_ifname = os.environ.get("GLOO_SOCKET_IFNAME")
         os.environ["GLOO_SOCKET_IFNAME"] = "gearA"  # the learner's end of the ``distributed`` transport
-        context = ray.init(address="local", _node_ip_address=HEAD_IP, num_cpus=self.num_cpus, include_dashboard=False,
-                           log_to_driver=False)
+        context = ray.init(
+            address="local",
+            _node_ip_address=HEAD_IP,
+            num_cpus=self.num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
         self._node = subprocess.Popen(
-            ["nsenter", "-t", str(self._holder.pid), "-n", "-m", sys.executable, "-m", "ray.scripts.scripts", "start",
-             "--address", context.address_info["gcs_address"], "--node-ip-address", NODE_IP, "--num-cpus", "1",
-             "--resources", json.dumps({RESOURCE: 1}), "--block"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "GLOO_SOCKET_IFNAME": "gearB"})
+            [
+                "nsenter",
+                "-t",
+                str(self._holder.pid),
+                "-n",
+                "-m",
+                sys.executable,
+                "-m",
+                "ray.scripts.scripts",
+                "start",
+                "--address",
+                context.address_info["gcs_address"],
+                "--node-ip-address",
+                NODE_IP,
+                "--num-cpus",
+                "1",
+                "--resources",
+                json.dumps({RESOURCE: 1}),
+                "--block",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "GLOO_SOCKET_IFNAME": "gearB"},
+        )
         deadline = time.monotonic() + _START_S
         while not any(n["Alive"] and n["Resources"].get(RESOURCE) for n in ray.nodes()):
             if time.monotonic() > deadline or self._node.poll() is not None:

@@ -22,6 +22,7 @@ prints one JSON line: obs bytes delivered per second. With ``--interactive`` a
 round runs for each ``sample`` line read on stdin (``quit`` ends), so that
 reverb_windows.py can interleave rounds with ours; otherwise ``--rounds`` run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,9 +52,14 @@ def _server(index: int, rows: int, seq_len: int, obs_floats: int, chunk: int | N
     import tensorflow as tf
 
     items = (rows // EPISODE) * (EPISODE - seq_len + 1)
-    table = reverb.Table(TABLE, sampler=reverb.selectors.Uniform(), remover=reverb.selectors.Fifo(),
-                         max_size=items, rate_limiter=reverb.rate_limiters.MinSize(1),
-                         signature={"obs": tf.TensorSpec([seq_len, obs_floats], tf.float32)})
+    table = reverb.Table(
+        TABLE,
+        sampler=reverb.selectors.Uniform(),
+        remover=reverb.selectors.Fifo(),
+        max_size=items,
+        rate_limiter=reverb.rate_limiters.MinSize(1),
+        signature={"obs": tf.TensorSpec([seq_len, obs_floats], tf.float32)},
+    )
     server = reverb.Server(tables=[table], port=None)
     ports.put((index, server.port))
     client = reverb.Client(f"127.0.0.1:{server.port}")
@@ -77,8 +83,7 @@ def _server(index: int, rows: int, seq_len: int, obs_floats: int, chunk: int | N
     server.stop()
 
 
-def _dataset(addresses: list[str], seq_len: int, obs_floats: int, batch: int, in_flight: int, workers: int,
-             mix: str):
+def _dataset(addresses: list[str], seq_len: int, obs_floats: int, batch: int, in_flight: int, workers: int, mix: str):
     import reverb
     import tensorflow as tf
 
@@ -86,9 +91,9 @@ def _dataset(addresses: list[str], seq_len: int, obs_floats: int, batch: int, in
     shapes = {"obs": tf.TensorShape([seq_len, obs_floats])}
 
     def one(address):
-        return reverb.TrajectoryDataset(address, TABLE, dtypes, shapes,
-                                        max_in_flight_samples_per_worker=in_flight,
-                                        num_workers_per_iterator=workers)
+        return reverb.TrajectoryDataset(
+            address, TABLE, dtypes, shapes, max_in_flight_samples_per_worker=in_flight, num_workers_per_iterator=workers
+        )
 
     def obs(sample):
         return sample.data["obs"]
@@ -98,12 +103,18 @@ def _dataset(addresses: list[str], seq_len: int, obs_floats: int, batch: int, in
         return one(addresses[0]).map(obs).batch(batch, drop_remainder=True).prefetch(2)
     servers = tf.data.Dataset.from_tensor_slices(addresses)
     if mix == "windows":  # every batch mixes windows of all servers, as a sharded batch does
-        windows = servers.interleave(lambda a: one(a).map(obs), cycle_length=n, block_length=1,
-                                     num_parallel_calls=n, deterministic=False)
+        windows = servers.interleave(
+            lambda a: one(a).map(obs), cycle_length=n, block_length=1, num_parallel_calls=n, deterministic=False
+        )
         return windows.batch(batch, drop_remainder=True).prefetch(2)
     # "batches": each server's windows batched apart, whole batches interleaved
-    return servers.interleave(lambda a: one(a).map(obs).batch(batch, drop_remainder=True), cycle_length=n,
-                              block_length=1, num_parallel_calls=n, deterministic=False).prefetch(2)
+    return servers.interleave(
+        lambda a: one(a).map(obs).batch(batch, drop_remainder=True),
+        cycle_length=n,
+        block_length=1,
+        num_parallel_calls=n,
+        deterministic=False,
+    ).prefetch(2)
 
 
 def sample_round(dataset, seconds: float, warmup: int) -> dict:
@@ -130,8 +141,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="windows per learner batch")
     parser.add_argument("--in-flight", type=int, default=128, help="max_in_flight_samples_per_worker")
     parser.add_argument("--workers", type=int, default=-1, help="num_workers_per_iterator (-1: Reverb picks)")
-    parser.add_argument("--mix", choices=["windows", "batches"], default="windows",
-                        help="with several servers: batches of windows from all (default), or whole batches from each")
+    parser.add_argument(
+        "--mix",
+        choices=["windows", "batches"],
+        default="windows",
+        help="with several servers: batches of windows from all (default), or whole batches from each",
+    )
     parser.add_argument("--chunk", type=int, default=None, help="constant chunk length (default: auto tuned)")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--warmup", type=int, default=3)
@@ -141,18 +156,33 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     ports, done, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-    servers = [ctx.Process(target=_server, args=(i, args.rows, args.seq_len, args.obs, args.chunk, ports, done, stop),
-                           daemon=True) for i in range(args.servers)]
+    servers = [
+        ctx.Process(
+            target=_server, args=(i, args.rows, args.seq_len, args.obs, args.chunk, ports, done, stop), daemon=True
+        )
+        for i in range(args.servers)
+    ]
     for p in servers:
         p.start()
     start = time.perf_counter()
     port = dict(ports.get(timeout=300) for _ in servers)
     filled = sorted(done.get(timeout=900) for _ in servers)
     insert_s = time.perf_counter() - start
-    dataset = _dataset([f"127.0.0.1:{port[i]}" for i in range(args.servers)], args.seq_len, args.obs, args.batch,
-                       args.in_flight, args.workers, args.mix)
-    print(json.dumps({"ready": True, "servers": args.servers, "items": [n for _, n, _ in filled],
-                      "insert_s": round(insert_s, 1)}), flush=True)
+    dataset = _dataset(
+        [f"127.0.0.1:{port[i]}" for i in range(args.servers)],
+        args.seq_len,
+        args.obs,
+        args.batch,
+        args.in_flight,
+        args.workers,
+        args.mix,
+    )
+    print(
+        json.dumps(
+            {"ready": True, "servers": args.servers, "items": [n for _, n, _ in filled], "insert_s": round(insert_s, 1)}
+        ),
+        flush=True,
+    )
     try:
         if args.interactive:
             for line in sys.stdin:

@@ -20,6 +20,7 @@ back-to-back batches; the two sides take turns round by round (medians of
     python3.11 -m venv .reverb-venv && .reverb-venv/bin/pip install -r benchmarks/reverb_requirements.txt
     .venv/bin/python benchmarks/reverb_windows.py [--shards 1 2 4] [--rounds 5] [--obs 512] [--batch 64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,9 +95,10 @@ class Ours:
         port = free_port()
         self.commands, self.out = ctx.Queue(), ctx.Queue()
         world = shards + 1
-        self.processes = [ctx.Process(target=_rank,
-                                      args=(r, world, port, rows, batch, obs_floats, self.commands, self.out))
-                          for r in range(world)]
+        self.processes = [
+            ctx.Process(target=_rank, args=(r, world, port, rows, batch, obs_floats, self.commands, self.out))
+            for r in range(world)
+        ]
         for p in self.processes:
             p.start()
 
@@ -118,17 +120,39 @@ class Ours:
 class Reverb:
     """reverb_side.py in the Reverb venv, inside a network namespace with only loopback (up)."""
 
-    def __init__(self, python: str, servers: int, rows: int, batch: int, obs_floats: int, seconds: float,
-                 warmup: int, log: Path) -> None:
+    def __init__(
+        self, python: str, servers: int, rows: int, batch: int, obs_floats: int, seconds: float, warmup: int, log: Path
+    ) -> None:
         script = Path(__file__).resolve().parent / "reverb_side.py"
-        argv = [python, str(script), "--interactive", "--servers", str(servers), "--rows", str(rows),
-                "--batch", str(batch), "--seq-len", str(SEQ_LEN), "--obs", str(obs_floats), "--seconds", str(seconds),
-                "--warmup", str(warmup)]
+        argv = [
+            python,
+            str(script),
+            "--interactive",
+            "--servers",
+            str(servers),
+            "--rows",
+            str(rows),
+            "--batch",
+            str(batch),
+            "--seq-len",
+            str(SEQ_LEN),
+            "--obs",
+            str(obs_floats),
+            "--seconds",
+            str(seconds),
+            "--warmup",
+            str(warmup),
+        ]
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = log.open("w")
         self.process = subprocess.Popen(
             ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', *argv],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            bufsize=1,
+        )
 
     def _reply(self) -> dict:
         while line := self.process.stdout.readline():
@@ -154,8 +178,16 @@ class Reverb:
 
 
 def run(shards: int, args) -> dict:
-    reverb = Reverb(args.reverb_python, shards, args.rows, args.batch, args.obs, args.seconds, args.warmup,
-                    Path(args.log_dir) / f"reverb_side_{shards}.log")
+    reverb = Reverb(
+        args.reverb_python,
+        shards,
+        args.rows,
+        args.batch,
+        args.obs,
+        args.seconds,
+        args.warmup,
+        Path(args.log_dir) / f"reverb_side_{shards}.log",
+    )
     ours = Ours(shards, args.rows, args.batch, args.obs)
     try:
         setup = {"reverb": reverb.ready(), "ours": ours.ready()}
@@ -189,17 +221,34 @@ def main() -> None:
         result = run(shards, args)
         runs.append({"shards": shards, **result})
         window_bytes = SEQ_LEN * args.obs * 4
-        rows.append({"shards": shards, "reverb GB/s": f"{result['reverb GB/s']:.3f}",
-                     "ours GB/s": f"{result['ours GB/s']:.3f}",
-                     "reverb windows/s": f"{result['reverb GB/s'] * 1e9 / window_bytes:,.0f}",
-                     "ours windows/s": f"{result['ours GB/s'] * 1e9 / window_bytes:,.0f}",
-                     "ours / reverb": f"{result['ours GB/s'] / result['reverb GB/s']:.1f}"})
+        rows.append(
+            {
+                "shards": shards,
+                "reverb GB/s": f"{result['reverb GB/s']:.3f}",
+                "ours GB/s": f"{result['ours GB/s']:.3f}",
+                "reverb windows/s": f"{result['reverb GB/s'] * 1e9 / window_bytes:,.0f}",
+                "ours windows/s": f"{result['ours GB/s'] * 1e9 / window_bytes:,.0f}",
+                "ours / reverb": f"{result['ours GB/s'] / result['reverb GB/s']:.1f}",
+            }
+        )
         print(table(rows[-1:], list(rows[-1])), flush=True)
     print(table(rows, list(rows[0])))
-    write_json(args.out, {"benchmark": "reverb_windows", "obs_floats": args.obs, "episode": EPISODE, "seq_len": SEQ_LEN,
-                          "windows_per_batch": args.batch, "rows_per_shard": args.rows, "rounds": args.rounds,
-                          "seconds_per_round": args.seconds, "reverb": "dm-reverb 0.14.0, TrajectoryDataset per "
-                          "server, interleaved, tf.data batch", "rows": rows, "runs": runs})
+    write_json(
+        args.out,
+        {
+            "benchmark": "reverb_windows",
+            "obs_floats": args.obs,
+            "episode": EPISODE,
+            "seq_len": SEQ_LEN,
+            "windows_per_batch": args.batch,
+            "rows_per_shard": args.rows,
+            "rounds": args.rounds,
+            "seconds_per_round": args.seconds,
+            "reverb": "dm-reverb 0.14.0, TrajectoryDataset per server, interleaved, tf.data batch",
+            "rows": rows,
+            "runs": runs,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ behind a link of the same cap (``ray_behind_cap.py``): one server, one link.
 
     .venv/bin/python benchmarks/sharded_cost.py [--worlds own 1 2 4 8] [--batches 256 4096] [--rounds 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,9 +65,15 @@ def _rows(n: int, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     done = torch.zeros(n, 1, dtype=torch.bool)
-    done[EPISODE - 1::EPISODE] = True
-    return TensorDict({"obs": torch.randn(n, 84, generator=g), "action": torch.randn(n, 6, generator=g),
-                       "next": {"reward": torch.randn(n, 1, generator=g), "done": done}}, [n])
+    done[EPISODE - 1 :: EPISODE] = True
+    return TensorDict(
+        {
+            "obs": torch.randn(n, 84, generator=g),
+            "action": torch.randn(n, 6, generator=g),
+            "next": {"reward": torch.randn(n, 1, generator=g), "done": done},
+        },
+        [n],
+    )
 
 
 def _thread_cpu_ns(pid: int) -> int:
@@ -98,7 +105,7 @@ def _raw_server(rows: int) -> int:
             while len(ask := conn.recv(8, socket.MSG_WAITALL)) == 8:
                 n = struct.unpack("<Q", ask)[0]
                 at = int(torch.randint(0, len(payload) - n + 1, ()))
-                wire.send_buffers(conn, [wire.header(wire.Op.OK, {}, [n]), payload[at: at + n]])
+                wire.send_buffers(conn, [wire.header(wire.Op.OK, {}, [n]), payload[at : at + n]])
 
     def serve() -> None:
         while True:
@@ -130,6 +137,7 @@ def _raw_batch(ports: list[int]):
             s.sendall(struct.pack("<Q", share))
         replies = _C.receive_replies([s.fileno() for s in socks], sinks[batch], [[0]] * len(socks), 10.0)
         assert all(reply[0] == 0 for reply in replies)
+
     return fetch
 
 
@@ -164,6 +172,7 @@ def _sampling(rb, rule: str):
         batch = rb.sample(b)
         rb.update_priority(batch["index"], torch.rand(b) + 0.1)
         return batch
+
     return step
 
 
@@ -177,7 +186,9 @@ def _to_learner_device(contenders: dict) -> dict:
         def to_device(b: int):
             batch = sample(b)
             return None if batch is None else batch.to(device, non_blocking=True)
+
         return to_device
+
     return {name: moved(sample) for name, sample in contenders.items()}
 
 
@@ -199,6 +210,7 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
         def sample(b: int):
             storage.prefetch = batches
             return sample_sharded(b)
+
         return sample
 
     contenders = {"LazyTensorStorage": _sampling(local, rule), "sharded": sample_sharded}
@@ -260,15 +272,18 @@ def _measure(contenders: dict, served_by: dict, sample_sharded, batches: list[in
                 owners = [(_thread_cpu_ns(p) - o) / 1e9 for p, o in zip(served_by[name][b], owners0)]
                 owner_cpu = statistics.mean(owners) if owners and name != "LazyTensorStorage" else float("nan")
                 preempted, waited = ((n - n0) / calls[b] for n, n0 in zip(_switches(), switches0))
-                samples.setdefault((name, b), []).append((cpu / calls[b], owner_cpu / calls[b], b * calls[b] / wall,
-                                                          preempted, waited))
+                samples.setdefault((name, b), []).append(
+                    (cpu / calls[b], owner_cpu / calls[b], b * calls[b] / wall, preempted, waited)
+                )
     result = {}
     for (name, b), runs in samples.items():
-        result[f"{name}/{b}"] = {"learner_us": statistics.median(r[0] for r in runs) * 1e6,
-                                 "owner_us": statistics.median(r[1] for r in runs) * 1e6,
-                                 "steps_per_s": statistics.median(r[2] for r in runs),
-                                 "preempted": statistics.median(r[3] for r in runs),
-                                 "waited": statistics.median(r[4] for r in runs)}
+        result[f"{name}/{b}"] = {
+            "learner_us": statistics.median(r[0] for r in runs) * 1e6,
+            "owner_us": statistics.median(r[1] for r in runs) * 1e6,
+            "steps_per_s": statistics.median(r[2] for r in runs),
+            "preempted": statistics.median(r[3] for r in runs),
+            "waited": statistics.median(r[4] for r in runs),
+        }
     if os.environ.get("GEAR_BENCH_PROFILE"):  # where the learner's time goes (--profile)
         import cProfile
         import pstats
@@ -277,10 +292,13 @@ def _measure(contenders: dict, served_by: dict, sample_sharded, batches: list[in
         for _ in range(300):
             sample_sharded(batches[0])
         o1 = os.times()
-        print(f"user {(o1.user - o0.user) / 300 * 1e6:.0f} us, system {(o1.system - o0.system) / 300 * 1e6:.0f} us; "
-              f"main thread {(time.thread_time() - t0) / 300 * 1e6:.0f} us, process "
-              f"{(time.process_time() - p0) / 300 * 1e6:.0f} us per batch; threads: "
-              f"{[t.name for t in __import__('threading').enumerate()]}", file=sys.stderr)
+        print(
+            f"user {(o1.user - o0.user) / 300 * 1e6:.0f} us, system {(o1.system - o0.system) / 300 * 1e6:.0f} us; "
+            f"main thread {(time.thread_time() - t0) / 300 * 1e6:.0f} us, process "
+            f"{(time.process_time() - p0) / 300 * 1e6:.0f} us per batch; threads: "
+            f"{[t.name for t in __import__('threading').enumerate()]}",
+            file=sys.stderr,
+        )
         profile = cProfile.Profile(time.process_time)  # CPU time: what a batch costs, not what it waits
         profile.runcall(lambda: [sample_sharded(batches[0]) for _ in range(300)])
         pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(20)
@@ -300,11 +318,16 @@ def ray_buffers(batches: list[int], placement: dict | None = None) -> dict:
     found: dict = {}
     for transport in ("ray", "distributed"):
         for b in batches:
-            rb = ReplayBuffer(storage=functools.partial(LazyTensorStorage, STEPS), batch_size=b,
-                              service_backend="ray", transport=transport,
-                              service_backend_options={"remote_config": {"num_cpus": 0, **(placement or {})},
-                                                       "ray_init_config": {"num_cpus": 2, "include_dashboard": False,
-                                                                           "log_to_driver": False}})
+            rb = ReplayBuffer(
+                storage=functools.partial(LazyTensorStorage, STEPS),
+                batch_size=b,
+                service_backend="ray",
+                transport=transport,
+                service_backend_options={
+                    "remote_config": {"num_cpus": 0, **(placement or {})},
+                    "ray_init_config": {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False},
+                },
+            )
             for first in range(0, STEPS, 10 * EPISODE):
                 rb.extend(_rows(10 * EPISODE, first))
             found.setdefault(transport, {})[b] = rb
@@ -337,8 +360,7 @@ def _pin(learner: bool) -> None:
         os.sched_setaffinity(int(tid), mine)
 
 
-def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rounds: int, transport: str,
-          out) -> None:
+def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rounds: int, transport: str, out) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -346,13 +368,20 @@ def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rou
     from gear_torchrl import ShardedGearStorage
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     own = world == 1
     learner = rank == world - 1
     on_gpu = learner and os.environ.get("GEAR_BENCH_LEARNER_DEVICE", "cpu") != "cpu"
-    storage = ShardedGearStorage(STEPS // owners, owns_shard=own or not learner, transport="auto" if own else transport,
-                                 serve_on="127.0.0.1", timeout=60, pin_memory=on_gpu)
+    storage = ShardedGearStorage(
+        STEPS // owners,
+        owns_shard=own or not learner,
+        transport="auto" if own else transport,
+        serve_on="127.0.0.1",
+        timeout=60,
+        pin_memory=on_gpu,
+    )
     store = dist.distributed_c10d._get_default_store()
     if storage.local is not None:
         _fill(storage.local, STEPS // owners, rank * STEPS)
@@ -367,8 +396,9 @@ def _rank(rank: int, world: int, port: int, owners: int, batches: list[int], rou
         pids = [] if own else [int(store.get(f"pid/{r}")) for r in range(owners)]
         raw = [] if own else [int(store.get(f"raw/{r}")) for r in range(owners)]
         if os.environ.get("GEAR_BENCH_CAP_GBIT"):
-            cap_owner_ports([[int(store.get(f"port/{r}")), raw[r]] for r in range(owners)],
-                            float(os.environ["GEAR_BENCH_CAP_GBIT"]))
+            cap_owner_ports(
+                [[int(store.get(f"port/{r}")), raw[r]] for r in range(owners)], float(os.environ["GEAR_BENCH_CAP_GBIT"])
+            )
         _learner(storage, pids, raw, batches, rounds, out)
     dist.barrier()
     storage.close()
@@ -380,8 +410,9 @@ def run_world(world_name: str, batches: list[int], rounds: int) -> dict:
     transport = "local" if world_name.startswith("local") else "tcp"
     owners = 1 if world_name == "own" else int(world_name.removeprefix("local"))
     world = 1 if world_name == "own" else owners + 1
-    return run_ranks(_rank, world, (world, free_port(), owners, batches, rounds, transport), f"world {world_name}",
-                     1200)
+    return run_ranks(
+        _rank, world, (world, free_port(), owners, batches, rounds, transport), f"world {world_name}", 1200
+    )
 
 
 def use_ray_site(folder: str) -> None:
@@ -404,6 +435,7 @@ def _capped(args: argparse.Namespace) -> None:
 
 def cap_owner_ports(ports: list[list[int]], gbit: float) -> None:
     """One htb class of ``gbit`` per owner (traffic sent from any of its ports) on loopback; the rest uncapped."""
+
     def tc(*a: str) -> None:
         subprocess.run(["tc", *a], check=True)
 
@@ -412,11 +444,44 @@ def cap_owner_ports(ports: list[list[int]], gbit: float) -> None:
     tc("qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "999")
     tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:999", "htb", "rate", "100gbit", "quantum", "200000")
     for i, owner in enumerate(ports, start=1):
-        tc("class", "add", "dev", "lo", "parent", "1:", "classid", f"1:{i}", "htb", "rate", f"{gbit}gbit",
-           "ceil", f"{gbit}gbit", "quantum", "200000")
+        tc(
+            "class",
+            "add",
+            "dev",
+            "lo",
+            "parent",
+            "1:",
+            "classid",
+            f"1:{i}",
+            "htb",
+            "rate",
+            f"{gbit}gbit",
+            "ceil",
+            f"{gbit}gbit",
+            "quantum",
+            "200000",
+        )
         for port in owner:
-            tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
-               "sport", str(port), "0xffff", "flowid", f"1:{i}")
+            tc(
+                "filter",
+                "add",
+                "dev",
+                "lo",
+                "parent",
+                "1:",
+                "protocol",
+                "ip",
+                "prio",
+                "1",
+                "u32",
+                "match",
+                "ip",
+                "sport",
+                str(port),
+                "0xffff",
+                "flowid",
+                f"1:{i}",
+            )
 
 
 def main() -> None:
@@ -425,18 +490,29 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cap-gbit", type=float, default=None)
-    parser.add_argument("--ahead", type=int, nargs="+", default=[4],
-                        help="batches each 'ahead N' contender asks for at once")
-    parser.add_argument("--rule", choices=["rows", "windows", "prioritized"], default="rows",
-                        help="uniform rows, 64-step windows, or prioritized rows with a priority update per batch")
+    parser.add_argument(
+        "--ahead", type=int, nargs="+", default=[4], help="batches each 'ahead N' contender asks for at once"
+    )
+    parser.add_argument(
+        "--rule",
+        choices=["rows", "windows", "prioritized"],
+        default="rows",
+        help="uniform rows, 64-step windows, or prioritized rows with a priority update per batch",
+    )
     parser.add_argument("--learner-device", default="cpu", help="where the learner's batches go (e.g. cuda)")
     parser.add_argument("--profile", action="store_true", help="print where the learner's time goes")
-    parser.add_argument("--pin", action="store_true",
-                        help="the learner alone on the first core, every owner on the others (owners then share "
-                             "what is left: not a core per process)")
-    parser.add_argument("--ray-site", default=None,
-                        help="a folder holding Ray (pip install --target): adds TorchRL's remote buffer on Ray, "
-                             "transports ray and distributed, to the uniform-rows runs")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the learner alone on the first core, every owner on the others (owners then share "
+        "what is left: not a core per process)",
+    )
+    parser.add_argument(
+        "--ray-site",
+        default=None,
+        help="a folder holding Ray (pip install --target): adds TorchRL's remote buffer on Ray, "
+        "transports ray and distributed, to the uniform-rows runs",
+    )
     parser.add_argument("--out", default="bench_out/sharded_cost.json")
     args = parser.parse_args()
     if args.cap_gbit is not None:
@@ -458,47 +534,80 @@ def main() -> None:
         for b in args.batches:
             mine, peer = result[f"sharded/{b}"], result[f"LazyTensorStorage/{b}"]
             raw = result.get(f"raw/{b}")
-            rows.append({"world": world, "batch": b,
-                         "learner us": f"{mine['learner_us']:.0f}", "local us": f"{peer['learner_us']:.0f}",
-                         "learner / local": f"{mine['learner_us'] / peer['learner_us']:.2f}",
-                         "learner preempted per batch": f"{mine.get('preempted', float('nan')):.2f}",
-                         "raw learner us": "-" if raw is None else f"{raw['learner_us']:.0f}",
-                         "owner us": "-" if mine["owner_us"] != mine["owner_us"] else f"{mine['owner_us']:.0f}",
-                         "raw owner us": "-" if raw is None else f"{raw['owner_us']:.0f}",
-                         "M steps/s": f"{mine['steps_per_s'] / 1e6:.3f}",
-                         "prefetch M steps/s": "-" if f"prefetch/{b}" not in result
-                         else f"{result[f'prefetch/{b}']['steps_per_s'] / 1e6:.3f}",
-                         "prefetch learner us": "-" if f"prefetch/{b}" not in result
-                         else f"{result[f'prefetch/{b}']['learner_us']:.0f}",
-                         "raw M steps/s": "-" if raw is None else f"{raw['steps_per_s'] / 1e6:.3f}",
-                         "local M steps/s": f"{peer['steps_per_s'] / 1e6:.3f}"})
+            rows.append(
+                {
+                    "world": world,
+                    "batch": b,
+                    "learner us": f"{mine['learner_us']:.0f}",
+                    "local us": f"{peer['learner_us']:.0f}",
+                    "learner / local": f"{mine['learner_us'] / peer['learner_us']:.2f}",
+                    "learner preempted per batch": f"{mine.get('preempted', float('nan')):.2f}",
+                    "raw learner us": "-" if raw is None else f"{raw['learner_us']:.0f}",
+                    "owner us": "-" if mine["owner_us"] != mine["owner_us"] else f"{mine['owner_us']:.0f}",
+                    "raw owner us": "-" if raw is None else f"{raw['owner_us']:.0f}",
+                    "M steps/s": f"{mine['steps_per_s'] / 1e6:.3f}",
+                    "prefetch M steps/s": "-"
+                    if f"prefetch/{b}" not in result
+                    else f"{result[f'prefetch/{b}']['steps_per_s'] / 1e6:.3f}",
+                    "prefetch learner us": "-"
+                    if f"prefetch/{b}" not in result
+                    else f"{result[f'prefetch/{b}']['learner_us']:.0f}",
+                    "raw M steps/s": "-" if raw is None else f"{raw['steps_per_s'] / 1e6:.3f}",
+                    "local M steps/s": f"{peer['steps_per_s'] / 1e6:.3f}",
+                }
+            )
             for n in args.ahead:  # each depth of batches asked for at once
                 ahead = result.get(f"ahead {n}/{b}")
-                rows[-1].update({f"ahead {n} learner us": "-" if ahead is None else f"{ahead['learner_us']:.0f}",
-                                 f"ahead {n} preempted per batch": "-" if ahead is None
-                                 else f"{ahead.get('preempted', float('nan')):.2f}",
-                                 f"ahead {n} owner us": "-" if ahead is None else f"{ahead['owner_us']:.0f}",
-                                 f"ahead {n} M steps/s": "-" if ahead is None
-                                 else f"{ahead['steps_per_s'] / 1e6:.3f}"})
+                rows[-1].update(
+                    {
+                        f"ahead {n} learner us": "-" if ahead is None else f"{ahead['learner_us']:.0f}",
+                        f"ahead {n} preempted per batch": "-"
+                        if ahead is None
+                        else f"{ahead.get('preempted', float('nan')):.2f}",
+                        f"ahead {n} owner us": "-" if ahead is None else f"{ahead['owner_us']:.0f}",
+                        f"ahead {n} M steps/s": "-" if ahead is None else f"{ahead['steps_per_s'] / 1e6:.3f}",
+                    }
+                )
             for transport in ("ray", "distributed") if args.ray_site else ():  # TorchRL's remote buffer
                 ray = result.get(f"torchrl-ray-{transport}/{b}")
-                rows[-1].update({f"{transport}: learner us": "-" if ray is None else f"{ray['learner_us']:.0f}",
-                                 f"{transport}: actor us": "-" if ray is None else f"{ray['owner_us']:.0f}",
-                                 f"{transport}: M steps/s": "-" if ray is None else f"{ray['steps_per_s'] / 1e6:.3f}",
-                                 f"ours / {transport}": "-" if ray is None
-                                 else f"{mine['steps_per_s'] / ray['steps_per_s']:.1f}"})
+                rows[-1].update(
+                    {
+                        f"{transport}: learner us": "-" if ray is None else f"{ray['learner_us']:.0f}",
+                        f"{transport}: actor us": "-" if ray is None else f"{ray['owner_us']:.0f}",
+                        f"{transport}: M steps/s": "-" if ray is None else f"{ray['steps_per_s'] / 1e6:.3f}",
+                        f"ours / {transport}": "-"
+                        if ray is None
+                        else f"{mine['steps_per_s'] / ray['steps_per_s']:.1f}",
+                    }
+                )
             if args.cap_gbit is not None:  # the share of the links' capacity each contender used
                 cap = args.cap_gbit * 1e9 / 8 / ROW_BYTES  # steps/s through one capped link
-                for name in ("sharded", "prefetch", *(f"ahead {n}" for n in args.ahead), "raw", "torchrl-ray-ray",
-                             "torchrl-ray-distributed"):
+                for name in (
+                    "sharded",
+                    "prefetch",
+                    *(f"ahead {n}" for n in args.ahead),
+                    "raw",
+                    "torchrl-ray-ray",
+                    "torchrl-ray-distributed",
+                ):
                     links = 1 if name.startswith("torchrl-ray") else int(world)  # Ray's buffer: one actor, one link
                     if f"{name}/{b}" in result:
                         rows[-1][f"{name} / caps"] = f"{result[f'{name}/{b}']['steps_per_s'] / (cap * links):.2f}"
-        print(table(rows[-len(args.batches):], list(rows[0])), flush=True)
+        print(table(rows[-len(args.batches) :], list(rows[0])), flush=True)
     print(table(rows, list(rows[0])))
-    write_json(args.out, {"benchmark": "sharded_cost", "rule": args.rule, "steps": STEPS, "rounds": args.rounds,
-                          "cap_gbit": args.cap_gbit, "learner_device": args.learner_device, "pin": args.pin,
-                          "rows": rows})
+    write_json(
+        args.out,
+        {
+            "benchmark": "sharded_cost",
+            "rule": args.rule,
+            "steps": STEPS,
+            "rounds": args.rounds,
+            "cap_gbit": args.cap_gbit,
+            "learner_device": args.learner_device,
+            "pin": args.pin,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ its idle rate, both systems in the same run, rounds interleaved.
 
     .venv/bin/python benchmarks/shared_insert.py [--writers 1 2 4] [--seconds 2] [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,14 @@ CTX = mp.get_context("spawn")
 def episode(length: int, obs_dim: int) -> TensorDict:
     done = torch.zeros(length, 1, dtype=torch.bool)
     done[-1] = True
-    return TensorDict({"obs": torch.randn(length, obs_dim), "action": torch.randint(0, 6, (length,)),
-                       "next": {"obs": torch.randn(length, obs_dim), "reward": torch.randn(length, 1),
-                                "done": done}}, [length])
+    return TensorDict(
+        {
+            "obs": torch.randn(length, obs_dim),
+            "action": torch.randint(0, 6, (length,)),
+            "next": {"obs": torch.randn(length, obs_dim), "reward": torch.randn(length, 1), "done": done},
+        },
+        [length],
+    )
 
 
 def write_rounds(system: str, target, rounds: int, seconds: float, ep_len: int, obs_dim: int, barrier, out) -> None:
@@ -71,8 +77,7 @@ def build(system: str, capacity: int, batch: int, ep_len: int, obs_dim: int, scr
         writer.extend(episode(ep_len, obs_dim))
         writer.end_episode()
         return storage, rb, storage.close
-    rb = TensorDictReplayBuffer(storage=LazyMemmapStorage(capacity, scratch_dir=scratch), batch_size=batch,
-                                shared=True)
+    rb = TensorDictReplayBuffer(storage=LazyMemmapStorage(capacity, scratch_dir=scratch), batch_size=batch, shared=True)
     rb.extend(episode(ep_len, obs_dim))
     return rb, rb, lambda: None
 
@@ -82,8 +87,13 @@ def run(system: str, writers: int, args, scratch: str) -> dict:
     try:
         idle = [sample_for(rb, args.seconds) for _ in range(args.rounds)]
         barrier, out = CTX.Barrier(writers + 1), CTX.Queue()
-        procs = [CTX.Process(target=write_rounds, args=(system, target, args.rounds, args.seconds, args.ep_len,
-                                                        args.obs_dim, barrier, out)) for _ in range(writers)]
+        procs = [
+            CTX.Process(
+                target=write_rounds,
+                args=(system, target, args.rounds, args.seconds, args.ep_len, args.obs_dim, barrier, out),
+            )
+            for _ in range(writers)
+        ]
         for p in procs:
             p.start()
         inserts, loaded = [], []
@@ -94,8 +104,11 @@ def run(system: str, writers: int, args, scratch: str) -> dict:
             inserts.append(sum(out.get(timeout=60) for _ in procs))
         for p in procs:
             p.join(60)
-        return {"inserts": statistics.median(inserts), "idle": statistics.median(idle),
-                "loaded": statistics.median(loaded)}
+        return {
+            "inserts": statistics.median(inserts),
+            "idle": statistics.median(idle),
+            "loaded": statistics.median(loaded),
+        }
     finally:
         cleanup()
 
@@ -116,15 +129,18 @@ def main() -> None:
         for writers in args.writers:
             gear = run("gear", writers, args, scratch)
             base = run("torchrl", writers, args, f"{scratch}/{writers}")
-            rows.append({
-                "writers": writers,
-                "gear steps/s": f"{gear['inserts']:.3g}", "torchrl steps/s": f"{base['inserts']:.3g}",
-                "insert ratio": f"{gear['inserts'] / base['inserts']:.2f}x",
-                "gear learner loaded/idle": f"{gear['loaded'] / gear['idle']:.2f}",
-                "torchrl learner loaded/idle": f"{base['loaded'] / base['idle']:.2f}",
-                "gear batches/s (loaded)": f"{gear['loaded']:.0f}",
-                "torchrl batches/s (loaded)": f"{base['loaded']:.0f}",
-            })
+            rows.append(
+                {
+                    "writers": writers,
+                    "gear steps/s": f"{gear['inserts']:.3g}",
+                    "torchrl steps/s": f"{base['inserts']:.3g}",
+                    "insert ratio": f"{gear['inserts'] / base['inserts']:.2f}x",
+                    "gear learner loaded/idle": f"{gear['loaded'] / gear['idle']:.2f}",
+                    "torchrl learner loaded/idle": f"{base['loaded'] / base['idle']:.2f}",
+                    "gear batches/s (loaded)": f"{gear['loaded']:.0f}",
+                    "torchrl batches/s (loaded)": f"{base['loaded']:.0f}",
+                }
+            )
             print(table(rows[-1:], list(rows[-1])), flush=True)
     print()
     print(table(rows, list(rows[0])))

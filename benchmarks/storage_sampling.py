@@ -6,6 +6,7 @@ limit), and memory per stored step against the raw bytes.
 
     .venv/bin/python benchmarks/storage_sampling.py [--rows 1000000] [--out bench_out/storage.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,24 @@ from gear_torchrl.kernels import _C
 
 LAYOUTS = {
     # name: (row spec, default rows)
-    "vector": ({"obs": ((84,), torch.float32), "action": ((), torch.int64), "reward": ((), torch.float32),
-                "done": ((), torch.bool)}, 1_000_000),
-    "atari": ({"obs": ((4, 84, 84), torch.uint8), "action": ((), torch.int64), "reward": ((), torch.float32),
-               "done": ((), torch.bool)}, 50_000),
+    "vector": (
+        {
+            "obs": ((84,), torch.float32),
+            "action": ((), torch.int64),
+            "reward": ((), torch.float32),
+            "done": ((), torch.bool),
+        },
+        1_000_000,
+    ),
+    "atari": (
+        {
+            "obs": ((4, 84, 84), torch.uint8),
+            "action": ((), torch.int64),
+            "reward": ((), torch.float32),
+            "done": ((), torch.bool),
+        },
+        50_000,
+    ),
 }
 
 
@@ -86,22 +101,36 @@ def run_layout(name: str, rows: int, batch: int, repeats: int, scratch: str) -> 
         gear = times[f"{op} / GearStorage"]
         for label in factories:
             t = times[f"{op} / {label}"]
-            results.append({"layout": name, "op": op, "storage": label, "ms_per_batch": round(t * 1e3, 3),
-                            "Msteps_per_s": round(batch / t / 1e6, 2), "gear_speedup": round(t / gear, 2)})
+            results.append(
+                {
+                    "layout": name,
+                    "op": op,
+                    "storage": label,
+                    "ms_per_batch": round(t * 1e3, 3),
+                    "Msteps_per_s": round(batch / t / 1e6, 2),
+                    "gear_speedup": round(t / gear, 2),
+                }
+            )
     batch_bytes = batch * raw_row_bytes
-    gather = {"gather_GBps": round(batch_bytes / times["gather (extension, all columns)"] / 1e9, 2),
-              "index_select_GBps": round(batch_bytes / times["index_select (same bytes)"] / 1e9, 2)}
+    gather = {
+        "gather_GBps": round(batch_bytes / times["gather (extension, all columns)"] / 1e9, 2),
+        "index_select_GBps": round(batch_bytes / times["index_select (same bytes)"] / 1e9, 2),
+    }
     gather["gather_vs_index_select"] = round(gather["gather_GBps"] / gather["index_select_GBps"], 2)
     # TensorDictReplayBuffer stores its own int64 "index" key with every step: it is
     # part of the data all three storages hold, so it counts as raw bytes.
     stored_row_bytes = shard.table.row_bytes
-    gear_bytes = shard.nbytes + sum(t.numel() * t.element_size() for t in
-                                    (shard.episodes.start, shard.episodes.length, shard.episodes.closed))
-    mem = {"raw_bytes_per_step": stored_row_bytes,
-           "gear_bytes_per_step": round(gear_bytes / rows, 4),
-           "gear_overhead_pct": round(100 * (gear_bytes / rows / stored_row_bytes - 1), 4),
-           "LazyTensorStorage_bytes_per_step": round(
-               torchrl_storage_bytes(buffers["LazyTensorStorage"].storage) / rows, 4)}
+    gear_bytes = shard.nbytes + sum(
+        t.numel() * t.element_size() for t in (shard.episodes.start, shard.episodes.length, shard.episodes.closed)
+    )
+    mem = {
+        "raw_bytes_per_step": stored_row_bytes,
+        "gear_bytes_per_step": round(gear_bytes / rows, 4),
+        "gear_overhead_pct": round(100 * (gear_bytes / rows / stored_row_bytes - 1), 4),
+        "LazyTensorStorage_bytes_per_step": round(
+            torchrl_storage_bytes(buffers["LazyTensorStorage"].storage) / rows, 4
+        ),
+    }
     del buffers, plain
     return {"layout": name, "rows": rows, "batch": batch, "results": results, "gather": gather, "memory": mem}
 
@@ -117,19 +146,24 @@ def main() -> None:
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     scratch = tempfile.mkdtemp(prefix="gear_bench_")
     try:
-        reports = [run_layout(name, args.rows or LAYOUTS[name][1], args.batch, args.repeats, scratch)
-                   for name in args.layouts]
+        reports = [
+            run_layout(name, args.rows or LAYOUTS[name][1], args.batch, args.repeats, scratch) for name in args.layouts
+        ]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     for r in reports:
         print(f"\n== {r['layout']}: {r['rows']:,} steps, batch {r['batch']} (median of {args.repeats}) ==")
         print(table(r["results"], ["op", "storage", "ms_per_batch", "Msteps_per_s", "gear_speedup"]))
-        print(f"gather {r['gather']['gather_GBps']} GB/s vs index_select {r['gather']['index_select_GBps']} GB/s "
-              f"({r['gather']['gather_vs_index_select']}x)")
+        print(
+            f"gather {r['gather']['gather_GBps']} GB/s vs index_select {r['gather']['index_select_GBps']} GB/s "
+            f"({r['gather']['gather_vs_index_select']}x)"
+        )
         m = r["memory"]
-        print(f"memory: raw {m['raw_bytes_per_step']} B/step (TorchRL's 'index' key included), GearStorage "
-              f"{m['gear_bytes_per_step']} B/step ({m['gear_overhead_pct']}% overhead), LazyTensorStorage "
-              f"{m['LazyTensorStorage_bytes_per_step']} B/step")
+        print(
+            f"memory: raw {m['raw_bytes_per_step']} B/step (TorchRL's 'index' key included), GearStorage "
+            f"{m['gear_bytes_per_step']} B/step ({m['gear_overhead_pct']}% overhead), LazyTensorStorage "
+            f"{m['LazyTensorStorage_bytes_per_step']} B/step"
+        )
     write_json(args.out, {"benchmark": "storage_sampling", "reports": reports})
 
 

@@ -3,6 +3,7 @@
 Public names load on first use, so the kernels (``gear_torchrl.kernels``,
 ``gear_torchrl.kernels.gather``) import without torchrl; only the TorchRL glue needs it.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -5,10 +5,19 @@ Each class keeps the builtin base a caller would reach for first (a bad value
 is a ValueError, a dead peer a ConnectionError), so ``except ValueError`` still
 catches a spec mismatch.
 """
+
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "EmptyStoreError", "RateLimiterTimeout", "ReadRevokedError", "ShardUnavailableError",
-           "SpecMismatchError", "StoreClosedError", "UnverifiedCheckpointWarning"]
+__all__ = [
+    "CheckpointError",
+    "EmptyStoreError",
+    "RateLimiterTimeout",
+    "ReadRevokedError",
+    "ShardUnavailableError",
+    "SpecMismatchError",
+    "StoreClosedError",
+    "UnverifiedCheckpointWarning",
+]
 
 
 class SpecMismatchError(ValueError):

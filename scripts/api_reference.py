@@ -10,6 +10,7 @@ drift from the code.
     .venv/bin/python scripts/api_reference.py            # rewrite docs/api.md
     .venv/bin/python scripts/api_reference.py --check    # exit 1 if docs/api.md is out of date
 """
+
 from __future__ import annotations
 
 import argparse

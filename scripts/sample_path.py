@@ -9,6 +9,7 @@ to the kernel), its *types* the classes those functions belong to and the types 
 they return; everything else of ours the call runs (property reads, the batch built
 after the gather) is counted apart. docs/architecture.md quotes what this prints.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -109,14 +110,18 @@ def _buffer(sampler: Any, batch_size: int) -> TensorDictReplayBuffer:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args()
-    cases = {"RandomSampler": _buffer(RandomSampler(), 256),
-             "GearSequenceSampler": _buffer(GearSequenceSampler(slice_len=16), 256)}
+    cases = {
+        "RandomSampler": _buffer(RandomSampler(), 256),
+        "GearSequenceSampler": _buffer(GearSequenceSampler(slice_len=16), 256),
+    }
     for name, rb in cases.items():
         rb.sample()  # warm-up: first-use set-up is not the path of a batch
         trace = Trace()
         trace.run(rb.sample)
-        print(f"## rb.sample() with {name}: {len(trace.path)} functions and {len(trace.types)} types of ours on "
-              f"the path to _C; {len(trace.other)} other functions of ours")
+        print(
+            f"## rb.sample() with {name}: {len(trace.path)} functions and {len(trace.types)} types of ours on "
+            f"the path to _C; {len(trace.other)} other functions of ours"
+        )
         print("path:", *trace.path, sep="\n  ")
         print("types:", *trace.types, sep="\n  ")
         print("_C:", *trace.kernels, sep="\n  ")

@@ -1,4 +1,5 @@
 """Make tests/helpers.py importable from every test module; fixtures shared by the process tests."""
+
 import multiprocessing as mp
 import os
 import sys

@@ -1,4 +1,5 @@
 """Brute-force model of the episode index: split the surviving steps at their ends."""
+
 from __future__ import annotations
 
 

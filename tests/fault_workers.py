@@ -3,6 +3,7 @@
 Everything binds 127.0.0.1. Results and hand-offs go through files in a temporary
 directory or a pipe, since a stopped or exhausted peer leaves no collective to use.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ def steps(n: int, first: int = 0) -> TensorDict:
     """``n`` steps numbered from ``first``, one episode."""
     done = torch.zeros(n, 1, dtype=torch.bool)
     done[-1] = True
-    return TensorDict({"obs": torch.full((n, OBS), float(first)), "pos": torch.arange(first, first + n),
-                       ("next", "done"): done}, [n])
+    return TensorDict(
+        {"obs": torch.full((n, OBS), float(first)), "pos": torch.arange(first, first + n), ("next", "done"): done}, [n]
+    )
 
 
 def fill(storage, rows: int, episode: int = 16) -> None:
@@ -98,13 +100,15 @@ def run_rank(rank: int, world: int, port: int, tmp: str, options: dict) -> None:
 
     for name, value in options.get("env", {}).get(str(rank), {}).items():
         os.environ[name] = value
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     tmp_path = Path(tmp)
     owner = rank in options["owners"]
     try:
-        storage = ShardedGearStorage(256, owns_shard=owner, timeout=options.get("timeout", 2.0),
-                                     **options.get("learners", {}).get(str(rank), {}))
+        storage = ShardedGearStorage(
+            256, owns_shard=owner, timeout=options.get("timeout", 2.0), **options.get("learners", {}).get(str(rank), {})
+        )
     except Exception as exc:  # what a rank says when it cannot join
         (tmp_path / f"refused_{rank}.json").write_text(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
         os._exit(0)
@@ -133,8 +137,9 @@ def _learn(storage, tmp: Path, rank: int) -> dict:
     from gear_torchrl import GearPrioritizedSampler, TopKSampler
 
     rb = TensorDictReplayBuffer(storage=storage, batch_size=32)
-    prioritized = TensorDictReplayBuffer(storage=storage, sampler=GearPrioritizedSampler(256, alpha=0.6, beta=0.4),
-                                         batch_size=32)
+    prioritized = TensorDictReplayBuffer(
+        storage=storage, sampler=GearPrioritizedSampler(256, alpha=0.6, beta=0.4), batch_size=32
+    )
     top = TensorDictReplayBuffer(storage=storage, sampler=TopKSampler(256), batch_size=8)
     index = rb.sample()["index"].as_subclass(torch.Tensor)  # plain ids: ``get`` asks the shards for them
     prioritized.sample()
@@ -144,9 +149,14 @@ def _learn(storage, tmp: Path, rank: int) -> dict:
         return results
     (tmp / f"sampled_{rank}").touch()
     wait_for(tmp / "stopped")
-    paths = {"sample": rb.sample, "get": lambda: storage.get(index), "len": lambda: len(storage),
-             "update_priority": lambda: prioritized.update_priority(index, torch.ones(index.numel())),
-             "sample_prioritized": prioritized.sample, "top_k": top.sample}
+    paths = {
+        "sample": rb.sample,
+        "get": lambda: storage.get(index),
+        "len": lambda: len(storage),
+        "update_priority": lambda: prioritized.update_priority(index, torch.ones(index.numel())),
+        "sample_prioritized": prioritized.sample,
+        "top_k": top.sample,
+    }
     results["stopped"] = {name: _outcome(call) for name, call in paths.items()}
     (tmp / f"tried_{rank}").touch()
     wait_for(tmp / "continued")

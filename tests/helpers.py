@@ -1,4 +1,5 @@
 """Shared builders for the tests: data that looks like a TorchRL collector's."""
+
 from __future__ import annotations
 
 import re
@@ -44,7 +45,7 @@ def assert_same_td(a, b) -> None:
     """Same keys, dtypes, shapes, batch sizes and values (bit-for-bit)."""
     keys_a = set(a.keys(include_nested=True, leaves_only=True))
     keys_b = set(b.keys(include_nested=True, leaves_only=True))
-    assert keys_a == keys_b, (keys_a ^ keys_b)
+    assert keys_a == keys_b, keys_a ^ keys_b
     assert a.batch_size == b.batch_size
     for k in keys_a:
         x, y = a.get(k), b.get(k)
@@ -84,7 +85,7 @@ def shm_segments() -> set[str]:
 
 def _owner_pid(segment: str) -> int:
     try:
-        return int(segment[len("gear_torchrl-"):].split("-", 1)[0])
+        return int(segment[len("gear_torchrl-") :].split("-", 1)[0])
     except ValueError:
         return 0
 

@@ -1,4 +1,5 @@
 """``[num_envs, T]`` batches with known contents, and process bodies for the shared ``ndim=2`` tests."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,9 @@ class EnvSteps:
     and ``obs[..., 0] = step * 10 + env + 1000 * writer``. Trajectory ids are unique across writers.
     """
 
-    def __init__(self, num_envs: int = ENVS, writer: int = 0, seed: int = 0, done_prob: float = 0.2,
-                 traj_ids: bool = True) -> None:
+    def __init__(
+        self, num_envs: int = ENVS, writer: int = 0, seed: int = 0, done_prob: float = 0.2, traj_ids: bool = True
+    ) -> None:
         self.num_envs, self.writer, self.done_prob, self.traj_ids = num_envs, writer, done_prob, traj_ids
         self.generator = torch.Generator().manual_seed(seed + 7919 * writer)
         self.episode = torch.zeros(num_envs, dtype=torch.int64)
@@ -31,9 +33,14 @@ class EnvSteps:
         self.time += steps
         obs = torch.zeros(self.num_envs, steps, 3)
         obs[..., 0] = (step * 10 + env + 1000 * self.writer).float()
-        data = {"obs": obs, "env": env.clone(), "step": step.clone(),
-                "writer": torch.full((self.num_envs, steps), self.writer),
-                "batch": torch.full((self.num_envs, steps), self.batches), ("next", "done"): done.unsqueeze(-1)}
+        data = {
+            "obs": obs,
+            "env": env.clone(),
+            "step": step.clone(),
+            "writer": torch.full((self.num_envs, steps), self.writer),
+            "batch": torch.full((self.num_envs, steps), self.batches),
+            ("next", "done"): done.unsqueeze(-1),
+        }
         self.batches += 1
         if self.traj_ids:
             data["collector", "traj_ids"] = self.writer * 10**6 + env * 10**4 + episode

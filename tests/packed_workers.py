@@ -4,6 +4,7 @@ Owner ``s`` writes episodes of shared_workers' checksummed steps, each step also
 its shard; the learner draws packs through both owners and checks every token against
 its checksum, its episode and its shard, then writes what it found to a file.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,9 @@ MAX_LEN, BURN_IN, BUDGET = 24, 3, 512
 def run_rank(rank: int, world: int, port: int, tmp: str, transport: TransportName) -> None:
     from gear_torchrl import ShardedGearStorage, TrajectoryWriter
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     owner = rank < OWNERS
     storage = ShardedGearStorage(CAPACITY, owns_shard=owner, serve_on="127.0.0.1", timeout=10.0, transport=transport)
     if owner:
@@ -63,7 +65,9 @@ def check_tokens(batch) -> dict:
     lengths = torch.bincount(ids)
     first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
     return {
-        "tokens": batch.shape[0], "real": n_real, "padding_last": bool(real[:n_real].all()),
+        "tokens": batch.shape[0],
+        "real": n_real,
+        "padding_last": bool(real[:n_real].all()),
         "one_episode": bool((batch["ep"][real] == batch["ep"][real][first]).all()),
         "consecutive": bool((batch["step"][real] == batch["step"][real][first] + position).all()),
         "one_shard": bool((batch["shard"][real] == batch["shard"][real][first]).all()),
@@ -79,12 +83,12 @@ def _learn(storage) -> dict:
 
     from gear_torchrl import GearPackedSequenceSampler, GearPrioritizedPackedSequenceSampler
 
-    uniform = TensorDictReplayBuffer(storage=storage, sampler=GearPackedSequenceSampler(MAX_LEN, burn_in=BURN_IN),
-                                     batch_size=BUDGET)
+    uniform = TensorDictReplayBuffer(
+        storage=storage, sampler=GearPackedSequenceSampler(MAX_LEN, burn_in=BURN_IN), batch_size=BUDGET
+    )
     results: dict = {"uniform": [check_tokens(uniform.sample()) for _ in range(10)]}
     sampler = GearPrioritizedPackedSequenceSampler(CAPACITY, MAX_LEN, burn_in=BURN_IN, alpha=1.0, beta=0.5)
-    prioritized = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=BUDGET,
-                                         priority_key="td_error")
+    prioritized = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=BUDGET, priority_key="td_error")
     before = [check_tokens(prioritized.sample()) for _ in range(5)]
     for _ in range(6):  # owner 1's sequences get a large error: they come to fill the packs
         batch = prioritized.sample()
@@ -103,8 +107,11 @@ def _seeded_draws(storage) -> dict:
 
     from gear_torchrl import GearPackedSequenceSampler, GearSequenceSampler
 
-    samplers = {"rows": (RandomSampler(), 256), "windows": (GearSequenceSampler(8), 256),
-                "packed": (GearPackedSequenceSampler(MAX_LEN, burn_in=BURN_IN), BUDGET)}
+    samplers = {
+        "rows": (RandomSampler(), 256),
+        "windows": (GearSequenceSampler(8), 256),
+        "packed": (GearPackedSequenceSampler(MAX_LEN, burn_in=BURN_IN), BUDGET),
+    }
     drawn = {}
     for rule, (sampler, batch_size) in samplers.items():
         rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=batch_size)

@@ -2,6 +2,7 @@
 
 The results go to a file the tests read; the worker asserts nothing itself.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,12 @@ def _write(storage) -> None:
     for first in range(0, ROWS, 100):
         done = torch.zeros(100, 1, dtype=torch.bool)
         done[-1] = True
-        writer.extend(TensorDict({"obs": torch.arange(first, first + 100, dtype=torch.float32).unsqueeze(1),
-                                  "next": {"done": done}}, [100]))
+        writer.extend(
+            TensorDict(
+                {"obs": torch.arange(first, first + 100, dtype=torch.float32).unsqueeze(1), "next": {"done": done}},
+                [100],
+            )
+        )
         writer.end_episode()
 
 
@@ -53,8 +58,9 @@ def run(port: int, out: str) -> None:
     from gear_torchrl import GearPrioritizedSampler, ShardedGearStorage
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
     own = ShardedGearStorage(ROWS, serve_on="127.0.0.1", timeout=10)
     tcp = ShardedGearStorage(ROWS, transport="tcp", serve_on="127.0.0.1", timeout=10, name="tcp")
     results: dict[str, object] = {}
@@ -65,12 +71,14 @@ def run(port: int, out: str) -> None:
         results["own transport"] = (own.transport_of(0), type(own._shards.transport(0)).__name__)
         results["own rows match"] = all(_rows_match(rb.sample()) for _ in range(BATCHES))
         results["own python picks of uniform rows"] = _python_picks(lambda: [rb.sample() for _ in range(BATCHES)])
-        results["own draws match tcp's"] = ([t.tolist() for t in _seeded(own, [32, 48, 48])] ==
-                                            [t.tolist() for t in _seeded(tcp, [32, 48, 48])])
+        results["own draws match tcp's"] = [t.tolist() for t in _seeded(own, [32, 48, 48])] == [
+            t.tolist() for t in _seeded(tcp, [32, 48, 48])
+        ]
 
         # priorities set through the in-process path land in the cores the owner's server uses for everyone
-        prioritized = TensorDictReplayBuffer(storage=own, sampler=GearPrioritizedSampler(ROWS, 0.9, 0.4),
-                                             batch_size=256)
+        prioritized = TensorDictReplayBuffer(
+            storage=own, sampler=GearPrioritizedSampler(ROWS, 0.9, 0.4), batch_size=256
+        )
         first = prioritized.sample()
         priority = torch.full((ROWS,), 1e-6)
         priority[7] = 1e6
@@ -99,8 +107,9 @@ def run(port: int, out: str) -> None:
             ids = batch["index"][:5].clone()
             read = as_td(tcp.get(ids))  # a read on connections that owe the prefetched batches' replies
             results[f"read between prefetches matches ({ahead})"] = bool((read["obs"] == batch["obs"][:5]).all())
-            results[f"prefetched rows match ({ahead})"] = all(_rows_match(rb.sample(b))
-                                                              for b in (32, 32, 32, 16, 16, 32, 32, 32, 32, 32))
+            results[f"prefetched rows match ({ahead})"] = all(
+                _rows_match(rb.sample(b)) for b in (32, 32, 32, 16, 16, 32, 32, 32, 32, 32)
+            )
     finally:
         torch.save(results, Path(out))
         tcp.close()

@@ -5,6 +5,7 @@ consumes part of the queue, draws under a cap, then ``rb.dumps``. ``restore``:
 new, empty owners; the learner ``rb.loads`` and reports what it finds.
 Results go to files in ``tmp``.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,9 @@ NEW_ROWS = 50  # each owner writes after the restore
 def run_rank(rank: int, world: int, owners: int, port: int, tmp: str, phase: str) -> None:
     from gear_torchrl import ShardedGearStorage
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     storage = ShardedGearStorage(CAPACITY, owns_shard=rank < owners, serve_on="127.0.0.1", timeout=10.0)
     tmp_path = Path(tmp)
     try:
@@ -66,10 +68,12 @@ def _buffers(storage):
     def rb(sampler, batch):
         return TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=batch)
 
-    return {"prioritized": rb(GearPrioritizedSampler(CAPACITY, ALPHA, BETA), 512),
-            "queue": rb(QueueSampler(CAPACITY), 100),
-            "topk": rb(TopKSampler(CAPACITY), 20),
-            "capped": rb(MaxTimesSampled(GearPrioritizedSampler(CAPACITY, 0.0, 0.0), 2, CAPACITY), 200)}
+    return {
+        "prioritized": rb(GearPrioritizedSampler(CAPACITY, ALPHA, BETA), 512),
+        "queue": rb(QueueSampler(CAPACITY), 100),
+        "topk": rb(TopKSampler(CAPACITY), 20),
+        "capped": rb(MaxTimesSampled(GearPrioritizedSampler(CAPACITY, 0.0, 0.0), 2, CAPACITY), 200),
+    }
 
 
 def _all_ids(storage) -> torch.Tensor:
@@ -85,10 +89,16 @@ def _state(storage, buffers) -> dict:
     ids = _all_ids(storage)
     rows = storage.get(ids)
     drawn = buffers["prioritized"].sample()
-    return {"len": len(storage), "ids": ids, "pos": rows["pos"].clone(), "obs": rows["obs"].clone(),
-            "drawn_shard": drawn["shard"].clone(), "drawn_pos": drawn["pos"].clone(),
-            "weights": drawn["priority_weight"].clone(),
-            "top": buffers["topk"].sample()["index"].as_subclass(torch.Tensor).clone()}
+    return {
+        "len": len(storage),
+        "ids": ids,
+        "pos": rows["pos"].clone(),
+        "obs": rows["obs"].clone(),
+        "drawn_shard": drawn["shard"].clone(),
+        "drawn_pos": drawn["pos"].clone(),
+        "weights": drawn["priority_weight"].clone(),
+        "top": buffers["topk"].sample()["index"].as_subclass(torch.Tensor).clone(),
+    }
 
 
 def _save(storage, tmp: Path) -> dict:
@@ -102,8 +112,7 @@ def _save(storage, tmp: Path) -> dict:
     shard, pos = global_ids.decode(ids)
     buffers["prioritized"].update_priority(ids, priority_of(shard, pos))
     buffers["topk"].update_priority(ids, top_scores())
-    consumed = torch.cat([buffers["queue"].sample()["index"].as_subclass(torch.Tensor)
-                          for _ in range(QUEUE_BATCHES)])
+    consumed = torch.cat([buffers["queue"].sample()["index"].as_subclass(torch.Tensor) for _ in range(QUEUE_BATCHES)])
     capped = torch.cat([buffers["capped"].sample()["index"].as_subclass(torch.Tensor) for _ in range(6)])
     state = _state(storage, buffers)
     buffers["prioritized"].dumps(tmp / "checkpoint")

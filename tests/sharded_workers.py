@@ -6,6 +6,7 @@ every row it gets against the global id it came with. Learners run the checks
 of phase 1, wait for the test to kill one owner, then check failure handling.
 Results go to files in ``tmp`` (a killed peer leaves no collective to use).
 """
+
 from __future__ import annotations
 
 import os
@@ -37,11 +38,13 @@ def priority_of(shard: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 def run_rank(rank: int, world: int, port: int, tmp: str, learner_options: dict) -> None:
     from gear_torchrl import ShardedGearStorage
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     owner = rank < OWNERS
-    storage = ShardedGearStorage(CAPACITY, owns_shard=owner, serve_on="127.0.0.1", timeout=TIMEOUT_S,
-                                 **learner_options.get(rank, {}))
+    storage = ShardedGearStorage(
+        CAPACITY, owns_shard=owner, serve_on="127.0.0.1", timeout=TIMEOUT_S, **learner_options.get(rank, {})
+    )
     if owner:
         _write_shard(storage.local, rank)
     dist.barrier()  # every shard holds its rows
@@ -99,8 +102,11 @@ def _wait_for(path: Path) -> None:
 
 # -- learners ------------------------------------------------------------------------------------
 def _learn(storage, rank: int, tmp: Path) -> dict:
-    results = {"transports": [storage.transport_of(s) for s in range(storage.num_shards)], "len": len(storage),
-               "hosts": [storage.host_of(s) for s in range(storage.num_shards)]}
+    results = {
+        "transports": [storage.transport_of(s) for s in range(storage.num_shards)],
+        "len": len(storage),
+        "hosts": [storage.host_of(s) for s in range(storage.num_shards)],
+    }
     try:
         storage.host_of(storage.num_shards)
     except ValueError as err:
@@ -264,13 +270,14 @@ def _seeded_sampler(name: str):
         MaxTimesSampled,
     )
 
-    return {"uniform": lambda: None,
-            "gear uniform": GearUniformSampler,
-            "prioritized": lambda: GearPrioritizedSampler(CAPACITY, alpha=0.5, beta=BETA),
-            "windows": lambda: GearSequenceSampler(SEQ_LEN, strict_length=False, burn_in=1),
-            "prioritized windows": lambda: GearPrioritizedSequenceSampler(CAPACITY, SEQ_LEN, alpha=0.5),
-            "capped": lambda: MaxTimesSampled(GearPrioritizedSampler(CAPACITY, alpha=0.3, beta=BETA), 1000,
-                                              CAPACITY)}[name]()
+    return {
+        "uniform": lambda: None,
+        "gear uniform": GearUniformSampler,
+        "prioritized": lambda: GearPrioritizedSampler(CAPACITY, alpha=0.5, beta=BETA),
+        "windows": lambda: GearSequenceSampler(SEQ_LEN, strict_length=False, burn_in=1),
+        "prioritized windows": lambda: GearPrioritizedSequenceSampler(CAPACITY, SEQ_LEN, alpha=0.5),
+        "capped": lambda: MaxTimesSampled(GearPrioritizedSampler(CAPACITY, alpha=0.3, beta=BETA), 1000, CAPACITY),
+    }[name]()
 
 
 def _seeded_draws(storage) -> dict:
@@ -294,8 +301,9 @@ def _seeded_draws(storage) -> dict:
             copy = pickle.loads(pickle.dumps(storage))  # fresh masses and connections, as a new learner has
             copy.prefetch = ahead
             sampler = _seeded_sampler(name)
-            rb = TensorDictReplayBuffer(storage=copy, batch_size=320,
-                                        **({} if sampler is None else {"sampler": sampler}))
+            rb = TensorDictReplayBuffer(
+                storage=copy, batch_size=320, **({} if sampler is None else {"sampler": sampler})
+            )
             rb.set_rng(torch.Generator().manual_seed(0))
             batches = [rb.sample() for _ in range(6)]
             verified &= all(_valid_rows_verified(b) for b in batches)
@@ -312,8 +320,11 @@ def _copied_index_reads(storage) -> dict:
     from gear_torchrl import GearPrioritizedSampler, GearSequenceSampler
 
     found = {}
-    for name, sampler in (("uniform", None), ("prioritized", GearPrioritizedSampler(CAPACITY, 0.5, BETA)),
-                          ("windows", GearSequenceSampler(SEQ_LEN, strict_length=False, burn_in=2))):
+    for name, sampler in (
+        ("uniform", None),
+        ("prioritized", GearPrioritizedSampler(CAPACITY, 0.5, BETA)),
+        ("windows", GearSequenceSampler(SEQ_LEN, strict_length=False, burn_in=2)),
+    ):
         chosen: dict[str, Any] = {} if sampler is None else {"sampler": sampler}
         rb = TensorDictReplayBuffer(storage=storage, batch_size=192, **chosen)
         batch, info = rb.sample(return_info=True)
@@ -324,10 +335,12 @@ def _copied_index_reads(storage) -> dict:
         rows = index.as_subclass(torch.Tensor)[valid]
         plain = storage.get(rows)
         read = set(again.exclude("index").keys(True, True))  # the batch adds what the info carries
-        found[name] = {"same": all(torch.equal(again.get(k), batch.get(k)) for k in read),
-                       "same_keys": read <= set(batch.keys(True, True)) and len(read) > 3,
-                       "plain_rows_verified": _verified(plain, rows),
-                       "plain_has_mask": ("collector", "mask") in plain.keys(True, True)}
+        found[name] = {
+            "same": all(torch.equal(again.get(k), batch.get(k)) for k in read),
+            "same_keys": read <= set(batch.keys(True, True)) and len(read) > 3,
+            "plain_rows_verified": _verified(plain, rows),
+            "plain_has_mask": ("collector", "mask") in plain.keys(True, True),
+        }
     return found
 
 
@@ -403,7 +416,8 @@ def _rate_limited(storage) -> dict:
 
     rows = len(storage)  # counted as inserted when the limiter is set: 48 sampled rows are allowed past them
     rb = RateLimiter(1.0, 1, min_diff=float(rows - 48), max_diff=1e12, timeout=0.3).attach(
-        TensorDictReplayBuffer(storage=storage, batch_size=16))
+        TensorDictReplayBuffer(storage=storage, batch_size=16)
+    )
     batches, blocked = sample_until_refused(rb, RateLimiterTimeout, limit=10)
     storage.rate_limiter = None
     return {"batches": len(batches), "blocked": blocked, "after_removal": rb.sample().batch_size[0]}
@@ -448,5 +462,8 @@ def _after_kill(storage) -> dict:
         shards = torch.cat([rb.sample()["shard"] for _ in range(10)])
     except ShardUnavailableError as exc:
         return {"raised": str(exc), "seconds": time.monotonic() - start}
-    return {"shards_seen": torch.unique(shards).tolist(), "failed": dict(storage.failed_shards),
-            "seconds": time.monotonic() - start}
+    return {
+        "shards_seen": torch.unique(shards).tolist(),
+        "failed": dict(storage.failed_shards),
+        "seconds": time.monotonic() - start,
+    }

@@ -4,6 +4,7 @@ Every step carries its episode id, its step number, its episode's length and a
 checksum over all of them and its observation, so a reader can verify any row
 it gets without knowing who wrote it.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,17 @@ def episode(ep_id: int, length: int, generator: torch.Generator | None = None) -
     total = torch.full((length,), length, dtype=torch.int64)
     done = torch.zeros(length, 1, dtype=torch.bool)
     done[-1] = True
-    return TensorDict({"obs": obs, "ep": ep, "step": step, "len": total, "check": checksum(obs, ep, step, total),
-                       "next": {"done": done}}, [length])
+    return TensorDict(
+        {
+            "obs": obs,
+            "ep": ep,
+            "step": step,
+            "len": total,
+            "check": checksum(obs, ep, step, total),
+            "next": {"done": done},
+        },
+        [length],
+    )
 
 
 def verify(batch: TensorDict) -> None:

@@ -1,4 +1,5 @@
 """docs/api.md is what scripts/api_reference.py writes from today's docstrings."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -18,5 +19,5 @@ def _generator():
 def test_api_reference_is_up_to_date():
     generator = _generator()
     assert generator.API_MD.read_text() == generator.render(), (
-        "docs/api.md is out of date with the docstrings: run .venv/bin/python scripts/api_reference.py")
-
+        "docs/api.md is out of date with the docstrings: run .venv/bin/python scripts/api_reference.py"
+    )

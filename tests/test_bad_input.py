@@ -1,4 +1,5 @@
 """Bad input gets a clear error naming the problem and leaves the storage exactly as it was."""
+
 from __future__ import annotations
 
 import copy

@@ -1,4 +1,5 @@
 """Checkpoints restore everything exactly, past 2 GiB too."""
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,10 @@ def test_checkpoint_past_2_gib(tmp_path):
     chunk = 200
     for first in range(0, rows, chunk):
         payload = torch.arange(first, first + chunk, dtype=torch.int64).view(chunk, 1).expand(chunk, row_bytes // 8)
-        storage.set(torch.arange(first, first + chunk),
-                    TensorDict({"blob": payload.contiguous().view(torch.uint8).view(chunk, row_bytes)}, [chunk]))
+        storage.set(
+            torch.arange(first, first + chunk),
+            TensorDict({"blob": payload.contiguous().view(torch.uint8).view(chunk, row_bytes)}, [chunk]),
+        )
     try:
         storage.dumps(tmp_path)
         assert (tmp_path / "column_0.bin").stat().st_size == rows * row_bytes

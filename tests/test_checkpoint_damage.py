@@ -6,6 +6,7 @@ loads it into a second buffer that holds other data: the load must raise a
 CheckpointError naming the problem, and the second buffer's rows, episodes,
 cursor and sampler state must be bit-for-bit what they were.
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,8 +41,9 @@ SAVED_ROWS = 30
 
 
 def prioritized_buffer(rows: int, seed: int) -> TensorDictReplayBuffer:
-    rb = TensorDictReplayBuffer(storage=GearStorage(CAPACITY), sampler=GearPrioritizedSampler(CAPACITY, 0.6, 0.4),
-                                batch_size=4)
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(CAPACITY), sampler=GearPrioritizedSampler(CAPACITY, 0.6, 0.4), batch_size=4
+    )
     rb.extend(make_steps(rows, seed=seed, done_prob=0.2))
     g = torch.Generator().manual_seed(seed)
     rb.update_priority(torch.arange(rows), torch.rand(rows, generator=g) + 0.1)
@@ -58,6 +60,7 @@ def saved(tmp_path) -> Path:
 
 
 # -- what "unchanged" means: every byte of the storage, the sampler and the writer ----------------
+
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).clone()  # NaN-safe, bit for bit
@@ -88,16 +91,18 @@ def snapshot(rb: TensorDictReplayBuffer) -> dict:
     shard = storage.shard
     inner = getattr(sampler, "sampler", sampler)
     trees = getattr(inner, "_trees", None)
-    return _frozen({
-        "len": len(storage),
-        "shard": shard.state(),
-        "buffers": list(shard.columns),
-        "cursor": storage._last_cursor_index,
-        "writer": writer_cursor(rb),
-        "sampler": sampler.state_dict(),
-        "trees": None if trees is None else [getattr(trees, k) for k in ("sum", "min") if hasattr(trees, k)],
-        "max_priority": getattr(inner, "_max_raw_priority", None),
-    })
+    return _frozen(
+        {
+            "len": len(storage),
+            "shard": shard.state(),
+            "buffers": list(shard.columns),
+            "cursor": storage._last_cursor_index,
+            "writer": writer_cursor(rb),
+            "sampler": sampler.state_dict(),
+            "trees": None if trees is None else [getattr(trees, k) for k in ("sum", "min") if hasattr(trees, k)],
+            "max_priority": getattr(inner, "_max_raw_priority", None),
+        }
+    )
 
 
 def assert_unchanged(rb: TensorDictReplayBuffer, before: dict) -> None:
@@ -107,6 +112,7 @@ def assert_unchanged(rb: TensorDictReplayBuffer, before: dict) -> None:
 
 
 # -- damage --------------------------------------------------------------------------------------
+
 
 def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
     blob = json.loads(path.read_text())
@@ -157,6 +163,7 @@ def sampler_raw(name, dtype, edit):
 def _set(index, value):
     def edit(a):
         a[index] = value
+
     return edit
 
 
@@ -179,16 +186,21 @@ DAMAGE = {
     "column dtype is no dtype": (tensor_meta("column_0", "dtype", "Tensor"), r"dtype"),
     "column shape against its file": (tensor_meta("column_0", "shape", [SAVED_ROWS + 1, 4]), r"column_0.*bytes"),
     "columns of different lengths": (
-        lambda p: (tensor_meta("column_1", "shape", [SAVED_ROWS - 1, 2, 3])(p),
-                   (p / "storage" / "column_1.bin").write_bytes((p / "storage" / "column_1.bin").read_bytes()[:-6])),
-        r"rows"),
+        lambda p: (
+            tensor_meta("column_1", "shape", [SAVED_ROWS - 1, 2, 3])(p),
+            (p / "storage" / "column_1.bin").write_bytes((p / "storage" / "column_1.bin").read_bytes()[:-6]),
+        ),
+        r"rows",
+    ),
     "checksum missing": (tensor_meta("column_2", "checksum", None), r"checksum"),
     "manifest not JSON": (lambda p: _truncate(p / "storage" / "shard.json"), r"shard.json"),
     "plausible manifest edit": (shard_field("head", SAVED_ROWS - 1), r"shard.json.*checksum"),
     # the data
     "one bit flipped in a column": (lambda p: flip_bit(p / "storage" / "column_0.bin"), r"column_0.*checksum"),
-    "one bit flipped in a flag column": (lambda p: flip_bit(p / "storage" / "column_8.bin", byte=3, bit=0),
-                                        r"column_8.*checksum"),
+    "one bit flipped in a flag column": (
+        lambda p: flip_bit(p / "storage" / "column_8.bin", byte=3, bit=0),
+        r"column_8.*checksum",
+    ),
     "column file truncated": (lambda p: _truncate(p / "storage" / "column_3.bin"), r"column_3.*bytes"),
     "column file missing": (lambda p: (p / "storage" / "column_4.bin").unlink(), r"column_4"),
     # the episode index
@@ -213,8 +225,10 @@ DAMAGE = {
     "sampler capacity differs": (sampler_field("capacity", 8), r"capacity 8"),
     "sampler of another kind": (sampler_field("kind", "TopKSampler"), r"TopKSampler"),
     "priority file truncated": (lambda p: _truncate(p / "sampler" / "mass.bin"), r"mass.*bytes"),
-    "one bit flipped in the generations": (lambda p: flip_bit(p / "sampler" / "generation.bin", byte=9, bit=1),
-                                          r"generation.*checksum"),
+    "one bit flipped in the generations": (
+        lambda p: flip_bit(p / "sampler" / "generation.bin", byte=9, bit=1),
+        r"generation.*checksum",
+    ),
     "plausible sampler edit": (sampler_field("beta", 0.5), r"sampler.json.*checksum"),
     # TorchRL's own files of the same checkpoint, read after the storage and the sampler
     "writer metadata damaged": (lambda p: _truncate(p / "writer" / "metadata.json"), r"metadata.json"),
@@ -261,8 +275,11 @@ def test_every_state_appends_reach_round_trips(tmp_path, traj):
         data["traj"] = torch.as_tensor(np.sort(rnd.integers(0, 3, n)) + 10 * step)
         rb.extend(data)
         rb.dumps(tmp_path / str(step))
-        restored = TensorDictReplayBuffer(storage=GearStorage(16, traj_key="traj" if traj else None),
-                                          sampler=GearPrioritizedSampler(16, 0.6, 0.4), batch_size=2)
+        restored = TensorDictReplayBuffer(
+            storage=GearStorage(16, traj_key="traj" if traj else None),
+            sampler=GearPrioritizedSampler(16, 0.6, 0.4),
+            batch_size=2,
+        )
         restored.loads(tmp_path / str(step))
         assert_same_td(restored.storage.get(slice(None)), storage.get(slice(None)))
         assert _same(_frozen(restored.storage.shard.episodes.state()), _frozen(storage.shard.episodes.state()))
@@ -315,18 +332,22 @@ def test_a_sampler_state_dict_with_bad_masses_is_refused(bad):
 
 # -- checkpoints written before checksums ------------------------------------------------------------
 
+
 def _as_unverified(path: Path) -> None:
     """What gear_torchrl wrote before checksums: format /1, no checksums, the sampler's scalars alone."""
+
     def strip(manifest):
         manifest["format"] = "gear_torchrl.shard/1"
         manifest.pop("checksum")
         manifest.pop("compacted", None)
         for meta in manifest["tensors"].values():
             meta.pop("checksum")
+
     edit_json(path / "storage" / "shard.json", strip)
     sampler = json.loads((path / "sampler" / "sampler.json").read_text())
-    (path / "sampler" / "sampler.json").write_text(json.dumps(
-        {k: sampler[k] for k in ("capacity", "alpha", "beta", "eps", "max_raw_priority", "sample_calls")}))
+    (path / "sampler" / "sampler.json").write_text(
+        json.dumps({k: sampler[k] for k in ("capacity", "alpha", "beta", "eps", "max_raw_priority", "sample_calls")})
+    )
 
 
 def test_a_checkpoint_without_checksums_loads_with_a_warning(saved):
@@ -353,6 +374,7 @@ def test_a_checkpoint_without_checksums_is_still_checked(saved):
 
 # -- every gear sampler: round trip, and damage refused before the storage changes ----------------
 
+
 def _sequence_sampler():
     return GearPrioritizedSequenceSampler(CAPACITY, seq_len=2, strict_length=False)
 
@@ -361,8 +383,11 @@ SAMPLERS = {
     "prioritized sequence": (_sequence_sampler, "row_mass", np.float64),
     "queue": (lambda: QueueSampler(CAPACITY), "generation", np.int64),
     "top-k": (lambda: TopKSampler(CAPACITY), "scores", np.float64),
-    "max times sampled": (lambda: MaxTimesSampled(GearPrioritizedSampler(CAPACITY, 0.6, 0.4), 3, CAPACITY),
-                          "count", np.int64),
+    "max times sampled": (
+        lambda: MaxTimesSampled(GearPrioritizedSampler(CAPACITY, 0.6, 0.4), 3, CAPACITY),
+        "count",
+        np.int64,
+    ),
 }
 
 

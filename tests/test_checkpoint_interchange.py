@@ -8,6 +8,7 @@ same seeded draws, priorities, and GearStorage's episode index against a
 GearStorage that was written the same rows. Damaged or unfitting TorchRL
 checkpoints are refused naming the problem, and the storage is left as it was.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,6 +48,7 @@ class Step:
     # tensordict is untyped to mypy (no py.typed), so it does not see @tensorclass's dataclass_transform: the part of
     # the generated __init__ these tests call, for the checker only.
     if TYPE_CHECKING:
+
         def __init__(self, *, obs: torch.Tensor, done: torch.Tensor, batch_size: Sequence[int]) -> None: ...
 
 
@@ -68,8 +70,13 @@ def load(rb, path: Path, via: str) -> None:
 
 
 def seeded(storage, sampler=None, cls=TensorDictReplayBuffer, **kw):
-    return cls(storage=storage, generator=torch.Generator().manual_seed(3), batch_size=6,
-               **({} if sampler is None else {"sampler": sampler}), **kw)
+    return cls(
+        storage=storage,
+        generator=torch.Generator().manual_seed(3),
+        batch_size=6,
+        **({} if sampler is None else {"sampler": sampler}),
+        **kw,
+    )
 
 
 def wrapped(rb, rows=make_steps):
@@ -97,6 +104,7 @@ def assert_same_next_steps(source, loaded, rows=make_steps) -> None:
 
 # -- rows, ring order, cursor and draws, both ways ---------------------------------------------------
 
+
 @pytest.mark.parametrize("via", ["dumps", "checkpoint", "archive"])
 @pytest.mark.parametrize("theirs", TORCHRL)
 def test_a_torchrl_checkpoint_loads_into_gear_storage(tmp_path, theirs, via):
@@ -110,8 +118,9 @@ def test_a_torchrl_checkpoint_loads_into_gear_storage(tmp_path, theirs, via):
     assert writer_cursor(loaded) == writer_cursor(source) == 4
     assert_same_td(loaded[:], source[:])
     assert loaded.storage._last_cursor_index == reference.storage._last_cursor_index == 3
-    assert all(torch.equal(a, b) for a, b in zip(episodes(loaded.storage).values(),
-                                                   episodes(reference.storage).values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(episodes(loaded.storage).values(), episodes(reference.storage).values())
+    )
     assert_same_next_steps(source, loaded)
 
 
@@ -158,8 +167,9 @@ def test_without_the_torchrl_layout_only_gear_files_are_written_and_an_older_tor
     theirs = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
     theirs.extend(make_steps(3, seed=0))
     theirs.dumps(tmp_path)
-    ours = TensorDictReplayBuffer(storage=GearStorage(CAPACITY),
-                                  checkpointer=GearStorageCheckpointer(torchrl_layout=False))
+    ours = TensorDictReplayBuffer(
+        storage=GearStorage(CAPACITY), checkpointer=GearStorageCheckpointer(torchrl_layout=False)
+    )
     ours.extend(make_steps(6, seed=1))
     ours.dumps(tmp_path)
     assert not (tmp_path / "storage" / "storage_metadata.json").exists()
@@ -209,17 +219,26 @@ def test_a_shared_store_checkpoint_crosses_oldest_row_first(tmp_path, no_shm_lea
 def agents_and_text(n: int, seed: int) -> TensorDict:
     """Multi-agent rows whose agents differ in keys and shapes (a heterogeneous lazy stack), and a string per row."""
     g = torch.Generator().manual_seed(seed)
-    agents = LazyStackedTensorDict(TensorDict(obs=torch.randn(n, 2, generator=g), batch_size=[n]),
-                                   TensorDict(obs=torch.randn(n, 3, generator=g), hp=torch.rand(n, generator=g),
-                                              batch_size=[n]), stack_dim=1)
-    return TensorDict({"agents": agents, "text": [f"step {seed}.{i}" for i in range(n)],
-                       ("next", "done"): torch.rand(n, 1, generator=g) < 0.3}, [n])
+    agents = LazyStackedTensorDict(
+        TensorDict(obs=torch.randn(n, 2, generator=g), batch_size=[n]),
+        TensorDict(obs=torch.randn(n, 3, generator=g), hp=torch.rand(n, generator=g), batch_size=[n]),
+        stack_dim=1,
+    )
+    return TensorDict(
+        {
+            "agents": agents,
+            "text": [f"step {seed}.{i}" for i in range(n)],
+            ("next", "done"): torch.rand(n, 1, generator=g) < 0.3,
+        },
+        [n],
+    )
 
 
 @pytest.mark.parametrize("direction", ["torchrl_to_gear", "gear_to_torchrl"])
 def test_lazy_stacks_and_strings_cross(tmp_path, direction):
-    source_cls, target_cls = ((LazyTensorStorage, GearStorage) if direction == "torchrl_to_gear"
-                              else (GearStorage, LazyTensorStorage))
+    source_cls, target_cls = (
+        (LazyTensorStorage, GearStorage) if direction == "torchrl_to_gear" else (GearStorage, LazyTensorStorage)
+    )
     source = wrapped(TensorDictReplayBuffer(storage=source_cls(CAPACITY)), agents_and_text)
     source.dumps(tmp_path)
     loaded = TensorDictReplayBuffer(storage=target_cls(CAPACITY))
@@ -232,6 +251,7 @@ def test_lazy_stacks_and_strings_cross(tmp_path, direction):
 
 # -- [T, num_envs] storages ------------------------------------------------------------------------
 
+
 def env_steps(time_steps: int, seed: int, envs: int = 4) -> TensorDict:
     """What a batched-env collector writes: ``[num_envs, T]`` (the buffer's dim_extend=1 stores ``[T, num_envs]``)."""
     steps = make_steps(envs * time_steps, seed=seed, done_prob=0.25)
@@ -241,10 +261,11 @@ def env_steps(time_steps: int, seed: int, envs: int = 4) -> TensorDict:
 @pytest.mark.parametrize("direction", ["torchrl_to_gear", "gear_to_torchrl"])
 def test_ndim2_storages_cross_both_ways(tmp_path, direction):
     def buffer(cls):
-        return TensorDictReplayBuffer(storage=cls(40, ndim=2), generator=torch.Generator().manual_seed(3),
-                                      batch_size=6)
-    source_cls, target_cls = ((LazyTensorStorage, GearStorage) if direction == "torchrl_to_gear"
-                              else (GearStorage, LazyTensorStorage))
+        return TensorDictReplayBuffer(storage=cls(40, ndim=2), generator=torch.Generator().manual_seed(3), batch_size=6)
+
+    source_cls, target_cls = (
+        (LazyTensorStorage, GearStorage) if direction == "torchrl_to_gear" else (GearStorage, LazyTensorStorage)
+    )
     source = buffer(source_cls)
     for seed, steps in enumerate((6, 7)):  # 13 time steps into 10: wrapped, the cursor at 3
         source.extend(env_steps(steps, seed))
@@ -258,21 +279,26 @@ def test_ndim2_storages_cross_both_ways(tmp_path, direction):
         reference = buffer(GearStorage)
         for seed, steps in enumerate((6, 7)):
             reference.extend(env_steps(steps, seed))
-        assert sorted(zip(*(v.tolist() for v in episodes(loaded.storage).values()))) == \
-            sorted(zip(*(v.tolist() for v in episodes(reference.storage).values())))
+        assert sorted(zip(*(v.tolist() for v in episodes(loaded.storage).values()))) == sorted(
+            zip(*(v.tolist() for v in episodes(reference.storage).values()))
+        )
     more = env_steps(2, 9)
     source.extend(more.clone())
     loaded.extend(more.clone())
     assert_same_td(loaded[:], source[:])
 
 
-@pytest.mark.parametrize("saved_ndim, saved_size, target, problem", [
-    (2, 40, lambda: GearStorage(40), r"ndim=2.*GearStorage\(40, ndim=2\)"),
-    (1, 40, lambda: GearStorage(40, ndim=2), r"ndim=1.*GearStorage\(40\)"),
-    (1, 32, lambda: GearStorage(40), r"slots \[32\]; this storage holds 40 steps"),
-])
-def test_another_shape_of_storage_is_refused_naming_the_one_to_load_into(tmp_path, saved_ndim, saved_size, target,
-                                                                        problem):
+@pytest.mark.parametrize(
+    "saved_ndim, saved_size, target, problem",
+    [
+        (2, 40, lambda: GearStorage(40), r"ndim=2.*GearStorage\(40, ndim=2\)"),
+        (1, 40, lambda: GearStorage(40, ndim=2), r"ndim=1.*GearStorage\(40\)"),
+        (1, 32, lambda: GearStorage(40), r"slots \[32\]; this storage holds 40 steps"),
+    ],
+)
+def test_another_shape_of_storage_is_refused_naming_the_one_to_load_into(
+    tmp_path, saved_ndim, saved_size, target, problem
+):
     source = TensorDictReplayBuffer(storage=LazyTensorStorage(saved_size, ndim=saved_ndim))
     source.extend(env_steps(5, 0) if saved_ndim == 2 else make_steps(7, 0))
     source.dumps(tmp_path)
@@ -281,6 +307,7 @@ def test_another_shape_of_storage_is_refused_naming_the_one_to_load_into(tmp_pat
 
 
 # -- priorities --------------------------------------------------------------------------------------
+
 
 def torchrl_masses(sampler) -> torch.Tensor:
     return torch.tensor([sampler._sum_tree[i] for i in range(CAPACITY)], dtype=torch.float64)
@@ -294,16 +321,26 @@ def masses(sampler) -> torch.Tensor:
 
 
 PRIORITY_PAIRS = {
-    "LazyTensorStorage+PrioritizedSampler -> GearStorage+PrioritizedSampler":
-        ((LazyTensorStorage, PrioritizedSampler), (GearStorage, PrioritizedSampler)),
-    "GearStorage+PrioritizedSampler -> LazyTensorStorage+PrioritizedSampler":
-        ((GearStorage, PrioritizedSampler), (LazyTensorStorage, PrioritizedSampler)),
-    "LazyTensorStorage+PrioritizedSampler -> GearStorage+GearPrioritizedSampler":
-        ((LazyTensorStorage, PrioritizedSampler), (GearStorage, GearPrioritizedSampler)),
-    "GearStorage+GearPrioritizedSampler -> LazyTensorStorage+PrioritizedSampler":
-        ((GearStorage, GearPrioritizedSampler), (LazyTensorStorage, PrioritizedSampler)),
-    "LazyMemmapStorage+PrioritizedSampler -> GearStorage+GearPrioritizedSampler":
-        ((LazyMemmapStorage, PrioritizedSampler), (GearStorage, GearPrioritizedSampler)),
+    "LazyTensorStorage+PrioritizedSampler -> GearStorage+PrioritizedSampler": (
+        (LazyTensorStorage, PrioritizedSampler),
+        (GearStorage, PrioritizedSampler),
+    ),
+    "GearStorage+PrioritizedSampler -> LazyTensorStorage+PrioritizedSampler": (
+        (GearStorage, PrioritizedSampler),
+        (LazyTensorStorage, PrioritizedSampler),
+    ),
+    "LazyTensorStorage+PrioritizedSampler -> GearStorage+GearPrioritizedSampler": (
+        (LazyTensorStorage, PrioritizedSampler),
+        (GearStorage, GearPrioritizedSampler),
+    ),
+    "GearStorage+GearPrioritizedSampler -> LazyTensorStorage+PrioritizedSampler": (
+        (GearStorage, GearPrioritizedSampler),
+        (LazyTensorStorage, PrioritizedSampler),
+    ),
+    "LazyMemmapStorage+PrioritizedSampler -> GearStorage+GearPrioritizedSampler": (
+        (LazyMemmapStorage, PrioritizedSampler),
+        (GearStorage, GearPrioritizedSampler),
+    ),
 }
 
 
@@ -331,8 +368,9 @@ def test_priorities_cross_with_the_rows(tmp_path, pair, via):
 
 
 def test_a_torchrl_sampler_of_another_capacity_is_refused_and_changes_nothing(tmp_path):
-    source = wrapped(TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY),
-                                            sampler=PrioritizedSampler(2 * CAPACITY, 0.7, 0.5)))
+    source = wrapped(
+        TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY), sampler=PrioritizedSampler(2 * CAPACITY, 0.7, 0.5))
+    )
     source.dumps(tmp_path)
     target = in_use_target()
     before = snapshot(target)
@@ -350,20 +388,29 @@ def test_a_sampler_that_keeps_nothing_crosses_and_one_without_a_saved_state_is_r
     queue = TensorDictReplayBuffer(storage=GearStorage(CAPACITY), sampler=QueueSampler(CAPACITY), batch_size=2)
     queue.extend(make_steps(3, seed=8))
     rows = queue.storage.get(slice(None)).clone()
-    with pytest.raises(CheckpointError, match="no QueueSampler state.*the buffer's sampler saved nothing.*"
-                                              r"rb.storage.loads"):
+    with pytest.raises(
+        CheckpointError,
+        match="no QueueSampler state.*the buffer's sampler saved nothing.*"
+        r"rb.storage.loads",
+    ):
         queue.loads(tmp_path)
     assert_same_td(queue.storage.get(slice(None)), rows)
 
 
 # -- pytrees and tensorclasses -------------------------------------------------------------------------
 
+
 def pytree_rows(n: int, seed: int) -> list:
     """Rows one by one, as TorchRL's own pytree tests write them: ``rb.extend`` of a list stacks them."""
     g = torch.Generator().manual_seed(seed)
-    return [{"a": torch.randint(10, (), generator=g),
-             "b": {"c": [torch.randn(2, generator=g), (torch.randn(2, 3, generator=g),)]},
-             30: torch.randn(1, generator=g)} for _ in range(n)]
+    return [
+        {
+            "a": torch.randint(10, (), generator=g),
+            "b": {"c": [torch.randn(2, generator=g), (torch.randn(2, 3, generator=g),)]},
+            30: torch.randn(1, generator=g),
+        }
+        for _ in range(n)
+    ]
 
 
 def same_tree(a, b) -> bool:
@@ -408,8 +455,9 @@ def test_a_torchrl_pytree_checkpoint_into_an_empty_gear_storage_says_what_to_do(
 
 @pytest.mark.parametrize("direction", ["torchrl_to_gear", "gear_to_torchrl"])
 def test_a_storage_of_one_tensor_crosses(tmp_path, direction):
-    source_cls, target_cls = ((LazyTensorStorage, GearStorage) if direction == "torchrl_to_gear"
-                              else (GearStorage, LazyTensorStorage))
+    source_cls, target_cls = (
+        (LazyTensorStorage, GearStorage) if direction == "torchrl_to_gear" else (GearStorage, LazyTensorStorage)
+    )
     source = ReplayBuffer(storage=source_cls(CAPACITY))
     source.extend(torch.randn(20, 3))
     source.dumps(tmp_path)
@@ -430,15 +478,23 @@ def local_class() -> type:
     class LocalStep:
         obs: torch.Tensor
         done: torch.Tensor
+
     return LocalStep
 
 
 LOCAL_STEP = local_class()  # one class: TorchRL's loader finds it by name among every class defined so far
 
-@pytest.mark.parametrize("direction, where", [
-    ("gear_to_gear", "inside a function"), ("gear_to_torchrl", "inside a function"),
-    ("torchrl_to_gear", "inside a function"), ("gear_to_torchrl", "module level"), ("torchrl_to_gear", "module level"),
-])
+
+@pytest.mark.parametrize(
+    "direction, where",
+    [
+        ("gear_to_gear", "inside a function"),
+        ("gear_to_torchrl", "inside a function"),
+        ("torchrl_to_gear", "inside a function"),
+        ("gear_to_torchrl", "module level"),
+        ("torchrl_to_gear", "module level"),
+    ],
+)
 def test_tensorclass_rows_cross_through_dumps(tmp_path, direction, where):
     cls = Step if where == "module level" else LOCAL_STEP
 
@@ -463,9 +519,11 @@ def test_tensorclass_rows_cross_through_dumps(tmp_path, direction, where):
 
 # -- refused: damaged or unfitting TorchRL checkpoints, the buffer left as it was --------------------------
 
+
 def in_use_target() -> TensorDictReplayBuffer:
-    rb = TensorDictReplayBuffer(storage=GearStorage(CAPACITY), sampler=GearPrioritizedSampler(CAPACITY, 0.7, 0.5),
-                                batch_size=4)
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(CAPACITY), sampler=GearPrioritizedSampler(CAPACITY, 0.7, 0.5), batch_size=4
+    )
     rb.extend(make_steps(6, seed=7, done_prob=0.3))
     rb.update_priority(torch.arange(6), torch.rand(6) + 0.5)
     return rb
@@ -473,17 +531,27 @@ def in_use_target() -> TensorDictReplayBuffer:
 
 def snapshot(rb) -> dict:
     state = rb.storage.state_dict()
-    return {"rows": rb.storage.get(slice(None)).clone(), "len": len(rb), "cursor": writer_cursor(rb),
-            "episodes": {k: v.clone() for k, v in episodes(rb.storage).items()},
-            "head": state["head"], "mass": rb.sampler.masses(torch.arange(CAPACITY)).clone()}
+    return {
+        "rows": rb.storage.get(slice(None)).clone(),
+        "len": len(rb),
+        "cursor": writer_cursor(rb),
+        "episodes": {k: v.clone() for k, v in episodes(rb.storage).items()},
+        "head": state["head"],
+        "mass": rb.sampler.masses(torch.arange(CAPACITY)).clone(),
+    }
 
 
 def assert_unchanged(rb, before: dict) -> None:
     after = snapshot(rb)
     assert_same_td(after.pop("rows"), before["rows"])
     for key, value in after.items():
-        same = (all(torch.equal(value[k], before[key][k]) for k in value) if isinstance(value, dict)
-                else torch.equal(value, before[key]) if isinstance(value, torch.Tensor) else value == before[key])
+        same = (
+            all(torch.equal(value[k], before[key][k]) for k in value)
+            if isinstance(value, dict)
+            else torch.equal(value, before[key])
+            if isinstance(value, torch.Tensor)
+            else value == before[key]
+        )
         assert same, f"the refused load changed the buffer's {key}"
     rb.sample()  # still a working buffer
 
@@ -503,36 +571,51 @@ def truncate(path: Path) -> None:
 
 
 DAMAGE = {
-    "manifest not JSON": (lambda p: (p / "storage" / "storage_metadata.json").write_text("{"),
-                          r"storage_metadata.json"),
+    "manifest not JSON": (
+        lambda p: (p / "storage" / "storage_metadata.json").write_text("{"),
+        r"storage_metadata.json",
+    ),
     "manifest without TorchRL's fields": (
-        lambda p: (p / "storage" / "storage_metadata.json").write_text("{}"), r"is_pytree"),
+        lambda p: (p / "storage" / "storage_metadata.json").write_text("{}"),
+        r"is_pytree",
+    ),
     "len beyond the slots": (
-        lambda p: edit_json(p / "storage" / "storage_metadata.json", lambda m: m.__setitem__("len", 99)), r"99"),
+        lambda p: edit_json(p / "storage" / "storage_metadata.json", lambda m: m.__setitem__("len", 99)),
+        r"99",
+    ),
     "negative len": (
-        lambda p: edit_json(p / "storage" / "storage_metadata.json", lambda m: m.__setitem__("len", -1)), r"len -1"),
+        lambda p: edit_json(p / "storage" / "storage_metadata.json", lambda m: m.__setitem__("len", -1)),
+        r"len -1",
+    ),
     "a data file missing": (lambda p: (p / "storage" / "obs.memmap").unlink(), r"obs.memmap is missing"),
     "a data file truncated": (lambda p: truncate(p / "storage" / "obs.memmap"), r"obs.memmap holds 251 bytes"),
     "meta.json missing": (lambda p: (p / "storage" / "meta.json").unlink(), r"no meta.json"),
     "a column of another dtype": (edit_meta("obs", lambda m: m.__setitem__("dtype", "torch.float64")), r"obs"),
     "a key this storage lacks": (
-        lambda p: (edit_meta("", lambda m: m.__setitem__("extra", {**m["action"]}))(p),
-                   shutil.copy(p / "storage" / "action.memmap", p / "storage" / "extra.memmap")),
-        r"only the checkpoint has \['extra'\]"),
+        lambda p: (
+            edit_meta("", lambda m: m.__setitem__("extra", {**m["action"]}))(p),
+            shutil.copy(p / "storage" / "action.memmap", p / "storage" / "extra.memmap"),
+        ),
+        r"only the checkpoint has \['extra'\]",
+    ),
     "rows of an undefined class": (
-        edit_meta("", lambda m: m.__setitem__("_type", "<class 'nowhere.Missing'>")), r"nowhere.Missing.*not defined"),
+        edit_meta("", lambda m: m.__setitem__("_type", "<class 'nowhere.Missing'>")),
+        r"nowhere.Missing.*not defined",
+    ),
     "writer cursor past the slots": (
-        lambda p: edit_json(p / "writer" / "metadata.json", lambda m: m.__setitem__("cursor", 40)), r"cursor 40"),
+        lambda p: edit_json(p / "writer" / "metadata.json", lambda m: m.__setitem__("cursor", 40)),
+        r"cursor 40",
+    ),
     "priorities truncated": (lambda p: truncate(p / "sampler" / "sumtree.memmap"), r"sumtree.memmap.*bytes"),
-    "a NaN priority": (
-        lambda p: np.full(CAPACITY, np.nan).tofile(p / "sampler" / "sumtree.memmap"), r"mass holds nan"),
+    "a NaN priority": (lambda p: np.full(CAPACITY, np.nan).tofile(p / "sampler" / "sumtree.memmap"), r"mass holds nan"),
 }
 
 
 @pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
 def test_a_damaged_torchrl_checkpoint_is_refused_and_changes_nothing(tmp_path, damage):
-    source = wrapped(TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY),
-                                            sampler=PrioritizedSampler(CAPACITY, 0.7, 0.5)))
+    source = wrapped(
+        TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY), sampler=PrioritizedSampler(CAPACITY, 0.7, 0.5))
+    )
     source.dumps(tmp_path)
     apply, problem = DAMAGE[damage]
     apply(tmp_path)
@@ -545,8 +628,9 @@ def test_a_damaged_torchrl_checkpoint_is_refused_and_changes_nothing(tmp_path, d
 
 def test_what_torchrl_cannot_load_fails_there_naming_the_way_across(tmp_path):
     GearStorage(CAPACITY).dumps(tmp_path)  # an empty store: TorchRL's checkpointer has no layout for one
-    with pytest.raises(RuntimeError, match="gear_torchrl: the saved GearStorage held no rows.*Load this checkpoint "
-                                           "into a GearStorage"):
+    with pytest.raises(
+        RuntimeError, match="gear_torchrl: the saved GearStorage held no rows.*Load this checkpoint into a GearStorage"
+    ):
         LazyTensorStorage(CAPACITY).loads(tmp_path)
     ours = GearStorage(CAPACITY)
     ours.loads(tmp_path)

@@ -1,4 +1,5 @@
 """GearDataset: the stream a DataLoader iterates, with and without prefetch, in this process or in workers."""
+
 from __future__ import annotations
 
 import gc
@@ -48,6 +49,7 @@ def test_loader_hands_over_pinned_batches_for_the_gpu():
 
 
 # -- DataLoader workers: batches through shared-memory slots ---------------------------------
+
 
 def _shared_buffer(rows: int = 4_000, batch: int = 256, **kwargs) -> TensorDictReplayBuffer:
     storage = GearStorage(rows, shared=True)
@@ -99,8 +101,9 @@ def test_workers_of_a_seeded_buffer_draw_different_rows(no_shm_leaks):
 def test_persistent_workers_start_each_pass_with_every_slot_free(no_shm_leaks):
     rb = _shared_buffer()
     try:
-        loader = GearDataset(rb, num_batches=30).loader(num_workers=2, batch_slots=2, prefetch_factor=1,
-                                                        persistent_workers=True, timeout=60)
+        loader = GearDataset(rb, num_batches=30).loader(
+            num_workers=2, batch_slots=2, prefetch_factor=1, persistent_workers=True, timeout=60
+        )
         for stop_after in (3, 3, 60):  # the first passes stop early: the loader drops their queued tickets
             seen = 0
             for batch in loader:
@@ -199,6 +202,7 @@ def test_the_owner_closes_its_store_while_forked_workers_still_run(no_shm_leaks)
 
 # -- The storage itself as a map-style Dataset (TorchRL's proposal: one get per batch) --------
 
+
 def test_a_dataloader_over_the_storage_gets_each_batch_in_one_call(monkeypatch):
     from torch.utils.data import DataLoader
     from torchrl.data import LazyTensorStorage
@@ -215,16 +219,28 @@ def test_a_dataloader_over_the_storage_gets_each_batch_in_one_call(monkeypatch):
         return get(index)
 
     monkeypatch.setattr(ours, "get", counted)
-    epoch = list(DataLoader(as_dataset(ours), batch_size=16, shuffle=True, collate_fn=lambda batch: batch,
-                            generator=torch.Generator().manual_seed(0)))
+    epoch = list(
+        DataLoader(
+            as_dataset(ours),
+            batch_size=16,
+            shuffle=True,
+            collate_fn=lambda batch: batch,
+            generator=torch.Generator().manual_seed(0),
+        )
+    )
     assert len(calls) == len(epoch) == 7  # one get per batch, not one per row
     rows = torch.cat([batch["info", "step"] for batch in epoch])
     assert sorted(rows.tolist()) == data["info", "step"].tolist()  # an epoch: every row once
     for batch in epoch:
         assert_same_td(batch.exclude("index"), data[batch["info", "step"] - 30_000])
     # TorchRL's own storage, read one row at a time, gives the same batches in the same order.
-    same = DataLoader(as_dataset(theirs), batch_size=16, shuffle=True, collate_fn=torch.stack,
-                      generator=torch.Generator().manual_seed(0))
+    same = DataLoader(
+        as_dataset(theirs),
+        batch_size=16,
+        shuffle=True,
+        collate_fn=torch.stack,
+        generator=torch.Generator().manual_seed(0),
+    )
     for mine, reference in zip(epoch, same):
         assert_same_td(mine, reference)
 

@@ -1,4 +1,5 @@
 """The episode index stays equal to a brute-force split of the stored steps."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,9 +17,7 @@ from gear_torchrl.store.shard import Shard
 
 def steps_td(first: int, dones: list[bool], traj: list[int] | None = None) -> TensorDict:
     n = len(dones)
-    td = TensorDict(
-        {"step": torch.arange(first, first + n), ("next", "done"): torch.tensor(dones).view(n, 1)}, [n]
-    )
+    td = TensorDict({"step": torch.arange(first, first + n), ("next", "done"): torch.tensor(dones).view(n, 1)}, [n])
     if traj is not None:
         td["traj"] = torch.tensor(traj)
     return td
@@ -34,8 +33,9 @@ def check_against_model(capacity, batches, use_traj=False):
     history = []
     g = 0
     for dones, trajs in batches:
-        shard.write(torch.arange(g, g + len(dones)) % capacity, steps_td(g, dones, trajs if use_traj else None),
-                    append=True)
+        shard.write(
+            torch.arange(g, g + len(dones)) % capacity, steps_td(g, dones, trajs if use_traj else None), append=True
+        )
         history += [(g + i, d, trajs[i] if use_traj else None) for i, d in enumerate(dones)]
         g += len(dones)
         assert live_tuples(shard) == model_episodes(history, capacity)
@@ -43,9 +43,14 @@ def check_against_model(capacity, batches, use_traj=False):
 
 
 def test_trim_and_drop_across_the_ring_end():
-    check_against_model(8, [([False, False, True, False, False], None),
-                            ([False, True, False, False, True, False], None),
-                            ([False] * 3, None)])
+    check_against_model(
+        8,
+        [
+            ([False, False, True, False, False], None),
+            ([False, True, False, False, True, False], None),
+            ([False] * 3, None),
+        ],
+    )
 
 
 def test_episode_longer_than_the_ring_stays_one_open_episode():
@@ -57,8 +62,9 @@ def test_write_bigger_than_capacity_with_an_end_in_the_dropped_part():
 
 
 def test_trajectory_ids_split_episodes():
-    check_against_model(10, [([False] * 4, [1, 1, 2, 2]), ([False] * 3, [2, 3, 3]), ([False] * 6, [4] * 6)],
-                        use_traj=True)
+    check_against_model(
+        10, [([False] * 4, [1, 1, 2, 2]), ([False] * 3, [2, 3, 3]), ([False] * 6, [4] * 6)], use_traj=True
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -73,16 +79,20 @@ def test_incremental_index_equals_model(capacity, batches):
 @settings(max_examples=100, deadline=None)
 @given(
     capacity=st.integers(1, 12),
-    batches=st.lists(st.lists(st.tuples(st.booleans(), st.integers(0, 2)), min_size=1, max_size=15),
-                     min_size=1, max_size=6),
+    batches=st.lists(
+        st.lists(st.tuples(st.booleans(), st.integers(0, 2)), min_size=1, max_size=15), min_size=1, max_size=6
+    ),
 )
 def test_incremental_index_equals_model_with_traj_ids(capacity, batches):
     check_against_model(capacity, [([d for d, _ in b], [t for _, t in b]) for b in batches], use_traj=True)
 
 
 @settings(max_examples=120, deadline=None)
-@given(capacity=st.integers(1, 12), steps=st.lists(st.tuples(st.booleans(), st.integers(0, 2)), min_size=1,
-                                                   max_size=40), use_traj=st.booleans())
+@given(
+    capacity=st.integers(1, 12),
+    steps=st.lists(st.tuples(st.booleans(), st.integers(0, 2)), min_size=1, max_size=40),
+    use_traj=st.booleans(),
+)
 def test_one_step_writes_equal_model_and_log_every_change(capacity, steps, use_traj):
     """One-step appends (``rb.add``) take their own path: same episodes, and readers hear of every change."""
     check_against_model(capacity, [([d], [t]) for d, t in steps], use_traj=use_traj)
@@ -94,7 +104,7 @@ def test_one_step_writes_equal_model_and_log_every_change(capacity, steps, use_t
         changed = index.changed_since(before[3])
         if changed is None or index.start.numel() != before[0].numel():
             continue  # slots remapped: readers rebuild
-        differs = ((index.start != before[0]) | (index.length != before[1]) | (index.closed != before[2]))
+        differs = (index.start != before[0]) | (index.length != before[1]) | (index.closed != before[2])
         assert set(differs.nonzero().flatten().tolist()) <= set(changed.tolist())
 
 
@@ -117,18 +127,26 @@ def test_per_episode_memory_grows_with_episodes_not_rows():
 def env_steps_td(first: int, dones: list[list[bool]], traj: list[list[int]] | None) -> TensorDict:
     """``len(dones)`` time steps of ``len(dones[0])`` envs, as the flat rows ``t * envs + e``."""
     steps, envs = len(dones), len(dones[0])
-    td = TensorDict({"step": torch.arange(first, first + steps).repeat_interleave(envs),
-                     ("next", "done"): torch.tensor(dones).view(steps * envs, 1)}, [steps * envs])
+    td = TensorDict(
+        {
+            "step": torch.arange(first, first + steps).repeat_interleave(envs),
+            ("next", "done"): torch.tensor(dones).view(steps * envs, 1),
+        },
+        [steps * envs],
+    )
     if traj is not None:
         td["traj"] = torch.tensor(traj).view(steps * envs)
     return td
 
 
 @settings(max_examples=120, deadline=None)
-@given(time_capacity=st.integers(1, 8), envs=st.integers(1, 4), use_traj=st.booleans(),
-       batches=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 2**32 - 1)), min_size=1, max_size=8))
-def test_env_columns_each_equal_the_model_and_readers_hear_of_every_change(time_capacity, envs, use_traj,
-                                                                           batches):
+@given(
+    time_capacity=st.integers(1, 8),
+    envs=st.integers(1, 4),
+    use_traj=st.booleans(),
+    batches=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 2**32 - 1)), min_size=1, max_size=8),
+)
+def test_env_columns_each_equal_the_model_and_readers_hear_of_every_change(time_capacity, envs, use_traj, batches):
     shard = Shard(time_capacity * envs, traj_key="traj" if use_traj else None, addressing=EnvColumns)
     addressing = shard.addressing
     assert isinstance(addressing, EnvColumns)
@@ -159,8 +177,12 @@ def test_env_columns_each_equal_the_model_and_readers_hear_of_every_change(time_
         slots, offset, found = index.locate(rows)
         owner = live_slots.repeat_interleave(index.length[live_slots])
         assert bool(found.all()) and torch.equal(slots, owner)
-        assert torch.equal(offset, torch.cat([torch.arange(n) for n in index.length[live_slots].tolist()] or
-                                             [torch.empty(0, dtype=torch.int64)]))
+        assert torch.equal(
+            offset,
+            torch.cat(
+                [torch.arange(n) for n in index.length[live_slots].tolist()] or [torch.empty(0, dtype=torch.int64)]
+            ),
+        )
         assert sorted(rows.tolist()) == sorted(set(rows.tolist())) and rows.numel() == min(g, time_capacity) * envs
         changed = index.changed_since(before[3])
         if changed is None or index.start.numel() != before[0].numel():
@@ -171,6 +193,7 @@ def test_env_columns_each_equal_the_model_and_readers_hear_of_every_change(time_
 
 def test_the_kernel_refuses_records_without_room_and_changes_nothing():
     from gear_torchrl.kernels import _C
+
     start, length = torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64)
     closed, dead = torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.bool)
     first, nxt = torch.tensor([0]), torch.tensor([1])  # one live episode, closed

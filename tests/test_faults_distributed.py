@@ -3,6 +3,7 @@
 Each test brings its own shard server or job on 127.0.0.1 and cleans up its
 processes and shared memory, whatever happens.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,17 @@ def _free_port() -> int:
 
 def _descriptor(address, handle) -> ShardDescriptor:
     host, port = address
-    return ShardDescriptor(shard=0, rank=0, host="test", addr=host, port=port, store_id=handle.store_id,
-                           capacity=handle.capacity, end_keys=list(handle.end_keys), traj_key=handle.traj_key)
+    return ShardDescriptor(
+        shard=0,
+        rank=0,
+        host="test",
+        addr=host,
+        port=port,
+        store_id=handle.store_id,
+        capacity=handle.capacity,
+        end_keys=list(handle.end_keys),
+        traj_key=handle.traj_key,
+    )
 
 
 def _stop(processes) -> None:
@@ -123,8 +133,9 @@ def test_a_learner_that_reads_late_gets_exactly_its_rows(pause_s):
         starts = torch.randint(0, CAPACITY, (2048,), generator=generator)
         valid_begin = torch.randint(0, 3, (2048,), generator=generator)
         valid_end = valid_begin + torch.randint(0, 6, (2048,), generator=generator).clamp(max=8 - valid_begin)
-        expected, _ = gather.gather_windows(storage.shard.visibility.mapped_columns(), starts, 8, torch.device("cpu"),
-                                            valid_begin, valid_end)
+        expected, _ = gather.gather_windows(
+            storage.shard.visibility.mapped_columns(), starts, 8, torch.device("cpu"), valid_begin, valid_end
+        )
         learner = _authenticated(server.address, rcvbuf=4096 if pause_s else None)
         wire.send(learner, Message(Op.READ, {"window_len": 8}, [starts, valid_begin, valid_end]))
         time.sleep(pause_s)  # long past the moment the owner stops waiting for room
@@ -239,8 +250,10 @@ def _run_job(tmp: Path, world: int, options: dict, during=None) -> dict:
     """Run the ranks (and ``during(processes)`` meanwhile); every rank's result files, by name."""
     before = shm_segments()
     port = _free_port()
-    processes = [SPAWN.Process(target=fw.run_rank, args=(r, world, port, str(tmp), options), name=f"rank{r}")
-                 for r in range(world)]
+    processes = [
+        SPAWN.Process(target=fw.run_rank, args=(r, world, port, str(tmp), options), name=f"rank{r}")
+        for r in range(world)
+    ]
     for p in processes:
         p.start()
     try:
@@ -310,8 +323,10 @@ def test_an_operator_secret_is_used_and_never_stored(tmp_path):
 
 
 def test_ranks_with_different_secrets_refuse_to_start(tmp_path):
-    env = {"0": {"GEAR_TORCHRL_SECRET": "one secret of at least 16 bytes"},
-           "1": {"GEAR_TORCHRL_SECRET": "another secret of 16 bytes or more"}}
+    env = {
+        "0": {"GEAR_TORCHRL_SECRET": "one secret of at least 16 bytes"},
+        "1": {"GEAR_TORCHRL_SECRET": "another secret of 16 bytes or more"},
+    }
     results = _run_job(tmp_path, 2, {"owners": [0], "env": env})
     for rank in (0, 1):
         refused = results[f"refused_{rank}"]
@@ -327,8 +342,10 @@ def stopped_owner_job(tmp_path_factory):
     """
     tmp = tmp_path_factory.mktemp("stopped")
     (tmp / "stop").touch()
-    learners = {"0": {"on_shard_failure": "raise", "transport": "tcp"},
-                "1": {"on_shard_failure": "skip", "transport": "tcp"}}
+    learners = {
+        "0": {"on_shard_failure": "raise", "transport": "tcp"},
+        "1": {"on_shard_failure": "skip", "transport": "tcp"},
+    }
 
     def stop_and_continue(processes, port):
         for r in (0, 1):

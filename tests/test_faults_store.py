@@ -5,6 +5,7 @@ writer; TorchRL's samplers failed on a wrapped or crashed store; a dead write
 counted in ``len``; a first write after the owner died leaked its segment.
 Run alone with ``pytest -m fault``.
 """
+
 from __future__ import annotations
 
 import errno
@@ -116,7 +117,7 @@ def test_a_transient_os_error_reading_proc_counts_a_process_as_alive(monkeypatch
 
     monkeypatch.setattr("builtins.open", no_file_descriptors)
     assert commit_log.process_alive(os.getpid()) is True
-    assert commit_log.process_alive(2 ** 22 + 12345) is False  # no such process: no /proc read needed
+    assert commit_log.process_alive(2**22 + 12345) is False  # no such process: no /proc read needed
 
 
 def test_reader_timeout_must_be_positive():

@@ -1,5 +1,6 @@
 """A write the store refuses leaves the buffer exactly as it was: the next good write lands where it
 would have without it, and no row that was never written is ever readable."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,13 @@ pytestmark = pytest.mark.fault
 
 
 def _rows(n: int, start: int) -> TensorDict:
-    return TensorDict({"obs": torch.arange(start, start + n, dtype=torch.float32).unsqueeze(-1).expand(n, 3).clone(),
-                       ("next", "done"): torch.zeros(n, 1, dtype=torch.bool)}, [n])
+    return TensorDict(
+        {
+            "obs": torch.arange(start, start + n, dtype=torch.float32).unsqueeze(-1).expand(n, 3).clone(),
+            ("next", "done"): torch.zeros(n, 1, dtype=torch.bool),
+        },
+        [n],
+    )
 
 
 BAD = {

@@ -1,4 +1,5 @@
 """The extension's gather against plain indexing: rows, windows, padding, ring wrap, every dtype."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,14 +7,27 @@ import torch
 
 from gear_torchrl.kernels import _C, gather
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
-          torch.int16, torch.int32, torch.int64, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality (random bytes read as floats include NaNs)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def column(capacity, shape, dtype, seed=0):

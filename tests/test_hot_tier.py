@@ -1,4 +1,5 @@
 """The hot tier's bookkeeping (store/hot_tier.py) on the CPU; the kernel that reads it is in tests/gpu."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,9 @@ def simulate(slots: int, writes: list[torch.Tensor]) -> dict[int, int]:
 def test_slots_hold_the_last_row_written_to_them(slots):
     capacity = 250
     gen = torch.Generator().manual_seed(slots)
-    spec = TableSpec.from_data(TensorDict({"x": torch.zeros(1, 3), "y": torch.zeros(1, dtype=torch.int64)}, [1]),
-                               row_dims=1)
+    spec = TableSpec.from_data(
+        TensorDict({"x": torch.zeros(1, 3), "y": torch.zeros(1, dtype=torch.int64)}, [1]), row_dims=1
+    )
     tier = HotTier(slots, torch.device("cpu"))
     tier.allocate(spec)
     host_x = torch.zeros(capacity, 3)

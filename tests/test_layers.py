@@ -5,6 +5,7 @@ a deferred import cannot hide a reach upwards. ``errors.py`` imports nothing of
 the package and every layer may raise from it; the face (``__init__.py``) only
 names what the layers define.
 """
+
 from __future__ import annotations
 
 import ast
@@ -34,8 +35,11 @@ def _imports(path: Path, *, top_level_only: bool = False, type_checking: bool = 
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module)
-            names |= {f"{node.module}.{alias.name}" for alias in node.names
-                      if _module_file(f"{node.module}.{alias.name}") is not None}
+            names |= {
+                f"{node.module}.{alias.name}"
+                for alias in node.names
+                if _module_file(f"{node.module}.{alias.name}") is not None
+            }
     return names
 
 
@@ -66,8 +70,9 @@ def _layer(name: str) -> str | None:
 def test_the_package_is_the_layers_and_nothing_else():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
     files = {p.name for p in PACKAGE.glob("*.py")}
-    assert folders == set(LAYERS), \
+    assert folders == set(LAYERS), (
         f"folders that are not a layer of DESIGN.md (or layers missing): {folders ^ set(LAYERS)}"
+    )
     assert files == {"__init__.py", "errors.py"}, f"modules outside every layer: {files - {'__init__.py', 'errors.py'}}"
 
 
@@ -116,8 +121,11 @@ def test_no_import_cycle_between_modules():
     no module reaches itself but those of ``KNOWN_CYCLES``."""
     graph = {}
     for path in PACKAGE.rglob("*.py"):
-        graph[_module_name(path)] = {_module_name(f) for n in _imports(path, top_level_only=True, type_checking=True)
-                                     if (f := _module_file(n)) is not None} - {_module_name(path)}
+        graph[_module_name(path)] = {
+            _module_name(f)
+            for n in _imports(path, top_level_only=True, type_checking=True)
+            if (f := _module_file(n)) is not None
+        } - {_module_name(path)}
     assert len(graph) > 80
     assert _cycles(graph) == KNOWN_CYCLES
 
@@ -145,13 +153,16 @@ def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def test_importing_every_layer_below_the_adapters_loads_no_torchrl():
-    modules = sorted(_module_name(p) for layer in LAYERS[:-1] for p in (PACKAGE / layer).rglob("*.py")
-                     if p.name != "rdma.py")  # rdma needs pyverbs, and imports nothing of ours above it
-    code = ("import importlib, sys\n"
-            f"for m in {modules!r}: importlib.import_module(m)\n"
-            "bad = sorted(m for m in sys.modules\n"
-            "             if m.split('.')[0] == 'torchrl' or m.startswith('gear_torchrl.adapters'))\n"
-            "print(bad)\nsys.exit(1 if bad else 0)\n")
+    modules = sorted(
+        _module_name(p) for layer in LAYERS[:-1] for p in (PACKAGE / layer).rglob("*.py") if p.name != "rdma.py"
+    )  # rdma needs pyverbs, and imports nothing of ours above it
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "bad = sorted(m for m in sys.modules\n"
+        "             if m.split('.')[0] == 'torchrl' or m.startswith('gear_torchrl.adapters'))\n"
+        "print(bad)\nsys.exit(1 if bad else 0)\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(modules) > 50

@@ -1,4 +1,5 @@
 """Rows a TrajectoryWriter commits reach samplers that keep per-row state, local store or shared."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,9 @@ from gear_torchrl.store.local_commits import CommitRecord
 def episode(n: int, first: int) -> TensorDict:
     done = torch.zeros(n, 1, dtype=torch.bool)
     done[-1] = True
-    return TensorDict({"obs": torch.arange(first, first + n, dtype=torch.float32).unsqueeze(-1),
-                       ("next", "done"): done}, [n])
+    return TensorDict(
+        {"obs": torch.arange(first, first + n, dtype=torch.float32).unsqueeze(-1), ("next", "done"): done}, [n]
+    )
 
 
 def commit(writer: TrajectoryWriter, n: int, first: int) -> None:

@@ -1,6 +1,7 @@
 """An owner answers uniform rows, windows and prioritized rows in its extension (SAMPLE_ROWS, SAMPLE_WINDOWS,
 SAMPLE_PRIORITIZED): the same picks and rows as its Python path, never a torn or dead row nor a half-updated
 table, and everything unusual answered by Python."""
+
 from __future__ import annotations
 
 import contextlib
@@ -87,10 +88,21 @@ class Owner(CountedStore):
         self.server = ShardServer(self.storage.handle, SECRET, host="127.0.0.1", timeout=5.0)
         host, port = self.server.address
         handle = self.storage.handle
-        self.client = ShardClient(ShardDescriptor(shard=0, rank=0, host="test", addr=host, port=port,
-                                                  store_id=handle.store_id, capacity=handle.capacity,
-                                                  end_keys=list(handle.end_keys), traj_key=handle.traj_key),
-                                  SECRET, 5.0)
+        self.client = ShardClient(
+            ShardDescriptor(
+                shard=0,
+                rank=0,
+                host="test",
+                addr=host,
+                port=port,
+                store_id=handle.store_id,
+                capacity=handle.capacity,
+                end_keys=list(handle.end_keys),
+                traj_key=handle.traj_key,
+            ),
+            SECRET,
+            5.0,
+        )
 
     def table(self) -> TableSpec:
         return TableSpec.from_json(self.client.describe()["spec"])
@@ -129,8 +141,9 @@ def _python_picked(storage: GearStorage, count: int, seed: int, spec: SelectionS
     try:
         picked = view.pick(spec, count, seed)
         w_ = picked.windows
-        return dataclasses.replace(picked, windows=Windows(w_.starts.clone(), w_.window_len, w_.valid_begin.clone(),
-                                                           w_.valid_end.clone()))
+        return dataclasses.replace(
+            picked, windows=Windows(w_.starts.clone(), w_.window_len, w_.valid_begin.clone(), w_.valid_end.clone())
+        )
     finally:
         view.close()
 
@@ -367,7 +380,10 @@ def _assert_same_picks(got: Picked, expected: Picked) -> None:
     for name in ("starts", "valid_begin", "valid_end"):
         assert torch.equal(getattr(got.windows, name), getattr(expected.windows, name)), name
     assert (got.window_len, got.mass, got.scalars["rows"]) == (
-        expected.window_len, expected.mass, expected.scalars["rows"])
+        expected.window_len,
+        expected.mass,
+        expected.scalars["rows"],
+    )
 
 
 def test_the_extension_draws_the_windows_python_draws_and_sends_their_rows(owner):
@@ -434,8 +450,10 @@ def test_bad_window_asks_get_pythons_errors_and_the_connection_goes_on(owner):
         with pytest.raises(ValueError, match=words):
             o.client.request(Message(Op.SAMPLE_WINDOWS, WINDOWS.to_json(), [torch.tensor(ask, dtype=torch.int64)]))
     two_arrays = [torch.tensor([4, 1, 1]), torch.tensor([4, 1, 1])]
-    malformed: list[Message | EncodedMessage] = [Message(Op.SAMPLE_WINDOWS, WINDOWS.to_json(), two_arrays),
-                                                 EncodedMessage(Op.SAMPLE_ROWS, b"", [*two_arrays])]
+    malformed: list[Message | EncodedMessage] = [
+        Message(Op.SAMPLE_WINDOWS, WINDOWS.to_json(), two_arrays),
+        EncodedMessage(Op.SAMPLE_ROWS, b"", [*two_arrays]),
+    ]
     for message in malformed:  # Python reads the whole message and says so
         with pytest.raises(ValueError, match="carries one array"):
             o.client.request(message)
@@ -455,7 +473,10 @@ def test_an_ask_for_no_picks_gets_the_shards_mass_from_the_extension(owner, spec
         expected = _python_picked(o.storage, 1, 5, spec)
         assert picked.count == 0 and all(r.numel() == 0 for r in rows.values())
         assert (picked.window_len, picked.mass, picked.scalars["rows"]) == (
-            expected.window_len, expected.mass, expected.scalars["rows"])
+            expected.window_len,
+            expected.mass,
+            expected.scalars["rows"],
+        )
     assert o.python_picks == calls, "a round's empty share is answered without the interpreter"
     _episodes(o.rb, [5], first_ep=4)
     assert o.sample(0, 6, spec)[0].mass == _python_picked(o.storage, 1, 6, spec).mass, "the mass follows writes"
@@ -497,7 +518,10 @@ def test_python_reads_the_words_codes_and_limits_the_extension_defines():
     assert len(set(words.values())) == len(words), "two header words share a slot"
     assert all(getattr(commit_log, f"_{name}") == value for name, value in words.items())
     assert (commit_log.OPEN, commit_log.CLOSED, commit_log.OWNER_DIED) == (
-        _C.control.OPEN, _C.control.CLOSED, _C.control.OWNER_DIED)
+        _C.control.OPEN,
+        _C.control.CLOSED,
+        _C.control.OWNER_DIED,
+    )
 
 
 LIMITS = {"HEADER_BYTES", "MAX_META_BYTES", "MAX_ARRAYS", "MAX_ARRAY_BYTES", "MAX_READ_POSITIONS", "MAGIC"}
@@ -521,8 +545,8 @@ class InPlace(CountedStore):
         batch = [torch.full((first + rows, *c.row_shape), -1, dtype=c.dtype) for c in table.columns]
         ask = Ask(spec, count, seed, batch, first)
         picked = ask.placed(self.transport.select(None, ask))
-        got = {c.key: col[first: first + picked.count * picked.window_len] for c, col in zip(table.columns, batch)}
-        landed = None if ask.picks is None else ask.picks.starts[first: first + picked.count]
+        got = {c.key: col[first : first + picked.count * picked.window_len] for c, col in zip(table.columns, batch)}
+        landed = None if ask.picks is None else ask.picks.starts[first : first + picked.count]
         return picked, landed, got
 
     def is_learners(self, view: ShardView) -> bool:
@@ -604,7 +628,6 @@ def test_in_place_outputs_that_do_not_fit_the_columns_are_refused_before_any_rea
     assert _C.sample_rows_into(header, reader, list(columns), version, 4, -5, picks, fitting) == -1, "a bad seed"
 
 
-
 def test_a_learner_on_its_own_shard_gets_windows_from_the_extension_once_python_drew_the_rule(in_place):
     o = in_place(256)
     _episodes(o.rb, [7, 3, 12, 9, 5, 20])
@@ -658,8 +681,10 @@ def test_in_place_window_outputs_that_do_not_fit_are_refused_before_any_read(in_
     columns = list(o.view.shared.mapped_columns())
     version = o.view.shared.mapped_layout_version
     rows = 2 * WINDOWS.window_len
-    for wrong, words in (([torch.empty(rows, *c.shape[1:], dtype=torch.float64) for c in columns], "output is Double"),
-                         ([c[: rows - 1].clone() for c in columns], f"must have {rows} rows")):
+    for wrong, words in (
+        ([torch.empty(rows, *c.shape[1:], dtype=torch.float64) for c in columns], "output is Double"),
+        ([c[: rows - 1].clone() for c in columns], f"must have {rows} rows"),
+    ):
         with pytest.raises(RuntimeError, match=words):
             _C.sample_windows_into(header, reader, columns, version, rule, log.seen_seq, 2, 1, wrong)
     assert not log.reading, "no read section was left open"
@@ -750,8 +775,9 @@ def test_batches_asked_for_four_at_a_time_are_answered_natively_and_draw_what_on
             batches = [_picks(shards, UNIFORM, 16, generator) for _ in range(9)]
             assert o.python_picks == before, "every ask, four to a write, is answered by the extension"
             obs = [c.key for c in batches[0].spec.columns].index("obs")
-            assert all(torch.equal(b.columns[obs], global_ids.decode(b.index)[1].float()) for b in batches), \
+            assert all(torch.equal(b.columns[obs], global_ids.decode(b.index)[1].float()) for b in batches), (
                 "each row holds its own number"
+            )
             drawn[ahead] = [b.index.tolist() for b in batches]
             for bad in (-1, 1.5, "4"):
                 with pytest.raises(ValueError, match="prefetch must be a bool or a number of batches >= 0"):
@@ -819,11 +845,13 @@ def test_prioritized_rows_drawn_while_writers_lap_the_ring_are_never_torn_and_ca
         for seed in range(150):
             picked, rows = o.sample(128, seed, PRIORITIES)
             _assert_whole_rows(rows, picked, 256)
-            for row, write_, generation in zip(picked.starts.tolist(), rows["obs"].long().tolist(),
-                                               picked.extra["generation"].tolist()):
+            for row, write_, generation in zip(
+                picked.starts.tolist(), rows["obs"].long().tolist(), picked.extra["generation"].tolist()
+            ):
                 before = seen.setdefault(row, (write_, generation))
                 assert (write_ > before[0]) == (generation > before[1]) and write_ >= before[0], (
-                    "a row's generation moves on exactly when it was rewritten (what drops a stale update)")
+                    "a row's generation moves on exactly when it was rewritten (what drops a stale update)"
+                )
                 seen[row] = write_, generation
     assert o.python_picks < 50, "most asks were followed and drawn natively"
 
@@ -920,16 +948,21 @@ def test_posted_updates_of_the_armed_rule_land_without_the_interpreter_as_python
     rows = picked.starts.unique()
     generation = torch.ones(rows.numel(), dtype=torch.int64)
     generation[0] = 0  # drawn before its row was last written: its priority is dropped
-    message = update_message(PRIORITIES, torch.cat([rows, torch.tensor([-1])]), torch.full((rows.numel() + 1,), 5.0),
-                             torch.cat([generation, torch.tensor([1])]), posted=True)
+    message = update_message(
+        PRIORITIES,
+        torch.cat([rows, torch.tensor([-1])]),
+        torch.full((rows.numel() + 1,), 5.0),
+        torch.cat([generation, torch.tensor([1])]),
+        posted=True,
+    )
     assert post([o.client], [message]) == [None]
     o.rb.extend(w.keyed_rows(1, 100))  # a new row gets the largest priority seen: 5, set natively
     after, _ = o.sample(2000, 2, PRIORITIES)
     assert in_python == [], "the extension applied the posted update"
     mass = dict(zip(after.starts.tolist(), after.extra["mass"].tolist()))
-    assert mass[int(rows[0])] == 1.0 and {mass[r] for r in rows[1:].tolist()} == {5.0 ** 0.7}
+    assert mass[int(rows[0])] == 1.0 and {mass[r] for r in rows[1:].tolist()} == {5.0**0.7}
     high = rows.numel()  # the rows updated, less the stale one, and the new row
-    assert mass[100] == 5.0 ** 0.7 and after.mass == pytest.approx(101 - high + high * 5.0 ** 0.7)
+    assert mass[100] == 5.0**0.7 and after.mass == pytest.approx(101 - high + high * 5.0**0.7)
 
 
 def test_a_posted_update_meeting_a_replaced_core_lands_on_the_new_one(owner):
@@ -943,11 +976,12 @@ def test_a_posted_update_meeting_a_replaced_core_lands_on_the_new_one(owner):
     new.written(torch.arange(100), None)  # (a restored core: every row at the default priority)
     o.client.update(PRIORITIES, torch.arange(100), torch.ones(100), None)  # the connection's serve call begins
     registry.adopt(PRIORITIES, new)  # a checkpoint load, while that call holds the old core's tables
-    assert post([o.client], [update_message(PRIORITIES, torch.tensor([7]), torch.tensor([9.0]), None,
-                                            posted=True)]) == [None]
+    assert post(
+        [o.client], [update_message(PRIORITIES, torch.tensor([7]), torch.tensor([9.0]), None, posted=True)]
+    ) == [None]
     picked, _ = o.sample(400, 1, PRIORITIES)
-    assert 7 in picked.starts.tolist() and float(picked.extra["mass"][picked.starts == 7][0]) == 9.0 ** 0.7
-    assert picked.mass == pytest.approx(99 + 9.0 ** 0.7) and float(new.masses(torch.tensor([7]))) == 9.0 ** 0.7
+    assert 7 in picked.starts.tolist() and float(picked.extra["mass"][picked.starts == 7][0]) == 9.0**0.7
+    assert picked.mass == pytest.approx(99 + 9.0**0.7) and float(new.masses(torch.tensor([7]))) == 9.0**0.7
 
 
 def test_a_learner_on_its_own_shard_gets_prioritized_rows_from_the_extension_once_python_drew_the_rule(in_place):
@@ -981,7 +1015,10 @@ def test_an_asks_frame_is_its_request_encoded(spec, seed):
     """A round frames each share from a head made once per rule: byte for byte the message it stands for
     (a seed no SAMPLE_* carries, or a rule with no SAMPLE_*, goes as a SELECT)."""
     columns = [torch.zeros(16, 3), torch.zeros(16, dtype=torch.bool)]
-    for ask in (Ask(spec, 2, seed, columns, first=2 * spec.rows_per_pick), Ask(spec, 2, seed),
-                Ask(spec, 0, seed, columns)):
+    for ask in (
+        Ask(spec, 2, seed, columns, first=2 * spec.rows_per_pick),
+        Ask(spec, 2, seed),
+        Ask(spec, 0, seed, columns),
+    ):
         assert ask.frame() == wire.encode(ask.request())
         assert ask.request().op == ask.request_op

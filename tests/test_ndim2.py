@@ -6,6 +6,7 @@ and batches. Our window sampler is checked against what the data says: every
 window stays in one env column and one episode. Bad input is refused with an
 error naming the problem, and the store stays as it was.
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,9 +72,15 @@ class BatchedEnvs:
 
 def _pair(max_size: int, buffer_cls=TensorDictReplayBuffer, sampler=None, seed: int = 0, **kw):
     """The same buffer over LazyTensorStorage(ndim=2) and GearStorage(ndim=2), with equally seeded generators."""
-    return [buffer_cls(storage=cls(max_size, ndim=2), sampler=sampler() if sampler else None,
-                       generator=torch.Generator().manual_seed(seed), **kw)
-            for cls in (LazyTensorStorage, GearStorage)]
+    return [
+        buffer_cls(
+            storage=cls(max_size, ndim=2),
+            sampler=sampler() if sampler else None,
+            generator=torch.Generator().manual_seed(seed),
+            **kw,
+        )
+        for cls in (LazyTensorStorage, GearStorage)
+    ]
 
 
 def _assert_same_layout(ours, theirs, cursor: bool = True) -> None:
@@ -111,8 +118,12 @@ def test_non_tensor_leaves_and_pytrees_land_as_lazy_tensor_storage_keeps_them():
     trees = [ReplayBuffer(storage=cls(40, ndim=2), dim_extend=1) for cls in (LazyTensorStorage, GearStorage)]
     for steps in (3, 6, 4, 9):  # the last two wrap the time ring of 10
         data = envs.batch(steps)
-        data["label"] = NonTensorStack(*[NonTensorStack(*[NonTensorData(f"e{e} t{int(data['step'][e, t])}")
-                                                          for t in range(steps)]) for e in range(ENVS)])
+        data["label"] = NonTensorStack(
+            *[
+                NonTensorStack(*[NonTensorData(f"e{e} t{int(data['step'][e, t])}") for t in range(steps)])
+                for e in range(ENVS)
+            ]
+        )
         ours.extend(data.clone())
         theirs.extend(data.clone())
         labels = [list(time_row) for time_row in ours.storage[:]["label"]]
@@ -123,8 +134,9 @@ def test_non_tensor_leaves_and_pytrees_land_as_lazy_tensor_storage_keeps_them():
         tree = {"obs": data["obs"], "nested": [data["step"], data["next", "done"]]}
         for rb in trees:
             rb.extend(tree)
-        for a, b in zip(torch.utils._pytree.tree_leaves(trees[0].storage[:]),
-                        torch.utils._pytree.tree_leaves(trees[1].storage[:])):
+        for a, b in zip(
+            torch.utils._pytree.tree_leaves(trees[0].storage[:]), torch.utils._pytree.tree_leaves(trees[1].storage[:])
+        ):
             assert torch.equal(a, b)
 
 
@@ -174,8 +186,9 @@ def test_sampler_without_replacement_covers_every_step_once_as_torchrl_does():
 def test_slice_sampler_reads_the_same_windows(variant, strict_length):
     envs = BatchedEnvs(traj_ids=variant == "traj_key", done_prob=0.1)
     kw: SliceKeys = {"traj_key": ("collector", "traj_ids")} if variant == "traj_key" else {"end_key": ("next", "done")}
-    theirs, ours = _pair(80, sampler=lambda: SliceSampler(slice_len=4, strict_length=strict_length, **kw),
-                         batch_size=24)
+    theirs, ours = _pair(
+        80, sampler=lambda: SliceSampler(slice_len=4, strict_length=strict_length, **kw), batch_size=24
+    )
     for steps in (12, 15):  # the second write wraps the 20 time rows
         data = envs.batch(steps)
         ours.extend(data.clone())
@@ -226,12 +239,16 @@ def test_a_damaged_state_is_refused_and_changes_nothing():
     target = GearStorage(40, ndim=2)
     TensorDictReplayBuffer(storage=target, batch_size=4).extend(BatchedEnvs(seed=1).batch(2))
     before = target[:].clone()
-    for damage, reason in ((lambda s: s.update(num_envs=3), "holds 3 env columns, this storage 4"),
-                           (lambda s: s.update(size=22), "not whole time steps"),
-                           (lambda s: s["episodes"].update(num_envs=2), "its episode index"),
-                           (lambda s: s["episodes"]["length"].add_(1), "env column 0")):
-        damaged = {**state, "episodes": {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                         for k, v in state["episodes"].items()}}
+    for damage, reason in (
+        (lambda s: s.update(num_envs=3), "holds 3 env columns, this storage 4"),
+        (lambda s: s.update(size=22), "not whole time steps"),
+        (lambda s: s["episodes"].update(num_envs=2), "its episode index"),
+        (lambda s: s["episodes"]["length"].add_(1), "env column 0"),
+    ):
+        damaged = {
+            **state,
+            "episodes": {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state["episodes"].items()},
+        }
         damage(damaged)
         with pytest.raises(CheckpointError, match=reason):
             target.load_state_dict(damaged)
@@ -287,9 +304,12 @@ def test_in_place_write_of_an_env_column_reaches_rows_and_episodes():
 def test_sequence_windows_stay_in_one_env_column_and_one_episode(strict_length, burn_in):
     envs = BatchedEnvs(done_prob=0.1)
     window = burn_in + 4
-    rb = TensorDictReplayBuffer(storage=GearStorage(120, ndim=2), batch_size=20 * window,
-                                sampler=GearSequenceSampler(seq_len=4, burn_in=burn_in, strict_length=strict_length),
-                                generator=torch.Generator().manual_seed(1))
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(120, ndim=2),
+        batch_size=20 * window,
+        sampler=GearSequenceSampler(seq_len=4, burn_in=burn_in, strict_length=strict_length),
+        generator=torch.Generator().manual_seed(1),
+    )
     for steps in (20, 17, 9):  # wraps the 30 time rows twice
         rb.extend(envs.batch(steps))
         assert _episodes(rb) == _episodes_from_flags(rb)
@@ -308,8 +328,12 @@ def test_sequence_windows_stay_in_one_env_column_and_one_episode(strict_length, 
 
 def test_sequence_windows_run_across_the_time_ring_end():
     envs = BatchedEnvs(num_envs=2, done_prob=0.0)  # one endless episode per env
-    rb = TensorDictReplayBuffer(storage=GearStorage(20, ndim=2), sampler=GearSequenceSampler(seq_len=8),
-                                batch_size=8 * 40, generator=torch.Generator().manual_seed(0))
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(20, ndim=2),
+        sampler=GearSequenceSampler(seq_len=8),
+        batch_size=8 * 40,
+        generator=torch.Generator().manual_seed(0),
+    )
     rb.extend(envs.batch(14))  # 10 time rows: the newest 10 steps, rows 4..9 then 0..3
     batch = rb.sample().view(40, 8)
     time_rows = batch["index"][..., 0]
@@ -320,9 +344,12 @@ def test_sequence_windows_run_across_the_time_ring_end():
 
 def test_prioritized_sampler_over_env_columns():
     envs = BatchedEnvs()
-    rb = TensorDictReplayBuffer(storage=GearStorage(40, ndim=2), batch_size=16,
-                                sampler=GearPrioritizedSampler(40, alpha=1.0, beta=0.5),
-                                generator=torch.Generator().manual_seed(0))
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(40, ndim=2),
+        batch_size=16,
+        sampler=GearPrioritizedSampler(40, alpha=1.0, beta=0.5),
+        generator=torch.Generator().manual_seed(0),
+    )
     rb.extend(envs.batch(7))
     batch = rb.sample()
     t, e = batch["index"].unbind(-1)
@@ -331,8 +358,12 @@ def test_prioritized_sampler_over_env_columns():
     priority = torch.zeros(16)
     priority[0] = 5.0  # every mass but one step's to zero: only that step is drawn
     rb.update_priority(batch["index"], priority)
-    rb.update_priority(torch.stack(torch.meshgrid(torch.arange(7), torch.arange(ENVS), indexing="ij"), -1)
-                       .reshape(-1, 2)[(torch.arange(28) != int(t[0]) * ENVS + int(e[0]))], torch.zeros(27))
+    rb.update_priority(
+        torch.stack(torch.meshgrid(torch.arange(7), torch.arange(ENVS), indexing="ij"), -1).reshape(-1, 2)[
+            (torch.arange(28) != int(t[0]) * ENVS + int(e[0]))
+        ],
+        torch.zeros(27),
+    )
     again = rb.sample()
     assert bool((again["index"] == batch["index"][0]).all())
     again.set("td_error", torch.ones(16))
@@ -342,9 +373,13 @@ def test_prioritized_sampler_over_env_columns():
 
 def test_prioritized_windows_over_env_columns_follow_their_keys_priorities():
     envs = BatchedEnvs()
-    rb = TensorDictReplayBuffer(storage=GearStorage(40, ndim=2), batch_size=12, dim_extend=1,
-                                sampler=GearPrioritizedSequenceSampler(40, seq_len=2, alpha=1.0, reduction="start"),
-                                generator=torch.Generator().manual_seed(0))
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(40, ndim=2),
+        batch_size=12,
+        dim_extend=1,
+        sampler=GearPrioritizedSequenceSampler(40, seq_len=2, alpha=1.0, reduction="start"),
+        generator=torch.Generator().manual_seed(0),
+    )
     for steps in (6, 7):  # the second write wraps the time ring of 10
         rb.extend(envs.batch(steps))
     batch = rb.sample()
@@ -365,9 +400,12 @@ def test_prioritized_windows_over_env_columns_follow_their_keys_priorities():
 
 def test_a_priority_update_skips_steps_rewritten_since_they_were_drawn():
     envs = BatchedEnvs()
-    rb = TensorDictReplayBuffer(storage=GearStorage(40, ndim=2), batch_size=16,
-                                sampler=GearPrioritizedSampler(40, alpha=1.0, beta=0.5),
-                                generator=torch.Generator().manual_seed(0))
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(40, ndim=2),
+        batch_size=16,
+        sampler=GearPrioritizedSampler(40, alpha=1.0, beta=0.5),
+        generator=torch.Generator().manual_seed(0),
+    )
     rb.extend(envs.batch(10))  # full: the next write overwrites time rows 0..2
     batch = rb.sample()
     rb.extend(envs.batch(3))
@@ -407,8 +445,10 @@ def test_a_pickled_copy_reads_the_same_steps():
 def test_queue_and_top_k_samplers_give_time_env_coordinates():
     from gear_torchrl import QueueSampler, TopKSampler
 
-    for sampler, expected_steps in ((QueueSampler(40), [0, 0, 0, 0, 1, 1, 1, 1]),  # oldest time step first
-                                    (TopKSampler(40, key="step"), [4, 4, 4, 4, 3, 3, 3, 3])):  # largest "step"
+    for sampler, expected_steps in (
+        (QueueSampler(40), [0, 0, 0, 0, 1, 1, 1, 1]),  # oldest time step first
+        (TopKSampler(40, key="step"), [4, 4, 4, 4, 3, 3, 3, 3]),
+    ):  # largest "step"
         rb = TensorDictReplayBuffer(storage=GearStorage(40, ndim=2), sampler=sampler, batch_size=8)
         rb.extend(BatchedEnvs().batch(5))
         batch = rb.sample()
@@ -422,9 +462,12 @@ def test_a_data_loader_over_the_storage_passes_over_every_step_once():
 
     storage = GearStorage(40, ndim=2)
     TensorDictReplayBuffer(storage=storage, batch_size=4).extend(BatchedEnvs().batch(6))
-    seen = torch.cat([batch["step"] * ENVS + batch["env"]
-                      for batch in DataLoader(as_dataset(storage), batch_size=5, shuffle=True,
-                                              collate_fn=lambda rows: rows)])
+    seen = torch.cat(
+        [
+            batch["step"] * ENVS + batch["env"]
+            for batch in DataLoader(as_dataset(storage), batch_size=5, shuffle=True, collate_fn=lambda rows: rows)
+        ]
+    )
     assert sorted(seen.tolist()) == list(range(24))
 
 
@@ -518,8 +561,9 @@ def test_rows_that_are_not_time_steps_of_envs_are_refused():
 
 
 def test_priorities_must_name_steps_by_time_and_env():
-    rb = TensorDictReplayBuffer(storage=GearStorage(40, ndim=2), batch_size=4,
-                                sampler=GearPrioritizedSampler(40, alpha=1.0, beta=0.5))
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(40, ndim=2), batch_size=4, sampler=GearPrioritizedSampler(40, alpha=1.0, beta=0.5)
+    )
     rb.extend(BatchedEnvs().batch(5))
     mass = rb.sampler.total_mass
     with pytest.raises(IndexError, match=r"\(time, env\) coordinates"):
@@ -529,8 +573,9 @@ def test_priorities_must_name_steps_by_time_and_env():
     assert rb.sampler.total_mass == mass
 
 
-@pytest.mark.parametrize("kwargs", [{"device": "cuda"}, {"device": "cuda", "memory": "device"},
-                                    {"device": "cuda", "shared": True}])
+@pytest.mark.parametrize(
+    "kwargs", [{"device": "cuda"}, {"device": "cuda", "memory": "device"}, {"device": "cuda", "shared": True}]
+)
 def test_gpu_ndim2_stores_are_refused_with_why(kwargs):
     with pytest.raises(NotImplementedError, match="on the CPU so far"):
         GearStorage(40, ndim=2, **kwargs)
@@ -543,8 +588,9 @@ def test_what_does_not_follow_env_columns_yet_is_refused():
         writer = TrajectoryWriter(storage)
         writer.extend(BatchedEnvs().batch(3)[0])
         writer.end_episode()
-    rb = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(seq_len=2, cross_ring_end=False),
-                                batch_size=4)
+    rb = TensorDictReplayBuffer(
+        storage=storage, sampler=GearSequenceSampler(seq_len=2, cross_ring_end=False), batch_size=4
+    )
     with pytest.raises(NotImplementedError, match="cross_ring_end=False"):
         rb.sample()
     assert len(storage) == 20
@@ -605,8 +651,12 @@ def test_a_rate_limiter_counts_steps_of_every_env():
 
     from gear_torchrl import GearUniformSampler, MinSize, RateLimiterTimeout, SampleToInsertRatio
 
-    rb = TensorDictReplayBuffer(storage=GearStorage(64, ndim=2, rate_limiter=MinSize(24, timeout=0.2)),
-                                sampler=GearUniformSampler(), dim_extend=1, batch_size=8)
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(64, ndim=2, rate_limiter=MinSize(24, timeout=0.2)),
+        sampler=GearUniformSampler(),
+        dim_extend=1,
+        batch_size=8,
+    )
     envs = BatchedEnvs(num_envs=4)
     rb.extend(envs.batch(5))  # [4 envs, 5 time steps]: 20 steps
     assert rb.storage.rate_limiter.inserts == 20
@@ -616,8 +666,9 @@ def test_a_rate_limiter_counts_steps_of_every_env():
     assert rb.sample().batch_size == torch.Size([8]) and rb.storage.rate_limiter.samples == 8
 
     limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=8, error_buffer=8.0, timeout=10)
-    rb = TensorDictReplayBuffer(storage=GearStorage(64, ndim=2, rate_limiter=limiter), sampler=GearUniformSampler(),
-                                dim_extend=1, batch_size=8)
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(64, ndim=2, rate_limiter=limiter), sampler=GearUniformSampler(), dim_extend=1, batch_size=8
+    )
     envs = BatchedEnvs(num_envs=4)
     rb.extend(envs.batch(4))  # 16 steps: diff 16 = offset 8 + 8, the most the rule allows
     done = threading.Event()

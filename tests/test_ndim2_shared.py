@@ -6,6 +6,7 @@ of envs. Checked against what the data says: the live time steps are the
 newest written, windows stay in one env column, one episode and one commit,
 and a process that brings another number of envs is refused.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -37,8 +38,13 @@ JOIN_S = 120
 
 
 def _buffer(storage: GearStorage, sampler=None, batch_size: int = 8) -> TensorDictReplayBuffer:
-    return TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=batch_size, dim_extend=1,
-                                  generator=torch.Generator().manual_seed(0))
+    return TensorDictReplayBuffer(
+        storage=storage,
+        sampler=sampler,
+        batch_size=batch_size,
+        dim_extend=1,
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
 def _time_steps(batches: list[TensorDict], keep: int) -> TensorDict:
@@ -61,8 +67,9 @@ def test_live_time_steps_are_the_newest_written_oldest_first_through_wraps():
             kept, newest = len(shared) // ENVS, min(10, sum(b.shape[1] for b in written))
             assert len(shared) % ENVS == 0 and newest - 2 <= kept <= newest and shared.shape == (kept, ENVS)
             assert_same_td(shared[:].exclude("index"), _time_steps(written, kept))
-            assert_same_td(shared[torch.tensor([0, kept - 1])].exclude("index"),
-                           _time_steps(written, kept)[[0, kept - 1]])
+            assert_same_td(
+                shared[torch.tensor([0, kept - 1])].exclude("index"), _time_steps(written, kept)[[0, kept - 1]]
+            )
             t, e = torch.tensor([0, kept - 1]), torch.tensor([3, 1])
             assert_same_td(shared[(t, e)].exclude("index"), _time_steps(written, kept)[t, e])
             # With trajectory ids, commits continue episodes: each column's episodes are its done-delimited runs.
@@ -169,15 +176,15 @@ def test_a_checkpoint_round_trips_to_a_shared_or_local_store_with_the_same_episo
         storage.close()
 
 
-
 @pytest.mark.parametrize("variant", ["traj_key", "end_key"])
 def test_torchrl_slice_sampler_reads_windows_of_live_steps(variant):
     """TorchRL's SliceSampler scans ``storage[:]`` for its markers, then reads its windows: both number the
     same live steps (the scan holds them)."""
     storage = GearStorage(4 * 32, ndim=2, shared=True)
     try:
-        kwargs: SliceKeys = ({"traj_key": ("collector", "traj_ids")} if variant == "traj_key"
-                             else {"end_key": ("next", "done")})
+        kwargs: SliceKeys = (
+            {"traj_key": ("collector", "traj_ids")} if variant == "traj_key" else {"end_key": ("next", "done")}
+        )
         rb = _buffer(storage, SliceSampler(slice_len=4, strict_length=True, **kwargs), batch_size=32)
         envs = EnvSteps(done_prob=0.1)
         for steps in (10, 12, 14):  # wraps the ring of 32 time steps
@@ -188,15 +195,20 @@ def test_torchrl_slice_sampler_reads_windows_of_live_steps(variant):
         storage.close()
 
 
-@pytest.mark.parametrize("sampler", [RandomSampler, SamplerWithoutReplacement,
-                                     lambda: SliceSampler(slice_len=4, traj_key=("collector", "traj_ids"))])
+@pytest.mark.parametrize(
+    "sampler",
+    [RandomSampler, SamplerWithoutReplacement, lambda: SliceSampler(slice_len=4, traj_key=("collector", "traj_ids"))],
+)
 def test_before_the_ring_wraps_torchrl_samplers_draw_what_lazy_tensor_storage_draws(sampler):
     """Live time steps numbered oldest first are LazyTensorStorage's slots until the ring wraps."""
     storage = GearStorage(40, ndim=2, shared=True)
     try:
-        ours, theirs = (TensorDictReplayBuffer(storage=s, sampler=sampler(), batch_size=8, dim_extend=1,
-                                               generator=torch.Generator().manual_seed(0))
-                        for s in (storage, LazyTensorStorage(40, ndim=2)))
+        ours, theirs = (
+            TensorDictReplayBuffer(
+                storage=s, sampler=sampler(), batch_size=8, dim_extend=1, generator=torch.Generator().manual_seed(0)
+            )
+            for s in (storage, LazyTensorStorage(40, ndim=2))
+        )
         envs = EnvSteps()
         for steps in (3, 4):
             data = envs.batch(steps)

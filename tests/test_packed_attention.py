@@ -3,6 +3,7 @@
 Every attention check compares the packed computation, on each real token, with the same model run on each
 sequence alone through ``scaled_dot_product_attention``. CPU only, float32.
 """
+
 from __future__ import annotations
 
 import time
@@ -159,6 +160,7 @@ class Block(nn.Module):
 
 def per_sequence(block: Block, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Each sequence run alone with causal SDPA, written back to its rows (padding rows stay 0)."""
+
     def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
@@ -281,7 +283,8 @@ def test_length_buckets_match_each_sequence_alone_outputs_and_gradients(layout, 
     for start, length in zip(starts.tolist(), lengths.tolist()):
         span = slice(start, start + length)
         reference[span] = F.scaled_dot_product_attention(
-            q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1), is_causal=True).transpose(0, 1)
+            q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1), is_causal=True
+        ).transpose(0, 1)
     ((reference * weight)[real]).sum().backward()
     theirs = [reference.detach(), _grad(q), _grad(k), _grad(v)]
     assert torch.allclose(ours[0][real], theirs[0][real], atol=1e-12)

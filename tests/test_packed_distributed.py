@@ -1,4 +1,5 @@
 """Packed sequences across processes: a shared store written by actor processes, and a sharded store of 2 owners."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -24,8 +25,11 @@ def _free_port() -> int:
 @pytest.mark.parametrize("prioritized", [False, True])
 def test_packs_over_a_shared_store_written_by_actor_processes(no_shm_leaks, prioritized):
     storage = GearStorage(20_000, shared=True)
-    sampler = (GearPrioritizedPackedSequenceSampler(20_000, 32, burn_in=4) if prioritized
-               else GearPackedSequenceSampler(32, burn_in=4))
+    sampler = (
+        GearPrioritizedPackedSequenceSampler(20_000, 32, burn_in=4)
+        if prioritized
+        else GearPackedSequenceSampler(32, burn_in=4)
+    )
     rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=1024, priority_key="td_error")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -68,8 +72,10 @@ def sharded(tmp_path_factory):
         tmp = tmp_path_factory.mktemp(f"packed_{transport}")
         ctx = mp.get_context("spawn")
         world, port = w.OWNERS + 1, _free_port()
-        processes = [ctx.Process(target=w.run_rank, args=(r, world, port, str(tmp), transport), name=f"rank{r}")
-                     for r in range(world)]
+        processes = [
+            ctx.Process(target=w.run_rank, args=(r, world, port, str(tmp), transport), name=f"rank{r}")
+            for r in range(world)
+        ]
         for p in processes:
             p.start()
         try:

@@ -3,6 +3,7 @@
 Every stored step carries its episode id, its step in the episode and the episode's
 length, so each packed token can be checked against where the pack says it is.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,16 @@ def episodes_of(lengths: list[int], first_id: int = 0) -> TensorDict:
     step = torch.arange(int(lens.sum())) - torch.repeat_interleave(starts, lens)
     length = torch.repeat_interleave(lens, lens)
     done = (step == length - 1).unsqueeze(-1)
-    return TensorDict({"ep": ep, "step": step, "len": length, "obs": (ep * 10_000 + step).float().unsqueeze(-1),
-                       ("next", "done"): done}, [int(lens.sum())])
+    return TensorDict(
+        {
+            "ep": ep,
+            "step": step,
+            "len": length,
+            "obs": (ep * 10_000 + step).float().unsqueeze(-1),
+            ("next", "done"): done,
+        },
+        [int(lens.sum())],
+    )
 
 
 def heavy_tailed(count: int, seed: int) -> list[int]:
@@ -44,8 +53,9 @@ def heavy_tailed(count: int, seed: int) -> list[int]:
 
 def buffer(sampler, lengths: list[int], budget: int, capacity: int | None = None, **storage_kw):
     data = episodes_of(lengths)
-    rb = TensorDictReplayBuffer(storage=GearStorage(capacity or data.shape[0], **storage_kw), sampler=sampler,
-                                batch_size=budget)
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(capacity or data.shape[0], **storage_kw), sampler=sampler, batch_size=budget
+    )
     rb.extend(data)
     return rb
 
@@ -80,7 +90,8 @@ def check_pack(batch: TensorDict, budget: int, max_len: int, burn_in: int, evict
     mask = batch["packed", "mask"]
     assert not bool(mask[~real].any())
     trained_from = torch.full((len(lengths),), 1 << 30, dtype=I64).scatter_reduce(
-        0, ids[mask[real]], position[real][mask[real]], reduce="amin")
+        0, ids[mask[real]], position[real][mask[real]], reduce="amin"
+    )
     assert bool((trained_from <= burn_in).all()) and bool((trained_from < lengths).all())
     assert torch.equal(mask[real], position[real] >= trained_from[ids])
     # a burn-in shorter than asked only where the episode has no earlier step stored
@@ -117,8 +128,11 @@ def test_short_episodes_come_whole_and_long_ones_as_spans_of_max_len():
         expected = ep_len.clamp(max=32)
         assert torch.equal(lengths_in_pack[:-1], expected[:-1])
         assert bool((lengths_in_pack[-1] <= expected[-1]).all())
-        whole |= {int(e) for e, n, s in zip(batch["ep"][real][first][:-1], lengths_in_pack[:-1],
-                                             batch["step"][real][first][:-1]) if int(s) == 0 and int(n) < 32}
+        whole |= {
+            int(e)
+            for e, n, s in zip(batch["ep"][real][first][:-1], lengths_in_pack[:-1], batch["step"][real][first][:-1])
+            if int(s) == 0 and int(n) < 32
+        }
     assert whole == {0, 1, 3, 5}, "each short episode comes whole, from its first step"
 
 
@@ -126,8 +140,9 @@ def packed_lengths(lengths: list[int], burn_in: list[int], budget: int) -> list[
     """What the packing rule makes of sequences of ``lengths``: the tokens each one keeps in the pack."""
     n = len(lengths)
     zeros = torch.zeros(n, dtype=I64)
-    _, valid, _, _, _, seq, last = _C.pack_tokens(zeros, torch.tensor(lengths), torch.tensor(burn_in), zeros, budget,
-                                                  1000)
+    _, valid, _, _, _, seq, last = _C.pack_tokens(
+        zeros, torch.tensor(lengths), torch.tensor(burn_in), zeros, budget, 1000
+    )
     assert int(valid.sum()) == int((seq >= 0).sum()) and int(last.sum()) == len(set(seq[seq >= 0].tolist()))
     return torch.bincount(seq[seq >= 0]).tolist()
 
@@ -175,8 +190,10 @@ def test_uniform_over_steps_trains_on_every_step_about_equally_often():
     # every step of the episodes of at most max_len steps, and of longer ones those min(max_len - 1, L - max_len)
     # steps or more from both ends (covered by as many spans as any step)
     margin = [min(29, n - 30) for n in lengths[1:]]
-    inner = torch.cat([torch.arange(0, 20)] + [torch.arange(s + m, s + n - m) for s, n, m in
-                                               zip(starts[1:].tolist(), lengths[1:], margin)])
+    inner = torch.cat(
+        [torch.arange(0, 20)]
+        + [torch.arange(s + m, s + n - m) for s, n, m in zip(starts[1:].tolist(), lengths[1:], margin)]
+    )
     rate = hits[inner]
     assert float(rate.std() / rate.mean()) < 0.12, "inner steps are not trained on equally often"
 
@@ -224,16 +241,16 @@ def test_stores_that_cannot_pack_say_why():
     flagless.extend(TensorDict({"obs": torch.randn(50, 2)}, [50]))
     with pytest.raises(KeyError, match="end keys"):
         flagless.sample()
-    theirs = TensorDictReplayBuffer(storage=LazyTensorStorage(100), sampler=GearPackedSequenceSampler(8),
-                                    batch_size=64)
+    theirs = TensorDictReplayBuffer(storage=LazyTensorStorage(100), sampler=GearPackedSequenceSampler(8), batch_size=64)
     theirs.extend(episodes_of([30, 20]))
     with pytest.raises(TypeError, match="GearStorage"):
         theirs.sample()
     closed_only = buffer(GearPackedSequenceSampler(8, include_open=False), [10], budget=64, capacity=20)
     closed_only.extend(episodes_of([5])[:3])  # an open episode: the only closed one stays drawable
     check_pack(closed_only.sample(), 64, 8, 0)
-    none_closed = TensorDictReplayBuffer(storage=GearStorage(100), sampler=GearPackedSequenceSampler(
-        8, include_open=False), batch_size=64)
+    none_closed = TensorDictReplayBuffer(
+        storage=GearStorage(100), sampler=GearPackedSequenceSampler(8, include_open=False), batch_size=64
+    )
     none_closed.extend(episodes_of([10])[:6])
     with pytest.raises(RuntimeError, match="include_open=False"):
         none_closed.sample()
@@ -244,8 +261,12 @@ def test_ndim2_packs_stay_inside_one_env_column_and_episode():
     columns = [episodes_of(heavy_tailed(12, seed=10 + e), first_id=1000 * e)[:steps] for e in range(envs)]
     data: TensorDict = torch.stack(columns, 1)  # [T, num_envs], written as it is
     data["env"] = torch.arange(envs).expand(steps, envs)
-    rb = TensorDictReplayBuffer(storage=GearStorage(steps * envs, ndim=2), sampler=GearPackedSequenceSampler(
-        32, burn_in=2), batch_size=512, dim_extend=0)
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(steps * envs, ndim=2),
+        sampler=GearPackedSequenceSampler(32, burn_in=2),
+        batch_size=512,
+        dim_extend=0,
+    )
     rb.extend(data)
     for _ in range(5):
         batch = rb.sample()
@@ -260,8 +281,9 @@ def test_ndim2_packs_stay_inside_one_env_column_and_episode():
 
 def test_a_pack_counts_its_tokens_against_a_rate_limiter():
     rb = buffer(GearPackedSequenceSampler(16), [40] * 10, budget=100)
-    rb.storage.rate_limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=1, error_buffer=150,
-                                                  timeout=0.2)
+    rb.storage.rate_limiter = SampleToInsertRatio(
+        samples_per_insert=1.0, min_size_to_sample=1, error_buffer=150, timeout=0.2
+    )
     for _ in range(4):
         rb.sample()  # 400 tokens drawn against 400 steps inserted
     assert rb.storage.stats()["samples"] == 400
@@ -288,8 +310,9 @@ def test_loader_workers_hand_over_packs():
 def prioritized(lengths: list[int], budget: int, **kw) -> TensorDictReplayBuffer:
     data = episodes_of(lengths)
     sampler = GearPrioritizedPackedSequenceSampler(data.shape[0], 16, alpha=1.0, beta=0.5, **kw)
-    rb = TensorDictReplayBuffer(storage=GearStorage(data.shape[0]), sampler=sampler, batch_size=budget,
-                                priority_key="td_error")
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(data.shape[0]), sampler=sampler, batch_size=budget, priority_key="td_error"
+    )
     rb.extend(data)
     return rb
 
@@ -375,8 +398,13 @@ def test_ndim2_prioritized_packs_follow_their_updates():
     columns = [episodes_of([10] * 10, first_id=100 * e) for e in range(envs)]
     data = torch.stack(columns, 1)  # [T, num_envs]
     sampler = GearPrioritizedPackedSequenceSampler(steps * envs, 16, alpha=1.0, beta=0.5)
-    rb = TensorDictReplayBuffer(storage=GearStorage(steps * envs, ndim=2), sampler=sampler, batch_size=160,
-                                dim_extend=0, priority_key="td_error")
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(steps * envs, ndim=2),
+        sampler=sampler,
+        batch_size=160,
+        dim_extend=0,
+        priority_key="td_error",
+    )
     rb.extend(data)
     check_pack(rb.sample(), 160, 16, 0)
     for _ in range(4):  # env 1's episode 105 gets a large error: it comes to fill the packs

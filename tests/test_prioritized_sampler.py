@@ -1,4 +1,5 @@
 """GearPrioritizedSampler: frequencies follow priorities, weights match TorchRL, bad input changes nothing."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +14,9 @@ CHI2_DF19_P001 = 43.82  # critical value: a correct sampler exceeds it with prob
 
 
 def buffer(capacity=100, rows=20, alpha=0.7, beta=0.5, **kwargs):
-    rb = TensorDictReplayBuffer(storage=GearStorage(capacity),
-                                sampler=GearPrioritizedSampler(capacity, alpha, beta, **kwargs), batch_size=8)
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(capacity), sampler=GearPrioritizedSampler(capacity, alpha, beta, **kwargs), batch_size=8
+    )
     rb.extend(make_steps(rows, seed=0))
     return rb
 
@@ -57,8 +59,9 @@ def test_new_rows_get_the_largest_priority_seen():
     rb.update_priority(torch.tensor([0, 1]), torch.tensor([7.0, 2.0]))
     rb.extend(make_steps(3, seed=5))
     new = torch.arange(20, 23)
-    assert torch.allclose(rb.sampler._trees.get(new), torch.full((3,), (7.0 + 1e-8) ** rb.sampler.alpha,
-                                                                  dtype=torch.float64))
+    assert torch.allclose(
+        rb.sampler._trees.get(new), torch.full((3,), (7.0 + 1e-8) ** rb.sampler.alpha, dtype=torch.float64)
+    )
 
 
 def test_update_tensordict_priority_path():
@@ -125,8 +128,9 @@ def test_checkpoint_round_trip(tmp_path):
     rb = buffer()
     rb.update_priority(torch.arange(20), torch.rand(20) + 0.1)
     rb.dumps(tmp_path)
-    loaded = TensorDictReplayBuffer(storage=GearStorage(100), sampler=GearPrioritizedSampler(100, 0.1, 0.1),
-                                    batch_size=8)
+    loaded = TensorDictReplayBuffer(
+        storage=GearStorage(100), sampler=GearPrioritizedSampler(100, 0.1, 0.1), batch_size=8
+    )
     loaded.loads(tmp_path)
     assert torch.equal(loaded.sampler._trees.sum, rb.sampler._trees.sum)
     assert torch.equal(loaded.sampler._generation, rb.sampler._generation)
@@ -149,6 +153,7 @@ def test_million_priorities_checkpoint_restores_exactly(tmp_path):
 
 
 # -- the GPU structure (blocked prefix sums), checked on the CPU: same code on every device --
+
 
 def test_block_prefix_sums_find_the_same_rows_as_the_trees():
     from gear_torchrl.selection.block_sums import BlockPrefixSums
@@ -177,8 +182,12 @@ def test_block_prefix_sums_find_the_same_rows_as_the_trees():
     few = torch.tensor([5, 700, 5, 2999, 64])
     blocks.set(few, torch.tensor([9.0, 0.0, 1.0, 3.0, 0.0]))
     trees.set(*_last_write(few, torch.tensor([9.0, 0.0, 1.0, 3.0, 0.0])))
-    assert torch.equal(blocks.block_sum, BlockPrefixSums(capacity, block=64).block_sum.index_add(
-        0, torch.arange(capacity) // 64, trees.get(torch.arange(capacity))))
+    assert torch.equal(
+        blocks.block_sum,
+        BlockPrefixSums(capacity, block=64).block_sum.index_add(
+            0, torch.arange(capacity) // 64, trees.get(torch.arange(capacity))
+        ),
+    )
     assert blocks.total == trees.total and blocks.minimum == trees.minimum
     assert torch.equal(blocks.find(prefix), trees.find(prefix))
 
@@ -207,6 +216,7 @@ def test_sampler_state_moves_between_structures(tmp_path):
 
 
 # -- the CPU selector's one-pass update and draw (the extension) against the tensor ops a GPU runs --
+
 
 def _selectors(capacity=3000):
     """A CPU selector (its trees and update in the extension) and one over blocked prefix sums on the CPU (the
@@ -246,14 +256,17 @@ def test_one_pass_update_lands_what_the_tensor_ops_land():
     assert float(extension.max_raw_priority) == 2.0
 
 
-@pytest.mark.parametrize("rows,priority,stored,error,match", [
-    ([3, 3000], [1.0, 1.0], None, IndexError, "priority index 3000 is out of range for 3000 rows"),
-    ([-2, 5], [1.0, 1.0], None, IndexError, "priority index -2 is out of range"),
-    ([3, 40], [1.0, 1.0], 40, IndexError, "priority index 40 is out of range for 40 stored rows"),
-    ([3, 4, 5], [1.0, float("nan"), -1.0], None, ValueError, "got nan at position 1"),
-    ([3, 4], [1.0, -0.5], None, ValueError, "got -0.5 at position 1"),
-    ([3, 4], [float("inf"), 1.0], None, ValueError, "got inf at position 0"),
-])
+@pytest.mark.parametrize(
+    "rows,priority,stored,error,match",
+    [
+        ([3, 3000], [1.0, 1.0], None, IndexError, "priority index 3000 is out of range for 3000 rows"),
+        ([-2, 5], [1.0, 1.0], None, IndexError, "priority index -2 is out of range"),
+        ([3, 40], [1.0, 1.0], 40, IndexError, "priority index 40 is out of range for 40 stored rows"),
+        ([3, 4, 5], [1.0, float("nan"), -1.0], None, ValueError, "got nan at position 1"),
+        ([3, 4], [1.0, -0.5], None, ValueError, "got -0.5 at position 1"),
+        ([3, 4], [float("inf"), 1.0], None, ValueError, "got inf at position 0"),
+    ],
+)
 def test_one_pass_update_refuses_what_the_tensor_ops_refuse_and_changes_nothing(rows, priority, stored, error, match):
     extension, tensor_ops = _selectors()
     for selector in (extension, tensor_ops):

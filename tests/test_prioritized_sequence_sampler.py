@@ -1,4 +1,5 @@
 """GearPrioritizedSequenceSampler: windows in proportion to R2D2 priorities, derived from the episode index."""
+
 from __future__ import annotations
 
 import pytest
@@ -86,8 +87,12 @@ def test_bad_updates():
 
 
 @settings(max_examples=30, deadline=None)
-@given(capacity=st.integers(6, 30), writes=st.lists(st.integers(1, 12), min_size=1, max_size=8),
-       strict=st.booleans(), burn_in=st.integers(0, 2))
+@given(
+    capacity=st.integers(6, 30),
+    writes=st.lists(st.integers(1, 12), min_size=1, max_size=8),
+    strict=st.booleans(),
+    burn_in=st.integers(0, 2),
+)
 def test_incremental_masses_equal_a_rebuild(capacity, writes, strict, burn_in):
     storage = GearStorage(capacity)
     sampler = GearPrioritizedSequenceSampler(capacity, 2, burn_in=burn_in, strict_length=strict)

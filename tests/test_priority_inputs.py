@@ -1,4 +1,5 @@
 """Bad priority inputs get a clear error naming the problem, and the buffer stays exactly as it was."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,14 +28,16 @@ OTHER_SAMPLER_IDS = ["prioritized sequence", "top-k", "max times sampled"]
 
 
 def buffer(sampler=None) -> TensorDictReplayBuffer:
-    rb = TensorDictReplayBuffer(storage=GearStorage(CAPACITY),
-                                sampler=sampler or GearPrioritizedSampler(CAPACITY, 0.6, 0.4), batch_size=4)
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(CAPACITY), sampler=sampler or GearPrioritizedSampler(CAPACITY, 0.6, 0.4), batch_size=4
+    )
     rb.extend(make_steps(STORED, seed=0))
     rb.update_priority(torch.arange(STORED), torch.linspace(0.5, 2.0, STORED))
     return rb
 
 
 # -- indices --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("index", [STORED, 50, CAPACITY - 1])
 def test_a_priority_for_a_row_not_stored_is_refused(index):
@@ -53,9 +56,17 @@ def test_a_priority_past_capacity_is_refused_without_a_storage():
         sampler.update_priority(torch.tensor([CAPACITY]), torch.tensor([1.0]))
 
 
-@pytest.mark.parametrize("index", [torch.tensor([1.5]), torch.tensor([1.0]), torch.tensor([2.0], dtype=torch.float64),
-                                   torch.tensor([True, False]), [1.5]],
-                         ids=["float", "integer-valued float", "float64", "bool", "list of floats"])
+@pytest.mark.parametrize(
+    "index",
+    [
+        torch.tensor([1.5]),
+        torch.tensor([1.0]),
+        torch.tensor([2.0], dtype=torch.float64),
+        torch.tensor([True, False]),
+        [1.5],
+    ],
+    ids=["float", "integer-valued float", "float64", "bool", "list of floats"],
+)
 def test_a_non_integer_index_is_refused(index):
     rb = buffer()
     before = snapshot(rb)
@@ -76,9 +87,16 @@ def test_other_samplers_refuse_a_float_index(make):
 
 # -- capacities -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("make", [
-    lambda n: GearPrioritizedSampler(n, 0.6, 0.4), lambda n: QueueSampler(n), lambda n: TopKSampler(n),
-    lambda n: MaxTimesSampled(GearPrioritizedSampler(n, 0.6, 0.4), max_times=2, max_capacity=n)])
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: GearPrioritizedSampler(n, 0.6, 0.4),
+        lambda n: QueueSampler(n),
+        lambda n: TopKSampler(n),
+        lambda n: MaxTimesSampled(GearPrioritizedSampler(n, 0.6, 0.4), max_times=2, max_capacity=n),
+    ],
+)
 def test_a_sampler_smaller_than_its_storage_is_refused_when_the_buffer_is_built(make):
     storage = GearStorage(CAPACITY)
     with pytest.raises(ValueError, match=rf"for 8 rows, but its storage holds {CAPACITY}"):
@@ -123,8 +141,9 @@ def test_priorities_and_generations_of_another_count_change_nothing():
     with pytest.raises(ValueError, match="2 priorities for 3 indices"):
         rb.update_priority(torch.tensor([0, 1, 2]), torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="2 generations for 3 indices"):
-        rb.sampler.update_priority(torch.tensor([0, 1, 2]), torch.tensor([1.0, 2.0, 3.0]),
-                                   generation=torch.tensor([0, 0]))
+        rb.sampler.update_priority(
+            torch.tensor([0, 1, 2]), torch.tensor([1.0, 2.0, 3.0]), generation=torch.tensor([0, 0])
+        )
     assert_unchanged(rb, before)
 
 

@@ -1,4 +1,5 @@
 """Random write/read/empty/checkpoint sequences: GearStorage and LazyTensorStorage never disagree."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Rate limiters: Reverb's rules, blocking with timeouts, wired into a TorchRL buffer."""
+
 from __future__ import annotations
 
 import threading
@@ -124,8 +125,9 @@ def test_the_presets_are_the_one_rule_configured_by_numbers():
 
 # -- the storage holds the limiter: gates where TorchRL calls it, no wrapping ---------------------------
 def limited_buffer(limiter, capacity=1000, batch=4, **kwargs):
-    return TensorDictReplayBuffer(storage=GearStorage(capacity, rate_limiter=limiter), sampler=GearUniformSampler(),
-                                  batch_size=batch, **kwargs)
+    return TensorDictReplayBuffer(
+        storage=GearStorage(capacity, rate_limiter=limiter), sampler=GearUniformSampler(), batch_size=batch, **kwargs
+    )
 
 
 def test_attach_sets_the_storage_limiter_and_wraps_nothing():
@@ -188,8 +190,9 @@ def test_a_sampler_that_draws_without_asking_the_storage_is_refused():
     from torchrl.data import PrioritizedSampler, SliceSampler
 
     with pytest.raises(TypeError, match="PrioritizedSampler draws rows without asking the storage"):
-        TensorDictReplayBuffer(storage=GearStorage(100, rate_limiter=MinSize(1)),
-                               sampler=PrioritizedSampler(100, alpha=0.6, beta=0.4))
+        TensorDictReplayBuffer(
+            storage=GearStorage(100, rate_limiter=MinSize(1)), sampler=PrioritizedSampler(100, alpha=0.6, beta=0.4)
+        )
     rb = TensorDictReplayBuffer(storage=GearStorage(100), sampler=SliceSampler(slice_len=4))
     with pytest.raises(TypeError, match="GearSequenceSampler for SliceSampler"):
         MinSize(1).attach(rb)

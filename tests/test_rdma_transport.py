@@ -4,6 +4,7 @@ Everything but the last section runs without pyverbs or an RDMA device: the
 plan is executed on numpy byte arrays, and ``RdmaTransport.read`` runs over a
 queue double that performs each RDMA READ as a memmove within this process.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -59,11 +60,11 @@ REMOTE_BASE = 1 << 40  # fake addresses: planning is arithmetic only
 LOCAL_BASE = 1 << 41
 
 
-
 def hash_store() -> KeyValueStore:
     """A torch HashStore as the handshake sees it: torch's stubs type ``Store.set``'s value as str only, though it
     stores bytes (what the handshake writes)."""
     return cast(KeyValueStore, torch.distributed.HashStore())
+
 
 def windows(starts, window_len, begin=None, end=None) -> Windows:
     starts = torch.tensor(starts, dtype=torch.int64)
@@ -83,6 +84,7 @@ def wrs(plan) -> list[tuple[int, int, list[tuple[int, int]]]]:
 
 
 # ----------------------------------------------------------------------------- planning, by hand
+
 
 def test_single_rows_one_wr_each_at_exact_addresses():
     layout = ColumnLayout(offsets=(100,), row_bytes=(8,), capacity=10)
@@ -167,8 +169,9 @@ def test_offsets_and_lengths_past_4_gib_stay_exact():
 
 def test_empty_request_and_all_padding_plan_nothing():
     layout = ColumnLayout(offsets=(0,), row_bytes=(8,), capacity=10)
-    empty = plan_reads(Windows.of_rows(torch.zeros(0, dtype=torch.int64)), layout, REMOTE_BASE, [LOCAL_BASE],
-                       4, 1 << 20)
+    empty = plan_reads(
+        Windows.of_rows(torch.zeros(0, dtype=torch.int64)), layout, REMOTE_BASE, [LOCAL_BASE], 4, 1 << 20
+    )
     padding = plan_reads(windows([1, 2], 4, [2, 0], [2, 0]), layout, REMOTE_BASE, [LOCAL_BASE], 4, 1 << 20)
     for plan in (empty, padding):
         assert plan.num_wrs == 0 and plan.num_sges == 0 and plan.total_bytes == 0
@@ -188,34 +191,34 @@ def test_bad_requests_are_refused():
 
 # ----------------------------------------------------------------------------- planning, against an oracle
 
+
 def execute_plan(plan, remote: np.ndarray, remote_base: int, local: np.ndarray, local_base: int) -> np.ndarray:
     """Carry out the plan on byte arrays as a device would; returns how often each local byte was written."""
     writes = np.zeros(local.size, dtype=np.int64)
     for remote_addr, length, sges in wrs(plan):
         start = remote_addr - remote_base
         assert start >= 0 and start + length <= remote.size, "a WR reads outside the remote segment"
-        data = remote[start:start + length]
+        data = remote[start : start + length]
         done = 0
         for local_addr, sge_len in sges:
             at = local_addr - local_base
             assert sge_len > 0 and at >= 0 and at + sge_len <= local.size
-            local[at:at + sge_len] = data[done:done + sge_len]
-            writes[at:at + sge_len] += 1
+            local[at : at + sge_len] = data[done : done + sge_len]
+            writes[at : at + sge_len] += 1
             done += sge_len
         assert done == length, "a WR's SGEs must add up to its length"
     return writes
 
 
-def direct_gather(request: Windows, layout: ColumnLayout, remote: np.ndarray, local: np.ndarray,
-                  out_offsets) -> None:
+def direct_gather(request: Windows, layout: ColumnLayout, remote: np.ndarray, local: np.ndarray, out_offsets) -> None:
     """What a read must produce, written the obvious way."""
     n = request.num_positions
     pos = valid_positions(request).numpy()
     w, p = pos // request.window_len, pos % request.window_len
     rows = (request.starts.numpy()[w] + p) % layout.capacity
     for off, rb, out_off in zip(layout.offsets, layout.row_bytes, out_offsets):
-        column = remote[off:off + layout.capacity * rb].reshape(layout.capacity, rb)
-        dst = local[out_off:out_off + n * rb].reshape(n, rb)
+        column = remote[off : off + layout.capacity * rb].reshape(layout.capacity, rb)
+        dst = local[out_off : out_off + n * rb].reshape(n, rb)
         dst[pos] = column[rows]
 
 
@@ -236,8 +239,9 @@ def random_case(rng: np.random.Generator):
     if rng.random() < 0.3:  # whole windows, like plain rows
         a, b = np.zeros_like(a), np.full_like(b, window_len)
     request = windows(starts.tolist(), window_len, np.minimum(a, b).tolist(), np.maximum(a, b).tolist())
-    out_offsets, local_size = staging_layout([request.num_positions * rb for rb in row_bytes],
-                                             align=int(rng.choice([1, 8, 64])))
+    out_offsets, local_size = staging_layout(
+        [request.num_positions * rb for rb in row_bytes], align=int(rng.choice([1, 8, 64]))
+    )
     return layout, request, end, out_offsets, local_size
 
 
@@ -267,6 +271,7 @@ def test_plans_match_a_direct_gather_on_random_requests():
 
 # ----------------------------------------------------------------------------- exchanged records and the store
 
+
 class DictStore:
     """A dict with torch.distributed.Store's set/get/add; a missing key behaves like a get timeout."""
 
@@ -287,8 +292,9 @@ class DictStore:
         return value
 
 
-ENDPOINT = RdmaEndpointInfo(qp_num=0x12345, psn=0xABCDEF, lid=7, gid="fe80" + "0" * 12 + "0202c9fffe000001",
-                            mtu=5, max_rd_atomic=16)
+ENDPOINT = RdmaEndpointInfo(
+    qp_num=0x12345, psn=0xABCDEF, lid=7, gid="fe80" + "0" * 12 + "0202c9fffe000001", mtu=5, max_rd_atomic=16
+)
 
 
 def test_endpoint_and_region_round_trip_through_a_store_as_json():
@@ -301,16 +307,19 @@ def test_endpoint_and_region_round_trip_through_a_store_as_json():
     assert json.loads(store.get("r"))["length"] == 5 * GiB  # plain JSON, exact past 4 GiB
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda r: r.update(kind="gear-rdma-region/1"),
-    lambda r: r.update(extra=1),
-    lambda r: r.pop("psn"),
-    lambda r: r.update(qp_num=1 << 24),
-    lambda r: r.update(lid=True),
-    lambda r: r.update(gid="zz" * 16),
-    lambda r: r.update(gid=12),
-    lambda r: r.update(mtu=0),
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda r: r.update(kind="gear-rdma-region/1"),
+        lambda r: r.update(extra=1),
+        lambda r: r.pop("psn"),
+        lambda r: r.update(qp_num=1 << 24),
+        lambda r: r.update(lid=True),
+        lambda r: r.update(gid="zz" * 16),
+        lambda r: r.update(gid=12),
+        lambda r: r.update(mtu=0),
+    ],
+)
 def test_malformed_endpoint_records_are_refused(mutate):
     record = json.loads(ENDPOINT.to_bytes())
     mutate(record)
@@ -380,6 +389,7 @@ def test_handshake_over_a_blocking_torch_store():
 
 
 # ----------------------------------------------------------------------------- connection arithmetic
+
 
 def test_gid_text_forms():
     pyverbs_form = "fe80:0000:0000:0000:0202:c9ff:fe00:0001"
@@ -480,11 +490,20 @@ def test_drive_completions_keeps_the_window_and_stops_on_errors_and_time():
 
 # ----------------------------------------------------------------------------- the transport over a memmove queue
 
+
 class MemmoveQueue:
     """A ReadQueue whose RDMA READs are memmoves inside this process, checked like a device checks them."""
 
-    def __init__(self, region: RegionInfo, max_outstanding=3, max_sge=2, max_msg_bytes=40, fail_wr=None,
-                 fail_status=12, hang=False):
+    def __init__(
+        self,
+        region: RegionInfo,
+        max_outstanding=3,
+        max_sge=2,
+        max_msg_bytes=40,
+        fail_wr=None,
+        fail_status=12,
+        hang=False,
+    ):
         self.region, self.fail_wr, self.fail_status, self.hang = region, fail_wr, fail_status, hang
         self.max_outstanding, self.max_sge, self.max_msg_bytes = max_outstanding, max_sge, max_msg_bytes
         self.registrations: list[MemmoveQueue.Registration] = []
@@ -506,7 +525,8 @@ class MemmoveQueue:
     def _status(self, plan, k, lkey, rkey) -> int:
         remote, length = int(plan.wr_remote_addr[k]), int(plan.wr_length[k])
         if rkey != self.region.rkey or not self.region.addr <= remote <= remote + length <= (
-                self.region.addr + self.region.length):
+            self.region.addr + self.region.length
+        ):
             return 10
         (reg,) = [r for r in self.registrations if r.lkey == lkey and not r.closed]
         lo, hi = reg.buffer.data_ptr(), reg.buffer.data_ptr() + reg.buffer.numel()
@@ -631,6 +651,7 @@ def test_layout_past_the_region_is_refused():
 
 # ----------------------------------------------------------------------------- availability and a real device
 
+
 def test_unavailable_here_gives_a_reason_and_constructors_refuse():
     reason = rdma_unavailable_reason()
     if reason is None:
@@ -740,8 +761,17 @@ def test_verbs_connect_sets_rc_attributes():
 
         def to_rtr(self, attr):
             ah = attr.ah_attr
-            seen["rtr"] = (attr.dest_qp_num, attr.rq_psn, attr.path_mtu, attr.max_dest_rd_atomic, ah.is_global,
-                           ah.dlid, ah.sgid_index, ah.dgid, ah.hop_limit)
+            seen["rtr"] = (
+                attr.dest_qp_num,
+                attr.rq_psn,
+                attr.path_mtu,
+                attr.max_dest_rd_atomic,
+                ah.is_global,
+                ah.dlid,
+                ah.sgid_index,
+                ah.dgid,
+                ah.hop_limit,
+            )
 
         def to_rts(self, attr):
             seen["rts"] = (attr.sq_psn, attr.max_rd_atomic, attr.timeout, attr.retry_cnt)

@@ -1,5 +1,6 @@
 """Every Python snippet in the README runs as written (each in a fresh interpreter, the many-hosts
 one under torchrun with two ranks on this machine)."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,20 @@ def test_readme_snippet_runs(number, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(script)]
     if "ShardedGearStorage" in code:  # the many-hosts snippet: two ranks on this machine
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                   "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            str(script),
+        ]
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"README snippet {number} failed:\n{code}\n--- output ---\n{run.stdout}\n{run.stderr}"
     assert run.stdout.strip() or "print(" not in code, "the snippet printed nothing"

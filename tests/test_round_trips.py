@@ -5,6 +5,7 @@ pairs: replies landing in their rows of one batch, and every way one socket can
 fail without holding back the others. The last run a world of one rank
 (``round_trip_workers``) that serves its shard and samples it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -80,11 +81,11 @@ def test_a_rows_reply_gives_its_tally_as_numbers_and_lands_its_picks_with_the_ro
     tally = torch.tensor([50, 2], dtype=torch.int64)
     pairs[0][1].sendall(_framed(wire.Op.ROWS, {}, [tally, torch.tensor([7, 9]), torch.ones(2, 2)]))
     pairs[1][1].sendall(_framed(wire.Op.ROWS, {}, [torch.tensor([1], dtype=torch.int64), torch.tensor([3])]))
-    got = _C.receive_replies([pairs[0][0].fileno(), pairs[1][0].fileno()], [[picks, rows], [picks]], [[1, 1], [0]],
-                             5.0)
+    got = _C.receive_replies([pairs[0][0].fileno(), pairs[1][0].fileno()], [[picks, rows], [picks]], [[1, 1], [0]], 5.0)
     (status, op, counts, _, small), (bad, *_) = got
     assert (status, op, counts, small, bad) == (0, wire.Op.ROWS, [50, 2], [], -errno.EPROTO)  # a tally is 16 bytes
     assert picks.tolist() == [-1, 7, 9, -1] and rows[1:3].eq(1).all() and rows[0].eq(0).all()
+
 
 def test_replies_trickling_in_pieces_that_split_arrays_land_whole(pairs):
     """Arrays are read in one scatter read when they are there: pieces ending inside an array, inside the
@@ -102,18 +103,18 @@ def test_replies_trickling_in_pieces_that_split_arrays_land_whole(pairs):
         for i, size in enumerate((1, 5, 13, 29)):  # each socket its reply in pieces of its own size, in turn
             frame = frames[i]
             for at in range(0, len(frame), size):
-                pairs[i][1].sendall(frame[at: at + size])
+                pairs[i][1].sendall(frame[at : at + size])
                 time.sleep(0.0005)
 
     threading.Thread(target=trickle).start()
-    got = _C.receive_replies([a.fileno() for a, _ in pairs], [[picks, obs, flags]] * n,
-                             [[4 * i] * 3 for i in range(n)], 5.0)
+    got = _C.receive_replies(
+        [a.fileno() for a, _ in pairs], [[picks, obs, flags]] * n, [[4 * i] * 3 for i in range(n)], 5.0
+    )
     assert [(status, op, tally) for status, op, tally, *_ in got] == [(0, wire.Op.ROWS, [99, 4])] * n
     for i, (want_picks, want_rows, want_flags) in enumerate(expected):
         part = slice(4 * i, 4 * i + 4)
         assert torch.equal(picks[part], want_picks) and torch.equal(obs[part], want_rows)
         assert torch.equal(flags[part], want_flags)
-
 
 
 def test_a_windows_reply_lands_its_picks_and_rows_each_from_its_own_row(pairs):
@@ -122,11 +123,15 @@ def test_a_windows_reply_lands_its_picks_and_rows_each_from_its_own_row(pairs):
     rows = torch.zeros(6, 2)
     mass_bits = torch.tensor([2.5], dtype=torch.float64).view(torch.int64)
     tally = torch.cat([torch.tensor([40, 1]), mass_bits])
-    pairs[0][1].sendall(_framed(wire.Op.WINDOWS, {}, [tally, torch.tensor([11]), torch.tensor([0]), torch.tensor([2]),
-                                                      torch.ones(2, 2)]))
+    pairs[0][1].sendall(
+        _framed(
+            wire.Op.WINDOWS, {}, [tally, torch.tensor([11]), torch.tensor([0]), torch.tensor([2]), torch.ones(2, 2)]
+        )
+    )
     pairs[1][1].sendall(_framed(wire.Op.WINDOWS, {}, [torch.tensor([40, 1]), torch.tensor([5])]))
-    got = _C.receive_replies([pairs[0][0].fileno(), pairs[1][0].fileno()],
-                             [[starts, begin, end, rows], [starts]], [[2, 2, 2, 4], [0]], 5.0)
+    got = _C.receive_replies(
+        [pairs[0][0].fileno(), pairs[1][0].fileno()], [[starts, begin, end, rows], [starts]], [[2, 2, 2, 4], [0]], 5.0
+    )
     (status, op, numbers, _, small), (bad, *_) = got
     assert (status, op, small, bad) == (0, wire.Op.WINDOWS, [], -errno.EPROTO)  # a WINDOWS tally is 24 bytes
     assert numbers[:2] == [40, 1] and torch.tensor(numbers[2:]).view(torch.float64).item() == 2.5
@@ -150,9 +155,15 @@ def test_a_round_s_shares_land_in_one_batch_and_their_tallies_come_back_as_array
         pairs[j][1].sendall(_framed(wire.Op.WINDOWS, {}, [tally, *picks, torch.full((2 * k, 3), float(j + 1))]))
     pairs[3][1].sendall(_framed(wire.Op.ERROR, {"type": "ValueError", "message": "no"}, []))
     status, counts, live, mass, min_mass, heads = _C.receive_shares(
-        [a.fileno() for a, _ in pairs], [starts, begin, end, rows], 3, firsts, asked, 2, wire.Op.WINDOWS, 5.0)
-    assert (status, counts, live, mass, min_mass) == ([0] * 4, [1, 2, 0, 0], [100, 101, 102, 0],
-                                                      [0.5, 1.5, 2.5, 0.0], [0.0] * 4)
+        [a.fileno() for a, _ in pairs], [starts, begin, end, rows], 3, firsts, asked, 2, wire.Op.WINDOWS, 5.0
+    )
+    assert (status, counts, live, mass, min_mass) == (
+        [0] * 4,
+        [1, 2, 0, 0],
+        [100, 101, 102, 0],
+        [0.5, 1.5, 2.5, 0.0],
+        [0.0] * 4,
+    )
     assert heads[:3] == [None] * 3
     assert wire.parse_head(heads[3].numpy().tobytes())[1] == {"type": "ValueError", "message": "no"}
     assert (starts.tolist(), end.tolist()) == ([0, 10, 11, -1], [2, 2, 2, -1])
@@ -160,16 +171,22 @@ def test_a_round_s_shares_land_in_one_batch_and_their_tallies_come_back_as_array
 
 
 def test_a_prioritized_share_gives_its_least_mass_and_lands_its_values(pairs):
-    starts, mass, generation, rows = (torch.full((3,), -1, dtype=t) for t in (torch.int64, torch.float64,
-                                                                               torch.int64, torch.float32))
+    starts, mass, generation, rows = (
+        torch.full((3,), -1, dtype=t) for t in (torch.int64, torch.float64, torch.int64, torch.float32)
+    )
     tally = torch.tensor([50, 2, *_bits(9.0, 0.25)])
     values = [torch.tensor([4, 5]), torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([7, 8])]
     pairs[0][1].sendall(_framed(wire.Op.PRIORITIZED, {}, [tally, *values, torch.tensor([3.0, 4.0])]))
     status, counts, live, total, least, heads = _C.receive_shares(
-        [pairs[0][0].fileno()], [starts, mass, generation, rows], 3, [1], [2], 1, wire.Op.PRIORITIZED, 5.0)
+        [pairs[0][0].fileno()], [starts, mass, generation, rows], 3, [1], [2], 1, wire.Op.PRIORITIZED, 5.0
+    )
     assert (status, counts, live, total, least, heads) == ([0], [2], [50], [9.0], [0.25], [None])
     assert (starts.tolist(), mass.tolist(), generation.tolist(), rows.tolist()) == (
-        [-1, 4, 5], [-1.0, 1.0, 2.0], [-1, 7, 8], [-1.0, 3.0, 4.0])
+        [-1, 4, 5],
+        [-1.0, 1.0, 2.0],
+        [-1, 7, 8],
+        [-1.0, 3.0, 4.0],
+    )
 
 
 def test_a_share_s_reply_that_breaks_its_ask_fails_alone(pairs):
@@ -179,17 +196,18 @@ def test_a_share_s_reply_that_breaks_its_ask_fails_alone(pairs):
     good = _framed(wire.Op.ROWS, {}, [torch.tensor([9, 2]), torch.tensor([3, 4]), torch.ones(2)])
     pairs[0][1].sendall(_framed(wire.Op.ROWS, {}, [torch.tensor([9, 3]), torch.arange(3), torch.ones(3)]))
     pairs[1][1].sendall(_framed(wire.Op.WINDOWS, {}, [torch.tensor([9, 2, 0]), torch.arange(2), torch.ones(2)]))
-    pairs[2][1].sendall(_framed(wire.Op.ROWS, {}, [torch.tensor([9, 2]), torch.arange(2), torch.arange(2),
-                                                   torch.ones(2)]))
+    pairs[2][1].sendall(
+        _framed(wire.Op.ROWS, {}, [torch.tensor([9, 2]), torch.arange(2), torch.arange(2), torch.ones(2)])
+    )
     pairs[3][1].sendall(good)
-    status, counts, *_ = _C.receive_shares([a.fileno() for a, _ in pairs], [starts, rows], 1, [0, 2, 4, 6],
-                                           [2, 2, 2, 2], 1, wire.Op.ROWS, 5.0)
+    status, counts, *_ = _C.receive_shares(
+        [a.fileno() for a, _ in pairs], [starts, rows], 1, [0, 2, 4, 6], [2, 2, 2, 2], 1, wire.Op.ROWS, 5.0
+    )
     assert status == [-errno.EPROTO] * 3 + [0] and counts[3] == 2
     assert starts[6:].tolist() == [3, 4] and rows[6:].tolist() == [1.0, 1.0]
     negative = _framed(wire.Op.ROWS, {}, [torch.tensor([-1, 0])])
     pairs[0][1].sendall(negative)
-    assert _C.receive_shares([pairs[0][0].fileno()], [starts], 1, [0], [0], 1, wire.Op.ROWS, 5.0)[0] == \
-        [-errno.EPROTO]
+    assert _C.receive_shares([pairs[0][0].fileno()], [starts], 1, [0], [0], 1, wire.Op.ROWS, 5.0)[0] == [-errno.EPROTO]
 
 
 def _client_on(sock: socket.socket, shard: int):
@@ -210,8 +228,9 @@ def test_a_share_flight_answers_each_owner_with_its_count_its_refusal_or_its_fai
     from gear_torchrl.selection.uniform import UniformSpec
 
     columns = [torch.zeros(8, 2)]
-    shares = Shares(UniformSpec(), [2, 2, 2, 2], [1, 2, 3, 4], columns,
-                    Windows.of_rows(torch.zeros(8, dtype=torch.int64)), None)
+    shares = Shares(
+        UniformSpec(), [2, 2, 2, 2], [1, 2, 3, 4], columns, Windows.of_rows(torch.zeros(8, dtype=torch.int64)), None
+    )
     clients = [_client_on(a, j) for j, (a, _) in enumerate(pairs)]
     flight = ShareFlight(clients, shares, [0, 1, 2, 3])
     asks = [shares.ask(j).frame() for j in range(4)]
@@ -237,16 +256,21 @@ def test_flights_sent_together_land_in_order_and_bytes_past_the_last_owed_reply_
     from gear_torchrl.selection.uniform import UniformSpec
 
     clients = [_client_on(a, j) for j, (a, _) in enumerate(pairs[:2])]
-    batches = [Shares(UniformSpec(), [1, 1], [b, b], [torch.zeros(2, 2)], Windows.of_rows(torch.zeros(2)), None)
-               for b in range(2)]
+    batches = [
+        Shares(UniformSpec(), [1, 1], [b, b], [torch.zeros(2, 2)], Windows.of_rows(torch.zeros(2)), None)
+        for b in range(2)
+    ]
     flights = [ShareFlight(clients, shares, [0, 1], send=False) for shares in batches]
     ShareFlight.send_together(flights)
     for j, (_, peer) in enumerate(pairs[:2]):
         want = b"".join(shares.ask(j).frame() for shares in batches)
         assert _read_exactly(peer, len(want)) == want
         for b in range(2):
-            peer.sendall(_framed(wire.Op.ROWS, {}, [torch.tensor([9, 1]), torch.tensor([10 * b + j]),
-                                                     torch.full((1, 2), float(b))]))
+            peer.sendall(
+                _framed(
+                    wire.Op.ROWS, {}, [torch.tensor([9, 1]), torch.tensor([10 * b + j]), torch.full((1, 2), float(b))]
+                )
+            )
     pairs[1][1].sendall(b"GEAR and more")  # owed nothing after the second reply
     assert flights[0].land() == [1, 1] and batches[0].picks.starts.tolist() == [0, 1]
     second = flights[1].land()
@@ -262,7 +286,7 @@ def test_a_round_s_shares_go_framed_as_their_asks_would_be(pairs):
     columns = [torch.zeros(6, 2), torch.zeros(6)]
     shares = Shares(UniformSpec(), [1, 0, 3, 2], [7, None, 2**62, 0], columns, Windows.of_rows(torch.zeros(6)), None)
     asks = [shares.ask(j) for j in range(4)]
-    head = asks[0].frame()[: -24]
+    head = asks[0].frame()[:-24]
     statuses = _C.send_shares([a.fileno() for a, _ in pairs], head, shares.counts, [7, -1, 2**62, 0], 2, 5.0)
     assert statuses == [0] * 4
     assert [_read_exactly(b, len(ask.frame())) for (_, b), ask in zip(pairs, asks)] == [a.frame() for a in asks]
@@ -283,7 +307,7 @@ def test_a_reply_longer_than_its_first_read_lands_whole_and_the_short_ones_in_on
     got = _C.receive_replies([a.fileno() for a, _ in pairs], [[obs]] * 4, [[first] for first, _ in wanted], 5.0)
     assert [status for status, *_ in got] == [0] * 4
     for first, want in wanted:
-        assert torch.equal(obs[first: first + len(want)], want)
+        assert torch.equal(obs[first : first + len(want)], want)
 
 
 def test_bytes_past_a_reply_break_the_protocol_of_that_socket_alone(pairs):
@@ -368,9 +392,10 @@ def test_many_batches_asked_in_one_write_per_owner(pairs):
 
     columns = [torch.zeros(20, 2), torch.zeros(20)]
     asks: list[tuple[list[int], list[int | None]]] = [([3, 4], [7, None]), ([5, 6], [8, 9])]  # (counts, seeds)
-    batches = [Shares(UniformSpec(), counts, seeds, columns, Windows.of_rows(torch.zeros(20)), None)
-               for counts, seeds in asks]
-    head = batches[0].ask(0).frame()[: -24]
+    batches = [
+        Shares(UniformSpec(), counts, seeds, columns, Windows.of_rows(torch.zeros(20)), None) for counts, seeds in asks
+    ]
+    head = batches[0].ask(0).frame()[:-24]
     fds = [a.fileno() for a, _ in pairs[:2]]
     assert _C.send_shares(fds, head, [3, 4, 5, 6], [7, -1, 8, 9], 2, 5.0) == [0, 0]
     for j, (_, peer) in enumerate(pairs[:2]):
@@ -393,7 +418,7 @@ def test_a_silent_socket_times_out_alone(pairs):
 def test_a_refusal_carries_no_rows_and_writes_none(pairs):
     batch = [torch.full((3,), -1, dtype=torch.int64)]
     pairs[0][1].sendall(_framed(wire.Op.ERROR, {"type": "ValueError", "message": "no"}, []))
-    (status, op, tally, head, small), = _C.receive_replies([pairs[0][0].fileno()], [batch], [[0]], 5.0)
+    ((status, op, tally, head, small),) = _C.receive_replies([pairs[0][0].fileno()], [batch], [[0]], 5.0)
     assert (status, op, tally, small) == (0, wire.Op.ERROR, [], [])
     assert wire.parse_head(head.numpy().tobytes())[:2] == (wire.Op.ERROR, {"type": "ValueError", "message": "no"})
     assert batch[0].tolist() == [-1, -1, -1]

@@ -1,4 +1,5 @@
 """A buffer seeded with ``rb.set_rng`` draws the same batches whatever the global seed, with every sampler."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,7 @@ SAMPLERS = {
     "GearPrioritizedSampler": lambda: GearPrioritizedSampler(ROWS, 0.7, 0.5),
     "GearSequenceSampler": lambda: GearSequenceSampler(4, strict_length=False),
     "GearPrioritizedSequenceSampler": lambda: GearPrioritizedSequenceSampler(ROWS, 4, strict_length=False),
-    "MaxTimesSampled": lambda: MaxTimesSampled(GearPrioritizedSampler(ROWS, 0.7, 0.5), max_times=50,
-                                               max_capacity=ROWS),
+    "MaxTimesSampled": lambda: MaxTimesSampled(GearPrioritizedSampler(ROWS, 0.7, 0.5), max_times=50, max_capacity=ROWS),
 }
 
 

@@ -3,6 +3,7 @@
 Sampled indices carry what ``get`` needs, so a copy of one reads the same batch,
 and a plain index reads rows. The layering itself is held by ``test_layers.py``.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -32,9 +33,15 @@ from gear_torchrl.selection.topk import TopKSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.selection.windows import WindowSpec
 
-SPECS = [UniformSpec(), WindowSpec(8, burn_in=2, strict_length=False, traj_key=("ep",)),
-         PrioritySpec(0.6, 1e-6), PriorityWindowSpec(4, alpha=0.7, reduction="start"), QueueSpec("lifo"),
-         TopKSpec(("next", "reward"), -1.0), CappedSpec(PrioritySpec(0.0), 3)]
+SPECS = [
+    UniformSpec(),
+    WindowSpec(8, burn_in=2, strict_length=False, traj_key=("ep",)),
+    PrioritySpec(0.6, 1e-6),
+    PriorityWindowSpec(4, alpha=0.7, reduction="start"),
+    QueueSpec("lifo"),
+    TopKSpec(("next", "reward"), -1.0),
+    CappedSpec(PrioritySpec(0.0), 3),
+]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.kind for s in SPECS])
@@ -45,16 +52,31 @@ def test_specs_travel_as_json_and_come_back_equal(spec):
     assert back == spec and hash(back) == hash(spec)
 
 
-@pytest.mark.parametrize("blob, problem", [
-    ({"kind": "nonsense"}, "unknown selection kind"),
-    ({"kind": "queue"}, "takes \\['order'\\]"),
-    ({"kind": "queue", "order": "middle"}, "order must be"),
-    ({"kind": "priorities", "alpha": "0.5", "eps": 0.1}, "alpha must be a number"),
-    ({"kind": "windows", "seq_len": True, "burn_in": 0, "strict_length": True, "uniform_over": "windows",
-      "include_open": True, "cross_ring_end": True, "traj_key": None, "end_key": None}, "seq_len must be an int"),
-    ({"kind": "capped", "inner": {"kind": "queue", "order": "fifo"}, "max_times": 2}, "cannot be capped"),
-    ([1, 2], "unknown selection kind"),
-])
+@pytest.mark.parametrize(
+    "blob, problem",
+    [
+        ({"kind": "nonsense"}, "unknown selection kind"),
+        ({"kind": "queue"}, "takes \\['order'\\]"),
+        ({"kind": "queue", "order": "middle"}, "order must be"),
+        ({"kind": "priorities", "alpha": "0.5", "eps": 0.1}, "alpha must be a number"),
+        (
+            {
+                "kind": "windows",
+                "seq_len": True,
+                "burn_in": 0,
+                "strict_length": True,
+                "uniform_over": "windows",
+                "include_open": True,
+                "cross_ring_end": True,
+                "traj_key": None,
+                "end_key": None,
+            },
+            "seq_len must be an int",
+        ),
+        ({"kind": "capped", "inner": {"kind": "queue", "order": "fifo"}, "max_times": 2}, "cannot be capped"),
+        ([1, 2], "unknown selection kind"),
+    ],
+)
 def test_a_malformed_spec_is_refused_by_name(blob, problem):
     with pytest.raises((ValueError, TypeError), match=problem):
         spec_from_json(blob)
@@ -188,8 +210,13 @@ def test_every_rule_with_a_kind_is_listed_in_rules():
     assert all(RULES[cls.kind] is cls for cls in found)
 
 
-STATEFUL = [PrioritySpec(0.6, 1e-6), QueueSpec("fifo"), TopKSpec(None, -1.0), CappedSpec(PrioritySpec(0.5), 2),
-            PriorityWindowSpec(4, alpha=0.7, reduction="start")]
+STATEFUL = [
+    PrioritySpec(0.6, 1e-6),
+    QueueSpec("fifo"),
+    TopKSpec(None, -1.0),
+    CappedSpec(PrioritySpec(0.5), 2),
+    PriorityWindowSpec(4, alpha=0.7, reduction="start"),
+]
 
 
 @pytest.mark.parametrize("spec", STATEFUL, ids=[s.kind for s in STATEFUL])

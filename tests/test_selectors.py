@@ -1,4 +1,5 @@
 """QueueSampler, TopKSampler and MaxTimesSampled: Reverb's selectors as TorchRL samplers."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,13 @@ from gear_torchrl import (
 
 
 def steps(first: int, n: int) -> TensorDict:
-    return TensorDict({"step": torch.arange(first, first + n), ("next", "reward"): torch.arange(first, first + n)
-                       .float().remainder(7).unsqueeze(-1)}, [n])
+    return TensorDict(
+        {
+            "step": torch.arange(first, first + n),
+            ("next", "reward"): torch.arange(first, first + n).float().remainder(7).unsqueeze(-1),
+        },
+        [n],
+    )
 
 
 def buffer(sampler, capacity=50):
@@ -95,7 +101,7 @@ def test_topk_by_key_and_by_priority():
     assert {6, 13} <= chosen <= {6, 13, 5, 12, 19}  # reward 6 at steps 6, 13; reward 5 at 5, 12, 19
     by_priority = buffer(TopKSampler(50))
     by_priority.extend(steps(0, 10))
-    by_priority.update_priority(torch.arange(10), torch.tensor([0., 9, 1, 8, 2, 7, 3, 6, 4, 5]))
+    by_priority.update_priority(torch.arange(10), torch.tensor([0.0, 9, 1, 8, 2, 7, 3, 6, 4, 5]))
     assert by_priority.sample(3)["step"].tolist() == [1, 3, 5]
     with pytest.raises(RuntimeError, match="only 10 are stored"):
         by_priority.sample(11)

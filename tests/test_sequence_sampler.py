@@ -1,4 +1,5 @@
 """GearSequenceSampler: windows come from the episode index, uniformly, in SliceSampler's layout."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -23,8 +24,9 @@ def steps(first: int, n: int, done_at: list[int]) -> TensorDict:
     done = torch.zeros(n, 1, dtype=torch.bool)
     done[[i - first for i in done_at if first <= i < first + n]] = True
     g = torch.Generator().manual_seed(first)
-    return TensorDict({"step": torch.arange(first, first + n), "obs": torch.randn(n, 3, generator=g) + 5,
-                       ("next", "done"): done}, [n])
+    return TensorDict(
+        {"step": torch.arange(first, first + n), "obs": torch.randn(n, 3, generator=g) + 5, ("next", "done"): done}, [n]
+    )
 
 
 def filled(capacity, total, done_at, **kwargs):
@@ -87,9 +89,11 @@ def test_same_windows_as_slice_sampler():
     done_at = [5, 17, 18, 31, 44]
     total, cap, length = 50, 40, 4
     ours = filled(cap, total, done_at, seq_len=length)
-    theirs = TensorDictReplayBuffer(storage=LazyTensorStorage(cap), batch_size=length * 50,
-                                    sampler=SliceSampler(slice_len=length, end_key=("next", "done"),
-                                                         strict_length=True))
+    theirs = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(cap),
+        batch_size=length * 50,
+        sampler=SliceSampler(slice_len=length, end_key=("next", "done"), strict_length=True),
+    )
     theirs.extend(steps(0, total, done_at))
     torch.manual_seed(0)
     ours_seen = {w for _ in range(20) for w in sampled_windows(ours, 100)[0]}
@@ -112,8 +116,9 @@ def test_padding_is_zero_and_marked():
     valid = mask.view(500, 8)
     last_valid = valid.long().cumsum(1).argmax(1)
     assert torch.equal(truncated.squeeze(-1).nonzero()[:, 1], last_valid)
-    assert torch.equal(batch["next", "done"].view(500, 8, 1).squeeze(-1) | truncated.squeeze(-1),
-                       batch["next", "done"].view(500, 8))
+    assert torch.equal(
+        batch["next", "done"].view(500, 8, 1).squeeze(-1) | truncated.squeeze(-1), batch["next", "done"].view(500, 8)
+    )
 
 
 def test_windows_never_cross_the_ring_end_when_asked():
@@ -158,13 +163,17 @@ def test_needs_a_gear_storage_and_data():
 
 
 @settings(max_examples=40, deadline=None)
-@given(capacity=st.integers(4, 40),
-       writes=st.lists(st.tuples(st.integers(1, 25), st.floats(0, 0.5)), min_size=1, max_size=10),
-       seq_len=st.integers(1, 5), strict=st.booleans())
+@given(
+    capacity=st.integers(4, 40),
+    writes=st.lists(st.tuples(st.integers(1, 25), st.floats(0, 0.5)), min_size=1, max_size=10),
+    seq_len=st.integers(1, 5),
+    strict=st.booleans(),
+)
 def test_incremental_window_tree_equals_a_rebuild(capacity, writes, seq_len, strict):
     storage = GearStorage(capacity)
-    rb = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(seq_len, strict_length=strict),
-                                batch_size=seq_len)
+    rb = TensorDictReplayBuffer(
+        storage=storage, sampler=GearSequenceSampler(seq_len, strict_length=strict), batch_size=seq_len
+    )
     g, gen = 0, torch.Generator().manual_seed(capacity)
     for n, p in writes:
         done_at = [g + i for i in range(n) if torch.rand(1, generator=gen).item() < p]

@@ -1,4 +1,5 @@
 """A shard is a ring built from two parts: its addressing and its visibility (store/visibility.py)."""
+
 from __future__ import annotations
 
 import copy

@@ -1,4 +1,5 @@
 """Bad input to a sharded store gets a clear error and changes nothing (one rank owning one shard)."""
+
 from __future__ import annotations
 
 import pickle
@@ -27,8 +28,9 @@ def storage():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
     store = ShardedGearStorage(100, serve_on="127.0.0.1", transport="tcp", timeout=10)
     try:
         yield store
@@ -123,8 +125,12 @@ def test_give_back_returns_every_round_of_a_shards_picks(monkeypatch):
     monkeypatch.setattr(links, "client", Client)
     spec = QueueSpec("fifo")
     ask = Ask(spec, 0, None)
-    got = [(0, Picked.rows(torch.tensor([1, 2]), 0.0), ask), (1, Picked.rows(torch.tensor([5]), 0.0), ask),
-           (2, Picked.rows(torch.tensor([7]), 0.0), ask), (0, Picked.rows(torch.tensor([3]), 0.0), ask)]
+    got = [
+        (0, Picked.rows(torch.tensor([1, 2]), 0.0), ask),
+        (1, Picked.rows(torch.tensor([5]), 0.0), ask),
+        (2, Picked.rows(torch.tensor([7]), 0.0), ask),
+        (0, Picked.rows(torch.tensor([3]), 0.0), ask),
+    ]
     ShardOwners(links).give_back(spec, got)
     assert given == {0: [1, 2, 3], 1: [5]}  # the failed shard is not asked
 

@@ -3,6 +3,7 @@
 Rows, priorities, queue state, top-k scores, times-sampled counts and write
 cursors come back; a layout with another number of owners is refused.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -29,8 +30,10 @@ def _free_port() -> int:
 def _run(tmp, owners: int, phase: str) -> dict:
     ctx = mp.get_context("spawn")
     world, port = owners + 1, _free_port()
-    processes = [ctx.Process(target=cw.run_rank, args=(r, world, owners, port, str(tmp), phase), name=f"rank{r}")
-                 for r in range(world)]
+    processes = [
+        ctx.Process(target=cw.run_rank, args=(r, world, owners, port, str(tmp), phase), name=f"rank{r}")
+        for r in range(world)
+    ]
     for p in processes:
         p.start()
     deadline = time.monotonic() + JOB_S
@@ -51,8 +54,12 @@ def jobs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded_checkpoint")
     saved = _run(tmp, OWNERS, "save")
     restored = _run(tmp, OWNERS, "restore")
-    return {"saved": saved, "restored": restored, "after_writes": torch.load(tmp / "after_writes.pt"),
-            "other_layout": _run(tmp, OWNERS - 1, "other_layout")}
+    return {
+        "saved": saved,
+        "restored": restored,
+        "after_writes": torch.load(tmp / "after_writes.pt"),
+        "other_layout": _run(tmp, OWNERS - 1, "other_layout"),
+    }
 
 
 def test_every_row_comes_back_at_its_id(jobs):

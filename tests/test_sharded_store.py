@@ -3,6 +3,7 @@
 One job runs every check (starting six processes is the expensive part);
 each test asserts one aspect of its results against a single-store oracle.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -19,8 +20,10 @@ from helpers import pid_of, segments_left_by_dead_owners, shm_segments
 
 LEARNER_SKIP, LEARNER_RAISE = w.OWNERS, w.OWNERS + 1
 # learner options per rank: one reads over tcp and skips failed shards, one picks the transport and raises
-OPTIONS = {LEARNER_SKIP: {"transport": "tcp", "on_shard_failure": "skip"},
-           LEARNER_RAISE: {"transport": "auto", "on_shard_failure": "raise"}}
+OPTIONS = {
+    LEARNER_SKIP: {"transport": "tcp", "on_shard_failure": "skip"},
+    LEARNER_RAISE: {"transport": "auto", "on_shard_failure": "raise"},
+}
 
 
 def _free_port() -> int:
@@ -43,8 +46,9 @@ def job(tmp_path_factory):
     before = shm_segments()
     ctx = mp.get_context("spawn")
     world, port = w.OWNERS + 2, _free_port()
-    processes = [ctx.Process(target=w.run_rank, args=(r, world, port, str(tmp), OPTIONS), name=f"rank{r}")
-                 for r in range(world)]
+    processes = [
+        ctx.Process(target=w.run_rank, args=(r, world, port, str(tmp), OPTIONS), name=f"rank{r}") for r in range(world)
+    ]
     for p in processes:
         p.start()
     try:
@@ -128,7 +132,7 @@ def test_windows_are_uniform_over_all_windows_of_all_shards(job):
     for s in range(w.OWNERS):
         for data in w.shard_episodes(s):
             first = s * w.CAPACITY + int(data["pos"][0])
-            expected[first: first + max(0, data.shape[0] - w.SEQ_LEN + 1)] = 1.0
+            expected[first : first + max(0, data.shape[0] - w.SEQ_LEN + 1)] = 1.0
     for r in OPTIONS:
         _assert_fits(job["results"][r]["windows"], expected)
 
@@ -151,7 +155,7 @@ def test_prioritized_windows_and_weights_match_one_store(job):
     for s in range(w.OWNERS):
         for data in w.shard_episodes(s):
             first = s * w.CAPACITY + int(data["pos"][0])
-            key[first: first + max(0, data.shape[0] - w.SEQ_LEN + 1)] = True
+            key[first : first + max(0, data.shape[0] - w.SEQ_LEN + 1)] = True
     mass = torch.where(key, (w.priority_of(shard, pos) + w.EPS) ** w.ALPHA, 0.0)
     _assert_fits(got["counts"], mass)
     seen = got["counts"] > 0
@@ -200,8 +204,9 @@ def _capped_oracle() -> torch.Tensor:
 
     rows = sum(w.ROWS_PER_SHARD)
     storage = GearStorage(rows)
-    rb = ReplayBuffer(storage=storage, batch_size=100,
-                                sampler=MaxTimesSampled(GearPrioritizedSampler(rows, 0.0, 0.0), 2, rows))
+    rb = ReplayBuffer(
+        storage=storage, batch_size=100, sampler=MaxTimesSampled(GearPrioritizedSampler(rows, 0.0, 0.0), 2, rows)
+    )
     rb.extend(torch.cat([torch.arange(n) + s * w.CAPACITY for s, n in enumerate(w.ROWS_PER_SHARD)]))
     counts = torch.zeros(w.OWNERS * w.CAPACITY, dtype=torch.int64)
     while True:

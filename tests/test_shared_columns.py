@@ -1,6 +1,7 @@
 """A shared store takes new keys as a local one does, across processes (spawn), and TorchRL's collectors
 that bring them (the asynchronous SAC recipe: a learner's first rollout, then a collector process whose
 batches carry the policy's outputs and trajectory ids)."""
+
 from __future__ import annotations
 
 import gc
@@ -195,10 +196,21 @@ def test_a_shard_that_adds_a_key_keeps_serving_learners_that_know_the_older_tabl
         server = ShardServer(storage.handle, b"s" * 32, host="127.0.0.1", timeout=5.0)
         host, port = server.address
         handle = storage.handle
-        client = ShardClient(ShardDescriptor(shard=0, rank=0, host="test", addr=host, port=port,
-                                             store_id=handle.store_id, capacity=handle.capacity,
-                                             end_keys=list(handle.end_keys), traj_key=handle.traj_key),
-                             b"s" * 32, 5.0)
+        client = ShardClient(
+            ShardDescriptor(
+                shard=0,
+                rank=0,
+                host="test",
+                addr=host,
+                port=port,
+                store_id=handle.store_id,
+                capacity=handle.capacity,
+                end_keys=list(handle.end_keys),
+                traj_key=handle.traj_key,
+            ),
+            b"s" * 32,
+            5.0,
+        )
         learners_table = TableSpec.from_json(client.describe()["spec"])
         rb.extend(w.keyed_rows(10, 10, v=3.0))  # the owner's actors bring a key after the learner looked
         out = [torch.empty(4, *c.row_shape, dtype=c.dtype) for c in learners_table.columns]

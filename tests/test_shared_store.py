@@ -1,4 +1,5 @@
 """A shared GearStorage across real processes (spawn): writers, readers, crashes, cleanup."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -83,8 +84,7 @@ def test_four_writers_and_a_sampling_reader_see_only_whole_rows():
     rb = TensorDictReplayBuffer(storage=storage, batch_size=256)
     windows = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(seq_len=8), batch_size=64)
     results = CTX.Queue()
-    writers = [CTX.Process(target=w.write_episodes, args=(storage, i, 150, 60, i % 2 == 0, results))
-               for i in range(4)]
+    writers = [CTX.Process(target=w.write_episodes, args=(storage, i, 150, 60, i % 2 == 0, results)) for i in range(4)]
     try:
         for p in writers:
             p.start()
@@ -220,8 +220,9 @@ def test_collector_workers_write_into_a_shared_storage():
 
     storage = GearStorage(5_000, shared=True, traj_key=("collector", "traj_ids"))
     rb = ReplayBuffer(storage=storage, sampler=GearSequenceSampler(seq_len=4, strict_length=True), batch_size=64)
-    collector = MultiSyncCollector([w.cartpole, w.cartpole], policy=None, frames_per_batch=200,
-                                   total_frames=1_000, replay_buffer=rb)
+    collector = MultiSyncCollector(
+        [w.cartpole, w.cartpole], policy=None, frames_per_batch=200, total_frames=1_000, replay_buffer=rb
+    )
     try:
         for _ in collector:
             pass
@@ -240,8 +241,9 @@ def test_prioritized_sampler_follows_commits_from_other_processes():
     from gear_torchrl import GearPrioritizedSampler
 
     storage = GearStorage(200, shared=True)
-    rb = TensorDictReplayBuffer(storage=storage, sampler=GearPrioritizedSampler(200, alpha=1.0, beta=1.0),
-                                batch_size=1_000)
+    rb = TensorDictReplayBuffer(
+        storage=storage, sampler=GearPrioritizedSampler(200, alpha=1.0, beta=1.0), batch_size=1_000
+    )
     results = CTX.Queue()
     try:
         writer = CTX.Process(target=w.write_episodes, args=(storage, 0, 6, 20, False, results))
@@ -297,8 +299,9 @@ def test_sample_to_insert_ratio_holds_across_processes(through):
 def test_a_sequence_sampler_pickled_after_sampling_sees_later_episodes():
     """Its window tree belongs to the parent's episode index; the child's index must not pass for it."""
     storage = GearStorage(1_000, shared=True)
-    rb = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(seq_len=4, strict_length=False),
-                                batch_size=64)
+    rb = TensorDictReplayBuffer(
+        storage=storage, sampler=GearSequenceSampler(seq_len=4, strict_length=False), batch_size=64
+    )
     try:
         for ep in range(3):
             rb.extend(w.episode(ep, 20))
@@ -390,8 +393,9 @@ def test_a_shared_store_checkpoints_while_a_writer_runs_and_loads_local_or_share
             shared.loads(path)
             assert len(shared) == rows and _assert_whole_episodes(shared) == rows
             assert torch.equal(shared[:]["check"], as_td(local.get(torch.arange(rows)))["check"])
-            rb = TensorDictReplayBuffer(storage=shared, sampler=GearSequenceSampler(4, strict_length=False),
-                                        batch_size=64)
+            rb = TensorDictReplayBuffer(
+                storage=shared, sampler=GearSequenceSampler(4, strict_length=False), batch_size=64
+            )
             batch = rb.sample()
             w.verify(batch[batch["collector", "mask"]])  # padding is zeros, not rows
             before = shared[:]

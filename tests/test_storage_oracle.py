@@ -1,4 +1,5 @@
 """GearStorage against LazyTensorStorage: same writes, same reads, identical TensorDicts."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,11 +27,11 @@ from gear_torchrl import GearStorage
 CAPACITY = 100
 
 
-
 def read(storage: TensorStorage, index: list[int]) -> Any:
     """``storage.get(index)`` as TensorStorage declares it: LazyTensorStorage annotates its ``get`` for slices
     only, yet reads index lists as its base does."""
     return storage.get(index)
+
 
 def filled_pair(sizes, capacity=CAPACITY):
     gear, ref = GearStorage(capacity), LazyTensorStorage(capacity)
@@ -47,8 +48,14 @@ def test_every_index_type_reads_the_same(sizes):
     assert len(gear) == len(ref)
     n = len(ref)
     indices = [
-        0, n - 1, -1, -n,
-        slice(None), slice(3, 17), slice(None, None, 7), slice(-5, None),
+        0,
+        n - 1,
+        -1,
+        -n,
+        slice(None),
+        slice(3, 17),
+        slice(None, None, 7),
+        slice(-5, None),
         [0, 3, 3, n - 1],
         np.array([5, 1, -2]),
         torch.tensor([n - 1, 0, 2]),

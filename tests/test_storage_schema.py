@@ -6,6 +6,7 @@ purpose (an append that leaves a stored key out: LazyTensorStorage keeps whateve
 the slot held, we refuse), the case says so. Bad input is refused with an error
 naming the key, and the store is left exactly as it was.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -160,11 +161,16 @@ def test_an_append_that_leaves_a_stored_key_out_is_refused_naming_it():
     assert rb[:]["a"].tolist() == [0.0] * 5 + [1.0] * 2
 
 
-@pytest.mark.parametrize("bad,message", [
-    ({"obs": torch.zeros(2, 3, dtype=torch.float64)},
-     "key 'obs' has dtype torch.float64, the store holds torch.float32"),
-    ({"obs": torch.zeros(2, 4)}, r"key 'obs' has shape \(2, 4\), expected \(2, 3\)"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (
+            {"obs": torch.zeros(2, 3, dtype=torch.float64)},
+            "key 'obs' has dtype torch.float64, the store holds torch.float32",
+        ),
+        ({"obs": torch.zeros(2, 4)}, r"key 'obs' has shape \(2, 4\), expected \(2, 3\)"),
+    ],
+)
 def test_a_write_with_a_new_key_and_a_wrong_one_is_refused_and_adds_nothing(bad, message):
     write = TensorDict({**bad, "new": torch.ones(2)}, [2])
     lazy = ReplayBuffer(storage=LazyTensorStorage(10), batch_size=4)
@@ -204,8 +210,11 @@ def test_pytrees_come_back_in_their_structure():
         rb.extend({"a": torch.arange(3.0), "b": (torch.ones(3, 2),), "c": [torch.zeros(3, dtype=torch.int64)]})
         rb.add({"a": torch.tensor(5.0), "b": (torch.full((2,), 5.0),), "c": [torch.tensor(7)]})
         sample = rb.sample()
-        return {"all": rb[:], "row": rb[3], "sample_shapes": {k: torch.utils._pytree.tree_map(lambda t: t.shape, v)
-                                                                for k, v in sample.items()}}
+        return {
+            "all": rb[:],
+            "row": rb[3],
+            "sample_shapes": {k: torch.utils._pytree.tree_map(lambda t: t.shape, v) for k, v in sample.items()},
+        }
 
     rows = same_on_both(scenario)
     assert rows["row"]["b"][0].tolist() == [5.0, 5.0] and rows["all"]["a"].tolist() == [0.0, 1.0, 2.0, 5.0]
@@ -228,6 +237,7 @@ class Inner:
     z: torch.Tensor
 
     if TYPE_CHECKING:
+
         def __init__(self, *, z: torch.Tensor, batch_size: Sequence[int]) -> None: ...
 
 
@@ -238,18 +248,30 @@ class Step:
     tag: str
 
     if TYPE_CHECKING:
+
         def __init__(self, *, obs: torch.Tensor, inner: Inner, tag: str, batch_size: Sequence[int]) -> None: ...
 
 
 def test_tensorclasses_come_back_as_their_class():
     def scenario(cls):
         rb = ReplayBuffer(storage=cls(10), batch_size=4)
-        rb.extend(Step(obs=torch.arange(6.0).view(3, 2), inner=Inner(z=torch.arange(3), batch_size=[3]), tag="a",
-                       batch_size=[3]))
+        rb.extend(
+            Step(
+                obs=torch.arange(6.0).view(3, 2),
+                inner=Inner(z=torch.arange(3), batch_size=[3]),
+                tag="a",
+                batch_size=[3],
+            )
+        )
         rb.add(Step(obs=torch.ones(2), inner=Inner(z=torch.tensor(9), batch_size=[]), tag="b", batch_size=[]))
         rows, sample = rb[:], rb.sample()
-        return {"types": (type(rows).__name__, type(rows.inner).__name__, type(sample).__name__),
-                "obs": rows.obs, "z": rows.inner.z, "tags": list(rows.tag), "row": type(rb[1]).__name__}
+        return {
+            "types": (type(rows).__name__, type(rows.inner).__name__, type(sample).__name__),
+            "obs": rows.obs,
+            "z": rows.inner.z,
+            "tags": list(rows.tag),
+            "row": type(rb[1]).__name__,
+        }
 
     rows = same_on_both(scenario)
     assert rows["types"] == ("Step", "Inner", "Step") and rows["tags"] == ["a", "a", "a", "b"]
@@ -268,10 +290,13 @@ def test_strings_and_non_tensor_data_are_kept_per_row():
         one["env_name"] = NonTensorData("go")
         rb.add(one)
         sample, names = rb.sample(), list(rb[:]["env_name"])
-        return {"names": names, "row": rb[4]["env_name"],
-                "types": (type(sample.get("env_name")).__name__, type(rb[4].get("env_name")).__name__),
-                "grid": [list(r) for r in rb.storage[torch.tensor([[0, 3], [4, 5]])]["env_name"]],
-                "sampled_rows_agree": list(sample["env_name"]) == [names[i] for i in sample["index"].tolist()]}
+        return {
+            "names": names,
+            "row": rb[4]["env_name"],
+            "types": (type(sample.get("env_name")).__name__, type(rb[4].get("env_name")).__name__),
+            "grid": [list(r) for r in rb.storage[torch.tensor([[0, 3], [4, 5]])]["env_name"]],
+            "sampled_rows_agree": list(sample["env_name"]) == [names[i] for i in sample["index"].tolist()],
+        }
 
     rows = same_on_both(scenario)
     assert rows["names"] == ["cartpole"] * 3 + ["pong", "breakout", "go"] and rows["row"] == "breakout"
@@ -319,8 +344,10 @@ def test_string_leaves_survive_a_checkpoint_and_odd_objects_are_refused_by_name(
 
 def _agents(n: int, start: float = 0.0, sizes=(2, 3, 4)) -> LazyStackedTensorDict:
     """A multi-agent batch: agents stacked along dim 1, each with its own observation size."""
-    members = [TensorDict({"obs": start + torch.arange(n * k, dtype=torch.float32).view(n, k),
-                           "id": torch.full((n,), i)}, [n]) for i, k in enumerate(sizes)]
+    members = [
+        TensorDict({"obs": start + torch.arange(n * k, dtype=torch.float32).view(n, k), "id": torch.full((n,), i)}, [n])
+        for i, k in enumerate(sizes)
+    ]
     return LazyStackedTensorDict.lazy_stack(members, 1)
 
 
@@ -331,9 +358,15 @@ def test_ragged_lazy_stacks_come_back_as_lazy_stacks():
         rb.add(_agents(1, 100.0)[0])
         got = rb.storage.get(torch.tensor([1, 5, 3]))
         sample = rb.sample()
-        return {"type": type(got).__name__, "batch": got.batch_size, "stack_dim": got.stack_dim,
-                "obs": [m["obs"] for m in got.tensordicts], "id": got["id"], "row": type(rb[2]).__name__,
-                "sample": (sample.batch_size, [m["obs"].shape for m in sample.tensordicts], sample["index"].shape)}
+        return {
+            "type": type(got).__name__,
+            "batch": got.batch_size,
+            "stack_dim": got.stack_dim,
+            "obs": [m["obs"] for m in got.tensordicts],
+            "id": got["id"],
+            "row": type(rb[2]).__name__,
+            "sample": (sample.batch_size, [m["obs"].shape for m in sample.tensordicts], sample["index"].shape),
+        }
 
     rows = same_on_both(scenario)
     assert rows["type"] == "LazyStackedTensorDict" and rows["stack_dim"] == 1

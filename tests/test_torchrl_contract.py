@@ -4,6 +4,7 @@ Each case is written from TorchRL's documented behaviour: what a user does with
 ``LazyTensorStorage`` must do the same on ``GearStorage``, or fail clearly where
 our store cannot (a shared store takes appends only).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -49,9 +50,11 @@ def test_in_place_writes_a_shared_store_cannot_take_are_refused_and_change_nothi
     storage = GearStorage(10, shared=True)
     try:
         rb = _filled(lambda n: storage)
-        for write in (lambda: rb.update_(TensorDict({"a": torch.ones(10)}, [10])),
-                      lambda: rb.set_("a", torch.ones(10)),
-                      lambda: rb.set_at_("a", torch.ones(2), torch.tensor([0, 1]))):
+        for write in (
+            lambda: rb.update_(TensorDict({"a": torch.ones(10)}, [10])),
+            lambda: rb.set_("a", torch.ones(10)),
+            lambda: rb.set_at_("a", torch.ones(2), torch.tensor([0, 1])),
+        ):
             with pytest.raises(NotImplementedError, match="did not reach the stored rows"):
                 write()
         assert torch.equal(rb[:]["a"], torch.zeros(10))
@@ -63,20 +66,23 @@ def test_in_place_writes_a_shared_store_cannot_take_are_refused_and_change_nothi
 def test_update_if_present_patches_live_records_only(storage_cls):
     from torchrl.data import TensorDictRoundRobinWriter
 
-    rb = TensorDictReplayBuffer(storage=storage_cls(10), writer=TensorDictRoundRobinWriter(track_generations=True),
-                                batch_size=4)
+    rb = TensorDictReplayBuffer(
+        storage=storage_cls(10), writer=TensorDictRoundRobinWriter(track_generations=True), batch_size=4
+    )
     rb.extend(TensorDict({"obs": torch.zeros(10, 3), "v": torch.full((10,), 5)}, [10]))
     sample = rb.sample()
     rb.extend(TensorDict({"obs": torch.zeros(2, 3), "v": torch.full((2,), 5)}, [2]))  # slots 0, 1 reused
-    result = rb.update_if_present(index=sample["index"], generation=sample["index_generation"],
-                                  patch={"obs": torch.ones(4, 3)})
+    result = rb.update_if_present(
+        index=sample["index"], generation=sample["index_generation"], patch={"obs": torch.ones(4, 3)}
+    )
     reused = sample["index"] < 2
     assert result.updated.tolist() == (~reused).tolist()
     stored = rb[:]["obs"][sample["index"]]
     assert bool((stored[~reused] == 1).all()) and bool((stored[reused] == 0).all())
     with pytest.raises(KeyError):
-        rb.update_if_present(index=sample["index"], generation=sample["index_generation"],
-                             patch={"missing": torch.ones(4)})
+        rb.update_if_present(
+            index=sample["index"], generation=sample["index_generation"], patch={"missing": torch.ones(4)}
+        )
 
 
 # -- LazyTensorStorage's keywords --------------------------------------------------------------
@@ -111,8 +117,9 @@ def test_unsupported_layouts_are_refused_clearly():
 def _episodes_td(n_episodes: int = 20, length: int = 10, done_key=("next", "done")) -> TensorDict:
     done = torch.zeros(n_episodes, length, 1, dtype=torch.bool)
     done[:, -1] = True
-    return TensorDict({"ep": torch.arange(n_episodes).repeat_interleave(length), done_key: done.reshape(-1, 1)},
-                      [n_episodes * length])
+    return TensorDict(
+        {"ep": torch.arange(n_episodes).repeat_interleave(length), done_key: done.reshape(-1, 1)}, [n_episodes * length]
+    )
 
 
 def test_sequence_sampler_takes_slice_samplers_names():
@@ -120,9 +127,11 @@ def test_sequence_sampler_takes_slice_samplers_names():
 
     from gear_torchrl import GearSequenceSampler
 
-    for sampler in (SliceSampler(slice_len=4, traj_key="ep"),
-                    GearSequenceSampler(slice_len=4, traj_key="ep"),
-                    GearSequenceSampler(num_slices=8, slice_len=4, strict_length=True, end_key=("next", "done"))):
+    for sampler in (
+        SliceSampler(slice_len=4, traj_key="ep"),
+        GearSequenceSampler(slice_len=4, traj_key="ep"),
+        GearSequenceSampler(num_slices=8, slice_len=4, strict_length=True, end_key=("next", "done")),
+    ):
         windows = isinstance(sampler, GearSequenceSampler)
         storage = GearStorage(400, traj_key="ep") if windows else LazyTensorStorage(400)
         rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=32)
@@ -136,13 +145,15 @@ def test_sequence_sampler_takes_slice_samplers_names():
 def test_sequence_sampler_refuses_keys_the_storage_does_not_delimit_episodes_with():
     from gear_torchrl import GearSequenceSampler
 
-    rb = TensorDictReplayBuffer(storage=GearStorage(400), sampler=GearSequenceSampler(slice_len=4, traj_key="ep"),
-                                batch_size=32)
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(400), sampler=GearSequenceSampler(slice_len=4, traj_key="ep"), batch_size=32
+    )
     rb.extend(_episodes_td())
     with pytest.raises(ValueError, match="traj_key='ep'"):
         rb.sample()
-    typo = TensorDictReplayBuffer(storage=GearStorage(400, end_keys=[("next", "dnoe")]),
-                                  sampler=GearSequenceSampler(4), batch_size=32)
+    typo = TensorDictReplayBuffer(
+        storage=GearStorage(400, end_keys=[("next", "dnoe")]), sampler=GearSequenceSampler(4), batch_size=32
+    )
     typo.extend(_episodes_td())
     with pytest.raises(KeyError, match="windows would cross episodes"):
         typo.sample()
@@ -165,8 +176,12 @@ def test_collector_trajectory_ids_delimit_episodes_by_default():
 def test_update_tensordict_priority_skips_rows_rewritten_since_they_were_drawn():
     from gear_torchrl import GearPrioritizedSampler
 
-    rb = TensorDictReplayBuffer(storage=GearStorage(8), sampler=GearPrioritizedSampler(8, alpha=1.0, beta=1.0),
-                                batch_size=8, priority_key="td_error")
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(8),
+        sampler=GearPrioritizedSampler(8, alpha=1.0, beta=1.0),
+        batch_size=8,
+        priority_key="td_error",
+    )
     rb.extend(TensorDict({"a": torch.arange(8.0)}, [8]))
     batch = rb.sample()
     rb.extend(TensorDict({"a": torch.full((4,), -1.0)}, [4]))  # rows 0-3 now hold new data
@@ -183,8 +198,10 @@ def test_update_tensordict_priority_skips_rows_rewritten_since_they_were_drawn()
 
 
 # -- moving a saved buffer between LazyTensorStorage and GearStorage, both ways ---------------------
-@pytest.mark.parametrize("source_cls,target_cls", [(LazyTensorStorage, GearStorage), (GearStorage, LazyTensorStorage),
-                                                   (GearStorage, GearStorage)])
+@pytest.mark.parametrize(
+    "source_cls,target_cls",
+    [(LazyTensorStorage, GearStorage), (GearStorage, LazyTensorStorage), (GearStorage, GearStorage)],
+)
 def test_a_state_dict_moves_between_the_two_storages(source_cls, target_cls):
     source = ReplayBuffer(storage=source_cls(10), batch_size=4)
     done = (torch.arange(16) % 4 == 3).unsqueeze(-1)
@@ -221,30 +238,39 @@ def test_an_emptied_buffer_takes_new_keys(storage_cls):
 def test_torchrl_sequence_sample_unit_reads_episode_ends(storage_cls):
     from torchrl.data.replay_buffers.sample_units import Sequence
 
-    rb = TensorDictReplayBuffer(storage=storage_cls(200), batch_size=8,
-                                sample_unit=Sequence(length=4, episode_boundary="pad"))
+    rb = TensorDictReplayBuffer(
+        storage=storage_cls(200), batch_size=8, sample_unit=Sequence(length=4, episode_boundary="pad")
+    )
     rb.extend(_episodes_td(20, 10))
     batch, info = rb.sample(return_info=True)
     assert batch.shape == (32,)
     ep = batch["ep"].view(8, 4)
     valid = info["validity_mask"].view(8, 4)
     assert bool(((ep == ep[:, :1]) | ~valid).all())  # padding repeats the last valid step; no window crosses
-    assert storage_cls is not GearStorage or torch.equal(rb.storage.get(("next", "done")),
-                                                         rb.storage[:]["next", "done"])
+    assert storage_cls is not GearStorage or torch.equal(
+        rb.storage.get(("next", "done")), rb.storage[:]["next", "done"]
+    )
 
 
 # -- TorchRL's own checkpointers ------------------------------------------------------------------
 def _ted(n: int) -> TensorDict:
     done = (torch.arange(n) % 5 == 4).unsqueeze(-1)
     obs = torch.arange(n, dtype=torch.float32).unsqueeze(-1)
-    return TensorDict({"obs": obs, "action": torch.arange(n) % 3, "done": torch.zeros(n, 1, dtype=torch.bool),
-                       "terminated": torch.zeros(n, 1, dtype=torch.bool),
-                       "next": {"obs": obs + 1, "reward": torch.ones(n, 1), "done": done, "terminated": done}},
-                      [n])
+    return TensorDict(
+        {
+            "obs": obs,
+            "action": torch.arange(n) % 3,
+            "done": torch.zeros(n, 1, dtype=torch.bool),
+            "terminated": torch.zeros(n, 1, dtype=torch.bool),
+            "next": {"obs": obs + 1, "reward": torch.ones(n, 1), "done": done, "terminated": done},
+        },
+        [n],
+    )
 
 
-@pytest.mark.parametrize("checkpointer", ["FlatStorageCheckpointer", "NestedStorageCheckpointer",
-                                          "TensorStorageCheckpointer"])
+@pytest.mark.parametrize(
+    "checkpointer", ["FlatStorageCheckpointer", "NestedStorageCheckpointer", "TensorStorageCheckpointer"]
+)
 @pytest.mark.parametrize("storage_cls", STORAGES)
 def test_torchrl_checkpointers_round_trip(storage_cls, checkpointer, tmp_path):
     import torchrl.data.replay_buffers.checkpointers as checkpointers

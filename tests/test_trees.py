@@ -1,4 +1,5 @@
 """The extension's float64 trees against a plain oracle: every node, the search, the kept entries."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,8 @@ def stored_levels(tree: torch.Tensor, leaf_count: int) -> list[torch.Tensor]:
     depth = len(f"{leaf_count:o}") - 1  # leaf_count == 8 ** depth
     out = []
     for k in range(depth, 0, -1):
-        start = 8 + (8 ** k - 8) // 7
-        out.append(tree[start: start + 8 ** k])
+        start = 8 + (8**k - 8) // 7
+        out.append(tree[start : start + 8**k])
     return [*out, tree[:1]]
 
 

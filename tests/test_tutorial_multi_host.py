@@ -1,4 +1,5 @@
 """Tutorial 5 runs under torchrun on loopback (2 shard owners, 1 learner) and does what its lesson claims."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -11,16 +12,38 @@ import pytest
 from helpers import segments_left_by_dead_owners, shm_segments
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tutorials" / "05_multi_host.py"
-SMALL = ["--capacity", "4000", "--warmup", "1000", "--frame", "16", "--batch", "256", "--seq-len", "8",
-         "--batches", "20", "--step-ms", "2"]
+SMALL = [
+    "--capacity",
+    "4000",
+    "--warmup",
+    "1000",
+    "--frame",
+    "16",
+    "--batch",
+    "256",
+    "--seq-len",
+    "8",
+    "--batches",
+    "20",
+    "--step-ms",
+    "2",
+]
 OWNERS = 2  # --nproc-per-node 3 with one learner per node
 
 
 def torchrun(*args: str, nproc: int = 3, timeout: int = 110) -> str:
     """Run the tutorial under torchrun; then no segment it created may remain."""
     before = shm_segments()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               str(SCRIPT), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(SCRIPT),
+        *args,
+    ]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = launcher.communicate(timeout=timeout)
@@ -55,8 +78,14 @@ def _learner_lines(out: str, pattern: str) -> list[re.Match]:
 def test_every_shard_is_read_over_shared_memory_on_one_host(local_run):
     out = local_run
     assert f"{OWNERS} shards of 4000 rows on 3 ranks, 1 learner(s)" in out, out
-    transports = {int(m.group(1)): m.group(2) for m in _learner_lines(out, r"shard (\d+) \(rank \d+, 127\.0\.0\.1:\d+, "
-                                                                          r"on this host\) is read over (\w+)")}
+    transports = {
+        int(m.group(1)): m.group(2)
+        for m in _learner_lines(
+            out,
+            r"shard (\d+) \(rank \d+, 127\.0\.0\.1:\d+, "
+            r"on this host\) is read over (\w+)",
+        )
+    }
     assert transports == {s: "local" for s in range(OWNERS)}, out  # same host: transport="auto" picks local
 
 
@@ -72,8 +101,11 @@ def test_uniform_rows_come_from_every_shard_and_are_whole(local_run):
 def test_windows_stay_inside_episodes_across_shards(local_run):
     out = local_run
     assert _learner_lines(out, r"windows, 32 x 8 steps a batch: [\d,.]+ batches/s, [\d.]+ GB/s"), out
-    (checked,) = _learner_lines(out, r"windows checked: (\d+) windows of 8 steps, each inside one episode; "
-                                     r"windows per shard: \[([\d, ]+)\]")
+    (checked,) = _learner_lines(
+        out,
+        r"windows checked: (\d+) windows of 8 steps, each inside one episode; "
+        r"windows per shard: \[([\d, ]+)\]",
+    )
     assert int(checked.group(1)) == 20 * 32, out
     assert min(int(n) for n in checked.group(2).split(",")) > 0, out
 

@@ -1,4 +1,5 @@
 """Every tutorial runs, at a small size, and does what its lesson claims."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,8 +15,9 @@ TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
 
 
 def run(script: str, *args: str, timeout: int = 600, status: int = 0) -> str:
-    result = subprocess.run([sys.executable, str(TUTORIALS / script), *args], capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, str(TUTORIALS / script), *args], capture_output=True, text=True, timeout=timeout
+    )
     assert result.returncode == status, result.stdout[-2000:] + result.stderr[-4000:]
     return result.stdout
 
@@ -38,6 +40,7 @@ def test_02_dqn_cartpole_learns():
 
 # -- Tutorials 3 and 4 use shared stores: every segment they create must be gone when they end. --
 
+
 def run_without_leaks(script: str, *args: str) -> str:
     """Run a tutorial; then no segment it created may remain (other processes' live stores may come and go)."""
     before = shm_segments()
@@ -51,12 +54,23 @@ def test_03_sequence_transformer_learns_what_needs_memory():
     out = run_without_leaks("03_sequence_transformer.py", "--episodes", "400", "--steps", "800", "--workers", "2")
     first, last = map(float, found(r"loss: first ([\d.]+) -> last ([\d.]+)", out).groups())
     assert last < 0.5 * first, out  # the masked loss clearly falls
-    accuracy, baseline = map(float, found(r"memory accuracy: ([\d.]+) on \d+ expert steps \(per-step baseline "
-                                          r"([\d.]+)", out).groups())
+    accuracy, baseline = map(
+        float,
+        found(
+            r"memory accuracy: ([\d.]+) on \d+ expert steps \(per-step baseline "
+            r"([\d.]+)",
+            out,
+        ).groups(),
+    )
     assert accuracy > 2 * baseline, out  # thousands of scored steps: chance gives the baseline +- 0.01
-    best, got_best, got_none, behaviour = map(float, found(
-        r"asked for (\d+), got ([\d.]+); asked for 0, got ([\d.]+) \(random play [\d.]+, the behaviour policies "
-        r"([\d.]+)\)", out).groups())
+    best, got_best, got_none, behaviour = map(
+        float,
+        found(
+            r"asked for (\d+), got ([\d.]+); asked for 0, got ([\d.]+) \(random play [\d.]+, the behaviour policies "
+            r"([\d.]+)\)",
+            out,
+        ).groups(),
+    )
     assert got_best > behaviour and got_best > 0.75 * best, out  # asked for a high return, it plays the expert
     assert got_none < behaviour, out  # ... and asked for none, it does not
 
@@ -65,14 +79,33 @@ def test_04_many_actors_hold_the_sample_to_insert_ratio():
     if importlib.util.find_spec("gymnasium") is None:
         pytest.skip("gymnasium is not installed (it is in requirements.txt)")
     actors, steps, ratio, chunk, batch = 2, 3000, 8.0, 64, 256
-    out = run_without_leaks("04_many_actors.py", "--actors", str(actors), "--steps-per-actor", str(steps),
-                            "--ratio", str(ratio), "--chunk", str(chunk), "--batch", str(batch), "--min-size", "500")
+    out = run_without_leaks(
+        "04_many_actors.py",
+        "--actors",
+        str(actors),
+        "--steps-per-actor",
+        str(steps),
+        "--ratio",
+        str(ratio),
+        "--chunk",
+        str(chunk),
+        "--batch",
+        str(batch),
+        "--min-size",
+        "500",
+    )
     assert f"{actors} actors inserted {actors * steps} rows" in out, out  # every actor's every step arrived
     assert re.search(r"[\d,]+ inserts/s", out) and re.search(r"[\d,]+ samples/s", out), out
     achieved = float(found(r"sample-to-insert ratio: target [\d.]+, achieved ([\d.]+)", out).group(1))
     assert abs(achieved - ratio) < 0.1 * ratio, out
-    worst, error_buffer = map(float, found(r"largest distance from the target line: (\d+) sampled rows "
-                                           r"\(error buffer ([\d.]+)\)", out).groups())
+    worst, error_buffer = map(
+        float,
+        found(
+            r"largest distance from the target line: (\d+) sampled rows "
+            r"\(error buffer ([\d.]+)\)",
+            out,
+        ).groups(),
+    )
     assert worst <= error_buffer, out  # the rule holds across processes
     first, last = map(float, found(r"dynamics model loss: first ([\d.]+) -> last ([\d.]+)", out).groups())
     assert last < 0.2 * first, out  # the learner learned from rows that several processes wrote
@@ -91,15 +124,20 @@ def test_06_gpu_says_why_it_cannot_run_without_a_gpu():
 
 def test_07_packed_sequences_train_on_real_tokens_only():
     out = run("07_packed_sequences.py", "--episodes", "400", "--budget", "1024", "--steps", "100")
-    difference = float(found(r"packed attention vs flex_attention\(document_causal_block_mask\(batch\)\) on a "
-                             r"pack of \d+ sequences: max difference ([\d.e+-]+)", out).group(1))
+    difference = float(
+        found(
+            r"packed attention vs flex_attention\(document_causal_block_mask\(batch\)\) on a "
+            r"pack of \d+ sequences: max difference ([\d.e+-]+)",
+            out,
+        ).group(1)
+    )
     assert difference < 1e-4, out  # the attention trained on is exactly document-causal
     share: dict[str, float] = {}
     real: dict[str, float] = {}
     for name in ("padded", "packed"):
         share_pct, real_tokens, tokens_per_s = found(
-            rf"{name}: useful share ([\d.]+)% \(([\d,]+) real of [\d,]+ tokens per batch\), ([\d,]+) real tokens/s",
-            out).groups()
+            rf"{name}: useful share ([\d.]+)% \(([\d,]+) real of [\d,]+ tokens per batch\), ([\d,]+) real tokens/s", out
+        ).groups()
         share[name], real[name] = float(share_pct) / 100, float(real_tokens.replace(",", ""))
         assert float(tokens_per_s.replace(",", "")) > 0, out
     assert share["packed"] >= 0.95, out  # burn_in=0: a pack is all real tokens
@@ -111,7 +149,10 @@ def test_07_packed_sequences_train_on_real_tokens_only():
         assert float(run_losses[-1]) < 0.8 * float(run_losses[0]), out
     blind = found(r"padded ([\d.]+)%, packed ([\d.]+)% of real tokens, so the loss cannot go below", out)
     assert float(blind.group(2)) < float(blind.group(1)), out  # a pack keeps short episodes whole
-    accuracy = found(r"held-out accuracy where memory is needed: padded ([\d.]+), packed ([\d.]+) \(chance "
-                     r"([\d.]+)\)", out)
+    accuracy = found(
+        r"held-out accuracy where memory is needed: padded ([\d.]+), packed ([\d.]+) \(chance "
+        r"([\d.]+)\)",
+        out,
+    )
     assert min(float(accuracy.group(1)), float(accuracy.group(2))) > 2 * float(accuracy.group(3)), out
     assert re.search(r"^packed: [\d.]+x the real tokens per second of padded$", out, re.M), out

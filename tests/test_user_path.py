@@ -1,4 +1,5 @@
 """The quick start and the README's example run as a newcomer would run them."""
+
 from __future__ import annotations
 
 import re
@@ -10,8 +11,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quickstart_prints_all_three_storages():
-    out = subprocess.run([sys.executable, str(ROOT / "quickstart.py"), "--steps", "20000", "--batch", "256"],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "quickstart.py"), "--steps", "20000", "--batch", "256"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     for name in ("GearStorage", "LazyTensorStorage", "LazyMemmapStorage"):
         assert re.search(rf"{name}\s+[\d.]+ M steps/s", out), out
 

@@ -1,4 +1,5 @@
 """The window geometry kernels against the tensor formulas they replace."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,8 +43,15 @@ def test_uniform_windows_match_the_tensor_formulas(strict_length, burn_in):
         assert torch.equal(g_, r)
     # every offset of a short episode is reachable: the draw is uniform over its windows
     one = int(eligible[0])
-    hits = _C.uniform_windows(start, length, torch.full((20000,), one), torch.rand(20000, dtype=torch.float64),
-                              window_len, burn_in, strict_length)[0]
+    hits = _C.uniform_windows(
+        start,
+        length,
+        torch.full((20000,), one),
+        torch.rand(20000, dtype=torch.float64),
+        window_len,
+        burn_in,
+        strict_length,
+    )[0]
     assert hits.unique().numel() == int(length[one] - tail)
 
 

@@ -1,4 +1,5 @@
 """The shard server's wire: framing limits, authentication, and replies of rows framed by the extension."""
+
 from __future__ import annotations
 
 import socket
@@ -26,9 +27,11 @@ def _received(sender, nbytes: int) -> bytes:
 def test_a_reply_of_rows_is_framed_as_the_wire_frames_it_with_the_gathered_windows():
     g = torch.Generator().manual_seed(0)
     capacity, window_len = 50, 7
-    columns = [torch.randn(capacity, 300, generator=g),
-               torch.randint(0, 255, (capacity, 3), generator=g, dtype=torch.uint8),
-               torch.randn(capacity, 2, generator=g).to(torch.float64)]
+    columns = [
+        torch.randn(capacity, 300, generator=g),
+        torch.randint(0, 255, (capacity, 3), generator=g, dtype=torch.uint8),
+        torch.randn(capacity, 2, generator=g).to(torch.float64),
+    ]
     starts = torch.tensor([0, 46, 10, 49, 10])  # 46 and 49 wrap the ring end
     valid_begin = torch.tensor([0, 2, 0, 1, 3])
     valid_end = torch.tensor([7, 7, 5, 6, 3])  # the last window is all padding
@@ -36,7 +39,8 @@ def test_a_reply_of_rows_is_framed_as_the_wire_frames_it_with_the_gathered_windo
     arrays = [starts, torch.tensor([1.5, 2.5])]
     meta = b'{"window_len":7}'
     expected = wire.header(Op.OK, meta, [a.nbytes for a in arrays] + [r.nbytes for r in rows]) + b"".join(
-        bytes(wire.as_bytes(t)) for t in (*arrays, *rows))
+        bytes(wire.as_bytes(t)) for t in (*arrays, *rows)
+    )
     framed = _C.frame_rows_reply(Op.OK, meta, arrays, columns, starts, valid_begin, valid_end, window_len)
     assert framed == len(expected)
     got = _received(lambda s: _C.send_framed_reply(s.fileno()), len(expected))
@@ -47,8 +51,9 @@ def test_a_reply_of_rows_is_framed_as_the_wire_frames_it_with_the_gathered_windo
 
 def test_a_reply_of_rows_with_bad_windows_is_refused_and_nothing_is_left_to_send():
     with pytest.raises(IndexError, match="valid ranges"):
-        _C.frame_rows_reply(Op.OK, b"", [], [torch.zeros(4, 2)], torch.tensor([0]), torch.tensor([2]),
-                            torch.tensor([1]), 3)
+        _C.frame_rows_reply(
+            Op.OK, b"", [], [torch.zeros(4, 2)], torch.tensor([0]), torch.tensor([2]), torch.tensor([1]), 3
+        )
     with pytest.raises(RuntimeError, match="no reply was framed"):
         _C.send_framed_reply(-1)
 

@@ -8,6 +8,7 @@ storages and prints what the swap bought.
 
     .venv/bin/python tutorials/01_swap_storage.py [--steps 1000000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,16 @@ def make_buffer(storage, batch_size: int) -> TensorDictReplayBuffer:
 def collect(num_steps: int) -> TensorDict:
     """What a collector would hand us: observations, actions, rewards, done flags."""
     done = torch.rand(num_steps, 1) < 1 / 200
-    return TensorDict({"observation": torch.randn(num_steps, 84), "action": torch.randint(0, 6, (num_steps,)),
-                       ("next", "observation"): torch.randn(num_steps, 84),
-                       ("next", "reward"): torch.randn(num_steps, 1), ("next", "done"): done}, [num_steps])
+    return TensorDict(
+        {
+            "observation": torch.randn(num_steps, 84),
+            "action": torch.randint(0, 6, (num_steps,)),
+            ("next", "observation"): torch.randn(num_steps, 84),
+            ("next", "reward"): torch.randn(num_steps, 1),
+            ("next", "done"): done,
+        },
+        [num_steps],
+    )
 
 
 def train(rb: TensorDictReplayBuffer, q_net: torch.nn.Module, updates: int) -> float:
@@ -63,16 +71,22 @@ def main() -> None:
     data = collect(args.steps)
     q_net = torch.nn.Linear(84, 6)  # small on purpose: the loop's cost is the replay buffer's
     seconds = {}
-    for name, storage in (("LazyTensorStorage", LazyTensorStorage(args.steps)),
-                          ("GearStorage", GearStorage(args.steps))):
+    for name, storage in (
+        ("LazyTensorStorage", LazyTensorStorage(args.steps)),
+        ("GearStorage", GearStorage(args.steps)),
+    ):
         rb = make_buffer(storage, args.batch)
         rb.extend(data)
         train(rb, q_net, 10)  # warm up
         seconds[name] = train(rb, q_net, args.updates)
-        print(f"{name:<18} {seconds[name] * 1e3:7.3f} ms per update ({args.batch / seconds[name] / 1e6:5.2f} M "
-              f"sampled steps/s)")
-    print(f"Same training code, one line changed: {seconds['LazyTensorStorage'] / seconds['GearStorage']:.2f}x "
-          f"faster updates with GearStorage")
+        print(
+            f"{name:<18} {seconds[name] * 1e3:7.3f} ms per update ({args.batch / seconds[name] / 1e6:5.2f} M "
+            f"sampled steps/s)"
+        )
+    print(
+        f"Same training code, one line changed: {seconds['LazyTensorStorage'] / seconds['GearStorage']:.2f}x "
+        f"faster updates with GearStorage"
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ machine one update took 100 times as long (see below). Most of the time goes to
 TorchRL's collector and DQN loss: the replay buffer's share is about 12%
 (benchmarks/dqn_cartpole.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,15 +73,15 @@ def main() -> None:
     q_net = MLP(in_features=4, out_features=2, num_cells=[128, 128])
     actor = QValueActor(q_net, in_keys=["observation"], spec=env.action_spec)
     explore = TensorDictSequential(
-        actor, EGreedyModule(env.action_spec, eps_init=1.0, eps_end=0.05, annealing_num_steps=args.frames // 3))
+        actor, EGreedyModule(env.action_spec, eps_init=1.0, eps_end=0.05, annealing_num_steps=args.frames // 3)
+    )
 
     # -- The replay buffer: the only gear_torchrl lines. Proportional PER with
     #    importance weights; beta anneals to 1 over training, as in the PER paper.
     capacity = 50_000
     rb = TensorDictReplayBuffer(
         storage=GearStorage(capacity),
-        sampler=GearPrioritizedSampler(capacity, alpha=0.6, beta=0.4, beta_final=1.0,
-                                       beta_anneal_steps=args.frames),
+        sampler=GearPrioritizedSampler(capacity, alpha=0.6, beta=0.4, beta_final=1.0, beta_anneal_steps=args.frames),
         batch_size=128,
     )
 
@@ -92,8 +93,14 @@ def main() -> None:
     target_update = SoftUpdate(loss, eps=args.target_eps)
     optimizer = torch.optim.Adam(loss.parameters(), lr=args.lr)
 
-    collector = Collector(make_env(args.seed + 1), explore, frames_per_batch=100, total_frames=args.frames,
-                                  init_random_frames=1_000, auto_register_policy_transforms=False)
+    collector = Collector(
+        make_env(args.seed + 1),
+        explore,
+        frames_per_batch=100,
+        total_frames=args.frames,
+        init_random_frames=1_000,
+        auto_register_policy_transforms=False,
+    )
     eval_env = make_env(args.seed + 2)
     start = time.perf_counter()
     first = evaluate(eval_env, actor, 5)
@@ -120,8 +127,9 @@ def main() -> None:
             if score >= args.target:
                 break
     final = evaluate(eval_env, actor, 10)
-    print(f"final: mean return {final:.1f} over 10 episodes (best seen {best:.1f}), "
-          f"{time.perf_counter() - start:.0f} s")
+    print(
+        f"final: mean return {final:.1f} over 10 episodes (best seen {best:.1f}), {time.perf_counter() - start:.0f} s"
+    )
     if max(final, best) < args.target:
         raise SystemExit(f"did not reach a mean return of {args.target}")
     print("reached the target")

@@ -18,6 +18,7 @@ ask for a high return and it acts like the expert.
     .venv/bin/python tutorials/03_sequence_transformer.py                  # the full lesson, about 20 s on a CPU
     .venv/bin/python tutorials/03_sequence_transformer.py --episodes 400 --steps 800   # what CI runs
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,6 +42,7 @@ from gear_torchrl import GearDataset, GearSequenceSampler, GearStorage
 # plays a_t = o_t. Episodes have different lengths: the store keeps each at its
 # own length, no slot padded to a maximum.
 
+
 def episode(length: int, expert: bool, symbols: int, delay: int, generator: torch.Generator) -> TensorDict:
     obs = torch.randint(symbols, (length,), generator=generator)
     right = torch.cat([torch.full((delay,), -1), obs[:-delay]])  # the rewarded action; -1: none yet
@@ -50,19 +52,25 @@ def episode(length: int, expert: bool, symbols: int, delay: int, generator: torc
     prev_action = torch.cat([torch.tensor([symbols]), action[:-1]])  # `symbols` stands for "no action yet"
     done = torch.zeros(length, 1, dtype=torch.bool)
     done[-1] = True  # the storage's episode index ends episodes at ("next", "done")
-    return TensorDict({
-        "observation": obs, "prev_action": prev_action, "return_to_go": return_to_go, "action": action,
-        # kept for scoring the model, never shown to it:
-        "right_action": right, "expert": torch.full((length,), expert),
-        "next": {"reward": reward.unsqueeze(-1), "done": done},
-    }, [length])
+    return TensorDict(
+        {
+            "observation": obs,
+            "prev_action": prev_action,
+            "return_to_go": return_to_go,
+            "action": action,
+            # kept for scoring the model, never shown to it:
+            "right_action": right,
+            "expert": torch.full((length,), expert),
+            "next": {"reward": reward.unsqueeze(-1), "done": done},
+        },
+        [length],
+    )
 
 
 def behaviour_data(args, generator: torch.Generator) -> TensorDict:
     lengths = torch.randint(args.min_len, args.max_len + 1, (args.episodes,), generator=generator)
     experts = torch.rand(args.episodes, generator=generator) < args.expert_fraction
-    return torch.cat([episode(int(n), bool(e), args.symbols, args.delay, generator)
-                      for n, e in zip(lengths, experts)])
+    return torch.cat([episode(int(n), bool(e), args.symbols, args.delay, generator) for n, e in zip(lengths, experts)])
 
 
 # -- 2. The model: one token per step, a causal transformer over the window ----------------
@@ -73,9 +81,11 @@ def behaviour_data(args, generator: torch.Generator) -> TensorDict:
 # causal mask lets step t attend to steps <= t only. Without it the model would
 # cheat: the next step's "previous action" of an expert episode is the answer.
 
+
 class SequencePolicy(nn.Module):
-    def __init__(self, symbols: int, seq_len: int, max_return: float, dim: int = 32, layers: int = 2,
-                 heads: int = 2) -> None:
+    def __init__(
+        self, symbols: int, seq_len: int, max_return: float, dim: int = 32, layers: int = 2, heads: int = 2
+    ) -> None:
         super().__init__()
         self.max_return = max_return
         self.observation = nn.Embedding(symbols, dim)
@@ -89,8 +99,12 @@ class SequencePolicy(nn.Module):
     def forward(self, observation: torch.Tensor, prev_action: torch.Tensor, return_to_go: torch.Tensor) -> torch.Tensor:
         """[windows, steps] inputs -> [windows, steps, symbols] action logits."""
         steps = observation.shape[1]
-        x = (self.observation(observation) + self.prev_action(prev_action)
-             + self.return_to_go((return_to_go / self.max_return).unsqueeze(-1)) + self.position[:steps])
+        x = (
+            self.observation(observation)
+            + self.prev_action(prev_action)
+            + self.return_to_go((return_to_go / self.max_return).unsqueeze(-1))
+            + self.position[:steps]
+        )
         causal = nn.Transformer.generate_square_subsequent_mask(steps)
         return self.head(self.encoder(x, mask=causal, is_causal=True))
 
@@ -106,6 +120,7 @@ def logits_of(model: SequencePolicy, w: TensorDict) -> torch.Tensor:
 
 # -- 3. Acting: the model plays the environment, conditioned on the return it is asked for --
 
+
 @torch.no_grad()
 def play(model: SequencePolicy, target_return: float, args, games: int, length: int) -> float:
     """Mean return of `games` episodes of `length` steps; the context is the last seq_len steps."""
@@ -116,8 +131,13 @@ def play(model: SequencePolicy, target_return: float, args, games: int, length: 
     total = torch.zeros(games)
     for t in range(length):
         lo = max(0, t + 1 - args.seq_len)
-        action = logits_of(model, TensorDict({"observation": obs[:, lo:t + 1], "prev_action": prev[:, lo:],
-                                              "return_to_go": rtg[:, lo:]}, [games, t + 1 - lo]))[:, -1].argmax(-1)
+        action = logits_of(
+            model,
+            TensorDict(
+                {"observation": obs[:, lo : t + 1], "prev_action": prev[:, lo:], "return_to_go": rtg[:, lo:]},
+                [games, t + 1 - lo],
+            ),
+        )[:, -1].argmax(-1)
         reward = (action == obs[:, t - args.delay]).float() if t >= args.delay else torch.zeros(games)
         total += reward
         prev = torch.cat([prev, action[:, None]], 1)
@@ -168,15 +188,21 @@ def main() -> None:
         #    window, which reshape to [num_windows, seq_len]. Padding is always at a
         #    window's tail (no burn-in here), so under the causal mask no real step
         #    ever attends to a padded one; only the loss needs the mask.
-        rb = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(seq_len=args.seq_len,
-                                                                                 strict_length=False),
-                                    batch_size=args.windows * args.seq_len)
+        rb = TensorDictReplayBuffer(
+            storage=storage,
+            sampler=GearSequenceSampler(seq_len=args.seq_len, strict_length=False),
+            batch_size=args.windows * args.seq_len,
+        )
         rb.extend(data)  # one write; the episode index splits it at the done flags
         experts = int(data["expert"][data["next", "done"].squeeze(-1)].sum())
-        print(f"stored {len(storage)} steps in {args.episodes} episodes ({experts} expert), "
-              f"{args.min_len}-{args.max_len} steps each")
-        print(f"each DataLoader worker receives the buffer as {len(pickle.dumps(rb)):,} pickled bytes; "
-              f"the {data.bytes():,} bytes of rows stay where they are")
+        print(
+            f"stored {len(storage)} steps in {args.episodes} episodes ({experts} expert), "
+            f"{args.min_len}-{args.max_len} steps each"
+        )
+        print(
+            f"each DataLoader worker receives the buffer as {len(pickle.dumps(rb)):,} pickled bytes; "
+            f"the {data.bytes():,} bytes of rows stay where they are"
+        )
 
         model = SequencePolicy(args.symbols, args.seq_len, max_return=float(args.max_len))
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -198,8 +224,9 @@ def main() -> None:
         for _, batch in zip(tqdm(range(args.steps), desc="training"), batches):
             w = windows(batch, args.seq_len)
             mask = w["collector", "mask"]
-            loss_per_step = nn.functional.cross_entropy(logits_of(model, w).flatten(0, 1), w["action"].flatten(),
-                                                        reduction="none").view_as(mask)
+            loss_per_step = nn.functional.cross_entropy(
+                logits_of(model, w).flatten(0, 1), w["action"].flatten(), reduction="none"
+            ).view_as(mask)
             loss = (loss_per_step * mask).sum() / mask.sum()  # padded steps count for nothing
             optimizer.zero_grad()
             loss.backward()
@@ -210,10 +237,14 @@ def main() -> None:
         del batches  # stops the workers
         k = max(1, len(losses) // 20)
         first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-        print(f"{args.steps} steps of {args.windows} windows x {args.seq_len} in {seconds:.1f} s "
-              f"({args.workers} DataLoader workers)")
-        print(f"loss: first {first:.3f} -> last {last:.3f} (mean of the first and last {k} steps; "
-              f"chance is ln {args.symbols} = {torch.log(torch.tensor(float(args.symbols))):.3f})")
+        print(
+            f"{args.steps} steps of {args.windows} windows x {args.seq_len} in {seconds:.1f} s "
+            f"({args.workers} DataLoader workers)"
+        )
+        print(
+            f"loss: first {first:.3f} -> last {last:.3f} (mean of the first and last {k} steps; "
+            f"chance is ln {args.symbols} = {torch.log(torch.tensor(float(args.symbols))):.3f})"
+        )
 
         # -- Did it learn to remember? Score fresh windows on the steps where acting
         #    well needs memory: expert episodes, once a symbol DELAY steps back exists.
@@ -228,8 +259,10 @@ def main() -> None:
         accuracy = float(hits.sum() / scored.sum())
         by_position = hits.sum(0) / scored.sum(0).clamp_min(1)
         ceiling = (args.seq_len - args.delay + args.delay / args.symbols) / args.seq_len
-        print(f"memory accuracy: {accuracy:.3f} on {int(scored.sum())} expert steps (per-step baseline "
-              f"{1 / args.symbols:.3f}, about {ceiling:.2f} reachable in windows starting mid-episode)")
+        print(
+            f"memory accuracy: {accuracy:.3f} on {int(scored.sum())} expert steps (per-step baseline "
+            f"{1 / args.symbols:.3f}, about {ceiling:.2f} reachable in windows starting mid-episode)"
+        )
         print("accuracy by position in the window: " + " ".join(f"{a:.2f}" for a in by_position.tolist()))
 
         # -- Return conditioning: the same model, asked for the best return or for none.
@@ -238,8 +271,10 @@ def main() -> None:
         asked_best, asked_none = play(model, best, args, 512, length), play(model, 0, args, 512, length)
         # the behaviour data's policies on the same episodes: the expert's share plays `best`, the rest chance
         data_mean = args.expert_fraction * best + (1 - args.expert_fraction) * best / args.symbols
-        print(f"playing {length}-step episodes: asked for {best}, got {asked_best:.1f}; asked for 0, got "
-              f"{asked_none:.1f} (random play {best / args.symbols:.1f}, the behaviour policies {data_mean:.1f})")
+        print(
+            f"playing {length}-step episodes: asked for {best}, got {asked_best:.1f}; asked for 0, got "
+            f"{asked_none:.1f} (random play {best / args.symbols:.1f}, the behaviour policies {data_mean:.1f})"
+        )
 
         if args.plot:
             plot(args.plot, losses, by_position, args)
@@ -259,8 +294,12 @@ def plot(path: str, losses: list[float], by_position: torch.Tensor, args) -> Non
     left.set(xlabel="gradient step", ylabel="masked cross-entropy", title="training loss")
     right.bar(range(args.seq_len), by_position.tolist())
     right.axhline(1 / args.symbols, color="gray", ls="--", label="per-step baseline")
-    right.set(xlabel="position in the window", ylabel="accuracy", ylim=(0, 1.05),
-              title="expert steps: the first DELAY positions may not know")
+    right.set(
+        xlabel="position in the window",
+        ylabel="accuracy",
+        ylim=(0, 1.05),
+        title="expert steps: the first DELAY positions may not know",
+    )
     right.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -25,6 +25,7 @@ predicting the next observation from the observation and the action.
     .venv/bin/python tutorials/04_many_actors.py                                   # 4 actors, 100k steps
     .venv/bin/python tutorials/04_many_actors.py --actors 2 --steps-per-actor 3000 --min-size 500   # what CI runs
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,6 +50,7 @@ from gear_torchrl import GearStorage, GearUniformSampler, SampleToInsertRatio, T
 # with a simple balancing rule plus its own amount of random exploration (Ape-X
 # gives every actor a different epsilon), and writes each step as a TensorDict.
 
+
 def actor(actor_id: int, storage: GearStorage, steps: int, epsilon: float, chunk: int, results) -> None:
     import gymnasium as gym
 
@@ -69,12 +71,20 @@ def actor(actor_id: int, storage: GearStorage, steps: int, epsilon: float, chunk
         else:
             action = int(obs[2] + 0.5 * obs[3] > 0)  # push towards where the pole falls
         next_obs, reward, terminated, truncated, _ = env.step(action)
-        step = TensorDict({
-            "observation": torch.as_tensor(obs), "action": torch.tensor(action),
-            "next": {"observation": torch.as_tensor(next_obs), "reward": torch.tensor([reward], dtype=torch.float32),
-                     "done": torch.tensor([terminated or truncated]), "terminated": torch.tensor([terminated]),
-                     "truncated": torch.tensor([truncated])},
-        }, [])
+        step = TensorDict(
+            {
+                "observation": torch.as_tensor(obs),
+                "action": torch.tensor(action),
+                "next": {
+                    "observation": torch.as_tensor(next_obs),
+                    "reward": torch.tensor([reward], dtype=torch.float32),
+                    "done": torch.tensor([terminated or truncated]),
+                    "terminated": torch.tensor([terminated]),
+                    "truncated": torch.tensor([truncated]),
+                },
+            },
+            [],
+        )
         t0 = time.perf_counter()
         writer.append(step)  # staged here; may commit a full chunk (and wait for the limiter)
         if terminated or truncated or t == steps - 1:
@@ -89,6 +99,7 @@ def actor(actor_id: int, storage: GearStorage, steps: int, epsilon: float, chunk
 
 # -- 2. What the learner trains: a dynamics model ---------------------------------------------
 
+
 class Dynamics(nn.Module):
     """Predicts how fast CartPole's observation changes after an action: (next - obs) / DT."""
 
@@ -96,8 +107,9 @@ class Dynamics(nn.Module):
 
     def __init__(self, hidden: int = 64) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(4 + 2, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
-                                 nn.Linear(hidden, 4))
+        self.net = nn.Sequential(
+            nn.Linear(4 + 2, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 4)
+        )
         # The accelerations reach +-15 (units/s^2) and the net starts near +-1: its outputs
         # are scaled by the spread of the first batch (set by the learner).
         self.register_buffer("scale", torch.ones(4))
@@ -148,22 +160,27 @@ def main() -> None:
     #    and chunk * ratio for the first commits, before the learner starts. We take
     #    their sum: small next to the total, so the ratio still holds tightly.
     error_buffer = args.batch + args.chunk * args.ratio
-    limiter = SampleToInsertRatio(samples_per_insert=args.ratio, min_size_to_sample=args.min_size,
-                                  error_buffer=error_buffer, timeout=120)
+    limiter = SampleToInsertRatio(
+        samples_per_insert=args.ratio, min_size_to_sample=args.min_size, error_buffer=error_buffer, timeout=120
+    )
 
     # -- The replay: a shared store holding the limiter, a TorchRL buffer over it
     #    (uniform sampling, drawn by the store so a sample waits for rows). The rule
     #    and its counts live in the store, so the copies the actors unpickle obey it.
     storage = GearStorage(args.capacity, shared=True, rate_limiter=limiter)
-    print(f"shared store {storage.handle.store_id}: {args.capacity} rows, owned by this process; "
-          f"it pickles to {len(pickle.dumps(storage))} bytes")
+    print(
+        f"shared store {storage.handle.store_id}: {args.capacity} rows, owned by this process; "
+        f"it pickles to {len(pickle.dumps(storage))} bytes"
+    )
     rb = TensorDictReplayBuffer(storage=storage, sampler=GearUniformSampler(), batch_size=args.batch)
 
     ctx = mp.get_context("spawn")  # fresh interpreters: no inherited threads, locks or memory
     results = ctx.Queue()
     epsilons = [0.4 ** (1 + 7 * i / max(args.actors - 1, 1)) for i in range(args.actors)]  # Ape-X's spread
-    actors = [ctx.Process(target=actor, args=(i, storage, args.steps_per_actor, eps, args.chunk, results),
-                          name=f"actor-{i}") for i, eps in enumerate(epsilons)]
+    actors = [
+        ctx.Process(target=actor, args=(i, storage, args.steps_per_actor, eps, args.chunk, results), name=f"actor-{i}")
+        for i, eps in enumerate(epsilons)
+    ]
     model = Dynamics()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     # How many batches will the learner get? The rule answers up front: once all
@@ -205,13 +222,19 @@ def main() -> None:
         t_first, i_first, s_first = timeline[0]
         steady_s = max(seconds - t_first, 1e-9)
         print(f"actors started and inserted the first {i_first} rows in {t_first:.1f} s")
-        print(f"{args.actors} actors inserted {inserts} rows; from the learner's first batch on: "
-              f"{(inserts - i_first) / steady_s:,.0f} inserts/s")
+        print(
+            f"{args.actors} actors inserted {inserts} rows; from the learner's first batch on: "
+            f"{(inserts - i_first) / steady_s:,.0f} inserts/s"
+        )
         for (i, rows, episodes, busy), eps in zip(reports, epsilons):
-            print(f"  actor {i}: epsilon {eps:.4f}, {rows} rows in {episodes} episodes "
-                  f"({rows / episodes:.0f} steps each), {100 * busy:.0f}% of its time in the writer")
-        print(f"learner sampled {samples} rows in {len(losses)} batches: {(samples - s_first) / steady_s:,.0f} "
-              f"samples/s, {100 * sample_wait / steady_s:.0f}% of its time waiting in rb.sample()")
+            print(
+                f"  actor {i}: epsilon {eps:.4f}, {rows} rows in {episodes} episodes "
+                f"({rows / episodes:.0f} steps each), {100 * busy:.0f}% of its time in the writer"
+            )
+        print(
+            f"learner sampled {samples} rows in {len(losses)} batches: {(samples - s_first) / steady_s:,.0f} "
+            f"samples/s, {100 * sample_wait / steady_s:.0f}% of its time waiting in rb.sample()"
+        )
         # The rule keeps  samples - ratio * (inserts - min_size)  within +-error_buffer:
         # the first min_size rows go in before any sampling, after that every inserted
         # row buys `ratio` sampled ones. An actor's check and its claim on the inserts
@@ -220,19 +243,29 @@ def main() -> None:
         deviation = [s - args.ratio * (i - args.min_size) for _, i, s in timeline]
         worst = max(abs(d) for d in deviation)
         steady = samples / (inserts - args.min_size)
-        print(f"sample-to-insert ratio: target {args.ratio:g}, achieved {steady:.3f} after the first {args.min_size} "
-              f"rows ({samples / inserts:.3f} over all rows)")
-        within = ("within it, as the rule guarantees" if worst <= error_buffer else
-                  "BEYOND it: the rule was broken, which should not happen (please report this output)")
-        print(f"largest distance from the target line: {worst:.0f} sampled rows (error buffer {error_buffer:g}): "
-              f"{within}")
-        print(f"  the learner ran at most {max(0.0, max(deviation)):.0f} sampled rows ahead of the line and at most "
-              f"{max(0.0, -min(deviation)):.0f} behind it (the actors ahead); the limiter stops either side at "
-              f"{error_buffer:g} (sampling is checked against committed rows, commits against rows committed or "
-              "admitted)")
+        print(
+            f"sample-to-insert ratio: target {args.ratio:g}, achieved {steady:.3f} after the first {args.min_size} "
+            f"rows ({samples / inserts:.3f} over all rows)"
+        )
+        within = (
+            "within it, as the rule guarantees"
+            if worst <= error_buffer
+            else "BEYOND it: the rule was broken, which should not happen (please report this output)"
+        )
+        print(
+            f"largest distance from the target line: {worst:.0f} sampled rows (error buffer {error_buffer:g}): {within}"
+        )
+        print(
+            f"  the learner ran at most {max(0.0, max(deviation)):.0f} sampled rows ahead of the line and at most "
+            f"{max(0.0, -min(deviation)):.0f} behind it (the actors ahead); the limiter stops either side at "
+            f"{error_buffer:g} (sampling is checked against committed rows, commits against rows committed or "
+            "admitted)"
+        )
         k = max(1, len(losses) // 20)
-        print(f"dynamics model loss: first {sum(losses[:k]) / k:.4f} -> last {sum(losses[-k:]) / k:.4f} "
-              f"(mean of the first and last {k} batches; the fraction of variance unexplained)")
+        print(
+            f"dynamics model loss: first {sum(losses[:k]) / k:.4f} -> last {sum(losses[-k:]) / k:.4f} "
+            f"(mean of the first and last {k} batches; the fraction of variance unexplained)"
+        )
         if args.plot:
             plot(args.plot, timeline, deviation, losses, args, error_buffer)
             print(f"wrote {args.plot}")
@@ -255,8 +288,12 @@ def plot(path: str, timeline, deviation, losses, args, error_buffer: float) -> N
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(14, 3.8))
     left.plot(seconds, [s / max(i - args.min_size, 1) for _, i, s in timeline], label="achieved")
     left.axhline(args.ratio, color="gray", ls="--", label="target")
-    left.set(xlabel="seconds", ylabel="sampled rows per inserted row", ylim=(0, 2 * args.ratio),
-             title="samples / (inserts - min_size)")
+    left.set(
+        xlabel="seconds",
+        ylabel="sampled rows per inserted row",
+        ylim=(0, 2 * args.ratio),
+        title="samples / (inserts - min_size)",
+    )
     left.legend(loc="lower right")
     middle.plot(seconds, deviation, lw=0.8)
     for bound in (-error_buffer, error_buffer):

@@ -56,6 +56,7 @@ learner reads 3 shards from its own host's memory and 3 from the other host.
     torchrun --standalone --nproc-per-node 3 tutorials/05_multi_host.py \\
         --capacity 4000 --warmup 1000 --frame 16 --batches 20           # what CI runs
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,6 +102,7 @@ def say(*parts: object) -> None:
 # (it pickles to a handle of the same shared memory, tutorial 4): the owner's
 # process then has nothing to do but serve, which is what reads go fastest with.
 
+
 def cart_column(observation: torch.Tensor, size: int) -> torch.Tensor:
     """The image column the cart is in (the cart's position x is in [-2.4, 2.4])."""
     return ((observation[:, 0] + 2.4) / 4.8 * size).to(torch.int64).clamp(0, size - 1)
@@ -142,14 +144,24 @@ class Actor:
         observation = torch.as_tensor(np.stack(obs), dtype=torch.float32)
         last = torch.zeros(n, 1, dtype=torch.bool)
         last[-1] = True
-        episode = TensorDict({
-            "observation": observation[:-1],
-            "pixels": render(observation[:-1], self.frame),
-            "action": torch.tensor(actions),
-            "next": {"observation": observation[1:], "reward": torch.tensor(rewards, dtype=torch.float32)[:, None],
-                     "done": last, "terminated": last & terminated, "truncated": last & truncated},
-            "shard": torch.full((n,), self.shard), "episode": torch.full((n,), self.episodes), "t": torch.arange(n),
-        }, [n])
+        episode = TensorDict(
+            {
+                "observation": observation[:-1],
+                "pixels": render(observation[:-1], self.frame),
+                "action": torch.tensor(actions),
+                "next": {
+                    "observation": observation[1:],
+                    "reward": torch.tensor(rewards, dtype=torch.float32)[:, None],
+                    "done": last,
+                    "terminated": last & terminated,
+                    "truncated": last & truncated,
+                },
+                "shard": torch.full((n,), self.shard),
+                "episode": torch.full((n,), self.episodes),
+                "t": torch.arange(n),
+            },
+            [n],
+        )
         self.episodes += 1
         return episode
 
@@ -174,12 +186,15 @@ def act(storage: ShardedGearStorage, args: argparse.Namespace) -> None:
     while not learners_done.is_completed():
         one_episode()
     learners_done.wait()
-    say(f"owner of shard {storage.shard_id}: its actor wrote {writer.rows_written} steps in "
+    say(
+        f"owner of shard {storage.shard_id}: its actor wrote {writer.rows_written} steps in "
         f"{writer.episodes_written} episodes ({(writer.rows_written - before) / (time.perf_counter() - start):,.0f} "
-        f"steps/s while the learners sampled)")
+        f"steps/s while the learners sampled)"
+    )
 
 
 # -- 2. The learner: sample the union, check it, time it --------------------------------------
+
 
 def batch_bytes(batch: TensorDict) -> int:
     return sum(v.nbytes for v in batch.values(include_nested=True, leaves_only=True))
@@ -219,8 +234,10 @@ def timed(rb: TensorDictReplayBuffer, batches: int, check) -> tuple[float, int, 
 
 
 def rate(what: str, batches: int, seconds: float, nbytes: int) -> str:
-    return (f"{what}: {batches / seconds:,.1f} batches/s, {nbytes / seconds / 1e9:.3f} GB/s "
-            f"({nbytes / batches / 1e6:.2f} MB a batch)")
+    return (
+        f"{what}: {batches / seconds:,.1f} batches/s, {nbytes / seconds / 1e9:.3f} GB/s "
+        f"({nbytes / batches / 1e6:.2f} MB a batch)"
+    )
 
 
 def learn(storage: ShardedGearStorage, args: argparse.Namespace) -> None:
@@ -240,8 +257,10 @@ def learn(storage: ShardedGearStorage, args: argparse.Namespace) -> None:
     #    a shard on another host, "rdma" a shard whose owner has no RDMA device.
     for d in storage.descriptors:
         where = storage.host_of(d.shard) or "this host"
-        say(f"shard {d.shard} (rank {d.rank}, {d.addr}:{d.port}, on {where}) is read over "
-            f"{storage.transport_of(d.shard)}")
+        say(
+            f"shard {d.shard} (rank {d.rank}, {d.addr}:{d.port}, on {where}) is read over "
+            f"{storage.transport_of(d.shard)}"
+        )
 
     # -- Uniform rows: an ordinary TorchRL replay buffer, the default RandomSampler.
     #    (For prioritized replay, pass sampler=GearPrioritizedSampler(args.capacity,
@@ -270,8 +289,9 @@ def learn(storage: ShardedGearStorage, args: argparse.Namespace) -> None:
     #    episode each, across all shards (a window never spans two shards: an
     #    episode lives where its actor wrote it). The batch is [windows * seq_len].
     windows = max(1, args.batch // args.seq_len)
-    rb_seq = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(args.seq_len),
-                                    batch_size=windows * args.seq_len)
+    rb_seq = TensorDictReplayBuffer(
+        storage=storage, sampler=GearSequenceSampler(args.seq_len), batch_size=windows * args.seq_len
+    )
     rb_seq.sample()
     checked = 0
 
@@ -281,8 +301,10 @@ def learn(storage: ShardedGearStorage, args: argparse.Namespace) -> None:
 
     seconds, nbytes, per_shard = timed(rb_seq, args.batches, count)
     say(rate(f"windows, {windows} x {args.seq_len} steps a batch", args.batches, seconds, nbytes))
-    say(f"windows checked: {checked} windows of {args.seq_len} steps, each inside one episode; "
-        f"windows per shard: {(per_shard // args.seq_len).tolist()}")
+    say(
+        f"windows checked: {checked} windows of {args.seq_len} steps, each inside one episode; "
+        f"windows per shard: {(per_shard // args.seq_len).tolist()}"
+    )
 
     # -- In a training loop: GearDataset(prefetch=k) samples the next batches in a
     #    thread while the current one trains, so the transfer hides behind the step
@@ -293,8 +315,10 @@ def learn(storage: ShardedGearStorage, args: argparse.Namespace) -> None:
     for _ in GearDataset(rb, num_batches=args.batches, prefetch=2):
         time.sleep(step_s)
     seconds = time.perf_counter() - start
-    say(f"training loop with prefetch=2 and a {args.step_ms:g} ms step: {args.batches / seconds:,.1f} batches/s "
-        f"(the step alone would allow {1 / step_s if step_s else float('inf'):,.1f})")
+    say(
+        f"training loop with prefetch=2 and a {args.step_ms:g} ms step: {args.batches / seconds:,.1f} batches/s "
+        f"(the step alone would allow {1 / step_s if step_s else float('inf'):,.1f})"
+    )
 
     # -- What the owners report. Each owner publishes its shard's statistics (rows
     #    readable, rows inserted) to the job's store every second, its heartbeat;
@@ -305,14 +329,19 @@ def learn(storage: ShardedGearStorage, args: argparse.Namespace) -> None:
     for s in stats["shards"]:
         beat = s["heartbeat"] or {}
         age = f"{time.time() - beat['time']:.1f} s ago" if "time" in beat else "no heartbeat yet"
-        say(f"stats: shard {s['shard']} (rank {s['rank']}): {s['rows']} rows readable, "
-            f"{beat.get('inserts', '?')} inserted ({age}), failed: {s['failed']}")
-    say(f"stats: {stats['rows']} rows in {storage.num_shards} shards by their heartbeats; "
-        f"len(storage) = {len(storage)} by their last answers")
+        say(
+            f"stats: shard {s['shard']} (rank {s['rank']}): {s['rows']} rows readable, "
+            f"{beat.get('inserts', '?')} inserted ({age}), failed: {s['failed']}"
+        )
+    say(
+        f"stats: {stats['rows']} rows in {storage.num_shards} shards by their heartbeats; "
+        f"len(storage) = {len(storage)} by their last answers"
+    )
     dist.barrier()  # (b) this learner is done (the owners stop acting once every learner is)
 
 
 # -- 3. Putting it together -------------------------------------------------------------------
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="A replay sharded over the ranks (and hosts) of a torchrun job")
@@ -334,13 +363,17 @@ def main() -> None:
     torch.set_num_threads(1)  # several ranks share each host's cores
 
     if "LOCAL_RANK" not in os.environ:
-        raise SystemExit("launch this with torchrun (see the top of the file), e.g.\n"
-                         "  torchrun --standalone --nproc-per-node 4 tutorials/05_multi_host.py")
+        raise SystemExit(
+            "launch this with torchrun (see the top of the file), e.g.\n"
+            "  torchrun --standalone --nproc-per-node 4 tutorials/05_multi_host.py"
+        )
     dist.init_process_group("gloo", timeout=timedelta(minutes=30))  # torchrun's env: rank, world, MASTER_ADDR
     local_rank, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if not 0 < args.learners_per_node < per_node:
-        raise SystemExit(f"each host needs a shard owner and a learner: --learners-per-node must be in "
-                         f"[1, {per_node - 1}] with --nproc-per-node {per_node}")
+        raise SystemExit(
+            f"each host needs a shard owner and a learner: --learners-per-node must be in "
+            f"[1, {per_node - 1}] with --nproc-per-node {per_node}"
+        )
     owner = local_rank < per_node - args.learners_per_node
     torch.manual_seed(args.seed + dist.get_rank())
 
@@ -357,11 +390,18 @@ def main() -> None:
     #    so "skip" serves the failures torchrun does not see, like an owner that hangs
     #    or a host cut off the network; and collectives, like this script's barriers,
     #    do not survive a dead rank: a job meant to outlive an owner ends without them.
-    storage = ShardedGearStorage(args.capacity, owns_shard=owner, transport=args.transport,
-                                 on_shard_failure=args.on_shard_failure, timeout=args.timeout)
+    storage = ShardedGearStorage(
+        args.capacity,
+        owns_shard=owner,
+        transport=args.transport,
+        on_shard_failure=args.on_shard_failure,
+        timeout=args.timeout,
+    )
     if dist.get_rank() == 0:
-        say(f"{storage.num_shards} shards of {args.capacity} rows on {dist.get_world_size()} ranks, "
-            f"{dist.get_world_size() - storage.num_shards} learner(s)")
+        say(
+            f"{storage.num_shards} shards of {args.capacity} rows on {dist.get_world_size()} ranks, "
+            f"{dist.get_world_size() - storage.num_shards} learner(s)"
+        )
     try:
         if owner:
             act(storage, args)  # returns once every learner is done

@@ -29,6 +29,7 @@ job cannot mistake it for a run that passed.
     .venv/bin/python tutorials/06_gpu.py                     # 50k Atari-like steps
     .venv/bin/python tutorials/06_gpu.py --steps 5000 --batch 256 --plot gpu.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,11 +47,16 @@ from gear_torchrl import GearPrioritizedSampler, GearSequenceSampler, GearStorag
 def atari_like(steps: int, episode_len: int = 500) -> TensorDict:
     """Stacks of four 84x84 uint8 frames (28 KiB a step), as Atari agents store them."""
     done = torch.zeros(steps, 1, dtype=torch.bool)
-    done[episode_len - 1:: episode_len] = True
-    return TensorDict({"pixels": torch.randint(0, 256, (steps, 4, 84, 84), dtype=torch.uint8),
-                       "action": torch.randint(0, 18, (steps,)),
-                       ("next", "reward"): torch.randn(steps, 1),
-                       ("next", "done"): done}, [steps])
+    done[episode_len - 1 :: episode_len] = True
+    return TensorDict(
+        {
+            "pixels": torch.randint(0, 256, (steps, 4, 84, 84), dtype=torch.uint8),
+            "action": torch.randint(0, 18, (steps,)),
+            ("next", "reward"): torch.randn(steps, 1),
+            ("next", "done"): done,
+        },
+        [steps],
+    )
 
 
 def gpu_ms(fn: Callable[[], object], repeats: int = 7, inner: int = 5) -> float:
@@ -84,14 +90,20 @@ def zero_copy(data: TensorDict, batch: int) -> dict[str, float]:
     bytes_per_batch = batch * data[0].bytes()
     pinned = torch.empty(bytes_per_batch, dtype=torch.uint8).pin_memory()
     target = torch.empty(bytes_per_batch, dtype=torch.uint8, device="cuda")
-    ms = {"gear": gpu_ms(rb.sample),
-          "torchrl": gpu_ms(lambda: torchrl_rb.sample().to("cuda", non_blocking=True)),
-          "pcie": gpu_ms(lambda: target.copy_(pinned, non_blocking=True))}
+    ms = {
+        "gear": gpu_ms(rb.sample),
+        "torchrl": gpu_ms(lambda: torchrl_rb.sample().to("cuda", non_blocking=True)),
+        "pcie": gpu_ms(lambda: target.copy_(pinned, non_blocking=True)),
+    }
     gbps = {k: bytes_per_batch / v / 1e6 for k, v in ms.items()}
-    print(f"   GearStorage(device='cuda')        {ms['gear']:7.3f} ms  {gbps['gear']:6.1f} GB/s"
-          f"  ({gbps['gear'] / gbps['pcie']:.0%} of the PCIe limit)")
-    print(f"   LazyTensorStorage + .to('cuda')   {ms['torchrl']:7.3f} ms  {gbps['torchrl']:6.1f} GB/s"
-          f"  -> GearStorage is {ms['torchrl'] / ms['gear']:.1f}x faster")
+    print(
+        f"   GearStorage(device='cuda')        {ms['gear']:7.3f} ms  {gbps['gear']:6.1f} GB/s"
+        f"  ({gbps['gear'] / gbps['pcie']:.0%} of the PCIe limit)"
+    )
+    print(
+        f"   LazyTensorStorage + .to('cuda')   {ms['torchrl']:7.3f} ms  {gbps['torchrl']:6.1f} GB/s"
+        f"  -> GearStorage is {ms['torchrl'] / ms['gear']:.1f}x faster"
+    )
     print(f"   pinned memcpy, same bytes         {ms['pcie']:7.3f} ms  {gbps['pcie']:6.1f} GB/s  (the PCIe limit)")
     return gbps
 
@@ -101,8 +113,10 @@ def device_tier(data: TensorDict, batch: int) -> dict[str, float]:
     n = data.shape[0]
     free, _ = torch.cuda.mem_get_info()
     if data.bytes() > free // 2:
-        print(f"2. the store ({data.bytes() / 2**30:.1f} GiB) does not fit comfortably in GPU memory: "
-              "keep memory='host' (step 1)")
+        print(
+            f"2. the store ({data.bytes() / 2**30:.1f} GiB) does not fit comfortably in GPU memory: "
+            "keep memory='host' (step 1)"
+        )
         return {}
     rb = TensorDictReplayBuffer(storage=GearStorage(n, device="cuda", memory="device"), batch_size=batch)
     rb.extend(data)
@@ -111,8 +125,10 @@ def device_tier(data: TensorDict, batch: int) -> dict[str, float]:
     target = torch.empty_like(source)
     ms = {"device tier": gpu_ms(rb.sample), "d2d": gpu_ms(lambda: target.copy_(source))}
     gbps = {k: bytes_per_batch / v / 1e6 for k, v in ms.items()}
-    print(f"2. memory='device': {ms['device tier']:.3f} ms, {gbps['device tier']:.0f} GB/s "
-          f"({gbps['device tier'] / gbps['d2d']:.0%} of a device-to-device copy of the same bytes)")
+    print(
+        f"2. memory='device': {ms['device tier']:.3f} ms, {gbps['device tier']:.0f} GB/s "
+        f"({gbps['device tier'] / gbps['d2d']:.0%} of a device-to-device copy of the same bytes)"
+    )
     return gbps
 
 
@@ -125,16 +141,20 @@ def hot_tier(data: TensorDict, batch: int) -> None:
     sample = hot.sample()
     assert torch.equal(sample["pixels"].cpu(), data["pixels"][sample["index"].cpu()])  # same rows, either tier
     host_ms, hot_ms = gpu_ms(rb.sample), gpu_ms(hot.sample)
-    print(f"   hot_rows={n // 2} (the newest half also in GPU memory): {hot_ms:.3f} ms per uniform batch, "
-          f"{host_ms / hot_ms:.2f}x the host-only store's {host_ms:.3f} ms")
+    print(
+        f"   hot_rows={n // 2} (the newest half also in GPU memory): {hot_ms:.3f} ms per uniform batch, "
+        f"{host_ms / hot_ms:.2f}x the host-only store's {host_ms:.3f} ms"
+    )
 
 
 # -- 3. prioritized replay on the GPU -----------------------------------------------------
 def prioritized(data: TensorDict, batch: int, updates: int) -> None:
     n = data.shape[0]
-    rb = TensorDictReplayBuffer(storage=GearStorage(n, device="cuda"),
-                                sampler=GearPrioritizedSampler(n, alpha=0.7, beta=0.5, device="cuda"),
-                                batch_size=batch)
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(n, device="cuda"),
+        sampler=GearPrioritizedSampler(n, alpha=0.7, beta=0.5, device="cuda"),
+        batch_size=batch,
+    )
     rb.extend(data)
     rewarding = data["next", "reward"].squeeze(1) > 1.0  # about 16% of the steps
 
@@ -149,22 +169,28 @@ def prioritized(data: TensorDict, batch: int, updates: int) -> None:
     sample = rb.sample()
     share = float(rewarding[sample["index"].cpu()].float().mean())
     assert sample["priority_weight"].is_cuda
-    print(f"3. PER on the GPU: sample + update in {gpu_ms(step):.3f} ms per batch of {batch}; "
-          f"rewarding steps are {float(rewarding.float().mean()):.0%} of the store and {share:.0%} of a batch")
+    print(
+        f"3. PER on the GPU: sample + update in {gpu_ms(step):.3f} ms per batch of {batch}; "
+        f"rewarding steps are {float(rewarding.float().mean()):.0%} of the store and {share:.0%} of a batch"
+    )
 
 
 # -- 4. windows on the GPU ----------------------------------------------------------------
 def windows(data: TensorDict, seq_len: int, num_windows: int) -> None:
     n = data.shape[0]
-    rb = TensorDictReplayBuffer(storage=GearStorage(n, device="cuda"),
-                                sampler=GearSequenceSampler(seq_len, strict_length=False),
-                                batch_size=seq_len * num_windows)
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(n, device="cuda"),
+        sampler=GearSequenceSampler(seq_len, strict_length=False),
+        batch_size=seq_len * num_windows,
+    )
     rb.extend(data)
     batch = rb.sample().reshape(num_windows, seq_len)  # SliceSampler's layout
     mask = batch["collector", "mask"]
     assert mask.is_cuda and batch["pixels"].is_cuda
-    print(f"4. windows: {tuple(batch['pixels'].shape)} on the GPU, {float(mask.float().mean()):.0%} of the steps "
-          f"valid (the rest is padding past an episode's end, zeros, masked out)")
+    print(
+        f"4. windows: {tuple(batch['pixels'].shape)} on the GPU, {float(mask.float().mean()):.0%} of the steps "
+        f"valid (the rest is padding past an episode's end, zeros, masked out)"
+    )
 
 
 # -- 5. reading the benchmark ---------------------------------------------------------------
@@ -185,9 +211,13 @@ def plot(path: str, host: dict[str, float], device: dict[str, float]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {"gear": "GearStorage\n(host rows)", "torchrl": "TorchRL\n+ .to(cuda)",
-              "pcie": "pinned memcpy\n(PCIe limit)",
-              "device tier": "GearStorage\n(device tier)", "d2d": "device copy"}
+    labels = {
+        "gear": "GearStorage\n(host rows)",
+        "torchrl": "TorchRL\n+ .to(cuda)",
+        "pcie": "pinned memcpy\n(PCIe limit)",
+        "device tier": "GearStorage\n(device tier)",
+        "d2d": "device copy",
+    }
     bars = {labels[k]: v for k, v in {**host, **device}.items()}
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.bar(list(bars), list(bars.values()), color=["C0", "C1", "C7", "C2", "C7"][: len(bars)])
@@ -218,8 +248,10 @@ def main() -> None:
         raise SystemExit(NO_GPU) from None
 
     data = atari_like(args.steps)
-    print(f"{args.steps:,} steps of 4x84x84 uint8 frames ({data.bytes() / 2**30:.2f} GiB) on "
-          f"{torch.cuda.get_device_name()}")
+    print(
+        f"{args.steps:,} steps of 4x84x84 uint8 frames ({data.bytes() / 2**30:.2f} GiB) on "
+        f"{torch.cuda.get_device_name()}"
+    )
     host = zero_copy(data, args.batch)
     device = device_tier(data, args.batch)
     hot_tier(data, args.batch)

@@ -33,6 +33,7 @@ layout leaves.
     .venv/bin/python tutorials/07_packed_sequences.py                 # the full lesson, about 30 s on a CPU
     .venv/bin/python tutorials/07_packed_sequences.py --episodes 400 --budget 1024 --steps 100   # what CI runs
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,10 +69,12 @@ from gear_torchrl import (
 # each ending at its ("next", "done") flag, which is what the storage's episode
 # index splits on.
 
+
 def episodes(args, seed: int) -> tuple[TensorDict, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    lengths = torch.exp(torch.randn(args.episodes, generator=generator) * args.sigma
-                        + torch.log(torch.tensor(float(args.median_len))))
+    lengths = torch.exp(
+        torch.randn(args.episodes, generator=generator) * args.sigma + torch.log(torch.tensor(float(args.median_len)))
+    )
     lengths = lengths.round().clamp(args.min_len, args.max_episode).long()
     total = int(lengths.sum())
     starts = lengths.cumsum(0) - lengths
@@ -81,8 +84,9 @@ def episodes(args, seed: int) -> tuple[TensorDict, torch.Tensor]:
     prev_action = torch.where(step == 0, args.symbols, action.roll(1))  # `symbols` stands for "none yet"
     done = torch.zeros(total, 1, dtype=torch.bool)
     done[lengths.cumsum(0) - 1] = True
-    data = TensorDict({"observation": obs, "prev_action": prev_action, "action": action,
-                       "next": {"done": done}}, [total])
+    data = TensorDict(
+        {"observation": obs, "prev_action": prev_action, "action": action, "next": {"done": done}}, [total]
+    )
     return data, lengths
 
 
@@ -92,6 +96,7 @@ def episodes(args, seed: int) -> tuple[TensorDict, torch.Tensor]:
 # heads, head_dim] tensors. Everything else in a block works token by token, so it
 # does not care whether the tokens come as [windows, max_len] or as one flat pack.
 # The two runs below differ only in the layout of the batch and in `attend`.
+
 
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
@@ -151,19 +156,25 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 # It is built once per batch and serves every layer; below, it is checked once
 # against flex_attention's forward before training.
 
+
 def check_packed_attention(batch: TensorDict, max_len: int) -> float:
     """Largest difference between LengthBuckets and flex_attention with the library's BlockMask."""
     q, k, v = torch.randn(3, batch.shape[0], 4, 16).unbind(0)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex_attention warns that it is unfused: fine for one check
-        reference = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                   block_mask=document_causal_block_mask(batch))[0].transpose(0, 1)
+        reference = flex_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            block_mask=document_causal_block_mask(batch),
+        )[0].transpose(0, 1)
         ours = LengthBuckets(batch)(q, k, v)
     real = batch["packed", "seq_id"] >= 0
     return float((ours - reference)[real].abs().max())
 
 
 # -- 4. One training step each way ----------------------------------------------------------
+
 
 def padded_step(model, optimizer, batch: TensorDict, max_len: int, delay: int) -> tuple[float, int, int, int]:
     w = batch.reshape(-1, max_len)  # SliceSampler's layout: window after window
@@ -195,15 +206,15 @@ def finish(optimizer, loss: torch.Tensor) -> float:
 @torch.no_grad()
 def memory_accuracy(model, batch: TensorDict, max_len: int, delay: int) -> float:
     """Accuracy on the steps that need memory and have it in view: the symbol DELAY steps back is in the sequence."""
-    logits = model(batch["observation"], batch["prev_action"], batch["packed", "position"],
-                   LengthBuckets(batch))
+    logits = model(batch["observation"], batch["prev_action"], batch["packed", "position"], LengthBuckets(batch))
     scored = batch["packed", "mask"] & (batch["packed", "position"] >= delay)
     return float(((logits.argmax(-1) == batch["action"]) & scored).sum() / scored.sum())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description="Padded windows against packed sequences, same model, same real tokens")
+        description="Padded windows against packed sequences, same model, same real tokens"
+    )
     parser.add_argument("--episodes", type=int, default=2_000, help="episodes to store")
     parser.add_argument("--median-len", type=float, default=20.0, help="median episode length (lognormal)")
     parser.add_argument("--sigma", type=float, default=1.0, help="spread of the log of the episode length")
@@ -219,8 +230,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--points", type=int, default=5, help="points of the printed loss curves")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: steadier timings on a shared machine)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: steadier timings on a shared machine)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not args.min_len <= args.max_episode or args.delay >= args.min_len or args.max_len > args.budget:
@@ -230,9 +242,11 @@ def main() -> None:
     torch.manual_seed(args.seed)
 
     data, lengths = episodes(args, args.seed)
-    print(f"stored {data.shape[0]:,} steps in {args.episodes:,} episodes: lengths {int(lengths.min())}-"
-          f"{int(lengths.max())}, median {int(lengths.median())}, mean {lengths.float().mean():.0f}; "
-          f"{(lengths > args.max_len).float().mean():.0%} are longer than max_len={args.max_len}")
+    print(
+        f"stored {data.shape[0]:,} steps in {args.episodes:,} episodes: lengths {int(lengths.min())}-"
+        f"{int(lengths.max())}, median {int(lengths.median())}, mean {lengths.float().mean():.0f}; "
+        f"{(lengths > args.max_len).float().mean():.0%} are longer than max_len={args.max_len}"
+    )
 
     # -- The two buffers, over two stores of the same episodes. The padded one samples
     #    windows of max_len steps that may start at any step and run past their
@@ -240,10 +254,12 @@ def main() -> None:
     #    fills the budget; its batch_size is that budget in tokens. Both are uniform
     #    over steps (the packed sampler's default uniform_over="steps").
     padded_storage, packed_storage = GearStorage(data.shape[0]), GearStorage(data.shape[0])
-    padded_rb = TensorDictReplayBuffer(storage=padded_storage,
-                                       sampler=GearSequenceSampler(seq_len=args.max_len, strict_length=False))
-    packed_rb = TensorDictReplayBuffer(storage=packed_storage, sampler=GearPackedSequenceSampler(max_len=args.max_len),
-                                       batch_size=args.budget)
+    padded_rb = TensorDictReplayBuffer(
+        storage=padded_storage, sampler=GearSequenceSampler(seq_len=args.max_len, strict_length=False)
+    )
+    packed_rb = TensorDictReplayBuffer(
+        storage=packed_storage, sampler=GearPackedSequenceSampler(max_len=args.max_len), batch_size=args.budget
+    )
     padded_rb.extend(data)
     packed_rb.extend(data)
 
@@ -253,31 +269,49 @@ def main() -> None:
     probe = [padded_rb.sample(64 * args.max_len)["collector", "mask"].float().mean() for _ in range(8)]
     share = float(torch.stack(probe).mean())
     windows = max(1, round(args.budget / (share * args.max_len)))
-    print(f"padded: GearSequenceSampler(seq_len={args.max_len}, strict_length=False); useful share measured on "
-          f"8 batches: {share:.1%}, so {windows} windows x {args.max_len} = {windows * args.max_len:,} tokens "
-          f"per batch hold {windows * args.max_len * share:,.0f} real tokens on average")
+    print(
+        f"padded: GearSequenceSampler(seq_len={args.max_len}, strict_length=False); useful share measured on "
+        f"8 batches: {share:.1%}, so {windows} windows x {args.max_len} = {windows * args.max_len:,} tokens "
+        f"per batch hold {windows * args.max_len * share:,.0f} real tokens on average"
+    )
     print(f"packed: GearPackedSequenceSampler(max_len={args.max_len}), budget {args.budget:,} tokens per batch")
     first = packed_rb.sample()
-    print(f"packed attention vs flex_attention(document_causal_block_mask(batch)) on a pack of "
-          f"{int(first['packed', 'seq_id'].max()) + 1} sequences: max difference "
-          f"{check_packed_attention(first, args.max_len):.1e}")
+    print(
+        f"packed attention vs flex_attention(document_causal_block_mask(batch)) on a pack of "
+        f"{int(first['packed', 'seq_id'].max()) + 1} sequences: max difference "
+        f"{check_packed_attention(first, args.max_len):.1e}"
+    )
 
     # -- Train. One initialization, copied; the steps of the two runs alternate.
     model = Policy(args.symbols, args.max_len, args.dim, args.layers, args.heads)
     runs = {}
-    for name, step, sample in [("padded", padded_step, lambda: padded_rb.sample(windows * args.max_len)),
-                               ("packed", packed_step, packed_rb.sample)]:
+    for name, step, sample in [
+        ("padded", padded_step, lambda: padded_rb.sample(windows * args.max_len)),
+        ("packed", packed_step, packed_rb.sample),
+    ]:
         m = copy.deepcopy(model)
-        runs[name] = {"model": m, "optimizer": torch.optim.Adam(m.parameters(), lr=args.lr), "step": step,
-                      "sample": sample, "losses": [], "clock": [], "seconds": 0.0, "real": 0, "tokens": 0,
-                      "blind": 0}
-    print(f"training both from the same init, {args.steps} steps each ({args.layers} layers, width {args.dim}, "
-          f"{args.threads} thread{'s' if args.threads > 1 else ''})")
+        runs[name] = {
+            "model": m,
+            "optimizer": torch.optim.Adam(m.parameters(), lr=args.lr),
+            "step": step,
+            "sample": sample,
+            "losses": [],
+            "clock": [],
+            "seconds": 0.0,
+            "real": 0,
+            "tokens": 0,
+            "blind": 0,
+        }
+    print(
+        f"training both from the same init, {args.steps} steps each ({args.layers} layers, width {args.dim}, "
+        f"{args.threads} thread{'s' if args.threads > 1 else ''})"
+    )
     for _ in range(args.steps):
         for run in runs.values():
             start = time.perf_counter()
-            loss, real, tokens, blind = run["step"](run["model"], run["optimizer"], run["sample"](), args.max_len,
-                                                    args.delay)
+            loss, real, tokens, blind = run["step"](
+                run["model"], run["optimizer"], run["sample"](), args.max_len, args.delay
+            )
             run["seconds"] += time.perf_counter() - start  # sampling included
             run["losses"].append(loss)
             run["clock"].append(run["seconds"])
@@ -294,26 +328,33 @@ def main() -> None:
         cells = [f"{sum(r['losses'][lo:hi]) / (hi - lo):.3f} ({r['clock'][hi - 1]:5.1f} s)" for r in (padded, packed)]
         print(f"  {lo + 1:>5} - {hi:>5}   {cells[0]:>16}   {cells[1]:>16}")
     for name, run in runs.items():
-        print(f"{name}: useful share {run['real'] / run['tokens']:.1%} ({run['real'] / args.steps:,.0f} real of "
-              f"{run['tokens'] / args.steps:,.0f} tokens per batch), {run['real'] / run['seconds']:,.0f} real tokens/s")
+        print(
+            f"{name}: useful share {run['real'] / run['tokens']:.1%} ({run['real'] / args.steps:,.0f} real of "
+            f"{run['tokens'] / args.steps:,.0f} tokens per batch), {run['real'] / run['seconds']:,.0f} real tokens/s"
+        )
     # The two losses need not meet: the first DELAY answers of a sequence that starts
     # mid-episode are out of view, and their loss stays at ln(symbols) however long
     # either model trains. Windows start at every step, so nearly every window is such
     # a fragment; a pack keeps every episode of at most max_len steps whole.
     chance = torch.log(torch.tensor(float(args.symbols))).item()
     blind = {name: run["blind"] / run["real"] for name, run in runs.items()}
-    print(f"answers out of view (first {args.delay} steps of a sequence that starts mid-episode): padded "
-          f"{blind['padded']:.1%}, packed {blind['packed']:.1%} of real tokens, so the loss cannot go below "
-          f"{blind['padded'] * chance:.3f} and {blind['packed'] * chance:.3f}")
+    print(
+        f"answers out of view (first {args.delay} steps of a sequence that starts mid-episode): padded "
+        f"{blind['padded']:.1%}, packed {blind['packed']:.1%} of real tokens, so the loss cannot go below "
+        f"{blind['padded'] * chance:.3f} and {blind['packed'] * chance:.3f}"
+    )
     held_out, _ = episodes(args, args.seed + 1)
     eval_storage = GearStorage(held_out.shape[0])
-    eval_rb = TensorDictReplayBuffer(storage=eval_storage, sampler=GearPackedSequenceSampler(max_len=args.max_len),
-                                     batch_size=4 * args.budget)
+    eval_rb = TensorDictReplayBuffer(
+        storage=eval_storage, sampler=GearPackedSequenceSampler(max_len=args.max_len), batch_size=4 * args.budget
+    )
     eval_rb.extend(held_out)
     batch = eval_rb.sample()
     accuracy = {name: memory_accuracy(run["model"], batch, args.max_len, args.delay) for name, run in runs.items()}
-    print(f"held-out accuracy where memory is needed: padded {accuracy['padded']:.3f}, packed "
-          f"{accuracy['packed']:.3f} (chance {1 / args.symbols:.3f})")
+    print(
+        f"held-out accuracy where memory is needed: padded {accuracy['padded']:.3f}, packed "
+        f"{accuracy['packed']:.3f} (chance {1 / args.symbols:.3f})"
+    )
     speed_up = (packed["real"] / packed["seconds"]) / (padded["real"] / padded["seconds"])
     print(f"packed: {speed_up:.2f}x the real tokens per second of padded")
 

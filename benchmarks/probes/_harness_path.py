@@ -3,6 +3,7 @@
 
 A probe imports it for that alone, before those: ``import _harness_path  # noqa: F401``.
 """
+
 from __future__ import annotations
 
 import sys

@@ -26,6 +26,7 @@ the plain store's.
     .venv/bin/python benchmarks/probes/cost_model.py --runs bench_out/sharded_cost.json [--ahead 4] \
         [--check-capped FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,23 +58,28 @@ def calibrate(run: dict, ahead: int = 0) -> dict[str, list[float]]:
     per_owner = [b / k for b, k in zip(nbytes, n)]
     learner = [float(r[_column("learner us", ahead)]) for r in rows]
     owner = [float(r[_column("owner us", ahead)]) for r in rows]
-    model = {"learner": _fit([[1, k, b] for k, b in zip(n, nbytes)], learner),
-             "owner": _fit([[1, b] for b in per_owner], owner)}
+    model = {
+        "learner": _fit([[1, k, b] for k, b in zip(n, nbytes)], learner),
+        "owner": _fit([[1, b] for b in per_owner], owner),
+    }
     if all(r.get("raw learner us", "-") != "-" for r in rows):
         model["raw learner"] = _fit([[1, k, b] for k, b in zip(n, nbytes)], [float(r["raw learner us"]) for r in rows])
         model["raw owner"] = _fit([[1, b] for b in per_owner], [float(r["raw owner us"]) for r in rows])
     return model
 
 
-def batch_seconds(model: dict, owners: int, batch: int, nic_gbit: float | None, owner_cores: int,
-                  learners: int | None = None) -> tuple[float, str]:
+def batch_seconds(
+    model: dict, owners: int, batch: int, nic_gbit: float | None, owner_cores: int, learners: int | None = None
+) -> tuple[float, str]:
     """A learner's seconds per batch, and which stage sets it."""
     nbytes = batch * ROW_BYTES
     l0, l1, l2 = model["learner"]
     o0, o1 = model["owner"]
     learners = owners if learners is None else learners
-    stages = {"learner CPU": (l0 + l1 * owners + l2 * nbytes) * 1e-6,
-              "owner CPU": learners * (o0 + o1 * nbytes / owners) * 1e-6 / owner_cores}
+    stages = {
+        "learner CPU": (l0 + l1 * owners + l2 * nbytes) * 1e-6,
+        "owner CPU": learners * (o0 + o1 * nbytes / owners) * 1e-6 / owner_cores,
+    }
     if nic_gbit is not None:
         stages["network"] = nbytes * 8 / (nic_gbit * 1e9) * learners / owners
     limit = max(stages, key=stages.get)
@@ -88,8 +94,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--owner-cores", type=int, default=1, help="cores each owner's server uses")
     parser.add_argument("--check-capped", default=None, help="a --cap-gbit run of sharded_cost.py to check against")
-    parser.add_argument("--ahead", type=int, default=0,
-                        help="fit the 'ahead N' contender (N batches asked for at once) rather than the plain store")
+    parser.add_argument(
+        "--ahead",
+        type=int,
+        default=0,
+        help="fit the 'ahead N' contender (N batches asked for at once) rather than the plain store",
+    )
     args = parser.parse_args()
     for path in args.runs:
         run = json.loads(Path(path).read_text())
@@ -123,9 +133,11 @@ def main() -> None:
                 learner = (l0 + l1 * owners + l2 * batch * ROW_BYTES) * 1e-6
                 owner = (o0 + o1 * batch * ROW_BYTES / owners) * 1e-6
                 serial, overlapped = learner + owner + link, max(learner, owner, link)
-                print(f"    {owners} owners, batch {batch}: predicted {batch / serial / 1e6:.3f} (one stage after "
-                      f"another) to {batch / overlapped / 1e6:.3f} M steps/s (all overlapped), measured "
-                      f"{r[_column('M steps/s', args.ahead)]} (prefetch {r.get('prefetch M steps/s', '-')})")
+                print(
+                    f"    {owners} owners, batch {batch}: predicted {batch / serial / 1e6:.3f} (one stage after "
+                    f"another) to {batch / overlapped / 1e6:.3f} M steps/s (all overlapped), measured "
+                    f"{r[_column('M steps/s', args.ahead)]} (prefetch {r.get('prefetch M steps/s', '-')})"
+                )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ steadier of the two).
 
     .venv/bin/python benchmarks/probes/learner_round_cost.py [--owners 1 2 4 8] [--batch 256] [--repeats 60] [--ahead 4]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,15 @@ _SPEC = UniformSpec()
 
 
 def _steps(n: int) -> TensorDict:
-    return TensorDict({"obs": torch.ones(n, 84), "action": torch.ones(n, 6), "reward": torch.ones(n),
-                       "done": torch.zeros(n, dtype=torch.bool)}, batch_size=[n])
+    return TensorDict(
+        {
+            "obs": torch.ones(n, 84),
+            "action": torch.ones(n, 6),
+            "reward": torch.ones(n),
+            "done": torch.zeros(n, dtype=torch.bool),
+        },
+        batch_size=[n],
+    )
 
 
 def _framed(op: int, arrays: list[torch.Tensor]) -> bytes:
@@ -106,8 +114,9 @@ class Learner:
 
     def __init__(self, owners: int, batch: int, ahead: int = 0) -> None:
         self.owners, self.batch = Owners(owners), batch
-        descriptors = [ShardDescriptor(s, s, "bench", "127.0.0.1", 0, "bench", ROWS_PER_SHARD, [], None)
-                       for s in range(owners)]
+        descriptors = [
+            ShardDescriptor(s, s, "bench", "127.0.0.1", 0, "bench", ROWS_PER_SHARD, [], None) for s in range(owners)
+        ]
         shards = ShardSet(descriptors, b"", Options(transport="tcp", timeout=5.0, prefetch=ahead))
         table = TableSpec.from_data(_steps(1), 1)
         for s, (a, _) in enumerate(self.owners.pairs):
@@ -127,8 +136,9 @@ class Learner:
         return [self._reply(k) for k in counts]
 
     def _reply(self, count: int) -> bytes:
-        return _framed(Op.ROWS, [torch.tensor([ROWS_PER_SHARD, count]), torch.arange(count),
-                                 *(c[:count] for c in self.columns)])
+        return _framed(
+            Op.ROWS, [torch.tensor([ROWS_PER_SHARD, count]), torch.arange(count), *(c[:count] for c in self.columns)]
+        )
 
     def __call__(self) -> float:
         self.owners.queue(self._replies())
@@ -218,18 +228,29 @@ def main() -> None:
     torch.set_num_threads(1)
     out = []
     for owners in args.owners:
-        contenders: dict[str, Learner | Raw] = {"learner": Learner(owners, args.batch), "raw": Raw(owners, args.batch),
-                                                "raw sends": Raw(owners, args.batch, sends_only=True),
-                                                "ahead": LearnerAhead(owners, args.batch, args.ahead)}
+        contenders: dict[str, Learner | Raw] = {
+            "learner": Learner(owners, args.batch),
+            "raw": Raw(owners, args.batch),
+            "raw sends": Raw(owners, args.batch, sends_only=True),
+            "ahead": LearnerAhead(owners, args.batch, args.ahead),
+        }
         got = _quantiles(contenders, args.repeats)
         (learner, learner_p10), (raw, raw_p10), (_, sends_p10) = got["learner"], got["raw"], got["raw sends"]
         ahead, ahead_p10 = got["ahead"]
-        out.append({"owners": owners, "batch": args.batch, "learner us": f"{learner * 1e6:.1f}",
-                    "raw us": f"{raw * 1e6:.1f}", "learner us p10": f"{learner_p10 * 1e6:.1f}",
-                    "raw us p10": f"{raw_p10 * 1e6:.1f}", "raw sends us p10": f"{sends_p10 * 1e6:.1f}",
-                    "above raw us p10": f"{(learner_p10 - raw_p10) * 1e6:.1f}",
-                    f"ahead {args.ahead} us": f"{ahead * 1e6:.1f}",
-                    f"ahead {args.ahead} us p10": f"{ahead_p10 * 1e6:.1f}"})
+        out.append(
+            {
+                "owners": owners,
+                "batch": args.batch,
+                "learner us": f"{learner * 1e6:.1f}",
+                "raw us": f"{raw * 1e6:.1f}",
+                "learner us p10": f"{learner_p10 * 1e6:.1f}",
+                "raw us p10": f"{raw_p10 * 1e6:.1f}",
+                "raw sends us p10": f"{sends_p10 * 1e6:.1f}",
+                "above raw us p10": f"{(learner_p10 - raw_p10) * 1e6:.1f}",
+                f"ahead {args.ahead} us": f"{ahead * 1e6:.1f}",
+                f"ahead {args.ahead} us p10": f"{ahead_p10 * 1e6:.1f}",
+            }
+        )
         for c in contenders.values():
             c.close()
     print(table(out, list(out[0])))

@@ -12,6 +12,7 @@ request and the cost per KiB of rows (gathering them and the kernel's copy).
 
     .venv/bin/python benchmarks/probes/owner_cost.py [--rows 1 16 256 4096] [--learners 1 4] [--rounds 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,15 +69,32 @@ def _learner(where, orders, done) -> None:
             self.samples_rows, self.picks = False, None
 
         def request(self) -> Message:
-            meta = {"selection": self.spec.to_json(), "count": self.count, "seed": self.seed, "read": True,
-                    "columns": len(self.columns)}
+            meta = {
+                "selection": self.spec.to_json(),
+                "count": self.count,
+                "seed": self.seed,
+                "read": True,
+                "columns": len(self.columns),
+            }
             return Message(Op.SELECT, json.dumps(meta).encode())
 
     torch.set_num_threads(1)
     port, store_id, capacity, end_keys, traj_key = where
-    client = ShardClient(ShardDescriptor(shard=0, rank=0, host="bench", addr="127.0.0.1", port=port,
-                                         store_id=store_id, capacity=capacity, end_keys=end_keys,
-                                         traj_key=traj_key), SECRET, 30.0)
+    client = ShardClient(
+        ShardDescriptor(
+            shard=0,
+            rank=0,
+            host="bench",
+            addr="127.0.0.1",
+            port=port,
+            store_id=store_id,
+            capacity=capacity,
+            end_keys=end_keys,
+            traj_key=traj_key,
+        ),
+        SECRET,
+        30.0,
+    )
     table_ = TableSpec.from_json(client.describe()["spec"])
     kinds = {"native": Ask, "python": SelectAsk}
     while (order := orders.get()) is not None:
@@ -149,13 +167,21 @@ def main() -> None:
     for k in args.learners:
         for rows in args.rows:
             cost = {path: statistics.median(samples[(k, path, rows)]) for path in paths}
-            out.append({"learners": k, "rows": rows, "KiB": f"{rows * ROW_BYTES / 1024:.1f}",
-                        "native us": f"{cost['native']:.0f}", "python us": f"{cost['python']:.0f}",
-                        "python / native": f"{cost['python'] / cost['native']:.1f}"})
+            out.append(
+                {
+                    "learners": k,
+                    "rows": rows,
+                    "KiB": f"{rows * ROW_BYTES / 1024:.1f}",
+                    "native us": f"{cost['native']:.0f}",
+                    "python us": f"{cost['python']:.0f}",
+                    "python / native": f"{cost['python'] / cost['native']:.1f}",
+                }
+            )
         for path in paths:
             fixed, per_kib = _fit(args.rows, [statistics.median(samples[(k, path, r)]) for r in args.rows])
-            out.append({"learners": k, "rows": f"fit {path}", "KiB": "-",
-                        f"{path} us": f"{fixed:.0f} + {per_kib:.2f}/KiB"})
+            out.append(
+                {"learners": k, "rows": f"fit {path}", "KiB": "-", f"{path} us": f"{fixed:.0f} + {per_kib:.2f}/KiB"}
+            )
     columns = ["learners", "rows", "KiB", "native us", "python us", "python / native"]
     print(table(out, columns))
     write_json(args.out, {"machine": machine(), "benchmark": "owner_cost", "rounds": args.rounds, "rows": out})

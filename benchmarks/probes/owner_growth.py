@@ -15,6 +15,7 @@ steps per second, and the learner's preemptions per batch.
 
     .venv/bin/python benchmarks/probes/owner_growth.py [--owners 1 2 4 8] [--batch 256] [--rounds 5] [--ahead 4 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,9 @@ from harness import free_port, run_ranks, table, write_json
 from sharded_cost import EPISODE, STEPS, _fill, _measure, _raw_batch, _raw_server, _rows
 
 
-def _rank(rank: int, world: int, port: int, owner_counts: list[int], batch: int, rounds: int, ahead: list[int],
-          out) -> None:
+def _rank(
+    rank: int, world: int, port: int, owner_counts: list[int], batch: int, rounds: int, ahead: list[int], out
+) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -35,15 +37,17 @@ def _rank(rank: int, world: int, port: int, owner_counts: list[int], batch: int,
     from gear_torchrl import ShardedGearStorage
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     learner = rank == world - 1
     stores = {}
     for owners in owner_counts:  # every rank makes every group, in the same order
         group = dist.new_group(ranks=[*range(owners), world - 1])
         if learner or rank < owners:
-            stores[owners] = ShardedGearStorage(STEPS // owners, owns_shard=not learner, transport="tcp",
-                                                group=group, serve_on="127.0.0.1", timeout=60)
+            stores[owners] = ShardedGearStorage(
+                STEPS // owners, owns_shard=not learner, transport="tcp", group=group, serve_on="127.0.0.1", timeout=60
+            )
             if not learner:
                 _fill(stores[owners].local, STEPS // owners, (rank + 1) * STEPS)
     store = dist.distributed_c10d._get_default_store()
@@ -74,9 +78,11 @@ def _learner(stores: dict, pids: list[int], raw: list[int], batch: int, rounds: 
     for owners, storage in stores.items():
         rb = TensorDictReplayBuffer(storage=storage, batch_size=batch)
         for depth in [0, *ahead]:
+
             def sample(b: int, storage=storage, rb=rb, depth=depth):
                 storage.prefetch = depth
                 return rb.sample(b)
+
             contenders[_name(owners, _label(depth))] = sample
         contenders[_name(owners, "raw")] = _raw_batch(raw[:owners])
         served_by.update({_name(owners, label): {batch: pids[:owners]} for label in _labels(ahead)})
@@ -101,14 +107,16 @@ def main() -> None:
     parser.add_argument("--owners", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--ahead", type=int, nargs="+", default=[4, 8],
-                        help="batches asked for at once by each 'ahead N' contender")
+    parser.add_argument(
+        "--ahead", type=int, nargs="+", default=[4, 8], help="batches asked for at once by each 'ahead N' contender"
+    )
     parser.add_argument("--out", default="bench_out/owner_growth.json")
     args = parser.parse_args()
     owners = sorted(args.owners)
     world = max(owners) + 1
-    result = run_ranks(_rank, world, (world, free_port(), owners, args.batch, args.rounds, args.ahead),
-                       "owner_growth", 1800)
+    result = run_ranks(
+        _rank, world, (world, free_port(), owners, args.batch, args.rounds, args.ahead), "owner_growth", 1800
+    )
     b = args.batch
     local = result[f"LazyTensorStorage/{b}"]
     rows = []
@@ -116,16 +124,29 @@ def main() -> None:
         row = {"owners": k, "batch": b, "local us": f"{local['learner_us']:.0f}"}
         for label in _labels(args.ahead):
             got, first = result[f"{_name(k, label)}/{b}"], result[f"{_name(owners[0], label)}/{b}"]
-            row.update({f"{label} learner us": f"{got['learner_us']:.0f}",
-                        f"{label} growth": f"{got['learner_us'] / first['learner_us'] - 1:+.0%}",
-                        f"{label} owner us": f"{got['owner_us']:.0f}",
-                        f"{label} M steps/s": f"{got['steps_per_s'] / 1e6:.3f}",
-                        f"{label} preempted per batch": f"{got['preempted']:.2f}",
-                        f"{label} waits per batch": f"{got['waited']:.2f}"})
+            row.update(
+                {
+                    f"{label} learner us": f"{got['learner_us']:.0f}",
+                    f"{label} growth": f"{got['learner_us'] / first['learner_us'] - 1:+.0%}",
+                    f"{label} owner us": f"{got['owner_us']:.0f}",
+                    f"{label} M steps/s": f"{got['steps_per_s'] / 1e6:.3f}",
+                    f"{label} preempted per batch": f"{got['preempted']:.2f}",
+                    f"{label} waits per batch": f"{got['waited']:.2f}",
+                }
+            )
         rows.append(row)
     print(table(rows, [c for c in rows[0] if not c.endswith(("owner us", "per batch"))]))  # all in the JSON
-    write_json(args.out, {"benchmark": "owner_growth", "steps": STEPS, "rounds": args.rounds, "ahead": args.ahead,
-                          "local M steps/s": local["steps_per_s"] / 1e6, "rows": rows})
+    write_json(
+        args.out,
+        {
+            "benchmark": "owner_growth",
+            "steps": STEPS,
+            "rounds": args.rounds,
+            "ahead": args.ahead,
+            "local M steps/s": local["steps_per_s"] / 1e6,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

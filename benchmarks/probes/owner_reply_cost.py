@@ -12,6 +12,7 @@ it in two worktrees (``before_after.sh`` makes them) to compare two commits:
     (cd bench_out/before_after/trees/before && \
         PYTHONPATH=$PWD:$PWD/benchmarks python -S benchmarks/probes/owner_reply_cost.py)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,7 @@ def _timed(cls, name: str, into: list[float]) -> None:
             return original(*args, **kwargs)
         finally:
             into.append(time.thread_time() - start)
+
     setattr(cls, name, timed)
 
 
@@ -66,8 +68,13 @@ def main() -> None:
             self.picks = None
 
         def request(self) -> Message:
-            meta = {"selection": self.spec.to_json(), "count": self.count, "seed": self.seed, "read": True,
-                    "columns": len(self.columns or ())}
+            meta = {
+                "selection": self.spec.to_json(),
+                "count": self.count,
+                "seed": self.seed,
+                "read": True,
+                "columns": len(self.columns or ()),
+            }
             return Message(Op.SELECT, json.dumps(meta).encode())
 
     torch.set_num_threads(1)
@@ -77,9 +84,21 @@ def main() -> None:
         rb.extend(_rows(10_000, first))
     server = shard_server.ShardServer(storage.handle, SECRET, host="127.0.0.1", timeout=30.0)
     h = storage.handle
-    client = ShardClient(ShardDescriptor(shard=0, rank=0, host="bench", addr="127.0.0.1", port=server.address[1],
-                                         store_id=h.store_id, capacity=h.capacity, end_keys=list(h.end_keys),
-                                         traj_key=h.traj_key), SECRET, 30.0)
+    client = ShardClient(
+        ShardDescriptor(
+            shard=0,
+            rank=0,
+            host="bench",
+            addr="127.0.0.1",
+            port=server.address[1],
+            store_id=h.store_id,
+            capacity=h.capacity,
+            end_keys=list(h.end_keys),
+            traj_key=h.traj_key,
+        ),
+        SECRET,
+        30.0,
+    )
     columns = TableSpec.from_json(client.describe()["spec"]).columns
     reply_s: list[float] = []
     select_s: list[float] = []
@@ -88,26 +107,35 @@ def main() -> None:
     rows = []
     for spec, counts in ((PrioritySpec(alpha=0.6), (16, 256, 4096)), (WindowSpec(64), (4, 64, 256))):
         for count in counts:
+
             def ask(seed: int, spec=spec, count=count) -> None:
                 out = [torch.empty(count * spec.rows_per_pick, *c.row_shape, dtype=c.dtype) for c in columns]
                 picked = Flight([client], [SelectAsk(spec, count, seed, out)]).land()[0]
                 if isinstance(picked, BaseException):
                     raise picked
+
             for seed in range(20):  # warm up
                 ask(seed)
             reply_s.clear()
             select_s.clear()
             for seed in range(args.requests):
                 ask(seed)
-            rows.append({"rule": spec.kind, "count": count, "rows": count * spec.rows_per_pick,
-                         "reply us": f"{statistics.median(reply_s) * 1e6:.0f}",
-                         "select us": f"{statistics.median(select_s) * 1e6:.0f}"})
+            rows.append(
+                {
+                    "rule": spec.kind,
+                    "count": count,
+                    "rows": count * spec.rows_per_pick,
+                    "reply us": f"{statistics.median(reply_s) * 1e6:.0f}",
+                    "select us": f"{statistics.median(select_s) * 1e6:.0f}",
+                }
+            )
     client.close()
     server.close()
     storage.close()
     print(table(rows, list(rows[0])))
-    write_json(args.out, {"machine": machine(), "benchmark": "owner_reply_cost", "requests": args.requests,
-                          "rows": rows})
+    write_json(
+        args.out, {"machine": machine(), "benchmark": "owner_reply_cost", "requests": args.requests, "rows": rows}
+    )
 
 
 if __name__ == "__main__":

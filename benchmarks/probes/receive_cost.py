@@ -10,6 +10,7 @@ wait. ``--extension`` loads another build of the extension (a commit's before a 
 
     .venv/bin/python benchmarks/probes/receive_cost.py [--owners 1 8] [--batch 256] [--repeats 7] [--extension SO]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ def _load_extension(path: str | None):
     """The extension at ``path`` (another build), or this checkout's."""
     if path is None:
         from gear_torchrl.kernels import _C
+
         return _C
     spec = importlib.util.spec_from_file_location("gear_torchrl.kernels._C", path)
     assert spec is not None and spec.loader is not None
@@ -41,8 +43,9 @@ def _load_extension(path: str | None):
 
 
 def _columns(rows: int) -> list[torch.Tensor]:
-    return [torch.ones(rows, *shape) if i < 3 else torch.ones(rows, dtype=torch.bool)
-            for i, shape in enumerate(COLUMNS)]
+    return [
+        torch.ones(rows, *shape) if i < 3 else torch.ones(rows, dtype=torch.bool) for i, shape in enumerate(COLUMNS)
+    ]
 
 
 def _framed(op: int, arrays: list[torch.Tensor]) -> bytes:
@@ -71,10 +74,13 @@ class Round:
             self.firsts = [[i * share] * len(landing) for i in range(owners)]
         elif kind == "windows":
             mass = torch.tensor([1.0], dtype=torch.float64).view(torch.int64)
-            self.frame = _framed(Op.WINDOWS, [torch.cat([torch.tensor([10**5, picks]), mass]), starts, starts, starts,
-                                              *_columns(share)])
-            landing = [*(torch.empty(batch // SEQ_LEN, dtype=torch.int64) for _ in range(3)),
-                       *(torch.empty_like(c) for c in _columns(batch))]
+            self.frame = _framed(
+                Op.WINDOWS, [torch.cat([torch.tensor([10**5, picks]), mass]), starts, starts, starts, *_columns(share)]
+            )
+            landing = [
+                *(torch.empty(batch // SEQ_LEN, dtype=torch.int64) for _ in range(3)),
+                *(torch.empty_like(c) for c in _columns(batch)),
+            ]
             self.firsts = [[i * picks] * 3 + [i * share] * 4 for i in range(owners)]
         else:  # the floor: the same bytes as one array
             payload = torch.ones(sum(c.numel() * c.element_size() for c in _columns(share)), dtype=torch.uint8)
@@ -108,8 +114,9 @@ def _medians(rounds: dict[str, Round], repeats: int) -> dict[str, float]:
     def timed(kind: str) -> None:
         spent[kind] += rounds[kind]()
 
-    return interleaved_medians({k: functools.partial(timed, k) for k in rounds}, repeats=repeats, inner=200,
-                               clock=lambda: sum(spent.values()))
+    return interleaved_medians(
+        {k: functools.partial(timed, k) for k in rounds}, repeats=repeats, inner=200, clock=lambda: sum(spent.values())
+    )
 
 
 def main() -> None:
@@ -126,14 +133,21 @@ def main() -> None:
     for owners in args.owners:
         rounds = {kind: Round(extension, owners, args.batch, kind) for kind in ("rows", "windows", "raw")}
         got = _medians(rounds, args.repeats)
-        rows_out.append({"owners": owners, "batch": args.batch,
-                         **{f"{k} us": f"{got[k] * 1e6:.1f}" for k in rounds},
-                         "rows / raw": f"{got['rows'] / got['raw']:.2f}"})
+        rows_out.append(
+            {
+                "owners": owners,
+                "batch": args.batch,
+                **{f"{k} us": f"{got[k] * 1e6:.1f}" for k in rounds},
+                "rows / raw": f"{got['rows'] / got['raw']:.2f}",
+            }
+        )
         for r in rounds.values():
             r.close()
     print(table(rows_out, list(rows_out[0])))
-    write_json(args.out, {"benchmark": "receive_cost", "machine": machine(), "extension": args.extension or "this",
-                          "rows": rows_out})
+    write_json(
+        args.out,
+        {"benchmark": "receive_cost", "machine": machine(), "extension": args.extension or "this", "rows": rows_out},
+    )
 
 
 if __name__ == "__main__":

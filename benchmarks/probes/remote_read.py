@@ -16,6 +16,7 @@ nothing can move the same bytes over the same sockets faster. The learner measur
 
     .venv/bin/python benchmarks/probes/remote_read.py [--shards 1 2 4] [--rounds 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,7 @@ def _answer(conn: socket.socket, view: memoryview) -> None:
                 return
             n = _ASK.unpack(ask)[0]
             at = int(torch.randint(0, view.nbytes - n + 1, ()))
-            conn.sendall(view[at: at + n])
+            conn.sendall(view[at : at + n])
 
 
 def _owner(storage, rank: int) -> None:
@@ -96,19 +97,21 @@ def _learner(storage, shards: int, rounds: int, out) -> None:
         def one(i: int) -> None:
             raw[i].sendall(_ASK.pack(part))
             assert _C.recv_exact(raw[i].fileno(), sink[i], -1.0) == part  # the receive loop the transport uses
+
         list(pool.map(one, range(shards)))
 
     rows_rb = TensorDictReplayBuffer(storage=storage, batch_size=BATCH)
-    windows_rb = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(SEQ_LEN),
-                                        batch_size=SEQ_LEN * WINDOWS)
+    windows_rb = TensorDictReplayBuffer(
+        storage=storage, sampler=GearSequenceSampler(SEQ_LEN), batch_size=SEQ_LEN * WINDOWS
+    )
     rows_rb.sample()
     spec = storage._shards.links.table(0)
     per_shard = BATCH // shards
     # fresh rows on every call (cycling through 32 batches), as sampling gets: no batch stays in cache
-    row_reads = [[Windows.of_rows(torch.randint(0, ROWS, (per_shard,))) for _ in range(shards)]
-                 for _ in range(32)]
-    window_reads = [[_windows(torch.randint(0, ROWS - SEQ_LEN, (per_shard // SEQ_LEN,))) for _ in range(shards)]
-                    for _ in range(32)]
+    row_reads = [[Windows.of_rows(torch.randint(0, ROWS, (per_shard,))) for _ in range(shards)] for _ in range(32)]
+    window_reads = [
+        [_windows(torch.randint(0, ROWS - SEQ_LEN, (per_shard // SEQ_LEN,))) for _ in range(shards)] for _ in range(32)
+    ]
     blocks = [storage._shards.links.empty_columns(spec, per_shard) for _ in range(shards)]
 
     def reader(batches):
@@ -117,10 +120,16 @@ def _learner(storage, shards: int, rounds: int, out) -> None:
         def read() -> None:
             requests = batches[next(turn) % len(batches)]
             list(pool.map(lambda i: storage._shards.links.client(i).read(requests[i], blocks[i]), range(shards)))
+
         return read
 
-    contenders = {"raw": raw_batch, "read rows": reader(row_reads), "read windows": reader(window_reads),
-                  "sample rows": rows_rb.sample, "sample windows": windows_rb.sample}
+    contenders = {
+        "raw": raw_batch,
+        "read rows": reader(row_reads),
+        "read windows": reader(window_reads),
+        "sample rows": rows_rb.sample,
+        "sample windows": windows_rb.sample,
+    }
     samples: dict[str, list[float]] = {k: [] for k in contenders}
     for fn in contenders.values():
         fn()
@@ -176,8 +185,13 @@ def main() -> None:
     rows = []
     for shards in args.shards:
         gbps = run(shards, args.rounds)
-        rows.append({"shards": shards, **{f"{k} GB/s": f"{v:.2f}" for k, v in gbps.items()},
-                     **{f"{k} / raw": f"{v / gbps['raw']:.2f}" for k, v in gbps.items() if k != "raw"}})
+        rows.append(
+            {
+                "shards": shards,
+                **{f"{k} GB/s": f"{v:.2f}" for k, v in gbps.items()},
+                **{f"{k} / raw": f"{v / gbps['raw']:.2f}" for k, v in gbps.items() if k != "raw"},
+            }
+        )
         print(table(rows[-1:], list(rows[-1])), flush=True)
     print(table(rows, list(rows[0])))
     write_json(args.out, {"benchmark": "remote_read", "obs_floats": OBS, "batch": BATCH, "rows": rows})

@@ -11,6 +11,7 @@ interpreter's own locks). ``--ahead N`` samples with ``storage.prefetch = N`` (N
 
     .venv/bin/python benchmarks/probes/round_syscalls.py [--owners 1 8] [--batch 256] [--batches 50] [--ahead 0]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,11 +42,13 @@ def _rank(rank: int, world: int, port: int, owners: int, batch: int, batches: in
     from gear_torchrl import ShardedGearStorage
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     learner = rank == world - 1
-    storage = ShardedGearStorage(STEPS // owners, owns_shard=not learner, transport="tcp", serve_on="127.0.0.1",
-                                 timeout=60)
+    storage = ShardedGearStorage(
+        STEPS // owners, owns_shard=not learner, transport="tcp", serve_on="127.0.0.1", timeout=60
+    )
     if storage.local is not None:
         _fill(storage.local, STEPS // owners, rank * STEPS)
     dist.barrier()
@@ -74,27 +77,51 @@ def _traced(owners: int, batch: int, batches: int, ahead: int) -> dict[str, obje
     with tempfile.TemporaryDirectory() as folder:
         trace = Path(folder) / "trace"
         python = [sys.executable, "-S"] if sys.flags.no_site else [sys.executable]  # (another tree's run)
-        subprocess.run(["strace", "-f", "-qq", "-e", "trace=!futex", "-o", str(trace), *python, __file__,
-                        "--world", str(owners), "--batch", str(batch), "--batches", str(batches),
-                        "--ahead", str(ahead)], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                "strace",
+                "-f",
+                "-qq",
+                "-e",
+                "trace=!futex",
+                "-o",
+                str(trace),
+                *python,
+                __file__,
+                "--world",
+                str(owners),
+                "--batch",
+                str(batch),
+                "--batches",
+                str(batches),
+                "--ahead",
+                str(ahead),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         lines = trace.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if _START in line)
     end = next(i for i, line in enumerate(lines) if _END in line and i > start)
     learner = lines[start].split()[0]
-    window = [m for line in lines[start + 1:end] if "<..." not in line and (m := _CALL.match(line)) is not None]
+    window = [m for line in lines[start + 1 : end] if "<..." not in line and (m := _CALL.match(line)) is not None]
     serving = {m.group(1) for m in window if m.group(1) != learner and m.group(2) == "sendto"}  # owners' threads
     learner_calls = collections.Counter(m.group(2) for m in window if m.group(1) == learner)
     owner_calls = collections.Counter(m.group(2) for m in window if m.group(1) in serving)
     learner_calls.pop("write", None)  # the marks
     per_batch = {k: v / batches for k, v in sorted(learner_calls.items())}
     per_request = {k: v / (batches * owners) for k, v in sorted(owner_calls.items())}
-    return {"owners": owners, "batch": batch, "ahead": ahead,
-            "learner calls per batch": f"{sum(per_batch.values()):.1f}",
-            "learner per owner": f"{sum(per_batch.values()) / owners:.2f}",
-            "learner": " ".join(f"{k} {v:.2f}" for k, v in per_batch.items()),
-            "owner calls per request": f"{sum(per_request.values()):.2f}",
-            "owner": " ".join(f"{k} {v:.2f}" for k, v in per_request.items())}
+    return {
+        "owners": owners,
+        "batch": batch,
+        "ahead": ahead,
+        "learner calls per batch": f"{sum(per_batch.values()):.1f}",
+        "learner per owner": f"{sum(per_batch.values()) / owners:.2f}",
+        "learner": " ".join(f"{k} {v:.2f}" for k, v in per_batch.items()),
+        "owner calls per request": f"{sum(per_request.values()):.2f}",
+        "owner": " ".join(f"{k} {v:.2f}" for k, v in per_request.items()),
+    }
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ windows of ``--calls`` calls each, the two in turns, µs per split.
 
     .venv/bin/python benchmarks/probes/split_cost.py [--owners 2 8 64] [--batch 256]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,10 @@ def _contenders(owners: int, batch: int) -> dict:
     """Ours and torch's split of ``batch`` rows over ``owners`` of equal mass, each from a seeded generator."""
     masses, generator = [1e5] * owners, torch.Generator().manual_seed(0)
     weights = torch.tensor(masses)
-    return {"ours": lambda: _C.draw_shares(masses, batch, generator),
-            "torch": lambda: torch.multinomial(weights, batch, True, generator=generator).bincount(minlength=owners)}
+    return {
+        "ours": lambda: _C.draw_shares(masses, batch, generator),
+        "torch": lambda: torch.multinomial(weights, batch, True, generator=generator).bincount(minlength=owners),
+    }
 
 
 def main() -> None:
@@ -38,9 +41,15 @@ def main() -> None:
     rows = []
     for n in args.owners:
         got = interleaved_medians(_contenders(n, args.batch), repeats=args.repeats, inner=args.calls)
-        rows.append({"owners": n, "batch": args.batch, "draw_shares us": f"{got['ours'] * 1e6:.2f}",
-                     "torch.multinomial us": f"{got['torch'] * 1e6:.2f}",
-                     "torch / ours": f"{got['torch'] / got['ours']:.1f}"})
+        rows.append(
+            {
+                "owners": n,
+                "batch": args.batch,
+                "draw_shares us": f"{got['ours'] * 1e6:.2f}",
+                "torch.multinomial us": f"{got['torch'] * 1e6:.2f}",
+                "torch / ours": f"{got['torch'] / got['ours']:.1f}",
+            }
+        )
     print(table(rows, list(rows[0])))
     write_json(args.out, {"benchmark": "split_cost", "rows": rows})
 

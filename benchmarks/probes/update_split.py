@@ -8,6 +8,7 @@ turns (one thread):
 
     .venv/bin/python benchmarks/probes/update_split.py [--batch 256] [--repeats 7] [--out FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,12 +63,24 @@ def main() -> None:
         rows = torch.randint(0, ROWS, (args.batch,), generator=generator)
         priority = torch.rand(args.batch, generator=generator) + 0.1
         assert in_tensor_ops(shards, rows, priority) == in_one_call(shards, rows, priority, owners)
-        got = interleaved_medians({"tensor ops": functools.partial(in_tensor_ops, shards, rows, priority),
-                                   "one call": functools.partial(in_one_call, shards, rows, priority, owners)},
-                                  repeats=args.repeats, inner=200, clock=time.process_time)
-        rows_out.append({"owners": owners, "batch": args.batch, "tensor ops us": f"{got['tensor ops'] * 1e6:.1f}",
-                         "one call us": f"{got['one call'] * 1e6:.1f}",
-                         "speedup": f"{got['tensor ops'] / got['one call']:.1f}"})
+        got = interleaved_medians(
+            {
+                "tensor ops": functools.partial(in_tensor_ops, shards, rows, priority),
+                "one call": functools.partial(in_one_call, shards, rows, priority, owners),
+            },
+            repeats=args.repeats,
+            inner=200,
+            clock=time.process_time,
+        )
+        rows_out.append(
+            {
+                "owners": owners,
+                "batch": args.batch,
+                "tensor ops us": f"{got['tensor ops'] * 1e6:.1f}",
+                "one call us": f"{got['one call'] * 1e6:.1f}",
+                "speedup": f"{got['tensor ops'] / got['one call']:.1f}",
+            }
+        )
     print(table(rows_out, list(rows_out[0])))
     write_json(args.out, {"benchmark": "update_split", "machine": machine(), "rows": rows_out})
 

@@ -13,6 +13,7 @@ document-causal attention that trains anywhere ``scaled_dot_product_attention``
 does (FlexAttention has no backward on a CPU in torch 2.14, and SDPA on nested
 jagged tensors no causal CPU kernel).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,7 +25,11 @@ from tensordict import TensorDictBase
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 __all__ = [
-    "LengthBuckets", "document_causal_block_mask", "document_causal_mask_mod", "nested_view", "unnest",
+    "LengthBuckets",
+    "document_causal_block_mask",
+    "document_causal_mask_mod",
+    "nested_view",
+    "unnest",
     "varlen_inputs",
 ]
 
@@ -151,8 +156,9 @@ class _Rows(torch.autograd.Function):
     scatter-add: exact where each row of ``x`` lands in one output row at most, named by ``backward_rows``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, forward_rows: torch.Tensor, backward_rows: torch.Tensor,
-                keep: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, forward_rows: torch.Tensor, backward_rows: torch.Tensor, keep: torch.Tensor | None
+    ) -> torch.Tensor:
         ctx.save_for_backward(backward_rows, keep)
         return x.index_select(0, forward_rows)
 
@@ -213,7 +219,7 @@ class LengthBuckets:
         slotted = _Rows.apply(qkv, self.slot_row, self.row_slot, None)
         outs = []
         for first, count, longest in self.blocks:
-            block = slotted[first:first + count * longest].view(count, longest, *qkv.shape[1:])
+            block = slotted[first : first + count * longest].view(count, longest, *qkv.shape[1:])
             q, k, v = block.permute(2, 0, 3, 1, 4).unbind(0)  # each [count, heads, longest, head_dim]
             outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(0, 1))
         return _Rows.apply(torch.cat(outs), self.row_slot, self.slot_row, self.valid)

@@ -11,6 +11,7 @@ reads what TorchRL's ``TensorStorageCheckpointer`` saved (``LazyTensorStorage``,
 ``LazyMemmapStorage``): a buffer moves between the storages through its
 checkpoints, both ways (``torchrl_layout.py``).
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -12,6 +12,7 @@ store: the transfer) of the next batches with the training step.
 safe, else from a forkserver) rather than spawned: a spawned worker imports
 torch and torchrl again before its first batch (spawn is TorchRL's default).
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -35,8 +36,9 @@ class GearDataset(IterableDataset):
     is the sampler's job, so the loader must neither batch nor convert again.
     """
 
-    def __init__(self, replay_buffer: Any, batch_size: int | None = None, num_batches: int | None = None,
-                 prefetch: int = 0) -> None:
+    def __init__(
+        self, replay_buffer: Any, batch_size: int | None = None, num_batches: int | None = None, prefetch: int = 0
+    ) -> None:
         if batch_size is None and getattr(replay_buffer, "_batch_size", None) is None:
             raise ValueError("give batch_size, or build the replay buffer with one")
         if num_batches is not None and num_batches < 0:
@@ -193,8 +195,14 @@ def worker_context() -> multiprocessing.context.BaseContext | None:
     return context
 
 
-_PRELOAD = ["torch", "tensordict", "torchrl.data", "gear_torchrl.adapters.storage", "gear_torchrl.adapters.samplers",
-            "gear_torchrl.adapters.dataset"]
+_PRELOAD = [
+    "torch",
+    "tensordict",
+    "torchrl.data",
+    "gear_torchrl.adapters.storage",
+    "gear_torchrl.adapters.samplers",
+    "gear_torchrl.adapters.dataset",
+]
 
 
 def _reseed_copy(replay_buffer: Any, seed: int) -> None:

@@ -10,6 +10,7 @@ slot. The main process copies the slot out in one memcpy, frees it, and
 rebuilds the batch (any pytree: TensorDicts, tuples, dicts) around views of
 that copy. A counting semaphore per worker holds the number of free slots.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -86,8 +87,16 @@ class Ticket:
 
     __slots__ = ("buffer", "generation", "inline", "layout", "slot", "token", "worker")
 
-    def __init__(self, token: int, worker: int, generation: int, slot: int, inline: dict[int, Any],
-                 buffer: torch.Tensor | None = None, layout: SlotLayout | None = None) -> None:
+    def __init__(
+        self,
+        token: int,
+        worker: int,
+        generation: int,
+        slot: int,
+        inline: dict[int, Any],
+        buffer: torch.Tensor | None = None,
+        layout: SlotLayout | None = None,
+    ) -> None:
         self.token, self.worker, self.generation, self.slot = token, worker, generation, slot
         self.inline, self.buffer, self.layout = inline, buffer, layout
 
@@ -150,8 +159,15 @@ class SlotWriter:
                     inline[i] = leaf
                 else:
                     _view(buffer, base, place).copy_(leaf)
-        return Ticket(self.plan.token, self.worker, self.generation, slot, inline,
-                      buffer if fresh else None, layout if fresh else None)
+        return Ticket(
+            self.plan.token,
+            self.worker,
+            self.generation,
+            slot,
+            inline,
+            buffer if fresh else None,
+            layout if fresh else None,
+        )
 
     def _acquire(self) -> None:
         """Wait for a free slot; give up when the main process is gone (it would never free one)."""
@@ -179,17 +195,18 @@ class SlotReader:
                 self.buffers[ticket.worker] = (ticket.generation, ticket.buffer, ticket.layout)
             generation, buffer, layout = self.buffers[ticket.worker]
             if generation != ticket.generation:
-                raise RuntimeError(f"worker {ticket.worker} sent a ticket of layout {ticket.generation} "
-                                   f"while its buffer has layout {generation}")
+                raise RuntimeError(
+                    f"worker {ticket.worker} sent a ticket of layout {ticket.generation} "
+                    f"while its buffer has layout {generation}"
+                )
             base = ticket.slot * layout.slot_bytes
             flat = torch.empty(layout.slot_bytes, dtype=torch.uint8, pin_memory=pin)
             # numpy's single-threaded memcpy: torch's copy_ would wake the intra-op thread pool for
             # a few microseconds of work, and its threads spin on cores the workers need
-            np.copyto(flat.numpy(), buffer[base: base + layout.slot_bytes].numpy())
+            np.copyto(flat.numpy(), buffer[base : base + layout.slot_bytes].numpy())
             self.plan.free[ticket.worker].release()
             self.through_slots += 1
-        leaves = [ticket.inline[i] if place is None else _view(flat, 0, place)
-                  for i, place in enumerate(layout.leaves)]
+        leaves = [ticket.inline[i] if place is None else _view(flat, 0, place) for i, place in enumerate(layout.leaves)]
         return tree_unflatten(leaves, layout.spec)
 
     def close(self) -> None:
@@ -230,8 +247,13 @@ def _fill(semaphore: Any, count: int) -> None:
 
 
 def _slottable(leaf: Any) -> bool:
-    return isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and not leaf.is_sparse \
-        and not leaf.is_quantized and not leaf.is_nested
+    return (
+        isinstance(leaf, torch.Tensor)
+        and leaf.device.type == "cpu"
+        and not leaf.is_sparse
+        and not leaf.is_quantized
+        and not leaf.is_nested
+    )
 
 
 def _round_up(n: int) -> int:
@@ -240,4 +262,4 @@ def _round_up(n: int) -> int:
 
 def _view(flat: torch.Tensor, base: int, place: Leaf) -> torch.Tensor:
     start = base + place.offset
-    return flat[start: start + place.nbytes].view(place.dtype).view(place.shape)
+    return flat[start : start + place.nbytes].view(place.dtype).view(place.shape)

@@ -6,6 +6,7 @@ index names time rows (every env's step at those times), and single steps are
 return) or an ``[N, 2]`` tensor (what its writers report). Step ``(t, e)`` is
 row ``t * num_envs + e`` (``store/addressing.py``).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -23,7 +24,8 @@ def refuse_unsupported(kwargs: dict[str, Any]) -> None:
         raise NotImplementedError(
             f"GearStorage(ndim=2) keeps its rows and batches on the CPU so far (got device={str(device)!r}, "
             f"memory={kwargs.get('memory', 'host')!r}): its reads of (time, env) coordinates are untested on a "
-            "GPU. Move sampled batches with .to('cuda'), or use an ndim=1 storage with a trajectory key")
+            "GPU. Move sampled batches with .to('cuda'), or use an ndim=1 storage with a trajectory key"
+        )
 
 
 def is_int(index: Any) -> bool:

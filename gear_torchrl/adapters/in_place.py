@@ -1,5 +1,6 @@
 """TorchRL's in-place writes into a ``GearStorage`` (``rb.set_``, ``update_if_present``) and its own checkpointers,
 which read and write every row slot through ``_storage``."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ class InPlaceWrites(TensorStorage):
     device: torch.device
 
     if TYPE_CHECKING:  # GearStorage's: a copy in another process refuses writes
+
         def check_writable_here(self) -> None: ...
 
     def _bump_mutation_revision(self) -> None:
@@ -34,19 +36,24 @@ class InPlaceWrites(TensorStorage):
                 f"rb.set_ / set_at_ / update_ write in place into storage[:], which for this GearStorage "
                 f"({'shared' if self.shared else f'batches on {self.device}'}) is a copy: the write did not "
                 "reach the stored rows. Write rows with rb.extend / rb[index] = data instead"
-                + (" (a shared store takes appends only)." if self.shared else "."))
+                + (" (a shared store takes appends only)." if self.shared else ".")
+            )
         self._rows_changed_in_place()
 
     def _conditional_patch_leaf(self, key: NestedKey) -> torch.Tensor:
         """The stored column ``key``, which TorchRL's ``rb.update_if_present`` patches in place."""
         self.check_writable_here()
         if self.shared:
-            raise NotImplementedError("rb.update_if_present writes rows in place; a shared GearStorage takes "
-                                      "appends only (another process could be reading the rows)")
+            raise NotImplementedError(
+                "rb.update_if_present writes rows in place; a shared GearStorage takes "
+                "appends only (another process could be reading the rows)"
+            )
         column = self._shard.column(key)
         if column is None:
-            raise KeyError(f"key {key!r} is not stored; conditional patches can only target stored keys "
-                           f"({'nothing is stored yet' if self._shard.table is None else self._shard.table.keys})")
+            raise KeyError(
+                f"key {key!r} is not stored; conditional patches can only target stored keys "
+                f"({'nothing is stored yet' if self._shard.table is None else self._shard.table.keys})"
+            )
         return column
 
     def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[NestedKey, torch.Tensor]) -> None:
@@ -82,7 +89,8 @@ class InPlaceWrites(TensorStorage):
         if not self._shard.slice_views_possible or self._shard.table is None:
             raise AttributeError(
                 "GearStorage._storage (what TorchRL's own checkpointers read and write) exists only for a "
-                "local store with rows on the CPU that holds data; use the default GearStorageCheckpointer")
+                "local store with rows on the CPU that holds data; use the default GearStorageCheckpointer"
+            )
         return self._shard.slice_views(slice(None), all_slots=True)
 
     def _init(self, row: Data) -> None:  # type: ignore[override]  # as LazyTensorStorage's: laid out for a row

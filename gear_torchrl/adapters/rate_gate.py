@@ -10,6 +10,7 @@ append queued behind it fails too and the writers' cursor goes back to the
 first failed row: no gap is ever left in the ring, and nothing is written out
 of order.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,9 @@ class AppendTurns:
             self._queue.append(turn)
             return turn
 
-    def wait(self, turn: _Turn, deadline: float | None,
-             released: Callable[[], contextlib.AbstractContextManager]) -> None:
+    def wait(
+        self, turn: _Turn, deadline: float | None, released: Callable[[], contextlib.AbstractContextManager]
+    ) -> None:
         """Until every earlier append is done; raise if one of them failed (our rows would follow a gap)."""
         while True:
             with self._cond:
@@ -55,8 +57,10 @@ class AppendTurns:
                     return
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise RateLimiterTimeout("an append waited past the rate limiter's timeout behind earlier "
-                                             "appends of this process that are still blocked")
+                    raise RateLimiterTimeout(
+                        "an append waited past the rate limiter's timeout behind earlier "
+                        "appends of this process that are still blocked"
+                    )
             with released(), self._cond:
                 self._cond.wait(WAIT_SLICE_S if remaining is None else min(remaining, WAIT_SLICE_S))
 
@@ -73,7 +77,8 @@ class AppendTurns:
             for later in failed[1:]:
                 later.failed = RateLimiterTimeout(
                     f"an earlier append of this process failed ({type(error).__name__}: {error}); this one was "
-                    "queued behind it and was not written either, so the ring keeps no gap")
+                    "queued behind it and was not written either, so the ring keeps no gap"
+                )
             for each in failed:
                 self._queue.remove(each)
             self._cond.notify_all()
@@ -93,8 +98,9 @@ class RateGate:
         self._turns = AppendTurns()
 
     @contextlib.contextmanager
-    def append(self, first: Any, rows: int, rewind: Callable[[Any, int], None],
-               steps: int | None = None) -> Iterator[None]:
+    def append(
+        self, first: Any, rows: int, rewind: Callable[[Any, int], None], steps: int | None = None
+    ) -> Iterator[None]:
         """Around one append of ``rows`` rows (TorchRL's writer positions) holding ``steps`` steps (default:
         one per row): its turn, then the limiter's admission of the steps, then the write.
 
@@ -177,6 +183,7 @@ class RateLimitedStorage:
     _gate: RateGate | None = None
 
     if TYPE_CHECKING:  # TorchRL's Storage, which every subclass derives from too
+
         @property
         def _attached_entities(self) -> list[Any]: ...  # the replay buffers using this storage
 
@@ -190,8 +197,10 @@ class RateLimitedStorage:
     @rate_limiter.setter
     def rate_limiter(self, limiter: RateLimiter | None) -> None:
         if limiter is not None and not isinstance(limiter, RateLimiter):
-            raise TypeError(f"rate_limiter must be a RateLimiter (MinSize, SampleToInsertRatio, ...) or None, "
-                            f"got {type(limiter).__name__}")
+            raise TypeError(
+                f"rate_limiter must be a RateLimiter (MinSize, SampleToInsertRatio, ...) or None, "
+                f"got {type(limiter).__name__}"
+            )
         if limiter is not None:
             for buffer in self._attached_entities:
                 check_sampler_is_gated(getattr(buffer, "_sampler", None))
@@ -211,15 +220,15 @@ class RateLimitedStorage:
     def _rate_counters(self) -> LocalRateCounters | SharedRateCounters:
         return LocalRateCounters()
 
-
     def _publish_rate_limiter(self, limiter: RateLimiter | None) -> None:
         """Where other processes must learn of the rule (a shared store), tell them."""
 
     def _current_gate(self) -> RateGate | None:
         return self._gate
 
-    def _appending(self, first: Any, rows: int, rewind: Callable[[Any, int], None],
-                   steps: int | None = None) -> contextlib.AbstractContextManager:
+    def _appending(
+        self, first: Any, rows: int, rewind: Callable[[Any, int], None], steps: int | None = None
+    ) -> contextlib.AbstractContextManager:
         gate = self._current_gate()
         return contextlib.nullcontext() if gate is None else gate.append(first, rows, rewind, steps)
 
@@ -246,4 +255,5 @@ def check_sampler_is_gated(sampler: Any) -> None:
     raise TypeError(
         f"{type(sampler).__name__} draws rows without asking the storage, so the storage's rate limiter cannot "
         "count or hold back its samples. Use TorchRL's RandomSampler (the default) or a gear sampler "
-        "(GearPrioritizedSampler for PrioritizedSampler, GearSequenceSampler for SliceSampler, ...)")
+        "(GearPrioritizedSampler for PrioritizedSampler, GearSequenceSampler for SliceSampler, ...)"
+    )

@@ -8,6 +8,7 @@ gear sampler obeys it. ``limiter.attach(rb)`` is the same, set on ``rb.storage``
 A call the rule forbids waits until another thread or process makes room, or
 raises :class:`RateLimiterTimeout` after ``timeout`` seconds.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,11 +37,19 @@ class RateLimiter:
     are the store's, with the rule, so every process attached to it obeys them.
     """
 
-    def __init__(self, samples_per_insert: float, min_size_to_sample: int, min_diff: float, max_diff: float,
-                 timeout: float | None = 60.0) -> None:
+    def __init__(
+        self,
+        samples_per_insert: float,
+        min_size_to_sample: int,
+        min_diff: float,
+        max_diff: float,
+        timeout: float | None = 60.0,
+    ) -> None:
         if not samples_per_insert > 0 or min_size_to_sample < 1 or not min_diff <= max_diff:
-            raise ValueError(f"need samples_per_insert > 0, min_size_to_sample >= 1 and min_diff <= max_diff; got "
-                             f"{samples_per_insert}, {min_size_to_sample}, {min_diff}, {max_diff}")
+            raise ValueError(
+                f"need samples_per_insert > 0, min_size_to_sample >= 1 and min_diff <= max_diff; got "
+                f"{samples_per_insert}, {min_size_to_sample}, {min_diff}, {max_diff}"
+            )
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds or None (wait forever), got {timeout}")
         self.samples_per_insert = samples_per_insert
@@ -51,13 +60,13 @@ class RateLimiter:
 
     @property
     def numbers(self) -> RuleNumbers:
-        return RuleNumbers(self.samples_per_insert, self.min_size_to_sample, self.min_diff, self.max_diff,
-                           self.timeout)
+        return RuleNumbers(self.samples_per_insert, self.min_size_to_sample, self.min_diff, self.max_diff, self.timeout)
 
     @staticmethod
     def from_numbers(numbers: RuleNumbers) -> RateLimiter:
-        return RateLimiter(numbers.samples_per_insert, numbers.min_size_to_sample, numbers.min_diff,
-                           numbers.max_diff, numbers.timeout)
+        return RateLimiter(
+            numbers.samples_per_insert, numbers.min_size_to_sample, numbers.min_diff, numbers.max_diff, numbers.timeout
+        )
 
     def count_in(self, counters: LocalRateCounters | SharedRateCounters) -> None:
         """Count in ``counters`` (a storage's) from now on."""
@@ -97,20 +106,31 @@ class RateLimiter:
         return self.sample_allowed(self._counters.counts(), num_rows)
 
     # -- waiting, checking and counting in one step ---------------------------------------------
-    def admit_insert(self, num_rows: int, *, deadline: float | None = None,
-                     while_waiting: Released = contextlib.nullcontext) -> None:
+    def admit_insert(
+        self, num_rows: int, *, deadline: float | None = None, while_waiting: Released = contextlib.nullcontext
+    ) -> None:
         """Wait until ``num_rows`` may be inserted and count them as admitted (on their way)."""
-        self._admit("insert", num_rows, lambda c: self.insert_allowed(c, num_rows), deadline, while_waiting,
-                    admitted=num_rows)
+        self._admit(
+            "insert", num_rows, lambda c: self.insert_allowed(c, num_rows), deadline, while_waiting, admitted=num_rows
+        )
 
-    def admit_sample(self, num_rows: int, *, deadline: float | None = None,
-                     while_waiting: Released = contextlib.nullcontext) -> None:
+    def admit_sample(
+        self, num_rows: int, *, deadline: float | None = None, while_waiting: Released = contextlib.nullcontext
+    ) -> None:
         """Wait until ``num_rows`` may be sampled and count them sampled."""
-        self._admit("sample", num_rows, lambda c: self.sample_allowed(c, num_rows), deadline, while_waiting,
-                    sampled=num_rows)
+        self._admit(
+            "sample", num_rows, lambda c: self.sample_allowed(c, num_rows), deadline, while_waiting, sampled=num_rows
+        )
 
-    def _admit(self, what: str, num_rows: int, allowed: Callable[[Counts], bool], deadline: float | None,
-               while_waiting: Released, **count: int) -> None:
+    def _admit(
+        self,
+        what: str,
+        num_rows: int,
+        allowed: Callable[[Counts], bool],
+        deadline: float | None,
+        while_waiting: Released,
+        **count: int,
+    ) -> None:
         if deadline is None and self.timeout is not None:
             deadline = time.monotonic() + self.timeout
         while (version := self._counters.take(allowed, **count)) is not None:
@@ -118,7 +138,8 @@ class RateLimiter:
             if remaining <= 0:
                 raise RateLimiterTimeout(
                     f"{type(self).__name__}: {what} of {num_rows} rows blocked for {self.timeout}s "
-                    f"(inserted {self.inserts}, sampled {self.samples}): {self._why_blocked(what)}")
+                    f"(inserted {self.inserts}, sampled {self.samples}): {self._why_blocked(what)}"
+                )
             with while_waiting():
                 self._counters.wait_past(version, min(remaining, WAIT_SLICE_S))
 
@@ -143,8 +164,10 @@ class RateLimiter:
     def _why_blocked(self, what: str) -> str:
         if what == "sample" and self.committed < self.min_size_to_sample:
             return f"sampling needs {self.min_size_to_sample} inserted rows"
-        return (f"the sample/insert ratio must stay within {self.samples_per_insert} "
-                f"± error buffer ({self.min_diff}..{self.max_diff} in samples)")
+        return (
+            f"the sample/insert ratio must stay within {self.samples_per_insert} "
+            f"± error buffer ({self.min_diff}..{self.max_diff} in samples)"
+        )
 
     # -- a buffer's storage holds it ------------------------------------------------------------------
     def attach(self, rb: Any) -> Any:
@@ -160,17 +183,21 @@ class RateLimiter:
 
         storage = rb.storage
         if not hasattr(type(storage), "rate_limiter"):
-            raise TypeError(f"a rate limiter lives in a GearStorage or ShardedGearStorage, which gate their own "
-                            f"writes and draws; {type(storage).__name__} cannot hold one")
+            raise TypeError(
+                f"a rate limiter lives in a GearStorage or ShardedGearStorage, which gate their own "
+                f"writes and draws; {type(storage).__name__} cannot hold one"
+            )
         if type(rb.sampler) is RandomSampler:
             rb.set_sampler(GearUniformSampler())
         storage.rate_limiter = self
         return rb
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(samples_per_insert={self.samples_per_insert}, min_size_to_sample="
-                f"{self.min_size_to_sample}, min_diff={self.min_diff}, max_diff={self.max_diff}, "
-                f"timeout={self.timeout})")
+        return (
+            f"{type(self).__name__}(samples_per_insert={self.samples_per_insert}, min_size_to_sample="
+            f"{self.min_size_to_sample}, min_diff={self.min_diff}, max_diff={self.max_diff}, "
+            f"timeout={self.timeout})"
+        )
 
 
 class MinSize(RateLimiter):
@@ -190,13 +217,16 @@ class SampleToInsertRatio(RateLimiter):
     ``offset ± error_buffer``.
     """
 
-    def __init__(self, samples_per_insert: float, min_size_to_sample: int, error_buffer: float,
-                 timeout: float | None = 60.0) -> None:
+    def __init__(
+        self, samples_per_insert: float, min_size_to_sample: int, error_buffer: float, timeout: float | None = 60.0
+    ) -> None:
         if samples_per_insert <= 0 or min_size_to_sample < 1 or error_buffer < 0:
             raise ValueError("need samples_per_insert > 0, min_size_to_sample >= 1 and error_buffer >= 0")
         if error_buffer < samples_per_insert:
             # Reverb's own check: a smaller buffer can block both sides forever.
-            raise ValueError(f"error_buffer ({error_buffer}) must be at least samples_per_insert "
-                             f"({samples_per_insert}) or inserts and samples can deadlock")
+            raise ValueError(
+                f"error_buffer ({error_buffer}) must be at least samples_per_insert "
+                f"({samples_per_insert}) or inserts and samples can deadlock"
+            )
         offset = samples_per_insert * min_size_to_sample
         super().__init__(samples_per_insert, min_size_to_sample, offset - error_buffer, offset + error_buffer, timeout)

@@ -8,6 +8,7 @@ This file is the TorchRL face only; selection across shards, connections and
 the failure policy live in ``distributed/shard_set.py``, joining the job in
 ``distributed/bootstrap.py``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +34,10 @@ from gear_torchrl.store.table_spec import Data, NestedKey
 
 TransportName = Literal["auto", "tcp", "local", "rdma"]
 _UNIFORM = UniformSpec().build(0)  # what TorchRL's RandomSampler asks for
-_NO_STATE_DICT = ("a sharded store's rows stay on their owners: save it with rb.dumps(path), which every owner "
-                  "writes its shard to, not with a state dict")
+_NO_STATE_DICT = (
+    "a sharded store's rows stay on their owners: save it with rb.dumps(path), which every owner "
+    "writes its shard to, not with a state dict"
+)
 
 
 class ShardedGearStorage(TableStorage):
@@ -115,8 +118,14 @@ class ShardedGearStorage(TableStorage):
         options = Options(transport, on_shard_failure, timeout, pin_memory, prefetch)
         local = GearStorage(max_size, shared=True, end_keys=end_keys, traj_key=traj_key) if owns_shard else None
         try:
-            membership = join(None if local is None else local.shard, group=group, name=name, serve_on=serve_on,
-                              timeout=timeout, heartbeat_s=heartbeat_s)
+            membership = join(
+                None if local is None else local.shard,
+                group=group,
+                name=name,
+                serve_on=serve_on,
+                timeout=timeout,
+                heartbeat_s=heartbeat_s,
+            )
         except BaseException:
             if local is not None:
                 local.close()
@@ -128,8 +137,15 @@ class ShardedGearStorage(TableStorage):
         self._setup(membership.descriptors, membership.secret, options, membership.control, dist.get_rank(), served)
         self._local, self._membership, self.shard_id = local, membership, membership.shard_id
 
-    def _setup(self, descriptors: list[ShardDescriptor], secret: bytes, options: Options, control: Any = None,
-               rank: int | None = None, served: tuple[int, Any] | None = None) -> None:
+    def _setup(
+        self,
+        descriptors: list[ShardDescriptor],
+        secret: bytes,
+        options: Options,
+        control: Any = None,
+        rank: int | None = None,
+        served: tuple[int, Any] | None = None,
+    ) -> None:
         """The reader half, which every copy of the storage has (see ``__reduce__``)."""
         Storage.__init__(self, sum(d.capacity for d in descriptors))
         self.ndim = 1
@@ -250,11 +266,16 @@ class ShardedGearStorage(TableStorage):
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         """Append to this rank's own shard (a replay buffer's ``extend`` on an owning rank)."""
         if self._local is None:
-            raise NotImplementedError("this rank owns no shard, so it cannot write: write on a rank built with "
-                                      "owns_shard=True (through this storage or `storage.local`), or from actors "
-                                      "with a TrajectoryWriter on `storage.local`")
-        appending = self._appending(None, torch.as_tensor(cursor).numel(), lambda *_: None) if set_cursor \
+            raise NotImplementedError(
+                "this rank owns no shard, so it cannot write: write on a rank built with "
+                "owns_shard=True (through this storage or `storage.local`), or from actors "
+                "with a TrajectoryWriter on `storage.local`"
+            )
+        appending = (
+            self._appending(None, torch.as_tensor(cursor).numel(), lambda *_: None)
+            if set_cursor
             else contextlib.nullcontext()
+        )
         with appending:
             self._local.set(cursor, data, set_cursor=set_cursor)
         if self.shard_id is not None:  # set with self._local
@@ -294,8 +315,10 @@ class ShardedGearStorage(TableStorage):
         return (_reader, self._reader_args)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(shards={self.num_shards}, failed={sorted(self._shards.failed)}, "
-                f"local={self.shard_id}, transport={self._shards.options.transport!r})")
+        return (
+            f"{type(self).__name__}(shards={self.num_shards}, failed={sorted(self._shards.failed)}, "
+            f"local={self.shard_id}, transport={self._shards.options.transport!r})"
+        )
 
 
 def _reader(descriptors: list[ShardDescriptor], secret: bytes, options: Options) -> ShardedGearStorage:

@@ -1,4 +1,5 @@
 """What a ``GearStorage`` is across processes: rows shared by handle, one rate rule, copies that cannot write."""
+
 from __future__ import annotations
 
 import logging
@@ -58,9 +59,12 @@ class SharedAcrossProcesses(RateLimitedStorage):
     def _warn_if_a_copy(self) -> None:
         if not self.shared and not self._warned_copy and os.getpid() != self._home_pid:
             self._warned_copy = True
-            logger.warning("process %d reads a copy of a GearStorage created in process %d: rows written there "
-                           "after the copy are not seen here; use GearStorage(..., shared=True) to share them",
-                           os.getpid(), self._home_pid)
+            logger.warning(
+                "process %d reads a copy of a GearStorage created in process %d: rows written there "
+                "after the copy are not seen here; use GearStorage(..., shared=True) to share them",
+                os.getpid(),
+                self._home_pid,
+            )
 
     @property
     def shared(self) -> bool:

@@ -1,4 +1,5 @@
 """Snapshots of a store's activity: totals, and rates since the previous snapshot."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """A ``GearStorage``'s size and shape as TorchRL's storages report them (``ndim=1``: ``[rows]``)."""
+
 from __future__ import annotations
 
 from typing import Any

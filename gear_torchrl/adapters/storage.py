@@ -7,6 +7,7 @@ through its table (``selection/table.py``). ``GearStorage(ndim=2)`` builds an
 :class:`EnvColumnsStorage`: the same shard addressed as env columns, with
 TorchRL's ``(time, env)`` indices turned into its rows (``env_indices.py``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -123,8 +124,13 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
     table: ShardTable  # over ``_shard``
     device: torch.device  # TorchRL allows a string; ours is always a device
 
-    def __new__(cls, *args: Any, ndim: int = 1, handle: SharedStoreHandle | None = None,  # noqa: PYI034
-                **kwargs: Any) -> GearStorage:
+    def __new__(
+        cls,
+        *args: Any,
+        ndim: int = 1,
+        handle: SharedStoreHandle | None = None,  # noqa: PYI034
+        **kwargs: Any,
+    ) -> GearStorage:
         if cls is GearStorage and (ndim if handle is None else handle.ndim) == 2:  # an attached store: its layout
             cls = EnvColumnsStorage  # noqa: PLW0642
         return super().__new__(cls)
@@ -152,7 +158,8 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
         if ndim != self.ndim:
             raise NotImplementedError(
                 f"GearStorage(ndim={ndim}): ndim=1 ([steps] rows) and ndim=2 ([T, num_envs] steps) are supported; "
-                "flatten more dimensions into one of these")
+                "flatten more dimensions into one of these"
+            )
         if compilable and (shared or shared_init or handle is not None):
             raise ValueError("a compilable storage cannot be shared between processes (as LazyTensorStorage)")
         device = _resolve_device(device)
@@ -171,13 +178,27 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
         self.memory = memory
         on_gpu = device.type == "cuda"
         if shared:
-            self._shard = shared_shard(self.max_size, handle=handle, register_host=on_gpu, out_device=device,
-                                       end_keys=end_keys, traj_key=traj_key, reader_timeout_s=reader_timeout,
-                                       addressing=self._addressing)
+            self._shard = shared_shard(
+                self.max_size,
+                handle=handle,
+                register_host=on_gpu,
+                out_device=device,
+                end_keys=end_keys,
+                traj_key=traj_key,
+                reader_timeout_s=reader_timeout,
+                addressing=self._addressing,
+            )
         else:
-            self._shard = Shard(self.max_size, device=device if memory == "device" else "cpu",
-                                register_host=on_gpu and memory == "host", out_device=device, end_keys=end_keys,
-                                traj_key=traj_key, hot_rows=hot_rows, addressing=self._addressing)
+            self._shard = Shard(
+                self.max_size,
+                device=device if memory == "device" else "cpu",
+                register_host=on_gpu and memory == "host",
+                out_device=device,
+                end_keys=end_keys,
+                traj_key=traj_key,
+                hot_rows=hot_rows,
+                addressing=self._addressing,
+            )
         self._last_cursor = None
         self._home_pid = os.getpid()  # a copy in another process (pickled, forked) is not these rows
         self._warned_copy = False
@@ -210,8 +231,12 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
         with shard.picking():  # a shared store's episode index catches up first
             episodes = shard.episodes.num_episodes
         shard.release()
-        return {"rows": len(self), "capacity": self.max_size, "episodes": episodes,
-                **self._rates.snapshot(shard.rows_inserted, shard.rows_read)}
+        return {
+            "rows": len(self),
+            "capacity": self.max_size,
+            "episodes": episodes,
+            **self._rates.snapshot(shard.rows_inserted, shard.rows_read),
+        }
 
     # -- TorchRL contract -----------------------------------------------------------
     def set(self, cursor: Index, data: Data | list, *, set_cursor: bool = True) -> None:
@@ -231,8 +256,9 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
                 raise
         else:  # the gate rewinds on failure, for the appends queued behind this one too
             positions = _positions(cursor, self._writer_ring())
-            with self._appending(positions, positions.numel(), self._rewind_writers,
-                                 steps=self._steps_in(positions, data)):
+            with self._appending(
+                positions, positions.numel(), self._rewind_writers, steps=self._steps_in(positions, data)
+            ):
                 self._write(cursor, data, append=True)
         self._set_last_cursor(cursor)
         self._note_mutation()
@@ -342,7 +368,8 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
             raise RuntimeError(
                 f"this GearStorage was created in process {self._home_pid}; process {os.getpid()} holds a copy "
                 "(pickled or forked), so rows written here would never reach the buffer. Build it with "
-                "GearStorage(..., shared=True) to write from other processes (collector workers, actors).")
+                "GearStorage(..., shared=True) to write from other processes (collector workers, actors)."
+            )
 
     @property
     def shared_init(self) -> bool:
@@ -353,8 +380,10 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
     @shared_init.setter
     def shared_init(self, value: bool) -> None:
         if bool(value) != self.shared:
-            raise ValueError(f"a GearStorage is shared or not from construction (this one is "
-                             f"{'' if self.shared else 'not '}shared): build it with GearStorage(n, shared=True)")
+            raise ValueError(
+                f"a GearStorage is shared or not from construction (this one is "
+                f"{'' if self.shared else 'not '}shared): build it with GearStorage(n, shared=True)"
+            )
 
     @property
     def handle(self) -> SharedStoreHandle:
@@ -384,10 +413,13 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
 
     def __repr__(self) -> str:
         spec = self._shard.table
-        keys = "<empty>" if spec is None else ", ".join(
-            f"{c.key}: {c.dtype} {tuple(c.row_shape)}" for c in spec.columns)
-        return (f"{type(self).__name__}(len={len(self)}, max_size={self.max_size}, device={self.device}, "
-                f"memory={self.memory}, episodes={self._shard.episodes.num_episodes}, columns=[{keys}])")
+        keys = (
+            "<empty>" if spec is None else ", ".join(f"{c.key}: {c.dtype} {tuple(c.row_shape)}" for c in spec.columns)
+        )
+        return (
+            f"{type(self).__name__}(len={len(self)}, max_size={self.max_size}, device={self.device}, "
+            f"memory={self.memory}, episodes={self._shard.episodes.num_episodes}, columns=[{keys}])"
+        )
 
 
 def _check_sampler_capacity(storage: GearStorage, sampler: Any) -> None:
@@ -395,8 +427,10 @@ def _check_sampler_capacity(storage: GearStorage, sampler: Any) -> None:
     written (TorchRL tells samplers of rows once written): refuse it when the buffer is built."""
     capacity = getattr(sampler, "max_capacity", None) or getattr(sampler, "_max_capacity", None)
     if isinstance(capacity, int) and capacity < storage.max_size:
-        raise ValueError(f"{type(sampler).__name__} keeps per-row state (priorities, counts) for {capacity} rows, "
-                         f"but its storage holds {storage.max_size}: build it with max_capacity={storage.max_size}")
+        raise ValueError(
+            f"{type(sampler).__name__} keeps per-row state (priorities, counts) for {capacity} rows, "
+            f"but its storage holds {storage.max_size}: build it with max_capacity={storage.max_size}"
+        )
 
 
 def _refuse_unfollowing_sampler(storage: GearStorage, sampler: Any) -> None:
@@ -410,13 +444,13 @@ def _refuse_unfollowing_sampler(storage: GearStorage, sampler: Any) -> None:
             f"{type(sampler).__name__} keeps priorities for the rows its own buffer's writer reports, at "
             "the writer's cursor: over a shared GearStorage other processes write rows it never hears of, "
             "and evictions move rows under it. Use gear_torchrl.GearPrioritizedSampler, which follows "
-            "every process's commits.")
+            "every process's commits."
+        )
 
 
 def _positions(cursor: Index, capacity: int) -> torch.Tensor:
     """The rows a TorchRL writer handed out for an append, flat (it passes an int, a tensor or a slice)."""
     return torch.arange(capacity)[cursor] if isinstance(cursor, slice) else torch.as_tensor(cursor).reshape(-1)
-
 
 
 class EnvColumnsStorage(GearStorage):
@@ -511,10 +545,12 @@ class EnvColumnsStorage(GearStorage):
             envs = envs_in(data, 0 if is_int(cursor) else 1)
             self._first_write_ring = -(-self.max_size // envs) if envs else self.max_size
             if envs is None:
-                raise ValueError(f"an ndim=2 storage takes [T, num_envs] steps; got data of batch shape "
-                                 f"{lead_shape(data)} for {'a time row' if is_int(cursor) else 'time rows'}. "
-                                 "Batched envs give [num_envs, T]: extend a buffer with dim_extend=1 (TorchRL's "
-                                 "default for ndim=2) or transpose")
+                raise ValueError(
+                    f"an ndim=2 storage takes [T, num_envs] steps; got data of batch shape "
+                    f"{lead_shape(data)} for {'a time row' if is_int(cursor) else 'time rows'}. "
+                    "Batched envs give [num_envs, T]: extend a buffer with dim_extend=1 (TorchRL's "
+                    "default for ndim=2) or transpose"
+                )
             laid_out_now = self._columns.lay_out(envs)
         elif not self._envs:
             raise ValueError("the first write to an ndim=2 storage must name time rows (rb.extend / rb.add)")
@@ -522,8 +558,10 @@ class EnvColumnsStorage(GearStorage):
             rows = steps_written_at(cursor, self._envs, self._columns.time_capacity)
             lead = lead_shape(data)[: rows.ndim]
             if lead != rows.shape:
-                raise ValueError(f"the data's batch shape {tuple(lead)} does not match the {tuple(rows.shape)} steps "
-                                 f"its index names in this [{self._columns.time_capacity}, {self._envs}] storage")
+                raise ValueError(
+                    f"the data's batch shape {tuple(lead)} does not match the {tuple(rows.shape)} steps "
+                    f"its index names in this [{self._columns.time_capacity}, {self._envs}] storage"
+                )
             shard.write(rows.reshape(-1), data, append=append, lead=rows.shape if rows.ndim > 1 else None)
         except BaseException:
             if laid_out_now:
@@ -571,10 +609,8 @@ class EnvColumnsStorage(GearStorage):
         raise NotImplementedError(f"contains() does not take {type(item).__name__}")
 
 
-
 def _attach(handle: SharedStoreHandle, device: str) -> GearStorage:
     return GearStorage(handle.capacity, device=device, handle=handle)
-
 
 
 def _check_hot_rows(hot_rows: int, device: torch.device, memory: str, shared: bool) -> None:
@@ -583,11 +619,15 @@ def _check_hot_rows(hot_rows: int, device: torch.device, memory: str, shared: bo
     if hot_rows == 0:
         return
     if device.type != "cuda" or memory != "host":
-        raise ValueError(f"hot_rows keeps recent rows in GPU memory in front of host memory: it needs "
-                         f"device='cuda' and memory='host', got device={str(device)!r}, memory={memory!r}")
+        raise ValueError(
+            f"hot_rows keeps recent rows in GPU memory in front of host memory: it needs "
+            f"device='cuda' and memory='host', got device={str(device)!r}, memory={memory!r}"
+        )
     if shared:
-        raise ValueError("hot_rows is not available with a shared store: rows other processes write "
-                         "would not reach this process's GPU copy")
+        raise ValueError(
+            "hot_rows is not available with a shared store: rows other processes write "
+            "would not reach this process's GPU copy"
+        )
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:

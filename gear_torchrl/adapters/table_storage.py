@@ -1,4 +1,5 @@
 """The TorchRL storages gear samplers draw through: each holds a :class:`Table` (``selection/table.py``)."""
+
 from __future__ import annotations
 
 from torchrl.data.replay_buffers.storages import TensorStorage

@@ -21,6 +21,7 @@ the newer. TorchRL's ``PrioritizedSampler`` files (``sumtree.memmap``: the
 masses gear's priority checkpoint holds, ``mintree.memmap``,
 ``sampler_metadata.json``) are written and read the same way.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,6 +54,7 @@ _MIN_TREE_EMPTY = float(torch.finfo(torch.float32).max)  # what TorchRL's min tr
 
 # -- which layout a directory holds ------------------------------------------------------------
 
+
 def torchrl_files_are_current(directory: Path, torchrl_manifest: str, gear_manifest: str) -> bool:
     """Whether ``directory`` holds TorchRL's checkpoint, newer than any of ours there.
 
@@ -79,6 +81,7 @@ def forget_torchrl_layout(directory: Path, manifest: str = TORCHRL_MANIFEST) -> 
 
 # -- saving: TorchRL's names for our files ----------------------------------------------------------
 
+
 def write_torchrl_layout(directory: Path, state: dict[str, Any]) -> None:
     """TorchRL's manifests over the column files ``save_shard`` just wrote for ``state`` (``Shard.state()``).
 
@@ -90,16 +93,21 @@ def write_torchrl_layout(directory: Path, state: dict[str, Any]) -> None:
     slots = slot_shape(state["capacity"], state.get("num_envs") or None)
     metadata: dict[str, Any] = {}
     if spec is None:
-        _write_refusal(directory, "the saved GearStorage held no rows, and TorchRL's checkpointer has no layout for "
-                                  "an empty storage (it refuses to save one)")
+        _write_refusal(
+            directory,
+            "the saved GearStorage held no rows, and TorchRL's checkpointer has no layout for "
+            "an empty storage (it refuses to save one)",
+        )
     elif (reason := _not_expressible(spec)) is not None:
         _write_refusal(directory, reason)
     elif spec.is_tensordict:
         _write_memmap_layout(directory, spec, state, slots)
     else:
         metadata = _write_pytree_layout(directory, spec, slots)
-    _write_json(directory / TORCHRL_MANIFEST, {"metadata": metadata, "is_pytree": bool(metadata),
-                                               "len": state["size"], _GEAR_MARK: SHARD_MANIFEST})
+    _write_json(
+        directory / TORCHRL_MANIFEST,
+        {"metadata": metadata, "is_pytree": bool(metadata), "len": state["size"], _GEAR_MARK: SHARD_MANIFEST},
+    )
 
 
 def _not_expressible(spec: TableSpec) -> str | None:
@@ -112,8 +120,10 @@ def _not_expressible(spec: TableSpec) -> str | None:
     for path, _ in pytree.tree_flatten_with_path(placeholders)[0]:
         for entry in path:
             if not _torchrl_can_name(entry):
-                return (f"the rows are pytrees with a node TorchRL's checkpointer cannot name ({entry!r}): it saves "
-                        "dicts with str or int keys (no '.' or '/'), lists and tuples only")
+                return (
+                    f"the rows are pytrees with a node TorchRL's checkpointer cannot name ({entry!r}): it saves "
+                    "dicts with str or int keys (no '.' or '/'), lists and tuples only"
+                )
     return None
 
 
@@ -122,14 +132,23 @@ def _torchrl_can_name(entry: Any) -> bool:
     if isinstance(entry, pytree.SequenceKey):
         return True
     key = entry.key if isinstance(entry, pytree.MappingKey) else None
-    return (isinstance(key, (str, int)) and not isinstance(key, bool) and not any(c in str(key) for c in "./")
-            and str(key) != _SINGLE_TENSOR)
+    return (
+        isinstance(key, (str, int))
+        and not isinstance(key, bool)
+        and not any(c in str(key) for c in "./")
+        and str(key) != _SINGLE_TENSOR
+    )
 
 
 def _write_refusal(directory: Path, reason: str) -> None:
     """A root ``meta.json`` whose type names ``reason``: TorchRL's loader fails with it ("Could not find name")."""
-    _write_json(directory / "meta.json", {"_type": f"<gear_torchrl: {reason}. Load this checkpoint into a "
-                                                   "GearStorage, or move the rows with storage.state_dict()>"})
+    _write_json(
+        directory / "meta.json",
+        {
+            "_type": f"<gear_torchrl: {reason}. Load this checkpoint into a "
+            "GearStorage, or move the rows with storage.state_dict()>"
+        },
+    )
 
 
 def _write_memmap_layout(directory: Path, spec: TableSpec, state: dict[str, Any], slots: torch.Size) -> None:
@@ -147,8 +166,7 @@ def _write_memmap_layout(directory: Path, spec: TableSpec, state: dict[str, Any]
         files = [Path(_leaf(mapped, spec, key).filename).relative_to(staging.absolute()) for key in spec.names]
         del mapped
         for i, (c, relative) in enumerate(zip(spec.columns, files)):
-            _link_column(tensor_file(directory, column_name(i)), directory / relative,
-                         slots.numel() * c.row_bytes)
+            _link_column(tensor_file(directory, column_name(i)), directory / relative, slots.numel() * c.row_bytes)
         data_files = set(files)
         for path in sorted(staging.rglob("*")):
             relative = path.relative_to(staging)
@@ -191,8 +209,7 @@ def _write_pytree_layout(directory: Path, spec: TableSpec, slots: torch.Size) ->
     metadata = {}
     for i, c in enumerate(spec.columns):
         name = _SINGLE_TENSOR if c.key is None else "/".join(as_path(c.key))
-        _link_column(tensor_file(directory, column_name(i)), directory / f"{name}.memmap",
-                     slots.numel() * c.row_bytes)
+        _link_column(tensor_file(directory, column_name(i)), directory / f"{name}.memmap", slots.numel() * c.row_bytes)
         metadata[name.replace("/", ".")] = {"dtype": str(c.dtype), "shape": [*slots, *c.row_shape]}
     return metadata
 
@@ -223,6 +240,7 @@ def _write_json(path: Path, blob: dict[str, Any]) -> None:
 
 
 # -- loading: TorchRL's files as a shard state ----------------------------------------------------------
+
 
 def read_torchrl_layout(shard: Shard, directory: Path) -> dict[str, Any]:
     """The shard state TorchRL's checkpoint at ``directory`` holds, checked in full against ``shard``.
@@ -258,12 +276,14 @@ def _memmap_slots(directory: Path) -> Data:
     meta = directory / "meta.json"
     root = read_manifest(meta) if meta.exists() else None
     if root is None:
-        raise CheckpointError(f"{directory} has TorchRL's {TORCHRL_MANIFEST} but no meta.json: the checkpoint is "
-                              "damaged, or another checkpointer wrote it (H5StorageCheckpointer, "
-                              "FlatStorageCheckpointer: load it with that one)")
+        raise CheckpointError(
+            f"{directory} has TorchRL's {TORCHRL_MANIFEST} but no meta.json: the checkpoint is "
+            "damaged, or another checkpointer wrote it (H5StorageCheckpointer, "
+            "FlatStorageCheckpointer: load it with that one)"
+        )
     kind = root.get("_type")
     if isinstance(kind, str) and kind.startswith("<gear_torchrl:"):
-        raise CheckpointError(f"{directory}: {kind[len('<gear_torchrl: '):-1]}")
+        raise CheckpointError(f"{directory}: {kind[len('<gear_torchrl: ') : -1]}")
     bad = _bad_files(directory)
     if bad:
         raise CheckpointError(f"{'; '.join(bad[:3])}: the checkpoint is damaged")
@@ -271,10 +291,13 @@ def _memmap_slots(directory: Path) -> Data:
         return TensorDict.load_memmap(directory)
     except Exception as err:  # noqa: BLE001  (whatever tensordict raises, nothing was loaded)
         if "Could not find name" in str(err):
-            raise CheckpointError(f"{directory} holds rows of {kind}, which is not defined in this process: define "
-                                  "(import) it before loading, as TorchRL's own loader requires") from None
-        raise CheckpointError(f"{directory}'s TorchRL files do not load ({type(err).__name__}: {err}): the "
-                              "checkpoint is damaged") from None
+            raise CheckpointError(
+                f"{directory} holds rows of {kind}, which is not defined in this process: define "
+                "(import) it before loading, as TorchRL's own loader requires"
+            ) from None
+        raise CheckpointError(
+            f"{directory}'s TorchRL files do not load ({type(err).__name__}: {err}): the checkpoint is damaged"
+        ) from None
 
 
 def _bad_files(node: Path) -> list[str]:
@@ -330,11 +353,13 @@ def _pytree_slots(directory: Path, metadata: dict[str, Any], shard: Shard) -> Da
         raise CheckpointError(
             f"{directory} holds TorchRL's checkpoint of pytree rows (leaves {sorted(metadata)}), which does not "
             "record the tree's structure: extend this buffer with one row of that structure first, then load "
-            "(LazyTensorStorage requires the same)")
+            "(LazyTensorStorage requires the same)"
+        )
     names = [".".join(as_path(key)) for key in spec.names]
     if set(names) != set(metadata):
-        raise CheckpointError(f"{directory}'s pytree leaves {sorted(metadata)} differ from this storage's "
-                              f"{sorted(names)}")
+        raise CheckpointError(
+            f"{directory}'s pytree leaves {sorted(metadata)} differ from this storage's {sorted(names)}"
+        )
     leaves = [_mapped(directory, name.replace(".", "/"), metadata[name]) for name in names]
     return pytree.tree_unflatten(leaves, spec.tree)
 
@@ -352,8 +377,11 @@ def _mapped(directory: Path, name: str, meta: Any) -> torch.Tensor:
 def _check_slots(directory: Path, slots: Data, shard: Shard) -> int:
     """That the slots are this storage's (``max_size``, ndim); returns the slots along dim 0."""
     batch = getattr(slots, "batch_size", None)
-    lead = torch.Size(batch) if batch is not None else next(
-        (t.shape for t in tree_leaves(slots) if isinstance(t, torch.Tensor)), torch.Size([]))
+    lead = (
+        torch.Size(batch)
+        if batch is not None
+        else next((t.shape for t in tree_leaves(slots) if isinstance(t, torch.Tensor)), torch.Size([]))
+    )
     capacity, two_d = shard.capacity, shard.num_envs is not None
     if not two_d and lead[:1] == (capacity,):
         return capacity
@@ -366,8 +394,9 @@ def _check_slots(directory: Path, slots: Data, shard: Shard) -> int:
         hint = f": a storage of ndim=1, load it into GearStorage({capacity})"
     else:
         hint = ""
-    raise CheckpointError(f"{directory} holds TorchRL slots {saved}; this storage holds {capacity} steps "
-                          f"(ndim={2 if two_d else 1}){hint}")
+    raise CheckpointError(
+        f"{directory} holds TorchRL slots {saved}; this storage holds {capacity} steps (ndim={2 if two_d else 1}){hint}"
+    )
 
 
 def _writer_cursor(directory: Path, steps: int) -> int | None:
@@ -383,6 +412,7 @@ def _writer_cursor(directory: Path, steps: int) -> int | None:
 
 # -- TorchRL's PrioritizedSampler files -------------------------------------------------------------------
 
+
 def write_torchrl_priorities(directory: Path, state: dict[str, Any], mass_file: Path) -> None:
     """``PrioritizedSampler``'s files beside our priority checkpoint: its sum tree's leaves are our masses
     (``(p + eps) ** alpha`` per row, ``mass_file``'s bytes), its min tree the same where a row has one."""
@@ -393,10 +423,18 @@ def write_torchrl_priorities(directory: Path, state: dict[str, Any], mass_file: 
     staging = directory / "mintree.memmap.tmp"
     lowest.numpy().tofile(staging)
     os.replace(staging, directory / "mintree.memmap")
-    _write_json(directory / TORCHRL_SAMPLER_MANIFEST, {
-        "_alpha": state["alpha"], "_beta": state["beta"], "_eps": state["eps"],
-        "_max_priority": [state["max_raw_priority"], None], "_max_capacity": state["capacity"],
-        "_schema_version": 1, _GEAR_MARK: "sampler.json"})
+    _write_json(
+        directory / TORCHRL_SAMPLER_MANIFEST,
+        {
+            "_alpha": state["alpha"],
+            "_beta": state["beta"],
+            "_eps": state["eps"],
+            "_max_priority": [state["max_raw_priority"], None],
+            "_max_capacity": state["capacity"],
+            "_schema_version": 1,
+            _GEAR_MARK: "sampler.json",
+        },
+    )
 
 
 def read_torchrl_priorities(directory: Path) -> dict[str, Any]:
@@ -416,8 +454,16 @@ def read_torchrl_priorities(directory: Path) -> dict[str, Any]:
     version = blob.get("_schema_version", 0)
     if max_raw is None or not isinstance(version, int) or version < 1:  # older files kept a transformed maximum
         max_raw = _raw_priority(float(mass.max()) if mass.numel() else 0.0, alpha, eps)
-    return {"capacity": capacity, "alpha": alpha, "eps": eps, "beta": beta, "max_raw_priority": max_raw,
-            "mass": mass, "generation": torch.zeros(capacity, dtype=torch.int64), "sample_calls": 0}
+    return {
+        "capacity": capacity,
+        "alpha": alpha,
+        "eps": eps,
+        "beta": beta,
+        "max_raw_priority": max_raw,
+        "mass": mass,
+        "generation": torch.zeros(capacity, dtype=torch.int64),
+        "sample_calls": 0,
+    }
 
 
 def _raw_priority(mass: float, alpha: Any, eps: Any) -> float:
@@ -425,4 +471,3 @@ def _raw_priority(mass: float, alpha: Any, eps: Any) -> float:
     if not isinstance(alpha, (int, float)) or not isinstance(eps, (int, float)) or alpha <= 0 or mass <= 0:
         return 1.0
     return max(mass ** (1.0 / alpha) - eps, 0.0)
-

@@ -11,6 +11,7 @@ Ours carries TorchRL's state dict fields as well (views of the same columns:
 nothing is saved twice), and ``state_of_slots`` reads TorchRL's slots, from
 either, into a shard state.
 """
+
 from __future__ import annotations
 
 from typing import Any, cast
@@ -90,8 +91,10 @@ def state_of_slots(slots: Data, length: int, shard: Shard, cursor: int | None = 
         raise CheckpointError(f"the TorchRL rows do not fit this storage: {err}") from None
     if shard.table is not None and leaves.spec != shard.table:
         difference = _difference(leaves.spec, shard.table)
-        raise CheckpointError(f"the TorchRL rows' columns differ from this storage's ({difference}): "
-                              "load them into a new GearStorage, or one written with the same keys")
+        raise CheckpointError(
+            f"the TorchRL rows' columns differ from this storage's ({difference}): "
+            "load them into a new GearStorage, or one written with the same keys"
+        )
     head = (cursor or 0) % shard.capacity if full else length
     scratch.take_rows(leaves, length, head % shard.capacity)
     return scratch.state()
@@ -106,15 +109,17 @@ def _difference(saved: TableSpec, own: TableSpec) -> str:
         parts.append(f"only the checkpoint has {sorted(set(theirs) - set(ours))}")
     if set(ours) - set(theirs):
         parts.append(f"only this storage has {sorted(set(ours) - set(theirs))}")
-    parts += [f"{k}: {theirs[k][0]} {theirs[k][1]} saved, {ours[k][0]} {ours[k][1]} here"
-              for k in sorted(set(theirs) & set(ours)) if theirs[k] != ours[k]]
+    parts += [
+        f"{k}: {theirs[k][0]} {theirs[k][1]} saved, {ours[k][0]} {ours[k][1]} here"
+        for k in sorted(set(theirs) & set(ours))
+        if theirs[k] != ours[k]
+    ]
     return "; ".join(parts) or "their nesting or classes differ"
 
 
 def _scratch(shard: Shard) -> Shard:
     """An empty local shard configured as ``shard`` (episodes from the same keys), to derive a state in."""
-    return Shard(shard.capacity, end_keys=shard.end_keys, traj_key=shard.traj_key,
-                 addressing=type(shard.addressing))
+    return Shard(shard.capacity, end_keys=shard.end_keys, traj_key=shard.traj_key, addressing=type(shard.addressing))
 
 
 def _time_steps(data: Data, length: int, scratch: EnvColumns) -> tuple[Data, int, int]:
@@ -122,8 +127,10 @@ def _time_steps(data: Data, length: int, scratch: EnvColumns) -> tuple[Data, int
     and the number of envs; ``scratch`` (a scratch shard's addressing) is laid out for them."""
     lead = lead_shape(data)
     if len(lead) < 2:
-        raise CheckpointError(f"the TorchRL state holds rows of shape {tuple(lead)}, not [T, num_envs] steps "
-                              "(a storage of ndim=1): load it into GearStorage(max_size) of ndim=1")
+        raise CheckpointError(
+            f"the TorchRL state holds rows of shape {tuple(lead)}, not [T, num_envs] steps "
+            "(a storage of ndim=1): load it into GearStorage(max_size) of ndim=1"
+        )
     envs = lead[1]
     try:
         scratch.lay_out(envs)

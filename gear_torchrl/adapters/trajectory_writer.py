@@ -5,6 +5,7 @@ process; ``end_episode`` hands the episode over as one contiguous commit.
 Readers therefore never see part of an episode, and an actor killed
 mid-episode leaves nothing in the store: its staged steps die with it.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -36,16 +37,20 @@ class TrajectoryWriter:
 
     def __init__(self, storage: GearStorage, *, max_chunk: int | None = None, **removed: object) -> None:
         if "limiter" in removed:
-            raise TypeError("TrajectoryWriter takes no limiter any more: the storage holds it "
-                            "(GearStorage(..., rate_limiter=...) or storage.rate_limiter = ...), and every "
-                            "writer of the store, in any process, obeys it")
+            raise TypeError(
+                "TrajectoryWriter takes no limiter any more: the storage holds it "
+                "(GearStorage(..., rate_limiter=...) or storage.rate_limiter = ...), and every "
+                "writer of the store, in any process, obeys it"
+            )
         if removed:
             raise TypeError(f"TrajectoryWriter got unexpected keyword arguments {sorted(removed)}")
         if max_chunk is not None and max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         if storage.ndim != 1:
-            raise NotImplementedError("a TrajectoryWriter appends the steps of one episode; an ndim=2 storage takes "
-                                      "time steps of every env at once: write [T, num_envs] batches with rb.extend")
+            raise NotImplementedError(
+                "a TrajectoryWriter appends the steps of one episode; an ndim=2 storage takes "
+                "time steps of every env at once: write [T, num_envs] batches with rb.extend"
+            )
         self.storage = storage
         self.max_chunk = max_chunk
         self._spec: TableSpec | None = None
@@ -89,8 +94,10 @@ class TrajectoryWriter:
         spec = shard.table or self._spec or TableSpec.from_data(data, 0 if single else 1)
         leaves = shard.validated(data, single, spec=spec)  # raises before anything is staged
         if self._staged and (leaves.spec != self._spec or leaves.columns != self._staged[0].columns):
-            raise SpecMismatchError("every step of an episode must carry the same keys as its first steps "
-                                    f"({sorted(map(str, self._staged[0].spec.keys))}); this one brings others")
+            raise SpecMismatchError(
+                "every step of an episode must carry the same keys as its first steps "
+                f"({sorted(map(str, self._staged[0].spec.keys))}); this one brings others"
+            )
         self._spec = leaves.spec
         if leaves.n == 0:
             return

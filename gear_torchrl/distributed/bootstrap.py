@@ -5,6 +5,7 @@ one-sided reads where it has an RDMA device, and publishes its statistics
 (a heartbeat). Every rank learns where every shard is with one collective
 exchange of descriptors, over ``torch.distributed``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,8 +68,15 @@ class Membership:
             self.server.close()
 
 
-def join(shard: Shard | None, *, group: dist.ProcessGroup | None, name: str, serve_on: str | None,
-         timeout: float, heartbeat_s: float) -> Membership:
+def join(
+    shard: Shard | None,
+    *,
+    group: dist.ProcessGroup | None,
+    name: str,
+    serve_on: str | None,
+    timeout: float,
+    heartbeat_s: float,
+) -> Membership:
     """Every rank calls this at once (a collective); ``shard`` is this rank's own (shared) shard, or None."""
     directory = Directory(process_group_store(group), name)
     secret = job_secret(group)
@@ -87,8 +95,7 @@ def join(shard: Shard | None, *, group: dist.ProcessGroup | None, name: str, ser
     shard_id = None if mine is None else next(d.shard for d in descriptors if d.rank == mine.rank)
     membership = Membership(descriptors, secret, directory, shard_id, server, None)
     if shard is not None and shard_id is not None:
-        membership.heartbeat = Heartbeat(directory, shard_id, lambda: _beat(membership, shard_id, shard),
-                                         heartbeat_s)
+        membership.heartbeat = Heartbeat(directory, shard_id, lambda: _beat(membership, shard_id, shard), heartbeat_s)
     return membership
 
 
@@ -106,9 +113,18 @@ def _beat(membership: Membership, shard_id: int, shard: Shard) -> dict[str, Any]
 def _describe(shared: SharedCommits, server: ShardServer, rank: int, rdma: dict | None) -> ShardDescriptor:
     handle = shared.handle
     bound, port = server.address
-    return ShardDescriptor(shard=-1, rank=rank, host=host_id(), addr=advertised_address(bound), port=port,
-                           store_id=handle.store_id, capacity=handle.capacity, end_keys=list(handle.end_keys),
-                           traj_key=handle.traj_key, rdma=rdma)
+    return ShardDescriptor(
+        shard=-1,
+        rank=rank,
+        host=host_id(),
+        addr=advertised_address(bound),
+        port=port,
+        store_id=handle.store_id,
+        capacity=handle.capacity,
+        end_keys=list(handle.end_keys),
+        traj_key=handle.traj_key,
+        rdma=rdma,
+    )
 
 
 def _rdma_exporter(store: SealedStore, prefix: str, segment: Any) -> Any:

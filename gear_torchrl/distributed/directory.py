@@ -6,6 +6,7 @@ statistics (its heartbeat) live in the process group's key-value store. No
 membership protocol of our own. Nothing here authenticates: the store is
 readable by whoever reaches it (the job's secret is ``secret.py``'s).
 """
+
 from __future__ import annotations
 
 import json
@@ -96,8 +97,9 @@ class Heartbeat:
 
     def __init__(self, directory: Directory, shard: int, stats: Callable[[], dict[str, Any]], period: float) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(directory, shard, stats, period),
-                                        name=f"gear-heartbeat-{shard}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(directory, shard, stats, period), name=f"gear-heartbeat-{shard}", daemon=True
+        )
         self._thread.start()
 
     def _run(self, directory: Directory, shard: int, stats: Callable[[], dict[str, Any]], period: float) -> None:

@@ -4,6 +4,7 @@ A failed shard is either skipped from then on (``"skip"``: sampling goes on
 over the others, without its mass) or raised (``"raise"``). A refusal (the
 owner answered with an error) is always raised, once every other call is done.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,13 +30,18 @@ class FanOut:
         self.failed: dict[int, str] = {}  # shard -> why it is skipped
         self._pool: ThreadPoolExecutor | None = None
 
-    def run(self, shards: list[int], call: Callable[[int, int], Any], counts: list[int],
-            on_unavailable: Callable[[int], None], allow_skip: bool = True) -> list[tuple[int, Any]]:
+    def run(
+        self,
+        shards: list[int],
+        call: Callable[[int, int], Any],
+        counts: list[int],
+        on_unavailable: Callable[[int], None],
+        allow_skip: bool = True,
+    ) -> list[tuple[int, Any]]:
         """Results of the shards that answered; ``on_unavailable(shard)`` runs for each that failed."""
         return self.settle(self.outcomes(shards, call, counts), on_unavailable, allow_skip)
 
-    def outcomes(self, shards: list[int], call: Callable[[int, int], Any],
-                 counts: list[int]) -> list[tuple[int, Any]]:
+    def outcomes(self, shards: list[int], call: Callable[[int, int], Any], counts: list[int]) -> list[tuple[int, Any]]:
         """``call(shard, count)`` on each shard (threads when several), each result or exception in shard order."""
         if len(shards) == 1:
             return [(shards[0], _outcome(call, shards[0], counts[0]))]
@@ -45,8 +51,9 @@ class FanOut:
         futures = [(s, self._pool.submit(_outcome, call, s, k)) for s, k in zip(shards, counts)]
         return [(s, f.result()) for s, f in futures]
 
-    def settle(self, outcomes: list[tuple[int, Any]], on_unavailable: Callable[[int], None],
-               allow_skip: bool = True) -> list[tuple[int, Any]]:
+    def settle(
+        self, outcomes: list[tuple[int, Any]], on_unavailable: Callable[[int], None], allow_skip: bool = True
+    ) -> list[tuple[int, Any]]:
         """The results among ``outcomes``; a failed shard is skipped or raised, a refusal raised, after all are seen."""
         results: list[tuple[int, Any]] = []
         first_error: Exception | None = None
@@ -57,8 +64,9 @@ class FanOut:
                 on_unavailable(shard)
                 if self.policy == "skip" and allow_skip:
                     self.failed[shard] = str(outcome)
-                    logger.warning("skipping shard %d from now on: %s; sampling goes on without its mass",
-                                   shard, outcome)
+                    logger.warning(
+                        "skipping shard %d from now on: %s; sampling goes on without its mass", shard, outcome
+                    )
                 elif first_error is None:
                     first_error = outcome
             elif first_error is None:  # a refusal: raised once every other request is done

@@ -3,6 +3,7 @@
 The shard is stored off by one so that a plain local row (high bits zero)
 can never pass for a global id.
 """
+
 from __future__ import annotations
 
 import numpy as np

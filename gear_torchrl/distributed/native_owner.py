@@ -19,6 +19,7 @@ ones from that state for as long as the view is current (nothing published or
 evicted since it caught up), and hands back a turn to catch up otherwise. In
 place, the learner's view catches up first whenever the store moved on.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,17 @@ class NativeOwner:
                 return None
             version, header, reader, columns = source
             code, count, seed, num_columns, answered, op, arrays = _C.serve_samples(
-                conn.fileno(), header, reader, columns, version, log.seen_seq, log.num_records // 4, CATCH_UP_S,
-                self._window_rule(), self._priority_rule())
+                conn.fileno(),
+                header,
+                reader,
+                columns,
+                version,
+                log.seen_seq,
+                log.num_records // 4,
+                CATCH_UP_S,
+                self._window_rule(),
+                self._priority_rule(),
+            )
             if code == _NEXT_IS_OTHER:
                 return None
             if code == _SERVE_IN_PYTHON and op == Op.POST_UPDATE and self._priorities is not None:
@@ -113,9 +123,17 @@ class NativeOwner:
             return None
         tree, episode_start, episode_length = state
         lo, hi = self.view.shared.seen_positions
-        return _C.WindowRule(key=key, tree=tree, episode_start=episode_start, episode_length=episode_length,
-                             window_len=spec.window_len, burn_in=spec.burn_in, strict_length=spec.strict_length,
-                             seen_lo=lo, seen_hi=hi)
+        return _C.WindowRule(
+            key=key,
+            tree=tree,
+            episode_start=episode_start,
+            episode_length=episode_length,
+            window_len=spec.window_len,
+            burn_in=spec.burn_in,
+            strict_length=spec.strict_length,
+            seen_lo=lo,
+            seen_hi=hi,
+        )
 
     def _priority_rule(self) -> _PriorityRule | None:
         """The armed prioritized rule as the extension draws and updates it: the shared core's tables and lock."""
@@ -126,8 +144,13 @@ class NativeOwner:
         tables = core.native_tables() if isinstance(core, PrioritySelector) else None
         if tables is None:
             return None
-        return _C.PriorityRule(key=key, update_key=rule_meta(spec), **tables._asdict(),
-                               rows_per_step=self.view.shard.addressing.rows_per_step, lock=lock)
+        return _C.PriorityRule(
+            key=key,
+            update_key=rule_meta(spec),
+            **tables._asdict(),
+            rows_per_step=self.view.shard.addressing.rows_per_step,
+            lock=lock,
+        )
 
     def answer_in_place(self, ask: Ask) -> Picked | None:
         """``ask``'s uniform rows, or windows or prioritized rows of an armed rule, drawn and gathered into its
@@ -154,9 +177,10 @@ class NativeOwner:
             self._catch_up()
         version, header, reader, columns = source
         assert ask.picks is not None and ask.columns is not None  # (samples_rows)
-        picks = ask.picks.starts[ask.first: ask.first + ask.count]
-        live = _C.sample_rows_into(header, reader, columns, version, ask.count, ask.sample_seed, picks,
-                                   ask.rows(ask.count))
+        picks = ask.picks.starts[ask.first : ask.first + ask.count]
+        live = _C.sample_rows_into(
+            header, reader, columns, version, ask.count, ask.sample_seed, picks, ask.rows(ask.count)
+        )
         return None if live < 0 else ask.landed(ask.count, float(live), {"rows": live})
 
     def _windows_in_place(self, ask: Ask, source: _Source, windows: WindowSpec) -> Picked | None:
@@ -168,8 +192,16 @@ class NativeOwner:
             return None
         version, header, reader, columns = source
         live, mass, starts, valid_begin, valid_end = _C.sample_windows_into(
-            header, reader, columns, version, rule, log.seen_seq, ask.count, ask.sample_seed,
-            ask.rows(ask.count * windows.window_len))
+            header,
+            reader,
+            columns,
+            version,
+            rule,
+            log.seen_seq,
+            ask.count,
+            ask.sample_seed,
+            ask.rows(ask.count * windows.window_len),
+        )
         if live < 0:
             return None
         return Picked(Windows(starts, windows.window_len, valid_begin, valid_end), mass, scalars={"rows": live})
@@ -183,8 +215,18 @@ class NativeOwner:
         assert ask.picks is not None and ask.extra is not None  # (samples_prioritized)
         end = ask.first_pick + ask.count
         live, mass, min_mass = _C.sample_prioritized_into(
-            header, reader, columns, version, rule, ask.count, ask.sample_seed, ask.picks.starts[ask.first_pick: end],
-            ask.extra["mass"][ask.first_pick: end], ask.extra["generation"][ask.first_pick: end], ask.rows(ask.count))
+            header,
+            reader,
+            columns,
+            version,
+            rule,
+            ask.count,
+            ask.sample_seed,
+            ask.picks.starts[ask.first_pick : end],
+            ask.extra["mass"][ask.first_pick : end],
+            ask.extra["generation"][ask.first_pick : end],
+            ask.rows(ask.count),
+        )
         return None if live < 0 else ask.landed(ask.count, mass, {"rows": live, "min_mass": min_mass})
 
     def _catch_up(self) -> bool:

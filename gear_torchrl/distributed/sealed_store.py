@@ -8,6 +8,7 @@ no outsider gets a queue pair connected to an owner, or points a learner at
 another queue pair or region. Records stay readable (they hold no secret);
 sealing is about who wrote them.
 """
+
 from __future__ import annotations
 
 import hashlib

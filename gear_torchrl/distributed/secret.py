@@ -6,6 +6,7 @@ secret (``GEAR_TORCHRL_SECRET``, or a file named by ``GEAR_TORCHRL_SECRET_FILE``
 or rank 0 draws one and broadcasts it over the process group's own
 connections. Then every rank checks it holds rank 0's secret, without sending it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,8 +35,10 @@ def operator_secret() -> bytes | None:
     else:
         return None
     if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"the job's secret must be at least {MIN_SECRET_BYTES} bytes long (e.g. the output of "
-                         f"`openssl rand -hex 32`), got {len(secret)}")
+        raise ValueError(
+            f"the job's secret must be at least {MIN_SECRET_BYTES} bytes long (e.g. the output of "
+            f"`openssl rand -hex 32`), got {len(secret)}"
+        )
     return secret
 
 
@@ -66,8 +69,10 @@ def job_secret(group: dist.ProcessGroup | None = None) -> bytes:
         raise problem
     differ = [f"rank {rank}" for rank, ok in enumerate(verdicts) if not ok]
     if differ:
-        raise PermissionError(f"not every rank holds rank 0's secret (not: {', '.join(differ)}): set the same "
-                              f"{SECRET_ENV} (or {SECRET_FILE_ENV}) on every rank, or on none")
+        raise PermissionError(
+            f"not every rank holds rank 0's secret (not: {', '.join(differ)}): set the same "
+            f"{SECRET_ENV} (or {SECRET_FILE_ENV}) on every rank, or on none"
+        )
     assert secret is not None  # this rank holds rank 0's secret: it is not among those that differ
     return secret
 

@@ -10,6 +10,7 @@ every owner's pick are drawn from it: a seeded learner reproduces its batches.
 best); the shards are reached through ``ShardLinks``, and the picks of a batch
 that could not be filled go back through ``ShardOwners``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -115,16 +116,20 @@ class ShardBatches:
                 got += answers.entries()
                 if not any(masses.get(s, 0.0) > 0 for s in links.live()) and links.rows_known():
                     self._owners.give_back(spec, got)
-                    raise EmptyStoreError(f"nothing to sample in any of the {len(links.live_shards)} live shards "
-                                          f"for {spec.describe()} selection (empty, or no eligible rows/windows): "
-                                          f"found {taken} of {count}")
+                    raise EmptyStoreError(
+                        f"nothing to sample in any of the {len(links.live_shards)} live shards "
+                        f"for {spec.describe()} selection (empty, or no eligible rows/windows): "
+                        f"found {taken} of {count}"
+                    )
                 continue
             if self._prefetch and spec.per_reader and not self._queued:
                 self._queued.extend(self._send_ahead(spec, count, generator))
             return picks
         self._owners.give_back(spec, got)
-        raise RuntimeError(f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds of {spec.describe()} "
-                           "selection: the shards keep coming up short")
+        raise RuntimeError(
+            f"could not fill a batch of {count} in {_MAX_ROUNDS} rounds of {spec.describe()} "
+            "selection: the shards keep coming up short"
+        )
 
     def _next_queued(self, key: tuple[SelectionSpec, int, torch.Generator | None]) -> Round | None:
         """The first batch asked for ahead, if it is one of ``key`` to the shards live now; else none, and
@@ -140,8 +145,9 @@ class ShardBatches:
         while self._queued:
             self._queued.pop().take_back_draws()  # the last drawn first: each rewinds to before its own draws
 
-    def _send_round(self, spec: SelectionSpec, count: int, remaining: int,
-                    generator: torch.Generator | None, send: bool = True) -> Round:
+    def _send_round(
+        self, spec: SelectionSpec, count: int, remaining: int, generator: torch.Generator | None, send: bool = True
+    ) -> Round:
         """One round's shares, drawn and asked for (tcp owners at once; the others when the round lands). With
         ``send=False``, the tcp owners' requests are left to ``_Owed.send_together``.
 
@@ -153,8 +159,9 @@ class ShardBatches:
         counts, seeds = _draw_shares(remaining, [masses.get(s, 0.0) for s in live], generator)
         batch, picks, extra, shares = None, None, None, None
         if remaining == count and any(counts):
-            batch = links.empty_columns(links.table(next(s for s, k in zip(live, counts) if k)),
-                                        count * spec.rows_per_pick)
+            batch = links.empty_columns(
+                links.table(next(s for s, k in zip(live, counts) if k)), count * spec.rows_per_pick
+            )
             picks, extra = landing_picks(count, spec.rows_per_pick), landing_extra(spec, count)
             shares = Shares(spec, counts, seeds, batch, picks, extra)
         route = links.route(live, spec)
@@ -162,8 +169,10 @@ class ShardBatches:
             asks = {s: self._ask_in(shares, live.index(s), s) for s in route.apart}
             flight: Flight[Picked] | ShareFlight = ShareFlight(route.clients, shares, route.members, send)
         else:  # an Ask per shard: into its slice of the batch (a first round), else into buffers of its own
-            asks = {s: self._ask(s, spec, k, seed, None) if shares is None else self._ask_in(shares, j, s)
-                    for j, (s, k, seed) in enumerate(zip(live, counts, seeds))}
+            asks = {
+                s: self._ask(s, spec, k, seed, None) if shares is None else self._ask_in(shares, j, s)
+                for j, (s, k, seed) in enumerate(zip(live, counts, seeds))
+            }
             shares = None
             flight = Flight(route.clients, [asks[s] for s in route.together], send)
         return Round((spec, count, generator), live, counts, batch, picks, extra, shares, asks, route, flight)
@@ -211,8 +220,13 @@ class ShardBatches:
                 return Answers(round_, in_order, links.rows)  # type: ignore[arg-type]  # (so no exception)
         else:
             outcomes: dict[int, Picked | int | Exception] = dict(route.unreached)
-            outcomes.update(links.fan_out.outcomes(
-                route.apart, lambda s, _: self._select_apart(s, route.transports[s], asks[s]), [0] * len(route.apart)))
+            outcomes.update(
+                links.fan_out.outcomes(
+                    route.apart,
+                    lambda s, _: self._select_apart(s, route.transports[s], asks[s]),
+                    [0] * len(route.apart),
+                )
+            )
             outcomes.update(zip(route.together, round_.flight.land()))
             in_order = [(s, outcomes[s]) for s in live]
         try:
@@ -225,9 +239,17 @@ class ShardBatches:
                 logger.warning("could not give back the picks of an unfilled batch: %s", exc)
             raise
 
-    def _ask(self, shard: int, spec: SelectionSpec, count: int, seed: int | None,
-             batch: list[torch.Tensor] | None, picks: Windows | None = None,
-             extra: dict[str, torch.Tensor] | None = None, first: int | None = None) -> Ask:
+    def _ask(
+        self,
+        shard: int,
+        spec: SelectionSpec,
+        count: int,
+        seed: int | None,
+        batch: list[torch.Tensor] | None,
+        picks: Windows | None = None,
+        extra: dict[str, torch.Tensor] | None = None,
+        first: int | None = None,
+    ) -> Ask:
         """``shard``'s share: its rows into ``batch`` from row ``first`` on (picks into ``picks``, their values
         into ``extra``), else into buffers of its own.
 
@@ -243,14 +265,22 @@ class ShardBatches:
         if batch is None or first is None:
             return Ask(spec, count, seed, self._links.empty_columns(self._links.table(shard), rows, zeroed))
         for c in batch if zeroed else ():
-            c[first: first + rows].zero_()
+            c[first : first + rows].zero_()
         return Ask(spec, count, seed, batch, first, picks, extra)
 
     def _ask_in(self, shares: Shares, j: int, shard: int) -> Ask:
         """Share ``j`` of ``shares`` (``shard``'s), asked apart: its slice of the batch zeroed first where its
         transport writes no padding."""
-        return self._ask(shard, shares.spec, shares.counts[j], shares.seeds[j], shares.columns, shares.picks,
-                         shares.extra, shares.firsts[j] * shares.spec.rows_per_pick)
+        return self._ask(
+            shard,
+            shares.spec,
+            shares.counts[j],
+            shares.seeds[j],
+            shares.columns,
+            shares.picks,
+            shares.extra,
+            shares.firsts[j] * shares.spec.rows_per_pick,
+        )
 
     def _select_apart(self, shard: int, transport: Transport | Exception, ask: Ask) -> Picked:
         if isinstance(transport, Exception):
@@ -278,8 +308,9 @@ class ShardBatches:
         idle = [s for s, _ in results if not bool((chosen == s).any())]
         links.on_each(idle, lambda s, _: links.client(s).release(), [0] * len(idle))
         if best.numel() < count:
-            raise RuntimeError(f"top-k: asked for the top {count} rows, only {best.numel()} are stored "
-                               f"in the {len(live)} live shards")
+            raise RuntimeError(
+                f"top-k: asked for the top {count} rows, only {best.numel()} are stored in the {len(live)} live shards"
+            )
         table, columns = self._owners.read_ids(best)
         return ShardPicks(best, Windows.of_rows(best), columns, table)
 
@@ -288,11 +319,13 @@ class ShardBatches:
         """The batch a first round filled whole: its picks, values and columns are where they landed."""
         assert round_.batch is not None and round_.picks is not None
         index = self._global_ids(answers.shards, answers.taken, round_.picks)
-        return ShardPicks(index, round_.picks, round_.batch, self._links.table(answers.shards[0]),
-                          round_.extra or {}, scalars)
+        return ShardPicks(
+            index, round_.picks, round_.batch, self._links.table(answers.shards[0]), round_.extra or {}, scalars
+        )
 
-    def _assemble(self, got: list[tuple[int, Picked, Ask]], scalars: dict[str, float],
-                  batch: list[torch.Tensor] | None = None) -> ShardPicks:
+    def _assemble(
+        self, got: list[tuple[int, Picked, Ask]], scalars: dict[str, float], batch: list[torch.Tensor] | None = None
+    ) -> ShardPicks:
         """The batch in pick order from the rounds' answers, each read where it landed (``batch``: where every
         answer's rows landed in order, a first round that filled it whole)."""
         picks = [p for _, p, _ in got]
@@ -310,8 +343,9 @@ class ShardBatches:
         if windows.window_len == 1:  # rows are their starts: one pass tags them all with their shards
             return global_ids.encode_runs(shards, counts, windows.starts)
         capacities = [self._links.descriptors[s].capacity for s in shards]
-        return global_ids.encode_runs(shards, [c * windows.window_len for c in counts],
-                                      _ring_rows(windows, capacities, counts))
+        return global_ids.encode_runs(
+            shards, [c * windows.window_len for c in counts], _ring_rows(windows, capacities, counts)
+        )
 
 
 def _ahead_fits(round_: Round) -> int:
@@ -331,8 +365,9 @@ def _ring_rows(windows: Windows, capacities: list[int], counts: list[int]) -> to
     return torch.cat([windows.part(e - n, e).rows(c) for c, n, e in zip(capacities, counts, ends)])
 
 
-def _draw_shares(count: int, masses: list[float], generator: torch.Generator | None
-                 ) -> tuple[list[int], list[int | None]]:
+def _draw_shares(
+    count: int, masses: list[float], generator: torch.Generator | None
+) -> tuple[list[int], list[int | None]]:
     """How many of ``count`` draws each shard gets, in proportion to its mass (multinomial), and each
     owner's seed (None: the owners' own): one extension call, from the learner's generator."""
     counts, seeds = _C.draw_shares(masses, count, generator)

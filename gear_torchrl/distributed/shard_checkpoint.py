@@ -6,6 +6,7 @@ A shared store saves its live rows compacted (oldest first, at rows
 Rows committed after a core last looked are restored as new rows (the default
 priority, queued), as if the core saw them being written.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """A learner's connection to one shard owner: selection, priority updates, TCP reads."""
+
 from __future__ import annotations
 
 import errno
@@ -33,8 +34,11 @@ _SHORTAGES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 # Errors an owner reports that keep their type on the learner's side.
 _REMOTE_TYPES: dict[str, type[Exception]] = {
-    "IndexError": IndexError, "ValueError": ValueError, "EmptyStoreError": EmptyStoreError,
-    "NotImplementedError": NotImplementedError, "CheckpointError": CheckpointError,
+    "IndexError": IndexError,
+    "ValueError": ValueError,
+    "EmptyStoreError": EmptyStoreError,
+    "NotImplementedError": NotImplementedError,
+    "CheckpointError": CheckpointError,
 }
 
 
@@ -49,8 +53,9 @@ class ShardClient:
     dials anew, so a shard that answers again is served again.
     """
 
-    def __init__(self, descriptor: ShardDescriptor, secret: bytes, timeout: float,
-                 connected: socket.socket | None = None) -> None:
+    def __init__(
+        self, descriptor: ShardDescriptor, secret: bytes, timeout: float, connected: socket.socket | None = None
+    ) -> None:
         """``connected``: a connection to the owner that answered its challenge already (else one is dialled)."""
         self.descriptor = descriptor
         self._secret = secret
@@ -131,8 +136,9 @@ class ShardClient:
             except (OSError, ValueError) as exc:
                 raise self._broken(exc) from exc
 
-    def request(self, message: Message | EncodedMessage,
-                into: list[torch.Tensor] | wire.Allocator | None = None) -> Message:
+    def request(
+        self, message: Message | EncodedMessage, into: list[torch.Tensor] | wire.Allocator | None = None
+    ) -> Message:
         with self._lock:
             sock = self._connection()
             try:
@@ -172,8 +178,9 @@ class ShardClient:
             except OSError as exc:
                 raise self._broken(exc) from exc
 
-    def update(self, spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,
-               generation: torch.Tensor | None) -> None:
+    def update(
+        self, spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None
+    ) -> None:
         self.request(update_message(spec, rows, priority, generation))
 
     def give_back(self, spec: SelectionSpec, rows: torch.Tensor) -> None:
@@ -244,7 +251,7 @@ class Ask:
 
     def rows(self, positions: int) -> list[torch.Tensor]:
         """Where the first ``positions`` rows of this ask landed, one view per column."""
-        return [c[self.first: self.first + positions] for c in self.columns or ()]
+        return [c[self.first : self.first + positions] for c in self.columns or ()]
 
     @property
     def landing(self) -> list[torch.Tensor]:
@@ -294,13 +301,15 @@ class Ask:
         if self.picks is not None and picked.count:
             end = self.first_pick + picked.count
             part = self.picks.part(self.first_pick, end)
-            for into, got in zip((part.starts, part.valid_begin, part.valid_end),
-                                 (picked.starts, picked.windows.valid_begin, picked.windows.valid_end)):
+            for into, got in zip(
+                (part.starts, part.valid_begin, part.valid_end),
+                (picked.starts, picked.windows.valid_begin, picked.windows.valid_end),
+            ):
                 into.copy_(got)
             picked.windows = part
             for name, into in (self.extra or {}).items():
-                into[self.first_pick: end].copy_(picked.extra[name])
-                picked.extra[name] = into[self.first_pick: end]
+                into[self.first_pick : end].copy_(picked.extra[name])
+                picked.extra[name] = into[self.first_pick : end]
         return picked
 
     def frame(self) -> bytes:
@@ -325,8 +334,13 @@ class Ask:
         """SAMPLE_ROWS, SAMPLE_WINDOWS or SAMPLE_PRIORITIZED for a share read back at once; else SELECT."""
         if self.picks is None:
             return Op.SELECT
-        return Op.SAMPLE_ROWS if self.samples_rows else Op.SAMPLE_WINDOWS if self.samples_windows \
+        return (
+            Op.SAMPLE_ROWS
+            if self.samples_rows
+            else Op.SAMPLE_WINDOWS
+            if self.samples_windows
             else Op.SAMPLE_PRIORITIZED
+        )
 
     def request(self) -> EncodedMessage:
         """The request as a message: uniform rows and windows read back at once go as SAMPLE_ROWS and
@@ -338,8 +352,12 @@ class Ask:
             return EncodedMessage(self.request_op, _sample_meta(self.request_op, self.spec), [self._sample()])
         read = self.columns is not None
         meta = b'{"selection":%s,"count":%d,"seed":%s,"read":%s,"columns":%s}' % (
-            _spec_json(self.spec), self.count, b"null" if self.seed is None else b"%d" % self.seed,
-            b"true" if read else b"false", b"%d" % len(self.columns) if self.columns is not None else b"null")
+            _spec_json(self.spec),
+            self.count,
+            b"null" if self.seed is None else b"%d" % self.seed,
+            b"true" if read else b"false",
+            b"%d" % len(self.columns) if self.columns is not None else b"null",
+        )
         return EncodedMessage(Op.SELECT, meta)
 
 
@@ -347,8 +365,15 @@ class LandedPicks(Picked):
     """Picks a reply landed in a batch's picks (and per-pick values) from ``first`` on. A batch that landed
     whole never reads them share by share, so they are sliced from the batch's only when asked for."""
 
-    def __init__(self, batch: Windows, first: int, count: int, mass: float, scalars: dict[str, Any],
-                 batch_extra: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        batch: Windows,
+        first: int,
+        count: int,
+        mass: float,
+        scalars: dict[str, Any],
+        batch_extra: dict[str, torch.Tensor],
+    ) -> None:
         self._batch, self._first, self._count = batch, first, count
         self._windows: Windows | None = None
         self._batch_extra = batch_extra
@@ -358,7 +383,7 @@ class LandedPicks(Picked):
     @property
     def extra(self) -> dict[str, torch.Tensor]:
         if self._extra is None:
-            self._extra = {n: t[self._first: self._first + self._count] for n, t in self._batch_extra.items()}
+            self._extra = {n: t[self._first : self._first + self._count] for n, t in self._batch_extra.items()}
         return self._extra
 
     @extra.setter
@@ -399,13 +424,21 @@ class Post:
         return None
 
 
-def update_message(spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,
-                   generation: torch.Tensor | None, posted: bool = False) -> EncodedMessage:
+def update_message(
+    spec: SelectionSpec,
+    rows: torch.Tensor,
+    priority: torch.Tensor,
+    generation: torch.Tensor | None,
+    posted: bool = False,
+) -> EncodedMessage:
     """New priorities for an owner's ``rows`` (generations, where given, skip rows rewritten since);
     ``posted``: the owner sends no reply."""
     generation = _NO_GENERATIONS if generation is None else generation.to(torch.int64)
-    arrays: list[torch.Tensor | bytes] = [rows.to(torch.int64).contiguous(), priority.to(torch.float64).contiguous(),
-                                          generation.contiguous()]
+    arrays: list[torch.Tensor | bytes] = [
+        rows.to(torch.int64).contiguous(),
+        priority.to(torch.float64).contiguous(),
+        generation.contiguous(),
+    ]
     return EncodedMessage(Op.POST_UPDATE if posted else Op.UPDATE, rule_meta(spec), arrays)
 
 
@@ -593,8 +626,11 @@ class _Owed(ABC, Generic[Answer]):
         asked = [i for i in again if outcomes[i] is None]
         if asked:
             for i, answer in zip(asked, self._receive(self._fds_of(asked), asked)[0]):
-                outcomes[i] = self.clients[i]._broken(wire.ProtocolError("a reply asked again is not owed")) \
-                    if answer is _NOT_OWED else answer
+                outcomes[i] = (
+                    self.clients[i]._broken(wire.ProtocolError("a reply asked again is not owed"))
+                    if answer is _NOT_OWED
+                    else answer
+                )
 
 
 class Flight(_Owed[Answer]):
@@ -610,9 +646,14 @@ class Flight(_Owed[Answer]):
         return _C.send_requests(fds, frames, flights[0]._timeout)
 
     def _receive(self, fds: list[int], owners: list[int]) -> tuple[list[Answer | Exception], bool]:
-        replies = _C.receive_replies(fds, [list(self.asks[i].landing) for i in owners],
-                                     [list(self.asks[i].firsts) for i in owners], self._timeout,
-                                     self._inboxes(owners), self._ticket)
+        replies = _C.receive_replies(
+            fds,
+            [list(self.asks[i].landing) for i in owners],
+            [list(self.asks[i].firsts) for i in owners],
+            self._timeout,
+            self._inboxes(owners),
+            self._ticket,
+        )
         answers = [_answer_of(self.clients[i], self.asks[i], *reply) for i, reply in zip(owners, replies)]
         return answers, not any(a is _NOT_OWED or isinstance(a, Exception) for a in answers)
 
@@ -653,8 +694,15 @@ class Shares:
         return self.ask(0).picks is not None and (not seeded or max(cast("list[int]", self.seeds)) < _SEED_BOUND)
 
     def ask(self, j: int) -> Ask:
-        return Ask(self.spec, self.counts[j], self.seeds[j], self.columns, self.firsts[j] * self.spec.rows_per_pick,
-                   self.picks, self.extra)
+        return Ask(
+            self.spec,
+            self.counts[j],
+            self.seeds[j],
+            self.columns,
+            self.firsts[j] * self.spec.rows_per_pick,
+            self.picks,
+            self.extra,
+        )
 
     def landed(self, j: int, count: int) -> Picked:
         """Share ``j``'s answer of ``count`` picks, as its reply landed them."""
@@ -682,18 +730,31 @@ class ShareFlight(_Owed[int]):
         members = [first.members[i] for i in owners]
         counts = [f.shares.counts[j] for f in flights for j in members]
         seeds = [-1 if f.shares.seeds[j] is None else f.shares.seeds[j] for f in flights for j in members]
-        return _C.send_shares(fds, _sample_head(first._op, first.shares.spec), counts, seeds,
-                              len(first.shares.columns), first._timeout)
+        return _C.send_shares(
+            fds, _sample_head(first._op, first.shares.spec), counts, seeds, len(first.shares.columns), first._timeout
+        )
 
     def _receive(self, fds: list[int], owners: list[int]) -> tuple[list[int | Exception], bool]:
         shares = self.shares
         every = len(owners) == len(shares.counts)  # every share's owner, in order (members are ascending)
         members = owners if every else [self.members[i] for i in owners]
-        firsts, asked = (shares.firsts, shares.counts) if every else \
-            ([shares.firsts[j] for j in members], [shares.counts[j] for j in members])
+        firsts, asked = (
+            (shares.firsts, shares.counts)
+            if every
+            else ([shares.firsts[j] for j in members], [shares.counts[j] for j in members])
+        )
         status, counts, rows, mass, min_mass, heads = _C.receive_shares(
-            fds, self._landing, self._pick_arrays, firsts, asked, shares.spec.rows_per_pick, self._reply_op,
-            self._timeout, self._inboxes(owners), self._ticket)
+            fds,
+            self._landing,
+            self._pick_arrays,
+            firsts,
+            asked,
+            shares.spec.rows_per_pick,
+            self._reply_op,
+            self._timeout,
+            self._inboxes(owners),
+            self._ticket,
+        )
         if every:
             shares.mass, shares.rows, shares.min_mass = mass, rows, min_mass
         else:
@@ -701,9 +762,10 @@ class ShareFlight(_Owed[int]):
                 shares.mass[j], shares.rows[j], shares.min_mass[j] = mass[at], rows[at], min_mass[at]
         if not any(status) and heads.count(None) == len(heads):
             return counts, True
-        return [counts[at] if not status[at] and head is None else
-                _failure_of(self.clients[i], status[at], head)
-                for at, (i, head) in enumerate(zip(owners, heads))], False
+        return [
+            counts[at] if not status[at] and head is None else _failure_of(self.clients[i], status[at], head)
+            for at, (i, head) in enumerate(zip(owners, heads))
+        ], False
 
 
 def post(clients: list[ShardClient], messages: Sequence[EncodedMessage | bytes]) -> list[Exception | None]:
@@ -736,8 +798,7 @@ def _send_flights(flights: Sequence[_Owed[Any]], owners: list[int]) -> None:
                 f._outcomes[i] = failure
 
 
-def _send_all(clients: list[ShardClient], send: Callable[[list[int], list[int]], list[int]]
-              ) -> list[Exception | None]:
+def _send_all(clients: list[ShardClient], send: Callable[[list[int], list[int]], list[int]]) -> list[Exception | None]:
     """Send to ``clients`` (their locks held) with ``send(fds, reached)``, one native call for every client
     whose connection is open (``reached``: their places in ``clients``), 0 or -errno each: None where it went,
     else why not (that client's connection dropped)."""
@@ -780,8 +841,15 @@ class _Locks:
             lock.release()
 
 
-def _answer_of(client: ShardClient, ask: Request[Answer], status: int, op: int, tally: list[int],
-               head: torch.Tensor, small: list[torch.Tensor]) -> Answer | Exception:
+def _answer_of(
+    client: ShardClient,
+    ask: Request[Answer],
+    status: int,
+    op: int,
+    tally: list[int],
+    head: torch.Tensor,
+    small: list[torch.Tensor],
+) -> Answer | Exception:
     """One owner's answer to ``ask`` (from its reply, as ``receive_replies`` got it), or what went wrong."""
     if status or op == Op.ERROR:
         return _failure_of(client, status, head)
@@ -816,6 +884,7 @@ def _picked_of(meta: dict[str, Any], arrays: list[torch.Tensor]) -> Picked:
     if unknown or len(names) != len(rest):
         raise ValueError(f"per-pick values this learner does not know: {sorted(set(names) - set(EXTRA_DTYPES))}")
     values = {n: a.view(EXTRA_DTYPES[n]) for n, a in zip(names, rest)}
-    windows = Windows(starts.view(torch.int64), int(meta["window_len"]), valid_begin.view(torch.int64),
-                      valid_end.view(torch.int64))
+    windows = Windows(
+        starts.view(torch.int64), int(meta["window_len"]), valid_begin.view(torch.int64), valid_end.view(torch.int64)
+    )
     return Picked(windows, float(meta["mass"]), values, meta["scalars"])

@@ -9,6 +9,7 @@ tcp owners asked in one flight, the others answered apart). The batch path
 (``shard_batches.py``), the owners' messages (``shard_owners.py``) and
 checkpoints (``sharded_checkpoint.py``) reach the shards through it.
 """
+
 from __future__ import annotations
 
 import os
@@ -81,9 +82,18 @@ class ShardLinks:
     # while every connection holds
     _kept_routes: dict[bool, Route]
 
-    def __init__(self, descriptors: list[ShardDescriptor], secret: bytes, transport: str, timeout: float,
-                 pin_memory: bool, on_shard_failure: FailurePolicy, control: SealedStore | None = None,
-                 rank: int | None = None, served: tuple[int, ShardServer] | None = None) -> None:
+    def __init__(
+        self,
+        descriptors: list[ShardDescriptor],
+        secret: bytes,
+        transport: str,
+        timeout: float,
+        pin_memory: bool,
+        on_shard_failure: FailurePolicy,
+        control: SealedStore | None = None,
+        rank: int | None = None,
+        served: tuple[int, ShardServer] | None = None,
+    ) -> None:
         self.descriptors = descriptors
         self._secret = secret
         self._transport_name, self._timeout, self._pin_memory = transport, timeout, pin_memory
@@ -125,8 +135,10 @@ class ShardLinks:
         """The live shards; when skipping has left none, an error that names each failed shard and why."""
         live = self.live_shards
         if not live:
-            raise ShardUnavailableError(f"no shard is left: every shard failed and is skipped "
-                                        f"(on_shard_failure='skip'): {'; '.join(self.failed.values())}")
+            raise ShardUnavailableError(
+                f"no shard is left: every shard failed and is skipped "
+                f"(on_shard_failure='skip'): {'; '.join(self.failed.values())}"
+            )
         return live
 
     def rows_known(self) -> bool:
@@ -137,16 +149,23 @@ class ShardLinks:
         per_shard: list[dict[str, Any]] = []
         for d in self.descriptors:
             beat = directory.stats(d.shard) if directory is not None else None
-            per_shard.append({"shard": d.shard, "rank": d.rank, "failed": self.failed.get(d.shard),
-                              "rows": self.rows.get(d.shard, (beat or {}).get("rows")), "heartbeat": beat})
+            per_shard.append(
+                {
+                    "shard": d.shard,
+                    "rank": d.rank,
+                    "failed": self.failed.get(d.shard),
+                    "rows": self.rows.get(d.shard, (beat or {}).get("rows")),
+                    "heartbeat": beat,
+                }
+            )
         live = [s for s in per_shard if not s["failed"]]
         inserts = sum((s["heartbeat"] or {}).get("inserts", 0) for s in live)
-        return {"rows": sum(s["rows"] or 0 for s in live), "shards": per_shard,
-                **rates.snapshot(inserts, rows_sampled)}
+        return {"rows": sum(s["rows"] or 0 for s in live), "shards": per_shard, **rates.snapshot(inserts, rows_sampled)}
 
     # -- connections -------------------------------------------------------------------------
-    def on_each(self, shards: list[int], call: Callable[[int, int], Result], counts: list[int],
-                allow_skip: bool = True) -> list[tuple[int, Result]]:
+    def on_each(
+        self, shards: list[int], call: Callable[[int, int], Result], counts: list[int], allow_skip: bool = True
+    ) -> list[tuple[int, Result]]:
         self._forget_parent_connections()
         return self.fan_out.run(shards, call, counts, self.disconnect, allow_skip)
 
@@ -179,8 +198,14 @@ class ShardLinks:
         self._forget_parent_connections()
         transport = self.transports.get(shard)
         if transport is None:
-            reach = Reach(self.descriptors[shard], self.client(shard), lambda: self._layout(shard), self._control,
-                          self._rank, self._served_server(shard))
+            reach = Reach(
+                self.descriptors[shard],
+                self.client(shard),
+                lambda: self._layout(shard),
+                self._control,
+                self._rank,
+                self._served_server(shard),
+            )
             transport = self.transports[shard] = open_transport(self._transport_name, reach)
         return transport
 
@@ -226,8 +251,16 @@ class ShardLinks:
                 except Exception as exc:  # noqa: BLE001  (an owner not reached: its outcome)
                     unreached.append((s, exc))
         asked = set(together) | {s for s, _ in unreached}
-        route = Route(live, transports, together, clients, [live.index(s) for s in together], unreached,
-                      [s for s in live if s not in asked], pid)
+        route = Route(
+            live,
+            transports,
+            together,
+            clients,
+            [live.index(s) for s in together],
+            unreached,
+            [s for s in live if s not in asked],
+            pid,
+        )
         if route.whole:
             self._kept_routes[spec.per_reader] = route
         else:
@@ -239,11 +272,14 @@ class ShardLinks:
         meta = self.client(shard).describe()
         table = self.table(shard)
         if meta["offsets"] is None:
-            raise RuntimeError(f"{self.descriptors[shard].where} added columns after its first write; they live in "
-                               "segments of their own, which one-sided (rdma) reads do not cover yet: read this "
-                               "shard with transport='tcp' or 'local', or put every key in the first write")
-        return ColumnLayout(tuple(meta["offsets"]), tuple(c.row_bytes for c in table.columns),
-                            self.descriptors[shard].capacity)
+            raise RuntimeError(
+                f"{self.descriptors[shard].where} added columns after its first write; they live in "
+                "segments of their own, which one-sided (rdma) reads do not cover yet: read this "
+                "shard with transport='tcp' or 'local', or put every key in the first write"
+            )
+        return ColumnLayout(
+            tuple(meta["offsets"]), tuple(c.row_bytes for c in table.columns), self.descriptors[shard].capacity
+        )
 
     def table(self, shard: int) -> TableSpec:
         """The shard's columns (asked once); every shard must hold the same table."""
@@ -256,16 +292,17 @@ class ShardLinks:
             with self._specs_lock:  # shards answer on threads of their own
                 for other in self._specs.values():
                     if other.to_json() != table.to_json():
-                        raise SpecMismatchError(f"{self.descriptors[shard].where} stores other keys, dtypes or "
-                                                "shapes than the shards read before: every shard must hold the same "
-                                                "table")
+                        raise SpecMismatchError(
+                            f"{self.descriptors[shard].where} stores other keys, dtypes or "
+                            "shapes than the shards read before: every shard must hold the same "
+                            "table"
+                        )
                 self._specs[shard] = table
         return table
 
     def empty_columns(self, table: TableSpec, num_rows: int, zeroed: bool = False) -> list[torch.Tensor]:
         make = torch.zeros if zeroed else torch.empty
-        return [make((num_rows, *c.row_shape), dtype=c.dtype, pin_memory=self._pin_memory)
-                for c in table.columns]
+        return [make((num_rows, *c.row_shape), dtype=c.dtype, pin_memory=self._pin_memory) for c in table.columns]
 
     def close(self) -> None:
         self._kept_routes = {}

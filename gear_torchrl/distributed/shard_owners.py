@@ -6,6 +6,7 @@ update per shard for priorities (every check an owner makes made here first, in
 one extension call), one give-back per shard for the picks of a batch that was
 not delivered. A shard this process serves and reads in place is told in place.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -59,8 +60,10 @@ class ShardOwners:
         owners = torch.unique(shards).tolist()
         for s in owners:
             if s >= links.num_shards:
-                raise IndexError(f"row id {int(ids.reshape(-1)[shards == s][0])} names shard {s}, "
-                                 f"but the store has {links.num_shards} shards")
+                raise IndexError(
+                    f"row id {int(ids.reshape(-1)[shards == s][0])} names shard {s}, "
+                    f"but the store has {links.num_shards} shards"
+                )
             if s in links.failed:
                 raise ShardUnavailableError(f"cannot read rows of a shard skipped since it failed: {links.failed[s]}")
         if not owners:
@@ -93,7 +96,8 @@ class ShardOwners:
         live = set(links.live())  # rows of skipped shards are dropped with them
         capacities = [d.capacity if d.shard in live else -1 for d in links.descriptors]
         refused, at, lo, hi, owners, counts, rows, told, generations, frames = _C.split_updates(
-            shards, rows, checked, generations, capacities, Op.POST_UPDATE, rule_meta(spec))
+            shards, rows, checked, generations, capacities, Op.POST_UPDATE, rule_meta(spec)
+        )
         if refused == _BAD_PRIORITY:
             refuse_priority_at(checked, at)
         if refused == _BAD_ROW:
@@ -127,12 +131,20 @@ class ShardOwners:
         self._give_back_to(spec, {s: rows[shards == s] for s in torch.unique(shards).tolist() if s in live})
 
     def _give_back_to(self, spec: SelectionSpec, rows: dict[int, torch.Tensor]) -> None:
-        self._tell_owners(list(rows), lambda s: give_back_message(spec, rows[s]),
-                          lambda view, s: view.give_back(spec, rows[s]), _send_and_wait)
+        self._tell_owners(
+            list(rows),
+            lambda s: give_back_message(spec, rows[s]),
+            lambda view, s: view.give_back(spec, rows[s]),
+            _send_and_wait,
+        )
 
-    def _tell_owners(self, owners: list[int], message_of: Callable[[int], Told],
-                     in_place: Callable[[InProcessTransport, int], None],
-                     send: Callable[[list[ShardClient], list[Told]], list[Exception | None]]) -> None:
+    def _tell_owners(
+        self,
+        owners: list[int],
+        message_of: Callable[[int], Told],
+        in_place: Callable[[InProcessTransport, int], None],
+        send: Callable[[list[ShardClient], list[Told]], list[Exception | None]],
+    ) -> None:
         """One request per owner whose answer is OK (updates, gives-back): the remote owners' sent together by
         ``send`` (``_send_and_wait``: in one ``Flight``, with one wait; ``post``: in one send, no reply awaited);
         a shard this process serves, ``in_place(its view, shard)``."""

@@ -5,6 +5,7 @@ owners' in one flight), with where its picks and rows land; ``Answers`` are the
 round's replies read as arrays in live order (each shard's picks, mass and rows),
 and ``ShardPicks`` the batch they make: global ids, windows and columns.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

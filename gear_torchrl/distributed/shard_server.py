@@ -15,6 +15,7 @@ Whatever peers and the OS do, the server keeps serving: a failed ``accept``
 after a pause, and connections that have not proved they hold the secret are
 few and timed out.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,9 @@ class ShardServer:
     taking a reply's bytes, and reading a selection it holds.
     """
 
-    def __init__(self, handle: SharedStoreHandle, secret: bytes, *, host: str = "127.0.0.1", port: int = 0,
-                 timeout: float = 10.0) -> None:
+    def __init__(
+        self, handle: SharedStoreHandle, secret: bytes, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 10.0
+    ) -> None:
         self.handle = handle
         self.selectors = SelectorRegistry(handle.capacity)
         self._secret = secret
@@ -95,14 +97,14 @@ class ShardServer:
         with self._lock:
             if self._handshakes >= MAX_HANDSHAKES:
                 conn.close()
-                logger.warning("refused a connection from %s: %d others have not answered the challenge yet",
-                               peer, MAX_HANDSHAKES)
+                logger.warning(
+                    "refused a connection from %s: %d others have not answered the challenge yet", peer, MAX_HANDSHAKES
+                )
                 return
             self._handshakes += 1
             self._connections.add(conn)
         try:
-            threading.Thread(target=self._serve, args=(conn, peer), name=f"gear-shard-conn-{peer}",
-                             daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, peer), name=f"gear-shard-conn-{peer}", daemon=True).start()
         except BaseException:
             self._handshake_done()
             self._forget(conn)
@@ -262,8 +264,12 @@ class _Session:
         names = sorted(picked.extra)
         meta = {"window_len": picked.window_len, "mass": picked.mass, "scalars": picked.scalars, "extra": names}
         windows = picked.windows.contiguous()
-        arrays = [windows.starts, windows.valid_begin, windows.valid_end,
-                  *(picked.extra[n].cpu().contiguous() for n in names)]
+        arrays = [
+            windows.starts,
+            windows.valid_begin,
+            windows.valid_end,
+            *(picked.extra[n].cpu().contiguous() for n in names),
+        ]
         if num_columns is None:
             self.holding = bool(picked.count)  # until the learner's one-sided read is done (RELEASE), or the timeout
             return Message(Op.OK, meta, arrays)
@@ -322,8 +328,14 @@ class _Session:
             shard.check_readable_windows(windows)
             self._send_rows({}, [], windows, self._columns_asked(request.meta.get("columns")))
 
-    def _send_rows(self, meta: dict[str, Any] | bytes, arrays: list[torch.Tensor], windows: Windows,
-                   num_columns: int, op: int = Op.OK) -> None:
+    def _send_rows(
+        self,
+        meta: dict[str, Any] | bytes,
+        arrays: list[torch.Tensor],
+        windows: Windows,
+        num_columns: int,
+        op: int = Op.OK,
+    ) -> None:
         """Reply with ``arrays``, then the rows of ``windows`` in the first ``num_columns`` columns.
 
         The extension frames the reply and gathers the rows into it, as it does its own answers; the read
@@ -331,8 +343,16 @@ class _Session:
         """
         blob = meta if isinstance(meta, bytes) else json.dumps(meta, separators=(",", ":")).encode()
         try:
-            _C.frame_rows_reply(op, blob, arrays, self.shard.columns[:num_columns], windows.starts,
-                                windows.valid_begin, windows.valid_end, windows.window_len)
+            _C.frame_rows_reply(
+                op,
+                blob,
+                arrays,
+                self.shard.columns[:num_columns],
+                windows.starts,
+                windows.valid_begin,
+                windows.valid_end,
+                windows.window_len,
+            )
         finally:
             self._release()  # the rows are out of the ring (or were not copied: nothing is sent)
         code = _C.send_framed_reply(self.conn.fileno())
@@ -347,8 +367,7 @@ class _Session:
         if len(request.arrays) != 3:
             raise ValueError("an UPDATE carries rows, priorities and generations (possibly empty)")
         rows, priority, generation = (_viewed(a, t) for a, t in zip(request.arrays, _UPDATE_DTYPES))
-        self.view.update(spec_of(request.meta["selection"]), rows, priority,
-                         generation if generation.numel() else None)
+        self.view.update(spec_of(request.meta["selection"]), rows, priority, generation if generation.numel() else None)
         return Message(Op.OK)
 
     def _give_back(self, request: Message) -> Message:
@@ -361,8 +380,14 @@ class _Session:
         shared = self.view.shared
         shared.mapped_columns()
         spec = self.shard.table
-        return Message(Op.OK, {"spec": None if spec is None else spec.to_json(), "capacity": self.shard.capacity,
-                               "offsets": None if spec is None else shared.columns.column_offsets()})
+        return Message(
+            Op.OK,
+            {
+                "spec": None if spec is None else spec.to_json(),
+                "capacity": self.shard.capacity,
+                "offsets": None if spec is None else shared.columns.column_offsets(),
+            },
+        )
 
     def close(self) -> None:
         self.native.close()
@@ -391,10 +416,13 @@ def _asked_spec(request: Message, kind: type[SelectionSpec]) -> SelectionSpec:
 def _sample_request(request: Message) -> tuple[int, object, int]:
     """(count, seed, columns) of a SAMPLE_ROWS, SAMPLE_WINDOWS or SAMPLE_PRIORITIZED."""
     if len(request.arrays) != 1 or request.arrays[0].numel() != 24:
-        raise ValueError(f"a request of op {request.op} carries one array: count, seed (-1: none) and columns, "
-                         "as int64")
+        raise ValueError(
+            f"a request of op {request.op} carries one array: count, seed (-1: none) and columns, as int64"
+        )
     count, seed, columns = request.arrays[0].view(torch.int64).tolist()
     return count, None if seed == -1 else seed, columns
+
+
 _UPDATE_DTYPES = (torch.int64, torch.float64, torch.int64)
 
 

@@ -9,6 +9,7 @@ to the owners of the rows). Checkpoints are ``sharded_checkpoint.py``. What a sa
 table (``sharded_table.py``) calls on every batch (``pick``, ``update``,
 ``give_back_ids``) is the parts' own methods; the rest a storage asks of the whole.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,12 +64,27 @@ class Options:
 class ShardSet:
     """A learner's view of every shard: its options, and the parts that reach, pick from and tell the owners."""
 
-    def __init__(self, descriptors: list[ShardDescriptor], secret: bytes, options: Options,
-                 control: SealedStore | None = None, rank: int | None = None,
-                 served: tuple[int, ShardServer] | None = None) -> None:
+    def __init__(
+        self,
+        descriptors: list[ShardDescriptor],
+        secret: bytes,
+        options: Options,
+        control: SealedStore | None = None,
+        rank: int | None = None,
+        served: tuple[int, ShardServer] | None = None,
+    ) -> None:
         self.options = options
-        self.links = ShardLinks(descriptors, secret, options.transport, options.timeout, options.pin_memory,
-                                options.on_shard_failure, control, rank, served)
+        self.links = ShardLinks(
+            descriptors,
+            secret,
+            options.transport,
+            options.timeout,
+            options.pin_memory,
+            options.on_shard_failure,
+            control,
+            rank,
+            served,
+        )
         self.owners = ShardOwners(self.links)
         self.batches = ShardBatches(self.links, self.owners, options.prefetch)
         # what a sampler's table calls on every batch: the parts' own methods, so no call goes through here

@@ -6,6 +6,7 @@ these: its own reader slot and episode index on the shared store, its own
 cores for rules that follow a reader's view, the shard's shared cores for
 rules with per-row state. A pick keeps its rows readable until ``release``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,8 +54,9 @@ class ShardView:
         picked.scalars = {**{k: float(v) for k, v in picked.scalars.items()}, "rows": self.shard.size}
         return picked
 
-    def update(self, spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,
-               generation: torch.Tensor | None) -> None:
+    def update(
+        self, spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None
+    ) -> None:
         with self.selector(spec) as selector:
             selector.update(rows, priority, generation)
 

@@ -4,6 +4,7 @@ The learner writes (or checks) the layout under ``root``, the number of shards
 and each one's capacity, and every owner saves (or restores) its own shard under
 ``root/shard_<i>`` (``shard_checkpoint.py``: a path on each owner's host).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,19 +21,22 @@ def dump(links: ShardLinks, root: str) -> None:
     """Every shard's owner saves its shard and selection state under ``root`` (a path on each owner's host)."""
     shards = [d.shard for d in links.descriptors]
     if links.failed:
-        raise ShardUnavailableError(f"cannot save a checkpoint without shards {sorted(links.failed)}: "
-                                    f"{'; '.join(links.failed.values())}")
+        raise ShardUnavailableError(
+            f"cannot save a checkpoint without shards {sorted(links.failed)}: {'; '.join(links.failed.values())}"
+        )
     write_layout(root, [d.capacity for d in links.descriptors])
-    links.on_each(shards, lambda s, _: links.client(s).dump(shard_directory(root, s)), [0] * len(shards),
-                  allow_skip=False)
+    links.on_each(
+        shards, lambda s, _: links.client(s).dump(shard_directory(root, s)), [0] * len(shards), allow_skip=False
+    )
 
 
 def load(links: ShardLinks, root: str) -> None:
     """Every owner restores its shard from ``root``: same number of shards, same capacities, or nothing changes."""
     check_layout(root, [d.capacity for d in links.descriptors])
     shards = [d.shard for d in links.descriptors]
-    links.on_each(shards, lambda s, _: links.client(s).load(shard_directory(root, s)), [0] * len(shards),
-                  allow_skip=False)
+    links.on_each(
+        shards, lambda s, _: links.client(s).load(shard_directory(root, s)), [0] * len(shards), allow_skip=False
+    )
 
 
 def shard_directory(root: str | Path, shard: int) -> str:
@@ -58,7 +62,9 @@ def check_layout(root: str | Path, capacities: list[int]) -> None:
 
     saved = read_checkpoint(root, _LAYOUT_FILE, LAYOUT_FORMAT, checked)
     if len(saved) != len(capacities):
-        raise CheckpointError(f"{root} holds {len(saved)} shards; this store has {len(capacities)} owners: "
-                              "restore it on as many owners as saved it")
+        raise CheckpointError(
+            f"{root} holds {len(saved)} shards; this store has {len(capacities)} owners: "
+            "restore it on as many owners as saved it"
+        )
     if saved != capacities:
         raise CheckpointError(f"{root} holds shards of {saved} rows; this store's shards hold {capacities}")

@@ -4,6 +4,7 @@ Each owner runs the same core class as a local table would, over its own shard, 
 the spec the learner sends; the rows come back read with the picks. Row names are
 global ids (``global_ids.py``), and the owners' cores follow their shards' writes.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -28,8 +29,13 @@ class ShardedTable(Table):
         self._gate = gate
         self.rows_sampled = 0  # rows this process drew (a storage's stats)
 
-    def select(self, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None = None,
-               markers: WindowMarkers | None = None) -> Picked:
+    def select(
+        self,
+        selector: Selector[SelectionSpec],
+        count: int,
+        generator: torch.Generator | None = None,
+        markers: WindowMarkers | None = None,
+    ) -> Picked:
         """``count`` picks across the shards, their rows read already: the index is global row ids carrying
         the batch, so ``get`` of it costs nothing."""
         if count <= 0:
@@ -54,8 +60,9 @@ class ShardedTable(Table):
         """Priorities for global row ids, routed to the owners of the rows."""
         self.shards.update(selector.spec, torch.as_tensor(index).as_subclass(torch.Tensor), priority, generation)
 
-    def update_rows(self, selector: Selector[SelectionSpec], rows: torch.Tensor, priority: Any,
-                    generation: Any = None) -> None:
+    def update_rows(
+        self, selector: Selector[SelectionSpec], rows: torch.Tensor, priority: Any, generation: Any = None
+    ) -> None:
         self.update(selector, rows, priority, generation)
 
     def give_back(self, selector: Selector[SelectionSpec], index: Any) -> None:

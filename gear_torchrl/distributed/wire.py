@@ -5,6 +5,7 @@ and a list of byte arrays that go straight between tensors and the socket.
 Sizes are checked against limits before anything is allocated, so a peer
 cannot make the other side allocate or read out of bounds.
 """
+
 from __future__ import annotations
 
 import errno
@@ -201,7 +202,7 @@ def parse_head(head: bytes) -> tuple[int, dict[str, Any], list[int]]:
         raise ProtocolError("a message's head is cut short")
     _, op, count, meta_len, total = _HEADER.unpack_from(head)
     at = _HEADER.size
-    meta = json.loads(head[at: at + meta_len]) if meta_len else {}
+    meta = json.loads(head[at : at + meta_len]) if meta_len else {}
     lengths = list(_lengths(count).unpack_from(head, at + meta_len))
     if sum(lengths) != total:
         raise ProtocolError("array lengths do not add up to the header's total")

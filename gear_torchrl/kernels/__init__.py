@@ -6,6 +6,7 @@ all columns; ``cupy_kernels`` runs the same CUDA source through CuPy where the
 extension was built without nvcc. Importing this package loads ``_C``, with an
 error that says how to build it when it is missing.
 """
+
 from __future__ import annotations
 
 import importlib

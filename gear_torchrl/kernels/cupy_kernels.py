@@ -6,6 +6,7 @@ GPU machine with CuPy this module compiles ``csrc/kernels/cuda/gather_kernel.cuh
 NVRTC at first use and launches it with the calling convention documented at
 the top of that file. Nothing here is a copy of the kernel.
 """
+
 from __future__ import annotations
 
 import functools
@@ -66,15 +67,24 @@ def _device_address(column: torch.Tensor, index: int) -> int:
     except cp.cuda.runtime.CUDARuntimeError as err:
         raise RuntimeError(f"gather: column {index} is pageable CPU memory the GPU cannot read; pin it") from err
     if attributes.type != cp.cuda.runtime.memoryTypeHost or not attributes.devicePointer:
-        raise RuntimeError(f"gather: column {index} is pageable CPU memory the GPU cannot read in place; "
-                           "pin it with .pin_memory() or gear_torchrl.kernels.gather.host_register()")
+        raise RuntimeError(
+            f"gather: column {index} is pageable CPU memory the GPU cannot read in place; "
+            "pin it with .pin_memory() or gear_torchrl.kernels.gather.host_register()"
+        )
     return int(attributes.devicePointer)
 
 
-def gather(columns: list[torch.Tensor], out: list[torch.Tensor], starts: torch.Tensor,
-           valid_begin: torch.Tensor | None, valid_end: torch.Tensor | None, window_len: int,
-           mask: torch.Tensor | None, hot_columns: Sequence[torch.Tensor] = (),
-           hot_owner: torch.Tensor | None = None) -> None:
+def gather(
+    columns: list[torch.Tensor],
+    out: list[torch.Tensor],
+    starts: torch.Tensor,
+    valid_begin: torch.Tensor | None,
+    valid_end: torch.Tensor | None,
+    window_len: int,
+    mask: torch.Tensor | None,
+    hot_columns: Sequence[torch.Tensor] = (),
+    hot_owner: torch.Tensor | None = None,
+) -> None:
     """Same contract as ``_C.gather`` for CUDA outputs (see csrc/kernels/gather.h)."""
     import cupy as cp
 
@@ -82,6 +92,7 @@ def gather(columns: list[torch.Tensor], out: list[torch.Tensor], starts: torch.T
     num_windows, capacity = starts.numel(), columns[0].shape[0]
     if num_windows == 0:
         return
+
     def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device, torch.int64, non_blocking=True)
 
@@ -109,12 +120,26 @@ def gather(columns: list[torch.Tensor], out: list[torch.Tensor], starts: torch.T
         blocks = (items + _THREADS // 32 - 1) // (_THREADS // 32)
         with cp.cuda.Device(device.index), stream:
             _kernel(device.index)(
-                (blocks,), (_THREADS,),
-                (pointer(desc), np.int32(len(group)), pointer(starts_d), pointer(begin_d), pointer(end_d),
-                 pointer(group_mask), np.int64(num_windows), np.int64(window_len), np.int64(capacity),
-                 np.int64(_CHUNK_BYTES), np.int64(copy_items), np.int64(items), pointer(hot_owner),
-                 np.int64(hot_rows)),
-                shared_mem=len(group) * _DESC_WORDS * 8)
+                (blocks,),
+                (_THREADS,),
+                (
+                    pointer(desc),
+                    np.int32(len(group)),
+                    pointer(starts_d),
+                    pointer(begin_d),
+                    pointer(end_d),
+                    pointer(group_mask),
+                    np.int64(num_windows),
+                    np.int64(window_len),
+                    np.int64(capacity),
+                    np.int64(_CHUNK_BYTES),
+                    np.int64(copy_items),
+                    np.int64(items),
+                    pointer(hot_owner),
+                    np.int64(hot_rows),
+                ),
+                shared_mem=len(group) * _DESC_WORDS * 8,
+            )
 
 
 def host_register(tensor: torch.Tensor) -> None:

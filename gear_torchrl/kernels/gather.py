@@ -6,6 +6,7 @@ or device memory in place. The CUDA kernel comes from the extension when it
 was built with CUDA, else the same source is compiled at run time by CuPy.
 This module is the only place that chooses.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,10 @@ def cuda_unavailable_reason() -> str | None:
     reason = cupy_kernels.unavailable_reason()
     if reason is None:
         return None
-    return (f"the extension was built without its CUDA part and the CuPy fallback cannot run: {reason}. "
-            "Rebuild with a CUDA torch and nvcc (GEAR_TORCHRL_CUDA=ON) or install CuPy")
+    return (
+        f"the extension was built without its CUDA part and the CuPy fallback cannot run: {reason}. "
+        "Rebuild with a CUDA torch and nvcc (GEAR_TORCHRL_CUDA=ON) or install CuPy"
+    )
 
 
 def _use_cupy() -> bool:
@@ -43,8 +46,9 @@ class HotRows(NamedTuple):
     owner: torch.Tensor  # int64 [slots]: the row each slot holds, -1 for none
 
 
-def _launch(columns, out, starts, valid_begin=None, valid_end=None, window_len=1, mask=None,
-            hot: HotRows | None = None) -> None:
+def _launch(
+    columns, out, starts, valid_begin=None, valid_end=None, window_len=1, mask=None, hot: HotRows | None = None
+) -> None:
     hot_columns, hot_owner = ([], None) if hot is None else hot
     if out[0].is_cuda and _use_cupy():
         cupy_kernels.gather(columns, out, starts, valid_begin, valid_end, window_len, mask, hot_columns, hot_owner)
@@ -56,8 +60,9 @@ def _empty_like_rows(columns: list[torch.Tensor], num_rows: int, device: torch.d
     return [torch.empty((num_rows, *c.shape[1:]), dtype=c.dtype, device=device) for c in columns]
 
 
-def gather_rows(columns: list[torch.Tensor], rows: torch.Tensor, device: torch.device,
-                hot: HotRows | None = None) -> list[torch.Tensor]:
+def gather_rows(
+    columns: list[torch.Tensor], rows: torch.Tensor, device: torch.device, hot: HotRows | None = None
+) -> list[torch.Tensor]:
     """``[c[rows] for c in columns]`` on ``device``; ``rows`` must already be in range."""
     out = _empty_like_rows(columns, rows.numel(), device)
     _launch(columns, out, rows, hot=hot)

@@ -15,6 +15,7 @@ state, and a shard owner shares one such core among its learners. A core knows
 tensors and the store, never TorchRL: a local sampler and a shard owner run the
 same core.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -101,8 +102,13 @@ class Selector(ABC, Generic[SpecT_co]):
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         """``count`` picks (fewer only where the rule has fewer to give: queues, top-k)."""
 
-    def update(self, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None = None,
-               stored: int | None = None) -> None:
+    def update(
+        self,
+        rows: torch.Tensor,
+        priority: torch.Tensor,
+        generation: torch.Tensor | None = None,
+        stored: int | None = None,
+    ) -> None:
         """Raw priorities of ``rows`` (-1: skipped); ``stored``, where known, bounds the rows."""
         raise ValueError(f"a {self.spec.kind} selection keeps no priorities to update")
 
@@ -164,13 +170,15 @@ class StatefulSelector(Selector[SpecT_co]):
 def needs_shard(selector: Selector[SelectionSpec], shard: Shard | None) -> Shard:
     """``shard``, which ``selector``'s rule reads; a TypeError when there is none to read."""
     if shard is None:
-        raise TypeError(f"a {selector.spec.kind} selection reads the store's shard: it needs a GearStorage "
-                        "or ShardedGearStorage")
+        raise TypeError(
+            f"a {selector.spec.kind} selection reads the store's shard: it needs a GearStorage or ShardedGearStorage"
+        )
     return shard
 
 
-def pick_exactly(selector: Selector[SelectionSpec], shard: Shard | None, count: int,
-                 generator: torch.Generator | None) -> Picked:
+def pick_exactly(
+    selector: Selector[SelectionSpec], shard: Shard | None, count: int, generator: torch.Generator | None
+) -> Picked:
     """``count`` picks, or an error saying why there are fewer (the short picks given back first)."""
     picked = selector.pick(shard, count, generator)
     if picked.count < count:

@@ -11,6 +11,7 @@ write replay as one CUDA graph (``cuda_graphs.py``) instead of dozens of launche
 The same code runs on the CPU, which is how the tests check it against the
 trees without a GPU.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ After ``max_times`` picks a row leaves the inner rule's draw until it is
 written again. The cap is exact within a pick too: draws past a row's cap
 are drawn again. Over many shards each owner counts its own rows.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,8 +37,10 @@ def rank_among_equals(index: torch.Tensor) -> torch.Tensor:
 
 
 def _cannot_cap(what: str) -> TypeError:
-    return TypeError(f"a {what} cannot leave rows out of its draws, so it cannot be capped; cap priorities "
-                     "(alpha=0 draws uniformly) or top-k")
+    return TypeError(
+        f"a {what} cannot leave rows out of its draws, so it cannot be capped; cap priorities "
+        "(alpha=0 draws uniformly) or top-k"
+    )
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ class CappedSelector(StatefulSelector[CappedSpec]):
         return Picked.concat(parts, mass=self.inner.mass(shard))
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
-        return (f"cannot draw {count - got} more rows: the others reached max_times_sampled={self.spec.max_times}")
+        return f"cannot draw {count - got} more rows: the others reached max_times_sampled={self.spec.max_times}"
 
     def _accept(self, rows: torch.Tensor) -> torch.Tensor:
         accepted = self.count[rows] + rank_among_equals(rows) < self.spec.max_times

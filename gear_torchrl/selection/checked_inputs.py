@@ -3,6 +3,7 @@
 Every check that can fail runs before the first write, so a refused update
 leaves trees, queues and counts exactly as they were.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,9 @@ def integer_rows(index: Any) -> torch.Tensor:
     return rows.to(torch.int64)
 
 
-def validated(index: Any, priority: Any, capacity: int, device: torch.device | str = "cpu",
-              stored: int | None = None) -> Checked:
+def validated(
+    index: Any, priority: Any, capacity: int, device: torch.device | str = "cpu", stored: int | None = None
+) -> Checked:
     """Indices (and priorities) on ``device``, checked with a single wait for it.
 
     Index -1 means "skip", as TorchRL's ``MaxValueWriter`` uses it. Indices must
@@ -118,5 +120,8 @@ def as_generation(generation: Any, count: int, device: torch.device | str = "cpu
 def seeds_defaults(index: Any, priority: Any, default: float) -> bool:
     """Whether this is TorchRL's ``_initialize_prioritized_sampler``: rows 0..n-1 at the default priority."""
     index, priority = torch.as_tensor(index).reshape(-1), torch.as_tensor(priority).reshape(-1)
-    return (index.numel() > 0 and bool((index == torch.arange(index.numel(), device=index.device)).all())
-            and bool((priority == default).all()))
+    return (
+        index.numel() > 0
+        and bool((index == torch.arange(index.numel(), device=index.device)).all())
+        and bool((priority == default).all())
+    )

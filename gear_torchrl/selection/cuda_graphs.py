@@ -6,6 +6,7 @@ same Python function replays as a single graph launch. CPU tensors, and any
 function that cannot be captured, simply run eagerly: the graph is a cache,
 never a second implementation.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,7 @@ class GraphedCall(Generic[Result]):
     intermediates allocated for good.
     """
 
-    def __init__(self, fn: Callable[..., Result], max_graphs: int = 8,
-                 max_elements: int = 1 << 16) -> None:
+    def __init__(self, fn: Callable[..., Result], max_graphs: int = 8, max_elements: int = 1 << 16) -> None:
         self.fn: Callable[..., Result] = fn
         self.max_graphs = max_graphs
         self.max_elements = max_elements
@@ -48,8 +48,11 @@ class GraphedCall(Generic[Result]):
         self._capturable = _CACHING_ALLOCATOR
 
     def __call__(self, *args: torch.Tensor) -> Result:
-        if (not (self._capturable and args[0].is_cuda) or args[0].numel() > self.max_elements
-                or torch.cuda.is_current_stream_capturing()):  # inside another capture: be part of it
+        if (
+            not (self._capturable and args[0].is_cuda)
+            or args[0].numel() > self.max_elements
+            or torch.cuda.is_current_stream_capturing()
+        ):  # inside another capture: be part of it
             return self.fn(*args)
         signature = tuple((a.shape, a.dtype, a.device) for a in args)
         entry = self._graphs.get(signature)

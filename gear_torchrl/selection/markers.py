@@ -1,4 +1,5 @@
 """Where a batch of windows or packs puts TorchRL's per-step keys: SliceSampler's markers, the mask, a pack's layout."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ class WindowMarkers:
     truncated_key: NestedKey = ("next", "truncated")
     terminated_key: NestedKey = ("next", "terminated")
 
-    def __call__(self, windows: Windows, columns: dict[NestedKey, torch.Tensor],
-                 mask: torch.Tensor) -> dict[NestedKey, torch.Tensor]:
+    def __call__(
+        self, windows: Windows, columns: dict[NestedKey, torch.Tensor], mask: torch.Tensor
+    ) -> dict[NestedKey, torch.Tensor]:
         """The marker keys, from the columns just gathered (no second gather, no per-key insert afterwards)."""
         num_steps = mask.numel()
         truncated = torch.zeros(num_steps, 1, dtype=torch.bool, device=mask.device)
@@ -27,8 +29,9 @@ class WindowMarkers:
         truncated[last.to(mask.device)] = True
         return {self.mask_key: mask, **self.episode_ends(columns, truncated)}
 
-    def episode_ends(self, columns: dict[NestedKey, torch.Tensor],
-                     truncated: torch.Tensor) -> dict[NestedKey, torch.Tensor]:
+    def episode_ends(
+        self, columns: dict[NestedKey, torch.Tensor], truncated: torch.Tensor
+    ) -> dict[NestedKey, torch.Tensor]:
         """SliceSampler's end markers: ``truncated`` (bool [N, 1]) where a window or sequence ends, ``done`` the
         stored flag or-ed with it, ``terminated`` as stored."""
         by_path = {as_path(k): t for k, t in columns.items()}
@@ -69,8 +72,9 @@ class PackedMarkers:
     def num_sequences(self) -> int:
         return int(self.seq_id.max()) + 1 if self.seq_id.numel() else 0
 
-    def __call__(self, windows: Windows, columns: dict[NestedKey, torch.Tensor],
-                 mask: torch.Tensor) -> dict[NestedKey, torch.Tensor]:
+    def __call__(
+        self, windows: Windows, columns: dict[NestedKey, torch.Tensor], mask: torch.Tensor
+    ) -> dict[NestedKey, torch.Tensor]:
         device = mask.device
         return {
             (self.prefix, "seq_id"): self.seq_id.to(device),

@@ -28,6 +28,7 @@ of one (which is all packing changes: the tail steps of long spans are trained o
 slightly less often, by about one span per pack). Draws beyond the pack are
 dropped; being independent of it, they change nothing.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,9 +70,14 @@ class Sequences:
             return parts[0]
         masses = [p.mass for p in parts if p.mass is not None]
         generations = [p.generation for p in parts if p.generation is not None]
-        return Sequences(torch.cat([p.first for p in parts]), torch.cat([p.length for p in parts]),
-                         torch.cat([p.burn_in for p in parts]), torch.cat([p.step for p in parts]),
-                         torch.cat(masses) if masses else None, torch.cat(generations) if generations else None)
+        return Sequences(
+            torch.cat([p.first for p in parts]),
+            torch.cat([p.length for p in parts]),
+            torch.cat([p.burn_in for p in parts]),
+            torch.cat([p.step for p in parts]),
+            torch.cat(masses) if masses else None,
+            torch.cat(generations) if generations else None,
+        )
 
 
 def span_counts(length: torch.Tensor, max_train: int) -> torch.Tensor:
@@ -101,14 +107,20 @@ def draw_pack(draw: Callable[[int], Sequences], budget: int, expected_length: fl
     raise RuntimeError(f"drew {drawn} sequences of {tokens} tokens in all, short of a budget of {budget}")
 
 
-def pack_tokens(sequences: Sequences, budget: int, window_rows: int, mass: float | torch.Tensor,
-                scalars: dict[str, Any] | None = None) -> Picked:
+def pack_tokens(
+    sequences: Sequences,
+    budget: int,
+    window_rows: int,
+    mass: float | torch.Tensor,
+    scalars: dict[str, Any] | None = None,
+) -> Picked:
     """A pack of ``budget`` tokens by the packing rule (``csrc/kernels/packing.h``), as picks: each token a window of
     one row (padding: an empty one), with its ``position`` in its sequence (-1: padding), its ``step`` in its
     episode, whether it is ``trained`` (not burn-in, not padding) and whether it is the ``last`` of its
     sequence; prioritized rules add its sequence's key ``mass`` and ``generation``."""
     rows, valid, position, step, trained, seq, last = _C.pack_tokens(
-        sequences.first, sequences.length, sequences.burn_in, sequences.step, budget, window_rows)
+        sequences.first, sequences.length, sequences.burn_in, sequences.step, budget, window_rows
+    )
     extra = {"position": position, "step": step, "trained": trained, "last": last}
     if sequences.mass is not None and sequences.generation is not None:
         real = seq >= 0
@@ -149,8 +161,10 @@ class PackedSpec(SelectionSpec):
 
     def check(self) -> None:
         if self.seq_len < 1 or self.burn_in < 0:
-            raise ValueError(f"max_len must exceed burn_in (at least one step to train on) and burn_in must be "
-                             f">= 0, got max_len={self.max_len}, burn_in={self.burn_in}")
+            raise ValueError(
+                f"max_len must exceed burn_in (at least one step to train on) and burn_in must be "
+                f">= 0, got max_len={self.max_len}, burn_in={self.burn_in}"
+            )
         if self.uniform_over not in UNIFORM_OVER:
             raise ValueError(f"uniform_over must be one of {UNIFORM_OVER}, got {self.uniform_over!r}")
 
@@ -190,8 +204,9 @@ class PackedSelector(EpisodeTreeSelector[PackedSpec]):
         def draw(n: int) -> Sequences:
             u = uniform((n, 2), generator).T  # sequence i takes draws 2i and 2i + 1, however many rounds
             slots = tree.find(u[0] * tree.total)
-            return Sequences(*_C.uniform_spans(episodes.start, episodes.length, slots, u[1].contiguous(),
-                                               spec.seq_len, spec.burn_in))
+            return Sequences(
+                *_C.uniform_spans(episodes.start, episodes.length, slots, u[1].contiguous(), spec.seq_len, spec.burn_in)
+            )
 
         sequences, self._expected_length = draw_pack(draw, count, self._expected_length)
         return pack_tokens(sequences, count, shard.window_rows, mass)
@@ -246,8 +261,9 @@ class PriorityPackedSelector(PriorityWindowSelector):
         def draw(n: int) -> Sequences:
             keys = self.trees.draw(n, generator)
             slots, offset, _ = episodes.locate(keys)
-            first, length, burn_in, step = _C.place_spans(episodes.start, episodes.length, slots, offset,
-                                                          spec.seq_len, spec.burn_in)
+            first, length, burn_in, step = _C.place_spans(
+                episodes.start, episodes.length, slots, offset, spec.seq_len, spec.burn_in
+            )
             return Sequences(first, length, burn_in, step, self.trees.get(keys), self.generation[keys])
 
         sequences, self._expected_length = draw_pack(draw, count, self._expected_length)

@@ -13,6 +13,7 @@ read already. So the index is a ``SampledIndex``, carrying its picks: copies mad
 ``clone``, ``to``, ``detach`` keep them, so ``get(index.clone())`` is ``get(index)``;
 any other op gives a plain tensor, which reads the rows it names.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,9 +29,16 @@ from gear_torchrl.store.windows import Windows
 SelectionIndex = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 # The per-pick values a core may return, and their dtypes (the wire carries bytes only).
-EXTRA_DTYPES = {"mass": torch.float64, "score": torch.float64, "generation": torch.int64,
-                # a packed token's place (``selection/packed.py``)
-                "position": torch.int64, "step": torch.int64, "trained": torch.bool, "last": torch.bool}
+EXTRA_DTYPES = {
+    "mass": torch.float64,
+    "score": torch.float64,
+    "generation": torch.int64,
+    # a packed token's place (``selection/packed.py``)
+    "position": torch.int64,
+    "step": torch.int64,
+    "trained": torch.bool,
+    "last": torch.bool,
+}
 
 
 @dataclass
@@ -91,8 +99,9 @@ class Picked:
 
     def subset(self, keep: torch.Tensor) -> Picked:
         """The picks where ``keep`` is true."""
-        return Picked(self.windows.subset(keep), self.mass, {k: v[keep] for k, v in self.extra.items()},
-                      dict(self.scalars))
+        return Picked(
+            self.windows.subset(keep), self.mass, {k: v[keep] for k, v in self.extra.items()}, dict(self.scalars)
+        )
 
     @staticmethod
     def concat(parts: list[Picked], mass: float | torch.Tensor) -> Picked:
@@ -105,8 +114,17 @@ class Picked:
 
 
 # Copies of an index: they keep its sample. Everything else (slicing, arithmetic...) gives plain rows.
-_COPIES = {torch.Tensor.clone, torch.clone, torch.Tensor.to, torch.Tensor.detach, torch.detach, torch.Tensor.cpu,
-           torch.Tensor.cuda, torch.Tensor.contiguous, torch.Tensor.pin_memory}
+_COPIES = {
+    torch.Tensor.clone,
+    torch.clone,
+    torch.Tensor.to,
+    torch.Tensor.detach,
+    torch.detach,
+    torch.Tensor.cpu,
+    torch.Tensor.cuda,
+    torch.Tensor.contiguous,
+    torch.Tensor.pin_memory,
+}
 
 
 class SampledIndex(torch.Tensor):

@@ -4,6 +4,7 @@ P(i) = (p_i + eps)^alpha / sum_j (p_j + eps)^alpha. New rows get the largest
 raw priority seen, so new experience is drawn. Each row's write generation
 lets an update for a row rewritten since it was drawn be dropped.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,7 +98,8 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
         self.alpha, self.eps = self.spec.alpha, self.spec.eps
         # The one place CPU and GPU differ: trees in the extension, or blocked prefix sums on the device.
         self.trees: PriorityTrees | BlockPrefixSums = (
-            PriorityTrees(self.capacity) if self.device.type == "cpu" else BlockPrefixSums(self.capacity, self.device))
+            PriorityTrees(self.capacity) if self.device.type == "cpu" else BlockPrefixSums(self.capacity, self.device)
+        )
         self.generation = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
         # A device tensor, so updates never wait for the GPU to learn the new maximum.
         self.max_raw_priority = torch.tensor(1.0, dtype=torch.float64, device=self.device)
@@ -121,8 +123,15 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
         """What the native owner draws from and updates (csrc/net/owner.h PriorityRule); None on a GPU."""
         if not isinstance(self.trees, PriorityTrees):
             return None
-        return NativeTables(self.trees.sum, self.trees.min, self.generation, self.followed_words, self.max_raw_priority,
-                            self.alpha, self.eps)
+        return NativeTables(
+            self.trees.sum,
+            self.trees.min,
+            self.generation,
+            self.followed_words,
+            self.max_raw_priority,
+            self.alpha,
+            self.eps,
+        )
 
     def retire(self) -> None:
         self.followed_words.fill_(-1)  # never the store's positions: the extension leaves every draw to Python
@@ -155,9 +164,12 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
         if count == 0 or not total > 0:  # on a GPU, the one wait for the device in a draw
             return Picked.rows(_NONE.to(self.device), float(total), scalars={"min_mass": self.trees.minimum})
         rows = self.trees.draw(count, generator)
-        return Picked.rows(rows, total,
-                           extra={"mass": self.trees.get(rows), "generation": self.generation.index_select(0, rows)},
-                           scalars={"min_mass": self.trees.minimum})
+        return Picked.rows(
+            rows,
+            total,
+            extra={"mass": self.trees.get(rows), "generation": self.generation.index_select(0, rows)},
+            scalars={"min_mass": self.trees.minimum},
+        )
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return "every stored row has priority 0: nothing can be sampled"
@@ -199,8 +211,16 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
         priority = shaped_priority(priority, index.numel())
         drawn = as_generation(generation, index.numel())
         applied, lo, hi, bad, landed_max = _C.priority_update(
-            self.trees.sum, self.trees.min, self.generation, index, priority, drawn, self.alpha, self.eps,
-            row_bound(self.capacity, stored))
+            self.trees.sum,
+            self.trees.min,
+            self.generation,
+            index,
+            priority,
+            drawn,
+            self.alpha,
+            self.eps,
+            row_bound(self.capacity, stored),
+        )
         if not applied:
             refuse_out_of_range(lo, hi, self.capacity, stored)
             refuse_priority_at(priority, bad)
@@ -208,8 +228,13 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
 
     # -- state -----------------------------------------------------------------------
     def export_rows(self, rows: torch.Tensor) -> dict[str, Any]:
-        return {"alpha": self.alpha, "eps": self.eps, "max_raw_priority": float(self.max_raw_priority),
-                "mass": self.trees.get(rows.to(self.device)).cpu(), "generation": self.generation[rows].cpu()}
+        return {
+            "alpha": self.alpha,
+            "eps": self.eps,
+            "max_raw_priority": float(self.max_raw_priority),
+            "mass": self.trees.get(rows.to(self.device)).cpu(),
+            "generation": self.generation[rows].cpu(),
+        }
 
     def import_rows(self, state: dict[str, Any]) -> None:
         mass, generation = state["mass"].to(self.device), state["generation"].to(self.device)
@@ -226,9 +251,13 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
         return {**self.trees.tensors(), "generation": self.generation}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"capacity": self.capacity, "alpha": self.alpha, "eps": self.eps,
-                "max_raw_priority": float(self.max_raw_priority),
-                **{k: v.clone() for k, v in self.state_tensors().items()}}
+        return {
+            "capacity": self.capacity,
+            "alpha": self.alpha,
+            "eps": self.eps,
+            "max_raw_priority": float(self.max_raw_priority),
+            **{k: v.clone() for k, v in self.state_tensors().items()},
+        }
 
     def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
         """Scalars in range, tensors of this core's shapes, masses finite and non-negative, none past ``rows``."""

@@ -6,6 +6,7 @@ A float64 tree holds one mass per row: the row's priority mass if a window
 may start its training steps there, else zero. Which rows may do so follows
 the episode index's change log, so a pick costs O(count · log N).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -111,8 +112,10 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
     def _key_offsets(self, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """First and one-past-last offset of a training start, per episode length."""
         if self.spec.strict_length:
-            return (torch.full_like(length, self.spec.burn_in),
-                    (length - self.spec.seq_len + 1).clamp_min(self.spec.burn_in))
+            return (
+                torch.full_like(length, self.spec.burn_in),
+                (length - self.spec.seq_len + 1).clamp_min(self.spec.burn_in),
+            )
         return torch.zeros_like(length), length
 
     def _valid_keys(self, episodes: Episodes, rows: torch.Tensor) -> torch.Tensor:
@@ -167,8 +170,7 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         if not self.spec.cross_ring_end:
             windows = redraw_wrapping(lambda n: self._draw(episodes, n, generator), windows, shard.capacity)
         keys = shard.addressing.ring_rows(windows.starts + self.spec.burn_in)
-        return picked_windows(windows, shard.window_rows, mass, extra={"mass": self.trees.get(keys)},
-                              scalars=scalars)
+        return picked_windows(windows, shard.window_rows, mass, extra={"mass": self.trees.get(keys)}, scalars=scalars)
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return no_window_reason(self.spec, needs_shard(self, shard).episodes)
@@ -177,8 +179,9 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         """Windows by their key steps' priorities: the key step sits ``burn_in`` steps into its window."""
         keys = self.trees.draw(count, generator)
         slots, key_offset, _ = episodes.locate(keys)
-        placed = _C.place_windows(episodes.start, episodes.length, slots, key_offset - self.spec.burn_in,
-                                  self.spec.window_len)
+        placed = _C.place_windows(
+            episodes.start, episodes.length, slots, key_offset - self.spec.burn_in, self.spec.window_len
+        )
         return Windows(placed[0], self.spec.window_len, *placed[1:])
 
     # -- priorities ------------------------------------------------------------------
@@ -199,8 +202,13 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
 
     # -- state -----------------------------------------------------------------------
     def export_rows(self, rows: torch.Tensor) -> dict[str, Any]:
-        return {"alpha": self.alpha, "eps": self.eps, "max_raw_priority": float(self.max_raw_priority),
-                "row_mass": self.row_mass[rows].clone(), "generation": self.generation[rows].clone()}
+        return {
+            "alpha": self.alpha,
+            "eps": self.eps,
+            "max_raw_priority": float(self.max_raw_priority),
+            "row_mass": self.row_mass[rows].clone(),
+            "generation": self.generation[rows].clone(),
+        }
 
     def import_rows(self, state: dict[str, Any]) -> None:
         n = state["row_mass"].numel()

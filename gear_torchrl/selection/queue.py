@@ -4,6 +4,7 @@ Rows enter the queue when written, tagged with their write generation; a row
 overwritten before it was consumed leaves a stale entry that is skipped, so
 nothing is picked twice and no stale row is served.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -91,8 +92,8 @@ class QueueSelector(StatefulSelector[QueueSpec]):
         n = rows.numel()
         if self._tail + n > self._rows.numel():
             self._compact(extra=n)
-        self._rows[self._tail:self._tail + n] = rows
-        self._gens[self._tail:self._tail + n] = gens
+        self._rows[self._tail : self._tail + n] = rows
+        self._gens[self._tail : self._tail + n] = gens
         self._tail += n
 
     def _compact(self, extra: int, room_before: int = 0) -> None:
@@ -130,8 +131,8 @@ class QueueSelector(StatefulSelector[QueueSpec]):
         if self._head < n:
             self._compact(extra=0, room_before=n)
         self._head -= n
-        self._rows[self._head:self._head + n] = rows
-        self._gens[self._head:self._head + n] = self._generation[rows]
+        self._rows[self._head : self._head + n] = rows
+        self._gens[self._head : self._head + n] = self._generation[rows]
 
     def mass(self, shard: Shard) -> float:
         return float(self._waiting)
@@ -191,8 +192,13 @@ class QueueSelector(StatefulSelector[QueueSpec]):
 
     def state_dict(self) -> dict[str, Any]:
         live = slice(self._head, self._tail)
-        return {"generation": self._generation.clone(), "queued": self._queued.clone(), "waiting": self._waiting,
-                "rows": self._rows[live].clone(), "gens": self._gens[live].clone()}
+        return {
+            "generation": self._generation.clone(),
+            "queued": self._queued.clone(),
+            "waiting": self._waiting,
+            "rows": self._rows[live].clone(),
+            "gens": self._gens[live].clone(),
+        }
 
     def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
         """``state`` checked in full: every queued row has one live entry, none past the ``rows`` restored."""
@@ -209,8 +215,10 @@ class QueueSelector(StatefulSelector[QueueSpec]):
         require_nothing_past(queued, rows, "queued")
         live = gens == generation[entries]
         if int(queued.sum()) != waiting or int(live.sum()) != waiting or not bool(queued[entries[live]].all()):
-            raise CheckpointError(f"the saved queue is inconsistent: {waiting} rows wait, {int(queued.sum())} are "
-                                  f"marked queued and {int(live.sum())} entries are live")
+            raise CheckpointError(
+                f"the saved queue is inconsistent: {waiting} rows wait, {int(queued.sum())} are "
+                f"marked queued and {int(live.sum())} entries are live"
+            )
         return {"generation": generation, "queued": queued, "waiting": waiting, "rows": entries, "gens": gens}
 
     def assign(self, state: dict[str, Any]) -> None:
@@ -221,4 +229,3 @@ class QueueSelector(StatefulSelector[QueueSpec]):
         self._head = self._tail = 0
         self._rows, self._gens = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
         self._push(state["rows"], state["gens"])
-

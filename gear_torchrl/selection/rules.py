@@ -4,6 +4,7 @@ A rule is a spec and a core in one file (``uniform.py``, ``windows.py``...). Lis
 its spec here is what makes an owner, or a checkpoint, able to read it back; nothing
 registers itself by being imported.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,19 @@ from gear_torchrl.selection.windows import WindowSpec
 from gear_torchrl.store.table_spec import optional_path
 
 RULES: dict[str, type[SelectionSpec]] = {
-    spec.kind: spec for spec in (UniformSpec, WindowSpec, PrioritySpec, PriorityWindowSpec, QueueSpec, TopKSpec,
-                                 CappedSpec, PackedSpec, PriorityPackedSpec)}
+    spec.kind: spec
+    for spec in (
+        UniformSpec,
+        WindowSpec,
+        PrioritySpec,
+        PriorityWindowSpec,
+        QueueSpec,
+        TopKSpec,
+        CappedSpec,
+        PackedSpec,
+        PriorityPackedSpec,
+    )
+}
 
 
 def spec_from_json(blob: Any) -> SelectionSpec:
@@ -63,5 +75,6 @@ def _typed(cls: type[SelectionSpec], name: str, value: Any) -> Any:
         return float(value)
     if not isinstance(value, str):
         raise ValueError(  # noqa: TRY004  (a spec field of the wrong kind is a bad value, as every other)
-            f"{cls.kind}.{name} must be a string, got {value!r}")
+            f"{cls.kind}.{name} must be a string, got {value!r}"
+        )
     return value

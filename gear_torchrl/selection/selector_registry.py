@@ -5,6 +5,7 @@ spec for the whole shard, shared by every learner: a row consumed or
 reprioritized by one is so for all. Rules that follow a reader's own view of
 the store (uniform rows, windows over its episode index) get one core per reader.
 """
+
 from __future__ import annotations
 
 import threading
@@ -25,8 +26,9 @@ class SelectorRegistry:
         self._lock = threading.Lock()
 
     @contextmanager
-    def using(self, spec: SelectionSpec,
-              own: dict[SelectionSpec, Selector[SelectionSpec]]) -> Iterator[Selector[SelectionSpec]]:
+    def using(
+        self, spec: SelectionSpec, own: dict[SelectionSpec, Selector[SelectionSpec]]
+    ) -> Iterator[Selector[SelectionSpec]]:
         """The core for ``spec`` (made at first use), held for this reader alone while in use.
 
         ``own`` holds the reader's per-reader cores.
@@ -66,6 +68,8 @@ def shared_core(spec: SelectionSpec, capacity: int) -> StatefulSelector[Selectio
     """The one core of a shard for ``spec``: a rule that is not per reader keeps state of its own."""
     core = spec.build(capacity)
     if not isinstance(core, StatefulSelector):
-        raise TypeError(f"a {spec.kind} selection keeps no state of its own, so it is per reader (its spec says "
-                        "per_reader), never shared")
+        raise TypeError(
+            f"a {spec.kind} selection keeps no state of its own, so it is per reader (its spec says "
+            "per_reader), never shared"
+        )
     return core

@@ -7,6 +7,7 @@ takes the checked state. ``GearStorageCheckpointer`` calls
 TorchRL's ``rb.loads`` restores the storage first, and a sampler state found
 damaged afterwards would leave new rows behind old priorities.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -84,8 +85,14 @@ class StateDictFile:
             return self.checked_state_dict(self._with_inner(path, {**saved, **tensors}, rows), rows)
 
         layout = self._unlisted_layout()
-        return read_checkpoint(path, self._state_file, SAMPLER_FORMAT, checked,
-                               unverified_formats=() if layout is None else (None,), unlisted=layout)
+        return read_checkpoint(
+            path,
+            self._state_file,
+            SAMPLER_FORMAT,
+            checked,
+            unverified_formats=() if layout is None else (None,),
+            unlisted=layout,
+        )
 
     def _with_inner(self, path: Path, saved: dict[str, Any], rows: int | None) -> dict[str, Any]:
         """``saved`` plus the states of samplers this one wraps (saved in subdirectories of ``path``)."""
@@ -103,14 +110,19 @@ class StateDictFile:
             raise CheckpointError(
                 f"no {type(self).__name__} state at {path} (missing {self._state_file}): {saved}. Load the "
                 "checkpoint into a buffer with the sampler that saved it, or load the rows alone "
-                "(rb.storage.loads(<checkpoint>/'storage')) and give this sampler its state afresh")
+                "(rb.storage.loads(<checkpoint>/'storage')) and give this sampler its state afresh"
+            )
         return self.checked_state_dict(load_pickled(path / _PICKLED_STATE), rows)
 
 
 def load_pickled(path: Path) -> Any:
     """What ``torch.save`` wrote at ``path`` before checkpoints carried checksums, with a warning saying so."""
-    warnings.warn(f"{path} was written before checkpoints carried checksums: its values are checked, but damaged "
-                  "bytes cannot be detected. Save it again to add them.", UnverifiedCheckpointWarning, stacklevel=4)
+    warnings.warn(
+        f"{path} was written before checkpoints carried checksums: its values are checked, but damaged "
+        "bytes cannot be detected. Save it again to add them.",
+        UnverifiedCheckpointWarning,
+        stacklevel=4,
+    )
     try:
         return torch.load(path, weights_only=True)
     except Exception as err:  # noqa: BLE001  (whatever unpickling raises, the file is damaged)
@@ -133,6 +145,7 @@ def save_rows_state(directory: str | Path, spec: Any, state: dict[str, Any]) -> 
 
 def read_rows_state(directory: str | Path, rows: int) -> tuple[Any, dict[str, Any]]:
     """The spec and ``import_rows`` state saved at ``directory``, checked against ``rows`` restored rows."""
+
     def checked(fields: dict, tensors: dict[str, torch.Tensor]) -> tuple[Any, dict[str, Any]]:
         try:
             spec = spec_from_json(fields.get("spec"))

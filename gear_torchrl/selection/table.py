@@ -12,6 +12,7 @@ TorchRL's storages (``adapters/storage.py``, ``adapters/sharded_storage.py``)
 hold a table and add only TorchRL's contract; a table speaks the storage's
 index (what TorchRL's samplers return for it) and its rows.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -40,8 +41,13 @@ class Table(ABC):
     follows_writes: bool = False
 
     @abstractmethod
-    def select(self, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None = None,
-               markers: WindowMarkers | None = None) -> Picked:
+    def select(
+        self,
+        selector: Selector[SelectionSpec],
+        count: int,
+        generator: torch.Generator | None = None,
+        markers: WindowMarkers | None = None,
+    ) -> Picked:
         """``count`` picks of ``selector``'s rule, drawn with ``generator``.
 
         Its ``index`` is TorchRL's; for windows (or ``markers``) it carries the picks, so ``get`` of it,
@@ -61,8 +67,9 @@ class Table(ABC):
         """Priorities of the rows the storage's ``index`` names, checked against the rows stored."""
 
     @abstractmethod
-    def update_rows(self, selector: Selector[SelectionSpec], rows: torch.Tensor, priority: Any,
-                    generation: Any = None) -> None:
+    def update_rows(
+        self, selector: Selector[SelectionSpec], rows: torch.Tensor, priority: Any, generation: Any = None
+    ) -> None:
         """Priorities of the table's ``rows`` (as :meth:`rows_of` gives them), checked against the rows stored."""
 
     @abstractmethod
@@ -81,8 +88,13 @@ class ShardTable(Table):
         # (the check would wait for the GPU). The storage's ``get`` takes it.
         self.drawn: SelectionIndex | None = None
 
-    def select(self, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None = None,
-               markers: WindowMarkers | None = None) -> Picked:
+    def select(
+        self,
+        selector: Selector[SelectionSpec],
+        count: int,
+        generator: torch.Generator | None = None,
+        markers: WindowMarkers | None = None,
+    ) -> Picked:
         shard = self.shard
         with self._gate(count * selector.spec.rows_per_pick), shard.picking():  # catches up with commits
             if shard.size == 0:
@@ -111,8 +123,7 @@ class ShardTable(Table):
     def update(self, selector: Selector[SelectionSpec], index: Any, priority: Any, generation: Any = None) -> None:
         self.update_rows(selector, self.shard.addressing.rows_of(index), priority, generation)
 
-    def update_rows(self, selector: Selector[SelectionSpec], rows: Any, priority: Any,
-                    generation: Any = None) -> None:
+    def update_rows(self, selector: Selector[SelectionSpec], rows: Any, priority: Any, generation: Any = None) -> None:
         selector.update(rows, priority, generation, stored=self.shard.ring_rows)
 
     def give_back(self, selector: Selector[SelectionSpec], index: Any) -> None:

@@ -4,6 +4,7 @@ Scores come from a key of the stored data (read once, when the rows are
 written) or from updates. A max tree keeps them, so a pick costs
 O(count · log N): no scan of the store.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -104,8 +105,9 @@ class TopKSelector(StatefulSelector[TopKSpec]):
 
     def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
         """A tree of this capacity, no NaN, no scored row past the ``rows`` restored."""
-        scores = checked_tensor(field(state, "scores", "the saved top-k state"), "scores", torch.float64,
-                                tuple(self.scores.max.shape))
+        scores = checked_tensor(
+            field(state, "scores", "the saved top-k state"), "scores", torch.float64, tuple(self.scores.max.shape)
+        )
         if bool(scores.isnan().any()):
             at = int(scores.isnan().nonzero()[0, 0])
             raise CheckpointError(f"scores hold NaN at entry {at}: the state is damaged")
@@ -119,4 +121,4 @@ class TopKSelector(StatefulSelector[TopKSpec]):
 
     def _leaves(self, tree: torch.Tensor) -> torch.Tensor:
         first = _C.tree_leaf_offset(tree.numel())
-        return tree[first: first + self.capacity]
+        return tree[first : first + self.capacity]

@@ -4,6 +4,7 @@ float64 because float32 trees lose mass once millions of priorities are
 summed. The layout (8-ary, one cache line per node's children) lives in
 csrc/kernels/trees.h; here the trees are tensors plus where their leaves start.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,7 @@ class PriorityTrees:
         self.capacity = capacity
         self.sum, self._leaf = _tree(capacity, 0.0)
         self.min, _ = _tree(capacity, float("inf"))
-        self._masses = self.sum[self._leaf: self._leaf + capacity]  # a view of the leaves
+        self._masses = self.sum[self._leaf : self._leaf + capacity]  # a view of the leaves
 
     @property
     def total(self) -> float:
@@ -72,7 +73,7 @@ class ScoreTree:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.max, leaf = _tree(capacity, float("-inf"))
-        self._scores = self.max[leaf: leaf + capacity]  # a view of the leaves
+        self._scores = self.max[leaf : leaf + capacity]  # a view of the leaves
 
     def set(self, index: torch.Tensor, score: torch.Tensor) -> None:
         _C.max_tree_set(self.max, index, score)

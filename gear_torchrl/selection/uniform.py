@@ -1,4 +1,5 @@
 """Uniform rows: every readable row equally likely, with replacement."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ episode's number of windows (kept current from the episode index's change
 log), so a pick costs O(count · log episodes): episodes by window count,
 then an offset inside each.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,9 @@ class WindowGeometry(SelectionSpec):
 
     def check(self) -> None:
         if self.seq_len < 1 or self.burn_in < 0:
-            raise ValueError(f"seq_len must be >= 1 and burn_in >= 0, got seq_len={self.seq_len}, "
-                             f"burn_in={self.burn_in}")
+            raise ValueError(
+                f"seq_len must be >= 1 and burn_in >= 0, got seq_len={self.seq_len}, burn_in={self.burn_in}"
+            )
 
 
 class EpisodeKeys(Protocol):
@@ -72,24 +74,34 @@ def check_episode_markers(spec: EpisodeKeys, shard: Shard) -> None:
     """Windows must not cross episodes: refuse when nothing in the data delimits them, or keys disagree."""
     if not shard.tracks_episodes:
         assert shard.table is not None  # a shard with rows has a table
-        raise RuntimeError(f"windows need rows that are single steps (batch_size [] per row); these rows are "
-                           f"{list(shard.table.row_batch_shape)}. For [num_envs, T] batches of a batched env use "
-                           "GearStorage(max_size, ndim=2)")
+        raise RuntimeError(
+            f"windows need rows that are single steps (batch_size [] per row); these rows are "
+            f"{list(shard.table.row_batch_shape)}. For [num_envs, T] batches of a batched env use "
+            "GearStorage(max_size, ndim=2)"
+        )
     if shard.num_envs is not None and not spec.cross_ring_end:
-        raise NotImplementedError("cross_ring_end=False is not available over an ndim=2 storage yet (its windows "
-                                  "step through one env column, whose time ring ends elsewhere than the rows')")
+        raise NotImplementedError(
+            "cross_ring_end=False is not available over an ndim=2 storage yet (its windows "
+            "step through one env column, whose time ring ends elsewhere than the rows')"
+        )
     if spec.traj_key is not None and spec.traj_key != as_path(shard.traj_key or ()):
         key = _shown(spec.traj_key)
-        raise ValueError(f"traj_key={key!r}: episodes come from the storage's index, whose "
-                         f"trajectory key is {shard.traj_key!r}; build GearStorage(traj_key={key!r})")
+        raise ValueError(
+            f"traj_key={key!r}: episodes come from the storage's index, whose "
+            f"trajectory key is {shard.traj_key!r}; build GearStorage(traj_key={key!r})"
+        )
     if spec.end_key is not None and spec.end_key not in {as_path(k) for k in shard.end_keys}:
         key = _shown(spec.end_key)
-        raise ValueError(f"end_key={key!r}: episodes come from the storage's index, whose end keys "
-                         f"are {shard.end_keys!r}; build GearStorage(end_keys=[{key!r}])")
+        raise ValueError(
+            f"end_key={key!r}: episodes come from the storage's index, whose end keys "
+            f"are {shard.end_keys!r}; build GearStorage(end_keys=[{key!r}])"
+        )
     if not shard.has_episode_markers:
-        raise KeyError(f"none of the storage's end keys {shard.end_keys!r} nor a trajectory key is in the "
-                       "data, so every stored step would count as one episode and windows would cross "
-                       "episodes; pass GearStorage(end_keys=..., traj_key=...) naming keys the data has")
+        raise KeyError(
+            f"none of the storage's end keys {shard.end_keys!r} nor a trajectory key is in the "
+            "data, so every stored step would count as one episode and windows would cross "
+            "episodes; pass GearStorage(end_keys=..., traj_key=...) naming keys the data has"
+        )
 
 
 def _shown(path: tuple[str, ...]) -> str | tuple[str, ...]:
@@ -100,8 +112,10 @@ def _shown(path: tuple[str, ...]) -> str | tuple[str, ...]:
 def no_window_reason(spec: WindowGeometry, episodes: Episodes) -> str:
     longest = int(episodes.live().length.max()) if episodes.num_episodes else 0
     if spec.strict_length:
-        return (f"no stored episode holds a window of {spec.window_len} steps (longest: {longest} steps); "
-                "use strict_length=False to pad, or a shorter seq_len/burn_in")
+        return (
+            f"no stored episode holds a window of {spec.window_len} steps (longest: {longest} steps); "
+            "use strict_length=False to pad, or a shorter seq_len/burn_in"
+        )
     return "no episode can be sampled (include_open=False and every stored episode is still open?)"
 
 
@@ -124,8 +138,9 @@ def redraw_wrapping(draw: Callable[[int], Windows], windows: Windows, capacity: 
         redraw = draw(int(wrapping.sum()))
         for name in ("starts", "valid_begin", "valid_end"):
             getattr(windows, name)[wrapping] = getattr(redraw, name)
-    raise RuntimeError("could not draw windows that stay off the ring end: almost every window wraps; "
-                       "use cross_ring_end=True")
+    raise RuntimeError(
+        "could not draw windows that stay off the ring end: almost every window wraps; use cross_ring_end=True"
+    )
 
 
 @dataclass(frozen=True)
@@ -238,7 +253,13 @@ class WindowSelector(EpisodeTreeSelector[WindowSpec]):
         assert tree is not None  # ``mass`` made it
         u = uniform((2, count), generator)
         slots = tree.find(u[0] * tree.total)
-        placed = _C.uniform_windows(episodes.start, episodes.length, slots, u[1], self.spec.window_len,
-                                    self.spec.burn_in, self.spec.strict_length)
+        placed = _C.uniform_windows(
+            episodes.start,
+            episodes.length,
+            slots,
+            u[1],
+            self.spec.window_len,
+            self.spec.burn_in,
+            self.spec.strict_length,
+        )
         return Windows(placed[0], self.spec.window_len, *placed[1:])
-

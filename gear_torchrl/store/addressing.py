@@ -12,6 +12,7 @@ rows become visible to readers (this process's writes, or a shared commit log).
   step ``(t, e)`` at row ``t * num_envs + e``; a write of time steps is one run
   of rows, so the ring's append path is unchanged.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -53,8 +54,14 @@ class Addressing(ABC):
         """Which of ``n`` consecutive rows end an episode, given their end flags and trajectory ids."""
 
     @abstractmethod
-    def append(self, rows: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None,
-               dropped_ends: torch.Tensor | None, evicted: int) -> None:
+    def append(
+        self,
+        rows: torch.Tensor,
+        ends: torch.Tensor,
+        traj: torch.Tensor | None,
+        dropped_ends: torch.Tensor | None,
+        evicted: int,
+    ) -> None:
         """Record appended ``rows`` in the episode index, ``evicted`` oldest rows dropped;
         ``dropped_ends``: end flags of the write's first rows the ring could not hold (None: it held them all)."""
 
@@ -137,12 +144,23 @@ class StepRows(Addressing):
     def ends(self, flags: torch.Tensor | None, traj: torch.Tensor | None, n: int) -> torch.Tensor:
         return episode_ends(flags, traj, n)
 
-    def append(self, rows: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None,
-               dropped_ends: torch.Tensor | None, evicted: int) -> None:
+    def append(
+        self,
+        rows: torch.Tensor,
+        ends: torch.Tensor,
+        traj: torch.Tensor | None,
+        dropped_ends: torch.Tensor | None,
+        evicted: int,
+    ) -> None:
         if dropped_ends is not None and bool(dropped_ends.any()):
             self.episodes.close_open()
-        self.episodes.append(rows, ends, evicted=evicted, traj_first=None if traj is None else int(traj[0]),
-                             traj_last=None if traj is None else int(traj[-1]))
+        self.episodes.append(
+            rows,
+            ends,
+            evicted=evicted,
+            traj_first=None if traj is None else int(traj[0]),
+            traj_last=None if traj is None else int(traj[-1]),
+        )
 
     def append_dead(self, rows: torch.Tensor) -> None:
         self.episodes.append(rows, None, evicted=0, dead=True)
@@ -187,8 +205,13 @@ class StepRows(Addressing):
         return (rows,)
 
     def check_state(self, state: dict, size: int, head: int, tracked: bool) -> None:
-        check_episode_state(field(state, "episodes", "the saved state"), self.capacity, size,
-                            oldest_row=head if size == self.capacity else 0, tracked=tracked)
+        check_episode_state(
+            field(state, "episodes", "the saved state"),
+            self.capacity,
+            size,
+            oldest_row=head if size == self.capacity else 0,
+            tracked=tracked,
+        )
 
 
 class EnvColumns(Addressing):
@@ -224,12 +247,16 @@ class EnvColumns(Addressing):
         if num_envs == self._envs:
             return False
         if self._envs:
-            raise ValueError(f"this ndim=2 storage holds {self._envs} env columns ([T, {self._envs}] steps); "
-                             f"the data has {num_envs}. Every batch must come from the same number of envs")
+            raise ValueError(
+                f"this ndim=2 storage holds {self._envs} env columns ([T, {self._envs}] steps); "
+                f"the data has {num_envs}. Every batch must come from the same number of envs"
+            )
         if num_envs < 1 or self.capacity % num_envs:
-            raise ValueError(f"an ndim=2 storage of max_size={self.capacity} cannot hold whole time steps of "
-                             f"{num_envs} envs: make max_size a multiple of the number of envs (e.g. "
-                             f"{max(num_envs, self.capacity // max(num_envs, 1) * num_envs)})")
+            raise ValueError(
+                f"an ndim=2 storage of max_size={self.capacity} cannot hold whole time steps of "
+                f"{num_envs} envs: make max_size a multiple of the number of envs (e.g. "
+                f"{max(num_envs, self.capacity // max(num_envs, 1) * num_envs)})"
+            )
         self._envs = num_envs
         self.episodes = EnvEpisodes(self.capacity // num_envs, num_envs)
         return True
@@ -242,18 +269,32 @@ class EnvColumns(Addressing):
     # -- episodes per env column ------------------------------------------------------
     def ends(self, flags: torch.Tensor | None, traj: torch.Tensor | None, n: int) -> torch.Tensor:
         steps = n // self._envs
-        ends = torch.zeros(steps, self._envs, dtype=torch.bool) if flags is None \
+        ends = (
+            torch.zeros(steps, self._envs, dtype=torch.bool)
+            if flags is None
             else flags.reshape(steps, self._envs).cpu().clone()
+        )
         if traj is not None and steps > 1:  # an id that changes down a column ends that column's episode
             traj = traj.reshape(steps, self._envs)
             ends[:-1] |= traj[1:] != traj[:-1]
         return ends.reshape(n)
 
-    def append(self, rows: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None,
-               dropped_ends: torch.Tensor | None, evicted: int) -> None:
+    def append(
+        self,
+        rows: torch.Tensor,
+        ends: torch.Tensor,
+        traj: torch.Tensor | None,
+        dropped_ends: torch.Tensor | None,
+        evicted: int,
+    ) -> None:
         envs = self._envs
-        self.episodes.append(rows[::envs] // envs, _by_time(ends, envs), evicted // envs, _by_time(traj, envs),
-                             _by_time(dropped_ends, envs))
+        self.episodes.append(
+            rows[::envs] // envs,
+            _by_time(ends, envs),
+            evicted // envs,
+            _by_time(traj, envs),
+            _by_time(dropped_ends, envs),
+        )
 
     def append_dead(self, rows: torch.Tensor) -> None:
         self.episodes.append_dead(rows[:: self._envs] // self._envs)
@@ -294,9 +335,11 @@ class EnvColumns(Addressing):
             t, e = index.unbind(-1)
         else:
             shown = tuple(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__
-            raise IndexError(f"an ndim=2 storage names single steps by (time, env) coordinates: a tuple of two "
-                             f"index tensors or an [N, 2] tensor, as TorchRL's writers and samplers give them; "
-                             f"got {shown}")
+            raise IndexError(
+                f"an ndim=2 storage names single steps by (time, env) coordinates: a tuple of two "
+                f"index tensors or an [N, 2] tensor, as TorchRL's writers and samplers give them; "
+                f"got {shown}"
+            )
         t, e = t.reshape(-1).to(torch.int64), e.reshape(-1).to(torch.int64)
         outside = (t >= 0) & ((e < 0) | (e >= envs))
         if bool(outside.any()):
@@ -344,10 +387,17 @@ class EnvColumns(Addressing):
                 raise CheckpointError(f"the state holds {size} rows but no env columns")
             return
         if size % num_envs or head % num_envs:
-            raise CheckpointError(f"the state's size {size} and cursor {head} are not whole time steps of "
-                                  f"{num_envs} envs")
-        check_env_episode_state(episodes, self.capacity // num_envs, num_envs, size // num_envs,
-                                oldest_time_row=head // num_envs if size == self.capacity else 0, tracked=tracked)
+            raise CheckpointError(
+                f"the state's size {size} and cursor {head} are not whole time steps of {num_envs} envs"
+            )
+        check_env_episode_state(
+            episodes,
+            self.capacity // num_envs,
+            num_envs,
+            size // num_envs,
+            oldest_time_row=head // num_envs if size == self.capacity else 0,
+            tracked=tracked,
+        )
 
     def load_state(self, state: dict) -> None:
         """Lay out the ``num_envs`` a state (or a shared store's published layout) holds; raises ValueError

@@ -5,6 +5,7 @@ later asks for the slots changed since, so it refreshes O(changed episodes)
 per write instead of rescanning. The log keeps a bounded number of slots;
 a reader that fell further behind is told to rebuild.
 """
+
 from __future__ import annotations
 
 from collections import deque

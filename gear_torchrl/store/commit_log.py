@@ -29,6 +29,7 @@ published, never sampled, overwritten on the next lap of the ring.
 The lock is ``flock`` on the control segment plus a thread lock: the kernel
 drops a dead process's ``flock``, so no crash can leave the store locked.
 """
+
 from __future__ import annotations
 
 import os
@@ -113,8 +114,15 @@ class CommitLog:
     ``store/reader_slots.py``) and the columns' layout (``layout``, ``store/control_layout.py``).
     """
 
-    def __init__(self, path: Path, *, create_capacity: int | None = None, num_records: int = RECORDS,
-                 num_readers: int = READER_SLOTS, reader_timeout_s: float = DEFAULT_READER_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        create_capacity: int | None = None,
+        num_records: int = RECORDS,
+        num_readers: int = READER_SLOTS,
+        reader_timeout_s: float = DEFAULT_READER_TIMEOUT_S,
+    ) -> None:
         self.path = path
         self._map = map_segment(path)
         words = np.frombuffer(self._map, dtype=np.int64)
@@ -132,12 +140,12 @@ class CommitLog:
         k, s = int(self._h[_H_RECORDS]), int(self._h[_H_READERS])
         self.capacity = int(self._h[_H_CAPACITY])
         self.owner_pid = int(self._h[_H_OWNER])
-        self._records = words[_HEADER_SLOTS: _HEADER_SLOTS + 4 * k].reshape(k, 4)
-        readers = words[_HEADER_SLOTS + 4 * k: _HEADER_SLOTS + 4 * k + _SLOT_WORDS * s].reshape(s, _SLOT_WORDS)
+        self._records = words[_HEADER_SLOTS : _HEADER_SLOTS + 4 * k].reshape(k, 4)
+        readers = words[_HEADER_SLOTS + 4 * k : _HEADER_SLOTS + 4 * k + _SLOT_WORDS * s].reshape(s, _SLOT_WORDS)
         spec_at = 8 * (_HEADER_SLOTS + 4 * k + _SLOT_WORDS * s)
         self._lock = SegmentLock(path)
         self.readers = ReaderSlots(readers, self._h, self._lock)  # who reads, since which epoch
-        self.layout = PublishedLayout(self._h, memoryview(self._map)[spec_at: spec_at + SPEC_BYTES], self._lock)
+        self.layout = PublishedLayout(self._h, memoryview(self._map)[spec_at : spec_at + SPEC_BYTES], self._lock)
         self._seen_seq = 0  # records before this one are in this reader's view
 
     # -- locking and liveness --------------------------------------------------------
@@ -244,8 +252,13 @@ class CommitLog:
             seqs = np.arange(first, published_seq) % k
             records = self._records[seqs][:, [0, 1, 3]].copy()
             records[:, 2] = records[:, 2] == DEAD
-            snapshot = ReadSnapshot(self._evicted_end(), int(self._h[_H_PUBLISHED]), int(self._h[_H_FLOOR]), records,
-                                    lost=first > self._seen_seq)
+            snapshot = ReadSnapshot(
+                self._evicted_end(),
+                int(self._h[_H_PUBLISHED]),
+                int(self._h[_H_FLOOR]),
+                records,
+                lost=first > self._seen_seq,
+            )
             self._seen_seq = published_seq
             return snapshot
 
@@ -318,4 +331,3 @@ class CommitLog:
         del self._h, self._records
         self.layout.close()
         self._map.close()
-

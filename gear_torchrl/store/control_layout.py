@@ -7,6 +7,7 @@ lock as a cheap check for news. Writers replace it under the lock, and only
 over the version they built on, so two writers that add columns at once never
 lose one's.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,14 @@ class PublishedLayout:
             n = int(self._h[_H_SPEC_LEN])
             return int(self._h[_H_LAYOUT_VERSION]), None if n == 0 else json.loads(bytes(self._spec[:n]))
 
-    def publish(self, layout: dict, expected_version: int, create_data: Callable[[], None],
-                remove_data: Callable[[], None], check_open: Callable[[], None]) -> bool:
+    def publish(
+        self,
+        layout: dict,
+        expected_version: int,
+        create_data: Callable[[], None],
+        remove_data: Callable[[], None],
+        check_open: Callable[[], None],
+    ) -> bool:
         """Replace the layout at ``expected_version`` by ``layout``; False if another process changed it first.
 
         ``create_data`` (the segment the new columns live in) runs under the lock, before

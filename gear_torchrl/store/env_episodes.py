@@ -17,6 +17,7 @@ block of twice its ring, so every step of an episode (at most a ring long)
 stays inside its block, and ``(t mod time_capacity, e)`` of any window
 position is recovered from its row alone (:meth:`EnvEpisodes.coordinates`).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -137,8 +138,13 @@ class EnvEpisodes:
         if getattr(self, "_located", (None,))[0] != self.changes.revision:
             view = self.live()
             per_env = self.next_serial - self.first_serial
-            self._located = (self.changes.revision, view, torch.cumsum(view.length, 0), per_env,
-                             torch.cumsum(per_env, 0) - per_env)
+            self._located = (
+                self.changes.revision,
+                view,
+                torch.cumsum(view.length, 0),
+                per_env,
+                torch.cumsum(per_env, 0) - per_env,
+            )
         _, view, ends, per_env, first_of_env = self._located
         if view.serial.numel() == 0:
             zeros = torch.zeros_like(rows)
@@ -157,12 +163,17 @@ class EnvEpisodes:
         """Live episodes, env column after env column (oldest first in each); ``start`` in time rows."""
         e, serial = (torch.from_numpy(a) for a in _ranges(self.first_serial.numpy(), self.next_serial.numpy()))
         s = serial % self.slots
-        return EpisodeView(serial, self._start[e, s], self._length[e, s], self._closed[e, s],
-                           self._dead[e, s], env=e)
+        return EpisodeView(serial, self._start[e, s], self._length[e, s], self._closed[e, s], self._dead[e, s], env=e)
 
     # -- updates (time steps of every column at once) ---------------------------------
-    def append(self, time_rows: torch.Tensor, ends: torch.Tensor, evicted: int, traj: torch.Tensor | None,
-               dropped_ends: torch.Tensor | None) -> None:
+    def append(
+        self,
+        time_rows: torch.Tensor,
+        ends: torch.Tensor,
+        evicted: int,
+        traj: torch.Tensor | None,
+        dropped_ends: torch.Tensor | None,
+    ) -> None:
         """Record ``time_rows`` (consecutive) as the newest steps of every column.
 
         ``ends``/``traj``: ``[steps, num_envs]``; ``evicted``: time rows they overwrite;
@@ -232,9 +243,19 @@ class EnvEpisodes:
         # Episodes each column may then hold (numpy: a small reduction costs a fraction of torch's).
         room = (self.next_serial - self.first_serial).numpy() + ends.numpy()[:-1].sum(0) + 1
         remapped = self._reserve(int(room.max()))
-        changed = _C.episodes_append(self._start, self._length, self._closed, self._dead, self.first_serial,
-                                     self.next_serial, rows.cpu().contiguous(), ends, evicted, self.time_capacity,
-                                     dead)
+        changed = _C.episodes_append(
+            self._start,
+            self._length,
+            self._closed,
+            self._dead,
+            self.first_serial,
+            self.next_serial,
+            rows.cpu().contiguous(),
+            ends,
+            evicted,
+            self.time_capacity,
+            dead,
+        )
         return None if remapped else changed
 
     def _reserve(self, live: int) -> bool:
@@ -257,10 +278,16 @@ class EnvEpisodes:
     # laid end to end, as a 1-D index saves them (checkpoints store them as files), the rest per column.
     def state(self) -> dict[str, Any]:
         view = self.live()
-        return {"num_envs": self.num_envs, "episodes_per_env": (self.next_serial - self.first_serial).tolist(),
-                "start": view.start, "length": view.length, "closed": view.closed,
-                "first_serial": self.first_serial.tolist(), "next_serial": self.next_serial.tolist(),
-                "open_traj": list(self.open_traj)}
+        return {
+            "num_envs": self.num_envs,
+            "episodes_per_env": (self.next_serial - self.first_serial).tolist(),
+            "start": view.start,
+            "length": view.length,
+            "closed": view.closed,
+            "first_serial": self.first_serial.tolist(),
+            "next_serial": self.next_serial.tolist(),
+            "open_traj": list(self.open_traj),
+        }
 
     def load(self, state: dict[str, Any]) -> None:
         """Restore from ``state()`` (checked with ``check_state`` first)."""
@@ -294,20 +321,29 @@ def column_states(state: dict[str, Any]) -> list[dict[str, Any]]:
     """Each column's ``EpisodeIndex.state()`` out of ``EnvEpisodes.state()``."""
     counts = state["episodes_per_env"]
     split = {name: torch.as_tensor(state[name]).split(counts) for name in _TENSORS}
-    return [{**{name: split[name][e] for name in _TENSORS}, **{name: state[name][e] for name in _SCALARS}}
-            for e in range(len(counts))]
+    return [
+        {**{name: split[name][e] for name in _TENSORS}, **{name: state[name][e] for name in _SCALARS}}
+        for e in range(len(counts))
+    ]
 
 
-def check_state(state: Any, time_capacity: int, num_envs: int, time_rows: int, oldest_time_row: int,
-                tracked: bool) -> None:
+def check_state(
+    state: Any, time_capacity: int, num_envs: int, time_rows: int, oldest_time_row: int, tracked: bool
+) -> None:
     """Raise CheckpointError unless ``state`` (``EnvEpisodes.state()``) indexes ``time_rows`` steps of each column."""
     where = "the saved episode index of env columns"
     saved_envs = field(state, "num_envs", where)
     counts = field(state, "episodes_per_env", where)
-    if saved_envs != num_envs or not isinstance(counts, (list, tuple)) or len(counts) != num_envs \
-            or any(not isinstance(c, int) or c < 0 for c in counts):
-        raise CheckpointError(f"the saved episode index has {saved_envs!r} env columns with {counts!r} episodes; "
-                              f"this store has {num_envs} env columns")
+    if (
+        saved_envs != num_envs
+        or not isinstance(counts, (list, tuple))
+        or len(counts) != num_envs
+        or any(not isinstance(c, int) or c < 0 for c in counts)
+    ):
+        raise CheckpointError(
+            f"the saved episode index has {saved_envs!r} env columns with {counts!r} episodes; "
+            f"this store has {num_envs} env columns"
+        )
     for name in (*_TENSORS, *_SCALARS):
         value = field(state, name, where)
         size = value.numel() if isinstance(value, torch.Tensor) else len(value) if isinstance(value, list) else None

@@ -16,6 +16,7 @@ Readers that keep something per episode (a sampler's tree of window counts)
 follow ``revision`` and ask ``changed_since`` for the slots to refresh, so
 they stay O(changed episodes) per write instead of rescanning.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -197,8 +198,15 @@ class EpisodeIndex:
         return self.num_episodes > 0 and not bool(self.closed[self._newest_slot()])
 
     # -- updates ---------------------------------------------------------------
-    def append(self, rows: torch.Tensor, ends: torch.Tensor | None, evicted: int,
-               traj_first: int | None = None, traj_last: int | None = None, dead: bool = False) -> None:
+    def append(
+        self,
+        rows: torch.Tensor,
+        ends: torch.Tensor | None,
+        evicted: int,
+        traj_first: int | None = None,
+        traj_last: int | None = None,
+        dead: bool = False,
+    ) -> None:
         """Record ``rows`` (consecutive ring rows) as the newest steps.
 
         ``ends`` flags the rows that end an episode (None for ``dead`` rows).
@@ -231,9 +239,19 @@ class EpisodeIndex:
         # numpy: one small count costs a fraction of a torch reduction
         remapped = self._reserve(self.num_episodes + int(np.count_nonzero(ends.numpy()[:-1])) + (rows.numel() > 0))
         serials = torch.tensor([self.first_serial, self.next_serial], dtype=torch.int64)
-        changed = _C.episodes_append(self.start.view(1, -1), self.length.view(1, -1), self.closed.view(1, -1),
-                                     self.dead.view(1, -1), serials[:1], serials[1:], rows.cpu().contiguous(),
-                                     ends, evicted, self.capacity, dead)
+        changed = _C.episodes_append(
+            self.start.view(1, -1),
+            self.length.view(1, -1),
+            self.closed.view(1, -1),
+            self.dead.view(1, -1),
+            serials[:1],
+            serials[1:],
+            rows.cpu().contiguous(),
+            ends,
+            evicted,
+            self.capacity,
+            dead,
+        )
         self.first_serial, self.next_serial = serials.tolist()
         self._changed(None if remapped else changed)  # remapped: every slot moved
 
@@ -314,8 +332,9 @@ def check_state(state: Any, capacity: int, rows: int, oldest_row: int, tracked: 
     length = checked_tensor(field(state, "length", where), "episode lengths", torch.int64, tuple(start.shape))
     closed = checked_tensor(field(state, "closed", where), "episode closed flags", torch.bool, tuple(start.shape))
     if start.shape != (count,):
-        raise CheckpointError(f"the episode index's serials [{first}, {nxt}) number {count} episodes, "
-                              f"but it saves {tuple(start.shape)}")
+        raise CheckpointError(
+            f"the episode index's serials [{first}, {nxt}) number {count} episodes, but it saves {tuple(start.shape)}"
+        )
     open_traj = field(state, "open_traj", where)
     if open_traj is not None:
         checked_int(open_traj, "the episode index's open_traj", lo=-(1 << 63))
@@ -350,5 +369,7 @@ def _check_tiling(start: torch.Tensor, length: torch.Tensor, capacity: int, olde
     wrong = start[held] != expected
     if bool(wrong.any()):
         at = int(wrong.nonzero()[0, 0])
-        raise CheckpointError(f"episode {int(held[at])} starts at row {int(start[held[at]])}, expected row "
-                              f"{int(expected[at])}: episodes overlap, leave a gap or are out of order")
+        raise CheckpointError(
+            f"episode {int(held[at])} starts at row {int(start[held[at]])}, expected row "
+            f"{int(expected[at])}: episodes overlap, leave a gap or are out of order"
+        )

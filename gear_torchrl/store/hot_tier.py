@@ -12,6 +12,7 @@ otherwise, in the same launch (csrc/kernels/cuda/gather_kernel.cuh).
 Every write reaches the host rows first and then the tier, so a row's two
 copies agree whenever the gather can see the tier's one.
 """
+
 from __future__ import annotations
 
 import torch
@@ -55,7 +56,7 @@ class HotTier:
         """
         hot = self.rows
         assert hot is not None, "allocate() first"
-        tail = rows[-self.slots:]
+        tail = rows[-self.slots :]
         r0, m = int(tail[0]), tail.numel()
         if run and int(tail[-1]) == r0 + m - 1:
             # An append that does not wrap the ring: its last `slots` rows take
@@ -78,4 +79,3 @@ class HotTier:
         for column, value in zip(hot.columns, values):
             column[where] = value.to(self.device, non_blocking=True)
         owner[where] = rows.to(self.device, non_blocking=True)
-

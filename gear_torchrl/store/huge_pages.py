@@ -7,6 +7,7 @@ where asked (``madvise``, the default THP mode on most distributions): this
 asks, for buffers not yet touched, and is a no-op where it cannot (not Linux,
 THP disabled).
 """
+
 from __future__ import annotations
 
 import ctypes

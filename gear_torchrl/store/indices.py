@@ -1,4 +1,5 @@
 """Rows as TorchRL addresses them, checked and made a tensor of ring rows."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

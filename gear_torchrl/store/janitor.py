@@ -7,6 +7,7 @@ with a clear error instead of waiting, and removes every segment named
 segment's state word and its 'closed' and 'owner died' values come on the
 command line (``Janitor`` passes them from ``_C.control``, where they are defined).
 """
+
 from __future__ import annotations
 
 import mmap

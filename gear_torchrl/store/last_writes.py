@@ -1,4 +1,5 @@
 """Which of several writes to the same place survives: the last one."""
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ instead, so those samplers never meet a row that is being rewritten or was
 left half-written. It maps to positions (rows ever reserved), not ring rows,
 so a reader can tell a row that was overwritten since from one that was not.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

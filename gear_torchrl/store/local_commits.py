@@ -6,6 +6,7 @@ nothing would tell the sampler: a prioritized sampler would never give those
 rows a priority. The shard records each commit here, and samplers catch up
 through ``rows_changed_since`` exactly as they follow a shared store's commit log.
 """
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ batch), so the windows computed from the scan read the very rows it saw and
 writers wait (at most the reader timeout) rather than overwrite them. A row
 overwritten since it was numbered is an IndexError, never another row's data.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -82,8 +83,10 @@ class NumberedReads:
             offsets, positions = self._numbered_positions(index, scan)
             gone = positions < self._seen.lo
             if bool(gone.any()):
-                raise IndexError(f"read index {int(offsets.reshape(-1)[gone][0])} names a row that was overwritten "
-                                 "since it was numbered (writers lapped the store meanwhile); sample again")
+                raise IndexError(
+                    f"read index {int(offsets.reshape(-1)[gone][0])} names a row that was overwritten "
+                    "since it was numbered (writers lapped the store meanwhile); sample again"
+                )
             rows = (positions % self._seen.capacity).reshape(offsets.shape)
             sections.hold = self.scan_held = self._scan is not None
             batch = read_rows(rows.reshape(()) if isinstance(index, (int, np.integer)) else rows)

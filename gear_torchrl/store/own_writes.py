@@ -5,6 +5,7 @@ Rows are addressed exactly as TorchRL storages address them: row ``i`` of
 (``storage[i] = ...``, ``set_size``) is allowed, as in ``LazyTensorStorage``.
 Nothing is shared, so reads need no section and every row below ``size`` is readable.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -67,7 +68,6 @@ class OwnWrites(Visibility):
     def takes_any_layout(self) -> bool:
         """Emptied (``clear``): like LazyTensorStorage, the next write may bring other keys."""
         return self.written == 0
-
 
     # -- writes --------------------------------------------------------------------------
     # The rule for keys (docs/decisions.md, "Columns"): an append at the cursor (TorchRL's
@@ -148,8 +148,13 @@ class OwnWrites(Visibility):
             return rows
         if at_cursor:
             assert ends is not None, "computed above for a shard that tracks episodes"
-            shard.addressing.append(rows, ends, shard.traj_ids(by_column, rows.numel()), dropped_ends,
-                                    evicted=max(0, size_before + rows.numel() - self.capacity))
+            shard.addressing.append(
+                rows,
+                ends,
+                shard.traj_ids(by_column, rows.numel()),
+                dropped_ends,
+                evicted=max(0, size_before + rows.numel() - self.capacity),
+            )
         else:
             self.rebuild_episodes()
         return rows
@@ -171,9 +176,9 @@ class OwnWrites(Visibility):
         if end <= self.written or self.shard.table is None:
             return
         for column in self.shard.columns:
-            column[self.written:end].zero_()
+            column[self.written : end].zero_()
         for objects in self.shard.objects:
-            objects[self.written:end] = None
+            objects[self.written : end] = None
         self.written = end
 
     def clear(self) -> None:

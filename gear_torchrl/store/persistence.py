@@ -13,6 +13,7 @@ A load maps every file, hashes it in place (files in parallel threads), and
 checks every field against the others and against the data before the caller
 changes anything; the caller then copies each byte once, into its columns.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,6 +56,7 @@ def _manifest_checksum(manifest: dict) -> str:
 
 # -- one tensor per file ------------------------------------------------------------------
 
+
 def write_raw(path: Path, tensor: torch.Tensor) -> str:
     """Write ``tensor``'s bytes to ``path``; returns their checksum.
 
@@ -67,15 +69,16 @@ def write_raw(path: Path, tensor: torch.Tensor) -> str:
     staging = path.with_name(f"{path.name}.tmp")
     with open(staging, "wb") as f:
         for at in range(0, len(view), _CHUNK):
-            chunk = view[at: at + _CHUNK]
+            chunk = view[at : at + _CHUNK]
             digest.update(chunk)
             f.write(chunk)
     os.replace(staging, path)
     return _checksum_text(digest)
 
 
-def read_raw(path: Path, dtype: torch.dtype, shape: list[int], verify: bool = True,
-             mapped: bool = False) -> tuple[torch.Tensor, str | None]:
+def read_raw(
+    path: Path, dtype: torch.dtype, shape: list[int], verify: bool = True, mapped: bool = False
+) -> tuple[torch.Tensor, str | None]:
     """The file's bytes as a tensor, and their checksum (None without ``verify``).
 
     The checksum reads the file's pages in place. ``mapped``: the tensor is the
@@ -89,8 +92,9 @@ def read_raw(path: Path, dtype: torch.dtype, shape: list[int], verify: bool = Tr
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the checkpoint is damaged") from None
     if actual != nbytes:
-        raise CheckpointError(f"{path} holds {actual} bytes, expected {nbytes} for {dtype} {list(shape)}: "
-                              "the checkpoint is damaged")
+        raise CheckpointError(
+            f"{path} holds {actual} bytes, expected {nbytes} for {dtype} {list(shape)}: the checkpoint is damaged"
+        )
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype), _checksum_text(xxhash.xxh3_64()) if verify else None
     pages = np.memmap(path, dtype=np.uint8, mode="c", shape=(nbytes,))
@@ -98,15 +102,17 @@ def read_raw(path: Path, dtype: torch.dtype, shape: list[int], verify: bool = Tr
     if verify:
         view = pages.data
         for at in range(0, nbytes, _CHUNK):
-            digest.update(view[at: at + _CHUNK])
+            digest.update(view[at : at + _CHUNK])
     out = torch.from_numpy(pages).view(dtype).reshape(shape)
     return out if mapped else out.clone(), _checksum_text(digest) if verify else None
 
 
 # -- a manifest and its tensors --------------------------------------------------------------
 
-def write_checkpoint(directory: str | Path, manifest_name: str, fmt: str, fields: dict[str, Any],
-                     tensors: dict[str, torch.Tensor]) -> None:
+
+def write_checkpoint(
+    directory: str | Path, manifest_name: str, fmt: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> None:
     """Write ``tensors`` (one ``<name>.bin`` each) then a manifest of ``fields`` with every checksum.
 
     The manifest goes last and in one rename, so a dump cut short never pairs a
@@ -116,8 +122,11 @@ def write_checkpoint(directory: str | Path, manifest_name: str, fmt: str, fields
     directory.mkdir(parents=True, exist_ok=True)
     metas = {}
     for name, t in tensors.items():
-        metas[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                       "checksum": write_raw(tensor_file(directory, name), t)}
+        metas[name] = {
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "checksum": write_raw(tensor_file(directory, name), t),
+        }
     manifest = {"format": fmt, **fields, "tensors": metas}
     manifest["checksum"] = _manifest_checksum(manifest)
     staging = directory / f"{manifest_name}.tmp"
@@ -138,9 +147,16 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def read_checkpoint(directory: str | Path, manifest_name: str, fmt: str, check: Callable[[dict, dict], T], *,
-                    unverified_formats: tuple[str | None, ...] = (),
-                    unlisted: dict[str, tuple[torch.dtype, list[int]]] | None = None, mapped: bool = False) -> T:
+def read_checkpoint(
+    directory: str | Path,
+    manifest_name: str,
+    fmt: str,
+    check: Callable[[dict, dict], T],
+    *,
+    unverified_formats: tuple[str | None, ...] = (),
+    unlisted: dict[str, tuple[torch.dtype, list[int]]] | None = None,
+    mapped: bool = False,
+) -> T:
     """What ``check(fields, tensors)`` makes of a checkpoint, once every byte is verified.
 
     ``check`` validates the fields and tensors against each other and against
@@ -159,9 +175,12 @@ def read_checkpoint(directory: str | Path, manifest_name: str, fmt: str, check: 
     if not verify and (found not in unverified_formats or "checksum" in manifest):
         raise CheckpointError(f"{path} has format {found!r}, expected {fmt!r}: the checkpoint is damaged")
     if not verify:
-        warnings.warn(f"{path} was written before checkpoints carried checksums: its structure is checked, "
-                      "but damaged bytes cannot be detected. Save it again to add them.",
-                      UnverifiedCheckpointWarning, stacklevel=3)
+        warnings.warn(
+            f"{path} was written before checkpoints carried checksums: its structure is checked, "
+            "but damaged bytes cannot be detected. Save it again to add them.",
+            UnverifiedCheckpointWarning,
+            stacklevel=3,
+        )
     sealed = manifest.pop("checksum", None) if verify else None
     listed = manifest.pop("tensors", None)
     seal = _manifest_checksum({"format": found, **manifest, "tensors": listed})  # before ``check`` sees the fields
@@ -170,8 +189,10 @@ def read_checkpoint(directory: str | Path, manifest_name: str, fmt: str, check: 
         if verify and not isinstance(checksum, str):
             raise CheckpointError(f"{path} lists no checksum for {name}: the checkpoint is damaged")
     with ThreadPoolExecutor(max(1, min(len(metas), os.cpu_count() or 1))) as pool:  # xxhash hashes without the GIL
-        read = {name: pool.submit(read_raw, tensor_file(directory, name), dtype, shape, verify, mapped)
-                for name, (dtype, shape, _) in metas.items()}
+        read = {
+            name: pool.submit(read_raw, tensor_file(directory, name), dtype, shape, verify, mapped)
+            for name, (dtype, shape, _) in metas.items()
+        }
         tensors, sums = {}, {}
         for name, future in read.items():
             tensors[name], sums[name] = future.result()
@@ -181,8 +202,10 @@ def read_checkpoint(directory: str | Path, manifest_name: str, fmt: str, check: 
             raise CheckpointError(f"{path} does not match its checksum: the manifest was changed or damaged")
         for name, (_, _, checksum) in metas.items():
             if sums[name] != checksum:
-                raise CheckpointError(f"{directory / name}.bin does not match its checksum ({sums[name]}, "
-                                      f"saved {checksum}): the checkpoint is damaged")
+                raise CheckpointError(
+                    f"{directory / name}.bin does not match its checksum ({sums[name]}, "
+                    f"saved {checksum}): the checkpoint is damaged"
+                )
     return result
 
 
@@ -207,6 +230,7 @@ def _tensor_metas(path: Path, listed: Any, unlisted: dict | None) -> dict[str, t
 
 
 # -- a shard ----------------------------------------------------------------------------------
+
 
 def save_shard(shard: Shard, directory: str | Path, state: dict | None = None) -> None:
     """Write ``state`` (default ``shard.state()``): columns and episode index as raw files, the rest in ``shard.json``.
@@ -245,7 +269,8 @@ def _objects_as_json(keys: Sequence, columns: Sequence[list]) -> tuple[list[list
             raise NotImplementedError(
                 f"non-tensor leaf {name!r} holds {kinds} objects that a checkpoint (rb.dumps) cannot store as "
                 "JSON exactly (strings, numbers, booleans, None, lists and string-keyed dicts of them can). "
-                "Save storage.state_dict() with torch.save instead, or encode the leaf as a tensor")
+                "Save storage.state_dict() with torch.save instead, or encode the leaf as a tensor"
+            )
         out.append(values)
         wrapped.append(wraps)
     return out, wrapped
@@ -265,8 +290,12 @@ def _objects_from_json(fields: dict) -> list[list]:
     wrapped = fields.get("objects_wrapped", [False] * len(columns))
     if not isinstance(columns, list) or not isinstance(wrapped, list) or len(wrapped) != len(columns):
         raise CheckpointError(f"{SHARD_MANIFEST}'s non-tensor columns are malformed: the checkpoint is damaged")
-    return [[None if o is None or not wraps else NonTensorData(data=o, batch_size=[]) for o in column]
-            if isinstance(column, list) else column for column, wraps in zip(columns, wrapped)]
+    return [
+        [None if o is None or not wraps else NonTensorData(data=o, batch_size=[]) for o in column]
+        if isinstance(column, list)
+        else column
+        for column, wraps in zip(columns, wrapped)
+    ]
 
 
 def read_shard(shard: Shard, directory: str | Path) -> dict:
@@ -276,20 +305,28 @@ def read_shard(shard: Shard, directory: str | Path) -> dict:
     """
     directory = Path(directory)
     if not (directory / SHARD_MANIFEST).exists():
-        raise FileNotFoundError(f"no gear_torchrl checkpoint at {directory} (missing {SHARD_MANIFEST}), nor one "
-                                "of TorchRL's storages (missing storage_metadata.json)")
+        raise FileNotFoundError(
+            f"no gear_torchrl checkpoint at {directory} (missing {SHARD_MANIFEST}), nor one "
+            "of TorchRL's storages (missing storage_metadata.json)"
+        )
 
     def as_state(fields: dict, tensors: dict[str, torch.Tensor]) -> dict:
         fields = {**fields, "objects": _objects_from_json(fields)}
         fields.pop("objects_wrapped", None)
-        state = {**fields, "columns": _columns(directory, tensors),
-                 "episodes": {**field(fields, "episodes", SHARD_MANIFEST),
-                              **{name: tensors[f"episodes_{name}"] for name in _EPISODE_TENSORS}}}
+        state = {
+            **fields,
+            "columns": _columns(directory, tensors),
+            "episodes": {
+                **field(fields, "episodes", SHARD_MANIFEST),
+                **{name: tensors[f"episodes_{name}"] for name in _EPISODE_TENSORS},
+            },
+        }
         shard.checked_state(state)
         return state
 
-    return read_checkpoint(directory, SHARD_MANIFEST, SHARD_FORMAT, as_state,
-                           unverified_formats=_UNVERIFIED_SHARD_FORMATS, mapped=True)
+    return read_checkpoint(
+        directory, SHARD_MANIFEST, SHARD_FORMAT, as_state, unverified_formats=_UNVERIFIED_SHARD_FORMATS, mapped=True
+    )
 
 
 def _columns(directory: Path, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -297,8 +334,10 @@ def _columns(directory: Path, tensors: dict[str, torch.Tensor]) -> list[torch.Te
     n = sum(name.startswith("column_") for name in tensors)
     expected = {*(column_name(i) for i in range(n)), *(f"episodes_{name}" for name in _EPISODE_TENSORS)}
     if set(tensors) != expected:
-        raise CheckpointError(f"{directory / SHARD_MANIFEST} lists tensors {sorted(tensors)}, expected "
-                              f"{sorted(expected)}: the checkpoint is damaged")
+        raise CheckpointError(
+            f"{directory / SHARD_MANIFEST} lists tensors {sorted(tensors)}, expected "
+            f"{sorted(expected)}: the checkpoint is damaged"
+        )
     return [tensors[column_name(i)] for i in range(n)]
 
 

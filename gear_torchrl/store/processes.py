@@ -4,6 +4,7 @@ A writer that dies holding a reservation, a reader that dies inside its read
 section, a process that dies after its rate limiter admitted rows: each is
 found by its pid, with these checks, and what it held is let go.
 """
+
 from __future__ import annotations
 
 import os

@@ -9,6 +9,7 @@ A shared store keeps them in a one-page segment of its own (``<store>.rates``),
 beside the rule's numbers, so every process attached to the store obeys the
 rule its owner set, and the janitor removes it with the store's other segments.
 """
+
 from __future__ import annotations
 
 import math
@@ -123,7 +124,7 @@ class SharedRateCounters:
             self._words[_W_MAGIC] = _MAGIC
         elif self._words[_W_MAGIC] != _MAGIC:
             raise RuntimeError(f"{path} is not a gear_torchrl rates segment")
-        self._writers = self._words[_WRITERS_AT: _WRITERS_AT + 2 * WRITER_SLOTS].reshape(WRITER_SLOTS, 2)
+        self._writers = self._words[_WRITERS_AT : _WRITERS_AT + 2 * WRITER_SLOTS].reshape(WRITER_SLOTS, 2)
         self._lock = SegmentLock(path)
         self._check_open = check_open
         self._slot: int | None = None  # this process's row of ``_writers``, once it admits
@@ -191,9 +192,13 @@ class SharedRateCounters:
             if not self._words[_W_HAS_RULE]:
                 return None
             timeout = float(self._floats[_F_TIMEOUT])
-            return RuleNumbers(float(self._floats[_F_SPI]), int(self._words[_W_MIN_SIZE]),
-                               float(self._floats[_F_MIN_DIFF]), float(self._floats[_F_MAX_DIFF]),
-                               None if math.isnan(timeout) else timeout)
+            return RuleNumbers(
+                float(self._floats[_F_SPI]),
+                int(self._words[_W_MIN_SIZE]),
+                float(self._floats[_F_MIN_DIFF]),
+                float(self._floats[_F_MAX_DIFF]),
+                None if math.isnan(timeout) else timeout,
+            )
 
     def close(self) -> None:
         self._lock.close()
@@ -221,8 +226,9 @@ class SharedRateCounters:
                     writers[slot] = (pid, 0)
                 self._slot = slot
                 return slot
-        raise RuntimeError(f"all {WRITER_SLOTS} writer slots of the shared store's rate limiter are taken by "
-                           "live processes")
+        raise RuntimeError(
+            f"all {WRITER_SLOTS} writer slots of the shared store's rate limiter are taken by live processes"
+        )
 
     def _locked(self) -> SegmentLock:
         return self._lock

@@ -8,6 +8,7 @@ columns other processes added and replays the news into this process's view
 timeout plus what its gather claims for its size (``claim_gather``); one held
 longer is revoked, and closing it then raises ReadRevokedError.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

@@ -9,6 +9,7 @@ died is taken over. Writers that evict rows wait for the slots older than the
 eviction (``wait_for``) and revoke those that overstay. The words are defined
 in the extension, which reads them too (``csrc/net/control_words.h``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -117,7 +118,8 @@ class ReaderSlots:
             raise ReadRevokedError(
                 f"this read held the shared store's rows for longer than its reader timeout "
                 f"({self.timeout_s:g} s; was this process stopped or paused?): writers went on and "
-                "may have overwritten them, so they are not returned. Sample again.")
+                "may have overwritten them, so they are not returned. Sample again."
+            )
 
     # -- what writers do with the slots ----------------------------------------------------------
     def wait_for(self, epoch: int, check_open: Callable[[], None]) -> None:
@@ -152,9 +154,12 @@ class ReaderSlots:
                 self._readers[slot, _SLOT_REVOKED] += 1
                 self._readers[slot, _SLOT_EPOCH] = 0
                 self._readers[slot, _SLOT_LONGER_US] = 0
-                logger.warning("a reader (pid %d) held rows of the shared store for over %.3g s; its read was "
-                               "revoked so writers can go on", int(self._readers[slot, _SLOT_PID]),
-                               self.timeout_s)
+                logger.warning(
+                    "a reader (pid %d) held rows of the shared store for over %.3g s; its read was "
+                    "revoked so writers can go on",
+                    int(self._readers[slot, _SLOT_PID]),
+                    self.timeout_s,
+                )
 
     def close(self) -> None:
         """Give this process's slot back and drop the views of the segment (so it can be unmapped)."""

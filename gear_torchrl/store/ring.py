@@ -6,6 +6,7 @@ the episode ends the stored flags mark, and the ring's state. A shard is a
 ring read through a visibility part (``store/visibility.py``); that part knows
 the ring, never the shard, so no import leads from the parts back to the shard.
 """
+
 from __future__ import annotations
 
 import logging
@@ -114,13 +115,19 @@ class Ring:
         if self.traj_key is not None and self._traj_column is None:
             logger.warning("traj_key %r is not in the data; episodes come from end flags only", self.traj_key)
         if not self.tracks_episodes and self.has_episode_markers:
-            logger.warning("rows of batch shape %s are not single steps, so the episode index stays empty and "
-                           "sequence samplers refuse this store. For [num_envs, T] batches of a batched env use "
-                           "GearStorage(max_size, ndim=2) (the buffer's dim_extend=1 stores them as [T, num_envs]), "
-                           "or flatten them to steps with a trajectory key", list(spec.row_batch_shape))
+            logger.warning(
+                "rows of batch shape %s are not single steps, so the episode index stays empty and "
+                "sequence samplers refuse this store. For [num_envs, T] batches of a batched env use "
+                "GearStorage(max_size, ndim=2) (the buffer's dim_extend=1 stores them as [T, num_envs]), "
+                "or flatten them to steps with a trajectory key",
+                list(spec.row_batch_shape),
+            )
         if self.tracks_episodes and not self.has_episode_markers and self.end_keys != DEFAULT_END_KEYS:
-            logger.warning("none of the configured end keys %r nor a trajectory key is in the data: the episode "
-                           "index sees one episode; sequence samplers will refuse to sample", self.end_keys)
+            logger.warning(
+                "none of the configured end keys %r nor a trajectory key is in the data: the episode "
+                "index sees one episode; sequence samplers will refuse to sample",
+                self.end_keys,
+            )
 
     def _register(self, columns: list[torch.Tensor]) -> None:
         """Register host columns in place, so the CUDA gather reads their rows with zero copy."""
@@ -159,8 +166,9 @@ class Ring:
         """Take ``spec`` (the store's plus new keys) with ``new`` as the buffers of its new tensor columns."""
         self._register(new)
         self.columns = self.columns + new
-        self.objects = self.objects + [np.full(self.capacity, None, dtype=object)
-                                       for _ in spec.objects[len(self.objects):]]
+        self.objects = self.objects + [
+            np.full(self.capacity, None, dtype=object) for _ in spec.objects[len(self.objects) :]
+        ]
         self._take_spec(spec)
 
     @property
@@ -178,7 +186,6 @@ class Ring:
         """Bytes of the rows (the hot tier's copies not included)."""
         return sum(c.numel() * c.element_size() for c in self.columns)
 
-
     def by_column(self, values: list[torch.Tensor], columns: Sequence[int]) -> list[torch.Tensor | None]:
         """``values`` at their column positions (None where a column is not written)."""
         out: list[torch.Tensor | None] = [None] * len(self.columns)
@@ -186,8 +193,9 @@ class Ring:
             out[position] = value
         return out
 
-    def as_leaves(self, data: Data, single: bool, spec: TableSpec | None, *, complete: bool = True,
-                  lead: torch.Size | None = None) -> Leaves:
+    def as_leaves(
+        self, data: Data, single: bool, spec: TableSpec | None, *, complete: bool = True, lead: torch.Size | None = None
+    ) -> Leaves:
         """``data`` as checked rows (``Leaves``, with a row dim even when ``single``) of ``spec``, or of the
         data's own spec when None; raises before any change (``Shard.validated`` says which spec).
 
@@ -205,8 +213,7 @@ class Ring:
             leaves = replace(leaves, values=[v.unsqueeze(0) for v in leaves.values])
         return leaves
 
-    def copy_in(self, rows: torch.Tensor, values: list[torch.Tensor], columns: Sequence[int],
-                 contiguous: bool) -> None:
+    def copy_in(self, rows: torch.Tensor, values: list[torch.Tensor], columns: Sequence[int], contiguous: bool) -> None:
         """Copy ``values`` into the columns at positions ``columns``, rows ``rows``."""
         n = rows.numel()
         first = int(rows[0])
@@ -216,7 +223,7 @@ class Ring:
             if value.untyped_storage().data_ptr() == column.untyped_storage().data_ptr():
                 value = value.clone()  # rows read as views of this column (``rb[:]``), written back
             if contiguous and first + n <= self.capacity:
-                target = column[first:first + n]
+                target = column[first : first + n]
                 if value.dim() != target.dim():  # rows of several dims land as they are
                     target = target.view(value.shape)
                 target.copy_(value)
@@ -303,8 +310,7 @@ class Ring:
             state["objects"] = [o[:saved].tolist() for o in self.objects]
         return state
 
-    def load_ring(self, state: dict, spec: TableSpec | None, columns: list[torch.Tensor],
-                  objects: list[list]) -> None:
+    def load_ring(self, state: dict, spec: TableSpec | None, columns: list[torch.Tensor], objects: list[list]) -> None:
         """Copy a checked state's rows (``checked_state``) into the ring, laying it out if it is new."""
         self.addressing.load_state(state)
         if self.table is None and spec is not None:
@@ -374,8 +380,10 @@ def _saved_spec(blob: dict | None) -> TableSpec | None:
         raise CheckpointError(f"the saved spec is damaged: {err!r}") from None
     for c in spec.columns:
         if not isinstance(c.dtype, torch.dtype) or any(d < 0 for d in c.row_shape):
-            raise CheckpointError(f"the saved spec gives column {key_name(c.key)!r} dtype {c.dtype!r} and row "
-                                  f"shape {tuple(c.row_shape)}: it is damaged")
+            raise CheckpointError(
+                f"the saved spec gives column {key_name(c.key)!r} dtype {c.dtype!r} and row "
+                f"shape {tuple(c.row_shape)}: it is damaged"
+            )
     return spec
 
 
@@ -388,12 +396,14 @@ def _saved_columns(spec: TableSpec | None, columns: Sequence, capacity: int) -> 
     for c, t in zip(expected, columns):
         if not isinstance(t, torch.Tensor) or t.ndim == 0 or t.dtype != c.dtype or t.shape[1:] != c.row_shape:
             found = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise CheckpointError(f"state column {key_name(c.key)!r} is {found}, its spec says {c.dtype} "
-                                  f"(rows, *{tuple(c.row_shape)})")
+            raise CheckpointError(
+                f"state column {key_name(c.key)!r} is {found}, its spec says {c.dtype} (rows, *{tuple(c.row_shape)})"
+            )
     rows = sorted({t.shape[0] for t in columns})
     if len(rows) > 1 or (rows and rows[0] > capacity):
-        raise CheckpointError(f"state columns hold {rows} rows: they must all hold the same number, "
-                              f"at most the capacity {capacity}")
+        raise CheckpointError(
+            f"state columns hold {rows} rows: they must all hold the same number, at most the capacity {capacity}"
+        )
     return list(columns)
 
 
@@ -440,14 +450,19 @@ def _refuse_missing(leaves: Leaves) -> None:
         raise SpecMismatchError(
             f"an append must carry every stored key: missing {sorted(missing)} (new rows would keep an older "
             "step's values there). To change only some keys of stored rows, write them in place: "
-            "storage[index] = data, rb[index] = data or rb.write_all(data)")
+            "storage[index] = data, rb[index] = data or rb.write_all(data)"
+        )
 
 
 def _is_torchrl_index(spec: TableSpec, key: NestedKey) -> bool:
     """Whether ``key`` is TorchRL's ``"index"`` column: each row's own position, one int64."""
     i = spec.find(TORCHRL_INDEX)
-    return i is not None and as_path(key) == (TORCHRL_INDEX,) and spec.columns[i].dtype == torch.int64 \
+    return (
+        i is not None
+        and as_path(key) == (TORCHRL_INDEX,)
+        and spec.columns[i].dtype == torch.int64
         and spec.columns[i].row_shape == torch.Size([])
+    )
 
 
 def _unregister(columns: list[torch.Tensor]) -> None:
@@ -464,4 +479,4 @@ def _page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     pages = -(-nbytes // _PAGE) * _PAGE
     backing = torch.empty(pages + _PAGE, dtype=torch.uint8)
     offset = (-backing.data_ptr()) % _PAGE
-    return backing[offset: offset + nbytes].view(dtype).view(shape)
+    return backing[offset : offset + nbytes].view(dtype).view(shape)

@@ -12,6 +12,7 @@ Each commit is a segment of its own: its last time step ends an episode unless
 a trajectory key says the next commit continues it, since the next rows in
 the ring may be another process's.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,8 +51,10 @@ class SeenCommits:
         """Replay what ``snapshot`` (a read section's, the columns mapped) says was published and evicted."""
         ring = self._ring
         if snapshot.lost:
-            logger.warning("this process fell more than the control segment's record table behind; "
-                           "rows committed before the oldest record still held are not sampled by it")
+            logger.warning(
+                "this process fell more than the control segment's record table behind; "
+                "rows committed before the oldest record still held are not sampled by it"
+            )
             ring.episodes.clear()
             self.lo = self.hi = int(snapshot.records[0, 0]) if len(snapshot.records) else snapshot.published_end
         lo = max(snapshot.evicted_end - self.capacity, snapshot.floor, 0)
@@ -123,8 +126,15 @@ class SeenCommits:
         """``check_readable`` of the windows' valid positions."""
         # The readable rows are the ring interval of positions [lo, hi): one C++ pass, no row list.
         plan = self._ring.addressing.gather_plan(windows)  # runs of ring rows
-        row = _C.first_row_outside(plan.starts, plan.valid_begin, plan.valid_end, plan.window_len,
-                                   self.capacity, self.lo % self.capacity, self.hi - self.lo)
+        row = _C.first_row_outside(
+            plan.starts,
+            plan.valid_begin,
+            plan.valid_end,
+            plan.window_len,
+            self.capacity,
+            self.lo % self.capacity,
+            self.hi - self.lo,
+        )
         if row >= 0:
             raise IndexError(f"row {row} is not readable: it was evicted or is being rewritten")
         if self.dead_runs:

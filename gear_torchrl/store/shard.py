@@ -8,6 +8,7 @@ shard is that ring read through its visibility. Every write is validated in
 full (spec, indices) before the first byte changes, so a rejected write
 leaves the shard as it was.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -52,8 +53,16 @@ class Shard(Ring):
         addressing: type[Addressing] = StepRows,
         visibility: Visibility | None = None,
     ) -> None:
-        super().__init__(capacity, device=device, register_host=register_host, out_device=out_device,
-                         end_keys=end_keys, traj_key=traj_key, hot_rows=hot_rows, addressing=addressing)
+        super().__init__(
+            capacity,
+            device=device,
+            register_host=register_host,
+            out_device=out_device,
+            end_keys=end_keys,
+            traj_key=traj_key,
+            hot_rows=hot_rows,
+            addressing=addressing,
+        )
         self.visibility = visibility if visibility is not None else OwnWrites()  # what is committed and readable
         self.visibility.bind(self)
 
@@ -94,8 +103,15 @@ class Shard(Ring):
         """
         return self.visibility.commit(leaves)
 
-    def validated(self, data: Data, single: bool, spec: TableSpec | None = None, *, complete: bool = True,
-                  lead: torch.Size | None = None) -> Leaves:
+    def validated(
+        self,
+        data: Data,
+        single: bool,
+        spec: TableSpec | None = None,
+        *,
+        complete: bool = True,
+        lead: torch.Size | None = None,
+    ) -> Leaves:
         """``data`` as checked rows (``Leaves``, with a row dim even when ``single``); raises before any change.
 
         The spec is ``spec``, else the shard's (unless emptied: it takes any layout then), else
@@ -212,8 +228,11 @@ class Shard(Ring):
         ``LazyTensorStorage``; call ``after_inplace_write`` once written.
         """
         parts = index if isinstance(index, tuple) else (index,)
-        if not self.slice_views_possible or self.table is None or \
-                any(isinstance(p, slice) and (p.step or 1) < 1 for p in parts):
+        if (
+            not self.slice_views_possible
+            or self.table is None
+            or any(isinstance(p, slice) and (p.step or 1) < 1 for p in parts)
+        ):
             return None
         rows = self.capacity if all_slots else self.size
         grid = self.addressing.grid(rows)
@@ -238,8 +257,15 @@ class Shard(Ring):
             if self.table is None or self.size == 0:
                 raise EmptyStoreError("cannot read from an empty storage: write some data first")
             self.visibility.claim_gather(windows.starts.numel() * windows.window_len)
-            flat, mask = gather.gather_windows(self.columns, plan.starts, plan.window_len, self.out_device,
-                                               plan.valid_begin, plan.valid_end, hot=self._hot_rows())
+            flat, mask = gather.gather_windows(
+                self.columns,
+                plan.starts,
+                plan.window_len,
+                self.out_device,
+                plan.valid_begin,
+                plan.valid_end,
+                hot=self._hot_rows(),
+            )
             self.rows_read += flat[0].shape[0]
         # Windows are read where episodes are delimited by named flag columns: never a plain tensor's table.
         extra = None if markers is None else markers(windows, dict(zip(self.table.names, flat)), mask)
@@ -247,8 +273,9 @@ class Shard(Ring):
         if self.objects:  # padding positions hold no row: None, as a row never written
             at = torch.where(mask.cpu(), plan.rows(self.capacity), -1)
             objects = self._objects_at(at, at.shape)
-        return self.table.unflatten(flat, torch.Size([flat[0].shape[0]]), device=self.out_device, extra=extra,
-                                   objects=objects)
+        return self.table.unflatten(
+            flat, torch.Size([flat[0].shape[0]]), device=self.out_device, extra=extra, objects=objects
+        )
 
     def close(self) -> None:
         """Let go of what the rows live in beyond this process (a shared store's segments)."""

@@ -7,6 +7,7 @@ holds the layout (``store/control_layout.py``): the spec, where each column live
 and the addressing's layout (its number of env columns). Each process maps what
 was added on its next access (``map_new``: one integer read when nothing changed).
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,12 +46,14 @@ class SharedColumns:
         self.segment = self._segments[0]
         spec = TableSpec.from_json(layout["spec"])
         capacity = self._capacity
-        columns = [self._segments[k][o: o + capacity * c.row_bytes].view(c.dtype).view(capacity, *c.row_shape)
-                   for (k, o), c in zip(layout["placement"], spec.columns)]
+        columns = [
+            self._segments[k][o : o + capacity * c.row_bytes].view(c.dtype).view(capacity, *c.row_shape)
+            for (k, o), c in zip(layout["placement"], spec.columns)
+        ]
         if ring.table is None:
             ring.adopt(spec, columns)
         else:
-            ring.add_columns(spec, columns[len(ring.columns):])
+            ring.add_columns(spec, columns[len(ring.columns) :])
         self._layout_version, self._placement = version, [(int(k), int(o)) for k, o in layout["placement"]]
 
     def lay_out(self, spec: TableSpec) -> bool:
@@ -61,7 +64,7 @@ class SharedColumns:
         refuse_objects(spec)
         index = len(self._segments)
         offsets, total = [], 0
-        for c in spec.columns[len(self._ring.columns):]:
+        for c in spec.columns[len(self._ring.columns) :]:
             offsets.append(total)
             total += page_round(max(1, self._capacity * c.row_bytes))
         path = segment_path(self._store_id, _segment_name(index))
@@ -71,11 +74,15 @@ class SharedColumns:
             create_segment(path, total)
 
         sizes = [int(t.numel()) for t in self._segments]
-        layout = {"spec": spec.to_json(), "segments": [*sizes, total],
-                  "placement": [*map(list, self._placement), *([index, o] for o in offsets)],
-                  **self._ring.addressing.state()}
-        published = self._log.layout.publish(layout, self._layout_version, create, lambda: path.unlink(missing_ok=True),
-                                             self._log.check_open)
+        layout = {
+            "spec": spec.to_json(),
+            "segments": [*sizes, total],
+            "placement": [*map(list, self._placement), *([index, o] for o in offsets)],
+            **self._ring.addressing.state(),
+        }
+        published = self._log.layout.publish(
+            layout, self._layout_version, create, lambda: path.unlink(missing_ok=True), self._log.check_open
+        )
         self.map_new()
         return published
 
@@ -114,7 +121,8 @@ def refuse_objects(spec: TableSpec) -> None:
         raise SpecMismatchError(
             f"non-tensor leaves {sorted(key_name(k) for k in spec.objects)} cannot live in a shared GearStorage: "
             "other processes map its rows as raw bytes, and Python objects have none. Keep them in a local "
-            "store, or encode them as tensors (ids, fixed-length bytes)")
+            "store, or encode them as tensors (ids, fixed-length bytes)"
+        )
 
 
 def _segment_name(index: int) -> str:

@@ -25,6 +25,7 @@ the rest of ``Visibility`` from parts of its own, one module each:
   library's samplers, which number the live rows;
 - ``SharedRateCounters`` (``store/rate_counters.py``): a rate limiter's counts.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -82,8 +83,15 @@ def shared_shard(
     if handle is not None:
         capacity, end_keys, traj_key = handle.capacity, handle.end_keys, handle.traj_key
         addressing = addressing_of(handle.ndim)
-    return Shard(capacity, register_host=register_host, out_device=out_device, end_keys=end_keys,
-                 traj_key=traj_key, addressing=addressing, visibility=SharedCommits(handle, reader_timeout_s))
+    return Shard(
+        capacity,
+        register_host=register_host,
+        out_device=out_device,
+        end_keys=end_keys,
+        traj_key=traj_key,
+        addressing=addressing,
+        visibility=SharedCommits(handle, reader_timeout_s),
+    )
 
 
 def shared_part(shard: Shard) -> SharedCommits:
@@ -127,8 +135,9 @@ class SharedCommits(Visibility):
             self.store_id = handle.store_id
             self.log = CommitLog(segment_path(self.store_id, "control"))
             self.log.check_open()
-        self.rates = SharedRateCounters(segment_path(self.store_id, "rates"), create=self.is_owner,
-                                        check_open=self.log.check_open)
+        self.rates = SharedRateCounters(
+            segment_path(self.store_id, "rates"), create=self.is_owner, check_open=self.log.check_open
+        )
         ring = self.shard  # the parts hold the shard weakly too, as this part does
         self.columns = SharedColumns(ring, self.log, self.store_id)  # the columns' segments, as mapped here
         self.seen = SeenCommits(ring)  # the positions this process has replayed
@@ -157,7 +166,8 @@ class SharedCommits(Visibility):
         if not append:
             raise NotImplementedError(
                 "a shared GearStorage takes appends only (extend, add, TrajectoryWriter): an in-place "
-                "write (write_at, storage[i] = ...) could change rows another process is reading")
+                "write (write_at, storage[i] = ...) could change rows another process is reading"
+            )
         self.columns.map_new()  # check against the layout other processes may have grown since
         single = isinstance(index, (int, np.integer))
         leaves = self.shard.as_leaves(data, single, self.shard.table, lead=lead)  # never any layout: the store's
@@ -172,7 +182,7 @@ class SharedCommits(Visibility):
         leaves = self.columns.placed(leaves)
         values, columns, n = leaves.values, leaves.columns, leaves.n
         if n > self.capacity:  # only the newest `capacity` rows would survive
-            values, n = [v[n - self.capacity:] for v in values], self.capacity
+            values, n = [v[n - self.capacity :] for v in values], self.capacity
         reservation = self.log.reserve(n)
         rows = (torch.arange(n, dtype=torch.int64) + reservation.position) % self.capacity
         if leaves.missing:  # only TorchRL's "index" (``validated``): the rows' own positions
@@ -184,8 +194,10 @@ class SharedCommits(Visibility):
                 spec = self.shard.table
                 assert spec is not None, "laid out by ``_placed``"
                 unwritten = [i for i in range(len(self.shard.columns)) if i not in columns]
-                values = [*values, *(torch.zeros((n, *spec.columns[i].row_shape), dtype=spec.columns[i].dtype)
-                                     for i in unwritten)]
+                values = [
+                    *values,
+                    *(torch.zeros((n, *spec.columns[i].row_shape), dtype=spec.columns[i].dtype) for i in unwritten),
+                ]
                 columns = (*columns, *unwritten)
             self.log.await_readers(reservation)
             self.shard.copy_in(rows, values, columns, contiguous=True)

@@ -8,6 +8,7 @@ SIGKILL, the pipe closes and the janitor marks the store dead and removes the
 segments. Nothing else unlinks, so no segment outlives its owner and no
 attached process can remove one under the others.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -58,8 +59,9 @@ def map_segment(path: Path) -> mmap.mmap:
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
-        raise FileNotFoundError(f"shared segment {path} does not exist: its store was closed or its owner "
-                                "died") from None
+        raise FileNotFoundError(
+            f"shared segment {path} does not exist: its store was closed or its owner died"
+        ) from None
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
@@ -106,9 +108,17 @@ class Janitor:
         self._proc = subprocess.Popen(
             # The janitor script beside this file, on the standard library alone (-S): the same code as this
             # process runs, whatever an installer's import hooks would resolve the package to.
-            [sys.executable, "-S", str(Path(__file__).with_name("janitor.py")), str(SHM_DIR), f"{PREFIX}{store_id}",
-             *(str(v) for v in (_C.control.H_STATE, _C.control.CLOSED, _C.control.OWNER_DIED))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+            [
+                sys.executable,
+                "-S",
+                str(Path(__file__).with_name("janitor.py")),
+                str(SHM_DIR),
+                f"{PREFIX}{store_id}",
+                *(str(v) for v in (_C.control.H_STATE, _C.control.CLOSED, _C.control.OWNER_DIED)),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None  # both are pipes
         self._stdin, self._stdout = self._proc.stdin, self._proc.stdout

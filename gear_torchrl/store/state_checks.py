@@ -5,6 +5,7 @@ right type and range, a tensor the right dtype, shape and values. A failure
 raises :class:`CheckpointError` naming the field; the caller has changed
 nothing yet, so a refused load leaves the object exactly as it was.
 """
+
 from __future__ import annotations
 
 import math
@@ -64,8 +65,7 @@ def require_masses(values: torch.Tensor, name: str) -> None:
     bad = ~torch.isfinite(values) | (values < 0)
     if bool(bad.any()):
         at = int(bad.nonzero()[0, 0])
-        raise CheckpointError(f"{name} holds {float(values[at])} at row {at}: masses must be finite and "
-                              "non-negative")
+        raise CheckpointError(f"{name} holds {float(values[at])} at row {at}: masses must be finite and non-negative")
 
 
 def require_nonnegative(values: torch.Tensor, name: str, at_most: int | None = None) -> None:

@@ -19,6 +19,7 @@ store does not hold become new columns (``Leaves.spec`` is the grown spec);
 whether a write may leave stored keys out is the store's rule (see
 ``Shard.validated``).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -111,8 +112,15 @@ class Leaves:
     def whole(cls, spec: TableSpec, values: list[torch.Tensor], objects: list[np.ndarray] | None = None) -> Leaves:
         """Every column of ``spec``, in order (a shard's own rows, e.g. from a checkpoint)."""
         objects = objects or []
-        return cls(spec, values, tuple(range(len(values))), objects, tuple(range(len(objects))), (),
-                   values[0].shape[0] if values else len(objects[0]))
+        return cls(
+            spec,
+            values,
+            tuple(range(len(values))),
+            objects,
+            tuple(range(len(objects))),
+            (),
+            values[0].shape[0] if values else len(objects[0]),
+        )
 
     def flat(self) -> Leaves:
         """The same write with one row dim (each value's row dims made one: a copy unless they view as one)."""
@@ -202,8 +210,9 @@ class TableSpec:
             walk = _Walk(row_dims, None)
             walk.visit(data, ())
             if not walk.tensors:
-                raise ValueError("cannot store a TensorDict with no tensor leaves (non-tensor leaves are kept "
-                                 "beside tensor columns)")
+                raise ValueError(
+                    "cannot store a TensorDict with no tensor leaves (non-tensor leaves are kept beside tensor columns)"
+                )
             columns = tuple(ColumnSpec(k, v.dtype, v.shape[row_dims:]) for k, v in walk.tensors.items())
             _remember(walk.classes)
             return cls(columns, True, walk.nodes, tuple(walk.objects), walk.stacks, walk.classes)
@@ -249,8 +258,9 @@ class TableSpec:
             value = tensors.pop(key, None)
             if value is None:
                 if key in objects:
-                    raise SpecMismatchError(f"key '{key_name(key)}' holds a {type(objects[key]).__name__}; "
-                                            "the store holds a tensor there")
+                    raise SpecMismatchError(
+                        f"key '{key_name(key)}' holds a {type(objects[key]).__name__}; the store holds a tensor there"
+                    )
                 missing.append(key)
                 continue
             _check_leaf(c, value, rows)
@@ -262,8 +272,9 @@ class TableSpec:
             value = objects.pop(key, None)
             if value is None:
                 if key in tensors:
-                    raise SpecMismatchError(f"key '{key_name(key)}' holds a tensor; the store holds non-tensor "
-                                            "data there")
+                    raise SpecMismatchError(
+                        f"key '{key_name(key)}' holds a tensor; the store holds non-tensor data there"
+                    )
                 missing.append(key)
                 continue
             row_objects.append(_row_objects(value, rows, self.object_batch(key)))
@@ -277,8 +288,7 @@ class TableSpec:
             for key, value in objects.items():
                 row_objects.append(_row_objects(value, rows, spec.object_batch(key)))
                 object_positions.append(spec.objects.index(key))
-        return Leaves(spec, values, tuple(positions), row_objects, tuple(object_positions), tuple(missing), n,
-                      row_dims)
+        return Leaves(spec, values, tuple(positions), row_objects, tuple(object_positions), tuple(missing), n, row_dims)
 
     def _grown(self, walk: _Walk, tensors: dict, objects: dict, rows: torch.Size | None) -> TableSpec:
         """This spec plus the new keys ``tensors`` and ``objects`` (checked against the stored nesting)."""
@@ -304,16 +314,19 @@ class TableSpec:
                 new_columns.append(c)
             elif self.columns[i] != c:
                 held = self.columns[i]
-                raise SpecMismatchError(f"key '{key_name(key)}' is stored as {held.dtype} rows of shape "
-                                        f"{list(held.row_shape)}; this write holds {c.dtype} rows of shape "
-                                        f"{list(c.row_shape)}")
+                raise SpecMismatchError(
+                    f"key '{key_name(key)}' is stored as {held.dtype} rows of shape "
+                    f"{list(held.row_shape)}; this write holds {c.dtype} rows of shape "
+                    f"{list(c.row_shape)}"
+                )
         new_objects = tuple(k for k in other.objects if k not in self.objects)
         if not new_columns and not new_objects:
             return self
         return self._with_keys(tuple(new_columns), new_objects, other.node_batch, other.stacks, other.classes)
 
-    def _with_keys(self, columns: tuple[ColumnSpec, ...], objects: tuple[NestedKey, ...], nodes: dict,
-                   stacks: dict, classes: dict) -> TableSpec:
+    def _with_keys(
+        self, columns: tuple[ColumnSpec, ...], objects: tuple[NestedKey, ...], nodes: dict, stacks: dict, classes: dict
+    ) -> TableSpec:
         """This spec plus new tensor ``columns`` and non-tensor ``objects``, at the end; a key may not
         sit above or below a stored one (a leaf where the store has a TensorDict, or the reverse)."""
         new_keys = cast(list[NestedKey], [c.key for c in columns])  # a TensorDict's new columns: all named
@@ -326,7 +339,8 @@ class TableSpec:
                     what = "a leaf" if shorter == path else "a TensorDict"
                     raise SpecMismatchError(
                         f"key '{key_name(key)}' is {what} in this write, but the store holds "
-                        f"'{key_name(as_key(other))}' {'below' if shorter == path else 'above'} it")
+                        f"'{key_name(as_key(other))}' {'below' if shorter == path else 'above'} it"
+                    )
         return replace(
             self,
             columns=self.columns + columns,
@@ -344,18 +358,25 @@ class TableSpec:
         if tree != self.tree:
             stored = {key_name(c.key) for c in self.columns}
             given = {key_name(k) for k in leaves}
-            raise SpecMismatchError(f"the pytree's structure differs from the store's: missing "
-                                    f"{sorted(stored - given)}, unexpected {sorted(given - stored)} (a store of "
-                                    "pytrees keeps the structure of its first write)")
+            raise SpecMismatchError(
+                f"the pytree's structure differs from the store's: missing "
+                f"{sorted(stored - given)}, unexpected {sorted(given - stored)} (a store of "
+                "pytrees keeps the structure of its first write)"
+            )
         values = list(leaves.values())
         for c, value in zip(self.columns, values):
             _check_leaf(c, value, rows)
         return values
 
     # -- rebuilding what was written ------------------------------------------------
-    def unflatten(self, tensors: list[torch.Tensor], lead: torch.Size, device: torch.device | None,
-                  extra: dict[NestedKey, torch.Tensor] | None = None,
-                  objects: list[np.ndarray] | None = None) -> Data:
+    def unflatten(
+        self,
+        tensors: list[torch.Tensor],
+        lead: torch.Size,
+        device: torch.device | None,
+        extra: dict[NestedKey, torch.Tensor] | None = None,
+        objects: list[np.ndarray] | None = None,
+    ) -> Data:
         """Rebuild what was written from column tensors whose leading dims are ``lead``.
 
         ``extra`` adds keys or replaces columns (a sampler's trajectory markers),
@@ -381,13 +402,14 @@ class TableSpec:
     def _build(self, node: dict, prefix: Path, lead: torch.Size, device) -> TensorDictBase:
         stack = self.stacks.get(prefix) if self.stacks else None
         if stack is not None:
-            members = [self._build(node.get(member_part(i), {}), (*prefix, member_part(i)), lead, device)
-                       for i in range(stack.count)]
+            members = [
+                self._build(node.get(member_part(i), {}), (*prefix, member_part(i)), lead, device)
+                for i in range(stack.count)
+            ]
             out = LazyStackedTensorDict(*members, stack_dim=len(lead) + stack.dim)
         else:
             source = {
-                k: (self._build(v, (*prefix, k), lead, device) if isinstance(v, dict) else v)
-                for k, v in node.items()
+                k: (self._build(v, (*prefix, k), lead, device) if isinstance(v, dict) else v) for k, v in node.items()
             }
             batch = torch.Size([*lead, *self.node_batch.get(prefix, torch.Size([]))])
             # The spec already checked every leaf at write time: skip TensorDict's checks.
@@ -401,8 +423,11 @@ class TableSpec:
         blob: dict[str, Any] = {
             "is_tensordict": self.is_tensordict,
             "columns": [
-                {"key": None if c.key is None else list(as_path(c.key)), "dtype": str(c.dtype).removeprefix("torch."),
-                 "row_shape": list(c.row_shape)}
+                {
+                    "key": None if c.key is None else list(as_path(c.key)),
+                    "dtype": str(c.dtype).removeprefix("torch."),
+                    "row_shape": list(c.row_shape),
+                }
                 for c in self.columns
             ],
             "node_batch": [[list(k), list(v)] for k, v in self.node_batch.items()],
@@ -432,7 +457,9 @@ class TableSpec:
         )
         node_batch = {tuple(k): torch.Size(v) for k, v in blob["node_batch"]}
         return cls(
-            columns, blob["is_tensordict"], node_batch,
+            columns,
+            blob["is_tensordict"],
+            node_batch,
             objects=tuple(as_key(tuple(k)) for k in blob.get("objects", ())),
             stacks={tuple(k): StackSpec(int(d), int(n)) for k, d, n in blob.get("stacks", ())},
             classes={tuple(k): _import_class(name) for k, name in blob.get("classes", ())},
@@ -474,7 +501,7 @@ class _Walk:
         if is_tensorclass(node):
             self.classes[path] = type(node)
             node = node._tensordict
-        self.nodes[path] = node.batch_size[self.lead:]
+        self.nodes[path] = node.batch_size[self.lead :]
         known = self.spec.stacks.get(path) if self.spec is not None and self.spec.stacks else None
         if known is not None or isinstance(node, LazyStackedTensorDict):
             members = self._members(node, path, known)
@@ -501,8 +528,10 @@ class _Walk:
         if known is not None:
             members = node.unbind(self.lead + known.dim)
             if len(members) != known.count:
-                raise SpecMismatchError(f"key '{key_name(as_key(path)) if path else '<root>'}' stacks "
-                                        f"{len(members)} members, the store holds {known.count}")
+                raise SpecMismatchError(
+                    f"key '{key_name(as_key(path)) if path else '<root>'}' stacks "
+                    f"{len(members)} members, the store holds {known.count}"
+                )
             self.stacks[path] = known
             return list(members)
         dim = node.stack_dim - self.lead
@@ -510,11 +539,15 @@ class _Walk:
             return None
         where = f"key '{key_name(as_key(path))}'" if path else "the rows"
         if dim < 0:
-            raise SpecMismatchError(f"{where} differ in keys or shapes from one row to the next (a lazy stack "
-                                    "along the row dim): every row must have the same layout")
+            raise SpecMismatchError(
+                f"{where} differ in keys or shapes from one row to the next (a lazy stack "
+                "along the row dim): every row must have the same layout"
+            )
         if self.spec is not None and any(as_path(c.key)[: len(path)] == path for c in self.spec.columns if c.key):
-            raise SpecMismatchError(f"{where} is a lazy stack whose members differ in keys or shapes; the store "
-                                    "holds it as one TensorDict of equal members")
+            raise SpecMismatchError(
+                f"{where} is a lazy stack whose members differ in keys or shapes; the store "
+                "holds it as one TensorDict of equal members"
+            )
         self.stacks[path] = StackSpec(dim, len(node.tensordicts))
         return list(node.tensordicts)
 
@@ -546,14 +579,18 @@ def _tree_leaves(data: Any) -> tuple[dict[NestedKey, torch.Tensor], pytree.TreeS
     """The leaves of a pytree of tensors by key (``"a"``, ``("b", "0")``), and its structure."""
     pairs, tree = pytree.tree_flatten_with_path(data)
     if tree.is_leaf():
-        raise TypeError(f"gear_torchrl stores TensorDicts, tensorclasses, tensors or pytrees of tensors (dicts, "
-                        f"lists, tuples), got {type(data).__name__}")
+        raise TypeError(
+            f"gear_torchrl stores TensorDicts, tensorclasses, tensors or pytrees of tensors (dicts, "
+            f"lists, tuples), got {type(data).__name__}"
+        )
     leaves = {}
     for path, leaf in pairs:
         key = as_key(tuple(_path_part(p) for p in path))
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"pytree leaf '{key_name(key)}' is a {type(leaf).__name__}; only tensor leaves "
-                            "can be stored in a pytree")
+            raise TypeError(
+                f"pytree leaf '{key_name(key)}' is a {type(leaf).__name__}; only tensor leaves "
+                "can be stored in a pytree"
+            )
         leaves[key] = leaf
     return leaves, tree
 
@@ -574,6 +611,7 @@ def _check_leaf(c: ColumnSpec, value: torch.Tensor, rows: torch.Size | None) -> 
 
 
 # -- non-tensor leaves: one object per row ----------------------------------------------
+
 
 def _row_objects(value: TensorDictBase, rows: torch.Size | None, row_batch: torch.Size) -> np.ndarray:
     """A non-tensor leaf as one object per row (``NonTensorData``, or a stack for rows with batch dims).
@@ -655,9 +693,11 @@ def _import_class(name: str) -> TensorClass:
         pass
     found = _SEEN_CLASSES.get(name) or _registered_tensorclass(name)
     if found is None:
-        raise ValueError(f"the stored rows are tensorclass {name}, which is not defined in this process: define it "
-                         "before loading (a class made inside a function: call that function first), or move it "
-                         "to an importable module")
+        raise ValueError(
+            f"the stored rows are tensorclass {name}, which is not defined in this process: define it "
+            "before loading (a class made inside a function: call that function first), or move it "
+            "to an importable module"
+        )
     return found
 
 
@@ -666,12 +706,14 @@ def _registered_tensorclass(name: str) -> TensorClass | None:
     loader looks there too), or None."""
     import tensordict.base
 
-    matches = [c for c in getattr(tensordict.base, "_ACCEPTED_CLASSES", ()) if is_tensorclass(c)
-               and class_name(c) == name]
+    matches = [
+        c for c in getattr(tensordict.base, "_ACCEPTED_CLASSES", ()) if is_tensorclass(c) and class_name(c) == name
+    ]
     return matches[-1] if matches else None
 
 
 # -- a list of rows ------------------------------------------------------------------------
+
 
 def stacked_rows(rows: list) -> Data:
     """A list of rows (what ``rb.extend`` of a list hands a storage) as one batch, stacked as TorchRL's
@@ -687,8 +729,10 @@ def stacked_rows(rows: list) -> Data:
     _, tree = flat[0]
     for i, (_, other) in enumerate(flat):
         if other != tree:
-            raise SpecMismatchError(f"row {i} of the list has another pytree structure than row 0 ({other} against "
-                                    f"{tree}): every row of a list must have the same structure")
+            raise SpecMismatchError(
+                f"row {i} of the list has another pytree structure than row 0 ({other} against "
+                f"{tree}): every row of a list must have the same structure"
+            )
     columns = list(zip(*(row_leaves for row_leaves, _ in flat)))
     for j, column in enumerate(columns):
         if not all(isinstance(leaf, torch.Tensor) for leaf in column):
@@ -696,8 +740,10 @@ def stacked_rows(rows: list) -> Data:
             raise SpecMismatchError(f"leaf {j} of the list's rows holds {kinds}: only tensor leaves can be stacked")
         shapes = {(leaf.dtype, tuple(leaf.shape)) for leaf in column}
         if len(shapes) > 1:
-            raise SpecMismatchError(f"leaf {j} of the list's rows differs in dtype or shape from row to row "
-                                    f"({sorted(map(str, shapes))}): the rows do not stack")
+            raise SpecMismatchError(
+                f"leaf {j} of the list's rows differs in dtype or shape from row to row "
+                f"({sorted(map(str, shapes))}): the rows do not stack"
+            )
     return pytree.tree_unflatten([torch.stack(column) for column in columns], tree)
 
 

@@ -12,6 +12,7 @@ writes, not as the shard, which is built from it:
 - ``SharedCommits`` (``store/shared_commits.py``): rows any process committed to
   a shared commit log; appends only, read in sections that hold eviction back.
 """
+
 from __future__ import annotations
 
 import weakref

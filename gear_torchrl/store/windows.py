@@ -3,6 +3,7 @@
 What every sample carries from the selector to the gather kernel, local or
 remote: rows are windows of length one.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -33,8 +34,12 @@ class Windows:
         """``parts`` (of one length) end to end; one part as it is."""
         if len(parts) == 1:
             return parts[0]
-        return Windows(torch.cat([p.starts for p in parts]), parts[0].window_len,
-                       torch.cat([p.valid_begin for p in parts]), torch.cat([p.valid_end for p in parts]))
+        return Windows(
+            torch.cat([p.starts for p in parts]),
+            parts[0].window_len,
+            torch.cat([p.valid_begin for p in parts]),
+            torch.cat([p.valid_end for p in parts]),
+        )
 
     def part(self, begin: int, end: int) -> Windows:
         """Windows ``begin`` to ``end``, viewing the same tensors (a share of a batch)."""
@@ -46,8 +51,9 @@ class Windows:
 
     def contiguous(self) -> Windows:
         """Its tensors contiguous (what goes on the wire)."""
-        return Windows(self.starts.contiguous(), self.window_len, self.valid_begin.contiguous(),
-                       self.valid_end.contiguous())
+        return Windows(
+            self.starts.contiguous(), self.window_len, self.valid_begin.contiguous(), self.valid_end.contiguous()
+        )
 
     @property
     def num_positions(self) -> int:

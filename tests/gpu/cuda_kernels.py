@@ -1,4 +1,5 @@
 """The extension's CUDA kernels for a GPU test module, or a module-level skip that says why not."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,8 @@ def cuda_extension():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
     if not _C.built_with_cuda():
-        pytest.skip("gear_torchrl.kernels._C was built without its CUDA part (no nvcc or a CPU torch at build time)",
-                    allow_module_level=True)
+        pytest.skip(
+            "gear_torchrl.kernels._C was built without its CUDA part (no nvcc or a CPU torch at build time)",
+            allow_module_level=True,
+        )
     return _C

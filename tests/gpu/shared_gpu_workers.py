@@ -1,4 +1,5 @@
 """Process bodies for the shared-store GPU test (spawned processes import them from here)."""
+
 from __future__ import annotations
 
 import torch
@@ -41,11 +42,13 @@ def pinned_sharded_rank(rank: int, world: int, port: int, results) -> None:
 
     from gear_torchrl import ShardedGearStorage, TrajectoryWriter
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     learner = rank == world - 1
-    storage = ShardedGearStorage(1000, owns_shard=not learner, transport="tcp", serve_on="127.0.0.1",
-                                 timeout=30, pin_memory=learner)
+    storage = ShardedGearStorage(
+        1000, owns_shard=not learner, transport="tcp", serve_on="127.0.0.1", timeout=30, pin_memory=learner
+    )
     try:
         if not learner:
             assert storage.local is not None  # an owning rank holds its shard

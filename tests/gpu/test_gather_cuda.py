@@ -9,6 +9,7 @@ Needs only torch and the compiled extension (no torchrl / tensordict), so it
 runs on a bare GPU machine. Skips, with the reason, without a GPU or without
 the extension's CUDA part.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,16 @@ _C = cuda_extension()
 
 DEVICE = torch.device("cuda")
 ALL_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
-    torch.int16, torch.int32, torch.int64, torch.bool,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
 ]
 TIERS = ["pinned", "registered", "device"]
 
@@ -35,8 +44,13 @@ def random_column(capacity, step_shape, dtype, gen):
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen, dtype=torch.uint8).bool()
     nbytes = torch.empty(shape, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * nbytes) if step_shape else (capacity * nbytes,),
-                        generator=gen, dtype=torch.uint8)
+    raw = torch.randint(
+        0,
+        256,
+        (*shape[:-1], shape[-1] * nbytes) if step_shape else (capacity * nbytes,),
+        generator=gen,
+        dtype=torch.uint8,
+    )
     return raw.view(dtype).reshape(shape).contiguous()
 
 
@@ -53,7 +67,7 @@ def page_aligned_empty(nbytes):
     rounded = max(PAGE, -(-nbytes // PAGE) * PAGE)
     backing = torch.empty(rounded + PAGE, dtype=torch.uint8)
     off = (-backing.data_ptr()) % PAGE
-    return backing[off:off + rounded]
+    return backing[off : off + rounded]
 
 
 class Registered:
@@ -108,12 +122,13 @@ def assert_bitwise_equal(gpu, ref, what=""):
     r = as_bytes(ref)
     if not torch.equal(g, r):
         bad = (g != r).nonzero()
-        raise AssertionError(f"{what}: {bad.numel()} bytes differ, first at byte {bad[0].item()} "
-                             f"(gpu {g[bad[0]].item()} ref {r[bad[0]].item()})")
+        raise AssertionError(
+            f"{what}: {bad.numel()} bytes differ, first at byte {bad[0].item()} "
+            f"(gpu {g[bad[0]].item()} ref {r[bad[0]].item()})"
+        )
 
 
-def gather_both(columns, starts, window_len=1, valid_begin=None, valid_end=None, with_mask=False,
-                idx_device="cpu"):
+def gather_both(columns, starts, window_len=1, valid_begin=None, valid_end=None, with_mask=False, idx_device="cpu"):
     """Run the CUDA gather on `columns` (any tier) and the CPU gather on CPU copies; compare."""
     n = starts.shape[0]
     rows = n * window_len
@@ -122,8 +137,9 @@ def gather_both(columns, starts, window_len=1, valid_begin=None, valid_end=None,
     for o in ref_out:
         as_bytes(o).fill_(0x5A)
     ref_mask = torch.ones(rows, dtype=torch.bool) if with_mask else None
-    _C.gather(cpu_cols, ref_out, starts, valid_begin=valid_begin, valid_end=valid_end, window_len=window_len,
-              mask=ref_mask)
+    _C.gather(
+        cpu_cols, ref_out, starts, valid_begin=valid_begin, valid_end=valid_end, window_len=window_len, mask=ref_mask
+    )
 
     outs = [torch.empty((rows, *c.shape[1:]), dtype=c.dtype, device=DEVICE) for c in columns]
     for o in outs:  # garbage everywhere: the kernel must write every byte
@@ -131,11 +147,19 @@ def gather_both(columns, starts, window_len=1, valid_begin=None, valid_end=None,
     mask = torch.ones(rows, dtype=torch.bool, device=DEVICE) if with_mask else None
     if mask is not None:  # with_mask
         mask.view(torch.uint8).fill_(0xA5)
+
     def move(t):
         return None if t is None else t.to(idx_device)
 
-    _C.gather(columns, outs, move(starts), valid_begin=move(valid_begin), valid_end=move(valid_end),
-              window_len=window_len, mask=mask)
+    _C.gather(
+        columns,
+        outs,
+        move(starts),
+        valid_begin=move(valid_begin),
+        valid_end=move(valid_end),
+        window_len=window_len,
+        mask=mask,
+    )
     torch.cuda.synchronize()
     for k, (o, r) in enumerate(zip(outs, ref_out)):
         assert_bitwise_equal(o, r, f"column {k} ({r.dtype}, step {tuple(r.shape[1:])})")
@@ -193,8 +217,16 @@ def test_mixed_columns_one_call(tier, place):
     """A realistic table: image obs, vector obs, action, reward, done, bf16 logits."""
     gen = torch.Generator().manual_seed(3)
     capacity = 2048
-    specs = [((4, 21, 21), torch.uint8), ((17,), torch.float32), ((), torch.int64), ((), torch.float32),
-             ((), torch.bool), ((6,), torch.bfloat16), ((3,), torch.int16), ((2, 2), torch.float64)]
+    specs = [
+        ((4, 21, 21), torch.uint8),
+        ((17,), torch.float32),
+        ((), torch.int64),
+        ((), torch.float32),
+        ((), torch.bool),
+        ((6,), torch.bfloat16),
+        ((3,), torch.int16),
+        ((2, 2), torch.float64),
+    ]
     cols = [place(random_column(capacity, s, d, gen), tier) for s, d in specs]
     n, window_len = 256, 40
     starts = torch.randint(0, capacity, (n,), generator=gen)
@@ -208,8 +240,10 @@ def test_mixed_columns_one_call(tier, place):
 def test_ring_wrap_and_negative_starts(tier, place):
     gen = torch.Generator().manual_seed(4)
     capacity, window_len = 50, 20
-    cols = [place(random_column(capacity, (9,), torch.float32, gen), tier),
-            place(random_column(capacity, (), torch.uint8, gen), tier)]
+    cols = [
+        place(random_column(capacity, (9,), torch.float32, gen), tier),
+        place(random_column(capacity, (), torch.uint8, gen), tier),
+    ]
     starts = torch.tensor([capacity - 1, capacity - 5, -1, -capacity, -7 * capacity - 3, 10**12, -(10**12) + 7, 0])
     gather_both(cols, starts, window_len)
     gather_both(cols, starts, window_len, torch.full_like(starts, 3), torch.full_like(starts, 15), with_mask=True)
@@ -219,8 +253,10 @@ def test_ring_wrap_and_negative_starts(tier, place):
 def test_window_longer_than_ring(tier, place):
     gen = torch.Generator().manual_seed(5)
     capacity, window_len = 7, 50
-    cols = [place(random_column(capacity, (5,), torch.int32, gen), tier),
-            place(random_column(capacity, (), torch.bool, gen), tier)]
+    cols = [
+        place(random_column(capacity, (5,), torch.int32, gen), tier),
+        place(random_column(capacity, (), torch.bool, gen), tier),
+    ]
     starts = torch.randint(-20, 20, (33,), generator=gen)
     begin = torch.randint(-1, 10, (33,), generator=gen)
     end = torch.randint(10, 60, (33,), generator=gen)
@@ -231,8 +267,10 @@ def test_window_longer_than_ring(tier, place):
 def test_indices_on_either_device(idx_device, place):
     gen = torch.Generator().manual_seed(6)
     capacity, window_len, n = 300, 12, 77
-    cols = [place(random_column(capacity, (11,), torch.float16, gen), "pinned"),
-            place(random_column(capacity, (4,), torch.float32, gen), "device")]  # tiers mix in one call
+    cols = [
+        place(random_column(capacity, (11,), torch.float16, gen), "pinned"),
+        place(random_column(capacity, (4,), torch.float32, gen), "device"),
+    ]  # tiers mix in one call
     starts = torch.randint(-500, 500, (n,), generator=gen)
     begin = torch.randint(0, 6, (n,), generator=gen)
     end = torch.randint(6, 13, (n,), generator=gen)
@@ -247,9 +285,10 @@ def test_misaligned_column_views(place):
     capacity, row = 1000, 37
     for tier in TIERS:
         backing = place(torch.randint(0, 256, (capacity * row * 3 + 64,), generator=gen, dtype=torch.uint8), tier)
-        cols = [backing[off:off + capacity * row].view(capacity, row) for off in (1, 3, 8, 13)]
-        cols.append(backing[capacity * row * 2 + 2:capacity * row * 2 + 2 + capacity * 16].view(torch.int16)
-                    .view(capacity, 8))
+        cols = [backing[off : off + capacity * row].view(capacity, row) for off in (1, 3, 8, 13)]
+        cols.append(
+            backing[capacity * row * 2 + 2 : capacity * row * 2 + 2 + capacity * 16].view(torch.int16).view(capacity, 8)
+        )
         starts = torch.randint(-capacity, capacity, (500,), generator=gen)
         gather_both(cols, starts)
         gather_both(cols, starts[:50], 9, torch.full((50,), 2), torch.full((50,), 8), with_mask=True)
@@ -258,16 +297,17 @@ def test_misaligned_column_views(place):
 def test_many_columns(place):
     gen = torch.Generator().manual_seed(8)
     capacity = 64
-    cols = [place(random_column(capacity, (1 + k % 13,), ALL_DTYPES[k % len(ALL_DTYPES)], gen),
-                  TIERS[k % 2 * 2]) for k in range(150)]
+    cols = [
+        place(random_column(capacity, (1 + k % 13,), ALL_DTYPES[k % len(ALL_DTYPES)], gen), TIERS[k % 2 * 2])
+        for k in range(150)
+    ]
     starts = torch.randint(0, capacity, (40,), generator=gen)
     gather_both(cols, starts, 5, torch.randint(0, 3, (40,), generator=gen), None, with_mask=True)
 
 
 def test_empty_batch_and_empty_rows(place):
     gen = torch.Generator().manual_seed(9)
-    cols = [place(random_column(10, (4,), torch.float32, gen), "pinned"),
-            place(torch.empty(10, 0), "device")]
+    cols = [place(random_column(10, (4,), torch.float32, gen), "pinned"), place(torch.empty(10, 0), "device")]
     gather_both(cols, torch.empty(0, dtype=torch.int64), 3, with_mask=True)
     gather_both(cols, torch.tensor([1, 2, 3]), 3, with_mask=True)
 
@@ -340,13 +380,18 @@ def test_table_larger_than_4gib(tier):
         if free < nbytes + (1 << 30):
             pytest.skip(f"needs {nbytes / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} GiB free")
     elif _free_host_bytes() < 2 * nbytes + (4 << 30):
-        pytest.skip(f"needs about {2 * nbytes / 2**30:.1f} GiB of free host memory, "
-                    f"{_free_host_bytes() / 2**30:.1f} GiB available")
+        pytest.skip(
+            f"needs about {2 * nbytes / 2**30:.1f} GiB of free host memory, "
+            f"{_free_host_bytes() / 2**30:.1f} GiB available"
+        )
     gen = torch.Generator().manual_seed(11)
     n, window_len = 512, 4
-    starts = torch.cat([torch.randint(capacity - 200_000, capacity, (n - 8,), generator=gen),
-                        torch.tensor([capacity - 1, capacity - 2, -1, 0, 1, (4 << 30) // row, (4 << 30) // row - 1,
-                                      capacity - 3])])
+    starts = torch.cat(
+        [
+            torch.randint(capacity - 200_000, capacity, (n - 8,), generator=gen),
+            torch.tensor([capacity - 1, capacity - 2, -1, 0, 1, (4 << 30) // row, (4 << 30) // row - 1, capacity - 3]),
+        ]
+    )
     touched = torch.unique(torch.cat([(starts + j) % capacity for j in range(window_len)]))
     if tier == "registered":
         table = page_aligned_empty(nbytes).view(capacity, row)
@@ -377,8 +422,10 @@ def test_kernel_source_compiles_with_nvrtc_via_cupy():
 
     gen = torch.Generator().manual_seed(12)
     capacity, window_len, n = 300, 10, 97
-    cols = [random_column(capacity, (7,), torch.uint8, gen).pin_memory(),
-            random_column(capacity, (32,), torch.float32, gen).to(DEVICE)]
+    cols = [
+        random_column(capacity, (7,), torch.uint8, gen).pin_memory(),
+        random_column(capacity, (32,), torch.float32, gen).to(DEVICE),
+    ]
     starts = torch.randint(-400, 400, (n,), generator=gen)
     begin = torch.randint(0, 4, (n,), generator=gen)
     end = torch.randint(5, 11, (n,), generator=gen)

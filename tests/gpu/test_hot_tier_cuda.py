@@ -5,6 +5,7 @@ test sees where each byte came from, against an oracle written with plain
 indexing. Needs only torch and the extension for the kernel tests; the storage
 tests need torchrl/tensordict.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -72,8 +73,9 @@ def test_each_row_comes_from_its_tier(row_bytes, window_len, owners):
 
     out = torch.full((n * window_len, row_bytes), 0xA5, dtype=torch.uint8, device=DEVICE)
     mask = torch.empty(n * window_len, dtype=torch.bool, device=DEVICE) if window_len > 1 else None
-    _C.gather([host], [out], starts, begin, end, window_len, mask, hot_columns=[hot.to(DEVICE)],
-              hot_owner=owner.to(DEVICE))
+    _C.gather(
+        [host], [out], starts, begin, end, window_len, mask, hot_columns=[hot.to(DEVICE)], hot_owner=owner.to(DEVICE)
+    )
     got = out.cpu()
     bad = (got != want).any(-1).nonzero().flatten()
     assert bad.numel() == 0, f"{bad.numel()} rows differ, first at output row {int(bad[0])}"
@@ -88,8 +90,14 @@ def test_many_columns_and_device_indices():
     owner = owner_after_appends(slots, capacity, 777)
     starts = torch.randint(0, capacity, (n,), generator=gen)
     outs = [torch.empty((n * window_len, *s), dtype=torch.uint8, device=DEVICE) for s in shapes]
-    _C.gather(hosts, outs, starts.to(DEVICE), window_len=window_len, hot_columns=[h.to(DEVICE) for h in hots],
-              hot_owner=owner.to(DEVICE))
+    _C.gather(
+        hosts,
+        outs,
+        starts.to(DEVICE),
+        window_len=window_len,
+        hot_columns=[h.to(DEVICE) for h in hots],
+        hot_owner=owner.to(DEVICE),
+    )
     for host, hot, out in zip(hosts, hots, outs):
         want, _ = oracle(host, hot, owner, starts, window_len)
         assert torch.equal(out.cpu(), want)
@@ -118,6 +126,7 @@ try:
 
     from gear_torchrl import GearStorage
     from gear_torchrl.store.windows import Windows
+
     HAVE_TORCHRL = True
 except ImportError as err:  # the GPU machine needs the carried torchrl/tensordict wheels
     HAVE_TORCHRL, WHY = False, str(err)
@@ -125,8 +134,14 @@ except ImportError as err:  # the GPU machine needs the carried torchrl/tensordi
 
 def steps(n, seed):
     g = torch.Generator().manual_seed(seed)
-    return TensorDict({"obs": torch.randn(n, 33, generator=g), "action": torch.randint(0, 5, (n,), generator=g),
-                       ("next", "done"): torch.rand(n, 1, generator=g) < 0.05}, [n])
+    return TensorDict(
+        {
+            "obs": torch.randn(n, 33, generator=g),
+            "action": torch.randint(0, 5, (n,), generator=g),
+            ("next", "done"): torch.rand(n, 1, generator=g) < 0.05,
+        },
+        [n],
+    )
 
 
 @pytest.mark.skipif(not HAVE_TORCHRL, reason="torchrl/tensordict not importable; carry their wheels")
@@ -147,7 +162,7 @@ def test_storage_with_hot_rows_reads_what_the_plain_one_reads():
 
     assert tiered.shard.hot is not None and tiered.shard.hot.rows is not None
     owner = tiered.shard.hot.rows.owner.cpu()
-    newest = (torch.arange(cursor - hot_rows, cursor) % capacity)
+    newest = torch.arange(cursor - hot_rows, cursor) % capacity
     newest = newest[~torch.isin(newest, scattered)]  # some slots went to the scattered rows since
     held = owner[newest % hot_rows] == newest
     assert held.float().mean() > 0.5, "the newest appended rows should mostly be hot"
@@ -156,8 +171,7 @@ def test_storage_with_hot_rows_reads_what_the_plain_one_reads():
     a, b = as_td(plain.get(index)), as_td(tiered.get(index))
     for key in a.keys(True, True):
         assert torch.equal(a.get(key).cpu(), b.get(key).cpu()), key
-    windows = Windows(torch.randint(0, capacity, (64,)), 40, torch.randint(0, 5, (64,)),
-                      torch.randint(30, 41, (64,)))
+    windows = Windows(torch.randint(0, capacity, (64,)), 40, torch.randint(0, 5, (64,)), torch.randint(30, 41, (64,)))
     wa, wb = as_td(plain.shard.read_windows(windows)), as_td(tiered.shard.read_windows(windows))
     for key in wa.keys(True, True):
         assert torch.equal(wa.get(key).cpu(), wb.get(key).cpu()), key

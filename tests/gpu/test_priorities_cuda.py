@@ -1,4 +1,5 @@
 """GearPrioritizedSampler(device="cuda"): draws, weights and updates on the GPU."""
+
 from __future__ import annotations
 
 import os
@@ -14,13 +15,18 @@ try:
 
     from gear_torchrl import GearPrioritizedSampler, GearStorage
 except ImportError as err:
-    pytest.skip(f"torchrl/tensordict not importable here ({err}); carry their wheels (scripts/gpu_check.sh)",
-                allow_module_level=True)
+    pytest.skip(
+        f"torchrl/tensordict not importable here ({err}); carry their wheels (scripts/gpu_check.sh)",
+        allow_module_level=True,
+    )
 
 
 def filled(capacity=2000, rows=1500):
-    rb = TensorDictReplayBuffer(storage=GearStorage(capacity, device="cuda"),
-                                sampler=GearPrioritizedSampler(capacity, 0.8, 0.5, device="cuda"), batch_size=256)
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(capacity, device="cuda"),
+        sampler=GearPrioritizedSampler(capacity, 0.8, 0.5, device="cuda"),
+        batch_size=256,
+    )
     rb.extend(TensorDict({"obs": torch.randn(rows, 5), "step": torch.arange(rows)}, [rows]))
     return rb
 

@@ -1,4 +1,5 @@
 """A learner on a GPU reading a sharded store over tcp: batches in pinned memory, copied to the GPU intact."""
+
 from __future__ import annotations
 
 import multiprocessing as mp

@@ -1,4 +1,5 @@
 """GearStorage on a GPU: the same batches as on the CPU, from pinned host or device memory."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,10 @@ try:
 
     from gear_torchrl import GearPrioritizedSampler, GearSequenceSampler, GearStorage
 except ImportError as err:  # the GPU machine needs the carried torchrl/tensordict wheels
-    pytest.skip(f"torchrl/tensordict not importable here ({err}); carry their wheels (scripts/gpu_check.sh)",
-                allow_module_level=True)
+    pytest.skip(
+        f"torchrl/tensordict not importable here ({err}); carry their wheels (scripts/gpu_check.sh)",
+        allow_module_level=True,
+    )
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,10 +31,17 @@ ROOT = Path(__file__).resolve().parents[2]
 def steps(n: int, seed: int) -> TensorDict:
     g = torch.Generator().manual_seed(seed)
     done = torch.rand(n, 1, generator=g) < 0.05
-    return TensorDict({"obs": torch.randn(n, 33, generator=g), "pixels": torch.randint(0, 255, (n, 3, 7), generator=g,
-                                                                                        dtype=torch.uint8),
-                       "action": torch.randint(0, 5, (n,), generator=g), "flag": torch.rand(n, generator=g) < 0.5,
-                       "logits": torch.randn(n, 5, generator=g).bfloat16(), ("next", "done"): done}, [n])
+    return TensorDict(
+        {
+            "obs": torch.randn(n, 33, generator=g),
+            "pixels": torch.randint(0, 255, (n, 3, 7), generator=g, dtype=torch.uint8),
+            "action": torch.randint(0, 5, (n,), generator=g),
+            "flag": torch.rand(n, generator=g) < 0.5,
+            "logits": torch.randn(n, 5, generator=g).bfloat16(),
+            ("next", "done"): done,
+        },
+        [n],
+    )
 
 
 def assert_same(cuda_td, cpu_td):
@@ -45,8 +55,9 @@ def assert_same(cuda_td, cpu_td):
 
 def pair(memory: Literal["host", "device"], capacity=500, sampler=None):
     cpu = TensorDictReplayBuffer(storage=GearStorage(capacity), sampler=sampler() if sampler else None)
-    gpu = TensorDictReplayBuffer(storage=GearStorage(capacity, device="cuda", memory=memory),
-                                 sampler=sampler() if sampler else None)
+    gpu = TensorDictReplayBuffer(
+        storage=GearStorage(capacity, device="cuda", memory=memory), sampler=sampler() if sampler else None
+    )
     for i in range(4):
         data = steps(170, seed=i)
         cpu.extend(data)
@@ -58,8 +69,7 @@ def pair(memory: Literal["host", "device"], capacity=500, sampler=None):
 def test_reads_match_the_cpu_storage(memory):
     cpu, gpu = pair(memory)
     for index in (torch.randint(0, 500, (1000,)), torch.arange(500).flip(0), torch.tensor([3, -1]), 7):
-        assert_same(gpu.storage.get(index.cuda() if isinstance(index, torch.Tensor) else index),
-                    cpu.storage.get(index))
+        assert_same(gpu.storage.get(index.cuda() if isinstance(index, torch.Tensor) else index), cpu.storage.get(index))
     assert gpu.storage.shard.columns[0].is_cuda == (memory == "device")
 
 
@@ -82,8 +92,9 @@ def test_sequence_windows_match_the_cpu_storage():
 
 
 def test_prioritized_sampler_over_a_gpu_storage():
-    rb = TensorDictReplayBuffer(storage=GearStorage(300, device="cuda"),
-                                sampler=GearPrioritizedSampler(300, 0.7, 0.5), batch_size=64)
+    rb = TensorDictReplayBuffer(
+        storage=GearStorage(300, device="cuda"), sampler=GearPrioritizedSampler(300, 0.7, 0.5), batch_size=64
+    )
     rb.extend(steps(300, seed=1))
     sample = rb.sample()
     sample["td_error"] = torch.rand(64, device="cuda")

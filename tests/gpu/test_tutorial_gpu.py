@@ -1,4 +1,5 @@
 """Tutorial 6 on a GPU: every step it teaches runs and shows what it claims."""
+
 from __future__ import annotations
 
 import re
@@ -17,8 +18,12 @@ TUTORIAL = Path(__file__).resolve().parents[2] / "tutorials" / "06_gpu.py"
 
 def test_06_gpu_tutorial(tmp_path):
     plot = tmp_path / "gpu.png"
-    result = subprocess.run([sys.executable, str(TUTORIAL), "--steps", "4000", "--batch", "256", "--updates", "20",
-                             "--plot", str(plot)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(TUTORIAL), "--steps", "4000", "--batch", "256", "--updates", "20", "--plot", str(plot)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = result.stdout
     assert result.returncode == 0, out[-2000:] + result.stderr[-4000:]
     assert "equal to the stored rows" in out, out

@@ -1,4 +1,5 @@
 """Samplers: TorchRL ``Sampler``s over gear_torchrl storages, one selection rule per file."""
+
 from gear_torchrl.adapters.samplers.capped import MaxTimesSampled
 from gear_torchrl.adapters.samplers.packed import GearPackedSequenceSampler, GearPrioritizedPackedSequenceSampler
 from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler
@@ -9,7 +10,13 @@ from gear_torchrl.adapters.samplers.topk import TopKSampler
 from gear_torchrl.adapters.samplers.uniform import GearUniformSampler
 
 __all__ = [
-    "GearPackedSequenceSampler", "GearPrioritizedPackedSequenceSampler", "GearPrioritizedSampler",
-    "GearPrioritizedSequenceSampler", "GearSequenceSampler", "GearUniformSampler", "MaxTimesSampled", "QueueSampler",
+    "GearPackedSequenceSampler",
+    "GearPrioritizedPackedSequenceSampler",
+    "GearPrioritizedSampler",
+    "GearPrioritizedSequenceSampler",
+    "GearSequenceSampler",
+    "GearUniformSampler",
+    "MaxTimesSampled",
+    "QueueSampler",
     "TopKSampler",
 ]

@@ -5,6 +5,7 @@ again. The cap is exact within a batch too: draws past a row's cap are
 redrawn. The inner sampler must be able to ``exclude`` rows
 (GearPrioritizedSampler, TopKSampler).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -52,8 +53,10 @@ class MaxTimesSampled(SelectsThroughStorage, StateDictFile, Sampler):
 
     def __init__(self, sampler: Sampler, max_times: int, max_capacity: int) -> None:
         if not callable(getattr(sampler, "exclude", None)):
-            raise TypeError(f"{type(sampler).__name__} cannot exclude rows, so it cannot be capped; "
-                            "use GearPrioritizedSampler (alpha=0 samples uniformly) or TopKSampler")
+            raise TypeError(
+                f"{type(sampler).__name__} cannot exclude rows, so it cannot be capped; "
+                "use GearPrioritizedSampler (alpha=0 samples uniformly) or TopKSampler"
+            )
         if max_times < 1:
             raise ValueError(f"max_times must be >= 1, got {max_times}")
         self.sampler = cast(_Excludable, sampler)  # checked above: it can exclude, so it is one of ours
@@ -119,8 +122,9 @@ class MaxTimesSampled(SelectsThroughStorage, StateDictFile, Sampler):
         """Before checksums: the counts alone, ``torch.save``d."""
         if not (path / _PICKLED_COUNTS).exists():
             raise CheckpointError(f"no MaxTimesSampled state at {path} (missing {self._state_file})")
-        return self.checked_state_dict(self._with_inner(path, {"count": load_pickled(path / _PICKLED_COUNTS)}, rows),
-                                       rows)
+        return self.checked_state_dict(
+            self._with_inner(path, {"count": load_pickled(path / _PICKLED_COUNTS)}, rows), rows
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.sampler!r}, max_times={self.max_times})"

@@ -10,6 +10,7 @@ besides the stored columns and the sampled ``"index"`` (-1 on padding).
 ``varlen_inputs``, ``document_causal_block_mask``, ``nested_view`` and ``LengthBuckets``
 (``adapters/attention.py``, public in ``gear_torchrl``) turn it into attention inputs.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -69,12 +70,15 @@ class GearPackedSequenceSampler(FollowsEpisodes, Sampler):
         terminated_key: NestedKey = ("next", "terminated"),
     ) -> None:
         if isinstance(max_len, bool) or not isinstance(max_len, int) or not max_len > burn_in >= 0:
-            raise ValueError(f"max_len must be an int above burn_in >= 0 (at least one step to train on), got "
-                             f"max_len={max_len!r}, burn_in={burn_in!r}")
+            raise ValueError(
+                f"max_len must be an int above burn_in >= 0 (at least one step to train on), got "
+                f"max_len={max_len!r}, burn_in={burn_in!r}"
+            )
         self.max_len, self.burn_in = max_len, burn_in
         self.markers = WindowMarkers(done_key=done_key, truncated_key=truncated_key, terminated_key=terminated_key)
-        self._spec = PackedSpec(max_len - burn_in, burn_in, uniform_over, include_open, optional_path(traj_key),
-                                optional_path(end_key))
+        self._spec = PackedSpec(
+            max_len - burn_in, burn_in, uniform_over, include_open, optional_path(traj_key), optional_path(end_key)
+        )
         self.selector = PackedSelector(self._spec)  # a prioritized sampler replaces it with its own core
 
     @property
@@ -91,15 +95,20 @@ class GearPackedSequenceSampler(FollowsEpisodes, Sampler):
     def check_budget(self, storage: Any, budget: int) -> None:
         """Refuse a budget no pack fits, before the store is touched."""
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < self.burn_in + 1:
-            raise ValueError(f"the batch size is the token budget of a pack: it must be an int of at least burn_in "
-                             f"+ 1 = {self.burn_in + 1} tokens, got {budget!r}")
+            raise ValueError(
+                f"the batch size is the token budget of a pack: it must be an int of at least burn_in "
+                f"+ 1 = {self.burn_in + 1} tokens, got {budget!r}"
+            )
         if self.max_len > budget:
-            raise ValueError(f"max_len={self.max_len} is above the token budget {budget}: a sequence must fit a "
-                             "pack (raise the buffer's batch_size or lower max_len)")
+            raise ValueError(
+                f"max_len={self.max_len} is above the token budget {budget}: a sequence must fit a "
+                "pack (raise the buffer's batch_size or lower max_len)"
+            )
         capacity = getattr(storage, "max_size", None)
         if isinstance(capacity, int) and self.max_len > capacity:
-            raise ValueError(f"max_len={self.max_len} is above the storage's {capacity} rows: no stored episode "
-                             "can be that long")
+            raise ValueError(
+                f"max_len={self.max_len} is above the storage's {capacity} rows: no stored episode can be that long"
+            )
 
     def info(self, selection: Picked) -> dict[str, Any]:
         return {}
@@ -128,8 +137,9 @@ class GearPackedSequenceSampler(FollowsEpisodes, Sampler):
         picked.carried_by(index)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(max_len={self.max_len}, burn_in={self.burn_in}, "
-                f"uniform_over={self.uniform_over!r})")
+        return (
+            f"{type(self).__name__}(max_len={self.max_len}, burn_in={self.burn_in}, uniform_over={self.uniform_over!r})"
+        )
 
 
 class GearPrioritizedPackedSequenceSampler(KeyedPriorityState, GearPackedSequenceSampler, GearPrioritizedSampler):
@@ -168,9 +178,17 @@ class GearPrioritizedPackedSequenceSampler(KeyedPriorityState, GearPackedSequenc
 
     def _new_selector(self, alpha: float, eps: float) -> PriorityPackedSelector:
         reduction, eta = self._priority_rule
-        spec = PriorityPackedSpec(self._spec.seq_len, self._spec.burn_in, include_open=self._spec.include_open,
-                                  traj_key=self._spec.traj_key, end_key=self._spec.end_key, alpha=alpha, eps=eps,
-                                  reduction=reduction, eta=eta)
+        spec = PriorityPackedSpec(
+            self._spec.seq_len,
+            self._spec.burn_in,
+            include_open=self._spec.include_open,
+            traj_key=self._spec.traj_key,
+            end_key=self._spec.end_key,
+            alpha=alpha,
+            eps=eps,
+            reduction=reduction,
+            eta=eta,
+        )
         return PriorityPackedSelector(spec, self._max_capacity)
 
     def sample(self, storage: Any, batch_size: int) -> tuple[SelectionIndex, dict[str, Any]]:  # type: ignore[override]  # TorchRL annotates Tensor; its samplers return (index, info)
@@ -204,12 +222,15 @@ class GearPrioritizedPackedSequenceSampler(KeyedPriorityState, GearPackedSequenc
         self._update_keys(storage, rows, priority, generation)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(max_len={self.max_len}, burn_in={self.burn_in}, "
-                f"reduction={self.window_reduction!r}, alpha={self.alpha}, beta={self._beta})")
+        return (
+            f"{type(self).__name__}(max_len={self.max_len}, burn_in={self.burn_in}, "
+            f"reduction={self.window_reduction!r}, alpha={self.alpha}, beta={self._beta})"
+        )
 
 
-def _sequence_priorities(layout: PackedMarkers, rows: torch.Tensor, priority: Any, reduction: str,
-                         eta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sequence_priorities(
+    layout: PackedMarkers, rows: torch.Tensor, priority: Any, reduction: str, eta: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each sequence's key row and priority, and where its key token is in the pack: the priority given one
     per sequence, or reduced from one per token over its trained tokens (``"r2d2"``: ``eta * max + (1 - eta)
     * mean``; ``"start"``: the key token's)."""

@@ -1,4 +1,5 @@
 """GearPrioritizedSampler: TorchRL's PrioritizedSampler over the priority core (``selection/priorities.py``)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -123,8 +124,10 @@ class GearPrioritizedSampler(SelectsThroughStorage, PriorityState, PrioritizedSa
         return float(self.selector.trees.minimum)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(capacity={self._max_capacity}, alpha={self.alpha}, beta={self._beta}, "
-                f"eps={self._eps}, total_mass={self.total_mass:.6g})")
+        return (
+            f"{type(self).__name__}(capacity={self._max_capacity}, alpha={self.alpha}, beta={self._beta}, "
+            f"eps={self._eps}, total_mass={self.total_mass:.6g})"
+        )
 
     # -- sampling --------------------------------------------------------------------
     def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:  # type: ignore[override]  # TorchRL annotates Tensor; its samplers return (index, info)
@@ -186,8 +189,9 @@ class GearPrioritizedSampler(SelectsThroughStorage, PriorityState, PrioritizedSa
             return storage.table.rows_of(index)
         return as_rows(integer_rows(index).reshape(-1).as_subclass(torch.Tensor), self._max_capacity)
 
-    def _update_keys(self, storage: Any, keys: torch.Tensor, priority: torch.Tensor,
-                     generation: torch.Tensor | None = None) -> None:
+    def _update_keys(
+        self, storage: Any, keys: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None = None
+    ) -> None:
         """Raw priorities of keys that are the store's rows already (checked against the rows stored)."""
         if isinstance(storage, TableStorage):
             storage.table.update_rows(self.selector, keys, priority, generation)

@@ -5,6 +5,7 @@ step (reduced per window: R2D2's ``eta * max + (1 - eta) * mean``, or the
 first training step's own priority with ``reduction="start"``) or one per
 window.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal, cast
@@ -87,5 +88,7 @@ class GearPrioritizedSequenceSampler(KeyedPriorityState, GearSequenceSampler, Ge
         self.selector.update(rows, priority)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(seq_len={self.seq_len}, burn_in={self.burn_in}, "
-                f"reduction={self.window_reduction!r}, alpha={self.alpha}, beta={self._beta})")
+        return (
+            f"{type(self).__name__}(seq_len={self.seq_len}, burn_in={self.burn_in}, "
+            f"reduction={self.window_reduction!r}, alpha={self.alpha}, beta={self._beta})"
+        )

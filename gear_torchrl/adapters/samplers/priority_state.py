@@ -1,4 +1,5 @@
 """What a prioritized sampler saves and loads: its core's masses, beta and draw count, in our files and TorchRL's."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -53,9 +54,11 @@ class PriorityState(StateDictFile):
         """``state`` checked in full: scalars in range, tensors of this sampler's shapes, masses finite and
         non-negative, none on a row past the ``rows`` a storage restores with it."""
         where = f"the saved {type(self).__name__} state"
-        return {**self.selector.checked_state_dict(state, rows),
-                "beta": checked_float(field(state, "beta", where), "beta"),
-                "sample_calls": checked_int(field(state, "sample_calls", where), "sample_calls")}
+        return {
+            **self.selector.checked_state_dict(state, rows),
+            "beta": checked_float(field(state, "beta", where), "beta"),
+            "sample_calls": checked_int(field(state, "sample_calls", where), "sample_calls"),
+        }
 
     def _assign(self, state: dict[str, Any]) -> None:
         self.selector.assign(state)

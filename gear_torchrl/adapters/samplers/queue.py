@@ -1,4 +1,5 @@
 """QueueSampler: FIFO or LIFO, each written row sampled once (``selection/queue.py``) for TorchRL."""
+
 from __future__ import annotations
 
 from typing import Any, Literal

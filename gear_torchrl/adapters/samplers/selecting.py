@@ -6,6 +6,7 @@ storage's table (``selection/table.py``) runs it, over its own shard
 (``ShardedGearStorage``). A sampler adds
 only TorchRL's side: the buffer's generator, its info keys, its state files.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,12 +21,15 @@ from gear_torchrl.selection.markers import WindowMarkers
 from gear_torchrl.selection.picked import Picked
 
 
-def select_over_rows(storage: Storage, selector: Selector[SelectionSpec], count: int,
-                     generator: torch.Generator | None) -> Picked:
+def select_over_rows(
+    storage: Storage, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None
+) -> Picked:
     """A row rule over a storage without a table (TorchRL's own): its rows are ``0..len-1``."""
     if selector.spec.rows_per_pick != 1 or not selector.keeps_row_state:
-        raise TypeError(f"a {selector.spec.kind} selection needs a GearStorage or ShardedGearStorage (it reads "
-                        f"the store's episodes or keeps no per-row state), got {type(storage).__name__}")
+        raise TypeError(
+            f"a {selector.spec.kind} selection needs a GearStorage or ShardedGearStorage (it reads "
+            f"the store's episodes or keeps no per-row state), got {type(storage).__name__}"
+        )
     if len(storage) == 0:
         raise RuntimeError("cannot sample from an empty storage: write some data first")
     picked = pick_exactly(selector, None, count, generator)

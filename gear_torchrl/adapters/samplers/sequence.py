@@ -9,6 +9,7 @@ flat steps that reshape to ``[num_windows, window_len]``, ``("next",
 or-ed with it, plus the validity mask under ``("collector", "mask")``. The
 windows travel with the returned index (``selection/picked.py``).
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -69,8 +70,16 @@ class GearSequenceSampler(FollowsEpisodes, Sampler):
         terminated_key: NestedKey = ("next", "terminated"),
     ) -> None:
         seq_len, num_windows = _torchrl_names(seq_len, slice_len, num_windows, num_slices, burn_in)
-        spec = WindowSpec(seq_len, burn_in, strict_length, uniform_over, include_open, cross_ring_end,
-                          optional_path(traj_key), optional_path(end_key))
+        spec = WindowSpec(
+            seq_len,
+            burn_in,
+            strict_length,
+            uniform_over,
+            include_open,
+            cross_ring_end,
+            optional_path(traj_key),
+            optional_path(end_key),
+        )
         self.seq_len = seq_len
         self.burn_in = burn_in
         self.window_len = burn_in + seq_len
@@ -104,29 +113,35 @@ class GearSequenceSampler(FollowsEpisodes, Sampler):
     def _num_windows(self, batch_size: int) -> int:
         if self.num_windows is not None:
             if batch_size != self.num_windows * self.window_len:
-                raise ValueError(f"batch size {batch_size} is not num_windows * window_len = "
-                                 f"{self.num_windows} * {self.window_len}")
+                raise ValueError(
+                    f"batch size {batch_size} is not num_windows * window_len = {self.num_windows} * {self.window_len}"
+                )
             return self.num_windows
         if batch_size % self.window_len:
             raise ValueError(f"batch size {batch_size} is not a multiple of the window length {self.window_len}")
         return batch_size // self.window_len
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(seq_len={self.seq_len}, burn_in={self.burn_in}, "
-                f"strict_length={self.strict_length}, uniform_over={self.uniform_over!r})")
+        return (
+            f"{type(self).__name__}(seq_len={self.seq_len}, burn_in={self.burn_in}, "
+            f"strict_length={self.strict_length}, uniform_over={self.uniform_over!r})"
+        )
 
 
-def _torchrl_names(seq_len: int | None, slice_len: int | None, num_windows: int | None,
-                   num_slices: int | None, burn_in: int) -> tuple[int, int | None]:
+def _torchrl_names(
+    seq_len: int | None, slice_len: int | None, num_windows: int | None, num_slices: int | None, burn_in: int
+) -> tuple[int, int | None]:
     """``seq_len`` and ``num_windows`` from ours or SliceSampler's names (one of each pair at most)."""
     if seq_len is not None and slice_len is None:
         steps = seq_len
     elif slice_len is not None and seq_len is None:
         steps = slice_len - burn_in
     else:
-        raise TypeError("GearSequenceSampler takes one of seq_len (training steps per window) or slice_len "
-                        f"(SliceSampler's: the whole window, burn_in included); got seq_len={seq_len}, "
-                        f"slice_len={slice_len}")
+        raise TypeError(
+            "GearSequenceSampler takes one of seq_len (training steps per window) or slice_len "
+            f"(SliceSampler's: the whole window, burn_in included); got seq_len={seq_len}, "
+            f"slice_len={slice_len}"
+        )
     if num_windows is not None and num_slices is not None:
         raise TypeError(f"num_windows and num_slices name the same thing; got both ({num_windows}, {num_slices})")
     return steps, num_windows if num_slices is None else num_slices

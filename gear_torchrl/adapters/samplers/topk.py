@@ -1,4 +1,5 @@
 """TopKSampler: the rows with the highest score (``selection/topk.py``) for TorchRL."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,5 @@
 """GearUniformSampler: rows uniformly (``selection/uniform.py``) for TorchRL, drawn by the storage."""
+
 from __future__ import annotations
 
 from pathlib import Path

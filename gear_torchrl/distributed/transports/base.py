@@ -1,4 +1,5 @@
 """The one job every transport does: copy windows of a shard's rows into local tensors."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -5,6 +5,7 @@ owner's extension answers them over a socket (``NativeOwner.answer_in_place``; a
 rule of windows or priorities from its second ask on); every other ask goes
 through the learner's ``ShardView`` in Python, as a remote learner's session would.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -58,11 +59,13 @@ class InProcessTransport(Transport):
         return picked
 
     def _gather(self, w: Windows, out: list[torch.Tensor]) -> None:
-        gather.gather_windows(self._view.shard.columns[: len(out)], w.starts, w.window_len, _CPU, w.valid_begin,
-                              w.valid_end, out=out)
+        gather.gather_windows(
+            self._view.shard.columns[: len(out)], w.starts, w.window_len, _CPU, w.valid_begin, w.valid_end, out=out
+        )
 
-    def update(self, spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor,
-               generation: torch.Tensor | None) -> None:
+    def update(
+        self, spec: SelectionSpec, rows: torch.Tensor, priority: torch.Tensor, generation: torch.Tensor | None
+    ) -> None:
         self._view.update(spec, rows, priority, generation)
 
     def give_back(self, spec: SelectionSpec, rows: torch.Tensor) -> None:

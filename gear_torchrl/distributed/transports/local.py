@@ -13,6 +13,7 @@ the owner picks and sends the rows in its reply, as over tcp (one round trip, it
 extension answering prioritized rows; picking there and gathering here would
 cost a second round trip to release the rows).
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -28,6 +28,7 @@ A learner id names one connection: to reconnect, use a new id. Everything in
 the store is JSON, never pickle. pyverbs is imported lazily, so this module
 imports (and its pure parts run) where no RDMA stack exists.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -68,6 +69,7 @@ LEARNER = "learner"
 
 # ----------------------------------------------------------------------------- availability
 
+
 def _load_pyverbs_modules() -> SimpleNamespace:
     return SimpleNamespace(**{name: importlib.import_module(f"pyverbs.{name}") for name in _PYVERBS_MODULES})
 
@@ -95,8 +97,10 @@ def rdma_unavailable_reason() -> str | None:
     try:
         pv = _import_pyverbs()
     except ImportError as exc:
-        return (f"pyverbs is not installed ({exc}); install rdma-core's Python bindings: "
-                "apt-get install python3-pyverbs rdma-core ibverbs-providers")
+        return (
+            f"pyverbs is not installed ({exc}); install rdma-core's Python bindings: "
+            "apt-get install python3-pyverbs rdma-core ibverbs-providers"
+        )
     try:
         devices = pv.device.get_device_list()
     except pv.pyverbs_error.PyverbsError as exc:  # e.g. "Failed to get devices list" with no kernel support
@@ -107,6 +111,7 @@ def rdma_unavailable_reason() -> str | None:
 
 
 # ----------------------------------------------------------------------------- exchanged records
+
 
 def _require_int(record: dict[str, Any], name: str, low: int, high: int) -> int:
     value = record.get(name)
@@ -138,7 +143,7 @@ def gid_from_pyverbs(text: str) -> str:
 
 def gid_to_pyverbs(digits: str) -> str:
     """32 hex digits in pyverbs' ``xxxx:xxxx:...`` GID form."""
-    return ":".join(digits[i:i + 4] for i in range(0, 32, 4))
+    return ":".join(digits[i : i + 4] for i in range(0, 32, 4))
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,13 @@ class RdmaEndpointInfo:
 
     def __post_init__(self) -> None:
         gid_from_pyverbs(self.gid)
-        for name, low, high in (("qp_num", 0, 1 << 24), ("psn", 0, 1 << 24), ("lid", 0, 1 << 16),
-                                ("mtu", 1, 6), ("max_rd_atomic", 0, 256)):
+        for name, low, high in (
+            ("qp_num", 0, 1 << 24),
+            ("psn", 0, 1 << 24),
+            ("lid", 0, 1 << 16),
+            ("mtu", 1, 6),
+            ("max_rd_atomic", 0, 256),
+        ):
             _require_int(asdict(self), name, low, high)
 
     def to_bytes(self) -> bytes:
@@ -190,6 +200,7 @@ class RegionInfo:
 
 
 # ----------------------------------------------------------------------------- store protocol
+
 
 class KeyValueStore(Protocol):
     """The part of ``torch.distributed.Store`` the handshake uses."""
@@ -263,6 +274,7 @@ def await_endpoint(store: KeyValueStore, prefix: str, learner_id: str, side: str
 
 # ----------------------------------------------------------------------------- connection arithmetic
 
+
 def new_psn() -> int:
     """A random 24-bit initial packet sequence number (stale packets of an old QP do not match)."""
     return secrets.randbits(24)
@@ -311,8 +323,14 @@ def rc_params(local: RdmaEndpointInfo, remote: RdmaEndpointInfo, initiator: bool
         reads, serves = max(1, min(local.max_rd_atomic, remote.max_rd_atomic)), 1
     else:
         reads, serves = 1, max(1, local.max_rd_atomic)
-    return RcParams(path_mtu=min(local.mtu, remote.mtu), dest_qp_num=remote.qp_num, rq_psn=remote.psn,
-                    sq_psn=local.psn, max_rd_atomic=reads, max_dest_rd_atomic=serves)
+    return RcParams(
+        path_mtu=min(local.mtu, remote.mtu),
+        dest_qp_num=remote.qp_num,
+        rq_psn=remote.psn,
+        sq_psn=local.psn,
+        max_rd_atomic=reads,
+        max_dest_rd_atomic=serves,
+    )
 
 
 # ----------------------------------------------------------------------------- completions
@@ -328,8 +346,10 @@ _WC_STATUS = {
     7: ("IBV_WC_BAD_RESP_ERR", "bad response from the owner's device"),
     8: ("IBV_WC_LOC_ACCESS_ERR", "local access error: the local buffer is not writable by the device"),
     9: ("IBV_WC_REM_INV_REQ_ERR", "remote invalid request: the owner's QP rejected the read"),
-    10: ("IBV_WC_REM_ACCESS_ERR",
-         "remote access error: the read left the owner's registered segment or its rkey is no longer valid"),
+    10: (
+        "IBV_WC_REM_ACCESS_ERR",
+        "remote access error: the read left the owner's registered segment or its rkey is no longer valid",
+    ),
     11: ("IBV_WC_REM_OP_ERR", "remote operation error: the owner's device could not serve the read"),
     12: ("IBV_WC_RETRY_EXC_ERR", "transport retries exceeded: the owner is unreachable or its QP is gone"),
     13: ("IBV_WC_RNR_RETRY_EXC_ERR", "receiver-not-ready retries exceeded"),
@@ -362,9 +382,14 @@ class Completion:
     vendor_err: int = 0
 
 
-def drive_completions(num_wrs: int, max_outstanding: int, post: Callable[[int, int], None],
-                      poll: Callable[[int], Sequence[Completion]], timeout_s: float,
-                      clock: Callable[[], float] = time.monotonic) -> None:
+def drive_completions(
+    num_wrs: int,
+    max_outstanding: int,
+    post: Callable[[int, int], None],
+    poll: Callable[[int], Sequence[Completion]],
+    timeout_s: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
     """Post WRs ``[0, num_wrs)`` with at most ``max_outstanding`` in flight until all complete.
 
     ``post(begin, end)`` posts a chain of WRs; ``poll(n)`` returns up to ``n``
@@ -385,14 +410,17 @@ def drive_completions(num_wrs: int, max_outstanding: int, post: Callable[[int, i
             if completion.status != 0:
                 raise ShardUnavailableError(
                     f"RDMA read failed: work request {completion.wr_id} completed with "
-                    f"{wc_status_text(completion.status)}, vendor error {completion.vendor_err:#x}")
+                    f"{wc_status_text(completion.status)}, vendor error {completion.vendor_err:#x}"
+                )
         done += len(completions)
         if done < num_wrs and not completions and clock() > deadline:
             raise ShardUnavailableError(
-                f"RDMA read timed out after {timeout_s:g} s with {posted - done} of {num_wrs} reads in flight")
+                f"RDMA read timed out after {timeout_s:g} s with {posted - done} of {num_wrs} reads in flight"
+            )
 
 
 # ----------------------------------------------------------------------------- staging and outputs
+
 
 def check_outputs(request: Windows, out: Sequence[torch.Tensor], layout: ColumnLayout) -> list[int]:
     """Bytes of each column's output, after checking ``out`` is what ``Transport.read`` promises."""
@@ -419,8 +447,13 @@ def staging_layout(column_bytes: Sequence[int], align: int = 64) -> tuple[list[i
     return offsets, total
 
 
-def copy_staged(staging: torch.Tensor, offsets: Sequence[int], request: Windows,
-                out: Sequence[torch.Tensor], row_bytes: Sequence[int]) -> None:
+def copy_staged(
+    staging: torch.Tensor,
+    offsets: Sequence[int],
+    request: Windows,
+    out: Sequence[torch.Tensor],
+    row_bytes: Sequence[int],
+) -> None:
     """Copy the valid positions of each column from staging to ``out``; padding stays untouched."""
     n = request.num_positions
     if n == 0:
@@ -430,7 +463,7 @@ def copy_staged(staging: torch.Tensor, offsets: Sequence[int], request: Windows,
     for t, offset, width in zip(out, offsets, row_bytes):
         if width == 0:
             continue
-        src = staging[offset:offset + n * width].view(n, width)
+        src = staging[offset : offset + n * width].view(n, width)
         dst = t.view(-1).view(torch.uint8).view(n, width)
         if every_position:
             dst.copy_(src)
@@ -439,6 +472,7 @@ def copy_staged(staging: torch.Tensor, offsets: Sequence[int], request: Windows,
 
 
 # ----------------------------------------------------------------------------- options
+
 
 @dataclass(frozen=True)
 class RdmaOptions:
@@ -469,6 +503,7 @@ def check_layout_fits(layout: ColumnLayout, region: RegionInfo) -> None:
 
 
 # ----------------------------------------------------------------------------- verbs
+
 
 class Registration(Protocol):
     lkey: int
@@ -514,8 +549,13 @@ class _VerbsDevice:
         except Exception:
             self.ctx.close()
             raise
-        logger.info("RDMA device %s port %d: %s, gid index %d", device_name, port_num,
-                    "RoCE" if self.ethernet else "InfiniBand", self.gid_index)
+        logger.info(
+            "RDMA device %s port %d: %s, gid index %d",
+            device_name,
+            port_num,
+            "RoCE" if self.ethernet else "InfiniBand",
+            self.gid_index,
+        )
 
     def _pick_gid_index(self) -> int:
         if not self.ethernet:
@@ -542,11 +582,16 @@ class _VerbsDevice:
         return pv.qp.QP(self.pd, init)
 
     def endpoint(self, qp: Any, max_rd_atomic: int) -> RdmaEndpointInfo:
-        return RdmaEndpointInfo(qp_num=qp.qp_num, psn=new_psn(), lid=self.port.lid, gid=self.gid,
-                                mtu=int(self.port.active_mtu), max_rd_atomic=min(255, max_rd_atomic))
+        return RdmaEndpointInfo(
+            qp_num=qp.qp_num,
+            psn=new_psn(),
+            lid=self.port.lid,
+            gid=self.gid,
+            mtu=int(self.port.active_mtu),
+            max_rd_atomic=min(255, max_rd_atomic),
+        )
 
-    def connect(self, qp: Any, local: RdmaEndpointInfo, remote: RdmaEndpointInfo, initiator: bool,
-                access: int) -> None:
+    def connect(self, qp: Any, local: RdmaEndpointInfo, remote: RdmaEndpointInfo, initiator: bool, access: int) -> None:
         """Move ``qp`` INIT -> RTR -> RTS towards ``remote``."""
         pv, params = self.pv, rc_params(local, remote, initiator)
         attr = pv.qp.QPAttr(port_num=self.port_num, path_mtu=params.path_mtu)
@@ -564,8 +609,9 @@ class _VerbsDevice:
     def _address(self, remote: RdmaEndpointInfo) -> Any:
         pv = self.pv
         if self.ethernet or remote.lid == 0:  # RoCE always routes by GID
-            route = pv.addr.GlobalRoute(dgid=pv.addr.GID(gid_to_pyverbs(remote.gid)), sgid_index=self.gid_index,
-                                        hop_limit=64)
+            route = pv.addr.GlobalRoute(
+                dgid=pv.addr.GID(gid_to_pyverbs(remote.gid)), sgid_index=self.gid_index, hop_limit=64
+            )
             return pv.addr.AHAttr(dlid=remote.lid, sl=0, port_num=self.port_num, is_global=1, gr=route)
         return pv.addr.AHAttr(dlid=remote.lid, sl=0, port_num=self.port_num, is_global=0)
 
@@ -587,8 +633,12 @@ class _VerbsQueue:
 
     def register(self, buffer: torch.Tensor) -> Registration:
         pv = self.device.pv
-        return pv.mr.MR(self.device.pd, buffer.numel() * buffer.element_size(),
-                        pv.enums.IBV_ACCESS_LOCAL_WRITE, address=buffer.data_ptr())
+        return pv.mr.MR(
+            self.device.pd,
+            buffer.numel() * buffer.element_size(),
+            pv.enums.IBV_ACCESS_LOCAL_WRITE,
+            address=buffer.data_ptr(),
+        )
 
     def post_reads(self, plan: WorkRequests, begin: int, end: int, lkey: int, rkey: int) -> None:
         """Post WRs ``[begin, end)`` of ``plan`` as one chain (one doorbell)."""
@@ -603,8 +653,14 @@ class _VerbsQueue:
         chain, following = [], None
         for k in range(end - begin - 1, -1, -1):
             sges = [pv.wr.SGE(addrs[s], lengths[s], lkey) for s in range(first[k], first[k] + count[k])]
-            wr = pv.wr.SendWR(wr_id=begin + k, opcode=pv.enums.IBV_WR_RDMA_READ, num_sge=count[k], sg=sges,
-                              send_flags=pv.enums.IBV_SEND_SIGNALED, next_wr=following)
+            wr = pv.wr.SendWR(
+                wr_id=begin + k,
+                opcode=pv.enums.IBV_WR_RDMA_READ,
+                num_sge=count[k],
+                sg=sges,
+                send_flags=pv.enums.IBV_SEND_SIGNALED,
+                next_wr=following,
+            )
             wr.set_wr_rdma(rkey, remote[k])
             chain.append(wr)  # keeps every linked WR alive until post_send has read the chain
             following = wr
@@ -642,6 +698,7 @@ def _connect_learner(store: KeyValueStore, prefix: str, learner_id: str, options
 
 # ----------------------------------------------------------------------------- owner side
 
+
 class RdmaExporter:
     """Owner side: registers the shard's data segment for remote reads and connects learners.
 
@@ -652,8 +709,17 @@ class RdmaExporter:
     the store's timeout). The segment must stay mapped until ``close()``.
     """
 
-    def __init__(self, store: KeyValueStore, prefix: str, address: int, nbytes: int, *,
-                 device_name: str | None = None, port_num: int = 1, gid_index: int | None = None):
+    def __init__(
+        self,
+        store: KeyValueStore,
+        prefix: str,
+        address: int,
+        nbytes: int,
+        *,
+        device_name: str | None = None,
+        port_num: int = 1,
+        gid_index: int | None = None,
+    ):
         reason = rdma_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"cannot export over RDMA: {reason}")
@@ -728,6 +794,7 @@ class RdmaExporter:
 
 # ----------------------------------------------------------------------------- learner side
 
+
 class RdmaTransport(Transport):
     """Learner side: RDMA READs of one owner's segment into ``out``, with no owner CPU.
 
@@ -747,8 +814,15 @@ class RdmaTransport(Transport):
     name = "rdma"
     writes_padding = False  # only valid rows are read
 
-    def __init__(self, store: KeyValueStore, prefix: str, learner_id: str, region: RegionInfo,
-                 layout: ColumnLayout, options: RdmaOptions | None = None):
+    def __init__(
+        self,
+        store: KeyValueStore,
+        prefix: str,
+        learner_id: str,
+        region: RegionInfo,
+        layout: ColumnLayout,
+        options: RdmaOptions | None = None,
+    ):
         reason = rdma_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the RDMA transport cannot run here: {reason}")
@@ -758,8 +832,9 @@ class RdmaTransport(Transport):
         self._setup(queue, region, layout, options)
 
     @classmethod
-    def over_queue(cls, queue: ReadQueue, region: RegionInfo, layout: ColumnLayout,
-                   options: RdmaOptions | None = None) -> RdmaTransport:
+    def over_queue(
+        cls, queue: ReadQueue, region: RegionInfo, layout: ColumnLayout, options: RdmaOptions | None = None
+    ) -> RdmaTransport:
         """A transport over an already connected queue (another verbs binding, or a test double)."""
         check_layout_fits(layout, region)
         transport = cls.__new__(cls)
@@ -785,12 +860,22 @@ class RdmaTransport(Transport):
                 return
             staging, lkey = self._staging_for(total)
             queue = self._queue
-            plan = plan_reads(request, self._layout, self._region.addr, [staging.data_ptr() + o for o in offsets],
-                              queue.max_sge, queue.max_msg_bytes)
+            plan = plan_reads(
+                request,
+                self._layout,
+                self._region.addr,
+                [staging.data_ptr() + o for o in offsets],
+                queue.max_sge,
+                queue.max_msg_bytes,
+            )
             try:
-                drive_completions(plan.num_wrs, queue.max_outstanding,
-                                  lambda b, e: queue.post_reads(plan, b, e, lkey, self._region.rkey),
-                                  queue.poll, self._options.timeout_s)
+                drive_completions(
+                    plan.num_wrs,
+                    queue.max_outstanding,
+                    lambda b, e: queue.post_reads(plan, b, e, lkey, self._region.rkey),
+                    queue.poll,
+                    self._options.timeout_s,
+                )
             except ShardUnavailableError as exc:
                 self._fail(str(exc))
                 raise

@@ -16,6 +16,7 @@ into as few WRs as the limits allow, in four vectorized steps:
 Everything is int64 numpy arrays, so segments and batches past 2 or 4 GiB
 are exact, and nothing loops over rows or pieces in Python.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -122,8 +123,7 @@ def window_row_runs(request: Windows, capacity: int) -> RowRuns:
     return RowRuns(row_start[keep], num_rows[keep], out_pos[keep])
 
 
-def column_byte_pieces(runs: RowRuns, layout: ColumnLayout, remote_base: int,
-                       out_addrs: Sequence[int]) -> BytePieces:
+def column_byte_pieces(runs: RowRuns, layout: ColumnLayout, remote_base: int, out_addrs: Sequence[int]) -> BytePieces:
     """Every run of every column as a byte range, remote and local.
 
     Remote: ``remote_base + offsets[c] + row * row_bytes[c]``. Local:
@@ -157,8 +157,9 @@ def coalesce_pieces(pieces: BytePieces) -> BytePieces:
     return BytePieces(remote[heads], local[heads], np.add.reduceat(length, heads))
 
 
-def _split_at_message_boundaries(run_offset: np.ndarray, length: np.ndarray,
-                                 max_msg_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _split_at_message_boundaries(
+    run_offset: np.ndarray, length: np.ndarray, max_msg_bytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cut pieces where their remote run crosses a multiple of ``max_msg_bytes``.
 
     Returns (index of the source piece, start offset inside the run, length)
@@ -170,7 +171,8 @@ def _split_at_message_boundaries(run_offset: np.ndarray, length: np.ndarray,
     chunks_per_piece = last_window - first_window + 1
     source = np.repeat(np.arange(length.size, dtype=_I64), chunks_per_piece)
     chunk_index = np.arange(source.size, dtype=_I64) - np.repeat(
-        np.cumsum(chunks_per_piece) - chunks_per_piece, chunks_per_piece)
+        np.cumsum(chunks_per_piece) - chunks_per_piece, chunks_per_piece
+    )
     window = first_window[source] + chunk_index
     start = np.maximum(run_offset[source], window * max_msg_bytes)
     stop = np.minimum(run_offset[source] + length[source], (window + 1) * max_msg_bytes)
@@ -204,8 +206,7 @@ def pack_work_requests(pieces: BytePieces, max_sge: int, max_msg_bytes: int) -> 
     sge_local = local[source] + (start - (remote[source] - run_base[source]))
 
     # A WR holds consecutive chunks of one (run, window) group, at most max_sge of them.
-    group_head = np.concatenate([[True], (chunk_run[1:] != chunk_run[:-1])
-                                 | (chunk_window[1:] != chunk_window[:-1])])
+    group_head = np.concatenate([[True], (chunk_run[1:] != chunk_run[:-1]) | (chunk_window[1:] != chunk_window[:-1])])
     group_first = np.flatnonzero(group_head)
     group_size = np.diff(np.append(group_first, source.size))
     index_in_group = np.arange(source.size, dtype=_I64) - np.repeat(group_first, group_size)
@@ -223,8 +224,9 @@ def pack_work_requests(pieces: BytePieces, max_sge: int, max_msg_bytes: int) -> 
     )
 
 
-def plan_reads(request: Windows, layout: ColumnLayout, remote_base: int,
-               out_addrs: Sequence[int], max_sge: int, max_msg_bytes: int) -> WorkRequests:
+def plan_reads(
+    request: Windows, layout: ColumnLayout, remote_base: int, out_addrs: Sequence[int], max_sge: int, max_msg_bytes: int
+) -> WorkRequests:
     """All WRs that read ``request`` from the segment at ``remote_base`` into ``out_addrs``.
 
     ``out_addrs[c]`` is the local address of output position 0 of column ``c``;

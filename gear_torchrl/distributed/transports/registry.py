@@ -2,6 +2,7 @@
 
 Adding a transport is one file with its class and one entry here.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,10 @@ def _rdma(reach: Reach) -> Transport:
 
     d = reach.descriptor
     if d.rdma is None or reach.control is None:
-        raise RuntimeError(f"transport='rdma' needs {d.where} to export its memory (it has no RDMA device) "
-                           "and this process to hold the job's control plane (not a pickled copy)")
+        raise RuntimeError(
+            f"transport='rdma' needs {d.where} to export its memory (it has no RDMA device) "
+            "and this process to hold the job's control plane (not a pickled copy)"
+        )
     region = RegionInfo.from_bytes(reach.control.get(region_key(d.rdma["prefix"])))
     learner = f"rank{reach.rank}-pid{os.getpid()}-{id(reach.client)}"
     return RdmaTransport(reach.control, d.rdma["prefix"], learner, region, reach.layout())

@@ -1,4 +1,5 @@
 """tcp: the portable transport; the shard server sends the rows' bytes from its ring."""
+
 from __future__ import annotations
 
 import torch
