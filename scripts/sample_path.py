@@ -29,8 +29,8 @@ from gear_torchrl import GearSequenceSampler, GearStorage
 PACKAGE = str(Path(gear_torchrl.__file__).resolve().parent)
 
 
-def _ours(module: str | None) -> bool:
-    return bool(module) and (module == "gear_torchrl" or module.startswith("gear_torchrl."))  # type: ignore[union-attr]
+def _ours(module: str) -> bool:
+    return module == "gear_torchrl" or module.startswith("gear_torchrl.")
 
 
 def _name(frame: FrameType) -> str | None:
@@ -39,14 +39,6 @@ def _name(frame: FrameType) -> str | None:
     if not code.co_filename.startswith(PACKAGE) or code.co_name.startswith("<"):
         return None
     return f"{frame.f_globals.get('__name__', '?')}:{code.co_qualname}"
-
-
-def _owner(frame: FrameType) -> str | None:
-    """``module:Class`` of a method's frame, else None."""
-    owner = frame.f_code.co_qualname.split(".")[0]
-    if "." in frame.f_code.co_qualname and isinstance(frame.f_globals.get(owner), type):
-        return f"{frame.f_globals['__name__']}:{owner}"
-    return None
 
 
 class Trace:
@@ -83,15 +75,10 @@ class Trace:
             call()
         finally:
             sys.setprofile(None)
-        owners = {}
-        frames_of = {}
-        for name in self.path:
+        for name in self.path:  # the class a method belongs to, and what the function returned of ours
             module, qualname = name.split(":")
-            if "." in qualname:
-                owners[name] = f"{module}:{qualname.split('.')[0]}"
-            frames_of[name] = None
-        for name in self.path:
-            for t in (owners.get(name), self._returned.get(name)):
+            owner = f"{module}:{qualname.split('.')[0]}" if "." in qualname else None
+            for t in (owner, self._returned.get(name)):
                 if t is not None:
                     self.types[t] = None
         self.other = {n: None for n in self.other if n not in self.path}

@@ -12,7 +12,8 @@ from torch.utils.data import Dataset
 from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
 from gear_torchrl import GearStorage
-from gear_torchrl.store.shared_commits import SharedCommits
+from gear_torchrl.distributed.directory import ShardDescriptor
+from gear_torchrl.store.shared_commits import SharedCommits, SharedStoreHandle
 
 
 def make_steps(n: int, seed: int, done_prob: float = 0.1, obs_dim: int = 4) -> TensorDict:
@@ -137,3 +138,19 @@ class SliceKeys(TypedDict, total=False):
 
     traj_key: tuple[str, ...]
     end_key: tuple[str, ...]
+
+
+def descriptor_of(address: tuple[str, int], handle: SharedStoreHandle) -> ShardDescriptor:
+    """Shard 0's descriptor for a server at ``address`` serving the shared store ``handle``."""
+    host, port = address
+    return ShardDescriptor(
+        shard=0,
+        rank=0,
+        host="test",
+        addr=host,
+        port=port,
+        store_id=handle.store_id,
+        capacity=handle.capacity,
+        end_keys=list(handle.end_keys),
+        traj_key=handle.traj_key,
+    )

@@ -20,11 +20,10 @@ from pathlib import Path
 import fault_workers as fw
 import pytest
 import torch
-from helpers import pid_of, segments_left_by_dead_owners, shm_segments
+from helpers import descriptor_of, pid_of, segments_left_by_dead_owners, shm_segments
 
 from gear_torchrl import GearStorage
 from gear_torchrl.distributed import wire
-from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.shard_client import ShardClient
 from gear_torchrl.distributed.shard_server import ShardServer
 from gear_torchrl.distributed.wire import Message, Op
@@ -39,21 +38,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _descriptor(address, handle) -> ShardDescriptor:
-    host, port = address
-    return ShardDescriptor(
-        shard=0,
-        rank=0,
-        host="test",
-        addr=host,
-        port=port,
-        store_id=handle.store_id,
-        capacity=handle.capacity,
-        end_keys=list(handle.end_keys),
-        traj_key=handle.traj_key,
-    )
 
 
 def _stop(processes) -> None:
@@ -160,7 +144,7 @@ def test_the_owner_drops_a_learner_that_stops_reading_and_serves_the_others():
             while True:
                 wire.receive(stalled)
         stalled.close()
-        client = ShardClient(_descriptor(server.address, storage.handle), fw.SECRET, 5.0)
+        client = ShardClient(descriptor_of(server.address, storage.handle), fw.SECRET, 5.0)
         assert client.describe()["capacity"] == CAPACITY
         client.close()
 
@@ -184,7 +168,7 @@ class _FailingOnce:
 @pytest.mark.parametrize("error", [errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED])
 def test_an_accept_that_fails_once_does_not_stop_the_server(error):
     with _served_full_shard(timeout=5.0) as (storage, server):
-        descriptor = _descriptor(server.address, storage.handle)
+        descriptor = descriptor_of(server.address, storage.handle)
         server._listener = _FailingOnce(server._listener, error)  # the loop picks it up on its next accept
         ShardClient(descriptor, fw.SECRET, 5.0).close()
         client = ShardClient(descriptor, fw.SECRET, 5.0)  # this accept fails once first
@@ -209,7 +193,7 @@ def test_an_owner_out_of_descriptors_greets_learners_again_once_some_are_free():
         waiting.settimeout(10)
         assert waiting.recv(4) == wire.MAGIC  # greeted after all
         waiting.close()
-        client = ShardClient(_descriptor(address, handle), fw.SECRET, 10.0)
+        client = ShardClient(descriptor_of(address, handle), fw.SECRET, 10.0)
         assert client.describe()["capacity"] == 64
         client.close()
         pipe.send("stop")
@@ -237,7 +221,7 @@ def test_unauthenticated_connections_are_bounded_and_timed_out():
                     pass
                 greeted += received.startswith(wire.MAGIC)
             assert greeted <= MAX_HANDSHAKES
-            client = ShardClient(_descriptor(server.address, storage.handle), fw.SECRET, 5.0)
+            client = ShardClient(descriptor_of(server.address, storage.handle), fw.SECRET, 5.0)
             assert client.describe()["capacity"] == CAPACITY
             client.close()
         finally:

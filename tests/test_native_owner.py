@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import shared_workers as w
 import torch
+from helpers import descriptor_of
 from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
 from gear_torchrl import GearStorage
 from gear_torchrl.distributed import native_owner, shard_server, wire
-from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.shard_client import Ask, Flight, ShardClient, post, update_message
 from gear_torchrl.distributed.shard_server import ShardServer
 from gear_torchrl.distributed.shard_view import ShardView
@@ -86,23 +86,7 @@ class Owner(CountedStore):
     def __init__(self, capacity: int, monkeypatch: pytest.MonkeyPatch) -> None:
         super().__init__(capacity, monkeypatch)
         self.server = ShardServer(self.storage.handle, SECRET, host="127.0.0.1", timeout=5.0)
-        host, port = self.server.address
-        handle = self.storage.handle
-        self.client = ShardClient(
-            ShardDescriptor(
-                shard=0,
-                rank=0,
-                host="test",
-                addr=host,
-                port=port,
-                store_id=handle.store_id,
-                capacity=handle.capacity,
-                end_keys=list(handle.end_keys),
-                traj_key=handle.traj_key,
-            ),
-            SECRET,
-            5.0,
-        )
+        self.client = ShardClient(descriptor_of(self.server.address, self.storage.handle), SECRET, 5.0)
 
     def table(self) -> TableSpec:
         return TableSpec.from_json(self.client.describe()["spec"])

@@ -11,6 +11,7 @@ import time
 import pytest
 import shared_workers as w
 import torch
+from helpers import descriptor_of
 from tensordict.nn import TensorDictModule
 from torchrl.data import TensorDictReplayBuffer
 
@@ -182,7 +183,6 @@ def test_an_async_collector_adds_keys_to_a_shared_store_while_a_learner_samples(
 
 
 def test_a_shard_that_adds_a_key_keeps_serving_learners_that_know_the_older_table():
-    from gear_torchrl.distributed.directory import ShardDescriptor
     from gear_torchrl.distributed.shard_client import ShardClient
     from gear_torchrl.distributed.shard_server import ShardServer
     from gear_torchrl.store.table_spec import TableSpec
@@ -194,23 +194,7 @@ def test_a_shard_that_adds_a_key_keeps_serving_learners_that_know_the_older_tabl
     try:
         rb.extend(w.keyed_rows(10, 0))
         server = ShardServer(storage.handle, b"s" * 32, host="127.0.0.1", timeout=5.0)
-        host, port = server.address
-        handle = storage.handle
-        client = ShardClient(
-            ShardDescriptor(
-                shard=0,
-                rank=0,
-                host="test",
-                addr=host,
-                port=port,
-                store_id=handle.store_id,
-                capacity=handle.capacity,
-                end_keys=list(handle.end_keys),
-                traj_key=handle.traj_key,
-            ),
-            b"s" * 32,
-            5.0,
-        )
+        client = ShardClient(descriptor_of(server.address, storage.handle), b"s" * 32, 5.0)
         learners_table = TableSpec.from_json(client.describe()["spec"])
         rb.extend(w.keyed_rows(10, 10, v=3.0))  # the owner's actors bring a key after the learner looked
         out = [torch.empty(4, *c.row_shape, dtype=c.dtype) for c in learners_table.columns]

@@ -235,7 +235,7 @@ class ShardedGearStorage(TableStorage):
         return True
 
     def _rand_given_ndim(self, batch_size: int) -> SelectionIndex:
-        return self.table.select(_UNIFORM, batch_size, getattr(self, "_rng", None)).index
+        return self.table.select(_UNIFORM, batch_size, self._rng).index
 
     # -- reads -----------------------------------------------------------------------------
     def get(self, index: Any) -> Data:
