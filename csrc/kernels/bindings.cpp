@@ -107,6 +107,10 @@ void bind_kernels(py::module_& m) {
   m.def("uniform_windows", &gear::uniform_windows, "A uniform window of each chosen episode",
         py::arg("episode_start"), py::arg("episode_length"), py::arg("slots"), py::arg("u"), py::arg("window_len"),
         py::arg("burn_in"), py::arg("strict_length"));
+  m.def("draw_windows", &gear::draw_windows,
+        "Windows drawn as WindowSelector draws them: episodes by a sum tree's masses, a uniform window in each",
+        py::arg("tree"), py::arg("episode_start"), py::arg("episode_length"), py::arg("u"), py::arg("window_len"),
+        py::arg("burn_in"), py::arg("strict_length"));
   m.def("place_spans", &gear::place_spans, "Packed sequences whose training spans start at `offset` (see packing.h)",
         py::arg("episode_start"), py::arg("episode_length"), py::arg("slots"), py::arg("offset"),
         py::arg("max_train"), py::arg("burn_in"));

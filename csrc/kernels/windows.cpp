@@ -1,5 +1,7 @@
 #include "kernels/windows.h"
 
+#include "kernels/trees.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -83,6 +85,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uniform_windows(const at::Tensor&
     out.set(i, start[k], length[k], offset - shift, window_len);
   }
   return out.done();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> draw_windows(const at::Tensor& tree, const at::Tensor& episode_start,
+                                                            const at::Tensor& episode_length, const at::Tensor& u,
+                                                            int64_t window_len, int64_t burn_in, bool strict_length) {
+  TORCH_CHECK(u.device().is_cpu() && u.scalar_type() == at::kDouble && u.dim() == 2 && u.size(0) == 2,
+              "draw_windows: u must be a float64 CPU tensor of shape [2, W]");
+  const double total = tree.data_ptr<double>()[0];
+  const at::Tensor slots = sum_tree_find(tree, u[0] * total);
+  return uniform_windows(episode_start, episode_length, slots, u[1].contiguous(), window_len, burn_in, strict_length);
 }
 
 at::Tensor window_rows(const at::Tensor& starts, int64_t window_len, int64_t capacity) {

@@ -29,6 +29,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uniform_windows(const at::Tensor&
                                                                int64_t window_len, int64_t burn_in,
                                                                bool strict_length);
 
+// WindowSelector's draw (selection/windows.py), which an owner repeats for a request (net/owner.cpp): episode
+// slots by the masses of the sum tree `tree` (u[0] times its total), then a uniform window of each (u[1]).
+// u: float64 [2, W] in [0, 1).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> draw_windows(const at::Tensor& tree, const at::Tensor& episode_start,
+                                                            const at::Tensor& episode_length, const at::Tensor& u,
+                                                            int64_t window_len, int64_t burn_in, bool strict_length);
+
 // Flat ring rows of every position of every window: (starts[i] mod capacity + j) mod capacity,
 // int64 [W * window_len].
 at::Tensor window_rows(const at::Tensor& starts, int64_t window_len, int64_t capacity);

@@ -304,15 +304,15 @@ struct Drawn {
 // Where a window answer's rows go, once drawn: one output per column asked (see sample_windows).
 using Landing = std::function<std::vector<at::Tensor>(const Drawn& drawn, int64_t live, double mass)>;
 
-// WindowSelector.pick's draw, op for op (selection/windows.py), so a seed gives the same windows: episode
-// slots by the tree's masses, a uniform window in each, its start taken modulo the ring.
-Drawn draw_windows(const Request& q, const WindowRule& r, double mass, int64_t capacity) {
+// WindowSelector.pick's draw (selection/windows.py), the same kernel from the same uniforms, so a seed gives
+// the same windows: episode slots by the tree's masses, a uniform window in each, its start taken modulo the
+// ring.
+Drawn request_windows(const Request& q, const WindowRule& r, int64_t capacity) {
   std::optional<at::Generator> generator;
   if (q.seed >= 0) generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.seed));
   const at::Tensor u = at::rand({2, q.count}, generator, at::TensorOptions().dtype(at::kDouble));
-  const at::Tensor slots = sum_tree_find(r.tree, u[0] * mass);
-  auto [starts, valid_begin, valid_end] = uniform_windows(r.episode_start, r.episode_length, slots, u[1], r.window_len,
-                                                          r.burn_in, r.strict_length);
+  auto [starts, valid_begin, valid_end] =
+      draw_windows(r.tree, r.episode_start, r.episode_length, u, r.window_len, r.burn_in, r.strict_length);
   return {at::remainder(starts, capacity), valid_begin, valid_end};
 }
 
@@ -333,7 +333,7 @@ int64_t sample_windows(const OwnedStore& s, const Request& q, const WindowRule& 
     return section.close() ? live : -1;
   }
   const int64_t capacity = s.columns.front().size(0);
-  const Drawn d = draw_windows(q, r, mass, capacity);
+  const Drawn d = request_windows(q, r, capacity);
   if (first_row_outside(d.starts, d.valid_begin, d.valid_end, r.window_len, capacity, r.seen_lo % capacity, live) >=
       0) {
     return -1;

@@ -40,7 +40,7 @@ from gear_torchrl.adapters.torchrl_state import state_from_torchrl, torchrl_fiel
 from gear_torchrl.errors import EmptyStoreError
 from gear_torchrl.kernels import gather
 from gear_torchrl.selection.picked import SelectionIndex, sample_of
-from gear_torchrl.selection.table import ShardTable
+from gear_torchrl.selection.table import EnvColumnsTable, ShardTable
 from gear_torchrl.store.addressing import Addressing, EnvColumns, StepRows
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.store.indices import Index
@@ -120,6 +120,7 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
 
     _default_checkpointer = GearStorageCheckpointer  # type: ignore[assignment]  # any StorageCheckpointerBase serves
     _addressing: type[Addressing] = StepRows  # what a ring row is: a step of one stream
+    _table: type[ShardTable] = ShardTable  # and how TorchRL's index names it: by its row
     _shard: Shard  # with a SharedCommits part where the store is shared
     table: ShardTable  # over ``_shard``
     device: torch.device  # TorchRL allows a string; ours is always a device
@@ -203,7 +204,7 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
         self._home_pid = os.getpid()  # a copy in another process (pickled, forked) is not these rows
         self._warned_copy = False
         self._rates = Rates()
-        self.table = ShardTable(self._shard, device, self._sampling)
+        self.table = self._table(self._shard, device, self._sampling)
         self.__dict__["_storage_keys"] = None
         self._rule_version = -1  # of a shared store's published rule, as this process last read it
         if rate_limiter is not None:
@@ -470,6 +471,7 @@ class EnvColumnsStorage(GearStorage):
 
     ndim = 2
     _addressing = EnvColumns
+    _table = EnvColumnsTable
 
     def __init__(self, max_size: int, **kwargs: Any) -> None:
         refuse_unsupported(kwargs)

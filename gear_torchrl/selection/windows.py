@@ -248,18 +248,16 @@ class WindowSelector(EpisodeTreeSelector[WindowSpec]):
         return no_window_reason(self.spec, needs_shard(self, shard).episodes)
 
     def _draw(self, episodes: Episodes, count: int, generator: torch.Generator | None) -> Windows:
-        """Episodes by their window counts, then a uniform window inside each."""
-        tree = self.tree
-        assert tree is not None  # ``mass`` made it
-        u = uniform((2, count), generator)
-        slots = tree.find(u[0] * tree.total)
-        placed = _C.uniform_windows(
+        """Episodes by their window counts, then a uniform window inside each (``_C.draw_windows``)."""
+        assert self.tree is not None  # ``mass`` made it
+        spec = self.spec
+        placed = _C.draw_windows(
+            self.tree.sum,
             episodes.start,
             episodes.length,
-            slots,
-            u[1],
-            self.spec.window_len,
-            self.spec.burn_in,
-            self.spec.strict_length,
+            uniform((2, count), generator),
+            spec.window_len,
+            spec.burn_in,
+            spec.strict_length,
         )
-        return Windows(placed[0], self.spec.window_len, *placed[1:])
+        return Windows(placed[0], spec.window_len, *placed[1:])

@@ -85,19 +85,6 @@ class Addressing(ABC):
     def torchrl_positions(self, rows: torch.Tensor) -> torch.Tensor:
         """What TorchRL's writers store under ``"index"`` for ``rows``."""
 
-    # -- TorchRL's index of rows: what a storage of this layout names them by ----------------
-    @abstractmethod
-    def index_of(self, rows: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """TorchRL's index of ring ``rows`` (what its samplers return for a storage of this layout)."""
-
-    @abstractmethod
-    def window_index(self, windows: Windows) -> torch.Tensor:
-        """TorchRL's index of every window position, padding included, in window order."""
-
-    @abstractmethod
-    def rows_of(self, index: Any) -> Any:
-        """The ring rows TorchRL's ``index`` names (unchecked; -1 stays -1)."""
-
     @property
     @abstractmethod
     def window_rows(self) -> int:
@@ -178,18 +165,6 @@ class StepRows(Addressing):
 
     def torchrl_positions(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.clone()
-
-    def index_of(self, rows: torch.Tensor) -> torch.Tensor:
-        """The rows themselves."""
-        return rows
-
-    def window_index(self, windows: Windows) -> torch.Tensor:
-        """Ring rows ``[W * window_len]``."""
-        return _C.window_rows(windows.starts, windows.window_len, self.capacity)
-
-    def rows_of(self, index: Any) -> Any:
-        """The index itself."""
-        return index
 
     @property
     def window_rows(self) -> int:
@@ -316,35 +291,6 @@ class EnvColumns(Addressing):
     def torchrl_positions(self, rows: torch.Tensor) -> torch.Tensor:
         """TorchRL's writers store a step's time row under ``"index"``."""
         return rows // self._envs
-
-    def index_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(t, e)`` of ring ``rows``, what TorchRL's samplers return for a 2-D storage."""
-        return rows // self._envs, rows % self._envs
-
-    def window_index(self, windows: Windows) -> torch.Tensor:
-        """``[W * window_len, 2]`` coordinates ``(t, e)`` of every window position, padding included."""
-        return torch.stack(self.window_coordinates(windows), -1)
-
-    def rows_of(self, index: Any) -> torch.Tensor:
-        """Flat rows of ``(t, e)`` coordinates (a tuple of two index tensors, or an ``[N, 2]`` tensor); -1
-        stays -1."""
-        envs = self._envs
-        if isinstance(index, tuple) and len(index) == 2:
-            t, e = (torch.as_tensor(i) for i in index)
-        elif isinstance(index, torch.Tensor) and index.ndim >= 2 and index.shape[-1] == 2:
-            t, e = index.unbind(-1)
-        else:
-            shown = tuple(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__
-            raise IndexError(
-                f"an ndim=2 storage names single steps by (time, env) coordinates: a tuple of two "
-                f"index tensors or an [N, 2] tensor, as TorchRL's writers and samplers give them; "
-                f"got {shown}"
-            )
-        t, e = t.reshape(-1).to(torch.int64), e.reshape(-1).to(torch.int64)
-        outside = (t >= 0) & ((e < 0) | (e >= envs))
-        if bool(outside.any()):
-            raise IndexError(f"env index {int(e[outside][0])} is out of range for {envs} envs")
-        return torch.where(t < 0, -1, t * envs + e)
 
     # -- windows: rows of the columns' window blocks (see store/env_episodes.py) --------
     @property

@@ -15,7 +15,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage, select
 from gear_torchrl.errors import CheckpointError
 from gear_torchrl.selection.base import SelectionSpec, Selector
 from gear_torchrl.selection.capped import CappedSelector, CappedSpec
@@ -81,9 +81,9 @@ class MaxTimesSampled(SelectsThroughStorage, StateDictFile, Sampler):
         SelectsThroughStorage.mark_update(self, index, storage=storage)
 
     def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:
-        selection = self._select(storage, batch_size)
+        picked = select(storage, self.selector, batch_size, self._rng)
         info = getattr(self.sampler, "info", None)
-        return selection.index, ({} if info is None else info(selection))
+        return picked.index, ({} if info is None else info(picked))
 
     def update_priority(self, index: Any, priority: Any, *, storage: Storage | None = None, **kwargs: Any) -> None:
         """Forwarded, except for rows that reached the cap (they stay excluded)."""

@@ -19,7 +19,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
 from gear_torchrl.adapters.samplers.prioritized import GearPrioritizedSampler, KeyedPriorityState
-from gear_torchrl.adapters.samplers.selecting import FollowsEpisodes
+from gear_torchrl.adapters.samplers.selecting import FollowsEpisodes, select
 from gear_torchrl.selection.checked_inputs import as_priority
 from gear_torchrl.selection.markers import PackedMarkers, WindowMarkers
 from gear_torchrl.selection.packed import PackedSelector, PackedSpec, PriorityPackedSelector, PriorityPackedSpec
@@ -88,9 +88,9 @@ class GearPackedSequenceSampler(FollowsEpisodes, Sampler):
     # -- sampling ---------------------------------------------------------------------
     def sample(self, storage: Any, batch_size: int) -> tuple[SelectionIndex, dict[str, Any]]:
         self.check_budget(storage, batch_size)
-        selection = self._select(storage, batch_size, self.markers)
-        self._pack_layout(selection)
-        return selection.index, self.info(selection)
+        picked = select(storage, self.selector, batch_size, self._rng, self.markers)
+        self._pack_layout(picked)
+        return picked.index, self.info(picked)
 
     def check_budget(self, storage: Any, budget: int) -> None:
         """Refuse a budget no pack fits, before the store is touched."""
@@ -110,7 +110,7 @@ class GearPackedSequenceSampler(FollowsEpisodes, Sampler):
                 f"max_len={self.max_len} is above the storage's {capacity} rows: no stored episode can be that long"
             )
 
-    def info(self, selection: Picked) -> dict[str, Any]:
+    def info(self, picked: Picked) -> dict[str, Any]:
         return {}
 
     def _pack_layout(self, picked: Picked) -> None:
@@ -194,12 +194,12 @@ class GearPrioritizedPackedSequenceSampler(KeyedPriorityState, GearPackedSequenc
     def sample(self, storage: Any, batch_size: int) -> tuple[SelectionIndex, dict[str, Any]]:  # type: ignore[override]  # TorchRL annotates Tensor; its samplers return (index, info)
         return GearPackedSequenceSampler.sample(self, storage, batch_size)
 
-    def info(self, selection: Picked) -> dict[str, Any]:
+    def info(self, picked: Picked) -> dict[str, Any]:
         """Each token's importance weight: its sequence's (global minimum mass across shards); 0 on padding."""
-        weight = self._importance_weights(selection.extra["mass"], selection.scalars["min_mass"])
+        weight = self._importance_weights(picked.extra["mass"], picked.scalars["min_mass"])
         self._anneal_beta()
-        self._last_draw = (selection.index, selection.extra["generation"], self.selector.writes)
-        return {"priority_weight": torch.where(selection.extra["position"] < 0, 0.0, weight)}
+        self._last_draw = (picked.index, picked.extra["generation"], self.selector.writes)
+        return {"priority_weight": torch.where(picked.extra["position"] < 0, 0.0, weight)}
 
     @torch.no_grad()
     def update_priority(self, index: Any, priority: Any, *, storage: Any = None, generation: Any = None) -> None:

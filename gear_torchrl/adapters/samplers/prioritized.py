@@ -9,7 +9,7 @@ from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.adapters.samplers.priority_state import PriorityState
-from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage, select
 from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.selection.checked_inputs import as_rows, integer_rows, seeds_defaults
 from gear_torchrl.selection.picked import Picked, SelectionIndex, sample_of
@@ -131,14 +131,14 @@ class GearPrioritizedSampler(SelectsThroughStorage, PriorityState, PrioritizedSa
 
     # -- sampling --------------------------------------------------------------------
     def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:  # type: ignore[override]  # TorchRL annotates Tensor; its samplers return (index, info)
-        selection = self._select(storage, batch_size)
-        return selection.index, self.info(selection)
+        picked = select(storage, self.selector, batch_size, self._rng)
+        return picked.index, self.info(picked)
 
-    def info(self, selection: Picked) -> dict[str, Any]:
+    def info(self, picked: Picked) -> dict[str, Any]:
         """Importance weights (global: the smallest mass of every shard picked from) and write generations."""
-        generation = selection.extra["generation"]
-        self._last_draw = (selection.index, generation, self.selector.writes)
-        weight = self._importance_weights(selection.extra["mass"], selection.scalars["min_mass"])
+        generation = picked.extra["generation"]
+        self._last_draw = (picked.index, generation, self.selector.writes)
+        weight = self._importance_weights(picked.extra["mass"], picked.scalars["min_mass"])
         self._anneal_beta()
         return {"priority_weight": weight, "generation": generation}
 

@@ -69,9 +69,9 @@ class GearPrioritizedSequenceSampler(KeyedPriorityState, GearSequenceSampler, Ge
         return self.selector.trees
 
     # -- sampling and priorities ----------------------------------------------------------
-    def info(self, selection: Picked) -> dict[str, Any]:
+    def info(self, picked: Picked) -> dict[str, Any]:
         """Each window's importance weight, repeated over its steps (global minimum mass across shards)."""
-        weight = self._importance_weights(selection.extra["mass"], selection.scalars["min_mass"])
+        weight = self._importance_weights(picked.extra["mass"], picked.scalars["min_mass"])
         self._anneal_beta()
         return {"priority_weight": weight.repeat_interleave(self.window_len)}
 

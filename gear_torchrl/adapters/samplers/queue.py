@@ -8,7 +8,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.adapters.samplers.selecting import SavesCoreState
+from gear_torchrl.adapters.samplers.selecting import SavesCoreState, select
 from gear_torchrl.selection.picked import SelectionIndex
 from gear_torchrl.selection.queue import QueueSelector, QueueSpec
 from gear_torchrl.selection.state_file import StateDictFile
@@ -36,7 +36,7 @@ class QueueSampler(SavesCoreState, StateDictFile, Sampler):
         return self.max_capacity
 
     def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:
-        return self._select(storage, batch_size).index, {}
+        return select(storage, self.selector, batch_size, self._rng).index, {}
 
     def take(self, batch_size: int) -> torch.Tensor:
         """Consume ``batch_size`` (at most ``len(self)``) rows from the queue's end."""

@@ -21,6 +21,19 @@ from gear_torchrl.selection.markers import WindowMarkers
 from gear_torchrl.selection.picked import Picked
 
 
+def select(
+    storage: Storage,
+    selector: Selector[SelectionSpec],
+    count: int,
+    generator: torch.Generator | None,
+    markers: WindowMarkers | None = None,
+) -> Picked:
+    """``count`` picks of ``selector``'s rule: run by the storage's table, or over a storage without one."""
+    if isinstance(storage, TableStorage):
+        return storage.table.select(selector, count, generator, markers)
+    return select_over_rows(storage, selector, count, generator)
+
+
 def select_over_rows(
     storage: Storage, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None
 ) -> Picked:
@@ -38,15 +51,11 @@ def select_over_rows(
 
 
 class SelectsThroughStorage:
-    """Mixin for a TorchRL ``Sampler`` whose rule is ``self.selector``, run by the storage's table."""
+    """Mixin for a TorchRL ``Sampler`` whose rule is ``self.selector``, run by the storage's table
+    (:func:`select`); what it adds is TorchRL's side of per-row state: writes and priorities."""
 
     selector: Selector[SelectionSpec]
     _rng: torch.Generator | None = None
-
-    def _select(self, storage: Storage, count: int, markers: WindowMarkers | None = None) -> Picked:
-        if isinstance(storage, TableStorage):
-            return storage.table.select(self.selector, count, self._rng, markers)
-        return select_over_rows(storage, self.selector, count, self._rng)
 
     def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
         """Rows were (over)written through TorchRL's writer: the rule's per-row state follows."""

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from torchrl.data.replay_buffers.samplers import Sampler
 
-from gear_torchrl.adapters.samplers.selecting import FollowsEpisodes
+from gear_torchrl.adapters.samplers.selecting import FollowsEpisodes, select
 from gear_torchrl.selection.markers import WindowMarkers
 from gear_torchrl.selection.picked import SelectionIndex
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector
@@ -104,10 +104,10 @@ class GearSequenceSampler(FollowsEpisodes, Sampler):
         self.selector._refresh(episodes)
 
     def sample(self, storage: Any, batch_size: int) -> tuple[SelectionIndex, dict[str, Any]]:
-        selection = self._select(storage, self._num_windows(batch_size), self.markers)
-        return selection.index, self.info(selection)
+        picked = select(storage, self.selector, self._num_windows(batch_size), self._rng, self.markers)
+        return picked.index, self.info(picked)
 
-    def info(self, selection: Any) -> dict[str, Any]:
+    def info(self, picked: Any) -> dict[str, Any]:
         return {}
 
     def _num_windows(self, batch_size: int) -> int:

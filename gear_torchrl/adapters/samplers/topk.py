@@ -8,7 +8,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.adapters.samplers.selecting import SavesCoreState
+from gear_torchrl.adapters.samplers.selecting import SavesCoreState, select
 from gear_torchrl.selection.picked import SelectionIndex
 from gear_torchrl.selection.state_file import StateDictFile
 from gear_torchrl.selection.topk import TopKSelector, TopKSpec
@@ -47,7 +47,7 @@ class TopKSampler(SavesCoreState, StateDictFile, Sampler):
         return self.selector.scores
 
     def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:
-        return self._select(storage, batch_size).index, {}
+        return select(storage, self.selector, batch_size, self._rng).index, {}
 
     def update_priority(self, index: Any, priority: Any, *, storage: Storage | None = None) -> None:
         self._update(storage, index, priority)

@@ -8,7 +8,7 @@ from typing import Any
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
+from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage, select
 from gear_torchrl.selection.picked import SelectionIndex
 from gear_torchrl.selection.state_file import StateDictFile
 from gear_torchrl.selection.uniform import UniformSelector, UniformSpec
@@ -28,7 +28,7 @@ class GearUniformSampler(SelectsThroughStorage, StateDictFile, Sampler):
         self.selector = UniformSelector(UniformSpec())
 
     def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:
-        return self._select(storage, batch_size).index, {}
+        return select(storage, self.selector, batch_size, self._rng).index, {}
 
     # This rule keeps no state: it saves an empty one, so a buffer's checkpoint holds every sampler alike.
     def state_dict(self) -> dict[str, Any]:
