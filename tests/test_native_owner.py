@@ -34,7 +34,6 @@ from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.selection.windows import WindowSpec
 from gear_torchrl.store import commit_log
 from gear_torchrl.store.table_spec import TableSpec
-from gear_torchrl.store.windows import Windows
 
 if TYPE_CHECKING:
     from gear_torchrl.distributed.shard_set import ShardPicks, ShardSet
@@ -124,9 +123,11 @@ def _python_picked(storage: GearStorage, count: int, seed: int, spec: SelectionS
     view = ShardView(storage.handle, SelectorRegistry(storage.handle.capacity))
     try:
         picked = view.pick(spec, count, seed)
-        w_ = picked.windows
         return dataclasses.replace(
-            picked, windows=Windows(w_.starts.clone(), w_.window_len, w_.valid_begin.clone(), w_.valid_end.clone())
+            picked,
+            starts=picked.starts.clone(),
+            valid_begin=picked.valid_begin.clone(),
+            valid_end=picked.valid_end.clone(),
         )
     finally:
         view.close()
@@ -162,8 +163,8 @@ def test_the_extension_draws_what_the_python_path_draws_and_sends_the_rows(owner
     assert torch.equal(picked.starts, expected)
     assert torch.equal(rows["obs"], picked.starts.float())  # each row holds its own number
     assert picked.mass == 100.0 and picked.scalars["rows"] == 100 and picked.window_len == 1
-    assert torch.equal(picked.windows.valid_begin, torch.zeros(64, dtype=torch.int64))
-    assert torch.equal(picked.windows.valid_end, torch.ones(64, dtype=torch.int64))
+    assert torch.equal(picked.valid_begin, torch.zeros(64, dtype=torch.int64))
+    assert torch.equal(picked.valid_end, torch.ones(64, dtype=torch.int64))
     again, _ = o.sample(64, seed=1234)
     assert torch.equal(again.starts, picked.starts), "a seed draws the same rows again"
     unseeded, rows = o.sample(64, seed=None)
@@ -352,7 +353,7 @@ def _episodes(rb: TensorDictReplayBuffer, lengths: list[int], first_ep: int = 0)
 
 def _check_windows(picked: Picked, rows: dict[str, torch.Tensor]) -> None:
     """Every window holds consecutive steps of one stored episode, none torn, and zeros where it pads."""
-    mask = picked.windows.mask()
+    mask = picked.mask()
     w.verify(TensorDict({k: rows[k][mask] for k in _EPISODE_KEYS}, [int(mask.sum())]))
     assert not bool(rows["obs"][~mask].any()) and not bool(rows["len"][~mask].any()), "padding is zeros"
     for ep, step, valid in zip(*(t.view(picked.count, -1) for t in (rows["ep"], rows["step"], mask))):
@@ -362,7 +363,7 @@ def _check_windows(picked: Picked, rows: dict[str, torch.Tensor]) -> None:
 
 def _assert_same_picks(got: Picked, expected: Picked) -> None:
     for name in ("starts", "valid_begin", "valid_end"):
-        assert torch.equal(getattr(got.windows, name), getattr(expected.windows, name)), name
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
     assert (got.window_len, got.mass, got.scalars["rows"]) == (
         expected.window_len,
         expected.mass,
@@ -397,7 +398,7 @@ def test_both_paths_reply_windows_with_a_tally_and_no_json(owner):
         tally = reply.arrays[0].view(torch.int64)
         assert tally[:2].tolist() == [22, 5] and tally[2:].view(torch.float64).item() == float(expected.mass)
         for got, name in zip(reply.arrays[1:4], ("starts", "valid_begin", "valid_end")):
-            assert torch.equal(got.view(torch.int64), getattr(expected.windows, name)), name
+            assert torch.equal(got.view(torch.int64), getattr(expected, name)), name
 
 
 @pytest.mark.parametrize("spec", [WINDOWS, WindowSpec(6), WindowSpec(3, uniform_over="episodes", include_open=False)])

@@ -126,10 +126,10 @@ def test_give_back_returns_every_round_of_a_shards_picks(monkeypatch):
     spec = QueueSpec("fifo")
     ask = Ask(spec, 0, None)
     got = [
-        (0, Picked.rows(torch.tensor([1, 2]), 0.0), ask),
-        (1, Picked.rows(torch.tensor([5]), 0.0), ask),
-        (2, Picked.rows(torch.tensor([7]), 0.0), ask),
-        (0, Picked.rows(torch.tensor([3]), 0.0), ask),
+        (0, Picked.row_picks(torch.tensor([1, 2]), 0.0), ask),
+        (1, Picked.row_picks(torch.tensor([5]), 0.0), ask),
+        (2, Picked.row_picks(torch.tensor([7]), 0.0), ask),
+        (0, Picked.row_picks(torch.tensor([3]), 0.0), ask),
     ]
     ShardOwners(links).give_back(spec, got)
     assert given == {0: [1, 2, 3], 1: [5]}  # the failed shard is not asked

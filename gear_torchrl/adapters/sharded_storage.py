@@ -241,7 +241,7 @@ class ShardedGearStorage(TableStorage):
     def get(self, index: Any) -> Data:
         sample = sample_of(index)
         if sample is not None and sample.columns is not None:
-            columns, table, windows = sample.columns, sample.table, sample.windows
+            columns, table, windows = sample.columns, sample.table, sample
             assert table is not None  # select reads the columns with their table
             extra = None
             if sample.markers is not None:

@@ -310,7 +310,7 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
         self._warn_if_a_copy()
         sample = sample_of(index)
         if sample is not None:  # windows (or rows with markers) this store's table picked
-            return self._shard.read_windows(sample.windows, sample.markers)
+            return self._shard.read_windows(sample, sample.markers)
         drawn, self.table.drawn = self.table.drawn, None
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(k, str) for k in index)):
             # A key: that column of every row (TorchRL's Sequence unit); rows that are one tensor have no keys.

@@ -39,7 +39,6 @@ from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
-from gear_torchrl.store.windows import Windows
 
 # why _C.serve_samples returned (csrc/net/owner.h ServeCode)
 _NEXT_IS_OTHER, _SERVE_IN_PYTHON, _CATCH_UP = _C.SERVE_NEXT_IS_OTHER, _C.SERVE_IN_PYTHON, _C.SERVE_CATCH_UP
@@ -204,7 +203,7 @@ class NativeOwner:
         )
         if live < 0:
             return None
-        return Picked(Windows(starts, windows.window_len, valid_begin, valid_end), mass, scalars={"rows": live})
+        return Picked(starts, windows.window_len, valid_begin, valid_end, mass, scalars={"rows": live})
 
     def _prioritized_in_place(self, ask: Ask, source: _Source) -> Picked | None:
         """The table follows the store, draws and copies under its lock, as for a socket: no catch-up needed."""

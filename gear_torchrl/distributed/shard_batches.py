@@ -330,7 +330,7 @@ class ShardBatches:
         answer's rows landed in order, a first round that filled it whole)."""
         picks = [p for _, p, _ in got]
         window_len = picks[0].window_len
-        windows = Windows.cat([p.windows for p in picks])
+        windows = Windows.cat(picks)
         index = self._global_ids([s for s, _, _ in got], [p.count for p in picks], windows)
         if batch is None:
             parts = [a.rows(p.count * window_len) for _, p, a in got]

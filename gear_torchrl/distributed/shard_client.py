@@ -303,10 +303,10 @@ class Ask:
             part = self.picks.part(self.first_pick, end)
             for into, got in zip(
                 (part.starts, part.valid_begin, part.valid_end),
-                (picked.starts, picked.windows.valid_begin, picked.windows.valid_end),
+                (picked.starts, picked.valid_begin, picked.valid_end),
             ):
                 into.copy_(got)
-            picked.windows = part
+            picked.take_windows(part)
             for name, into in (self.extra or {}).items():
                 into[self.first_pick : end].copy_(picked.extra[name])
                 picked.extra[name] = into[self.first_pick : end]
@@ -390,23 +390,34 @@ class LandedPicks(Picked):
     def extra(self, extra: dict[str, torch.Tensor]) -> None:
         self._extra = extra
 
-    @property
-    def windows(self) -> Windows:
+    def _windows_now(self) -> Windows:
         if self._windows is None:
             self._windows = self._batch.part(self._first, self._first + self._count)
         return self._windows
 
-    @windows.setter
-    def windows(self, windows: Windows) -> None:
+    def take_windows(self, windows: Windows) -> None:
         self._windows, self._count = windows, windows.starts.numel()
+
+    # Picked's fields, read from the batch when asked for (take_windows, not an assignment, replaces them)
+    @property
+    def starts(self) -> torch.Tensor:  # type: ignore[override]
+        return self._windows_now().starts
+
+    @property
+    def valid_begin(self) -> torch.Tensor:  # type: ignore[override]
+        return self._windows_now().valid_begin
+
+    @property
+    def valid_end(self) -> torch.Tensor:  # type: ignore[override]
+        return self._windows_now().valid_end
+
+    @property
+    def window_len(self) -> int:  # type: ignore[override]
+        return self._batch.window_len
 
     @property
     def count(self) -> int:
         return self._count
-
-    @property
-    def window_len(self) -> int:
-        return self._batch.window_len
 
 
 @dataclass
@@ -887,4 +898,4 @@ def _picked_of(meta: dict[str, Any], arrays: list[torch.Tensor]) -> Picked:
     windows = Windows(
         starts.view(torch.int64), int(meta["window_len"]), valid_begin.view(torch.int64), valid_end.view(torch.int64)
     )
-    return Picked(windows, float(meta["mass"]), values, meta["scalars"])
+    return Picked.of(windows, float(meta["mass"]), extra=values, scalars=meta["scalars"])

@@ -263,7 +263,7 @@ class _Session:
         picked = self.view.pick(spec, count, seed)
         names = sorted(picked.extra)
         meta = {"window_len": picked.window_len, "mass": picked.mass, "scalars": picked.scalars, "extra": names}
-        windows = picked.windows.contiguous()
+        windows = picked.contiguous()
         arrays = [
             windows.starts,
             windows.valid_begin,
@@ -285,7 +285,7 @@ class _Session:
         if not 0 <= count <= MAX_READ_POSITIONS:
             raise ValueError(f"cannot select {count} rows in one request")
         picked = self.view.pick(spec, count, seed)
-        windows = picked.windows.contiguous()
+        windows = picked.contiguous()
         counts = [int(picked.scalars["rows"]), picked.count]
         if op == Op.ROWS:
             arrays = [_tally(counts), windows.starts]

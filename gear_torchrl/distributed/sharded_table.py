@@ -45,7 +45,15 @@ class ShardedTable(Table):
         assert picks is not None  # None answers a count of 0
         self.rows_sampled += picks.index.numel()
         # One batch across shards: their masses stay with the split (``ShardSet``).
-        picked = Picked(picks.windows, 0.0, picks.extra, picks.scalars, markers, picks.columns, picks.spec)
+        picked = Picked.of(
+            picks.windows,
+            0.0,
+            extra=picks.extra,
+            scalars=picks.scalars,
+            markers=markers,
+            columns=picks.columns,
+            table=picks.spec,
+        )
         picked.carried_by(picks.index)
         return picked
 

@@ -47,7 +47,6 @@ from gear_torchrl.selection.windows import EpisodeTreeSelector, check_episode_ma
 from gear_torchrl.store.episodes import Episodes
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.table_spec import Path
-from gear_torchrl.store.windows import Windows
 
 _MAX_DRAW_ROUNDS = 64
 UNIFORM_OVER = ("steps", "sequences", "episodes")
@@ -126,12 +125,12 @@ def pack_tokens(
         real = seq >= 0
         extra["mass"] = torch.where(real, sequences.mass[seq], 1.0)  # seq -1 reads the last: replaced
         extra["generation"] = torch.where(real, sequences.generation[seq], 0)
-    return Picked(Windows(rows, 1, torch.zeros_like(valid), valid), mass, extra, scalars or {})
+    return Picked(rows, 1, torch.zeros_like(valid), valid, mass, extra, scalars or {})
 
 
 def empty_pack(mass: float | torch.Tensor, scalars: dict[str, Any] | None = None) -> Picked:
     none = torch.empty(0, dtype=torch.int64)
-    return Picked(Windows(none, 1, none, none), mass, {}, scalars or {})
+    return Picked(none, 1, none, none, mass, {}, scalars or {})
 
 
 def no_sequence_reason(include_open: bool) -> str:

@@ -1,8 +1,9 @@
 """The one sample type: picks as windows of ring rows (rows: windows of length one) and what they carry;
 and the index a sampler returns, which carries them back to ``storage.get``.
 
-A core returns a ``Picked`` for its shard: the windows (``Windows``, what the gather kernel
-reads), the shard's mass, per-pick values (weights, generations, a pack's places), scalars.
+A core returns a ``Picked`` for its shard: windows (a ``Picked`` is a ``Windows``, what the
+gather kernel reads), the shard's mass, per-pick values (weights, generations, a pack's
+places), scalars.
 A table (``selection/table.py``) hands the same object to the sampler, with TorchRL's
 ``index`` for it and what the storage's read needs (markers; over a sharded store the
 rows read already).
@@ -41,11 +42,11 @@ EXTRA_DTYPES = {
 }
 
 
-@dataclass
-class Picked:
-    """A batch of picks: one shard's share from its core, or a whole batch as a table answers it."""
+@dataclass(eq=False)
+class Picked(Windows):
+    """A batch of picks: one shard's share from its core, or a whole batch as a table answers it. Its windows
+    are its picks' ring rows (rows: windows of length one)."""
 
-    windows: Windows  # each pick's window of ring rows (rows: windows of length one)
     mass: float | torch.Tensor  # the shard's total mass after picking: what the next batch is split by
     # (from a core on a GPU, a 0-dim tensor there: a float would wait for the device)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per pick, named in EXTRA_DTYPES
@@ -56,6 +57,21 @@ class Picked:
     table: TableSpec | None = None  # what ``columns`` are
     _index: SelectionIndex | None = None
     _carried: bool = False  # whether the index carries these picks (a SampledIndex, made when it is read)
+
+    @classmethod
+    def of(cls, windows: Windows, mass: float | torch.Tensor, **kw: Any) -> Picked:
+        """Picks of ``windows``."""
+        return cls(windows.starts, windows.window_len, windows.valid_begin, windows.valid_end, mass, **kw)
+
+    @classmethod
+    def row_picks(cls, rows: torch.Tensor, mass: float | torch.Tensor, **kw: Any) -> Picked:
+        """Picks of single rows."""
+        return cls.of(Windows.of_rows(rows), mass, **kw)
+
+    def take_windows(self, windows: Windows) -> None:
+        """These picks' windows are ``windows`` (the same picks, reordered or landed elsewhere)."""
+        self.starts, self.window_len = windows.starts, windows.window_len
+        self.valid_begin, self.valid_end = windows.valid_begin, windows.valid_end
 
     @property
     def index(self) -> SelectionIndex:
@@ -80,27 +96,17 @@ class Picked:
         """TorchRL's index is ``rows``, carrying these picks (``SampledIndex``)."""
         self._index, self._carried = rows, True
 
-    @classmethod
-    def rows(cls, rows: torch.Tensor, mass: float | torch.Tensor, **kw: Any) -> Picked:
-        return cls(Windows.of_rows(rows), mass, **kw)
-
-    @property
-    def starts(self) -> torch.Tensor:
-        """Int64 [P]: the ring row of each pick's first position (for rows, the rows)."""
-        return self.windows.starts
-
-    @property
-    def window_len(self) -> int:
-        return self.windows.window_len
-
     @property
     def count(self) -> int:
-        return self.windows.starts.numel()
+        return self.starts.numel()
 
     def subset(self, keep: torch.Tensor) -> Picked:
         """The picks where ``keep`` is true."""
-        return Picked(
-            self.windows.subset(keep), self.mass, {k: v[keep] for k, v in self.extra.items()}, dict(self.scalars)
+        return Picked.of(
+            super().subset(keep),
+            self.mass,
+            extra={k: v[keep] for k, v in self.extra.items()},
+            scalars=dict(self.scalars),
         )
 
     @staticmethod
@@ -110,7 +116,7 @@ class Picked:
             parts[0].mass = mass
             return parts[0]
         extra = {k: torch.cat([p.extra[k] for p in parts]) for k in parts[0].extra}
-        return Picked(Windows.cat([p.windows for p in parts]), mass, extra, dict(parts[-1].scalars))
+        return Picked.of(Windows.cat(parts), mass, extra=extra, scalars=dict(parts[-1].scalars))
 
 
 # Copies of an index: they keep its sample. Everything else (slicing, arithmetic...) gives plain rows.

@@ -162,9 +162,9 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
         """Rows in proportion to their masses, with their masses and generations; none when all are 0."""
         total = self.trees.total
         if count == 0 or not total > 0:  # on a GPU, the one wait for the device in a draw
-            return Picked.rows(_NONE.to(self.device), float(total), scalars={"min_mass": self.trees.minimum})
+            return Picked.row_picks(_NONE.to(self.device), float(total), scalars={"min_mass": self.trees.minimum})
         rows = self.trees.draw(count, generator)
-        return Picked.rows(
+        return Picked.row_picks(
             rows,
             total,
             extra={"mass": self.trees.get(rows), "generation": self.generation.index_select(0, rows)},

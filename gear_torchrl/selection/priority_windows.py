@@ -25,13 +25,11 @@ from gear_torchrl.selection.windows import (
     WindowSpec,
     check_episode_markers,
     no_window_reason,
-    picked_windows,
     redraw_wrapping,
 )
 from gear_torchrl.store.episodes import Episodes, Position
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.table_spec import Path
-from gear_torchrl.store.windows import Windows
 
 _NONE = torch.empty(0, dtype=torch.int64)
 
@@ -165,24 +163,26 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         mass = self.mass(shard)
         scalars = {"min_mass": float(self.trees.minimum)}
         if count == 0 or not mass > 0:
-            return Picked(Windows(_NONE, self.spec.window_len, _NONE, _NONE), mass, scalars=scalars)
-        windows = self._draw(episodes, count, generator)
+            return Picked(_NONE, self.spec.window_len, _NONE, _NONE, mass, scalars=scalars)
+        picked = self._draw(episodes, count, generator, mass)
         if not self.spec.cross_ring_end:
-            windows = redraw_wrapping(lambda n: self._draw(episodes, n, generator), windows, shard.capacity)
-        keys = shard.addressing.ring_rows(windows.starts + self.spec.burn_in)
-        return picked_windows(windows, shard.window_rows, mass, extra={"mass": self.trees.get(keys)}, scalars=scalars)
+            redraw_wrapping(lambda n: self._draw(episodes, n, generator, mass), picked, shard.capacity)
+        picked.extra["mass"] = self.trees.get(shard.addressing.ring_rows(picked.starts + self.spec.burn_in))
+        picked.scalars = scalars
+        picked.starts.remainder_(shard.window_rows)  # episodes' starts run on past the ring's last row
+        return picked
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return no_window_reason(self.spec, needs_shard(self, shard).episodes)
 
-    def _draw(self, episodes: Episodes, count: int, generator: torch.Generator | None) -> Windows:
+    def _draw(self, episodes: Episodes, count: int, generator: torch.Generator | None, mass: float) -> Picked:
         """Windows by their key steps' priorities: the key step sits ``burn_in`` steps into its window."""
         keys = self.trees.draw(count, generator)
         slots, key_offset, _ = episodes.locate(keys)
         placed = _C.place_windows(
             episodes.start, episodes.length, slots, key_offset - self.spec.burn_in, self.spec.window_len
         )
-        return Windows(placed[0], self.spec.window_len, *placed[1:])
+        return Picked(placed[0], self.spec.window_len, placed[1], placed[2], mass)
 
     # -- priorities ------------------------------------------------------------------
     def update(self, rows: Any, priority: Any, generation: Any = None, stored: int | None = None) -> None:

@@ -140,7 +140,7 @@ class QueueSelector(StatefulSelector[QueueSpec]):
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         """Up to ``count`` rows from the queue's end (fewer when fewer wait)."""
         rows = self.take(min(count, self._waiting))
-        return Picked.rows(rows, float(self._waiting))
+        return Picked.row_picks(rows, float(self._waiting))
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return f"queue: {got} rows wait to be consumed, asked for {count}"

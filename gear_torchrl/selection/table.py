@@ -112,7 +112,7 @@ class ShardTable(Table):
             return picked
         picked.markers = markers
         # On the storage's device already: TorchRL would otherwise move it (a copy, which keeps the sample too).
-        picked.carried_by(self.window_index(picked.windows).to(self.device))
+        picked.carried_by(self.window_index(picked).to(self.device))
         return picked
 
     # -- TorchRL's index: what a storage of this layout names rows by ------------------------

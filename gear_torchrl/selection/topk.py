@@ -86,7 +86,7 @@ class TopKSelector(StatefulSelector[TopKSpec]):
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         """The (at most) ``count`` best rows, best first, with their scores."""
         rows = self.scores.top(count)
-        return Picked.rows(rows, float(rows.numel()), extra={"score": self.scores.get(rows)})
+        return Picked.row_picks(rows, float(rows.numel()), extra={"score": self.scores.get(rows)})
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return f"top-k: asked for the top {count} rows, only {got} are stored"

@@ -35,4 +35,4 @@ class UniformSelector(Selector[UniformSpec]):
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         shard = needs_shard(self, shard)
         rows = shard.visibility.uniform_rows(count, generator, torch.device("cpu")) if count and shard.size else _NONE
-        return Picked.rows(rows, float(shard.size))
+        return Picked.row_picks(rows, float(shard.size))

@@ -8,11 +8,10 @@ then an offset inside each.
 
 from __future__ import annotations
 
-import dataclasses
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -119,22 +118,18 @@ def no_window_reason(spec: WindowGeometry, episodes: Episodes) -> str:
     return "no episode can be sampled (include_open=False and every stored episode is still open?)"
 
 
-def picked_windows(windows: Windows, capacity: int, mass: float, **kw: Any) -> Picked:
-    return Picked(dataclasses.replace(windows, starts=windows.starts % capacity), mass, **kw)
-
-
 def wraps(windows: Windows, capacity: int) -> torch.Tensor:
     """Which windows' valid rows run from the last ring row to the first."""
     first = (windows.starts + windows.valid_begin) % capacity
     return first + (windows.valid_end - windows.valid_begin) > capacity
 
 
-def redraw_wrapping(draw: Callable[[int], Windows], windows: Windows, capacity: int) -> Windows:
-    """``windows`` with those that wrap the ring end drawn again (``draw(count)``), a bounded number of times."""
+def redraw_wrapping(draw: Callable[[int], Windows], windows: Windows, capacity: int) -> None:
+    """Draw the ``windows`` that wrap the ring end again (``draw(count)``), a bounded number of times."""
     for _ in range(_MAX_REJECTION_ROUNDS):
         wrapping = wraps(windows, capacity)
         if not bool(wrapping.any()):
-            return windows
+            return
         redraw = draw(int(wrapping.sum()))
         for name in ("starts", "valid_begin", "valid_end"):
             getattr(windows, name)[wrapping] = getattr(redraw, name)
@@ -238,16 +233,17 @@ class WindowSelector(EpisodeTreeSelector[WindowSpec]):
             check_episode_markers(self.spec, shard)
         mass = self.mass(shard)
         if count == 0 or not mass > 0:
-            return Picked(Windows(_NONE, self.spec.window_len, _NONE, _NONE), mass)
-        windows = self._draw(shard.episodes, count, generator)
+            return Picked(_NONE, self.spec.window_len, _NONE, _NONE, mass)
+        picked = self._draw(shard.episodes, count, generator, mass)
         if not self.spec.cross_ring_end:
-            windows = redraw_wrapping(lambda n: self._draw(shard.episodes, n, generator), windows, shard.capacity)
-        return picked_windows(windows, shard.window_rows, mass)
+            redraw_wrapping(lambda n: self._draw(shard.episodes, n, generator, mass), picked, shard.capacity)
+        picked.starts.remainder_(shard.window_rows)  # episodes' starts run on past the ring's last row
+        return picked
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return no_window_reason(self.spec, needs_shard(self, shard).episodes)
 
-    def _draw(self, episodes: Episodes, count: int, generator: torch.Generator | None) -> Windows:
+    def _draw(self, episodes: Episodes, count: int, generator: torch.Generator | None, mass: float) -> Picked:
         """Episodes by their window counts, then a uniform window inside each (``_C.draw_windows``)."""
         assert self.tree is not None  # ``mass`` made it
         spec = self.spec
@@ -260,4 +256,4 @@ class WindowSelector(EpisodeTreeSelector[WindowSpec]):
             spec.burn_in,
             spec.strict_length,
         )
-        return Windows(placed[0], spec.window_len, *placed[1:])
+        return Picked(placed[0], spec.window_len, placed[1], placed[2], mass)

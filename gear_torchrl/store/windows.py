@@ -1,7 +1,8 @@
 """Windows: ``window_len`` consecutive ring rows from each start, with the range that holds data.
 
-What every sample carries from the selector to the gather kernel, local or
-remote: rows are windows of length one.
+What the gather kernel reads, local or remote: rows are windows of length one.
+A sample (``selection/picked.py``'s ``Picked``) is windows plus what its picks
+carry, so the store reads a sample as it is.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from gear_torchrl.kernels import _C
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Windows:
     """``window_len`` ring rows from each start; positions outside ``[valid_begin, valid_end)`` are padding."""
 

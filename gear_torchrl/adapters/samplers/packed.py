@@ -25,6 +25,7 @@ from gear_torchrl.selection.markers import PackedMarkers, WindowMarkers
 from gear_torchrl.selection.packed import PackedSelector, PackedSpec, PriorityPackedSelector, PriorityPackedSpec
 from gear_torchrl.selection.picked import Picked, SampledIndex, SelectionIndex, sample_of
 from gear_torchrl.store.table_spec import NestedKey, optional_path
+from gear_torchrl.store.windows import Windows
 
 
 class GearPackedSequenceSampler(FollowsEpisodes, Sampler):
@@ -125,7 +126,7 @@ class GearPackedSequenceSampler(FollowsEpisodes, Sampler):
             order = torch.argsort(padding.to(torch.int8), stable=True)
             picked.extra = extra = {k: v[order] for k, v in extra.items()}
             index = index[order.to(index.device)]
-            picked.windows = picked.windows.subset(order)
+            picked.take_windows(Windows.subset(picked, order))
             if picked.columns is not None:
                 picked.columns = [c[order] for c in picked.columns]
         position = extra["position"]

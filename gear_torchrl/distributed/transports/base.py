@@ -59,7 +59,7 @@ class Transport(ABC):
         if ask.columns is None or not picked.count:
             return picked
         out = ask.rows(picked.count * picked.window_len)
-        self.read(picked.windows, out)
+        self.read(picked, out)
         client.release()
         return picked
 

@@ -53,7 +53,7 @@ class InProcessTransport(Transport):
             self._native.arm(ask.spec.to_json(), ask.spec)  # the extension answers its next asks
         try:
             if ask.columns is not None and picked.count:
-                self._gather(picked.windows, ask.rows(picked.count * picked.window_len))
+                self._gather(picked, ask.rows(picked.count * picked.window_len))
         finally:
             self._view.release()
         return picked
