@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 from collections.abc import Callable
@@ -20,156 +19,96 @@ def _first(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
     return next(r for r in rows if all(r[k] == v for k, v in match.items()))
 
 
+def _field(key: str, name: str, read: Callable[[Any], float] = float, **match: Any) -> Pick:
+    """How to read field ``name`` of the first row of a result's ``key`` list that matches ``match``."""
+    return lambda d: read(_first(d[key], **match)[name])
+
+
+def _ratio(text: str) -> float:
+    """A ratio written ``"1.23x"``."""
+    return float(text.rstrip("x"))
+
+
 def figures() -> list[tuple[str, str, Pick]]:
     """(label, benchmark, how to read the figure from its JSON): gear's own time and its ratio to the peer."""
     out: list[tuple[str, str, Pick]] = []
     for op in ("sample", "get", "extend", "add"):
-        out.append(
-            (
-                f"{op}, GearStorage, us CPU",
-                "plain_path",
-                lambda d, op=op: _first(d["results"], op=op, storage="GearStorage")["us_cpu"],
-            )
-        )
-        out.append(
+        out += [
+            (f"{op}, GearStorage, us CPU", "plain_path", _field("results", "us_cpu", op=op, storage="GearStorage")),
             (
                 f"{op}, LazyTensorStorage / GearStorage",
                 "plain_path",
-                lambda d, op=op: _first(d["results"], op=op, storage="LazyTensorStorage")["gear_speedup"],
-            )
-        )
-    gear_per = "GearStorage + GearPrioritizedSampler"
-    out.append(
-        (
-            "PER sample + update, ms",
-            "prioritized_sampling",
-            lambda d: _first(d["results"], what="loop", contender=gear_per)["ms_per_iter"],
-        )
-    )
-    out.append(
+                _field("results", "gear_speedup", op=op, storage="LazyTensorStorage"),
+            ),
+        ]
+    per = {"contender": "GearStorage + GearPrioritizedSampler"}
+    out += [
+        ("PER sample + update, ms", "prioritized_sampling", _field("results", "ms_per_iter", what="loop", **per)),
         (
             "PER sample + update, x TorchRL",
             "prioritized_sampling",
-            lambda d: _first(d["results"], what="loop", contender=gear_per)["speedup_vs_torchrl"],
-        )
-    )
-    out.append(
+            _field("results", "speedup_vs_torchrl", what="loop", **per),
+        ),
         (
             "PER sample alone, x TorchRL",
             "prioritized_sampling",
-            lambda d: _first(d["results"], what="sampler only", contender=gear_per)["speedup_vs_torchrl"],
-        )
-    )
+            _field("results", "speedup_vs_torchrl", what="sampler only", **per),
+        ),
+    ]
     for steps in (100_000, 1_000_000):
-        out.append(
-            (
-                f"windows over {steps:,} steps, ms",
-                "sequence_sampling",
-                lambda d, s=steps: _first(d["results"], stored_steps=s)["gear_ms"],
-            )
-        )
-        out.append(
-            (
-                f"windows over {steps:,} steps, x SliceSampler",
-                "sequence_sampling",
-                lambda d, s=steps: _first(d["results"], stored_steps=s)["speedup"],
-            )
-        )
+        for label, name in (("ms", "gear_ms"), ("x SliceSampler", "speedup")):
+            pick = _field("results", name, stored_steps=steps)
+            out.append((f"windows over {steps:,} steps, {label}", "sequence_sampling", pick))
     for op in ("extend [16, 200]", "256 uniform steps", "64 windows of 32"):
-        out.append((f"ndim=2 {op}, ms", "ndim2", lambda d, op=op: _first(d["results"], op=op)["gear_ms"]))
-        out.append((f"ndim=2 {op}, x TorchRL", "ndim2", lambda d, op=op: _first(d["results"], op=op)["gear_speedup"]))
-        out.append(
-            (
-                f"ndim=2 {op}, shared=True, x TorchRL",
-                "ndim2",
-                lambda d, op=op: _first(d["results"], op=f"{op} (shared)")["gear_speedup"],
-            )
-        )
+        out += [
+            (f"ndim=2 {op}, ms", "ndim2", _field("results", "gear_ms", op=op)),
+            (f"ndim=2 {op}, x TorchRL", "ndim2", _field("results", "gear_speedup", op=op)),
+            (f"ndim=2 {op}, shared=True, x TorchRL", "ndim2", _field("results", "gear_speedup", op=f"{op} (shared)")),
+        ]
     for writers in (1, 2):
-        out.append(
-            (
-                f"shared insert, {writers} writer(s), steps/s",
-                "shared_insert",
-                lambda d, w=writers: float(_first(d["rows"], writers=w)["gear steps/s"]),
-            )
-        )
-        out.append(
-            (
-                f"shared insert, {writers} writer(s), x TorchRL",
-                "shared_insert",
-                lambda d, w=writers: float(_first(d["rows"], writers=w)["insert ratio"].rstrip("x")),
-            )
-        )
+        for label, pick in (
+            ("steps/s", _field("rows", "gear steps/s", writers=writers)),
+            ("x TorchRL", _field("rows", "insert ratio", _ratio, writers=writers)),
+        ):
+            out.append((f"shared insert, {writers} writer(s), {label}", "shared_insert", pick))
     for world in ("own", "1", "2", "4", "8"):
-        row = functools.partial(_row_of, world=world)
-        out.append(
-            (
-                f"sharded rows, world {world}, batch 256: learner us CPU",
-                "sharded_cost",
-                lambda d, row=row: float(row(d)["learner us"]),
-            )
-        )
-        out.append(
-            (
-                f"sharded rows, world {world}, batch 256: learner / LazyTensorStorage",
-                "sharded_cost",
-                lambda d, row=row: float(row(d)["learner / local"]),
-            )
-        )
+        fields = [("learner us CPU", "learner us"), ("learner / LazyTensorStorage", "learner / local")]
         if world != "own":
-            out.append(
-                (
-                    f"sharded rows, world {world}, batch 256: raw floor, learner us",
-                    "sharded_cost",
-                    lambda d, row=row: float(row(d)["raw learner us"]),
-                )
+            fields += [("raw floor, learner us", "raw learner us"), ("owner us per request", "owner us")]
+        out += [
+            (
+                f"sharded rows, world {world}, batch 256: {label}",
+                "sharded_cost",
+                _field("rows", name, world=world, batch=256),
             )
-            out.append(
-                (
-                    f"sharded rows, world {world}, batch 256: owner us per request",
-                    "sharded_cost",
-                    lambda d, row=row: float(row(d)["owner us"]),
-                )
-            )
+            for label, name in fields
+        ]
         out.append(
             (
                 f"sharded rows, world {world}, batch 4096: M steps/s",
                 "sharded_cost",
-                lambda d, w=world: float(_first(d["rows"], world=w, batch=4096)["M steps/s"]),
+                _field("rows", "M steps/s", world=world, batch=4096),
             )
         )
     for owners in (1, 2, 4, 8):
-        row = functools.partial(_row_of, owners=owners)
-        out.append(
+        out += [
             (
-                f"learner alone, {owners} owner(s), batch 256: us CPU p10",
+                f"learner alone, {owners} owner(s), batch 256: {label}",
                 "learner_round_cost",
-                lambda d, row=row: float(row(d)["learner us p10"]),
+                _field("rows", name, owners=owners, batch=256),
             )
-        )
-        out.append(
-            (
-                f"learner alone, {owners} owner(s), batch 256: raw floor us p10",
-                "learner_round_cost",
-                lambda d, row=row: float(row(d)["raw us p10"]),
-            )
-        )
+            for label, name in (("us CPU p10", "learner us p10"), ("raw floor us p10", "raw us p10"))
+        ]
     for owners in (1, 8):
-        row = functools.partial(_row_of, owners=owners)
-        for kind in ("rows", "windows", "raw"):
-            out.append(
-                (
-                    f"receive, {owners} owner(s), batch 256: {kind} us",
-                    "receive_cost",
-                    lambda d, row=row, k=kind: float(row(d)[f"{k} us"]),
-                )
+        out += [
+            (
+                f"receive, {owners} owner(s), batch 256: {kind} us",
+                "receive_cost",
+                _field("rows", f"{kind} us", owners=owners, batch=256),
             )
+            for kind in ("rows", "windows", "raw")
+        ]
     return out
-
-
-def _row_of(d: dict, **match: Any) -> dict:
-    """The batch-256 row of a result's rows that matches ``match``."""
-    return _first(d["rows"], batch=256, **match)
 
 
 def _picked(pick: Pick, run: dict[str, Any]) -> float | None:

@@ -15,6 +15,20 @@ from gear_torchrl import GearStorage
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.store.shared_commits import SharedCommits, SharedStoreHandle
 
+# Every dtype a column may hold: what the gather tests run over (CPU and CUDA).
+COLUMN_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
+
 
 def make_steps(n: int, seed: int, done_prob: float = 0.1, obs_dim: int = 4) -> TensorDict:
     """``n`` steps with every dtype family, nested keys and done flags."""

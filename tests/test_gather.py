@@ -4,21 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import COLUMN_DTYPES
 
 from gear_torchrl.kernels import _C, gather
-
-DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -38,7 +26,7 @@ def column(capacity, shape, dtype, seed=0):
     return raw.view(dtype).squeeze(-1) if dtype.itemsize > 1 else raw.squeeze(-1).view(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", COLUMN_DTYPES)
 @pytest.mark.parametrize("shape", [(), (1,), (3,), (5, 7), (1025,)])
 def test_rows_match_index_select(dtype, shape):
     col = column(97, shape, dtype)

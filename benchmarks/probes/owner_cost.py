@@ -16,7 +16,6 @@ request and the cost per KiB of rows (gathering them and the kernel's copy).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import statistics
 import time
@@ -26,7 +25,6 @@ import torch
 from harness import machine, table, write_json
 from sharded_cost import ROW_BYTES, STEPS, _thread_cpu_ns
 
-SECRET = b"o" * 32
 SECONDS_PER_TURN = 0.4
 
 
@@ -34,6 +32,7 @@ def _owner(ready, stop) -> None:
     """Fill a shared store and serve it until told to stop."""
     import os
 
+    from owner_asks import SECRET
     from sharded_cost import _rows
     from torchrl.data import TensorDictReplayBuffer
 
@@ -55,46 +54,14 @@ def _owner(ready, stop) -> None:
 
 def _learner(where, orders, done) -> None:
     """Run each order (path, rows, calls) on one connection; report its wall time."""
-    from gear_torchrl.distributed.directory import ShardDescriptor
-    from gear_torchrl.distributed.shard_client import Ask, Flight, ShardClient
-    from gear_torchrl.distributed.wire import Message, Op
+    from owner_asks import SelectAsk, client_of
+
+    from gear_torchrl.distributed.shard_client import Ask, Flight
     from gear_torchrl.selection.uniform import UniformSpec
     from gear_torchrl.store.table_spec import TableSpec
 
-    class SelectAsk(Ask):
-        """The same ask as a SELECT: the owner's Python path answers it (and its reply lands no picks)."""
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            self.samples_rows, self.picks = False, None
-
-        def request(self) -> Message:
-            meta = {
-                "selection": self.spec.to_json(),
-                "count": self.count,
-                "seed": self.seed,
-                "read": True,
-                "columns": len(self.columns),
-            }
-            return Message(Op.SELECT, json.dumps(meta).encode())
-
     torch.set_num_threads(1)
-    port, store_id, capacity, end_keys, traj_key = where
-    client = ShardClient(
-        ShardDescriptor(
-            shard=0,
-            rank=0,
-            host="bench",
-            addr="127.0.0.1",
-            port=port,
-            store_id=store_id,
-            capacity=capacity,
-            end_keys=end_keys,
-            traj_key=traj_key,
-        ),
-        SECRET,
-        30.0,
-    )
+    client = client_of(*where)
     table_ = TableSpec.from_json(client.describe()["spec"])
     kinds = {"native": Ask, "python": SelectAsk}
     while (order := orders.get()) is not None:

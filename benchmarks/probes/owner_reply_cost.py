@@ -16,7 +16,6 @@ it in two worktrees (``before_after.sh`` makes them) to compare two commits:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -24,8 +23,6 @@ import _harness_path  # noqa: F401  (benchmarks/ on sys.path: harness, sharded_c
 import torch
 from harness import machine, table, write_json
 from sharded_cost import STEPS, _rows
-
-SECRET = b"r" * 32
 
 
 def _timed(cls, name: str, into: list[float]) -> None:
@@ -48,34 +45,15 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out/owner_reply_cost.json")
     args = parser.parse_args()
 
+    from owner_asks import SECRET, SelectAsk, client_of
     from torchrl.data import TensorDictReplayBuffer
 
     from gear_torchrl import GearStorage
     from gear_torchrl.distributed import shard_server
-    from gear_torchrl.distributed.directory import ShardDescriptor
-    from gear_torchrl.distributed.shard_client import Ask, Flight, ShardClient
-    from gear_torchrl.distributed.wire import Message, Op
+    from gear_torchrl.distributed.shard_client import Flight
     from gear_torchrl.selection.priorities import PrioritySpec
     from gear_torchrl.selection.windows import WindowSpec
     from gear_torchrl.store.table_spec import TableSpec
-
-    class SelectAsk(Ask):
-        """The ask as a SELECT read back at once: the owner's Python picks it and sends the reply."""
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            self.samples_rows = self.samples_windows = False
-            self.picks = None
-
-        def request(self) -> Message:
-            meta = {
-                "selection": self.spec.to_json(),
-                "count": self.count,
-                "seed": self.seed,
-                "read": True,
-                "columns": len(self.columns or ()),
-            }
-            return Message(Op.SELECT, json.dumps(meta).encode())
 
     torch.set_num_threads(1)
     storage = GearStorage(STEPS, shared=True)
@@ -84,21 +62,7 @@ def main() -> None:
         rb.extend(_rows(10_000, first))
     server = shard_server.ShardServer(storage.handle, SECRET, host="127.0.0.1", timeout=30.0)
     h = storage.handle
-    client = ShardClient(
-        ShardDescriptor(
-            shard=0,
-            rank=0,
-            host="bench",
-            addr="127.0.0.1",
-            port=server.address[1],
-            store_id=h.store_id,
-            capacity=h.capacity,
-            end_keys=list(h.end_keys),
-            traj_key=h.traj_key,
-        ),
-        SECRET,
-        30.0,
-    )
+    client = client_of(server.address[1], h.store_id, h.capacity, list(h.end_keys), h.traj_key)
     columns = TableSpec.from_json(client.describe()["spec"]).columns
     reply_s: list[float] = []
     select_s: list[float] = []

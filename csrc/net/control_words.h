@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "net/python_names.h"
+
 namespace gear::control {
 
 // The header's words (what each holds: store/commit_log.py).
@@ -25,13 +27,8 @@ constexpr int64_t kSlotWords = 4;
 // command line, as it runs without torch.
 constexpr int64_t kOpen = 0, kClosed = 1, kOwnerDied = 2;
 
-struct Named {
-  const char* name;
-  int64_t value;
-};
-
 // Python's names for them: `_C.control.<name>` (bound in net/bindings.cpp).
-inline constexpr Named kPythonNames[] = {
+inline constexpr PythonName<int64_t> kPythonNames[] = {
     {"H_MAGIC", kMagicWord},
     {"H_CAPACITY", kCapacity},
     {"H_OWNER", kOwner},

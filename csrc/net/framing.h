@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include "net/python_names.h"
+
 namespace gear {
 
 // The wire's numbers, defined here once: distributed/wire.py reads them from the extension (`_C.wire`) and
@@ -40,13 +42,8 @@ constexpr uint16_t kMaxArrays = 64;           // arrays in one message
 constexpr uint64_t kMaxTotal = 1ull << 34;    // array bytes in one message (16 GiB)
 constexpr int64_t kMaxReadPositions = 1 << 24;  // rows (window positions) in one READ or SAMPLE_* reply
 
-struct WireNumber {
-  const char* name;
-  uint64_t value;
-};
-
 // Python's names for the ops (`_C.wire.<name>`, wire.Op) and the limits (wire.MAX_*, bound in net/bindings.cpp).
-inline constexpr WireNumber kWireOps[] = {
+inline constexpr PythonName<uint64_t> kWireOps[] = {
     {"OK", kOk},
     {"ERROR", kError},
     {"SELECT", kSelect},
@@ -65,7 +62,7 @@ inline constexpr WireNumber kWireOps[] = {
     {"PRIORITIZED", kPrioritized},
     {"POST_UPDATE", kPostUpdate},
 };
-inline constexpr WireNumber kWireLimits[] = {
+inline constexpr PythonName<uint64_t> kWireLimits[] = {
     {"HEADER_BYTES", kHeader},
     {"MAX_META_BYTES", kMaxMeta},
     {"MAX_ARRAYS", kMaxArrays},

@@ -29,7 +29,7 @@ from gear_torchrl.distributed.shard_set import Options, ShardSet
 from gear_torchrl.distributed.sharded_table import ShardedTable
 from gear_torchrl.selection.picked import SelectionIndex, sample_of
 from gear_torchrl.selection.uniform import UniformSpec
-from gear_torchrl.store.shard import DEFAULT_END_KEYS
+from gear_torchrl.store.ring import DEFAULT_END_KEYS
 from gear_torchrl.store.table_spec import Data, NestedKey
 
 TransportName = Literal["auto", "tcp", "local", "rdma"]

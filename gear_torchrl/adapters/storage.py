@@ -44,7 +44,8 @@ from gear_torchrl.selection.table import EnvColumnsTable, ShardTable
 from gear_torchrl.store.addressing import Addressing, EnvColumns, StepRows
 from gear_torchrl.store.commit_log import DEFAULT_READER_TIMEOUT_S
 from gear_torchrl.store.indices import Index
-from gear_torchrl.store.shard import DEFAULT_END_KEYS, Shard
+from gear_torchrl.store.ring import DEFAULT_END_KEYS
+from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.shared_commits import SharedStoreHandle, shared_shard
 from gear_torchrl.store.table_spec import Data, NestedKey, lead_shape, stacked_rows
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from gear_torchrl.distributed.shard_set import ShardSet
-from gear_torchrl.selection.base import SelectionSpec, Selector
+from gear_torchrl.selection.base import AnySelector
 from gear_torchrl.selection.checked_inputs import integer_rows
 from gear_torchrl.selection.markers import WindowMarkers
 from gear_torchrl.selection.picked import Picked
@@ -30,11 +30,7 @@ class ShardedTable(Table):
         self.rows_sampled = 0  # rows this process drew (a storage's stats)
 
     def select(
-        self,
-        selector: Selector[SelectionSpec],
-        count: int,
-        generator: torch.Generator | None = None,
-        markers: WindowMarkers | None = None,
+        self, selector: AnySelector, count: int, generator: torch.Generator | None, markers: WindowMarkers | None = None
     ) -> Picked:
         """``count`` picks across the shards, their rows read already: the index is global row ids carrying
         the batch, so ``get`` of it costs nothing."""
@@ -61,17 +57,15 @@ class ShardedTable(Table):
         """Global ids, as given: their owners check them."""
         return integer_rows(index).reshape(-1).as_subclass(torch.Tensor)
 
-    def note_written(self, selector: Selector[SelectionSpec], index: Any) -> None:
+    def note_written(self, selector: AnySelector, index: Any) -> None:
         """Nothing to do: each owner's cores follow its shard's commits."""
 
-    def update(self, selector: Selector[SelectionSpec], index: Any, priority: Any, generation: Any = None) -> None:
+    def update(self, selector: AnySelector, index: Any, priority: Any, generation: Any = None) -> None:
         """Priorities for global row ids, routed to the owners of the rows."""
         self.shards.update(selector.spec, torch.as_tensor(index).as_subclass(torch.Tensor), priority, generation)
 
-    def update_rows(
-        self, selector: Selector[SelectionSpec], rows: torch.Tensor, priority: Any, generation: Any = None
-    ) -> None:
+    def update_rows(self, selector: AnySelector, rows: torch.Tensor, priority: Any, generation: Any = None) -> None:
         self.update(selector, rows, priority, generation)
 
-    def give_back(self, selector: Selector[SelectionSpec], index: Any) -> None:
+    def give_back(self, selector: AnySelector, index: Any) -> None:
         self.shards.give_back_ids(selector.spec, torch.as_tensor(index).as_subclass(torch.Tensor))

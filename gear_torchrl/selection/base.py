@@ -123,6 +123,10 @@ class Selector(ABC, Generic[SpecT_co]):
         """Back to the state of a new core (the store was emptied): nothing, for a rule without state."""
 
 
+# A core of any rule: what tables and registries hold and run.
+AnySelector = Selector[SelectionSpec]
+
+
 class StatefulSelector(Selector[SpecT_co]):
     """A rule with per-row state of its own, which it saves and restores with the rows.
 
@@ -167,7 +171,7 @@ class StatefulSelector(Selector[SpecT_co]):
         """Take a state ``checked_state_dict`` returned."""
 
 
-def needs_shard(selector: Selector[SelectionSpec], shard: Shard | None) -> Shard:
+def needs_shard(selector: AnySelector, shard: Shard | None) -> Shard:
     """``shard``, which ``selector``'s rule reads; a TypeError when there is none to read."""
     if shard is None:
         raise TypeError(
@@ -176,9 +180,7 @@ def needs_shard(selector: Selector[SelectionSpec], shard: Shard | None) -> Shard
     return shard
 
 
-def pick_exactly(
-    selector: Selector[SelectionSpec], shard: Shard | None, count: int, generator: torch.Generator | None
-) -> Picked:
+def pick_exactly(selector: AnySelector, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
     """``count`` picks, or an error saying why there are fewer (the short picks given back first)."""
     picked = selector.pick(shard, count, generator)
     if picked.count < count:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from gear_torchrl.selection.base import SelectionSpec, Selector, StatefulSelector
+from gear_torchrl.selection.base import AnySelector, SelectionSpec, StatefulSelector
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priorities import PrioritySelector, ProportionalSpec
@@ -71,7 +71,7 @@ class CappedSpec(SelectionSpec):
 class CappedSelector(StatefulSelector[CappedSpec]):
     """Counts of picks per row, over the inner rule, which leaves a row out once its count reaches the cap."""
 
-    def __init__(self, spec: CappedSpec, capacity: int, inner: Selector[SelectionSpec] | None = None) -> None:
+    def __init__(self, spec: CappedSpec, capacity: int, inner: AnySelector | None = None) -> None:
         self.spec = spec
         self.capacity = capacity
         inner = inner if inner is not None else spec.inner.build(capacity)

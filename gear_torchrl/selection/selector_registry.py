@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import SelectionSpec, Selector, StatefulSelector
+from gear_torchrl.selection.base import AnySelector, SelectionSpec, StatefulSelector
 
 SelectorLock = Any  # _C.SelectorLock: acquire, release, and a context manager
 
@@ -26,9 +26,7 @@ class SelectorRegistry:
         self._lock = threading.Lock()
 
     @contextmanager
-    def using(
-        self, spec: SelectionSpec, own: dict[SelectionSpec, Selector[SelectionSpec]]
-    ) -> Iterator[Selector[SelectionSpec]]:
+    def using(self, spec: SelectionSpec, own: dict[SelectionSpec, AnySelector]) -> Iterator[AnySelector]:
         """The core for ``spec`` (made at first use), held for this reader alone while in use.
 
         ``own`` holds the reader's per-reader cores.

@@ -24,7 +24,7 @@ import torch
 
 from gear_torchrl.errors import EmptyStoreError
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import SelectionSpec, Selector, pick_exactly
+from gear_torchrl.selection.base import AnySelector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.markers import WindowMarkers
 from gear_torchrl.selection.picked import Picked, SelectionIndex
@@ -45,11 +45,7 @@ class Table(ABC):
 
     @abstractmethod
     def select(
-        self,
-        selector: Selector[SelectionSpec],
-        count: int,
-        generator: torch.Generator | None = None,
-        markers: WindowMarkers | None = None,
+        self, selector: AnySelector, count: int, generator: torch.Generator | None, markers: WindowMarkers | None = None
     ) -> Picked:
         """``count`` picks of ``selector``'s rule, drawn with ``generator``.
 
@@ -62,21 +58,19 @@ class Table(ABC):
         """The table's rows (int64 [N], -1 skips) that the storage's ``index`` names, as cores key them."""
 
     @abstractmethod
-    def note_written(self, selector: Selector[SelectionSpec], index: Any) -> None:
+    def note_written(self, selector: AnySelector, index: Any) -> None:
         """TorchRL's writer wrote rows ``index``: ``selector``'s per-row state follows."""
 
     @abstractmethod
-    def update(self, selector: Selector[SelectionSpec], index: Any, priority: Any, generation: Any = None) -> None:
+    def update(self, selector: AnySelector, index: Any, priority: Any, generation: Any = None) -> None:
         """Priorities of the rows the storage's ``index`` names, checked against the rows stored."""
 
     @abstractmethod
-    def update_rows(
-        self, selector: Selector[SelectionSpec], rows: torch.Tensor, priority: Any, generation: Any = None
-    ) -> None:
+    def update_rows(self, selector: AnySelector, rows: torch.Tensor, priority: Any, generation: Any = None) -> None:
         """Priorities of the table's ``rows`` (as :meth:`rows_of` gives them), checked against the rows stored."""
 
     @abstractmethod
-    def give_back(self, selector: Selector[SelectionSpec], index: Any) -> None:
+    def give_back(self, selector: AnySelector, index: Any) -> None:
         """Picks that were not used (a batch cut short): rules that consume rows take them back."""
 
 
@@ -92,11 +86,7 @@ class ShardTable(Table):
         self.drawn: SelectionIndex | None = None
 
     def select(
-        self,
-        selector: Selector[SelectionSpec],
-        count: int,
-        generator: torch.Generator | None = None,
-        markers: WindowMarkers | None = None,
+        self, selector: AnySelector, count: int, generator: torch.Generator | None, markers: WindowMarkers | None = None
     ) -> Picked:
         shard = self.shard
         with self._gate(count * selector.spec.rows_per_pick), shard.picking():  # catches up with commits
@@ -132,17 +122,17 @@ class ShardTable(Table):
     def rows_of(self, index: Any) -> torch.Tensor:
         return as_rows(self.named_rows(index), self.shard.capacity)
 
-    def note_written(self, selector: Selector[SelectionSpec], index: Any) -> None:
+    def note_written(self, selector: AnySelector, index: Any) -> None:
         rows = self.rows_of(index)
         selector.written(rows[rows >= 0], self.shard)
 
-    def update(self, selector: Selector[SelectionSpec], index: Any, priority: Any, generation: Any = None) -> None:
+    def update(self, selector: AnySelector, index: Any, priority: Any, generation: Any = None) -> None:
         self.update_rows(selector, self.named_rows(index), priority, generation)
 
-    def update_rows(self, selector: Selector[SelectionSpec], rows: Any, priority: Any, generation: Any = None) -> None:
+    def update_rows(self, selector: AnySelector, rows: Any, priority: Any, generation: Any = None) -> None:
         selector.update(rows, priority, generation, stored=self.shard.ring_rows)
 
-    def give_back(self, selector: Selector[SelectionSpec], index: Any) -> None:
+    def give_back(self, selector: AnySelector, index: Any) -> None:
         selector.give_back(self.rows_of(index))
 
 

@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from typing import Any, overload
 
 import torch
+from torch import Tensor
 
 from gear_torchrl.errors import CheckpointError
 from gear_torchrl.kernels import _C
@@ -50,23 +51,18 @@ class Addressing(ABC):
         return self.num_envs or 1
 
     @abstractmethod
-    def ends(self, flags: torch.Tensor | None, traj: torch.Tensor | None, n: int) -> torch.Tensor:
+    def ends(self, flags: Tensor | None, traj: Tensor | None, n: int) -> Tensor:
         """Which of ``n`` consecutive rows end an episode, given their end flags and trajectory ids."""
 
     @abstractmethod
     def append(
-        self,
-        rows: torch.Tensor,
-        ends: torch.Tensor,
-        traj: torch.Tensor | None,
-        dropped_ends: torch.Tensor | None,
-        evicted: int,
+        self, rows: Tensor, ends: Tensor, traj: Tensor | None, dropped_ends: Tensor | None, evicted: int
     ) -> None:
         """Record appended ``rows`` in the episode index, ``evicted`` oldest rows dropped;
         ``dropped_ends``: end flags of the write's first rows the ring could not hold (None: it held them all)."""
 
     @abstractmethod
-    def append_dead(self, rows: torch.Tensor) -> None:
+    def append_dead(self, rows: Tensor) -> None:
         """Record appended ``rows`` as a crashed writer's: one closed episode that no sampler picks."""
 
     @abstractmethod
@@ -74,15 +70,15 @@ class Addressing(ABC):
         """Drop the ``rows`` oldest rows from the episode index (another process is about to overwrite them)."""
 
     @abstractmethod
-    def closed_ends(self) -> torch.Tensor:
+    def closed_ends(self) -> Tensor:
         """Ring rows that end a closed live episode (not a crashed writer's): what a copy of the store keeps."""
 
     @abstractmethod
-    def rebuild(self, order: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None) -> None:
+    def rebuild(self, order: Tensor, ends: Tensor, traj: Tensor | None) -> None:
         """Re-derive the episode index over stored rows ``order`` (oldest first)."""
 
     @abstractmethod
-    def torchrl_positions(self, rows: torch.Tensor) -> torch.Tensor:
+    def torchrl_positions(self, rows: Tensor) -> Tensor:
         """What TorchRL's writers store under ``"index"`` for ``rows``."""
 
     @property
@@ -91,7 +87,7 @@ class Addressing(ABC):
         """Episode starts, and so window starts, are rows of ``[0, window_rows)``."""
 
     @abstractmethod
-    def ring_rows(self, window_rows: torch.Tensor) -> torch.Tensor:
+    def ring_rows(self, window_rows: Tensor) -> Tensor:
         """The ring row each window row (any integer: taken modulo ``window_rows``) names."""
 
     @abstractmethod
@@ -128,16 +124,11 @@ class StepRows(Addressing):
     def num_envs(self) -> None:
         return None
 
-    def ends(self, flags: torch.Tensor | None, traj: torch.Tensor | None, n: int) -> torch.Tensor:
+    def ends(self, flags: Tensor | None, traj: Tensor | None, n: int) -> Tensor:
         return episode_ends(flags, traj, n)
 
     def append(
-        self,
-        rows: torch.Tensor,
-        ends: torch.Tensor,
-        traj: torch.Tensor | None,
-        dropped_ends: torch.Tensor | None,
-        evicted: int,
+        self, rows: Tensor, ends: Tensor, traj: Tensor | None, dropped_ends: Tensor | None, evicted: int
     ) -> None:
         if dropped_ends is not None and bool(dropped_ends.any()):
             self.episodes.close_open()
@@ -149,28 +140,28 @@ class StepRows(Addressing):
             traj_last=None if traj is None else int(traj[-1]),
         )
 
-    def append_dead(self, rows: torch.Tensor) -> None:
+    def append_dead(self, rows: Tensor) -> None:
         self.episodes.append(rows, None, evicted=0, dead=True)
 
     def evict(self, rows: int) -> None:
         self.episodes.evict(rows)
 
-    def closed_ends(self) -> torch.Tensor:
+    def closed_ends(self) -> Tensor:
         view = self.episodes.live()
         keep = view.closed & ~view.dead
         return (view.start[keep] + view.length[keep] - 1) % self.capacity
 
-    def rebuild(self, order: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None) -> None:
+    def rebuild(self, order: Tensor, ends: Tensor, traj: Tensor | None) -> None:
         self.episodes.rebuild(order, ends, traj_last=None if traj is None else int(traj[-1]))
 
-    def torchrl_positions(self, rows: torch.Tensor) -> torch.Tensor:
+    def torchrl_positions(self, rows: Tensor) -> Tensor:
         return rows.clone()
 
     @property
     def window_rows(self) -> int:
         return self.capacity
 
-    def ring_rows(self, window_rows: torch.Tensor) -> torch.Tensor:
+    def ring_rows(self, window_rows: Tensor) -> Tensor:
         return window_rows % self.capacity
 
     def gather_plan(self, windows: Windows) -> Windows:
@@ -242,7 +233,7 @@ class EnvColumns(Addressing):
         self.episodes = EnvEpisodes(0, 0)
 
     # -- episodes per env column ------------------------------------------------------
-    def ends(self, flags: torch.Tensor | None, traj: torch.Tensor | None, n: int) -> torch.Tensor:
+    def ends(self, flags: Tensor | None, traj: Tensor | None, n: int) -> Tensor:
         steps = n // self._envs
         ends = (
             torch.zeros(steps, self._envs, dtype=torch.bool)
@@ -255,12 +246,7 @@ class EnvColumns(Addressing):
         return ends.reshape(n)
 
     def append(
-        self,
-        rows: torch.Tensor,
-        ends: torch.Tensor,
-        traj: torch.Tensor | None,
-        dropped_ends: torch.Tensor | None,
-        evicted: int,
+        self, rows: Tensor, ends: Tensor, traj: Tensor | None, dropped_ends: Tensor | None, evicted: int
     ) -> None:
         envs = self._envs
         self.episodes.append(
@@ -271,24 +257,24 @@ class EnvColumns(Addressing):
             _by_time(dropped_ends, envs),
         )
 
-    def append_dead(self, rows: torch.Tensor) -> None:
+    def append_dead(self, rows: Tensor) -> None:
         self.episodes.append_dead(rows[:: self._envs] // self._envs)
 
     def evict(self, rows: int) -> None:
         self.episodes.evict(rows // self._envs)
 
-    def closed_ends(self) -> torch.Tensor:
+    def closed_ends(self) -> Tensor:
         view = self.episodes.live()
         assert view.env is not None, "env columns' episodes know their env"
         keep = view.closed & ~view.dead
         last = (view.start[keep] + view.length[keep] - 1) % self.time_capacity
         return last * self._envs + view.env[keep]
 
-    def rebuild(self, order: torch.Tensor, ends: torch.Tensor, traj: torch.Tensor | None) -> None:
+    def rebuild(self, order: Tensor, ends: Tensor, traj: Tensor | None) -> None:
         envs = self._envs
         self.episodes.rebuild(order[::envs] // envs, _by_time(ends, envs), _by_time(traj, envs))
 
-    def torchrl_positions(self, rows: torch.Tensor) -> torch.Tensor:
+    def torchrl_positions(self, rows: Tensor) -> Tensor:
         """TorchRL's writers store a step's time row under ``"index"``."""
         return rows // self._envs
 
@@ -297,11 +283,11 @@ class EnvColumns(Addressing):
     def window_rows(self) -> int:
         return self.episodes.window_rows
 
-    def window_coordinates(self, windows: Windows) -> tuple[torch.Tensor, torch.Tensor]:
+    def window_coordinates(self, windows: Windows) -> tuple[Tensor, Tensor]:
         """``(t, e)`` of every window position, padding included: ``[W * window_len]`` each."""
         return self.episodes.coordinates(_C.window_rows(windows.starts, windows.window_len, self.window_rows))
 
-    def ring_rows(self, window_rows: torch.Tensor) -> torch.Tensor:
+    def ring_rows(self, window_rows: Tensor) -> Tensor:
         t, e = self.episodes.coordinates(window_rows)
         return t * self._envs + e
 
@@ -361,7 +347,7 @@ def addressing_of(ndim: int) -> type[Addressing]:
 
 
 @overload
-def _by_time(flat: torch.Tensor, envs: int) -> torch.Tensor: ...
+def _by_time(flat: Tensor, envs: int) -> Tensor: ...
 
 
 @overload
@@ -369,9 +355,9 @@ def _by_time(flat: None, envs: int) -> None: ...
 
 
 @overload
-def _by_time(flat: torch.Tensor | None, envs: int) -> torch.Tensor | None: ...
+def _by_time(flat: Tensor | None, envs: int) -> Tensor | None: ...
 
 
-def _by_time(flat: torch.Tensor | None, envs: int) -> torch.Tensor | None:
+def _by_time(flat: Tensor | None, envs: int) -> Tensor | None:
     """Per-step values of flat rows ``t * envs + e`` as ``[time, envs]``."""
     return None if flat is None else flat.reshape(-1, envs)

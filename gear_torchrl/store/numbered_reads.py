@@ -19,12 +19,9 @@ import numpy as np
 import torch
 
 from gear_torchrl.errors import EmptyStoreError
-from gear_torchrl.store.commit_log import CommitLog
 from gear_torchrl.store.indices import Index, as_index_tensor
 from gear_torchrl.store.live_rows import LiveRows
 from gear_torchrl.store.read_sections import ReadSections
-from gear_torchrl.store.ring import Ring
-from gear_torchrl.store.seen_commits import SeenCommits
 from gear_torchrl.store.table_spec import Data
 
 # SliceSampler reads ``storage[index]`` for its markers, then the buffer reads the batch.
@@ -34,11 +31,8 @@ _SCAN_INDEX_READS = 2
 class NumberedReads:
     """The numbering outside indices were drawn from (the last ``len``, or a scan's), and reads through it."""
 
-    def __init__(self, ring: Ring, log: CommitLog, sections: ReadSections, seen: SeenCommits) -> None:
-        self._ring = ring  # the shard's ring (a weak reference, as its visibility part holds it)
-        self._log = log
-        self._sections = sections
-        self._seen = seen
+    def __init__(self, sections: ReadSections) -> None:
+        self._sections = sections  # the read section it reads in: the shard's ring, commit log and positions
         self._numbered: int | None = None  # the last ``len``: indices from outside number the newest that many
         self._scan: LiveRows | None = None  # a slice read's rows: what indices number during its sample
         self.scan_held = False  # the scan's read section is still open
@@ -46,14 +40,14 @@ class NumberedReads:
 
     def count(self) -> int:
         """``len``: the live rows, other processes' commits caught up (during a scan's sample, the scan's)."""
-        if self._scan is not None and self.scan_held and not self._log.readers.revoked():
+        if self._scan is not None and self.scan_held and not self._sections.log.readers.revoked():
             return len(self._scan)
         self.drop_scan()
         sections = self._sections
         if not sections.is_open and sections.has_news():  # catch up, in a section of its own
             sections.open()
             sections.close()
-        self._numbered = len(self._seen.live_rows())
+        self._numbered = len(self._sections.seen.live_rows())
         return self._numbered
 
     def read(self, index: Index, read_rows: Callable[[torch.Tensor], Data]) -> Data:
@@ -61,14 +55,14 @@ class NumberedReads:
         if isinstance(index, slice) or (isinstance(index, tuple) and isinstance(index[0], slice)):
             self.drop_scan()
             self._sections.open()
-            self._scan, self._scan_reads = self._seen.live_rows(), _SCAN_INDEX_READS
+            self._scan, self._scan_reads = self._sections.seen.live_rows(), _SCAN_INDEX_READS
             return self._read_held(index, self._scan, read_rows)
         scan = self._scan
         if scan is None:
             if not self._sections.is_open:
                 self._sections.open()
             return self._read_held(index, None, read_rows)
-        if self._log.readers.revoked():  # held too long: rows may have moved, look again
+        if self._sections.log.readers.revoked():  # held too long: rows may have moved, look again
             self._sections.close(quietly=True)
             self._sections.open()
         self._scan_reads -= 1
@@ -81,17 +75,17 @@ class NumberedReads:
         sections = self._sections
         try:
             offsets, positions = self._numbered_positions(index, scan)
-            gone = positions < self._seen.lo
+            gone = positions < self._sections.seen.lo
             if bool(gone.any()):
                 raise IndexError(
                     f"read index {int(offsets.reshape(-1)[gone][0])} names a row that was overwritten "
                     "since it was numbered (writers lapped the store meanwhile); sample again"
                 )
-            rows = (positions % self._seen.capacity).reshape(offsets.shape)
+            rows = (positions % self._sections.seen.capacity).reshape(offsets.shape)
             sections.hold = self.scan_held = self._scan is not None
             batch = read_rows(rows.reshape(()) if isinstance(index, (int, np.integer)) else rows)
             if self.scan_held:
-                self._log.readers.raise_if_revoked()
+                self._sections.log.readers.raise_if_revoked()
             return batch
         except BaseException:
             self.drop_scan()
@@ -112,7 +106,7 @@ class NumberedReads:
         if scan is not None:
             offsets = self._scan_offsets(index, len(scan))
             return offsets, scan.positions(offsets.reshape(-1).cpu())
-        live = self._seen.live_rows()
+        live = self._sections.seen.live_rows()
         if len(live) == 0:
             raise EmptyStoreError("cannot read from an empty storage: no process has committed rows yet")
         count = len(live) if self._numbered is None else self._numbered
@@ -122,8 +116,8 @@ class NumberedReads:
     def _scan_offsets(self, index: Index, live: int) -> torch.Tensor:
         """The live rows a scan's ``index`` names: a slice (and more) into ``[T, num_envs]`` steps for env
         columns; rows of ``[0, live)`` otherwise (the steps a scan's later reads name are flat already)."""
-        if self._ring.num_envs is not None and isinstance(index, (slice, tuple)):
-            return torch.arange(live, dtype=torch.int64).view(self._ring.addressing.grid(live))[index]
+        if self._sections.ring.num_envs is not None and isinstance(index, (slice, tuple)):
+            return torch.arange(live, dtype=torch.int64).view(self._sections.ring.addressing.grid(live))[index]
         return as_index_tensor(index, live, "read")
 
     def drop_scan(self) -> None:

@@ -29,10 +29,11 @@ class ReadSections:
     """This process's read section over one shared store: whether one is open, and what opens and closes it."""
 
     def __init__(self, ring: Ring, log: CommitLog, columns: SharedColumns, seen: SeenCommits) -> None:
-        self._ring = ring  # the shard's ring (a weak reference, as its visibility part holds it)
-        self._log = log
+        # What the section reads, and what reads through it (NumberedReads) reads too:
+        self.ring = ring  # the shard's ring (a weak reference, as its visibility part holds it)
+        self.log = log
+        self.seen = seen
         self._columns = columns
-        self._seen = seen
         self.snapshot: ReadSnapshot | None = None  # set while a read section is open
         self.hold = False  # the read in progress leaves its section open (a scan's: ``NumberedReads``)
         self._seen_version: tuple[int, ...] | None = None  # the commit log's version at the last open
@@ -44,21 +45,21 @@ class ReadSections:
 
     def has_news(self) -> bool:
         """Whether anything a reader sees changed since the last ``open`` (read without the lock)."""
-        return self._log.version() != self._seen_version
+        return self.log.version() != self._seen_version
 
     def open(self) -> None:
         """Open a read section and replay what was published since the last one."""
-        self._seen_version = self._log.version()  # before the snapshot: a change after it shows as news
-        snapshot = self._log.begin_read()
+        self._seen_version = self.log.version()  # before the snapshot: a change after it shows as news
+        snapshot = self.log.begin_read()
         self.snapshot = snapshot
         self._columns.map_new()
-        self._seen.catch_up(snapshot)
+        self.seen.catch_up(snapshot)
 
     def close(self, quietly: bool = False) -> None:
         """Close the read section; ``quietly``: nothing was read under it, so a revocation does not matter."""
         self.snapshot = None
         try:
-            self._log.end_read()
+            self.log.end_read()
         except ReadRevokedError:
             if not quietly:
                 raise
@@ -70,8 +71,8 @@ class ReadSections:
             self.open()
         try:
             yield
-            if self._ring.out_device.type == "cuda":
-                torch.cuda.current_stream(self._ring.out_device).synchronize()  # the kernel reads host rows
+            if self.ring.out_device.type == "cuda":
+                torch.cuda.current_stream(self.ring.out_device).synchronize()  # the kernel reads host rows
         finally:
             if not self.hold:
                 self.close()
@@ -82,5 +83,5 @@ class ReadSections:
         Counted at a pessimistic 0.5 GB/s: a large read (a scan of the whole store)
         is not revoked for being large, and a small one adds next to nothing.
         """
-        assert self._ring.table is not None, "rows are read from a shard that holds columns"
-        self._log.readers.claim_longer(num_rows * self._ring.table.row_bytes / _SLOW_GATHER_BYTES_PER_S)
+        assert self.ring.table is not None, "rows are read from a shard that holds columns"
+        self.log.readers.claim_longer(num_rows * self.ring.table.row_bytes / _SLOW_GATHER_BYTES_PER_S)

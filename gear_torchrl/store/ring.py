@@ -13,7 +13,7 @@ import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import cast
+from typing import TypedDict, cast
 
 import numpy as np
 import torch
@@ -33,6 +33,18 @@ logger = logging.getLogger("gear_torchrl.store.shard")  # a shard's warnings, wh
 
 DEFAULT_END_KEYS: tuple[NestedKey, ...] = (("next", "done"), ("next", "truncated"))
 COLLECTOR_TRAJ_KEY: NestedKey = ("collector", "traj_ids")
+
+
+class RingOptions(TypedDict, total=False):
+    """``Ring``'s keywords, for the classes that pass them on (a ``Shard``)."""
+
+    device: torch.device | str
+    register_host: bool
+    out_device: torch.device | str | None
+    end_keys: Sequence[NestedKey]
+    traj_key: NestedKey | None
+    hot_rows: int
+    addressing: type[Addressing]
 
 
 class Ring:

@@ -11,18 +11,17 @@ leaves the shard as it was.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, cast
+from typing import Any, Unpack, cast
 
 import torch
 
 from gear_torchrl.errors import EmptyStoreError
 from gear_torchrl.kernels import gather
-from gear_torchrl.store.addressing import Addressing, StepRows
 from gear_torchrl.store.indices import Index
 from gear_torchrl.store.own_writes import OwnWrites
-from gear_torchrl.store.ring import DEFAULT_END_KEYS, Ring
+from gear_torchrl.store.ring import Ring, RingOptions
 from gear_torchrl.store.table_spec import Data, Leaves, NestedKey, TableSpec
 from gear_torchrl.store.visibility import Visibility
 from gear_torchrl.store.windows import Windows
@@ -40,29 +39,8 @@ class Shard(Ring):
     ``visibility``, the rows are this process's own writes (``OwnWrites``).
     """
 
-    def __init__(
-        self,
-        capacity: int,
-        *,
-        device: torch.device | str = "cpu",
-        register_host: bool = False,
-        out_device: torch.device | str | None = None,
-        end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
-        traj_key: NestedKey | None = None,
-        hot_rows: int = 0,
-        addressing: type[Addressing] = StepRows,
-        visibility: Visibility | None = None,
-    ) -> None:
-        super().__init__(
-            capacity,
-            device=device,
-            register_host=register_host,
-            out_device=out_device,
-            end_keys=end_keys,
-            traj_key=traj_key,
-            hot_rows=hot_rows,
-            addressing=addressing,
-        )
+    def __init__(self, capacity: int, *, visibility: Visibility | None = None, **ring: Unpack[RingOptions]) -> None:
+        super().__init__(capacity, **ring)
         self.visibility = visibility if visibility is not None else OwnWrites()  # what is committed and readable
         self.visibility.bind(self)
 

@@ -142,7 +142,7 @@ class SharedCommits(Visibility):
         self.columns = SharedColumns(ring, self.log, self.store_id)  # the columns' segments, as mapped here
         self.seen = SeenCommits(ring)  # the positions this process has replayed
         self._sections = ReadSections(ring, self.log, self.columns, self.seen)
-        self._numbering = NumberedReads(ring, self.log, self._sections, self.seen)
+        self._numbering = NumberedReads(self._sections)
         self._closed = False
         self.columns.map_new()
 

@@ -18,22 +18,11 @@ import sys
 import pytest
 import torch
 from cuda_kernels import cuda_extension
+from helpers import COLUMN_DTYPES
 
 _C = cuda_extension()
 
 DEVICE = torch.device("cuda")
-ALL_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-]
 TIERS = ["pinned", "registered", "device"]
 
 
@@ -174,7 +163,7 @@ def test_built_with_cuda():
 
 
 @pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", COLUMN_DTYPES, ids=str)
 def test_rows_every_dtype(tier, dtype, place):
     gen = torch.Generator().manual_seed(1)
     capacity = 1000
@@ -184,7 +173,7 @@ def test_rows_every_dtype(tier, dtype, place):
 
 
 @pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", COLUMN_DTYPES, ids=str)
 def test_windows_every_dtype_padding_and_mask(tier, dtype, place):
     gen = torch.Generator().manual_seed(2)
     capacity, window_len, n = 500, 16, 300
@@ -298,7 +287,7 @@ def test_many_columns(place):
     gen = torch.Generator().manual_seed(8)
     capacity = 64
     cols = [
-        place(random_column(capacity, (1 + k % 13,), ALL_DTYPES[k % len(ALL_DTYPES)], gen), TIERS[k % 2 * 2])
+        place(random_column(capacity, (1 + k % 13,), COLUMN_DTYPES[k % len(COLUMN_DTYPES)], gen), TIERS[k % 2 * 2])
         for k in range(150)
     ]
     starts = torch.randint(0, capacity, (40,), generator=gen)

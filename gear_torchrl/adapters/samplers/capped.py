@@ -17,7 +17,7 @@ from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage, select
 from gear_torchrl.errors import CheckpointError
-from gear_torchrl.selection.base import SelectionSpec, Selector
+from gear_torchrl.selection.base import AnySelector
 from gear_torchrl.selection.capped import CappedSelector, CappedSpec
 from gear_torchrl.selection.picked import SelectionIndex
 from gear_torchrl.selection.state_file import SAMPLER_FORMAT, StateDictFile, load_pickled
@@ -31,7 +31,7 @@ _PICKLED_COUNTS = "times_sampled.pt"  # the counts, before checkpoints carried c
 class _Excludable(Protocol):
     """What the cap needs of the sampler it wraps: a core that can leave rows out, and that core's state."""
 
-    selector: Selector[SelectionSpec]
+    selector: AnySelector
     _rng: torch.Generator | None
 
     def exclude(self, rows: torch.Tensor) -> None: ...

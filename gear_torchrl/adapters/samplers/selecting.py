@@ -15,7 +15,7 @@ import torch
 from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.adapters.table_storage import TableStorage
-from gear_torchrl.selection.base import SelectionSpec, Selector, StatefulSelector, pick_exactly
+from gear_torchrl.selection.base import AnySelector, SelectionSpec, StatefulSelector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.markers import WindowMarkers
 from gear_torchrl.selection.picked import Picked
@@ -23,7 +23,7 @@ from gear_torchrl.selection.picked import Picked
 
 def select(
     storage: Storage,
-    selector: Selector[SelectionSpec],
+    selector: AnySelector,
     count: int,
     generator: torch.Generator | None,
     markers: WindowMarkers | None = None,
@@ -34,9 +34,7 @@ def select(
     return select_over_rows(storage, selector, count, generator)
 
 
-def select_over_rows(
-    storage: Storage, selector: Selector[SelectionSpec], count: int, generator: torch.Generator | None
-) -> Picked:
+def select_over_rows(storage: Storage, selector: AnySelector, count: int, generator: torch.Generator | None) -> Picked:
     """A row rule over a storage without a table (TorchRL's own): its rows are ``0..len-1``."""
     if selector.spec.rows_per_pick != 1 or not selector.keeps_row_state:
         raise TypeError(
@@ -54,7 +52,7 @@ class SelectsThroughStorage:
     """Mixin for a TorchRL ``Sampler`` whose rule is ``self.selector``, run by the storage's table
     (:func:`select`); what it adds is TorchRL's side of per-row state: writes and priorities."""
 
-    selector: Selector[SelectionSpec]
+    selector: AnySelector
     _rng: torch.Generator | None = None
 
     def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
