@@ -90,16 +90,7 @@ void bind_rules(py::module_& m) {
            }),
            py::kw_only(), py::arg("key"), py::arg("tree"), py::arg("episode_start"), py::arg("episode_length"),
            py::arg("window_len"), py::arg("burn_in"), py::arg("strict_length"), py::arg("seen_lo"),
-           py::arg("seen_hi"))
-      .def_property_readonly("key", [](const gear::WindowRule& r) { return py::bytes(r.key); })
-      .def_readonly("tree", &gear::WindowRule::tree)
-      .def_readonly("episode_start", &gear::WindowRule::episode_start)
-      .def_readonly("episode_length", &gear::WindowRule::episode_length)
-      .def_readonly("window_len", &gear::WindowRule::window_len)
-      .def_readonly("burn_in", &gear::WindowRule::burn_in)
-      .def_readonly("strict_length", &gear::WindowRule::strict_length)
-      .def_readonly("seen_lo", &gear::WindowRule::seen_lo)
-      .def_readonly("seen_hi", &gear::WindowRule::seen_hi);
+           py::arg("seen_hi"));
   py::class_<gear::PriorityRule>(m, "PriorityRule",
                                  "Prioritized rows the native owner draws and updates (csrc/net/owner.h)")
       .def(py::init([](std::string key, std::string update_key, at::Tensor sum_tree, at::Tensor min_tree,
@@ -111,18 +102,7 @@ void bind_rules(py::module_& m) {
            }),
            py::kw_only(), py::arg("key"), py::arg("update_key"), py::arg("sum_tree"), py::arg("min_tree"),
            py::arg("generation"), py::arg("followed"), py::arg("max_priority"), py::arg("alpha"), py::arg("eps"),
-           py::arg("rows_per_step"), py::arg("lock"))
-      .def_property_readonly("key", [](const gear::PriorityRule& r) { return py::bytes(r.key); })
-      .def_property_readonly("update_key", [](const gear::PriorityRule& r) { return py::bytes(r.update_key); })
-      .def_readonly("sum_tree", &gear::PriorityRule::sum_tree)
-      .def_readonly("min_tree", &gear::PriorityRule::min_tree)
-      .def_readonly("generation", &gear::PriorityRule::generation)
-      .def_readonly("followed", &gear::PriorityRule::followed)
-      .def_readonly("max_priority", &gear::PriorityRule::max_priority)
-      .def_readonly("alpha", &gear::PriorityRule::alpha)
-      .def_readonly("eps", &gear::PriorityRule::eps)
-      .def_readonly("rows_per_step", &gear::PriorityRule::rows_per_step)
-      .def_readonly("lock", &gear::PriorityRule::lock);
+           py::arg("rows_per_step"), py::arg("lock"));
 }
 
 }  // namespace
