@@ -84,3 +84,20 @@ def test_score_tree_keeps_the_maximum_at_every_node():
     for level, want in enumerate(levels_from_leaves(padded, lambda x: x.max(1).values)):
         assert torch.equal(stored_levels(tree.max, leaf_count)[level], want), f"max level {level}"
     assert torch.equal(tree.top(10), expected.topk(10).indices)
+
+
+@pytest.mark.parametrize("count", [1, 7, 1000, 5000])
+def test_a_tree_draw_is_what_torch_rand_draws_found_in_the_tree(count):
+    """The extension draws its uniforms without the dispatcher (``uniforms_into``): the same numbers as
+    ``torch.rand``'s from the same generator, seeded or the global one."""
+    from gear_torchrl.kernels import _C
+
+    trees = PriorityTrees(5000)
+    trees.set(torch.arange(5000), torch.rand(5000, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    drawn = _C.sum_tree_draw(trees.sum, count, torch.Generator().manual_seed(count))
+    uniforms = torch.rand(count, dtype=torch.float64, generator=torch.Generator().manual_seed(count))
+    assert torch.equal(drawn, _C.sum_tree_find(trees.sum, uniforms * trees.total))
+    torch.manual_seed(count)
+    drawn = _C.sum_tree_draw(trees.sum, count, None)
+    torch.manual_seed(count)
+    assert torch.equal(drawn, _C.sum_tree_find(trees.sum, torch.rand(count, dtype=torch.float64) * trees.total))

@@ -1,11 +1,13 @@
 #include "kernels/trees.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <queue>
 #include <tuple>
 #include <utility>
@@ -226,27 +228,42 @@ void find_lanes(const double* t, const Layout& layout, const double* mass, int64
   std::copy(node, node + lanes, leaf);
 }
 
-at::Tensor sum_tree_find(const at::Tensor& tree, const at::Tensor& mass) {
-  TORCH_CHECK(mass.dim() == 1, "mass must be 1-D");
+void sum_tree_find_into(const at::Tensor& tree, const double* mass, int64_t* leaf, int64_t n) {
   const Layout layout = layout_of(tree);
-  const at::Tensor m = mass.to(at::kDouble).contiguous();
-  at::Tensor out = at::empty({m.numel()}, at::kLong);
   const double* t = tree.data_ptr<double>();
-  const double* mp = m.data_ptr<double>();
-  int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, m.numel(), 1024, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, n, 1024, [&](int64_t first, int64_t last) {
     for (int64_t lane0 = first; lane0 < last; lane0 += kLanes) {
-      find_lanes(t, layout, mp + lane0, op + lane0, std::min(kLanes, last - lane0));
+      find_lanes(t, layout, mass + lane0, leaf + lane0, std::min(kLanes, last - lane0));
     }
   });
+}
+
+at::Tensor sum_tree_find(const at::Tensor& tree, const at::Tensor& mass) {
+  TORCH_CHECK(mass.dim() == 1, "mass must be 1-D");
+  const at::Tensor m = mass.to(at::kDouble).contiguous();
+  at::Tensor out = at::empty({m.numel()}, at::kLong);
+  sum_tree_find_into(tree, m.data_ptr<double>(), out.data_ptr<int64_t>(), m.numel());
   return out;
+}
+
+void uniforms_into(std::optional<at::Generator> generator, double* u, int64_t n) {
+  at::Generator g = generator.has_value() && generator->defined() ? *generator : at::detail::getDefaultCPUGenerator();
+  auto* engine = at::check_generator<at::CPUGeneratorImpl>(g);
+  std::lock_guard<std::mutex> lock(g.mutex());
+  constexpr uint64_t kMantissa = (uint64_t{1} << 53) - 1;
+  for (int64_t i = 0; i < n; ++i) u[i] = static_cast<double>(engine->random64() & kMantissa) * 0x1.0p-53;
 }
 
 at::Tensor sum_tree_draw(const at::Tensor& tree, int64_t count, std::optional<at::Generator> generator) {
   TORCH_CHECK_VALUE(count >= 0, "cannot draw a negative number of rows, ", count);
   layout_of(tree);  // checks it is a tree before its root is read
   const double total = tree.data_ptr<double>()[0];
-  return sum_tree_find(tree, at::rand({count}, std::move(generator), at::kDouble).mul_(total));
+  std::vector<double> mass(static_cast<size_t>(count));
+  uniforms_into(std::move(generator), mass.data(), count);
+  for (double& m : mass) m *= total;
+  at::Tensor out = at::empty({count}, at::kLong);
+  sum_tree_find_into(tree, mass.data(), out.data_ptr<int64_t>(), count);
+  return out;
 }
 
 at::Tensor max_tree_topk(const at::Tensor& tree, int64_t k) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace gear {
 namespace {
@@ -21,18 +22,26 @@ void check_episode_args(const at::Tensor& start, const at::Tensor& length, const
               " CPU tensor with one entry per slot");
 }
 
-struct Placed {
-  at::Tensor starts, valid_begin, valid_end;
+// Where placed windows go: each one's start and valid range.
+struct Into {
   int64_t *s, *b, *e;
-  explicit Placed(int64_t n)
-      : starts(at::empty({n}, at::kLong)), valid_begin(at::empty({n}, at::kLong)), valid_end(at::empty({n}, at::kLong)),
-        s(starts.data_ptr<int64_t>()), b(valid_begin.data_ptr<int64_t>()), e(valid_end.data_ptr<int64_t>()) {}
 
   // Window i: position 0 is `first` steps into an episode starting at `start` of `length` steps.
-  void set(int64_t i, int64_t start, int64_t length, int64_t first, int64_t window_len) {
+  void set(int64_t i, int64_t start, int64_t length, int64_t first, int64_t window_len) const {
     s[i] = start + first;
     b[i] = std::min(std::max<int64_t>(-first, 0), window_len);
     e[i] = std::max(std::min(length - first, window_len), b[i]);
+  }
+};
+
+// Placed windows in tensors of their own.
+struct Placed : Into {
+  at::Tensor starts, valid_begin, valid_end;
+  explicit Placed(int64_t n)
+      : starts(at::empty({n}, at::kLong)), valid_begin(at::empty({n}, at::kLong)), valid_end(at::empty({n}, at::kLong)) {
+    s = starts.data_ptr<int64_t>();
+    b = valid_begin.data_ptr<int64_t>();
+    e = valid_end.data_ptr<int64_t>();
   }
   std::tuple<at::Tensor, at::Tensor, at::Tensor> done() { return {starts, valid_begin, valid_end}; }
 };
@@ -41,6 +50,26 @@ int64_t checked_slot(const int64_t* slots, int64_t i, int64_t num_slots) {
   const int64_t slot = slots[i];
   TORCH_CHECK(slot >= 0 && slot < num_slots, "windows: slot ", slot, " out of range [0, ", num_slots, ")");
   return slot;
+}
+
+// A uniform window of each of `n` episode slots: u[i] in [0, 1) picks one of the episode's
+// max(length - tail, 0) windows (see windows.h), into `out`.
+void place_uniform(const at::Tensor& episode_start, const at::Tensor& episode_length, const int64_t* slot,
+                   const double* u, int64_t n, int64_t window_len, int64_t burn_in, bool strict_length,
+                   const Into& out) {
+  TORCH_CHECK(window_len >= 1 && burn_in >= 0 && burn_in < window_len,
+              "windows: need window_len >= 1 and 0 <= burn_in < window_len, got ", window_len, ", ", burn_in);
+  const int64_t num_slots = episode_start.numel();
+  const int64_t tail = strict_length ? window_len - 1 : 0;
+  const int64_t shift = strict_length ? 0 : burn_in;  // padded windows may start burn_in steps early
+  const int64_t *start = episode_start.data_ptr<int64_t>(), *length = episode_length.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = checked_slot(slot, i, num_slots);
+    const int64_t choices = std::max<int64_t>(length[k] - tail, 0);
+    // u * choices can round up to choices itself: clamp to the last window.
+    const int64_t offset = std::min(static_cast<int64_t>(std::floor(u[i] * static_cast<double>(choices))), choices - 1);
+    out.set(i, start[k], length[k], offset - shift, window_len);
+  }
 }
 
 }  // namespace
@@ -68,33 +97,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uniform_windows(const at::Tensor&
                                                                int64_t window_len, int64_t burn_in,
                                                                bool strict_length) {
   check_episode_args(episode_start, episode_length, slots, u, at::kDouble, "u");
-  TORCH_CHECK(window_len >= 1 && burn_in >= 0 && burn_in < window_len,
-              "windows: need window_len >= 1 and 0 <= burn_in < window_len, got ", window_len, ", ", burn_in);
-  const int64_t n = slots.numel(), num_slots = episode_start.numel();
-  const int64_t tail = strict_length ? window_len - 1 : 0;
-  const int64_t shift = strict_length ? 0 : burn_in;  // padded windows may start burn_in steps early
-  const int64_t *start = episode_start.data_ptr<int64_t>(), *length = episode_length.data_ptr<int64_t>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const double* uu = u.data_ptr<double>();
-  Placed out(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t k = checked_slot(slot, i, num_slots);
-    const int64_t choices = std::max<int64_t>(length[k] - tail, 0);
-    // u * choices can round up to choices itself: clamp to the last window.
-    const int64_t offset = std::min(static_cast<int64_t>(std::floor(uu[i] * static_cast<double>(choices))), choices - 1);
-    out.set(i, start[k], length[k], offset - shift, window_len);
-  }
+  Placed out(slots.numel());
+  place_uniform(episode_start, episode_length, slots.data_ptr<int64_t>(), u.data_ptr<double>(), slots.numel(),
+                window_len, burn_in, strict_length, out);
   return out.done();
+}
+
+void draw_windows_into(const at::Tensor& tree, const at::Tensor& episode_start, const at::Tensor& episode_length,
+                       const double* u, int64_t n, int64_t window_len, int64_t burn_in, bool strict_length,
+                       int64_t* starts, int64_t* valid_begin, int64_t* valid_end) {
+  const at::Tensor& start = episode_start;
+  TORCH_CHECK(start.device().is_cpu() && start.scalar_type() == at::kLong && start.dim() == 1 && start.is_contiguous() &&
+                  episode_length.device().is_cpu() && episode_length.scalar_type() == at::kLong &&
+                  episode_length.dim() == 1 && episode_length.is_contiguous() &&
+                  episode_length.numel() == start.numel(),
+              "windows: episode_start and episode_length must be contiguous 1-D int64 CPU tensors of one length");
+  const double total = tree.data_ptr<double>()[0];
+  std::vector<double> mass(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) mass[i] = u[i] * total;
+  std::vector<int64_t> slots(static_cast<size_t>(n));
+  sum_tree_find_into(tree, mass.data(), slots.data(), n);
+  place_uniform(episode_start, episode_length, slots.data(), u + n, n, window_len, burn_in, strict_length,
+                Into{starts, valid_begin, valid_end});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> draw_windows(const at::Tensor& tree, const at::Tensor& episode_start,
                                                             const at::Tensor& episode_length, const at::Tensor& u,
                                                             int64_t window_len, int64_t burn_in, bool strict_length) {
-  TORCH_CHECK(u.device().is_cpu() && u.scalar_type() == at::kDouble && u.dim() == 2 && u.size(0) == 2,
-              "draw_windows: u must be a float64 CPU tensor of shape [2, W]");
-  const double total = tree.data_ptr<double>()[0];
-  const at::Tensor slots = sum_tree_find(tree, u[0] * total);
-  return uniform_windows(episode_start, episode_length, slots, u[1].contiguous(), window_len, burn_in, strict_length);
+  TORCH_CHECK(u.device().is_cpu() && u.scalar_type() == at::kDouble && u.dim() == 2 && u.size(0) == 2 &&
+                  u.is_contiguous(),
+              "draw_windows: u must be a contiguous float64 CPU tensor of shape [2, W]");
+  const int64_t n = u.size(1);
+  Placed out(n);
+  draw_windows_into(tree, episode_start, episode_length, u.data_ptr<double>(), n, window_len, burn_in, strict_length,
+                    out.s, out.b, out.e);
+  return out.done();
 }
 
 at::Tensor window_rows(const at::Tensor& starts, int64_t window_len, int64_t capacity) {

@@ -36,6 +36,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draw_windows(const at::Tensor& tr
                                                             const at::Tensor& episode_length, const at::Tensor& u,
                                                             int64_t window_len, int64_t burn_in, bool strict_length);
 
+// draw_windows over raw arrays, with no tensor made (a native owner's small answers): `u` holds the 2 * n
+// uniforms (n to pick episodes, then n to place a window in each); starts, valid_begin and valid_end get n
+// each, starts not wrapped.
+void draw_windows_into(const at::Tensor& tree, const at::Tensor& episode_start, const at::Tensor& episode_length,
+                       const double* u, int64_t n, int64_t window_len, int64_t burn_in, bool strict_length,
+                       int64_t* starts, int64_t* valid_begin, int64_t* valid_end);
+
 // Flat ring rows of every position of every window: (starts[i] mod capacity + j) mod capacity,
 // int64 [W * window_len].
 at::Tensor window_rows(const at::Tensor& starts, int64_t window_len, int64_t capacity);

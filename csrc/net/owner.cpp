@@ -32,6 +32,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace gear {
 namespace {
@@ -306,14 +307,20 @@ using Landing = std::function<std::vector<at::Tensor>(const Drawn& drawn, int64_
 
 // WindowSelector.pick's draw (selection/windows.py), the same kernel from the same uniforms, so a seed gives
 // the same windows: episode slots by the tree's masses, a uniform window in each, its start taken modulo the
-// ring.
+// ring. No tensor op runs before the outputs (uniforms_into, draw_windows_into): the dispatcher's cost was
+// most of a small answer's.
 Drawn request_windows(const Request& q, const WindowRule& r, int64_t capacity) {
   std::optional<at::Generator> generator;
   if (q.seed >= 0) generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.seed));
-  const at::Tensor u = at::rand({2, q.count}, generator, at::TensorOptions().dtype(at::kDouble));
-  auto [starts, valid_begin, valid_end] =
-      draw_windows(r.tree, r.episode_start, r.episode_length, u, r.window_len, r.burn_in, r.strict_length);
-  return {at::remainder(starts, capacity), valid_begin, valid_end};
+  const int64_t n = q.count;
+  std::vector<double> u(static_cast<size_t>(2 * n));
+  uniforms_into(std::move(generator), u.data(), 2 * n);
+  Drawn d{at::empty({n}, at::kLong), at::empty({n}, at::kLong), at::empty({n}, at::kLong)};
+  int64_t* starts = d.starts.data_ptr<int64_t>();
+  draw_windows_into(r.tree, r.episode_start, r.episode_length, u.data(), n, r.window_len, r.burn_in, r.strict_length,
+                    starts, d.valid_begin.data_ptr<int64_t>(), d.valid_end.data_ptr<int64_t>());
+  for (int64_t i = 0; i < n; ++i) starts[i] = ((starts[i] % capacity) + capacity) % capacity;
+  return d;
 }
 
 // Every SAMPLE_WINDOWS answer's work: open a read section, check that nothing was published or evicted
