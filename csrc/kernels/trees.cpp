@@ -254,15 +254,20 @@ void uniforms_into(std::optional<at::Generator> generator, double* u, int64_t n)
   for (int64_t i = 0; i < n; ++i) u[i] = static_cast<double>(engine->random64() & kMantissa) * 0x1.0p-53;
 }
 
-at::Tensor sum_tree_draw(const at::Tensor& tree, int64_t count, std::optional<at::Generator> generator) {
+void sum_tree_draw_into(const at::Tensor& tree, int64_t count, std::optional<at::Generator> generator, int64_t* leaf) {
   TORCH_CHECK_VALUE(count >= 0, "cannot draw a negative number of rows, ", count);
   layout_of(tree);  // checks it is a tree before its root is read
   const double total = tree.data_ptr<double>()[0];
   std::vector<double> mass(static_cast<size_t>(count));
   uniforms_into(std::move(generator), mass.data(), count);
   for (double& m : mass) m *= total;
+  sum_tree_find_into(tree, mass.data(), leaf, count);
+}
+
+at::Tensor sum_tree_draw(const at::Tensor& tree, int64_t count, std::optional<at::Generator> generator) {
+  TORCH_CHECK_VALUE(count >= 0, "cannot draw a negative number of rows, ", count);
   at::Tensor out = at::empty({count}, at::kLong);
-  sum_tree_find_into(tree, mass.data(), out.data_ptr<int64_t>(), count);
+  sum_tree_draw_into(tree, count, std::move(generator), out.data_ptr<int64_t>());
   return out;
 }
 

@@ -43,6 +43,9 @@ void uniforms_into(std::optional<at::Generator> generator, double* u, int64_t n)
 // torch.rand draws them, so a seeded draw is the one the tensor ops made) scaled by the total, then found.
 at::Tensor sum_tree_draw(const at::Tensor& tree, int64_t count, std::optional<at::Generator> generator);
 
+// sum_tree_draw into a caller's array of `count` leaves (a native owner's reply), with no tensor made.
+void sum_tree_draw_into(const at::Tensor& tree, int64_t count, std::optional<at::Generator> generator, int64_t* leaf);
+
 // The k leaves of largest value, largest first (best-first search).
 // Leaves at -inf are never returned, so fewer than k come back when fewer are finite.
 at::Tensor max_tree_topk(const at::Tensor& tree, int64_t k);

@@ -24,6 +24,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -429,14 +430,12 @@ int64_t sample_prioritized(const OwnedStore& s, const Request& q, const Priority
     if (q.count > 0) {
       std::optional<at::Generator> generator;
       if (q.seed >= 0) generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.seed));
-      const at::Tensor rows = sum_tree_draw(r.sum_tree, q.count, generator);
-      const int64_t* row = rows.data_ptr<int64_t>();
+      sum_tree_draw_into(r.sum_tree, q.count, generator, picks.rows);  // the picks land in the reply itself
       const double* leaves = r.sum_tree.data_ptr<double>() + tree_leaf_offset(r.sum_tree.numel());
       const int64_t* generation = r.generation.data_ptr<int64_t>();
       for (int64_t i = 0; i < q.count; ++i) {
-        picks.rows[i] = row[i];
-        picks.mass[i] = leaves[row[i]];
-        picks.generation[i] = generation[row[i]];
+        picks.mass[i] = leaves[picks.rows[i]];
+        picks.generation[i] = generation[picks.rows[i]];
       }
     }
   }
@@ -480,13 +479,18 @@ bool frames_update(const char* p, size_t meta) {
 
 // A POST_UPDATE whose head (at `p`) frames_update, read whole into `arrays` (each array's bytes); 0 or -errno.
 int64_t receive_update(int fd, char* p, size_t meta, std::vector<at::Tensor>& arrays) {
-  std::vector<uint64_t> lengths;
-  for (size_t i = 0; i < 3; ++i) lengths.push_back(field<uint64_t>(p + kHeader + meta + 8 * i));
+  std::array<int64_t, 3> lengths{};
+  for (size_t i = 0; i < 3; ++i) lengths[i] = static_cast<int64_t>(field<uint64_t>(p + kHeader + meta + 8 * i));
   int64_t status = receive(fd, p, kHeader + meta + 24, false, false);
-  for (const uint64_t n : lengths) {
-    if (status < 0) return status;
-    arrays.push_back(at::empty({static_cast<int64_t>(n)}, at::kByte));
-    if (n > 0) status = receive(fd, static_cast<char*>(arrays.back().data_ptr()), n, false, false);
+  if (status < 0) return status;
+  // The three arrays in one buffer, read in one go: one receive, not one per array.
+  const int64_t total = lengths[0] + lengths[1] + lengths[2];
+  const at::Tensor bytes = at::empty({total}, at::kByte);
+  if (total > 0) status = receive(fd, static_cast<char*>(bytes.data_ptr()), static_cast<size_t>(total), false, false);
+  int64_t at = 0;
+  for (const int64_t n : lengths) {
+    arrays.push_back(bytes.narrow(0, at, n));
+    at += n;
   }
   return status;
 }
