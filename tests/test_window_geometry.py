@@ -119,3 +119,26 @@ def test_first_row_outside_matches_the_position_formula(lo, hi):
     stale = rows[newest < lo]
     got = _C.first_row_outside(starts, begin, end, window_len, capacity, lo % capacity, hi - lo)
     assert got == (int(stale[0]) if stale.numel() else -1)
+
+
+@pytest.mark.parametrize("strict_length", [True, False])
+def test_draw_windows_is_the_tree_search_then_a_uniform_window(strict_length):
+    """One kernel draws what the two calls it replaced drew, from the same uniforms."""
+    from gear_torchrl.selection.trees import PriorityTrees
+
+    start, length = episodes()
+    trees = PriorityTrees(start.numel())
+    trees.set(torch.arange(start.numel()), (length - 15).clamp_min(0).double())
+    u = torch.rand(2, 500, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    got = _C.draw_windows(trees.sum, start, length, u, 16, 4, strict_length)
+    slots = _C.sum_tree_find(trees.sum, u[0] * trees.total)
+    for g_, r in zip(got, _C.uniform_windows(start, length, slots, u[1].contiguous(), 16, 4, strict_length)):
+        assert torch.equal(g_, r)
+    with pytest.raises(RuntimeError, match="tree must be"):
+        _C.draw_windows(torch.zeros(0, dtype=torch.float32), start, length, u, 16, 4, strict_length)
+    with pytest.raises(RuntimeError, match="u must be"):
+        _C.draw_windows(trees.sum, start, length, torch.rand(3, 5, dtype=torch.float64), 16, 4, strict_length)
+    with pytest.raises(RuntimeError, match="of one length"):
+        _C.draw_windows(trees.sum, start, length[:-1], u, 16, 4, strict_length)
+    with pytest.raises(RuntimeError, match="burn_in < window_len"):
+        _C.draw_windows(trees.sum, start, length, u, 4, 4, strict_length)

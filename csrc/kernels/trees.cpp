@@ -254,10 +254,14 @@ void uniforms_into(std::optional<at::Generator> generator, double* u, int64_t n)
   for (int64_t i = 0; i < n; ++i) u[i] = static_cast<double>(engine->random64() & kMantissa) * 0x1.0p-53;
 }
 
+double sum_tree_total(const at::Tensor& tree) {
+  layout_of(tree);  // checks it is a tree before its root is read
+  return tree.data_ptr<double>()[0];
+}
+
 void sum_tree_draw_into(const at::Tensor& tree, int64_t count, std::optional<at::Generator> generator, int64_t* leaf) {
   TORCH_CHECK_VALUE(count >= 0, "cannot draw a negative number of rows, ", count);
-  layout_of(tree);  // checks it is a tree before its root is read
-  const double total = tree.data_ptr<double>()[0];
+  const double total = sum_tree_total(tree);
   std::vector<double> mass(static_cast<size_t>(count));
   uniforms_into(std::move(generator), mass.data(), count);
   for (double& m : mass) m *= total;

@@ -31,6 +31,9 @@ void priority_set(const at::Tensor& sum_tree, const at::Tensor& min_tree, const 
 // Never returns a zero-mass leaf while the total is positive. O(k log_8 L).
 at::Tensor sum_tree_find(const at::Tensor& tree, const at::Tensor& mass);
 
+// The sum of every leaf: the root of a checked tree.
+double sum_tree_total(const at::Tensor& tree);
+
 // sum_tree_find over raw arrays: the leaf of each of the `n` prefix masses `mass`, into `leaf`.
 void sum_tree_find_into(const at::Tensor& tree, const double* mass, int64_t* leaf, int64_t n);
 
