@@ -86,6 +86,15 @@ def test_stale_generation_updates_are_skipped():
     assert bool(stale.any()) and bool((~stale).any())
 
 
+def test_emptying_the_buffer_forgets_the_last_draw():
+    """``rb.empty()`` clears the core and the last draw, whose generations no longer name stored rows."""
+    rb = buffer()
+    rb.sample()
+    assert rb.sampler._last_draw is not None
+    rb.empty()
+    assert rb.sampler._last_draw is None and rb.sampler.total_mass == 0
+
+
 @pytest.mark.parametrize(
     "index, priority, error, match",
     [

@@ -308,8 +308,8 @@ using Landing = std::function<std::vector<at::Tensor>(const Drawn& drawn, int64_
 
 // WindowSelector.pick's draw (selection/windows.py), the same kernel from the same uniforms, so a seed gives
 // the same windows: episode slots by the tree's masses, a uniform window in each, its start taken modulo the
-// ring. No tensor op runs before the outputs (uniforms_into, draw_windows_into): the dispatcher's cost was
-// most of a small answer's.
+// ring. No tensor op runs but the outputs' allocation (uniforms_into, draw_windows_into): the dispatcher
+// would cost more than the draw itself in a small answer.
 Drawn request_windows(const Request& q, const WindowRule& r, int64_t capacity) {
   std::optional<at::Generator> generator;
   if (q.seed >= 0) generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.seed));

@@ -36,6 +36,8 @@ class GearPrioritizedSampler(SelectsThroughStorage, PriorityState, PrioritizedSa
     storages whose batches are on the GPU too.
     """
 
+    _empty = PriorityState._empty  # the core cleared and the last draw forgotten too
+
     selector: PrioritySelector[ProportionalSpec]
     _device: torch.device  # TorchRL's may be None; ours is always set
 
@@ -196,7 +198,7 @@ class GearPrioritizedSampler(SelectsThroughStorage, PriorityState, PrioritizedSa
         if isinstance(storage, TableStorage):
             storage.table.update_rows(self.selector, keys, priority, generation)
         else:
-            self._update(storage, keys, priority, generation)
+            self.selector.update(keys, priority, generation)
 
     def _generations_if_rewritten_since_drawn(self, index: Any) -> torch.Tensor | None:
         """The last draw's generations when ``index`` is its rows and some write came since, else None.
@@ -244,11 +246,11 @@ class KeyedPriorityState:
     sequence's first trained step), which no TorchRL sampler's files hold."""
 
     _torchrl_files = False
-    _empty = GearPrioritizedSampler._empty
-    state_dict = GearPrioritizedSampler.state_dict
-    load_state_dict = GearPrioritizedSampler.load_state_dict
-    dumps = GearPrioritizedSampler.dumps
-    loads = GearPrioritizedSampler.loads
+    _empty = PriorityState._empty
+    state_dict = PriorityState.state_dict
+    load_state_dict = PriorityState.load_state_dict
+    dumps = PriorityState.dumps
+    loads = PriorityState.loads
     mark_update = GearPrioritizedSampler.mark_update
 
 
