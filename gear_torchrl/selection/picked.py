@@ -17,6 +17,7 @@ any other op gives a plain tensor, which reads the rows it names.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, SupportsIndex
 
@@ -57,6 +58,8 @@ class Picked(Windows):
     table: TableSpec | None = None  # what ``columns`` are
     _index: SelectionIndex | None = None
     _carried: bool = False  # whether the index carries these picks (a SampledIndex, made when it is read)
+    # The SampledIndex handed out last, while its holder keeps it: every read hands out the same object.
+    _handed: weakref.ReferenceType[SampledIndex] | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def of(cls, windows: Windows, mass: float | torch.Tensor, **kw: Any) -> Picked:
@@ -80,21 +83,25 @@ class Picked(Windows):
         index = self._index
         if index is None:
             raise RuntimeError("these picks have no index yet: a table makes it when it answers a sampler")
-        # Made on each read, not kept: an index kept here would refer back to these picks (a cycle the
-        # garbage collector, not the reference count, would free, holding a batch's columns meanwhile).
-        if self._carried:
+        # Kept weakly: a strong reference here would refer back to these picks (a cycle the garbage
+        # collector, not the reference count, would free, holding a batch's columns meanwhile).
+        if not self._carried:
+            return index
+        handed = None if self._handed is None else self._handed()
+        if handed is None:
             assert isinstance(index, torch.Tensor)  # carried_by takes a tensor
-            return SampledIndex(index, self)
-        return index
+            handed = SampledIndex(index, self)
+            self._handed = weakref.ref(handed)
+        return handed
 
     @index.setter
     def index(self, index: SelectionIndex) -> None:
         """Rows (or ``(t, e)`` coordinates) that name the picks and carry nothing."""
-        self._index, self._carried = index, False
+        self._index, self._carried, self._handed = index, False, None
 
     def carried_by(self, rows: torch.Tensor) -> None:
         """TorchRL's index is ``rows``, carrying these picks (``SampledIndex``)."""
-        self._index, self._carried = rows, True
+        self._index, self._carried, self._handed = rows, True, None
 
     @property
     def count(self) -> int:
