@@ -79,7 +79,7 @@ def segments_left_by_dead_owners(before: set[str], grace_s: float = 10.0) -> set
     import os
     import time
 
-    from gear_torchrl.store.commit_log import process_alive
+    from gear_torchrl.store.processes import process_alive
 
     def leaked_by(pid: int) -> bool:
         return pid == os.getpid() or not process_alive(pid)

@@ -4,9 +4,10 @@ Launched with ``torchrun``: every rank builds it (a collective). A rank that
 owns a shard holds it in shared memory, where that host's actors write with
 ``TrajectoryWriter`` (``storage.local``), and serves it. Any rank, and any
 process it pickles the storage into (DataLoader workers), samples the union.
-This file is the TorchRL face only; selection across shards, connections and
-the failure policy live in ``distributed/shard_set.py``, joining the job in
-``distributed/bootstrap.py``.
+This file is the TorchRL face only; selection across shards lives in
+``distributed/shard_batches.py``, connections and the failure policy in
+``distributed/shard_links.py`` (``shard_set.py`` holds the parts), joining the
+job in ``distributed/bootstrap.py``.
 """
 
 from __future__ import annotations

@@ -297,8 +297,9 @@ class Ask:
 
     def placed(self, picked: Picked) -> Picked:
         """``picked`` (from a transport that answers apart) with its picks where a ROWS, WINDOWS or PRIORITIZED
-        reply lands them."""
-        if self.picks is not None and picked.count:
+        reply lands them (where they are already: picks this ask ``landed``)."""
+        landed_here = isinstance(picked, LandedPicks) and picked.landed_in(self.picks)
+        if self.picks is not None and picked.count and not landed_here:
             end = self.first_pick + picked.count
             part = self.picks.part(self.first_pick, end)
             for into, got in zip(
@@ -389,6 +390,10 @@ class LandedPicks(Picked):
     @extra.setter
     def extra(self, extra: dict[str, torch.Tensor]) -> None:
         self._extra = extra
+
+    def landed_in(self, batch: Windows | None) -> bool:
+        """Whether these picks are views of ``batch``'s."""
+        return self._batch is batch
 
     def _windows_now(self) -> Windows:
         if self._windows is None:

@@ -16,7 +16,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 
@@ -227,8 +227,8 @@ class ShardLinks:
         in-process view where this process serves the shard and reads it so."""
         if self._served_server(shard) is not None:
             transport = self.transport(shard)
-            if isinstance(transport, InProcessTransport):  # the one transport that does not speak to the owner
-                return transport
+            if not transport.speaks_to_owner:  # the in-process view: no owner to speak to
+                return cast(InProcessTransport, transport)
         return self.client(shard)
 
     def route(self, live: list[int], spec: SelectionSpec) -> Route:

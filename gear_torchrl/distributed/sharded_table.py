@@ -40,7 +40,7 @@ class ShardedTable(Table):
             picks = self.shards.pick(selector.spec, count, generator)
         assert picks is not None  # None answers a count of 0
         self.rows_sampled += picks.index.numel()
-        # One batch across shards: their masses stay with the split (``ShardSet``).
+        # One batch across shards: their masses stay with the split (``ShardBatches``).
         picked = Picked.of(
             picks.windows,
             0.0,

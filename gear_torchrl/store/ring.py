@@ -3,8 +3,8 @@
 The part of a shard (``store/shard.py``) that holds no visibility: the layout
 (allocated, adopted, grown), copies into the columns and gathers out of them,
 the episode ends the stored flags mark, and the ring's state. A shard is a
-ring read through a visibility part (``store/visibility.py``); that part knows
-the ring, never the shard, so no import leads from the parts back to the shard.
+ring read through a visibility part (``store/visibility.py``); that part holds
+the ring, never the shard.
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ class SharedCommits(Visibility):
             self.columns.map_new()  # columns added since: these rows may hold an older lap's bytes there
             if len(columns) < len(self.shard.columns):
                 spec = self.shard.table
-                assert spec is not None, "laid out by ``_placed``"
+                assert spec is not None, "laid out by ``SharedColumns.placed``"
                 unwritten = [i for i in range(len(self.shard.columns)) if i not in columns]
                 values = [
                     *values,
