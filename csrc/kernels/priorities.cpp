@@ -1,5 +1,5 @@
-// One pass where the tensor ops took a dozen calls (min/max, finiteness, masks, gathers, pow, max), each
-// a dispatch that cost more than the work at a learner's batch sizes.
+// One pass instead of a dozen tensor ops (min/max, finiteness, masks, gathers, pow, max), each a dispatch
+// that would cost more than the work at a learner's batch sizes.
 #include "kernels/priorities.h"
 
 #include "kernels/trees.h"

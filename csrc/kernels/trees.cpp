@@ -210,11 +210,13 @@ inline int64_t pick_child(const double* children, double& u) {
 // instead of each search waiting out its own misses one level at a time.
 constexpr int64_t kLanes = 32;
 
-void find_lanes(const double* t, const Layout& layout, const double* mass, int64_t* leaf, int64_t lanes) {
+// Prefix masses `mass[g] * scale` (scale 1: the masses themselves).
+void find_lanes(const double* t, const Layout& layout, const double* mass, double scale, int64_t* leaf,
+                int64_t lanes) {
   double u[kLanes];
   int64_t node[kLanes];
   for (int64_t g = 0; g < lanes; ++g) {
-    u[g] = std::max(mass[g], 0.0);
+    u[g] = std::max(mass[g] * scale, 0.0);
     node[g] = 0;
   }
   for (int64_t level = 0; level < layout.depth; ++level) {
@@ -228,22 +230,32 @@ void find_lanes(const double* t, const Layout& layout, const double* mass, int64
   std::copy(node, node + lanes, leaf);
 }
 
-void sum_tree_find_into(const at::Tensor& tree, const double* mass, int64_t* leaf, int64_t n) {
+namespace {
+
+// The leaf of each prefix mass `mass[i] * scale` of the checked tree `tree`.
+void find_all(const at::Tensor& tree, const double* mass, double scale, int64_t* leaf, int64_t n) {
   const Layout layout = layout_of(tree);
   const double* t = tree.data_ptr<double>();
   at::parallel_for(0, n, 1024, [&](int64_t first, int64_t last) {
     for (int64_t lane0 = first; lane0 < last; lane0 += kLanes) {
-      find_lanes(t, layout, mass + lane0, leaf + lane0, std::min(kLanes, last - lane0));
+      find_lanes(t, layout, mass + lane0, scale, leaf + lane0, std::min(kLanes, last - lane0));
     }
   });
 }
+
+}  // namespace
 
 at::Tensor sum_tree_find(const at::Tensor& tree, const at::Tensor& mass) {
   TORCH_CHECK(mass.dim() == 1, "mass must be 1-D");
   const at::Tensor m = mass.to(at::kDouble).contiguous();
   at::Tensor out = at::empty({m.numel()}, at::kLong);
-  sum_tree_find_into(tree, m.data_ptr<double>(), out.data_ptr<int64_t>(), m.numel());
+  find_all(tree, m.data_ptr<double>(), 1.0, out.data_ptr<int64_t>(), m.numel());
   return out;
+}
+
+void sum_tree_pick_into(const at::Tensor& tree, const double* u, int64_t* leaf, int64_t n) {
+  layout_of(tree);  // checks it is a tree before its root is read
+  find_all(tree, u, tree.data_ptr<double>()[0], leaf, n);
 }
 
 void uniforms_into(std::optional<at::Generator> generator, double* u, int64_t n) {
@@ -254,18 +266,12 @@ void uniforms_into(std::optional<at::Generator> generator, double* u, int64_t n)
   for (int64_t i = 0; i < n; ++i) u[i] = static_cast<double>(engine->random64() & kMantissa) * 0x1.0p-53;
 }
 
-double sum_tree_total(const at::Tensor& tree) {
-  layout_of(tree);  // checks it is a tree before its root is read
-  return tree.data_ptr<double>()[0];
-}
-
 void sum_tree_draw_into(const at::Tensor& tree, int64_t count, std::optional<at::Generator> generator, int64_t* leaf) {
   TORCH_CHECK_VALUE(count >= 0, "cannot draw a negative number of rows, ", count);
-  const double total = sum_tree_total(tree);
-  std::vector<double> mass(static_cast<size_t>(count));
-  uniforms_into(std::move(generator), mass.data(), count);
-  for (double& m : mass) m *= total;
-  sum_tree_find_into(tree, mass.data(), leaf, count);
+  layout_of(tree);  // a tree, before the generator advances
+  std::vector<double> u(static_cast<size_t>(count));
+  uniforms_into(std::move(generator), u.data(), count);
+  sum_tree_pick_into(tree, u.data(), leaf, count);
 }
 
 at::Tensor sum_tree_draw(const at::Tensor& tree, int64_t count, std::optional<at::Generator> generator) {

@@ -31,19 +31,17 @@ void priority_set(const at::Tensor& sum_tree, const at::Tensor& min_tree, const 
 // Never returns a zero-mass leaf while the total is positive. O(k log_8 L).
 at::Tensor sum_tree_find(const at::Tensor& tree, const at::Tensor& mass);
 
-// The sum of every leaf: the root of a checked tree.
-double sum_tree_total(const at::Tensor& tree);
-
-// sum_tree_find over raw arrays: the leaf of each of the `n` prefix masses `mass`, into `leaf`.
-void sum_tree_find_into(const at::Tensor& tree, const double* mass, int64_t* leaf, int64_t n);
+// The leaf of each of the `n` uniforms `u` in [0, 1), scaled by the tree's total (a draw in proportion to the
+// leaves' values), into `leaf`: sum_tree_find of u * total over raw arrays.
+void sum_tree_pick_into(const at::Tensor& tree, const double* u, int64_t* leaf, int64_t n);
 
 // `n` float64 uniforms in [0, 1) from `generator` (the default CPU one when none), as torch.rand fills a
 // float64 tensor (a random64() each, its low 53 bits scaled), without the dispatcher: a seeded draw here is
 // the one the tensor ops make, at a fraction of a small draw's cost.
 void uniforms_into(std::optional<at::Generator> generator, double* u, int64_t n);
 
-// `count` leaves drawn in proportion to their values: float64 uniforms from `generator` (drawn as
-// torch.rand draws them, so a seeded draw is the one the tensor ops made) scaled by the total, then found.
+// `count` leaves drawn in proportion to their values: float64 uniforms from `generator` (uniforms_into: what
+// torch.rand draws for that seed) scaled by the total, then found.
 at::Tensor sum_tree_draw(const at::Tensor& tree, int64_t count, std::optional<at::Generator> generator);
 
 // sum_tree_draw into a caller's array of `count` leaves (a native owner's reply), with no tensor made.

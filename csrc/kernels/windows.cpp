@@ -112,11 +112,8 @@ void draw_windows_into(const at::Tensor& tree, const at::Tensor& episode_start, 
                   episode_length.dim() == 1 && episode_length.is_contiguous() &&
                   episode_length.numel() == start.numel(),
               "windows: episode_start and episode_length must be contiguous 1-D int64 CPU tensors of one length");
-  const double total = sum_tree_total(tree);
-  std::vector<double> mass(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) mass[i] = u[i] * total;
   std::vector<int64_t> slots(static_cast<size_t>(n));
-  sum_tree_find_into(tree, mass.data(), slots.data(), n);
+  sum_tree_pick_into(tree, u, slots.data(), n);
   place_uniform(episode_start, episode_length, slots.data(), u + n, n, window_len, burn_in, strict_length,
                 Into{starts, valid_begin, valid_end});
 }

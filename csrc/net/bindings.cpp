@@ -73,7 +73,6 @@ void bind_numbers(py::module_& m) {
   m.attr("SERVE_NEXT_IS_OTHER") = static_cast<int64_t>(gear::kNextIsOther);
   m.attr("SERVE_IN_PYTHON") = static_cast<int64_t>(gear::kServeInPython);
   m.attr("SERVE_CATCH_UP") = static_cast<int64_t>(gear::kCatchUp);
-  m.attr("UPDATE_OK") = static_cast<int64_t>(gear::kUpdateOk);
   m.attr("UPDATE_BAD_PRIORITY") = static_cast<int64_t>(gear::kBadPriority);
   m.attr("UPDATE_BAD_ROW") = static_cast<int64_t>(gear::kBadRow);
   m.attr("UPDATE_BAD_SHARD") = static_cast<int64_t>(gear::kBadShard);

@@ -39,7 +39,6 @@ namespace gear {
 namespace {
 
 constexpr size_t kAskBytes = 8 + 24;  // after the JSON: one array's length, then count, seed (-1: none), columns
-constexpr int64_t kMaxPositions = kMaxReadPositions;
 constexpr size_t kKeepBytes = 64u << 20;            // a thread keeps its reply buffer up to this size
 constexpr size_t kFlushBytes = 1u << 20;            // replies held for one write, at most (then sent at once)
 
@@ -180,13 +179,18 @@ int64_t flush(int fd) {
   return sent;
 }
 
+// The generator a request's seed makes (none: the global one, for a request without a seed).
+std::optional<at::Generator> seeded(const Request& q) {
+  if (q.seed < 0) return std::nullopt;
+  return at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.seed));
+}
+
 // torch.randint(0, n, (count,), generator=...) as ATen's CPU kernel draws it (one engine output per value,
 // two above 2**32, taken modulo n, in order), without the dispatcher: a third of a small answer's cost.
 // Ring rows of the live positions [lo, lo + n) those offsets name, into `row`. tests/test_native_owner.py
 // holds this to the Python path's draw.
 void draw_rows(const Request& q, int64_t lo, int64_t n, int64_t capacity, int64_t* row) {
-  at::Generator generator = q.seed >= 0 ? at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.seed))
-                                        : at::detail::getDefaultCPUGenerator();
+  at::Generator generator = seeded(q).value_or(at::detail::getDefaultCPUGenerator());
   auto* engine = at::check_generator<at::CPUGeneratorImpl>(generator);
   std::lock_guard<std::mutex> lock(generator.mutex());
   const auto range = static_cast<uint64_t>(n);
@@ -200,7 +204,7 @@ void draw_rows(const Request& q, int64_t lo, int64_t n, int64_t capacity, int64_
 // under the read section. An ask of no picks is answered too: a learner asks a shard its round gave no share
 // for its mass, so the next round splits by what each shard holds now.
 bool answerable(const OwnedStore& s, const Request& q) {
-  return q.count >= 0 && q.count <= kMaxPositions && q.seed >= -1 && q.columns > 0 &&
+  return q.count >= 0 && q.count <= kMaxReadPositions && q.seed >= -1 && q.columns > 0 &&
          static_cast<size_t>(q.columns) <= s.columns.size();
 }
 
@@ -311,11 +315,9 @@ using Landing = std::function<std::vector<at::Tensor>(const Drawn& drawn, int64_
 // ring. No tensor op runs but the outputs' allocation (uniforms_into, draw_windows_into): the dispatcher
 // would cost more than the draw itself in a small answer.
 Drawn request_windows(const Request& q, const WindowRule& r, int64_t capacity) {
-  std::optional<at::Generator> generator;
-  if (q.seed >= 0) generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.seed));
   const int64_t n = q.count;
   std::vector<double> u(static_cast<size_t>(2 * n));
-  uniforms_into(std::move(generator), u.data(), 2 * n);
+  uniforms_into(seeded(q), u.data(), 2 * n);
   Drawn d{at::empty({n}, at::kLong), at::empty({n}, at::kLong), at::empty({n}, at::kLong)};
   int64_t* starts = d.starts.data_ptr<int64_t>();
   draw_windows_into(r.tree, r.episode_start, r.episode_length, u.data(), n, r.window_len, r.burn_in, r.strict_length,
@@ -330,7 +332,7 @@ Drawn request_windows(const Request& q, const WindowRule& r, int64_t capacity) {
 int64_t sample_windows(const OwnedStore& s, const Request& q, const WindowRule& r, int64_t seen_seq,
                        const Landing& land) {
   int64_t* header = s.header.data_ptr<int64_t>();
-  if (!answerable(s, q) || q.count > kMaxPositions / r.window_len || !readable_as_mapped(s)) return -1;
+  if (!answerable(s, q) || q.count > kMaxReadPositions / r.window_len || !readable_as_mapped(s)) return -1;
   Section section(header, s.reader.data_ptr<int64_t>());
   const double mass = r.tree.data_ptr<double>()[0];
   if (load(header, kPublishedSeq) != seen_seq || section.lo > r.seen_lo || !(mass > 0)) return -1;
@@ -428,9 +430,7 @@ int64_t sample_prioritized(const OwnedStore& s, const Request& q, const Priority
     if (!(mass > 0)) return -1;
     min_mass = r.min_tree.data_ptr<double>()[0];
     if (q.count > 0) {
-      std::optional<at::Generator> generator;
-      if (q.seed >= 0) generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(q.seed));
-      sum_tree_draw_into(r.sum_tree, q.count, generator, picks.rows);  // the picks land in the reply itself
+      sum_tree_draw_into(r.sum_tree, q.count, seeded(q), picks.rows);  // the picks land in the reply itself
       const double* leaves = r.sum_tree.data_ptr<double>() + tree_leaf_offset(r.sum_tree.numel());
       const int64_t* generation = r.generation.data_ptr<int64_t>();
       for (int64_t i = 0; i < q.count; ++i) {
@@ -474,7 +474,7 @@ bool frames_update(const char* p, size_t meta) {
   const auto rows = field<uint64_t>(lengths), priorities = field<uint64_t>(lengths + 8);
   const auto generations = field<uint64_t>(lengths + 16);
   return rows % 8 == 0 && priorities == rows && (generations == 0 || generations == rows) &&
-         rows / 8 <= static_cast<uint64_t>(kMaxPositions) && field<uint64_t>(p + 12) == rows + priorities + generations;
+         rows / 8 <= static_cast<uint64_t>(kMaxReadPositions) && field<uint64_t>(p + 12) == rows + priorities + generations;
 }
 
 // A POST_UPDATE whose head (at `p`) frames_update, read whole into `arrays` (each array's bytes); 0 or -errno.
@@ -543,7 +543,7 @@ bool frames_one_ask(const char* p, size_t meta) {
   return field<uint16_t>(p + 6) == 1 && field<uint32_t>(p + 8) == meta && field<uint64_t>(p + 12) == 24;
 }
 
-// The ask of a SAMPLE_ROWS or SAMPLE_WINDOWS whose bytes (JSON of `meta` bytes) are at `p`; false if malformed.
+// The ask of a SAMPLE_ROWS, SAMPLE_WINDOWS or SAMPLE_PRIORITIZED whose bytes (JSON of `meta` bytes) are at `p`; false if malformed.
 bool parse_ask(const char* p, size_t meta, Request& q) {
   if (field<uint64_t>(p + kHeader + meta) != 24) return false;
   const char* ask = p + kHeader + meta + 8;
@@ -608,7 +608,7 @@ WindowsInto sample_windows_into(const OwnedStore& s, const WindowRule& r, int64_
   check_window_rule(r);
   const Request q{count, seed, static_cast<int64_t>(out.size())};
   WindowsInto got;
-  if (!answerable(s, q) || q.count > kMaxPositions / r.window_len) return got;
+  if (!answerable(s, q) || q.count > kMaxReadPositions / r.window_len) return got;
   const at::Tensor none = at::zeros({count}, at::kLong);  // (the shapes alone are checked before the draw)
   check_gather_args({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), out, none, none,
                      none, std::nullopt, r.window_len});
@@ -647,7 +647,7 @@ int64_t frame_rows_reply(int64_t op, const std::string& meta, const std::vector<
                          const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t window_len) {
   TORCH_CHECK(op >= 0 && op <= 0xffff && meta.size() <= kMaxMeta, "frame_rows_reply: bad op or metadata");
   const int64_t positions = starts.numel() * window_len;
-  TORCH_CHECK(positions <= kMaxPositions, "frame_rows_reply: ", positions, " rows in one reply");
+  TORCH_CHECK(positions <= kMaxReadPositions, "frame_rows_reply: ", positions, " rows in one reply");
   std::vector<uint64_t> lengths;
   for (const at::Tensor& a : arrays) {
     TORCH_CHECK(a.device().is_cpu() && a.is_contiguous(), "frame_rows_reply: arrays are contiguous CPU tensors");

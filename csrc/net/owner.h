@@ -1,5 +1,6 @@
-// An owner's answers that need no interpreter: uniform rows and uniform windows, drawn, read and sent
-// natively (see owner.cpp; Python's side is distributed/native_owner.py).
+// An owner's answers that need no interpreter: uniform rows, uniform windows and prioritized rows drawn, read
+// and sent, and posted priority updates applied, natively (see owner.cpp; Python's side is
+// distributed/native_owner.py).
 #pragma once
 
 #include "net/selector_lock.h"
@@ -57,7 +58,8 @@ struct PriorityRule {
 // Why serve_samples returned (negative: -errno, the connection is done for); Python reads these as _C.SERVE_*.
 enum ServeCode : int64_t {
   kNextIsOther = 0,  // the next request is another op: nothing of it was read
-  kServeInPython = 1,  // a SAMPLE_ROWS or SAMPLE_WINDOWS was read that Python answers (its fields come back)
+  kServeInPython = 1,  // a SAMPLE_* was read that Python answers (its fields come back), or a POST_UPDATE refused
+                       // here (its arrays come back)
   kCatchUp = 2,  // Python's view of the store should catch up before more are answered
 };
 

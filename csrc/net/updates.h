@@ -1,5 +1,5 @@
-// A batch's priority updates split by owner and framed as each owner's message, in one pass where each
-// owner had cost the learner a dozen tensor ops and an encode (distributed/shard_set.py ShardSet.update).
+// A batch's priority updates split by owner and framed as each owner's message, in one pass: no tensor op
+// and no encode per owner (distributed/shard_owners.py ShardOwners.update).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -26,6 +26,7 @@ from gear_torchrl.selection.windows import (
     check_episode_markers,
     no_window_reason,
     redraw_wrapping,
+    wrap_starts,
 )
 from gear_torchrl.store.episodes import Episodes, Position
 from gear_torchrl.store.shard import Shard
@@ -169,8 +170,7 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
             redraw_wrapping(lambda n: self._draw(episodes, n, generator, mass), picked, shard.capacity)
         picked.extra["mass"] = self.trees.get(shard.addressing.ring_rows(picked.starts + self.spec.burn_in))
         picked.scalars = scalars
-        picked.starts.remainder_(shard.window_rows)  # episodes' starts run on past the ring's last row
-        return picked
+        return wrap_starts(picked, shard.window_rows)
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return no_window_reason(self.spec, needs_shard(self, shard).episodes)

@@ -118,6 +118,13 @@ def no_window_reason(spec: WindowGeometry, episodes: Episodes) -> str:
     return "no episode can be sampled (include_open=False and every stored episode is still open?)"
 
 
+def wrap_starts(picked: Picked, window_rows: int) -> Picked:
+    """``picked`` with its windows' starts taken into ``[0, window_rows)``, in place: episodes' starts run on
+    past the ring's last row."""
+    picked.starts.remainder_(window_rows)
+    return picked
+
+
 def wraps(windows: Windows, capacity: int) -> torch.Tensor:
     """Which windows' valid rows run from the last ring row to the first."""
     first = (windows.starts + windows.valid_begin) % capacity
@@ -237,8 +244,7 @@ class WindowSelector(EpisodeTreeSelector[WindowSpec]):
         picked = self._draw(shard.episodes, count, generator, mass)
         if not self.spec.cross_ring_end:
             redraw_wrapping(lambda n: self._draw(shard.episodes, n, generator, mass), picked, shard.capacity)
-        picked.starts.remainder_(shard.window_rows)  # episodes' starts run on past the ring's last row
-        return picked
+        return wrap_starts(picked, shard.window_rows)
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return no_window_reason(self.spec, needs_shard(self, shard).episodes)
