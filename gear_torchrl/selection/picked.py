@@ -99,6 +99,10 @@ class Picked(Windows):
         """Rows (or ``(t, e)`` coordinates) that name the picks and carry nothing."""
         self._index, self._carried, self._handed = index, False, None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (pickled, deep-copied) hands out indices of its own."""
+        return {**self.__dict__, "_handed": None}
+
     def carried_by(self, rows: torch.Tensor) -> None:
         """TorchRL's index is ``rows``, carrying these picks (``SampledIndex``)."""
         self._index, self._carried, self._handed = rows, True, None
