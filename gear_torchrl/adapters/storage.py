@@ -83,8 +83,8 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
             over a 2-D storage reads. With ``ndim=2``, ``max_size`` counts steps and must be
             a multiple of the number of envs (fixed by the first write); TorchRL's indices
             are ``(time, env)`` coordinates, and each env column keeps its own episodes, so
-            :class:`GearSequenceSampler` windows never cross envs. Local CPU stores only
-            so far (``shared`` and CUDA devices are refused, saying why).
+            :class:`GearSequenceSampler` windows never cross envs. CPU only so far (CUDA
+            devices, ``memory="device"`` and ``hot_rows`` are refused, saying why).
         compilable, consolidated, shared_init, cleanup_memmap: ``LazyTensorStorage``'s
             keywords, with its meanings: ``compilable`` keeps TorchRL's counters in
             tensors, ``shared_init=True`` is ``shared=True`` (the rows live in shared

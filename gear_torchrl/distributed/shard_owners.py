@@ -124,12 +124,6 @@ class ShardOwners:
                 picks[shard] = torch.cat([picks.get(shard, _NO_ROWS), picked.starts])
         self._give_back_to(spec, picks)
 
-    def give_back_ids(self, spec: SelectionSpec, ids: torch.Tensor) -> None:
-        """Rows a learner picked and did not use, by global id."""
-        shards, rows = global_ids.decode(ids)
-        live = self._links.live_shards
-        self._give_back_to(spec, {s: rows[shards == s] for s in torch.unique(shards).tolist() if s in live})
-
     def _give_back_to(self, spec: SelectionSpec, rows: dict[int, torch.Tensor]) -> None:
         self._tell_owners(
             list(rows),

@@ -6,8 +6,8 @@ each shard's rows), ``batches`` (``shard_batches.py``: batches split by mass and
 picked by the owners, seeded, asked for ahead, their replies received) and
 ``owners`` (``shard_owners.py``: reads by id, priority updates and gives-back routed
 to the owners of the rows). Checkpoints are ``sharded_checkpoint.py``. What a sampler's
-table (``sharded_table.py``) calls on every batch (``pick``, ``update``,
-``give_back_ids``) is the parts' own methods; the rest a storage asks of the whole.
+table (``sharded_table.py``) calls on every batch (``pick``, ``update``) is the
+parts' own methods; the rest a storage asks of the whole.
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ class ShardSet:
         # what a sampler's table calls on every batch: the parts' own methods, so no call goes through here
         self.pick = self.batches.pick  # -> ShardPicks | None
         self.update = self.owners.update
-        self.give_back_ids = self.owners.give_back_ids
 
     def set_prefetch(self, batches: int) -> None:
         options = dataclasses.replace(self.options, prefetch=batches)

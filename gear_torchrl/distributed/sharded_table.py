@@ -66,6 +66,3 @@ class ShardedTable(Table):
 
     def update_rows(self, selector: AnySelector, rows: torch.Tensor, priority: Any, generation: Any = None) -> None:
         self.update(selector, rows, priority, generation)
-
-    def give_back(self, selector: AnySelector, index: Any) -> None:
-        self.shards.give_back_ids(selector.spec, torch.as_tensor(index).as_subclass(torch.Tensor))

@@ -69,10 +69,6 @@ class Table(ABC):
     def update_rows(self, selector: AnySelector, rows: torch.Tensor, priority: Any, generation: Any = None) -> None:
         """Priorities of the table's ``rows`` (as :meth:`rows_of` gives them), checked against the rows stored."""
 
-    @abstractmethod
-    def give_back(self, selector: AnySelector, index: Any) -> None:
-        """Picks that were not used (a batch cut short): rules that consume rows take them back."""
-
 
 class ShardTable(Table):
     """One shard of steps (``ndim=1``) as a table: its picks on ``device``, each draw inside ``gate``."""
@@ -131,9 +127,6 @@ class ShardTable(Table):
 
     def update_rows(self, selector: AnySelector, rows: Any, priority: Any, generation: Any = None) -> None:
         selector.update(rows, priority, generation, stored=self.shard.ring_rows)
-
-    def give_back(self, selector: AnySelector, index: Any) -> None:
-        selector.give_back(self.rows_of(index))
 
 
 class EnvColumnsTable(ShardTable):
