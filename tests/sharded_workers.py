@@ -125,6 +125,8 @@ def _learn(storage, rank: int, tmp: Path) -> dict:
         results["refusals"] = _refusals(storage)
         results["loader"] = _loader_batches(storage)
         results["rate_limited"] = _rate_limited(storage)
+    results["before_kill"] = _after_kill(storage)  # leaves batches asked for ahead of every tcp owner
+    results["asked_ahead"] = storage._shards.batches.asked_ahead
     (tmp / f"phase1_{rank}").touch()
     _wait_for(tmp / "killed")
     results["after_kill"] = _after_kill(storage)
@@ -451,7 +453,8 @@ def _refusals(storage) -> dict:
 
 
 def _after_kill(storage) -> dict:
-    """Sample 10 batches after a shard failed: which shards answered, or what was raised, and how fast."""
+    """Sample 10 batches after a shard failed: which shards answered (in all, and in each batch), or what was
+    raised, and how fast."""
     from torchrl.data import TensorDictReplayBuffer
 
     from gear_torchrl.errors import ShardUnavailableError
@@ -459,11 +462,12 @@ def _after_kill(storage) -> dict:
     rb = TensorDictReplayBuffer(storage=storage, batch_size=1024)
     start = time.monotonic()
     try:
-        shards = torch.cat([rb.sample()["shard"] for _ in range(10)])
+        batches = [rb.sample()["shard"] for _ in range(10)]
     except ShardUnavailableError as exc:
         return {"raised": str(exc), "seconds": time.monotonic() - start}
     return {
-        "shards_seen": torch.unique(shards).tolist(),
+        "shards_seen": torch.unique(torch.cat(batches)).tolist(),
+        "each_batch": [set(torch.unique(b).tolist()) for b in batches],
         "failed": dict(storage.failed_shards),
         "seconds": time.monotonic() - start,
     }

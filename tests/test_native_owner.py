@@ -745,32 +745,36 @@ def test_a_learner_refuses_an_update_past_an_owners_capacity_before_telling_any_
         shards.close()
 
 
-def test_batches_asked_for_four_at_a_time_are_answered_natively_and_draw_what_one_at_a_time_draws(owner):
+def test_batches_asked_for_ahead_are_answered_natively_and_draw_what_one_at_a_time_draws(owner):
     from gear_torchrl.distributed import global_ids
+    from gear_torchrl.distributed.shard_batches import AUTO_AHEAD
     from gear_torchrl.distributed.shard_set import Options, ShardSet
 
     o = owner(128)
     o.rb.extend(w.keyed_rows(100, 0))
     drawn = {}
-    for ahead in (0, 4):
-        shards = ShardSet([o.client.descriptor], SECRET, Options(transport="tcp", timeout=5.0, prefetch=ahead))
+    for transport, ahead, held in (("tcp", 0, 0), ("tcp", 4, 4), ("tcp", "auto", AUTO_AHEAD)):
+        options = Options(transport=transport, timeout=5.0, prefetch=ahead)
+        shards = ShardSet([o.client.descriptor], SECRET, options)
         try:
             shards.pick(UNIFORM, 16, None)  # the first learns the shard's mass (a probe the owner answers in Python)
             generator, before = torch.Generator().manual_seed(3), o.python_picks
             batches = [_picks(shards, UNIFORM, 16, generator) for _ in range(9)]
             assert o.python_picks == before, "every ask, four to a write, is answered by the extension"
+            # "auto" asks tcp owners for 8 ahead (nothing ahead of a local shard: tests/test_sharded_store.py)
+            assert shards.batches.asked_ahead == held, (transport, ahead)
             obs = [c.key for c in batches[0].spec.columns].index("obs")
             assert all(torch.equal(b.columns[obs], global_ids.decode(b.index)[1].float()) for b in batches), (
                 "each row holds its own number"
             )
-            drawn[ahead] = [b.index.tolist() for b in batches]
+            drawn[transport, ahead] = [b.index.tolist() for b in batches]
             for bad in (-1, 1.5, "4"):
-                with pytest.raises(ValueError, match="prefetch must be a bool or a number of batches >= 0"):
+                with pytest.raises(ValueError, match="prefetch must be 'auto', a bool or a number of batches >= 0"):
                     shards.set_prefetch(bad)  # type: ignore[arg-type]  # bad input: a float and a str on purpose
             assert shards.options.prefetch == ahead, "a refused value changes nothing"
         finally:
             shards.close()
-    assert drawn[0] == drawn[4]
+    assert all(d == drawn["tcp", 0] for d in drawn.values())
 
 
 PRIORITIES = PrioritySpec(alpha=0.7, eps=0.0)

@@ -278,11 +278,13 @@ def learn(storage: ShardedGearStorage, args: argparse.Namespace) -> None:
     #    the next N batches at once, in one request each, so the owners pick and send
     #    them while the learner trains, and the learner reads their replies several at
     #    a time. A seeded learner draws the same batches as without; rows written
-    #    meanwhile show up up to N batches later. (Shards read over "local" or "rdma"
-    #    are read when their batch is taken: for them prefetch changes nothing.)
+    #    meanwhile show up up to N batches later. The default, "auto", is 8 where a
+    #    batch goes to tcp owners (what the rates above ran with); 0 picks each batch
+    #    when it is sampled. (Shards read over "local" or "rdma" are read when their
+    #    batch is taken: for them prefetch changes nothing.)
     storage.prefetch = 4
     seconds, nbytes, _ = timed(rb, args.batches, lambda b: check_rows(b, args.frame))
-    storage.prefetch = 0
+    storage.prefetch = "auto"
     say(rate(f"uniform, prefetch=4, {args.batch} rows a batch", args.batches, seconds, nbytes))
 
     # -- Windows: GearSequenceSampler picks windows of seq_len steps inside one

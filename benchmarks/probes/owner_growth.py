@@ -7,7 +7,8 @@ learner CPU per batch from 1 to 8 owners). Here one job of 8 owner processes and
 samples every store in interleaved turns, so each world's figure comes from the same seconds as the others'.
 An owner outside the store being sampled sits idle, as it would in a world of fewer owners. Each store holds
 the same 200k steps (obs f32[84], action f32[6], reward, done) split over its owners, and is sampled through
-``TensorDictReplayBuffer.sample()``: plain, and asking for ``--ahead`` batches at once (``prefetch=N``), next
+``TensorDictReplayBuffer.sample()``: with the default options (``prefetch="auto"``), plain (``prefetch=0``)
+and asking for ``--ahead`` batches at once (``prefetch=N``), next
 to the raw floor over the same owners (``sharded_cost.py``'s: one framed reply of the batch's bytes per
 owner, no selection) and ``LazyTensorStorage`` in the learner's process. Reported: the learner's process
 CPU time per batch (median of ``--rounds`` turns), its growth from one owner, the owners' CPU per request,
@@ -77,7 +78,7 @@ def _learner(stores: dict, pids: list[int], raw: list[int], batch: int, rounds: 
     contenders, served_by = {"LazyTensorStorage": local.sample}, {"LazyTensorStorage": {batch: []}}
     for owners, storage in stores.items():
         rb = TensorDictReplayBuffer(storage=storage, batch_size=batch)
-        for depth in [0, *ahead]:
+        for depth in ["auto", 0, *ahead]:
 
             def sample(b: int, storage=storage, rb=rb, depth=depth):
                 storage.prefetch = depth
@@ -89,13 +90,14 @@ def _learner(stores: dict, pids: list[int], raw: list[int], batch: int, rounds: 
     _measure(contenders, served_by, contenders[_name(max(stores), "plain")], [batch], rounds, out)
 
 
-def _label(depth: int) -> str:
-    return "plain" if depth == 0 else f"ahead {depth}"
+def _label(depth: int | str) -> str:
+    return "default" if depth == "auto" else "plain" if depth == 0 else f"ahead {depth}"
 
 
 def _labels(ahead: list[int]) -> list[str]:
-    """Each store's contenders: plain, asking for each depth of batches at once, and the raw floor."""
-    return [_label(0), *(_label(n) for n in ahead), "raw"]
+    """Each store's contenders: default options, plain, asking for each depth of batches at once, and the raw
+    floor."""
+    return [_label("auto"), _label(0), *(_label(n) for n in ahead), "raw"]
 
 
 def _name(owners: int, label: str) -> str:

@@ -67,17 +67,22 @@ class ShardedGearStorage(TableStorage):
             interface that routes to ``MASTER_ADDR``, never every interface). A
             wildcard (``"0.0.0.0"``) binds all of them and advertises the default.
         pin_memory: return batches in pinned memory (fast, asynchronous copies to a GPU).
-        prefetch: ask the tcp owners for the next batch before returning this one, so
-            they pick and send it while the learner trains. Only for rules without
-            shared state (uniform rows, windows); a seeded learner draws the same
-            batches with it or without. A prefetched batch was picked one batch
-            earlier, so rows written meanwhile show up one batch later. A number N
-            asks for the next N batches at once when none is left asked for, each
-            owner's N requests in one write, its N replies in one write back, read
-            several at a time (fewer system calls per batch, less learner CPU; with
-            many owners 8 is where each owner added costs least; BENCHMARKS.md); rows
-            written meanwhile show up up to N batches later, and up to N batches are
-            held (fewer where one owner's replies would pass 2 MiB). ``True`` is 1.
+        prefetch: how many batches to ask the tcp owners for before they are sampled,
+            so that they pick and send them while the learner trains. Only for rules
+            without shared state (uniform rows, windows, packed sequences); a seeded
+            learner draws the same batches with it or without. ``"auto"`` (the
+            default) asks for 8 where a batch goes to tcp owners and none where every
+            shard is read in this process (``local``, its own shard): with eight
+            ahead, each owner added costs the learner least (from 1 to 8 owners its
+            CPU per batch of 256 grows about +18%, +37% without; BENCHMARKS.md). A
+            number N asks for the next N batches at once when none is left asked for,
+            each owner's N requests in one write, its N replies in one write back,
+            read several at a time; ``0`` or ``False`` asks for each batch when it is
+            sampled, ``True`` is 1. Freshness: a batch asked for ahead was picked when
+            it was asked, so over tcp rows that other processes write show up up to N
+            batches later (8 with ``"auto"``); up to N batches are held (fewer where
+            one owner's replies would pass 2 MiB). Rows read in this process (a
+            ``local`` shard, its own) are picked when sampled, whatever ``prefetch`` says.
         heartbeat_s: how often an owner publishes its shard's statistics.
         group: the process group to build over (default: the default group,
             initialized from torchrun's environment if needed).
@@ -112,7 +117,7 @@ class ShardedGearStorage(TableStorage):
         end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
         traj_key: NestedKey | None = None,
         pin_memory: bool = False,
-        prefetch: bool | int = False,
+        prefetch: bool | int | Literal["auto"] = "auto",
         heartbeat_s: float = 1.0,
         group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -182,12 +187,12 @@ class ShardedGearStorage(TableStorage):
         return dict(self._shards.failed)
 
     @property
-    def prefetch(self) -> int:
-        """How many batches are asked for before they are sampled (0: none; see the constructor)."""
+    def prefetch(self) -> int | Literal["auto"]:
+        """How many batches are asked for before they are sampled (0: none; ``"auto"``: see the constructor)."""
         return self._shards.options.prefetch
 
     @prefetch.setter
-    def prefetch(self, batches: bool | int) -> None:
+    def prefetch(self, batches: bool | int | Literal["auto"]) -> None:
         self._shards.set_prefetch(batches)
 
     def transport_of(self, shard: int) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+from typing import Literal
 
 import torch
 
@@ -25,6 +26,7 @@ from gear_torchrl.distributed.shard_client import (
     Flight,
     ShareFlight,
     Shares,
+    any_hung_up,
     landing_extra,
     landing_picks,
 )
@@ -43,16 +45,19 @@ logger = logging.getLogger(__name__)
 
 _MAX_ROUNDS = 8  # selection rounds per batch (shards that came up short, or failed, are made up for)
 _AHEAD_BYTES = 2 << 20  # the most of a learner's batches asked for ahead that one owner's replies may hold
+AUTO_AHEAD = 8  # batches asked for ahead by default, where tcp owners answer (BENCHMARKS.md: 1 -> 8 owners)
 _PROBE = UniformSpec()  # what asks every shard for its rows
 
 
 class ShardBatches:
     """Batches picked across the shards of ``links``: each owner picks its share, its rows read back at once.
 
-    ``prefetch``: batches of a rule without shared state asked for ahead (0: none).
+    ``prefetch``: batches of a rule without shared state asked for ahead (0: none;
+    ``"auto"``: ``AUTO_AHEAD`` where a round asks tcp owners, none where every shard
+    is read in this process).
     """
 
-    def __init__(self, links: ShardLinks, owners: ShardOwners, prefetch: int) -> None:
+    def __init__(self, links: ShardLinks, owners: ShardOwners, prefetch: int | Literal["auto"]) -> None:
         self._links = links
         self._owners = owners
         self._prefetch = prefetch
@@ -60,10 +65,15 @@ class ShardBatches:
         self._queued: collections.deque[Round] = collections.deque()  # the next batches, asked for (prefetch)
         links.on_fork = self._queued.clear  # a forked child's batches asked for ahead are its parent's
 
-    def set_prefetch(self, batches: int) -> None:
+    def set_prefetch(self, batches: int | Literal["auto"]) -> None:
         """Ask for ``batches`` ahead from now on; those asked for already are dropped."""
         self._prefetch = batches
         self._queued.clear()  # their owed replies are read past on the next use
+
+    @property
+    def asked_ahead(self) -> int:
+        """Batches asked for ahead and not taken yet."""
+        return len(self._queued)
 
     def forget(self) -> None:
         """Drop what the shards said (after a restore): masses, and the batches asked for ahead."""
@@ -122,8 +132,9 @@ class ShardBatches:
                         f"found {taken} of {count}"
                     )
                 continue
-            if self._prefetch and spec.per_reader and not self._queued:
-                self._queued.extend(self._send_ahead(spec, count, generator))
+            ahead = self._ahead(round_)
+            if ahead and spec.per_reader and not self._queued:
+                self._queued.extend(self._send_ahead(spec, count, generator, ahead))
             return picks
         self._owners.give_back(spec, got)
         raise RuntimeError(
@@ -131,10 +142,25 @@ class ShardBatches:
             "selection: the shards keep coming up short"
         )
 
+    def _ahead(self, round_: Round) -> int:
+        """How many batches like ``round_`` to ask for ahead: ``prefetch``, or for ``"auto"`` ``AUTO_AHEAD``
+        where tcp owners answered it (a same-host or in-process shard picks when its round lands: nothing
+        to ask ahead)."""
+        if self._prefetch == "auto":
+            return AUTO_AHEAD if round_.route.together else 0
+        return self._prefetch
+
     def _next_queued(self, key: tuple[SelectionSpec, int, torch.Generator | None]) -> Round | None:
-        """The first batch asked for ahead, if it is one of ``key`` to the shards live now; else none, and
-        the draws of every batch asked for ahead taken back (their owed replies are read past on the next use)."""
-        if self._queued and self._queued[0].key == key and self._queued[0].live == self._links.live_shards:
+        """The first batch asked for ahead, if it is one of ``key`` to the shards live now and none of its owners
+        has hung up since (an owner that died after it replied is not read from); else none, and the draws of
+        every batch asked for ahead taken back (their owed replies are read past on the next use)."""
+        first = self._queued[0] if self._queued else None
+        if (
+            first is not None
+            and first.key == key
+            and first.live == self._links.live_shards
+            and not any_hung_up(first.route.clients)
+        ):
             return self._queued.popleft()
         self._take_back_queued()
         return None
@@ -177,8 +203,10 @@ class ShardBatches:
             flight = Flight(route.clients, [asks[s] for s in route.together], send)
         return Round((spec, count, generator), live, counts, batch, picks, extra, shares, asks, route, flight)
 
-    def _send_ahead(self, spec: SelectionSpec, count: int, generator: torch.Generator | None) -> list[Round]:
-        """The next batches' first rounds (``prefetch`` of them, fewer where an owner's replies would hold more
+    def _send_ahead(
+        self, spec: SelectionSpec, count: int, generator: torch.Generator | None, batches: int
+    ) -> list[Round]:
+        """The next ``batches`` batches' first rounds (fewer where an owner's replies would hold more
         than ``_AHEAD_BYTES``), asked for now, each tcp owner's requests in one write; none where they cannot be
         (the next call will say why).
 
@@ -188,7 +216,7 @@ class ShardBatches:
         before = None if generator is None else generator.get_state()
         rounds: list[Round] = []
         try:
-            for _ in range(self._prefetch):
+            for _ in range(batches):
                 drawn = None if generator is None else generator.get_state()
                 round_ = self._send_round(spec, count, count, generator, send=False)
                 if generator is not None and drawn is not None:

@@ -205,6 +205,16 @@ class ShardClient:
             sock.close()
 
 
+def any_hung_up(clients: Sequence[ShardClient]) -> bool:
+    """Whether an owner of ``clients`` has closed its end of the connection (it died, or dropped this learner),
+    whatever replies it left to read: one poll, no wait."""
+    poller = select.poll()
+    for client in clients:
+        if client._sock is not None:
+            poller.register(client._sock, select.POLLRDHUP)
+    return bool(poller.poll(0))
+
+
 @dataclass
 class Ask:
     """One owner's share of a round: ``count`` picks of ``spec`` (from ``seed``), their rows into ``columns``.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -44,13 +44,13 @@ class Options:
     on_shard_failure: FailurePolicy = "raise"
     timeout: float = 10.0
     pin_memory: bool = False
-    prefetch: int = 0  # batches asked for ahead (True: 1)
+    prefetch: int | Literal["auto"] = "auto"  # batches asked for ahead (True: 1; "auto": see ShardBatches)
 
     def __post_init__(self) -> None:
         if isinstance(self.prefetch, bool):
             object.__setattr__(self, "prefetch", int(self.prefetch))
-        if not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be a bool or a number of batches >= 0, got {self.prefetch!r}")
+        if self.prefetch != "auto" and (not isinstance(self.prefetch, int) or self.prefetch < 0):
+            raise ValueError(f"prefetch must be 'auto', a bool or a number of batches >= 0, got {self.prefetch!r}")
         if self.transport not in CHOICES:
             raise ValueError(f"transport must be 'auto', 'tcp', 'local' or 'rdma', got {self.transport!r}")
         if self.on_shard_failure not in ("raise", "skip"):
@@ -91,7 +91,7 @@ class ShardSet:
         self.pick = self.batches.pick  # -> ShardPicks | None
         self.update = self.owners.update
 
-    def set_prefetch(self, batches: int) -> None:
+    def set_prefetch(self, batches: int | Literal["auto"]) -> None:
         options = dataclasses.replace(self.options, prefetch=batches)
         if options.prefetch != self.options.prefetch:
             self.options = options
