@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 import shared_workers as w
@@ -753,7 +753,8 @@ def test_batches_asked_for_ahead_are_answered_natively_and_draw_what_one_at_a_ti
     o = owner(128)
     o.rb.extend(w.keyed_rows(100, 0))
     drawn = {}
-    for transport, ahead, held in (("tcp", 0, 0), ("tcp", 4, 4), ("tcp", "auto", AUTO_AHEAD)):
+    cases: list[tuple[str, int | Literal["auto"], int]] = [("tcp", 0, 0), ("tcp", 4, 4), ("tcp", "auto", AUTO_AHEAD)]
+    for transport, ahead, held in cases:
         options = Options(transport=transport, timeout=5.0, prefetch=ahead)
         shards = ShardSet([o.client.descriptor], SECRET, options)
         try:
