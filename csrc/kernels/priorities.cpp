@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace gear {
 
@@ -16,40 +17,57 @@ PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_cpu(), "rows must be 1-D int64 on the CPU");
   TORCH_CHECK(priority.dim() == 1 && priority.scalar_type() == at::kDouble && priority.numel() == rows.numel(),
               "priority must be 1-D float64 with one value per row");
+  if (drawn) {
+    TORCH_CHECK(drawn->numel() == rows.numel() && drawn->scalar_type() == at::kLong,
+                "drawn generations: one int64 per row");
+  }
+  const at::Tensor r = rows.contiguous(), p = priority.contiguous();
+  const at::Tensor d = drawn ? drawn->contiguous() : at::Tensor();
+  return priority_update(sum_tree, min_tree, generation,
+                         {r.data_ptr<int64_t>(), p.data_ptr<double>(), d.defined() ? d.data_ptr<int64_t>() : nullptr,
+                          r.numel()},
+                         alpha, eps, bound);
+}
+
+PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& generation,
+                               const UpdateArrays& u, double alpha, double eps, int64_t bound) {
   TORCH_CHECK(generation.dim() == 1 && generation.scalar_type() == at::kLong && generation.is_contiguous(),
               "generation must be a contiguous 1-D int64 tensor");
   TORCH_CHECK(bound <= generation.numel(), "rows are bounded by the table's capacity, ", generation.numel());
-  const at::Tensor r = rows.contiguous(), p = priority.contiguous();
-  const int64_t n = r.numel();
-  const int64_t* rp = r.data_ptr<int64_t>();
-  const double* pp = p.data_ptr<double>();
+  const int64_t n = u.count;
   PriorityUpdate out{false, std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min(), -1, 0.0};
   for (int64_t i = 0; i < n; ++i) {
-    out.lo = std::min(out.lo, rp[i]);
-    out.hi = std::max(out.hi, rp[i]);
-    if (out.bad < 0 && !(std::isfinite(pp[i]) && pp[i] >= 0)) out.bad = i;
+    out.lo = std::min(out.lo, u.rows[i]);
+    out.hi = std::max(out.hi, u.rows[i]);
+    if (out.bad < 0 && !(std::isfinite(u.priority[i]) && u.priority[i] >= 0)) out.bad = i;
   }
   if (n && (out.lo < -1 || out.hi >= bound || out.bad >= 0)) return out;
   out.applied = true;
   if (!n) return out;
 
-  at::Tensor d;
-  const int64_t* dp = nullptr;
-  if (drawn) {
-    TORCH_CHECK(drawn->numel() == n && drawn->scalar_type() == at::kLong, "drawn generations: one int64 per row");
-    d = drawn->contiguous();
-    dp = d.data_ptr<int64_t>();
-  }
+  // The masses as torch.pow computes them over the whole update (the same values a GPU table and a restored
+  // state hold: its vector and scalar lanes split the n entries as Python's pow does), into scratch arrays.
+  thread_local std::vector<double> mass;
+  thread_local std::vector<int64_t> kept_rows;
+  thread_local std::vector<double> kept_mass;
+  mass.resize(2 * n);
+  double* base = mass.data() + n;
+  for (int64_t i = 0; i < n; ++i) base[i] = u.priority[i] + eps;
+  at::Tensor masses = at::from_blob(mass.data(), {n}, at::kDouble);
+  at::pow_out(masses, at::from_blob(base, {n}, at::kDouble), alpha);
+  // Rows -1 and rows rewritten since they were drawn keep their masses; the others land in order (a repeated
+  // row keeps its last).
   const int64_t* gp = generation.data_ptr<int64_t>();
-  // The masses as torch.pow computes them (the same values a GPU table and a restored state hold).
-  const at::Tensor mass = at::pow(p + eps, alpha);
-  at::Tensor keep = at::empty({n}, at::kBool);
-  bool* kp = keep.data_ptr<bool>();
+  kept_rows.clear();
+  kept_mass.clear();
   for (int64_t i = 0; i < n; ++i) {
-    kp[i] = rp[i] >= 0 && (!dp || gp[rp[i]] == dp[i]);
-    if (kp[i]) out.landed_max = std::max(out.landed_max, pp[i]);
+    const int64_t row = u.rows[i];
+    if (row < 0 || (u.drawn && gp[row] != u.drawn[i])) continue;
+    kept_rows.push_back(row);
+    kept_mass.push_back(mass[i]);
+    out.landed_max = std::max(out.landed_max, u.priority[i]);
   }
-  priority_set(sum_tree, min_tree, r, mass, keep);
+  priority_set_into(sum_tree, min_tree, kept_rows.data(), kept_mass.data(), static_cast<int64_t>(kept_rows.size()));
   return out;
 }
 

@@ -16,11 +16,23 @@ struct PriorityUpdate {
   double landed_max;  // the largest priority that landed (0 when none did)
 };
 
+// An update's arrays, `count` entries each: rows, priorities and the rows' generations when drawn (nullptr: none).
+struct UpdateArrays {
+  const int64_t* rows;
+  const double* priority;
+  const int64_t* drawn;
+  int64_t count;
+};
+
 // `rows` (int64, -1: skip) below `bound`, `priority` (float64, finite and >= 0) one per row; where
 // `drawn` (the rows' generations when they were drawn) is given, a row whose `generation` moved on
 // keeps its mass.
 PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& generation,
                                const at::Tensor& rows, const at::Tensor& priority,
                                const std::optional<at::Tensor>& drawn, double alpha, double eps, int64_t bound);
+
+// The same update from raw arrays (a native owner's, as received): one tensor op, the masses' pow.
+PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& generation,
+                               const UpdateArrays& update, double alpha, double eps, int64_t bound);
 
 }  // namespace gear

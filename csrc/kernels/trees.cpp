@@ -164,11 +164,10 @@ void max_tree_set(const at::Tensor& tree, const at::Tensor& index, const at::Ten
   tree_set(tree, index, values, kMax);
 }
 
-void priority_set(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& index,
-                  const at::Tensor& mass, const std::optional<at::Tensor>& keep) {
-  const Layout layout = layout_of(sum_tree);
-  TORCH_CHECK(layout_of(min_tree).depth == layout.depth, "sum and min trees differ in size");
-  const SetArgs a = set_args(layout, index, mass, keep);
+namespace {
+
+// Both trees' leaves `a` set, then their ancestors (one task each: the trees are independent).
+void set_both(const at::Tensor& sum_tree, const at::Tensor& min_tree, const Layout& layout, const SetArgs& a) {
   double* s = sum_tree.data_ptr<double>();
   double* m = min_tree.data_ptr<double>();
   const double inf = std::numeric_limits<double>::infinity();
@@ -184,6 +183,22 @@ void priority_set(const at::Tensor& sum_tree, const at::Tensor& min_tree, const 
       }
     }
   });
+}
+
+}  // namespace
+
+void priority_set(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& index,
+                  const at::Tensor& mass, const std::optional<at::Tensor>& keep) {
+  const Layout layout = layout_of(sum_tree);
+  TORCH_CHECK(layout_of(min_tree).depth == layout.depth, "sum and min trees differ in size");
+  set_both(sum_tree, min_tree, layout, set_args(layout, index, mass, keep));
+}
+
+void priority_set_into(const at::Tensor& sum_tree, const at::Tensor& min_tree, const int64_t* index,
+                       const double* mass, int64_t count) {
+  const Layout layout = layout_of(sum_tree);
+  TORCH_CHECK(layout_of(min_tree).depth == layout.depth, "sum and min trees differ in size");
+  set_both(sum_tree, min_tree, layout, SetArgs{at::Tensor(), at::Tensor(), index, mass, count});
 }
 
 // Index of the child of `children` whose cumulative range holds u (u is reduced

@@ -27,6 +27,10 @@ void max_tree_set(const at::Tensor& tree, const at::Tensor& index, const at::Ten
 void priority_set(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& index,
                   const at::Tensor& mass, const std::optional<at::Tensor>& keep);
 
+// priority_set of `count` leaves `index` (each in range: the caller checked) and their masses, as raw arrays.
+void priority_set_into(const at::Tensor& sum_tree, const at::Tensor& min_tree, const int64_t* index,
+                       const double* mass, int64_t count);
+
 // For each prefix mass m in [0, total), the leaf whose cumulative range holds m.
 // Never returns a zero-mass leaf while the total is positive. O(k log_8 L).
 at::Tensor sum_tree_find(const at::Tensor& tree, const at::Tensor& mass);

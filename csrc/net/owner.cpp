@@ -477,35 +477,55 @@ bool frames_update(const char* p, size_t meta) {
          rows / 8 <= static_cast<uint64_t>(kMaxReadPositions) && field<uint64_t>(p + 12) == rows + priorities + generations;
 }
 
-// A POST_UPDATE whose head (at `p`) frames_update, read whole into `arrays` (each array's bytes); 0 or -errno.
-int64_t receive_update(int fd, char* p, size_t meta, std::vector<at::Tensor>& arrays) {
+// A POST_UPDATE as received: its three arrays' bytes (rows, priorities, drawn generations) one after another.
+struct ReceivedUpdate {
+  std::vector<char>& bytes;  // this thread's, kept from one update to the next: no allocation per update
   std::array<int64_t, 3> lengths{};
-  for (size_t i = 0; i < 3; ++i) lengths[i] = static_cast<int64_t>(field<uint64_t>(p + kHeader + meta + 8 * i));
+
+  UpdateArrays arrays() const {
+    const char* at = bytes.data();
+    return {reinterpret_cast<const int64_t*>(at), reinterpret_cast<const double*>(at + lengths[0]),
+            lengths[2] > 0 ? reinterpret_cast<const int64_t*>(at + lengths[0] + lengths[1]) : nullptr,
+            lengths[0] / 8};
+  }
+
+  // The arrays as tensors of their own (for Python, which says why an update was refused, or applies it).
+  std::vector<at::Tensor> tensors() const {
+    std::vector<at::Tensor> out;
+    int64_t at = 0;
+    for (const int64_t n : lengths) {
+      out.push_back(at::from_blob(const_cast<char*>(bytes.data()) + at, {n}, at::kByte).clone());
+      at += n;
+    }
+    return out;
+  }
+};
+
+std::vector<char>& update_bytes() {
+  thread_local std::vector<char> bytes;
+  return bytes;
+}
+
+// A POST_UPDATE whose head (at `p`) frames_update, read whole into `got`; 0 or -errno.
+int64_t receive_update(int fd, char* p, size_t meta, ReceivedUpdate& got) {
+  for (size_t i = 0; i < 3; ++i) got.lengths[i] = static_cast<int64_t>(field<uint64_t>(p + kHeader + meta + 8 * i));
   int64_t status = receive(fd, p, kHeader + meta + 24, false, false);
   if (status < 0) return status;
   // The three arrays in one buffer, read in one go: one receive, not one per array.
-  const int64_t total = lengths[0] + lengths[1] + lengths[2];
-  const at::Tensor bytes = at::empty({total}, at::kByte);
-  if (total > 0) status = receive(fd, static_cast<char*>(bytes.data_ptr()), static_cast<size_t>(total), false, false);
-  int64_t at = 0;
-  for (const int64_t n : lengths) {
-    arrays.push_back(bytes.narrow(0, at, n));
-    at += n;
-  }
+  const int64_t total = got.lengths[0] + got.lengths[1] + got.lengths[2];
+  if (got.bytes.size() < static_cast<size_t>(total)) got.bytes.resize(static_cast<size_t>(total));
+  if (total > 0) status = receive(fd, got.bytes.data(), static_cast<size_t>(total), false, false);
   return status;
 }
 
 // PrioritySelector.update on the CPU (selection/priorities.py), under the core's lock: true once applied;
 // false, with nothing changed, when a check refused it (Python then says why) or the core was replaced or
 // emptied meanwhile (Python applies it to the core there is now).
-bool apply_update(const PriorityRule& r, const std::vector<at::Tensor>& arrays) {
-  const at::Tensor rows = arrays[0].view(at::kLong), priority = arrays[1].view(at::kDouble);
-  std::optional<at::Tensor> drawn;
-  if (arrays[2].numel() > 0) drawn = arrays[2].view(at::kLong);
+bool apply_update(const PriorityRule& r, const UpdateArrays& update) {
   std::lock_guard<std::mutex> lock(r.lock->mutex);
   if (r.followed.data_ptr<int64_t>()[0] < 0) return false;
-  const PriorityUpdate done = priority_update(r.sum_tree, r.min_tree, r.generation, rows, priority, drawn, r.alpha,
-                                              r.eps, r.generation.numel());
+  const PriorityUpdate done =
+      priority_update(r.sum_tree, r.min_tree, r.generation, update, r.alpha, r.eps, r.generation.numel());
   if (done.applied) {
     double* max_priority = r.max_priority.data_ptr<double>();
     *max_priority = std::max(*max_priority, done.landed_max);
@@ -523,13 +543,13 @@ bool took_update(int fd, char* p, size_t seen, const PriorityRule& r, Served& se
   if (served.code < 0) return false;
   served.code = kNextIsOther;
   if (std::memcmp(p + kHeader, r.update_key.data(), meta) != 0 || !frames_update(p, meta)) return false;
-  std::vector<at::Tensor> arrays;
-  served.code = receive_update(fd, p, meta, arrays);
+  ReceivedUpdate update{update_bytes()};
+  served.code = receive_update(fd, p, meta, update);
   if (served.code < 0) return false;
-  if (apply_update(r, arrays)) return true;
+  if (apply_update(r, update.arrays())) return true;
   served.code = kServeInPython;
   served.op = kPostUpdate;
-  served.arrays = std::move(arrays);
+  served.arrays = update.tensors();
   return false;
 }
 
