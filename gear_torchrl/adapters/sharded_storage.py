@@ -75,16 +75,19 @@ class ShardedGearStorage(TableStorage):
             learner draws the same batches with it or without. ``"auto"`` (the
             default) asks for 8 where a batch goes to tcp owners and none where every
             shard is read in this process (``local``, its own shard): with eight
-            ahead, each owner added costs the learner least (from 1 to 8 owners its
-            CPU per batch of 256 grows about +18%, +37% without; BENCHMARKS.md). A
+            ahead a batch of 256 costs the learner about half of what it does without,
+            as much as ``LazyTensorStorage`` in its own process, and each owner added
+            about 5 µs (+21% from 1 to 8 owners; BENCHMARKS.md). A
             number N asks for the next N batches at once when none is left asked for,
             each owner's N requests in one write, its N replies in one write back,
             read several at a time; ``0`` or ``False`` asks for each batch when it is
             sampled, ``True`` is 1. Freshness: a batch asked for ahead was picked when
             it was asked, so over tcp rows that other processes write show up up to N
             batches later (8 with ``"auto"``); up to N batches are held (fewer where
-            one owner's replies would pass 2 MiB). Rows read in this process (a
-            ``local`` shard, its own) are picked when sampled, whatever ``prefetch`` says.
+            one owner's replies would pass 2 MiB); batches asked for ahead of an owner
+            that has since closed its connection (it died) are dropped, not read. Rows
+            read in this process (a ``local`` shard, its own) are picked when sampled,
+            whatever ``prefetch`` says.
         heartbeat_s: how often an owner publishes its shard's statistics.
         group: the process group to build over (default: the default group,
             initialized from torchrun's environment if needed).
