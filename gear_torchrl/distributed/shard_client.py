@@ -9,6 +9,7 @@ import json
 import select
 import socket
 import struct
+import sys
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -205,13 +206,17 @@ class ShardClient:
             sock.close()
 
 
+# A peer's close, seen while its last bytes are still unread (Linux; elsewhere a hang-up is seen once they are).
+_PEER_CLOSED = select.POLLRDHUP if sys.platform.startswith("linux") else select.POLLHUP
+
+
 def any_hung_up(clients: Sequence[ShardClient]) -> bool:
     """Whether an owner of ``clients`` has closed its end of the connection (it died, or dropped this learner),
     whatever replies it left to read: one poll, no wait."""
     poller = select.poll()
     for client in clients:
         if client._sock is not None:
-            poller.register(client._sock, select.POLLRDHUP)
+            poller.register(client._sock, _PEER_CLOSED)
     return bool(poller.poll(0))
 
 
