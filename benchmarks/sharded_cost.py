@@ -25,6 +25,10 @@ divided by the requests each served), steps per second of wall time, and how oft
 learner was taken off a core per batch while it could run (its involuntary context
 switches: with more processes than cores, each costs it a switch and a cache refilled).
 
+``--loader-workers N`` adds ``loader N``: the same store's batches through ``GearDataset``'s
+``DataLoader`` with N workers (each its own connections or mapped view; steps/s of the
+consumer; its CPU is the main process's, the workers' not counted).
+
 ``--learner-device cuda`` puts the learner on a GPU: every contender's batch is moved
 there (``.to("cuda", non_blocking=True)``; the sharded store receives into pinned
 memory, ``pin_memory=True``, TorchRL's buffer samples pageable rows as a user's
@@ -50,6 +54,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from harness import free_port, run_ranks, table, write_json
@@ -219,6 +224,9 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
         contenders["prefetch"] = with_prefetch(1)
         for ahead in os.environ.get("GEAR_BENCH_AHEAD", "4").split(","):
             contenders[f"ahead {ahead}"] = with_prefetch(int(ahead))
+    workers = int(os.environ.get("GEAR_BENCH_LOADER_WORKERS", "0"))
+    if workers:
+        contenders[f"loader {workers}"] = _through_loader(sharded, workers)
     if raw_ports:
         contenders["raw"] = _raw_batch(raw_ports)
     served_by = {name: {b: owner_pids for b in batches} for name in contenders}  # whose CPU serves a batch
@@ -232,6 +240,21 @@ def _learner(storage, owner_pids: list[int], raw_ports: list[int], batches: list
             for name, (sample, actor_pids) in _ray_contenders(batches, placement).items():
                 contenders[name], served_by[name] = sample, actor_pids
         _measure(_to_learner_device(contenders), served_by, sample_sharded, batches, rounds, out)
+
+
+def _through_loader(rb, workers: int):
+    """Batches of ``rb`` through ``GearDataset(rb).loader(num_workers=workers)``: a loader per batch size, started
+    on its first batch and kept (its workers sample ahead while the others take their turns)."""
+    from gear_torchrl import GearDataset
+
+    streams: dict[int, Any] = {}
+
+    def sample(b: int):
+        if b not in streams:
+            streams[b] = iter(GearDataset(rb, batch_size=b).loader(num_workers=workers))
+        return next(streams[b])
+
+    return sample
 
 
 def _switches() -> tuple[int, int]:
@@ -500,6 +523,7 @@ def main() -> None:
         help="uniform rows, 64-step windows, or prioritized rows with a priority update per batch",
     )
     parser.add_argument("--learner-device", default="cpu", help="where the learner's batches go (e.g. cuda)")
+    parser.add_argument("--loader-workers", type=int, default=0, help="adds batches through GearDataset's loader")
     parser.add_argument("--profile", action="store_true", help="print where the learner's time goes")
     parser.add_argument(
         "--pin",
@@ -528,6 +552,7 @@ def main() -> None:
     os.environ["GEAR_BENCH_RULE"] = args.rule
     os.environ["GEAR_BENCH_AHEAD"] = ",".join(map(str, args.ahead))
     os.environ["GEAR_BENCH_LEARNER_DEVICE"] = args.learner_device
+    os.environ["GEAR_BENCH_LOADER_WORKERS"] = str(args.loader_workers)
     rows = []
     for world in args.worlds:
         result = run_world(world, args.batches, args.rounds)
@@ -567,6 +592,11 @@ def main() -> None:
                         f"ahead {n} owner us": "-" if ahead is None else f"{ahead['owner_us']:.0f}",
                         f"ahead {n} M steps/s": "-" if ahead is None else f"{ahead['steps_per_s'] / 1e6:.3f}",
                     }
+                )
+            if args.loader_workers:
+                loader = result.get(f"loader {args.loader_workers}/{b}")
+                rows[-1][f"loader {args.loader_workers} M steps/s"] = (
+                    "-" if loader is None else f"{loader['steps_per_s'] / 1e6:.3f}"
                 )
             for transport in ("ray", "distributed") if args.ray_site else ():  # TorchRL's remote buffer
                 ray = result.get(f"torchrl-ray-{transport}/{b}")

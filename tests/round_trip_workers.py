@@ -5,6 +5,7 @@ The results go to a file the tests read; the worker asserts nothing itself.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 from datetime import timedelta
@@ -110,11 +111,34 @@ def run(port: int, out: str) -> None:
             results[f"prefetched rows match ({ahead})"] = all(
                 _rows_match(rb.sample(b)) for b in (32, 32, 32, 16, 16, 32, 32, 32, 32, 32)
             )
+        results.update(_forked_while_ahead(tcp))
     finally:
         torch.save(results, Path(out))
         tcp.close()
         own.close()
     os._exit(0)
+
+
+def _forked_while_ahead(tcp) -> dict[str, bool]:
+    """DataLoader workers forked (a plain DataLoader's start) while the parent holds batches of the same size
+    asked for ahead: each worker samples on connections of its own, and the parent's stay in step."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import GearDataset
+
+    tcp.prefetch = "auto"
+    rb = TensorDictReplayBuffer(storage=tcp, batch_size=32)
+    rb.sample()
+    fork = multiprocessing.get_context("fork")
+    try:
+        forked = list(GearDataset(rb, num_batches=3).loader(num_workers=2, multiprocessing_context=fork))
+    except Exception as exc:  # noqa: BLE001  (what went wrong is the result)
+        return {"forked workers' error": repr(exc)}
+    return {
+        "forked workers' rows match": len(forked) == 6 and all(_rows_match(b) for b in forked),
+        "forked workers' batches are their own": len({tuple(b["index"].tolist()) for b in forked}) == 6,
+        "parent's rows match after the fork": all(_rows_match(rb.sample()) for _ in range(10)),
+    }
 
 
 def _python_picks(sample) -> int:

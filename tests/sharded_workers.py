@@ -121,6 +121,7 @@ def _learn(storage, rank: int, tmp: Path) -> dict:
         results["queue"] = _queue(storage)
         results["topk"] = _topk(storage)
         results["capped"] = _capped(storage)
+        results["loader"] = _loader_batches(storage)
     else:
         results["refusals"] = _refusals(storage)
         results["loader"] = _loader_batches(storage)
@@ -404,7 +405,9 @@ def _loader_batches(storage) -> dict:
     from gear_torchrl import GearDataset
 
     rb = TensorDictReplayBuffer(storage=storage, batch_size=512)
+    rb.sample()  # over tcp the parent now holds batches like the workers' asked for ahead: not theirs to read
     batches = list(GearDataset(rb, num_batches=3, prefetch=2).loader(num_workers=2))
+    batches.append(rb.sample())  # and the parent's own connections are still in step
     for batch in batches:
         _check_ids(batch, batch["index"])
     return {"count": len(batches), "distinct": len({tuple(b["pos"][:32].tolist()) for b in batches})}

@@ -515,3 +515,7 @@ def test_batches_in_flight_keep_seeded_draws_and_correct_rows(world_of_one):
     for ahead in (1, 4):
         assert world_of_one[f"read between prefetches matches ({ahead})"]
         assert world_of_one[f"prefetched rows match ({ahead})"]
+    assert "forked workers' error" not in world_of_one, world_of_one.get("forked workers' error")
+    assert world_of_one["forked workers' rows match"]
+    assert world_of_one["forked workers' batches are their own"], "a worker took its parent's batches asked ahead"
+    assert world_of_one["parent's rows match after the fork"]

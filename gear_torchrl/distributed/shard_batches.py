@@ -153,7 +153,9 @@ class ShardBatches:
     def _next_queued(self, key: tuple[SelectionSpec, int, torch.Generator | None]) -> Round | None:
         """The first batch asked for ahead, if it is one of ``key`` to the shards live now and none of its owners
         has hung up since (an owner that died after it replied is not read from); else none, and the draws of
-        every batch asked for ahead taken back (their owed replies are read past on the next use)."""
+        every batch asked for ahead taken back (their owed replies are read past on the next use). In a forked
+        child (a DataLoader worker) the parent's batches asked for ahead are dropped first: they are not its own."""
+        self._links.forget_parent_connections()
         first = self._queued[0] if self._queued else None
         if (
             first is not None

@@ -166,7 +166,7 @@ class ShardLinks:
     def on_each(
         self, shards: list[int], call: Callable[[int, int], Result], counts: list[int], allow_skip: bool = True
     ) -> list[tuple[int, Result]]:
-        self._forget_parent_connections()
+        self.forget_parent_connections()
         return self.fan_out.run(shards, call, counts, self.disconnect, allow_skip)
 
     def disconnect(self, shard: int) -> None:
@@ -179,7 +179,7 @@ class ShardLinks:
         if transport is not None:
             transport.close()
 
-    def _forget_parent_connections(self) -> None:
+    def forget_parent_connections(self) -> None:
         """In a forked child (a DataLoader worker), the parent's sockets and threads are not ours."""
         if os.getpid() != self._pid:
             self._pid = os.getpid()
@@ -188,14 +188,14 @@ class ShardLinks:
             self.fan_out.forget_threads()
 
     def client(self, shard: int) -> ShardClient:
-        self._forget_parent_connections()
+        self.forget_parent_connections()
         client = self._clients.get(shard)
         if client is None:
             client = self._clients[shard] = ShardClient(self.descriptors[shard], self._secret, self._timeout)
         return client
 
     def transport(self, shard: int) -> Transport:
-        self._forget_parent_connections()
+        self.forget_parent_connections()
         transport = self.transports.get(shard)
         if transport is None:
             reach = Reach(
