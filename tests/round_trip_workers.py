@@ -119,7 +119,7 @@ def run(port: int, out: str) -> None:
     os._exit(0)
 
 
-def _forked_while_ahead(tcp) -> dict[str, bool]:
+def _forked_while_ahead(tcp) -> dict[str, bool | str]:
     """DataLoader workers forked (a plain DataLoader's start) while the parent holds batches of the same size
     asked for ahead: each worker samples on connections of its own, and the parent's stay in step."""
     from torchrl.data import TensorDictReplayBuffer
