@@ -12,9 +12,11 @@ and asking for ``--ahead`` batches at once (``prefetch=N``), next
 to the raw floor over the same owners (``sharded_cost.py``'s: one framed reply of the batch's bytes per
 owner, no selection) and ``LazyTensorStorage`` in the learner's process. Reported: the learner's process
 CPU time per batch (median of ``--rounds`` turns), its growth from one owner, the owners' CPU per request,
-steps per second, and the learner's preemptions per batch.
+steps per second, and the learner's preemptions per batch. ``--rule windows`` draws 64-step windows
+(``GearSequenceSampler``; TorchRL's ``SliceSampler`` locally) instead of uniform rows.
 
-    .venv/bin/python benchmarks/probes/owner_growth.py [--owners 1 2 4 8] [--batch 256] [--rounds 5] [--ahead 4 8]
+    .venv/bin/python benchmarks/probes/owner_growth.py [--owners 1 2 4 8] [--batch 256] [--rounds 5] [--ahead 4 8] \
+        [--rule windows]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import os
 import _harness_path  # noqa: F401  (benchmarks/ on sys.path: harness, sharded_cost)
 import torch
 from harness import free_port, run_ranks, table, write_json
-from sharded_cost import EPISODE, STEPS, _fill, _measure, _raw_batch, _raw_server, _rows
+from sharded_cost import EPISODE, STEPS, _fill, _measure, _raw_batch, _raw_server, _rows, _samplers
 
 
 def _rank(
@@ -72,12 +74,14 @@ def _learner(stores: dict, pids: list[int], raw: list[int], batch: int, rounds: 
     from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
     logging.getLogger("torchrl").setLevel(logging.WARNING)
-    local = TensorDictReplayBuffer(storage=LazyTensorStorage(STEPS), batch_size=batch)
+    rule = os.environ.get("GEAR_BENCH_RULE", "rows")
+    local = TensorDictReplayBuffer(storage=LazyTensorStorage(STEPS), sampler=_samplers(rule)[0], batch_size=batch)
     for first in range(0, STEPS, 10 * EPISODE):
         local.extend(_rows(10 * EPISODE, first))
     contenders, served_by = {"LazyTensorStorage": local.sample}, {"LazyTensorStorage": {batch: []}}
     for owners, storage in stores.items():
-        rb = TensorDictReplayBuffer(storage=storage, batch_size=batch)
+        ours = _samplers(rule)[1]  # a sampler of its own for each store
+        rb = TensorDictReplayBuffer(storage=storage, batch_size=batch, **({"sampler": ours} if ours else {}))
         for depth in ["auto", 0, *ahead]:
 
             def sample(b: int, storage=storage, rb=rb, depth=depth):
@@ -112,8 +116,12 @@ def main() -> None:
     parser.add_argument(
         "--ahead", type=int, nargs="+", default=[4, 8], help="batches asked for at once by each 'ahead N' contender"
     )
+    parser.add_argument(
+        "--rule", choices=["rows", "windows"], default="rows", help="uniform rows, or 64-step windows (4 in 256 steps)"
+    )
     parser.add_argument("--out", default="bench_out/owner_growth.json")
     args = parser.parse_args()
+    os.environ["GEAR_BENCH_RULE"] = args.rule
     owners = sorted(args.owners)
     world = max(owners) + 1
     result = run_ranks(
@@ -142,6 +150,7 @@ def main() -> None:
         args.out,
         {
             "benchmark": "owner_growth",
+            "rule": args.rule,
             "steps": STEPS,
             "rounds": args.rounds,
             "ahead": args.ahead,
