@@ -274,12 +274,9 @@ def test_a_dead_shard_is_skipped_or_raised_within_the_timeout(job):
 
 def test_a_silent_shard_costs_at_most_the_timeout(job):
     skipped = job["results"][LEARNER_SKIP]["after_stop"]
-    # batches asked for ahead (prefetch="auto") before the owner stopped may hold its rows: the first ones only
-    each = skipped["each_batch"]
-    with_stopped = [w.STOPPED in shards for shards in each]
-    assert with_stopped == sorted(with_stopped, reverse=True) and not with_stopped[-1], each
-    assert sum(with_stopped) <= AUTO_AHEAD, each
-    assert set().union(*each[sum(with_stopped) :]) == set(range(w.OWNERS)) - {w.KILLED, w.STOPPED}
+    # not one row of the silent owner: the batches asked for ahead before it stopped were dropped, the learner
+    # having paused (waiting for the test) since its last batch
+    assert set(skipped["shards_seen"]) == set(range(w.OWNERS)) - {w.KILLED, w.STOPPED}, skipped["each_batch"]
     assert "stopped answering" in skipped["failed"][w.STOPPED]
     assert w.TIMEOUT_S * 0.9 <= skipped["seconds"] < 2 * w.TIMEOUT_S + 5  # it waited once, then went on
     raised = job["results"][LEARNER_RAISE]["after_stop"]

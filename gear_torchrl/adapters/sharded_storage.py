@@ -86,8 +86,11 @@ class ShardedGearStorage(TableStorage):
             sampled, ``True`` is 1. Freshness: a batch asked for ahead was picked when
             it was asked, so over tcp rows that other processes write show up up to N
             batches later (8 with ``"auto"``); up to N batches are held (fewer where
-            one owner's replies would pass 2 MiB); batches asked for ahead of an owner
-            that has since closed its connection (it died) are dropped, not read. Rows
+            one owner's replies would pass 2 MiB). Batches asked for ahead are dropped,
+            not read, where an owner has since closed its connection (it died) or the
+            learner paused (away over 20 ms and 4x as long as before its last batch:
+            an evaluation, a checkpoint), so a pause never serves rows picked before
+            it. Rows
             read in this process (a ``local`` shard, its own) are picked when sampled,
             whatever ``prefetch`` says.
         heartbeat_s: how often an owner publishes its shard's statistics.

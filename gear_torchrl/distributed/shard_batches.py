@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import time
 from typing import Literal
 
 import torch
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 _MAX_ROUNDS = 8  # selection rounds per batch (shards that came up short, or failed, are made up for)
 _AHEAD_BYTES = 2 << 20  # the most of a learner's batches asked for ahead that one owner's replies may hold
 AUTO_AHEAD = 8  # batches asked for ahead by default, where tcp owners answer (BENCHMARKS.md: 1 -> 8 owners)
+_PAUSE_S = 0.02  # away this long, and 4x as long as before the last batch, a learner's batches ahead are dropped
 _PROBE = UniformSpec()  # what asks every shard for its rows
 
 
@@ -63,6 +65,8 @@ class ShardBatches:
         self._prefetch = prefetch
         self._masses: dict[SelectionSpec, dict[int, float]] = {}
         self._queued: collections.deque[Round] = collections.deque()  # the next batches, asked for (prefetch)
+        self._returned = 0.0  # when the last batch was handed out (time.monotonic)
+        self._away = 0.0  # how long the learner was away before asking for it
         links.on_fork = self._queued.clear  # a forked child's batches asked for ahead are its parent's
 
     def set_prefetch(self, batches: int | Literal["auto"]) -> None:
@@ -135,6 +139,7 @@ class ShardBatches:
             ahead = self._ahead(round_)
             if ahead and spec.per_reader and not self._queued:
                 self._queued.extend(self._send_ahead(spec, count, generator, ahead))
+            self._returned = time.monotonic()
             return picks
         self._owners.give_back(spec, got)
         raise RuntimeError(
@@ -154,11 +159,13 @@ class ShardBatches:
         """The first batch asked for ahead, if it is one of ``key`` to the shards live now and none of its owners
         has hung up since (an owner that died after it replied is not read from); else none, and the draws of
         every batch asked for ahead taken back (their owed replies are read past on the next use). In a forked
-        child (a DataLoader worker) the parent's batches asked for ahead are dropped first: they are not its own."""
+        child (a DataLoader worker) the parent's batches asked for ahead are dropped first: they are not its own.
+        After a pause (``_paused``) they are dropped too: they were picked before it."""
         self._links.forget_parent_connections()
         first = self._queued[0] if self._queued else None
         if (
-            first is not None
+            not self._paused()
+            and first is not None
             and first.key == key
             and first.live == self._links.live_shards
             and not any_hung_up(first.route.clients)
@@ -166,6 +173,13 @@ class ShardBatches:
             return self._queued.popleft()
         self._take_back_queued()
         return None
+
+    def _paused(self) -> bool:
+        """Whether the learner was away since its last batch for more than ``_PAUSE_S`` and 4x as long as before
+        it (an evaluation, a checkpoint, a wait on other processes: not a training step like the others)."""
+        away, before = time.monotonic() - self._returned, self._away
+        self._away = away
+        return away > max(_PAUSE_S, 4 * before)
 
     def _take_back_queued(self) -> None:
         """Forget the batches asked for ahead, their draws taken back: what is drawn next is what would have
