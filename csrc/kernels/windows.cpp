@@ -9,13 +9,20 @@
 namespace gear {
 namespace {
 
+bool int64_vector(const at::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous();
+}
+
+void check_episodes(const at::Tensor& start, const at::Tensor& length) {
+  TORCH_CHECK(int64_vector(start) && int64_vector(length),
+              "windows: episode_start and episode_length must be contiguous 1-D int64 CPU tensors");
+  TORCH_CHECK(start.numel() == length.numel(), "windows: episode_start and episode_length differ in length");
+}
+
 void check_episode_args(const at::Tensor& start, const at::Tensor& length, const at::Tensor& slots,
                         const at::Tensor& per_window, at::ScalarType per_window_dtype, const char* per_window_name) {
-  for (const at::Tensor* t : {&start, &length, &slots}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
-                "windows: episode_start, episode_length and slots must be contiguous 1-D int64 CPU tensors");
-  }
-  TORCH_CHECK(start.numel() == length.numel(), "windows: episode_start and episode_length differ in length");
+  check_episodes(start, length);
+  TORCH_CHECK(int64_vector(slots), "windows: slots must be a contiguous 1-D int64 CPU tensor");
   TORCH_CHECK(per_window.device().is_cpu() && per_window.scalar_type() == per_window_dtype && per_window.dim() == 1 &&
                   per_window.numel() == slots.numel(),
               "windows: ", per_window_name, " must be a 1-D ", c10::toString(per_window_dtype),
@@ -106,12 +113,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uniform_windows(const at::Tensor&
 void draw_windows_into(const at::Tensor& tree, const at::Tensor& episode_start, const at::Tensor& episode_length,
                        const double* u, int64_t n, int64_t window_len, int64_t burn_in, bool strict_length,
                        int64_t* starts, int64_t* valid_begin, int64_t* valid_end) {
-  const at::Tensor& start = episode_start;
-  TORCH_CHECK(start.device().is_cpu() && start.scalar_type() == at::kLong && start.dim() == 1 && start.is_contiguous() &&
-                  episode_length.device().is_cpu() && episode_length.scalar_type() == at::kLong &&
-                  episode_length.dim() == 1 && episode_length.is_contiguous() &&
-                  episode_length.numel() == start.numel(),
-              "windows: episode_start and episode_length must be contiguous 1-D int64 CPU tensors of one length");
+  check_episodes(episode_start, episode_length);
   std::vector<int64_t> slots(static_cast<size_t>(n));
   sum_tree_pick_into(tree, u, slots.data(), n);
   place_uniform(episode_start, episode_length, slots.data(), u + n, n, window_len, burn_in, strict_length,

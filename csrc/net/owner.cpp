@@ -563,7 +563,8 @@ bool frames_one_ask(const char* p, size_t meta) {
   return field<uint16_t>(p + 6) == 1 && field<uint32_t>(p + 8) == meta && field<uint64_t>(p + 12) == 24;
 }
 
-// The ask of a SAMPLE_ROWS, SAMPLE_WINDOWS or SAMPLE_PRIORITIZED whose bytes (JSON of `meta` bytes) are at `p`; false if malformed.
+// The ask of a SAMPLE_ROWS, SAMPLE_WINDOWS or SAMPLE_PRIORITIZED whose bytes (JSON of `meta` bytes) are at
+// `p`; false if malformed.
 bool parse_ask(const char* p, size_t meta, Request& q) {
   if (field<uint64_t>(p + kHeader + meta) != 24) return false;
   const char* ask = p + kHeader + meta + 8;

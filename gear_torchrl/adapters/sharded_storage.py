@@ -79,20 +79,19 @@ class ShardedGearStorage(TableStorage):
             shard is read in this process (``local``, its own shard): with eight
             ahead a batch of 256 costs the learner about half of what it does without,
             as much as ``LazyTensorStorage`` in its own process, and each owner added
-            about 5 µs (+21% from 1 to 8 owners; BENCHMARKS.md). A
-            number N asks for the next N batches at once when none is left asked for,
-            each owner's N requests in one write, its N replies in one write back,
-            read several at a time; ``0`` or ``False`` asks for each batch when it is
-            sampled, ``True`` is 1. Freshness: a batch asked for ahead was picked when
-            it was asked, so over tcp rows that other processes write show up up to N
-            batches later (8 with ``"auto"``); up to N batches are held (fewer where
-            one owner's replies would pass 2 MiB). Batches asked for ahead are dropped,
-            not read, where an owner has since closed its connection (it died) or the
-            learner paused (away over 20 ms and 4x as long as before its last batch:
-            an evaluation, a checkpoint), so a pause never serves rows picked before
-            it. Rows
-            read in this process (a ``local`` shard, its own) are picked when sampled,
-            whatever ``prefetch`` says.
+            about 5 µs (+21% from 1 to 8 owners; BENCHMARKS.md). A number N asks for
+            the next N batches at once when none is left asked for, each owner's N
+            requests in one write, its N replies in one write back, read several at a
+            time; ``0`` or ``False`` asks for each batch when it is sampled, ``True``
+            is 1. Freshness: a batch asked for ahead was picked when it was asked, so
+            over tcp rows that other processes write show up up to N batches later (8
+            with ``"auto"``); up to N batches are held (fewer where one owner's
+            replies would pass 2 MiB). Batches asked for ahead are dropped, not read,
+            where an owner has since closed its connection (it died) or the learner
+            paused (away over 20 ms and 4x as long as before its last batch: an
+            evaluation, a checkpoint), so a pause never serves rows picked before it.
+            Rows read in this process (a ``local`` shard, its own) are picked when
+            sampled, whatever ``prefetch`` says.
         heartbeat_s: how often an owner publishes its shard's statistics.
         group: the process group to build over (default: the default group,
             initialized from torchrun's environment if needed).
