@@ -16,7 +16,7 @@ bool int64_vector(const at::Tensor& t) {
 void check_episodes(const at::Tensor& start, const at::Tensor& length) {
   TORCH_CHECK(int64_vector(start) && int64_vector(length),
               "windows: episode_start and episode_length must be contiguous 1-D int64 CPU tensors");
-  TORCH_CHECK(start.numel() == length.numel(), "windows: episode_start and episode_length differ in length");
+  TORCH_CHECK(start.numel() == length.numel(), "windows: episode_start and episode_length must be of one length");
 }
 
 void check_episode_args(const at::Tensor& start, const at::Tensor& length, const at::Tensor& slots,
