@@ -25,9 +25,9 @@ from gear_torchrl.errors import CheckpointError, EmptyStoreError, ShardUnavailab
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
-from gear_torchrl.selection.priorities import PrioritySpec
+from gear_torchrl.selection.priorities import ProportionalSpec
 from gear_torchrl.selection.uniform import UniformSpec
-from gear_torchrl.selection.windows import WindowSpec
+from gear_torchrl.selection.windows import WindowGeometry, WindowSpec
 from gear_torchrl.store.windows import Windows
 
 # What a socket cannot be made without; they say nothing about the shard.
@@ -229,8 +229,8 @@ class Ask:
     may pick fewer). ``columns=None`` asks for the picks alone, held readable on
     the owner until a RELEASE. Uniform rows and windows read back at once go as
     SAMPLE_ROWS and SAMPLE_WINDOWS, which the owner's extension answers, and
-    prioritized rows as SAMPLE_PRIORITIZED: their picks land in ``picks`` (and a
-    prioritized pick's mass and generation in ``extra``) as well, so a round's
+    prioritized rows and windows as SAMPLE_PRIORITIZED: their picks land in ``picks``
+    (and a prioritized pick's mass and generation in ``extra``) as well, so a round's
     replies fill one batch of picks and columns with nothing to parse or join.
     """
 
@@ -243,13 +243,13 @@ class Ask:
     extra: dict[str, torch.Tensor] | None = None  # where a PRIORITIZED reply's per-pick values land (likewise)
     samples_rows: bool = field(init=False)  # uniform rows read back at once: asked as SAMPLE_ROWS
     samples_windows: bool = field(init=False)  # uniform windows read back at once: asked as SAMPLE_WINDOWS
-    samples_prioritized: bool = field(init=False)  # prioritized rows read back at once: SAMPLE_PRIORITIZED
+    samples_prioritized: bool = field(init=False)  # prioritized rows or windows read back at once: SAMPLE_PRIORITIZED
 
     def __post_init__(self) -> None:
         sampled = bool(self.columns) and _fits_int64(self.seed)  # read back at once, with a seed a request carries
         self.samples_rows = sampled and isinstance(self.spec, UniformSpec)
         self.samples_windows = sampled and isinstance(self.spec, WindowSpec)
-        self.samples_prioritized = sampled and isinstance(self.spec, PrioritySpec)
+        self.samples_prioritized = sampled and isinstance(self.spec, ProportionalSpec)
         if not (self.samples_rows or self.samples_windows or self.samples_prioritized):
             self.picks = None  # a SELECT's reply carries its picks
         elif self.picks is None:
@@ -270,19 +270,22 @@ class Ask:
 
     @property
     def landing(self) -> list[torch.Tensor]:
-        """Where the reply's last arrays land: the picks (ROWS: their ring rows; WINDOWS: starts and valid
-        ranges; PRIORITIZED: ring rows, masses and generations), then the columns."""
-        columns = self.columns or []
+        """Where the reply's last arrays land: the picks (a rule of rows: their ring rows; of windows: their
+        starts and valid ranges), a PRIORITIZED reply's masses and generations, then the columns."""
+        return [*self._pick_arrays, *(self.extra or {}).values(), *(self.columns or [])]
+
+    @property
+    def _pick_arrays(self) -> list[torch.Tensor]:
         if self.picks is None:
-            return columns
-        if self.samples_windows:
-            return [self.picks.starts, self.picks.valid_begin, self.picks.valid_end, *columns]
-        return [self.picks.starts, *(self.extra or {}).values(), *columns]
+            return []
+        if isinstance(self.spec, WindowGeometry):
+            return [self.picks.starts, self.picks.valid_begin, self.picks.valid_end]
+        return [self.picks.starts]
 
     @property
     def firsts(self) -> list[int]:
         """The row of each ``landing`` tensor its array lands from."""
-        pick_arrays = 0 if self.picks is None else 3 if self.samples_windows else 1 + len(self.extra or ())
+        pick_arrays = len(self._pick_arrays) + len(self.extra or ())
         return [self.first_pick] * pick_arrays + [self.first] * len(self.columns or ())
 
     @property
@@ -361,7 +364,7 @@ class Ask:
     def request(self) -> EncodedMessage:
         """The request as a message: uniform rows and windows read back at once go as SAMPLE_ROWS and
         SAMPLE_WINDOWS (the rule's JSON, none for rows, and the ask), which the owner answers in its
-        extension, and prioritized rows as SAMPLE_PRIORITIZED; anything else as a SELECT whose metadata says
+        extension, and prioritized rows and windows as SAMPLE_PRIORITIZED; anything else as a SELECT whose metadata says
         it all.
         """
         if self.picks is not None:
@@ -494,7 +497,7 @@ def _as_float(bits: int) -> float:
 def landing_extra(spec: SelectionSpec, count: int) -> dict[str, torch.Tensor] | None:
     """Room for the per-pick values of ``count`` picks that PRIORITIZED replies land (None: the rule's
     replies land none)."""
-    if not isinstance(spec, PrioritySpec):
+    if not isinstance(spec, ProportionalSpec):
         return None
     return {name: torch.empty(count, dtype=EXTRA_DTYPES[name]) for name in PRIORITIZED_EXTRA}
 

@@ -37,10 +37,10 @@ from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import EXTRA_DTYPES
-from gear_torchrl.selection.priorities import PrioritySpec
+from gear_torchrl.selection.priorities import ProportionalSpec
 from gear_torchrl.selection.selector_registry import SelectorRegistry
 from gear_torchrl.selection.uniform import UniformSpec
-from gear_torchrl.selection.windows import WindowSpec
+from gear_torchrl.selection.windows import WindowGeometry, WindowSpec
 from gear_torchrl.store.shared_commits import SharedStoreHandle
 from gear_torchrl.store.windows import Windows
 
@@ -221,7 +221,7 @@ class _Session:
                 return reply
             if request.op == Op.SAMPLE_PRIORITIZED:
                 count, seed, columns = _sample_request(request)
-                spec = _asked_spec(request, PrioritySpec)
+                spec = _asked_spec(request, ProportionalSpec)
                 reply = self._sample(spec, count, seed, self._columns_asked(columns), Op.PRIORITIZED)
                 self.native.arm(request.meta, spec)
                 return reply
@@ -280,8 +280,8 @@ class _Session:
 
     def _sample(self, spec: SelectionSpec, count: int, seed: object, num_columns: int, op: int) -> Message | None:
         """A reply of ``op`` with no JSON: the ROWS or WINDOWS reply the extension sends (``csrc/net/owner.cpp``),
-        for the requests it leaves to Python, or PRIORITIZED. A tally, the picks (rows: their ring rows alone;
-        prioritized rows: with their masses and generations), then their rows."""
+        for the requests it leaves to Python, or PRIORITIZED. A tally, the picks (rows: their ring rows; windows:
+        their starts and valid ranges; prioritized picks: then their masses and generations), then their rows."""
         if not 0 <= count <= MAX_READ_POSITIONS:
             raise ValueError(f"cannot select {count} rows in one request")
         picked = self.view.pick(spec, count, seed)
@@ -293,7 +293,8 @@ class _Session:
             arrays = [_tally(counts, picked.mass), windows.starts, windows.valid_begin, windows.valid_end]
         else:
             extra = [picked.extra.get(n, _NONE[n]).contiguous() for n in PRIORITIZED_EXTRA]
-            arrays = [_tally(counts, picked.mass, picked.scalars["min_mass"]), windows.starts, *extra]
+            ranges = [windows.valid_begin, windows.valid_end] if isinstance(spec, WindowGeometry) else []
+            arrays = [_tally(counts, picked.mass, picked.scalars["min_mass"]), windows.starts, *ranges, *extra]
         if not picked.count:
             return Message(op, {}, arrays + [_NO_BYTES] * num_columns)
         self._send_rows(b"", arrays, windows, num_columns, op)

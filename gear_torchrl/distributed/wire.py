@@ -67,9 +67,11 @@ class Op:
     # SAMPLE_WINDOWS's reply: no JSON; the tally (live rows, picks, the mass's float64 bits), the windows' starts,
     # valid_begin and valid_end, then each column's rows
     WINDOWS: int = _WIRE.WINDOWS
-    SAMPLE_PRIORITIZED: int = _WIRE.SAMPLE_PRIORITIZED  # prioritized rows read back at once (JSON: the rule)
+    # prioritized rows or windows read back at once (JSON: the rule)
+    SAMPLE_PRIORITIZED: int = _WIRE.SAMPLE_PRIORITIZED
     # its reply: no JSON; the tally (live rows, picks, the float64 bits of the mass and of the least positive
-    # mass), the picks' rows, masses (float64) and generations (int64), then each column's rows
+    # mass), the picks (rows: their ring rows; windows: starts, valid_begin, valid_end), their masses (float64)
+    # and generations (int64), then each column's rows
     PRIORITIZED: int = _WIRE.PRIORITIZED
     # an UPDATE the learner does not wait for: no reply (it checked the rows; a refusal is logged)
     POST_UPDATE: int = _WIRE.POST_UPDATE

@@ -168,7 +168,9 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         picked = self._draw(episodes, count, generator, mass)
         if not self.spec.cross_ring_end:
             redraw_wrapping(lambda n: self._draw(episodes, n, generator, mass), picked, shard.capacity)
-        picked.extra["mass"] = self.trees.get(shard.addressing.ring_rows(picked.starts + self.spec.burn_in))
+        keys = shard.addressing.ring_rows(picked.starts + self.spec.burn_in)
+        picked.extra["mass"] = self.trees.get(keys)
+        picked.extra["generation"] = self.generation[keys]  # what an update of these keys names them by
         picked.scalars = scalars
         return wrap_starts(picked, shard.window_rows)
 
