@@ -29,20 +29,21 @@ PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min
                          alpha, eps, bound);
 }
 
-PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& generation,
-                               const UpdateArrays& u, double alpha, double eps, int64_t bound) {
+LandingUpdate landing_update(const at::Tensor& generation, const UpdateArrays& u, double alpha, double eps,
+                             int64_t bound) {
   TORCH_CHECK(generation.dim() == 1 && generation.scalar_type() == at::kLong && generation.is_contiguous(),
               "generation must be a contiguous 1-D int64 tensor");
   TORCH_CHECK(bound <= generation.numel(), "rows are bounded by the table's capacity, ", generation.numel());
   const int64_t n = u.count;
-  PriorityUpdate out{false, std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min(), -1, 0.0};
+  LandingUpdate out{{false, std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min(), -1, 0.0}};
+  PriorityUpdate& facts = out.facts;
   for (int64_t i = 0; i < n; ++i) {
-    out.lo = std::min(out.lo, u.rows[i]);
-    out.hi = std::max(out.hi, u.rows[i]);
-    if (out.bad < 0 && !(std::isfinite(u.priority[i]) && u.priority[i] >= 0)) out.bad = i;
+    facts.lo = std::min(facts.lo, u.rows[i]);
+    facts.hi = std::max(facts.hi, u.rows[i]);
+    if (facts.bad < 0 && !(std::isfinite(u.priority[i]) && u.priority[i] >= 0)) facts.bad = i;
   }
-  if (n && (out.lo < -1 || out.hi >= bound || out.bad >= 0)) return out;
-  out.applied = true;
+  if (n && (facts.lo < -1 || facts.hi >= bound || facts.bad >= 0)) return out;
+  facts.applied = true;
   if (!n) return out;
 
   // The masses as torch.pow computes them over the whole update (the same values a GPU table and a restored
@@ -65,10 +66,19 @@ PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min
     if (row < 0 || (u.drawn && gp[row] != u.drawn[i])) continue;
     kept_rows.push_back(row);
     kept_mass.push_back(mass[i]);
-    out.landed_max = std::max(out.landed_max, u.priority[i]);
+    facts.landed_max = std::max(facts.landed_max, u.priority[i]);
   }
-  priority_set_into(sum_tree, min_tree, kept_rows.data(), kept_mass.data(), static_cast<int64_t>(kept_rows.size()));
+  out.rows = kept_rows.data();
+  out.mass = kept_mass.data();
+  out.count = static_cast<int64_t>(kept_rows.size());
   return out;
+}
+
+PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& generation,
+                               const UpdateArrays& u, double alpha, double eps, int64_t bound) {
+  const LandingUpdate landing = landing_update(generation, u, alpha, eps, bound);
+  if (landing.count > 0) priority_set_into(sum_tree, min_tree, landing.rows, landing.mass, landing.count);
+  return landing.facts;
 }
 
 }  // namespace gear

@@ -31,6 +31,18 @@ PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min
                                const at::Tensor& rows, const at::Tensor& priority,
                                const std::optional<at::Tensor>& drawn, double alpha, double eps, int64_t bound);
 
+// An update checked (`facts`), and the entries that land: rows -1 and rows whose `generation` moved on since
+// `drawn` left out, the others with their masses (p + eps)^alpha, computed in one pow over the whole update.
+// `rows` and `mass` are this thread's scratch, valid until its next call.
+struct LandingUpdate {
+  PriorityUpdate facts;
+  const int64_t* rows = nullptr;
+  const double* mass = nullptr;
+  int64_t count = 0;
+};
+LandingUpdate landing_update(const at::Tensor& generation, const UpdateArrays& update, double alpha, double eps,
+                             int64_t bound);
+
 // The same update from raw arrays (a native owner's, as received): one tensor op, the masses' pow.
 PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& generation,
                                const UpdateArrays& update, double alpha, double eps, int64_t bound);

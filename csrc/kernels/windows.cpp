@@ -133,6 +133,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draw_windows(const at::Tensor& tr
   return out.done();
 }
 
+std::pair<int64_t, int64_t> LiveEpisodes::locate(int64_t row) const {
+  const int64_t logical = ((row - first_start) % capacity + capacity) % capacity;
+  const int64_t i = std::upper_bound(ends, ends + count, logical) - ends;  // searchsorted(right=True)
+  if (i >= count) return {-1, 0};
+  return {i, logical - (ends[i] - length[i])};
+}
+
+bool place_keyed_windows_into(const LiveEpisodes& live, const int64_t* keys, int64_t n, int64_t window_len,
+                              int64_t burn_in, int64_t* starts, int64_t* valid_begin, int64_t* valid_end) {
+  const Into out{starts, valid_begin, valid_end};
+  for (int64_t i = 0; i < n; ++i) {
+    const auto [episode, offset] = live.locate(keys[i]);
+    if (episode < 0) return false;
+    out.set(i, live.start[episode], live.length[episode], offset - burn_in, window_len);
+  }
+  return true;
+}
+
 at::Tensor window_rows(const at::Tensor& starts, int64_t window_len, int64_t capacity) {
   TORCH_CHECK(starts.device().is_cpu() && starts.scalar_type() == at::kLong && starts.dim() == 1,
               "window_rows: starts must be a 1-D int64 CPU tensor");

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <tuple>
+#include <utility>
 
 namespace gear {
 
@@ -42,6 +43,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draw_windows(const at::Tensor& tr
 void draw_windows_into(const at::Tensor& tree, const at::Tensor& episode_start, const at::Tensor& episode_length,
                        const double* u, int64_t n, int64_t window_len, int64_t burn_in, bool strict_length,
                        int64_t* starts, int64_t* valid_begin, int64_t* valid_end);
+
+// A shard's live episodes as EpisodeIndex.locate searches them (store/episodes.py): oldest first, their
+// starts, lengths, closed flags and lengths' running sums `ends`, the oldest starting at ring row `first_start`.
+// Live episodes tile the stored rows in ring order, so a row's episode is a binary search away.
+struct LiveEpisodes {
+  const int64_t *start, *length, *ends;
+  const bool* closed;
+  int64_t count, first_start, capacity;
+
+  // The live episode holding ring row `row` (-1: none) and the row's offset in it, as locate finds them.
+  std::pair<int64_t, int64_t> locate(int64_t row) const;
+};
+
+// PriorityWindowSelector's windows after its draw (selection/priority_windows.py): each of the `n` key rows
+// located in `live` and its window placed with the key `burn_in` steps in, starts not wrapped. False when a key
+// lies in no live episode (the keys were derived from other episodes): nothing may be drawn from them.
+bool place_keyed_windows_into(const LiveEpisodes& live, const int64_t* keys, int64_t n, int64_t window_len,
+                              int64_t burn_in, int64_t* starts, int64_t* valid_begin, int64_t* valid_end);
 
 // Flat ring rows of every position of every window: (starts[i] mod capacity + j) mod capacity,
 // int64 [W * window_len].

@@ -102,6 +102,28 @@ void bind_rules(py::module_& m) {
            py::kw_only(), py::arg("key"), py::arg("update_key"), py::arg("sum_tree"), py::arg("min_tree"),
            py::arg("generation"), py::arg("followed"), py::arg("max_priority"), py::arg("alpha"), py::arg("eps"),
            py::arg("rows_per_step"), py::arg("lock"));
+  py::class_<gear::PriorityWindowRule>(m, "PriorityWindowRule",
+                                       "Prioritized windows the native owner draws and updates (csrc/net/owner.h)")
+      .def(py::init([](std::string key, std::string update_key, at::Tensor sum_tree, at::Tensor min_tree,
+                       at::Tensor generation, at::Tensor row_mass, at::Tensor max_priority, at::Tensor derivation,
+                       int64_t derived, int64_t first_start, at::Tensor live_start, at::Tensor live_length,
+                       at::Tensor live_ends, at::Tensor live_closed, double alpha, double eps, int64_t window_len,
+                       int64_t burn_in, bool strict_length, bool include_open, int64_t seen_lo, int64_t seen_hi,
+                       std::shared_ptr<gear::SelectorLock> lock) {
+             return gear::PriorityWindowRule{
+                 std::move(key),         std::move(update_key),  std::move(sum_tree),    std::move(min_tree),
+                 std::move(generation),  std::move(row_mass),    std::move(max_priority), std::move(derivation),
+                 derived,                first_start,            std::move(live_start),  std::move(live_length),
+                 std::move(live_ends),   std::move(live_closed), alpha,                  eps,
+                 window_len,             burn_in,                strict_length,          include_open,
+                 seen_lo,                seen_hi,                std::move(lock)};
+           }),
+           py::kw_only(), py::arg("key"), py::arg("update_key"), py::arg("sum_tree"), py::arg("min_tree"),
+           py::arg("generation"), py::arg("row_mass"), py::arg("max_priority"), py::arg("derivation"),
+           py::arg("derived"), py::arg("first_start"), py::arg("live_start"), py::arg("live_length"),
+           py::arg("live_ends"), py::arg("live_closed"), py::arg("alpha"), py::arg("eps"), py::arg("window_len"),
+           py::arg("burn_in"), py::arg("strict_length"), py::arg("include_open"), py::arg("seen_lo"),
+           py::arg("seen_hi"), py::arg("lock"));
 }
 
 }  // namespace
@@ -198,10 +220,11 @@ void bind_net(py::module_& m) {
       "serve_samples",
       [](int64_t fd, at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
          int64_t seen_seq, int64_t max_lag, double catch_up_s, const gear::WindowRule* windows,
-         const gear::PriorityRule* priorities) {
+         const gear::PriorityRule* priorities, const gear::PriorityWindowRule* priority_windows) {
         const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
-        const gear::Served s = without_gil(
-            [&] { return gear::serve_samples(fd, store, seen_seq, max_lag, catch_up_s, windows, priorities); });
+        const gear::Served s = without_gil([&] {
+          return gear::serve_samples(fd, store, seen_seq, max_lag, catch_up_s, windows, priorities, priority_windows);
+        });
         return std::make_tuple(s.code, s.count, s.seed, s.columns, s.answered, s.op, s.arrays);
       },
       "Answer SAMPLE_ROWS, and SAMPLE_WINDOWS, SAMPLE_PRIORITIZED and POST_UPDATE of the armed rules, natively "
@@ -209,7 +232,7 @@ void bind_net(py::module_& m) {
       "answers, a refused update's arrays)",
       py::arg("fd"), py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"),
       py::arg("seen_seq"), py::arg("max_lag"), py::arg("catch_up_s"), py::arg("windows") = py::none(),
-      py::arg("priorities") = py::none());
+      py::arg("priorities") = py::none(), py::arg("priority_windows") = py::none());
   m.def(
       "sample_rows_into",
       [](at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version, int64_t count,
@@ -236,6 +259,24 @@ void bind_net(py::module_& m) {
       "holds, or -1 where Python must answer; the mass; the least positive mass)",
       py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"), py::arg("priorities"),
       py::arg("count"), py::arg("seed"), py::arg("picks"), py::arg("mass"), py::arg("generation"), py::arg("out"));
+  m.def(
+      "sample_priority_windows_into",
+      [](at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,
+         const gear::PriorityWindowRule& rule, int64_t seen_seq, int64_t count, int64_t seed,
+         const std::vector<at::Tensor>& windows, const at::Tensor& mass, const at::Tensor& generation,
+         const std::vector<at::Tensor>& out) {
+        const gear::OwnedStore store{std::move(header), std::move(reader), std::move(columns), layout_version};
+        const gear::PrioritizedInto got = without_gil([&] {
+          return gear::sample_priority_windows_into(store, rule, seen_seq, count, seed, windows, mass, generation,
+                                                    out);
+        });
+        return std::make_tuple(got.live, got.mass, got.min_mass);
+      },
+      "serve_samples's answer of prioritized windows into this process's tensors (GIL released): (the view's rows, "
+      "or -1 where Python must answer; the mass; the least positive mass)",
+      py::arg("header"), py::arg("reader"), py::arg("columns"), py::arg("layout_version"), py::arg("rule"),
+      py::arg("seen_seq"), py::arg("count"), py::arg("seed"), py::arg("windows"), py::arg("mass"),
+      py::arg("generation"), py::arg("out"));
   m.def(
       "sample_windows_into",
       [](at::Tensor header, at::Tensor reader, std::vector<at::Tensor> columns, int64_t layout_version,

@@ -7,7 +7,9 @@
 // Uniform windows take the same steps, drawn from the state Python's view keeps (WindowRule) while
 // that view is current, and go back as the WINDOWS reply Python would send; prioritized rows are drawn
 // from the shared core's own tables (PriorityRule) under its lock, which follow the store first, and the
-// learners' posted priority updates are applied to them.
+// learners' posted priority updates are applied to them. Prioritized windows take both: keys drawn from the
+// shared core's tables under its lock, their windows placed in the episodes of the view that derived those
+// tables, while that view is current (PriorityWindowRule).
 // Anything unusual goes back to Python, which answers it in full; the rows Python picks go out framed
 // and gathered here too (frame_rows_reply, then send_framed_reply once Python closed its read section).
 #include "net/owner.h"
@@ -467,6 +469,93 @@ int64_t answer_prioritized(int fd, const OwnedStore& s, const Request& q, const 
   return hold_reply(fd, reply);
 }
 
+// Where a prioritized window answer's picks go (the reply itself, or a learner's tensors): each window's start
+// and valid range, and its key's mass and generation.
+struct KeyedWindows {
+  int64_t *starts, *valid_begin, *valid_end;
+  double* mass;
+  int64_t* generation;
+};
+
+LiveEpisodes live_episodes(const PriorityWindowRule& r, int64_t capacity) {
+  return {r.live_start.data_ptr<int64_t>(), r.live_length.data_ptr<int64_t>(), r.live_ends.data_ptr<int64_t>(),
+          r.live_closed.data_ptr<bool>(),   r.live_start.numel(),               r.first_start,
+          capacity};
+}
+
+// Whether the core's trees are those derived from the rule's episodes still (under the core's lock).
+bool derived_as_taken(const PriorityWindowRule& r) { return r.derivation.data_ptr<int64_t>()[0] == r.derived; }
+
+// PriorityWindowSelector.pick's draw (selection/priority_windows.py) under a read section and the core's lock,
+// while the view behind `r` is current and the trees still those derived from its episodes: keys by the trees'
+// masses, their masses and generations, their windows placed and taken modulo the ring; then, the lock let go,
+// the windows' rows gathered into `out`. Returns the rows the view holds, or -1 when Python must answer.
+int64_t sample_priority_windows(const OwnedStore& s, const Request& q, const PriorityWindowRule& r, int64_t seen_seq,
+                                const KeyedWindows& picks, double& mass, double& min_mass, std::vector<at::Tensor> out) {
+  int64_t* header = s.header.data_ptr<int64_t>();
+  if (!answerable(s, q) || q.count > kMaxReadPositions / r.window_len || !readable_as_mapped(s)) return -1;
+  Section section(header, s.reader.data_ptr<int64_t>());
+  if (load(header, kPublishedSeq) != seen_seq || section.lo > r.seen_lo) return -1;
+  const int64_t capacity = s.columns.front().size(0);
+  {
+    std::lock_guard<std::mutex> lock(r.lock->mutex);
+    if (!derived_as_taken(r)) return -1;
+    mass = r.sum_tree.data_ptr<double>()[0];
+    if (!(mass > 0)) return -1;
+    min_mass = r.min_tree.data_ptr<double>()[0];
+    if (q.count > 0) {
+      sum_tree_draw_into(r.sum_tree, q.count, seeded(q), picks.starts);  // the keys, each placed over by its window
+      const double* leaves = r.sum_tree.data_ptr<double>() + tree_leaf_offset(r.sum_tree.numel());
+      const int64_t* generation = r.generation.data_ptr<int64_t>();
+      for (int64_t i = 0; i < q.count; ++i) {
+        picks.mass[i] = leaves[picks.starts[i]];
+        picks.generation[i] = generation[picks.starts[i]];
+      }
+      if (!place_keyed_windows_into(live_episodes(r, capacity), picks.starts, q.count, r.window_len, r.burn_in,
+                                    picks.starts, picks.valid_begin, picks.valid_end)) {
+        return -1;
+      }
+    }
+  }
+  const int64_t live = r.seen_hi - r.seen_lo;
+  if (q.count > 0) {
+    for (int64_t i = 0; i < q.count; ++i) picks.starts[i] = ((picks.starts[i] % capacity) + capacity) % capacity;
+    const at::Tensor starts = at::from_blob(picks.starts, {q.count}, at::kLong);
+    const at::Tensor begin = at::from_blob(picks.valid_begin, {q.count}, at::kLong);
+    const at::Tensor end = at::from_blob(picks.valid_end, {q.count}, at::kLong);
+    if (first_row_outside(starts, begin, end, r.window_len, capacity, r.seen_lo % capacity, live) >= 0) return -1;
+    gather_cpu({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), std::move(out), starts,
+                begin, end, std::nullopt, r.window_len});
+  }
+  return section.close() ? live : -1;
+}
+
+// The PRIORITIZED reply of a rule of windows: the tally (rows the view holds, picks, the float64 bits of the mass
+// and of the least positive mass), the windows' starts and valid ranges, their keys' masses and generations, then
+// each column's rows. Returns 0 once framed in the outbox, 1 when Python must answer, or -errno.
+int64_t answer_priority_windows(int fd, const OwnedStore& s, const Request& q, const PriorityWindowRule& r,
+                                int64_t seen_seq) {
+  if (!answerable(s, q) || q.count > kMaxReadPositions / r.window_len) return 1;
+  const auto ncols = static_cast<size_t>(q.columns);
+  const auto count = static_cast<uint64_t>(q.count);
+  const int64_t positions = q.count * r.window_len;
+  const Reply reply = frame_reply(kPrioritized, {}, {32, 8 * count, 8 * count, 8 * count, 8 * count, 8 * count},
+                                  s.columns, ncols, positions);
+  char* at = reply.out.data();
+  const KeyedWindows picks{reinterpret_cast<int64_t*>(at + reply.at[1]), reinterpret_cast<int64_t*>(at + reply.at[2]),
+                           reinterpret_cast<int64_t*>(at + reply.at[3]), reinterpret_cast<double*>(at + reply.at[4]),
+                           reinterpret_cast<int64_t*>(at + reply.at[5])};
+  double mass = 0, min_mass = 0;
+  const int64_t live =
+      sample_priority_windows(s, q, r, seen_seq, picks, mass, min_mass, rows_in(reply, s.columns, ncols, positions));
+  if (live < 0) return 1;
+  put<int64_t>(reply.out, reply.at[0], live);
+  put<int64_t>(reply.out, reply.at[0] + 8, q.count);
+  put<double>(reply.out, reply.at[0] + 16, mass);
+  put<double>(reply.out, reply.at[0] + 24, min_mass);
+  return hold_reply(fd, reply);
+}
+
 // Whether the head at `p` (JSON of `meta` bytes) frames an update Python would parse: rows, as many priorities,
 // generations or none, within the request limit.
 bool frames_update(const char* p, size_t meta) {
@@ -533,10 +622,45 @@ bool apply_update(const PriorityRule& r, const UpdateArrays& update) {
   return done.applied;
 }
 
+// PriorityWindowSelector.update on the CPU (selection/priority_windows.py), under the core's lock: each landing
+// row's mass kept, and in the trees where the row keys a window of the episodes the trees were derived from
+// (elsewhere none). False, with nothing changed, when a check refused it (Python says why) or the trees were
+// derived anew since the rule was made (Python applies it).
+bool apply_update(const PriorityWindowRule& r, const UpdateArrays& update) {
+  std::lock_guard<std::mutex> lock(r.lock->mutex);
+  if (!derived_as_taken(r)) return false;
+  const int64_t capacity = r.generation.numel();
+  const LandingUpdate landing = landing_update(r.generation, update, r.alpha, r.eps, capacity);
+  if (!landing.facts.applied) return false;
+  double* row_mass = r.row_mass.data_ptr<double>();
+  for (int64_t i = 0; i < landing.count; ++i) row_mass[landing.rows[i]] = landing.mass[i];
+  thread_local std::vector<double> key_mass;
+  key_mass.resize(static_cast<size_t>(landing.count));
+  const LiveEpisodes live = live_episodes(r, capacity);
+  const int64_t seq_len = r.window_len - r.burn_in;
+  for (int64_t i = 0; i < landing.count; ++i) {
+    const int64_t row = landing.rows[i];
+    const auto [episode, offset] = live.locate(row);
+    bool keys = episode >= 0 && (r.include_open || live.closed[episode]);
+    if (keys) {  // PriorityWindowSelector._key_offsets: where a window's training steps may start
+      const int64_t length = live.length[episode];
+      const int64_t lo = r.strict_length ? r.burn_in : 0;
+      const int64_t hi = r.strict_length ? std::max(length - seq_len + 1, r.burn_in) : length;
+      keys = offset >= lo && offset < hi;
+    }
+    key_mass[static_cast<size_t>(i)] = keys ? row_mass[row] : 0.0;
+  }
+  priority_set_into(r.sum_tree, r.min_tree, landing.rows, key_mass.data(), landing.count);
+  double* max_priority = r.max_priority.data_ptr<double>();
+  *max_priority = std::max(*max_priority, landing.facts.landed_max);
+  return true;
+}
+
 // A POST_UPDATE of `r` met by serve_samples: applied (true), or `served` says what Python does next: read
 // it itself (another rule's, or one it refuses with its own words: nothing of it was read), answer the one
 // not applied here whose arrays it carries, or end the connection.
-bool took_update(int fd, char* p, size_t seen, const PriorityRule& r, Served& served) {
+template <typename Rule>
+bool took_update(int fd, char* p, size_t seen, const Rule& r, Served& served) {
   const size_t meta = r.update_key.size();
   if (field<uint16_t>(p + 6) != 3 || field<uint32_t>(p + 8) != meta) return false;
   served.code = seen >= kHeader + meta + 24 ? 0 : receive(fd, p, kHeader + meta + 24, true, false);
@@ -553,9 +677,10 @@ bool took_update(int fd, char* p, size_t seen, const PriorityRule& r, Served& se
   return false;
 }
 
-// Whether the view behind `r` is current: nothing published or evicted since it caught up.
-bool current(const int64_t* header, int64_t seen_seq, const WindowRule& r) {
-  return load(header, kPublishedSeq) == seen_seq && readable_lo(header) <= r.seen_lo;
+// Whether the view behind a rule is current: nothing published or evicted since it caught up (to `seen_seq`,
+// its index covering positions from `seen_lo`).
+bool current(const int64_t* header, int64_t seen_seq, int64_t seen_lo) {
+  return load(header, kPublishedSeq) == seen_seq && readable_lo(header) <= seen_lo;
 }
 
 // Whether the header at `p` frames exactly one ask after `meta` bytes of JSON (its array's length aside).
@@ -596,6 +721,38 @@ void check_priority_rule(const PriorityRule& r) {
   TORCH_CHECK(r.rows_per_step >= 1 && r.lock != nullptr && !r.key.empty() && r.key.size() <= kMaxMeta &&
                   !r.update_key.empty() && r.update_key.size() <= kMaxMeta,
               "priority rule: bad step, lock or keys");
+}
+
+void check_priority_window_rule(const PriorityWindowRule& r) {
+  for (const at::Tensor* tree : {&r.sum_tree, &r.min_tree}) {
+    TORCH_CHECK(tree->scalar_type() == at::kDouble && tree->dim() == 1 && tree->is_contiguous() && tree->is_cpu() &&
+                    tree->numel() == r.sum_tree.numel(),
+                "priority window rule: the trees are contiguous float64 CPU tensors of one size");
+  }
+  const int64_t capacity = r.generation.numel();
+  TORCH_CHECK(r.generation.scalar_type() == at::kLong && r.generation.dim() == 1 && r.generation.is_contiguous() &&
+                  tree_leaf_offset(r.sum_tree.numel()) + capacity <= r.sum_tree.numel(),
+              "priority window rule: one contiguous int64 generation per leaf");
+  TORCH_CHECK(r.row_mass.scalar_type() == at::kDouble && r.row_mass.dim() == 1 && r.row_mass.is_contiguous() &&
+                  r.row_mass.numel() == capacity,
+              "priority window rule: one contiguous float64 mass per row");
+  TORCH_CHECK(r.max_priority.scalar_type() == at::kDouble && r.max_priority.numel() == 1 && r.max_priority.is_cpu(),
+              "priority window rule: the largest priority is one float64 on the CPU");
+  TORCH_CHECK(r.derivation.scalar_type() == at::kLong && r.derivation.numel() == 1 && r.derivation.is_cpu(),
+              "priority window rule: the derivation is one int64 on the CPU");
+  const int64_t episodes = r.live_start.numel();
+  for (const at::Tensor* t : {&r.live_start, &r.live_length, &r.live_ends}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous() && t->is_cpu() &&
+                    t->numel() == episodes,
+                "priority window rule: live episodes' starts, lengths and ends are contiguous int64 tensors of one size");
+  }
+  TORCH_CHECK(r.live_closed.scalar_type() == at::kBool && r.live_closed.dim() == 1 && r.live_closed.is_contiguous() &&
+                  r.live_closed.numel() == episodes,
+              "priority window rule: one closed flag per live episode");
+  TORCH_CHECK(r.window_len >= 1 && r.burn_in >= 0 && r.burn_in < r.window_len && r.seen_lo >= 0 &&
+                  r.seen_hi >= r.seen_lo && r.lock != nullptr && !r.key.empty() && r.key.size() <= kMaxMeta &&
+                  !r.update_key.empty() && r.update_key.size() <= kMaxMeta,
+              "priority window rule: bad geometry, positions, lock or keys");
 }
 
 void check_owned_store(const OwnedStore& s) {
@@ -663,6 +820,33 @@ PrioritizedInto sample_prioritized_into(const OwnedStore& s, const PriorityRule&
   return got;
 }
 
+PrioritizedInto sample_priority_windows_into(const OwnedStore& s, const PriorityWindowRule& r, int64_t seen_seq,
+                                             int64_t count, int64_t seed, const std::vector<at::Tensor>& windows,
+                                             const at::Tensor& mass, const at::Tensor& generation,
+                                             const std::vector<at::Tensor>& out) {
+  check_owned_store(s);
+  check_priority_window_rule(r);
+  const Request q{count, seed, static_cast<int64_t>(out.size())};
+  PrioritizedInto got;
+  if (!answerable(s, q) || q.count > kMaxReadPositions / r.window_len) return got;
+  TORCH_CHECK(windows.size() == 3, "sample_priority_windows_into: windows are starts, valid_begin and valid_end");
+  for (const auto& [t, type] : {std::pair{&windows[0], at::kLong}, {&windows[1], at::kLong}, {&windows[2], at::kLong},
+                                {&mass, at::kDouble}, {&generation, at::kLong}}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == type && t->dim() == 1 && t->numel() == count &&
+                    t->is_contiguous(),
+                "sample_priority_windows_into: starts, valid ranges, masses and generations are contiguous CPU "
+                "tensors of ",
+                count, " values (int64 but the masses' float64)");
+  }
+  check_gather_args({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), out, windows[0],
+                     windows[1], windows[2], std::nullopt, r.window_len});
+  TORCH_CHECK(out.front().device().is_cpu(), "sample_priority_windows_into: the outputs must be CPU tensors");
+  const KeyedWindows into{windows[0].data_ptr<int64_t>(), windows[1].data_ptr<int64_t>(),
+                          windows[2].data_ptr<int64_t>(), mass.data_ptr<double>(), generation.data_ptr<int64_t>()};
+  got.live = sample_priority_windows(s, q, r, seen_seq, into, got.mass, got.min_mass, out);
+  return got;
+}
+
 int64_t frame_rows_reply(int64_t op, const std::string& meta, const std::vector<at::Tensor>& arrays,
                          const std::vector<at::Tensor>& columns, const at::Tensor& starts,
                          const at::Tensor& valid_begin, const at::Tensor& valid_end, int64_t window_len) {
@@ -701,10 +885,14 @@ int64_t send_framed_reply(int64_t fd) {
 }
 
 Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t max_lag, double catch_up_s,
-                     const WindowRule* windows, const PriorityRule* priorities) {
+                     const WindowRule* windows, const PriorityRule* priorities,
+                     const PriorityWindowRule* priority_windows) {
   check_owned_store(s);
   if (windows != nullptr) check_window_rule(*windows);
   if (priorities != nullptr) check_priority_rule(*priorities);
+  if (priority_windows != nullptr) check_priority_window_rule(*priority_windows);
+  TORCH_CHECK(priorities == nullptr || priority_windows == nullptr,
+              "serve_samples: one prioritized rule at a time (rows or windows: both answer SAMPLE_PRIORITIZED)");
   const int fd = static_cast<int>(fd_);
   const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(catch_up_s);
   const int64_t* header = s.header.data_ptr<int64_t>();
@@ -714,11 +902,14 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
     if (op == kSampleRows) return &none;
     if (op == kSampleWindows && windows != nullptr) return &windows->key;
     if (op == kSamplePrioritized && priorities != nullptr) return &priorities->key;
+    if (op == kSamplePrioritized && priority_windows != nullptr) return &priority_windows->key;
     return nullptr;
   };
   const size_t key_bytes = std::max({windows != nullptr ? windows->key.size() : 0,
                                      priorities != nullptr ? priorities->key.size() : 0,
-                                     priorities != nullptr ? priorities->update_key.size() : 0});
+                                     priorities != nullptr ? priorities->update_key.size() : 0,
+                                     priority_windows != nullptr ? priority_windows->key.size() : 0,
+                                     priority_windows != nullptr ? priority_windows->update_key.size() : 0});
   // Room for the longest ask and the next one's header: a peek that sees past its ask knows another is queued.
   std::vector<char> request(kHeader + key_bytes + kAskBytes + kHeader);
   char* p = request.data();
@@ -740,8 +931,10 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
     // Anything else, a malformed ask included, is Python's to read and answer (so nothing here waits for
     // bytes a message does not have).
     const auto op = field<uint16_t>(p + 4);
-    if (op == kPostUpdate && priorities != nullptr) {
-      if (!took_update(fd, p, static_cast<size_t>(seen), *priorities, served)) return leave(served);
+    if (op == kPostUpdate && (priorities != nullptr || priority_windows != nullptr)) {
+      const bool took = priorities != nullptr ? took_update(fd, p, static_cast<size_t>(seen), *priorities, served)
+                                              : took_update(fd, p, static_cast<size_t>(seen), *priority_windows, served);
+      if (!took) return leave(served);
       queued = true;  // (whether another is there, the next peek finds out)
       continue;
     }
@@ -758,7 +951,10 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
     if (due && served.answered > 0) {  // (the first answer of a call comes right after Python's turn)
       return leave({kCatchUp, 0, -1, 0, served.answered});
     }
-    if (op == kSampleWindows && !current(header, seen_seq, *windows)) {
+    const int64_t* seen_lo = op == kSampleWindows                                   ? &windows->seen_lo
+                             : op == kSamplePrioritized && priority_windows != nullptr ? &priority_windows->seen_lo
+                                                                                       : nullptr;
+    if (seen_lo != nullptr && !current(header, seen_seq, *seen_lo)) {  // windows are drawn from the view's index
       return leave({kCatchUp, 0, -1, 0, served.answered});
     }
     queued = static_cast<size_t>(seen) > whole;
@@ -766,8 +962,9 @@ Served serve_samples(int64_t fd_, const OwnedStore& s, int64_t seen_seq, int64_t
     if (got < 0) return leave({got, 0, -1, 0, served.answered});
     Request q{};
     if (!parse_ask(p, meta, q)) return leave({-EPROTO, 0, -1, 0, served.answered});
-    const int64_t done = op == kSampleWindows       ? answer_windows(fd, s, q, *windows, seen_seq)
-                         : op == kSamplePrioritized ? answer_prioritized(fd, s, q, *priorities)
+    const int64_t done = op == kSampleWindows ? answer_windows(fd, s, q, *windows, seen_seq)
+                         : op == kSamplePrioritized && priorities != nullptr ? answer_prioritized(fd, s, q, *priorities)
+                         : op == kSamplePrioritized ? answer_priority_windows(fd, s, q, *priority_windows, seen_seq)
                                                     : answer(fd, s, q);
     if (done < 0) return leave({done, 0, -1, 0, served.answered});
     if (done == 1) return leave({kServeInPython, q.count, q.seed, q.columns, served.answered, op});

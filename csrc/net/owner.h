@@ -1,5 +1,5 @@
-// An owner's answers that need no interpreter: uniform rows, uniform windows and prioritized rows drawn, read
-// and sent, and posted priority updates applied, natively (see owner.cpp; Python's side is
+// An owner's answers that need no interpreter: uniform rows and windows, prioritized rows and windows drawn,
+// read and sent, and posted priority updates applied, natively (see owner.cpp; Python's side is
 // distributed/native_owner.py).
 #pragma once
 
@@ -55,6 +55,31 @@ struct PriorityRule {
   std::shared_ptr<SelectorLock> lock;
 };
 
+// A rule of prioritized windows the extension draws and updates as selection/priority_windows.py's
+// PriorityWindowSelector does: window keys drawn from the shared core's trees, under its lock, located in the
+// live episodes of the index the trees were derived from (a view's). Exact while nothing was published or
+// evicted since that view caught up and the core's trees were not derived anew since (`derivation` still
+// `derived`); otherwise the request goes back to Python.
+struct PriorityWindowRule {
+  std::string key;          // the rule's JSON, byte for byte as learners send it in SAMPLE_PRIORITIZED
+  std::string update_key;   // a POST_UPDATE's JSON for that rule
+  at::Tensor sum_tree;      // float64 masses of window keys (selection/trees.py PriorityTrees.sum)
+  at::Tensor min_tree;      // float64: the least positive mass
+  at::Tensor generation;    // int64 [capacity]: each row's write generation
+  at::Tensor row_mass;      // float64 [capacity]: each row's (p + eps)^alpha, a key or not
+  at::Tensor max_priority;  // float64 scalar: the largest raw priority seen
+  at::Tensor derivation;    // int64 [1]: moves whenever Python derives the trees anew
+  int64_t derived;          // its value when these tables were taken
+  int64_t first_start;      // the live episodes (windows.h LiveEpisodes): where the oldest starts,
+  at::Tensor live_start, live_length, live_ends;  // int64 [E] each, oldest first
+  at::Tensor live_closed;                         // bool [E]
+  double alpha, eps;
+  int64_t window_len, burn_in;
+  bool strict_length, include_open;
+  int64_t seen_lo, seen_hi;  // the positions the view's episode index covers
+  std::shared_ptr<SelectorLock> lock;
+};
+
 // Why serve_samples returned (negative: -errno, the connection is done for); Python reads these as _C.SERVE_*.
 enum ServeCode : int64_t {
   kNextIsOther = 0,  // the next request is another op: nothing of it was read
@@ -72,14 +97,15 @@ struct Served {
 };
 
 // Answers SAMPLE_ROWS requests, SAMPLE_WINDOWS of the `windows` rule and SAMPLE_PRIORITIZED and
-// POST_UPDATE of the `priorities` rule (each if any), on `fd` (a blocking socket) until another op is next, one needs Python
+// POST_UPDATE of the `priorities` or the `priority_windows` rule (each if any, one of the last two), on `fd` (a blocking socket) until another op is next, one needs Python
 // (empty store, rows a dead writer left, a new layout, a revoked read, a request out of bounds, windows
 // drawn from a view no longer current, priorities whose core has not followed the store), the store's
 // records ran `max_lag` ahead of `seen_seq`, or `catch_up_s` passed since the call began (checked from the
-// second answer on, so every call answers at least one). A SAMPLE_WINDOWS met while the view is behind
-// returns kCatchUp at once, unread.
+// second answer on, so every call answers at least one). A request for windows (uniform or prioritized) met
+// while the view is behind returns kCatchUp at once, unread.
 Served serve_samples(int64_t fd, const OwnedStore& store, int64_t seen_seq, int64_t max_lag, double catch_up_s,
-                     const WindowRule* windows, const PriorityRule* priorities);
+                     const WindowRule* windows, const PriorityRule* priorities,
+                     const PriorityWindowRule* priority_windows);
 
 // The same answer into this process's memory: `count` uniform rows drawn from `seed` (-1: the global
 // generator), their ring rows into `picks` and the first out.size() columns' rows into `out`, for a learner
@@ -115,6 +141,16 @@ struct PrioritizedInto {
 PrioritizedInto sample_prioritized_into(const OwnedStore& store, const PriorityRule& rule, int64_t count, int64_t seed,
                                         const at::Tensor& picks, const at::Tensor& mass, const at::Tensor& generation,
                                         const std::vector<at::Tensor>& out);
+
+// serve_samples's answer of `count` prioritized windows of `rule` into this process's tensors, for a learner
+// that reads the shard its own process serves: their starts and valid ranges into `windows` (three contiguous
+// int64 tensors of `count`), their keys' masses and generations into `mass` and `generation`, their rows into
+// `out` (the first out.size() columns, each [count * window_len, ...]); `seen_seq` is what the view behind
+// `rule` has caught up to.
+PrioritizedInto sample_priority_windows_into(const OwnedStore& store, const PriorityWindowRule& rule,
+                                             int64_t seen_seq, int64_t count, int64_t seed,
+                                             const std::vector<at::Tensor>& windows, const at::Tensor& mass,
+                                             const at::Tensor& generation, const std::vector<at::Tensor>& out);
 
 // A reply of rows Python picked (shard_server._send_rows), framed into this thread's reply buffer while
 // Python holds the read section: `op`, the JSON `meta`, the contiguous `arrays`, then every window's rows

@@ -18,6 +18,12 @@ answered in Python, which arms the rule; the extension then draws the next
 ones from that state for as long as the view is current (nothing published or
 evicted since it caught up), and hands back a turn to catch up otherwise. In
 place, the learner's view catches up first whenever the store moved on.
+
+Prioritized rows and windows (SAMPLE_PRIORITIZED, POST_UPDATE) are drawn from
+and applied to the shard's shared core, under its lock: rows once the core
+followed the store (the extension follows it for rows); windows, as uniform
+windows, while the view whose episodes the core's trees were derived from is
+current. One prioritized rule is armed at a time: the last one Python answered.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from gear_torchrl.errors import ReadRevokedError, StoreClosedError
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
+from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec, ProportionalSpec
+from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
 
 # why _C.serve_samples returned (csrc/net/owner.h ServeCode)
@@ -48,12 +55,13 @@ CATCH_UP_S = 1.0  # the view replays the records published meanwhile at least th
 _Source = tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]
 _WindowRule = Any  # _C.WindowRule: csrc/net/owner.h WindowRule, its fields by name
 _PriorityRule = Any  # _C.PriorityRule: csrc/net/owner.h PriorityRule, its fields by name
+_PriorityWindowRule = Any  # _C.PriorityWindowRule: csrc/net/owner.h PriorityWindowRule, its fields by name
 _Armed = tuple[bytes, dict[str, Any], SelectionSpec]  # an armed rule: its JSON as sent, parsed, and its spec
 
 
 class NativeOwner:
-    """One view's SAMPLE_ROWS, SAMPLE_WINDOWS and SAMPLE_PRIORITIZED (a connection's, or this process's own
-    learner's), answered through the view's reader slot."""
+    """One view's SAMPLE_ROWS, SAMPLE_WINDOWS, SAMPLE_PRIORITIZED and POST_UPDATE (a connection's, or this
+    process's own learner's), answered through the view's reader slot."""
 
     def __init__(self, view: ShardView) -> None:
         self.view = view
@@ -72,6 +80,7 @@ class NativeOwner:
             if source is None:
                 return None
             version, header, reader, columns = source
+            priorities = self._priority_rule()
             code, count, seed, num_columns, answered, op, arrays = _C.serve_samples(
                 conn.fileno(),
                 header,
@@ -82,7 +91,8 @@ class NativeOwner:
                 log.num_records // 4,
                 CATCH_UP_S,
                 self._window_rule(),
-                self._priority_rule(),
+                priorities if isinstance(self._priority_spec, PrioritySpec) else None,
+                priorities if isinstance(self._priority_spec, PriorityWindowSpec) else None,
             )
             if code == _NEXT_IS_OTHER:
                 return None
@@ -108,8 +118,12 @@ class NativeOwner:
         key = json.dumps(meta, separators=(",", ":")).encode()
         if isinstance(spec, WindowSpec):
             self._windows = key, meta, spec
-        elif isinstance(spec, PrioritySpec):
+        elif isinstance(spec, ProportionalSpec):
             self._priorities = key, meta, spec
+
+    @property
+    def _priority_spec(self) -> SelectionSpec | None:
+        return None if self._priorities is None else self._priorities[2]
 
     def _window_rule(self) -> _WindowRule | None:
         """The armed rule as the extension draws it, its state brought up to the view's index."""
@@ -134,12 +148,15 @@ class NativeOwner:
             seen_hi=hi,
         )
 
-    def _priority_rule(self) -> _PriorityRule | None:
-        """The armed prioritized rule as the extension draws and updates it: the shared core's tables and lock."""
+    def _priority_rule(self) -> _PriorityRule | _PriorityWindowRule | None:
+        """The armed prioritized rule as the extension draws and updates it: the shared core's tables and lock
+        (for windows, the core brought up to the view's store and index first)."""
         if self._priorities is None:
             return None
         key, _, spec = self._priorities
         core, lock = self.view.selectors.shared_core(spec)
+        if isinstance(spec, PriorityWindowSpec):
+            return self._priority_window_rule(key, spec, core, lock)
         tables = core.native_tables() if isinstance(core, PrioritySelector) else None
         if tables is None:
             return None
@@ -148,6 +165,30 @@ class NativeOwner:
             update_key=rule_meta(spec),
             **tables._asdict(),
             rows_per_step=self.view.shard.addressing.rows_per_step,
+            lock=lock,
+        )
+
+    def _priority_window_rule(
+        self, key: bytes, spec: PriorityWindowSpec, core: object, lock: Any
+    ) -> _PriorityWindowRule | None:
+        if not isinstance(core, PriorityWindowSelector):
+            return None
+        with lock:
+            core.follow(self.view.shard)
+            tables = core.draw_state(self.view.shard)
+        if tables is None:
+            return None
+        lo, hi = self.view.shared.seen_positions
+        return _C.PriorityWindowRule(
+            key=key,
+            update_key=rule_meta(spec),
+            **tables._asdict(),
+            window_len=spec.window_len,
+            burn_in=spec.burn_in,
+            strict_length=spec.strict_length,
+            include_open=spec.include_open,
+            seen_lo=lo,
+            seen_hi=hi,
             lock=lock,
         )
 
@@ -206,7 +247,10 @@ class NativeOwner:
         return Picked(starts, windows.window_len, valid_begin, valid_end, mass, scalars={"rows": live})
 
     def _prioritized_in_place(self, ask: Ask, source: _Source) -> Picked | None:
-        """The table follows the store, draws and copies under its lock, as for a socket: no catch-up needed."""
+        """Rows: the table follows the store, draws and copies under its lock, as for a socket (no catch-up
+        needed). Windows: the view catches up first, as for uniform windows."""
+        if isinstance(ask.spec, PriorityWindowSpec):
+            return self._priority_windows_in_place(ask, source, ask.spec)
         rule = self._priority_rule()
         if rule is None:
             return None
@@ -225,6 +269,33 @@ class NativeOwner:
             ask.extra["mass"][ask.first_pick : end],
             ask.extra["generation"][ask.first_pick : end],
             ask.rows(ask.count),
+        )
+        return None if live < 0 else ask.landed(ask.count, mass, {"rows": live, "min_mass": min_mass})
+
+    def _priority_windows_in_place(self, ask: Ask, source: _Source, spec: PriorityWindowSpec) -> Picked | None:
+        log = self.view.shared.log
+        if log.records_unseen() and not self._catch_up():  # windows are placed in the view's index: current
+            return None
+        rule = self._priority_rule()
+        if rule is None:
+            return None
+        version, header, reader, columns = source
+        assert ask.picks is not None and ask.extra is not None  # (samples_prioritized)
+        first, end = ask.first_pick, ask.first_pick + ask.count
+        windows = ask.picks.part(first, end)
+        live, mass, min_mass = _C.sample_priority_windows_into(
+            header,
+            reader,
+            columns,
+            version,
+            rule,
+            log.seen_seq,
+            ask.count,
+            ask.sample_seed,
+            [windows.starts, windows.valid_begin, windows.valid_end],
+            ask.extra["mass"][first:end],
+            ask.extra["generation"][first:end],
+            ask.rows(ask.count * spec.window_len),
         )
         return None if live < 0 else ask.landed(ask.count, mass, {"rows": live, "min_mass": min_mass})
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -20,6 +20,7 @@ from gear_torchrl.selection.base import needs_shard
 from gear_torchrl.selection.checked_inputs import as_generation, as_priority, validated
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priorities import PrioritySelector, ProportionalSpec
+from gear_torchrl.selection.trees import PriorityTrees
 from gear_torchrl.selection.windows import (
     WindowGeometry,
     WindowSpec,
@@ -28,7 +29,7 @@ from gear_torchrl.selection.windows import (
     redraw_wrapping,
     wrap_starts,
 )
-from gear_torchrl.store.episodes import Episodes, Position
+from gear_torchrl.store.episodes import EpisodeIndex, Episodes, Position
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.table_spec import Path
 
@@ -92,20 +93,46 @@ class PriorityWindowSpec(WindowGeometry, ProportionalSpec):
         return PriorityWindowSelector(self, capacity)
 
 
+class NativeWindowTables(NamedTuple):
+    """What the native owner draws prioritized windows from and updates, named as ``_C.PriorityWindowRule``'s
+    fields (csrc/net/owner.h): the core's tables, and the live episodes of the index its trees were derived
+    from, as ``EpisodeIndex.locate`` searches them."""
+
+    sum_tree: torch.Tensor
+    min_tree: torch.Tensor
+    generation: torch.Tensor
+    row_mass: torch.Tensor
+    max_priority: torch.Tensor
+    derivation: torch.Tensor  # int64 [1]: moves whenever the trees are derived anew (``derived``: its value now)
+    derived: int
+    first_start: int  # the ring row where the oldest live episode starts
+    live_start: torch.Tensor  # int64 [E], oldest first
+    live_length: torch.Tensor
+    live_ends: torch.Tensor  # their lengths' running sums
+    live_closed: torch.Tensor  # bool [E]
+    alpha: float
+    eps: float
+
+
 class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
     """Row masses as window keys; rows that may not key a window have none."""
 
-    max_raw_priority: float  # type: ignore[assignment]  # on the CPU alone: a float, not the rows' device tensor
-
     def __init__(self, spec: PriorityWindowSpec, capacity: int, device: torch.device | str = "cpu") -> None:
+        # Moves whenever the trees are derived anew from an index (or cleared, restored, rewritten): a native
+        # draw from tables of an earlier derivation is left to Python.
+        self.derivation = torch.zeros(1, dtype=torch.int64)
         super().__init__(spec, capacity, "cpu")
 
     def clear(self) -> None:
         super().clear()
         self.row_mass = torch.ones(self.capacity, dtype=torch.float64)  # (p + eps)^alpha per row
-        self.max_raw_priority = 1.0
         self._episodes: Episodes | None = None  # of the shard last picked from
         self._seen: Position | None = None
+        self.derivation += 1
+
+    def retire(self) -> None:
+        super().retire()
+        self.derivation += 1
 
     # -- which rows may key a window ----------------------------------------------------
     def _key_offsets(self, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,6 +161,7 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         slots = slots[episodes.slot_is_live(slots)]
         if slots.numel():
             self._set_masses(episodes, episodes.rows_of(slots))
+            self.derivation += 1
         self._seen = episodes.position
         self._episodes = episodes
 
@@ -147,7 +175,14 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         """New rows get the largest priority seen; their windows count once the index says so."""
         self.writes += 1
         self.generation[rows] += 1
-        self.row_mass[rows] = (self.max_raw_priority + self.eps) ** self.alpha
+        self.row_mass[rows] = torch.pow(self.max_raw_priority + self.eps, self.alpha)
+        self.derivation += 1
+
+    def forget(self, rows: torch.Tensor) -> None:
+        super().forget(rows)
+        self.derivation += 1
+
+    exclude = forget
 
     # -- picking ---------------------------------------------------------------------
     def mass(self, shard: Shard) -> float:
@@ -177,6 +212,34 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return no_window_reason(self.spec, needs_shard(self, shard).episodes)
 
+    def draw_state(self, shard: Shard) -> NativeWindowTables | None:
+        """What ``pick`` draws from and ``update`` changes, the trees brought up to the shard's index, for a
+        native owner that repeats them (``csrc/net/owner.cpp``). None where ``pick`` does more than one draw
+        (windows kept off the ring end, env columns) or there is nothing to draw. Call under the core's lock,
+        after ``follow``."""
+        episodes = shard.episodes
+        if not (self.spec.cross_ring_end and isinstance(episodes, EpisodeIndex) and isinstance(self.trees, PriorityTrees)):
+            return None
+        if not self.mass(shard) > 0:
+            return None
+        view, ends = episodes.located()
+        return NativeWindowTables(
+            self.trees.sum,
+            self.trees.min,
+            self.generation,
+            self.row_mass,
+            self.max_raw_priority,
+            self.derivation,
+            int(self.derivation),
+            int(view.start[0]),
+            view.start,
+            view.length,
+            ends,
+            view.closed,
+            self.alpha,
+            self.eps,
+        )
+
     def _draw(self, episodes: Episodes, count: int, generator: torch.Generator | None, mass: float) -> Picked:
         """Windows by their key steps' priorities: the key step sits ``burn_in`` steps into its window."""
         keys = self.trees.draw(count, generator)
@@ -192,13 +255,14 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         as, here or on a shard's owner. Keys rewritten since their ``generation`` was drawn keep theirs."""
         checked = validated(rows, priority, self.capacity, stored=stored)
         rows, priority = checked.rows, as_priority(checked.priority, checked.rows.numel())
+        mass = torch.pow(priority + self.eps, self.alpha)  # over the whole update, as the native owner's
         keep = rows >= 0
         if generation is not None:
             keep &= self.generation[rows.clamp_min(0)] == as_generation(generation, rows.numel())
-        rows, priority = rows[keep], priority[keep]
+        rows, priority, mass = rows[keep], priority[keep], mass[keep]
         if priority.numel():
-            self.max_raw_priority = max(self.max_raw_priority, float(priority.max()))
-        self.row_mass[rows] = torch.pow(priority + self.eps, self.alpha)
+            self.max_raw_priority.clamp_(min=float(priority.max()))
+        self.row_mass[rows] = mass
         if self._episodes is not None:  # else the first pick derives every mass
             self._set_masses(self._episodes, rows)
 
@@ -214,9 +278,11 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
 
     def import_rows(self, state: dict[str, Any]) -> None:
         n = state["row_mass"].numel()
-        self.alpha, self.eps, self.max_raw_priority = state["alpha"], state["eps"], state["max_raw_priority"]
+        self.alpha, self.eps = state["alpha"], state["eps"]
+        self.max_raw_priority.fill_(state["max_raw_priority"])  # in place: the native owner may hold this tensor
         self.row_mass[:n] = state["row_mass"]
         self.generation[:n] = state["generation"]  # window masses are derived from the index at the next pick
+        self.derivation += 1
 
     mass_key = "row_mass"
     masses_draw_rows = False  # a row's mass counts once the episode index says a window starts there
@@ -228,6 +294,7 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         self.row_mass.copy_(state["row_mass"])
         self.generation.copy_(state["generation"])
         self.alpha, self.eps = state["alpha"], state["eps"]
-        self.max_raw_priority = state["max_raw_priority"]
+        self.max_raw_priority.fill_(state["max_raw_priority"])  # in place: the native owner may hold this tensor
         self.writes += 1
         self._episodes, self._seen = None, None  # the tree is re-derived at the next pick
+        self.derivation += 1

@@ -177,10 +177,7 @@ class EpisodeIndex:
         start, so a binary search over their cumulative lengths finds a row's
         episode: O(log episodes) per row once per revision's O(episodes) table.
         """
-        if getattr(self, "_located", (None,))[0] != self.revision:
-            view = self.live()
-            self._located = (self.revision, view, torch.cumsum(view.length, 0))
-        _, view, ends = self._located
+        view, ends = self.located()
         if view.serial.numel() == 0:
             zeros = torch.zeros_like(rows)
             return zeros, zeros, torch.zeros(rows.shape, dtype=torch.bool)
@@ -190,6 +187,14 @@ class EpisodeIndex:
         i = i.clamp_max(ends.numel() - 1)
         offset = logical - (ends[i] - view.length[i])
         return view.serial[i] % self.start.numel(), offset, found
+
+    def located(self) -> tuple[EpisodeView, torch.Tensor]:
+        """What ``locate`` searches: the live episodes and their lengths' running sums (made once per
+        revision)."""
+        if getattr(self, "_located", (None,))[0] != self.revision:
+            view = self.live()
+            self._located = (self.revision, view, torch.cumsum(view.length, 0))
+        return self._located[1], self._located[2]
 
     def _newest_slot(self) -> int:
         return (self.next_serial - 1) % self.start.numel()
