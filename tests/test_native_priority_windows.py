@@ -122,7 +122,7 @@ def test_posted_updates_land_without_the_interpreter_as_pythons_would(owner, mon
     monkeypatch.setattr(ShardView, "update", counted)
     view = ShardView(o.storage.handle, SelectorRegistry(128))  # a core of its own, updated in Python
     try:
-        reference = view.selectors.shared_core(SPEC)[0]
+        reference = _core(view.selectors, SPEC)
         view.pick(SPEC, 1, 0)
         view.release()
         picked, _ = o.sample(8, 1, SPEC)

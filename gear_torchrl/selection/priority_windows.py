@@ -218,9 +218,9 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         (windows kept off the ring end, env columns) or there is nothing to draw. Call under the core's lock,
         after ``follow``."""
         episodes = shard.episodes
-        if not (self.spec.cross_ring_end and isinstance(episodes, EpisodeIndex) and isinstance(self.trees, PriorityTrees)):
+        if not (self.spec.cross_ring_end and isinstance(episodes, EpisodeIndex)):
             return None
-        if not self.mass(shard) > 0:
+        if not (isinstance(self.trees, PriorityTrees) and self.mass(shard) > 0):
             return None
         view, ends = episodes.located()
         return NativeWindowTables(
