@@ -12,6 +12,7 @@
 # store's (uniform rows from 1 to 8 owners; SHARDED_COST_ARGS="--rule windows ..." for others); a name is a
 # script of benchmarks/ or of benchmarks/probes/ (gather_cost, owner_cost, ...), looked up in each tree. A change
 # in csrc/: build BEFORE's extension and name it in BEFORE_EXTENSION, so that each side runs its own.
+# SCRIPTS_FROM=after runs AFTER's benchmark scripts on both sides (a benchmark or an option the change added).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 before=${1:?usage: benchmarks/before_after.sh BEFORE [AFTER] [TURNS]}
@@ -61,13 +62,14 @@ done
 for turn in $(seq 1 "$turns"); do
   for side in before after; do
     tree=$(realpath "$root/trees/$side")
+    scripts=$([ "${SCRIPTS_FROM:-}" = after ] && realpath "$root/trees/after" || echo "$tree")
     out=$(realpath -m "$root/$side.$turn")
     mkdir -p "$out"
     for bench in $benches; do
       echo "turn $turn, $side: $bench"
       script=benchmarks/$bench.py  # a comparison; a probe is under probes/ (at the top in trees before the move)
-      [ -e "$tree/$script" ] || script=benchmarks/probes/$bench.py
-      (cd "$tree" && PYTHONPATH="$tree:$tree/benchmarks:$site" "$py" -S "$script" ${args[$bench]} \
+      [ -e "$scripts/$script" ] || script=benchmarks/probes/$bench.py
+      (cd "$tree" && PYTHONPATH="$tree:$scripts/benchmarks:$site" "$py" -S "$scripts/$script" ${args[$bench]} \
         --out "$out/$bench.json" > "$out/$bench.txt" 2>&1) || { echo "  failed: see $out/$bench.txt" >&2; exit 1; }
     done
   done

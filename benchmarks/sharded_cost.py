@@ -14,7 +14,8 @@ action f32[6], reward and
 done, 200k steps split over the owners, and the learner draws uniform batches
 with ``TensorDictReplayBuffer.sample()`` (``--rule windows``: 64-step windows
 against TorchRL's ``SliceSampler``; ``--rule prioritized``: prioritized rows and a
-priority update per batch, against ``PrioritizedSampler``).
+priority update per batch, against ``PrioritizedSampler``; ``--rule prioritized_windows``: 64-step
+windows by priority and an update per batch, against ``PrioritizedSliceSampler``).
 
 In every world the learner also holds a ``LazyTensorStorage`` with the same
 rows, and the two buffers take turns (interleaved rounds, medians): the ratio
@@ -61,7 +62,7 @@ from harness import free_port, run_ranks, table, write_json
 
 STEPS = 200_000
 EPISODE = 1000
-WINDOW = 64  # steps per window (--rule windows)
+WINDOW = 64  # steps per window (--rule windows, prioritized_windows)
 SECONDS_PER_TURN = 0.25  # how long one contender samples in one round
 
 
@@ -157,20 +158,24 @@ def _fill(storage, rows: int, seed: int) -> None:
 
 def _samplers(rule: str):
     """(TorchRL's sampler for the local buffer, ours for the sharded store) of a rule."""
-    from torchrl.data import PrioritizedSampler, RandomSampler, SliceSampler
+    from torchrl.data import PrioritizedSampler, PrioritizedSliceSampler, RandomSampler, SliceSampler
 
-    from gear_torchrl import GearPrioritizedSampler, GearSequenceSampler
+    from gear_torchrl import GearPrioritizedSampler, GearPrioritizedSequenceSampler, GearSequenceSampler
 
     if rule == "windows":
         return SliceSampler(slice_len=WINDOW, end_key=("next", "done")), GearSequenceSampler(WINDOW)
     if rule == "prioritized":
         return PrioritizedSampler(STEPS, 0.6, 0.4), GearPrioritizedSampler(STEPS, 0.6, 0.4)
+    if rule == "prioritized_windows":
+        theirs = PrioritizedSliceSampler(STEPS, 0.6, 0.4, slice_len=WINDOW, end_key=("next", "done"))
+        return theirs, GearPrioritizedSequenceSampler(STEPS, WINDOW, alpha=0.6, beta=0.4)
     return RandomSampler(), None
 
 
 def _sampling(rb, rule: str):
-    """One learner step of ``rule``: a batch, and for prioritized rows its priority update."""
-    if rule != "prioritized":
+    """One learner step of ``rule``: a batch, and for prioritized rows or windows its priority update (one
+    per step)."""
+    if not rule.startswith("prioritized"):
         return rb.sample
 
     def step(b: int):
@@ -518,9 +523,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--rule",
-        choices=["rows", "windows", "prioritized"],
+        choices=["rows", "windows", "prioritized", "prioritized_windows"],
         default="rows",
-        help="uniform rows, 64-step windows, or prioritized rows with a priority update per batch",
+        help="uniform rows, 64-step windows, or prioritized rows or windows with a priority update per batch",
     )
     parser.add_argument("--learner-device", default="cpu", help="where the learner's batches go (e.g. cuda)")
     parser.add_argument("--loader-workers", type=int, default=0, help="adds batches through GearDataset's loader")
