@@ -4,6 +4,7 @@ into the batch of a learner on its own shard, and Python's answer wherever the t
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -12,7 +13,8 @@ from test_native_owner import InPlace, Owner, _check_windows, _episodes, _made
 
 from gear_torchrl.distributed.shard_client import Ask, Flight, post, update_message
 from gear_torchrl.distributed.shard_view import ShardView
-from gear_torchrl.distributed.wire import Op
+from gear_torchrl.distributed.wire import EncodedMessage, Op
+from gear_torchrl.selection.packed import PriorityPackedSpec
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec
 from gear_torchrl.selection.selector_registry import SelectorRegistry
@@ -224,3 +226,17 @@ def test_a_learner_on_its_own_shard_gets_prioritized_windows_from_the_extension(
             _check_windows(picked, rows)
     finally:
         other.close()
+
+
+def test_prioritized_packs_go_as_a_select_and_a_sample_naming_them_is_refused(owner):
+    """A pack says more per pick than a PRIORITIZED reply carries: its learner asks with a SELECT."""
+    packs = PriorityPackedSpec(8)
+    o = owner(64)
+    _episodes(o.rb, [7, 3, 12])
+    columns = [torch.empty(16, *c.row_shape, dtype=c.dtype) for c in o.table().columns]
+    ask = Ask(packs, 16, 1, columns)
+    assert not ask.samples_prioritized and ask.request_op == Op.SELECT
+    with pytest.raises(ValueError, match="asked for with a SELECT"):
+        o.client.request(EncodedMessage(Op.SAMPLE_PRIORITIZED, json.dumps(packs.to_json()).encode(), [bytes(24)]))
+    picked, _ = o.sample(4, 3, SPEC)
+    assert picked.count == 4, "the connection serves on"

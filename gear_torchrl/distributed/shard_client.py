@@ -249,7 +249,7 @@ class Ask:
         sampled = bool(self.columns) and _fits_int64(self.seed)  # read back at once, with a seed a request carries
         self.samples_rows = sampled and isinstance(self.spec, UniformSpec)
         self.samples_windows = sampled and isinstance(self.spec, WindowSpec)
-        self.samples_prioritized = sampled and isinstance(self.spec, ProportionalSpec)
+        self.samples_prioritized = sampled and answered_as_prioritized(self.spec)
         if not (self.samples_rows or self.samples_windows or self.samples_prioritized):
             self.picks = None  # a SELECT's reply carries its picks
         elif self.picks is None:
@@ -497,9 +497,14 @@ def _as_float(bits: int) -> float:
 def landing_extra(spec: SelectionSpec, count: int) -> dict[str, torch.Tensor] | None:
     """Room for the per-pick values of ``count`` picks that PRIORITIZED replies land (None: the rule's
     replies land none)."""
-    if not isinstance(spec, ProportionalSpec):
+    if not answered_as_prioritized(spec):
         return None
     return {name: torch.empty(count, dtype=EXTRA_DTYPES[name]) for name in PRIORITIZED_EXTRA}
+
+
+def answered_as_prioritized(spec: SelectionSpec) -> bool:
+    """Whether picks of ``spec`` read back at once go as SAMPLE_PRIORITIZED (prioritized rows and windows)."""
+    return isinstance(spec, ProportionalSpec) and spec.picks_rows_or_windows
 
 
 def landing_picks(count: int, window_len: int) -> Windows:

@@ -220,6 +220,7 @@ class PriorityPackedSpec(PriorityWindowSpec):
     (``seq_len``: training steps at most), the priorities of ``PriorityWindowSpec``."""
 
     kind: ClassVar[str] = "priority_packed"
+    picks_rows_or_windows: ClassVar[bool] = False  # a pick is a token of a sequence
     strict_length: bool = False  # spans never pad; kept for the window rule's fields
 
     @property
@@ -245,6 +246,10 @@ class PriorityPackedSelector(PriorityWindowSelector):
 
     def _key_offsets(self, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros_like(length), span_counts(length, self.spec.seq_len)
+
+    def draw_state(self, shard: Shard) -> None:
+        """None: packs are drawn in Python (``pick``), not as the native owner draws windows."""
+        return None
 
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         """A pack of ``count`` tokens; each token carries its sequence's key mass and generation."""

@@ -59,6 +59,9 @@ class ProportionalSpec(SelectionSpec):
 
     alpha: float
     eps: float
+    # Whether a pick is whole as rows or windows, each with its mass and generation: what a learner reads back
+    # at once with SAMPLE_PRIORITIZED (packs say more per pick, so they go as a SELECT).
+    picks_rows_or_windows: ClassVar[bool] = True
 
     def check(self) -> None:
         if not self.alpha >= 0:
