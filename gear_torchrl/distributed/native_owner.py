@@ -36,14 +36,14 @@ from typing import Any
 import torch
 
 from gear_torchrl.distributed import wire
-from gear_torchrl.distributed.shard_client import Ask, rule_meta
+from gear_torchrl.distributed.shard_client import Ask, answered_as_prioritized, rule_meta
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.errors import ReadRevokedError, StoreClosedError
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec, ProportionalSpec
+from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
 
@@ -118,7 +118,7 @@ class NativeOwner:
         key = json.dumps(meta, separators=(",", ":")).encode()
         if isinstance(spec, WindowSpec):
             self._windows = key, meta, spec
-        elif isinstance(spec, ProportionalSpec):
+        elif answered_as_prioritized(spec):
             self._priorities = key, meta, spec
 
     @property
