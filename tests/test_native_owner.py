@@ -932,10 +932,8 @@ def test_a_selector_lock_waits_without_the_interpreter_and_refuses_a_release_nob
     assert taken.is_set()
 
 
-def test_posted_updates_of_the_armed_rule_land_without_the_interpreter_as_pythons_would(owner, monkeypatch):
-    o = owner(128)
-    o.rb.extend(w.keyed_rows(100, 0))
-    o.sample(1, seed=0, spec=PRIORITIES)  # Python answers the rule's first ask and arms it
+def python_updates(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The priority updates applied through a view in Python from now on (each call's arguments)."""
     in_python: list[object] = []
     update = ShardView.update
 
@@ -944,6 +942,14 @@ def test_posted_updates_of_the_armed_rule_land_without_the_interpreter_as_python
         update(view, *args)
 
     monkeypatch.setattr(ShardView, "update", counted)
+    return in_python
+
+
+def test_posted_updates_of_the_armed_rule_land_without_the_interpreter_as_pythons_would(owner, monkeypatch):
+    o = owner(128)
+    o.rb.extend(w.keyed_rows(100, 0))
+    o.sample(1, seed=0, spec=PRIORITIES)  # Python answers the rule's first ask and arms it
+    in_python = python_updates(monkeypatch)
     picked, _ = o.sample(8, 1, PRIORITIES)
     rows = picked.starts.unique()
     generation = torch.ones(rows.numel(), dtype=torch.int64)

@@ -5,11 +5,10 @@ into the batch of a learner on its own shard, and Python's answer wherever the t
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 import torch
-from test_native_owner import InPlace, Owner, _check_windows, _episodes, _made
+from test_native_owner import InPlace, Owner, _check_windows, _episodes, _made, python_updates
 
 from gear_torchrl.distributed.shard_client import Ask, Flight, post, update_message
 from gear_torchrl.distributed.shard_view import ShardView
@@ -114,14 +113,7 @@ def test_posted_updates_land_without_the_interpreter_as_pythons_would(owner, mon
     o = owner(128)
     _episodes(o.rb, LENGTHS[:4])
     o.sample(1, 0, SPEC)
-    in_python: list[Any] = []
-    update = ShardView.update
-
-    def counted(view: ShardView, *args: Any) -> None:
-        in_python.append(args)
-        update(view, *args)
-
-    monkeypatch.setattr(ShardView, "update", counted)
+    in_python = python_updates(monkeypatch)
     view = ShardView(o.storage.handle, SelectorRegistry(128))  # a core of its own, updated in Python
     try:
         reference = _core(view.selectors, SPEC)

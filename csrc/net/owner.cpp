@@ -448,6 +448,16 @@ int64_t sample_prioritized(const OwnedStore& s, const Request& q, const Priority
   return section.close() ? section.hi - lo : -1;
 }
 
+// A PRIORITIZED reply's tally (rows the shard holds, picks, the float64 bits of the mass and of the least positive
+// mass) written, then the reply held for the next write; 0, or -errno.
+int64_t hold_prioritized(int fd, const Reply& reply, int64_t live, int64_t count, double mass, double min_mass) {
+  put<int64_t>(reply.out, reply.at[0], live);
+  put<int64_t>(reply.out, reply.at[0] + 8, count);
+  put<double>(reply.out, reply.at[0] + 16, mass);
+  put<double>(reply.out, reply.at[0] + 24, min_mass);
+  return hold_reply(fd, reply);
+}
+
 // The PRIORITIZED reply (wire.Op.PRIORITIZED, shard_server._Session._sample): the tally (rows the shard holds,
 // picks, the float64 bits of the mass and of the least positive mass), the picks' ring rows, masses and
 // generations, then each column's rows. Returns 0 once framed in the outbox, 1 when Python must answer, or -errno.
@@ -461,12 +471,7 @@ int64_t answer_prioritized(int fd, const OwnedStore& s, const Request& q, const 
                                reinterpret_cast<int64_t*>(at + reply.at[3])};
   double mass = 0, min_mass = 0;
   const int64_t live = sample_prioritized(s, q, r, picks, mass, min_mass, rows_in(reply, s.columns, ncols, q.count));
-  if (live < 0) return 1;
-  put<int64_t>(reply.out, reply.at[0], live);
-  put<int64_t>(reply.out, reply.at[0] + 8, q.count);
-  put<double>(reply.out, reply.at[0] + 16, mass);
-  put<double>(reply.out, reply.at[0] + 24, min_mass);
-  return hold_reply(fd, reply);
+  return live < 0 ? 1 : hold_prioritized(fd, reply, live, q.count, mass, min_mass);
 }
 
 // Where a prioritized window answer's picks go (the reply itself, or a learner's tensors): each window's start
@@ -548,12 +553,7 @@ int64_t answer_priority_windows(int fd, const OwnedStore& s, const Request& q, c
   double mass = 0, min_mass = 0;
   const int64_t live =
       sample_priority_windows(s, q, r, seen_seq, picks, mass, min_mass, rows_in(reply, s.columns, ncols, positions));
-  if (live < 0) return 1;
-  put<int64_t>(reply.out, reply.at[0], live);
-  put<int64_t>(reply.out, reply.at[0] + 8, q.count);
-  put<double>(reply.out, reply.at[0] + 16, mass);
-  put<double>(reply.out, reply.at[0] + 24, min_mass);
-  return hold_reply(fd, reply);
+  return live < 0 ? 1 : hold_prioritized(fd, reply, live, q.count, mass, min_mass);
 }
 
 // Whether the head at `p` (JSON of `meta` bytes) frames an update Python would parse: rows, as many priorities,

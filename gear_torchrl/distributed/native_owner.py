@@ -224,10 +224,7 @@ class NativeOwner:
         return None if live < 0 else ask.landed(ask.count, float(live), {"rows": live})
 
     def _windows_in_place(self, ask: Ask, source: _Source, windows: WindowSpec) -> Picked | None:
-        log = self.view.shared.log
-        if log.records_unseen() and not self._catch_up():  # windows are drawn from the view's index: current
-            return None
-        rule = self._window_rule()
+        rule = self._window_rule() if self._view_current() else None
         if rule is None:
             return None
         version, header, reader, columns = source
@@ -237,7 +234,7 @@ class NativeOwner:
             columns,
             version,
             rule,
-            log.seen_seq,
+            self.view.shared.log.seen_seq,
             ask.count,
             ask.sample_seed,
             ask.rows(ask.count * windows.window_len),
@@ -273,10 +270,7 @@ class NativeOwner:
         return None if live < 0 else ask.landed(ask.count, mass, {"rows": live, "min_mass": min_mass})
 
     def _priority_windows_in_place(self, ask: Ask, source: _Source, spec: PriorityWindowSpec) -> Picked | None:
-        log = self.view.shared.log
-        if log.records_unseen() and not self._catch_up():  # windows are placed in the view's index: current
-            return None
-        rule = self._priority_rule()
+        rule = self._priority_rule() if self._view_current() else None
         if rule is None:
             return None
         version, header, reader, columns = source
@@ -289,7 +283,7 @@ class NativeOwner:
             columns,
             version,
             rule,
-            log.seen_seq,
+            self.view.shared.log.seen_seq,
             ask.count,
             ask.sample_seed,
             [windows.starts, windows.valid_begin, windows.valid_end],
@@ -298,6 +292,11 @@ class NativeOwner:
             ask.rows(ask.count * spec.window_len),
         )
         return None if live < 0 else ask.landed(ask.count, mass, {"rows": live, "min_mass": min_mass})
+
+    def _view_current(self) -> bool:
+        """Whether the view is current, caught up first if the store moved on: windows are placed in its
+        episode index."""
+        return not self.view.shared.log.records_unseen() or self._catch_up()
 
     def _catch_up(self) -> bool:
         """Replay what was published since the view last looked; False where that failed (Python says why)."""
