@@ -9,7 +9,9 @@ import json
 import pytest
 import torch
 from test_native_owner import InPlace, Owner, _check_windows, _episodes, _made, python_updates
+from torchrl.data import TensorDictReplayBuffer
 
+from gear_torchrl import GearStorage
 from gear_torchrl.distributed.shard_client import Ask, Flight, post, update_message
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.wire import EncodedMessage, Op
@@ -232,3 +234,46 @@ def test_prioritized_packs_go_as_a_select_and_a_sample_naming_them_is_refused(ow
         o.client.request(EncodedMessage(Op.SAMPLE_PRIORITIZED, json.dumps(packs.to_json()).encode(), [bytes(24)]))
     picked, _ = o.sample(4, 3, SPEC)
     assert picked.count == 4, "the connection serves on"
+
+
+@pytest.mark.parametrize("spec", RULES)
+def test_a_learners_update_in_one_extension_call_lands_as_the_tensor_ops_do(spec, monkeypatch):
+    """``PriorityWindowSelector.update`` on the CPU (one extension call, as a native owner applies a posted
+    update) against its tensor-op path: the same row masses, trees and largest priority; refusals change
+    nothing."""
+    storage = GearStorage(128)
+    rb = TensorDictReplayBuffer(storage=storage)
+    _episodes(rb, LENGTHS[:5])
+    stored = len(storage)
+    native, tensor_ops = (_built(spec, storage) for _ in range(2))
+    monkeypatch.setattr(native, "_update_in_python", lambda *_: pytest.fail("the extension's update was not used"))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        rows = torch.randint(-1, stored, (24,), generator=g)
+        rows[:3] = rows[3]  # a row repeated: its last priority lands
+        priority = torch.rand(24, generator=g, dtype=torch.float64) * 4
+        generation = native.generation[rows.clamp_min(0)].clone()
+        generation[5] += 1  # drawn before its key was last written: dropped
+        native.update(rows, priority, generation, stored)
+        tensor_ops._update_in_python(rows, priority, generation, stored)
+    everything = torch.arange(128)
+    assert torch.equal(native.row_mass, tensor_ops.row_mass)
+    assert torch.equal(native.trees.get(everything), tensor_ops.trees.get(everything))
+    assert float(native.max_raw_priority) == float(tensor_ops.max_raw_priority)
+    assert float(native.trees.minimum) == float(tensor_ops.trees.minimum)
+    before = native.row_mass.clone(), native.trees.get(everything), float(native.max_raw_priority)
+    with pytest.raises(IndexError, match=f"priority index {stored} is out of range for {stored} stored rows"):
+        native.update(torch.tensor([3, stored]), torch.ones(2), None, stored)
+    with pytest.raises(ValueError, match="finite and non-negative; got nan at position 1"):
+        native.update(torch.tensor([3, 4]), torch.tensor([9.0, float("nan")]), None, stored)
+    assert torch.equal(native.row_mass, before[0]) and torch.equal(native.trees.get(everything), before[1])
+    assert float(native.max_raw_priority) == before[2]
+
+
+def _built(spec: PriorityWindowSpec, storage: GearStorage) -> PriorityWindowSelector:
+    """A core of ``spec`` that followed ``storage`` and derived its trees from the episode index (one pick)."""
+    core = spec.build(storage.max_size)
+    assert isinstance(core, PriorityWindowSelector)
+    core.follow(storage.shard)
+    core.pick(storage.shard, 1, torch.Generator().manual_seed(0))
+    return core

@@ -97,6 +97,27 @@ void bind_kernels(py::module_& m) {
       "largest priority landed)",
       py::arg("sum_tree"), py::arg("min_tree"), py::arg("generation"), py::arg("rows"), py::arg("priority"),
       py::arg("drawn"), py::arg("alpha"), py::arg("eps"), py::arg("bound"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "priority_window_update",
+      [](const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& generation,
+         const at::Tensor& row_mass, const at::Tensor& rows, const at::Tensor& priority,
+         const std::optional<at::Tensor>& drawn, double alpha, double eps, int64_t bound, at::Tensor live_start,
+         at::Tensor live_length, at::Tensor live_ends, at::Tensor live_closed, int64_t first_start, int64_t window_len,
+         int64_t burn_in, bool strict_length, bool include_open) {
+        const gear::LiveTensors live{std::move(live_start), std::move(live_length), std::move(live_ends),
+                                     std::move(live_closed), first_start};
+        const gear::PriorityUpdate u =
+            gear::priority_window_update(sum_tree, min_tree, generation, row_mass, rows, priority, drawn, alpha, eps,
+                                         bound, live, {window_len, burn_in, strict_length, include_open});
+        return std::make_tuple(u.applied, u.lo, u.hi, u.bad, u.landed_max);
+      },
+      "A prioritized window table's checked update in one pass (PriorityWindowSelector.update): (applied, lowest "
+      "row, highest row, first bad priority, largest priority landed)",
+      py::arg("sum_tree"), py::arg("min_tree"), py::arg("generation"), py::arg("row_mass"), py::arg("rows"),
+      py::arg("priority"), py::arg("drawn"), py::arg("alpha"), py::arg("eps"), py::arg("bound"), py::arg("live_start"),
+      py::arg("live_length"), py::arg("live_ends"), py::arg("live_closed"), py::arg("first_start"),
+      py::arg("window_len"), py::arg("burn_in"), py::arg("strict_length"), py::arg("include_open"),
+      py::call_guard<py::gil_scoped_release>());
   m.def("episodes_append", &gear::episodes_append,
         "Evict the oldest steps of every column and record new ones (see episodes.h)", py::arg("start"),
         py::arg("length"), py::arg("closed"), py::arg("dead"), py::arg("first"), py::arg("next"), py::arg("rows"),

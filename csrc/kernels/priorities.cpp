@@ -11,22 +11,65 @@
 
 namespace gear {
 
+namespace {
+
+// An update's tensors checked and made contiguous, alive as long as the arrays they lend.
+struct UpdateTensors {
+  at::Tensor rows, priority, drawn;
+
+  UpdateTensors(const at::Tensor& r, const at::Tensor& p, const std::optional<at::Tensor>& d) {
+    TORCH_CHECK(r.dim() == 1 && r.scalar_type() == at::kLong && r.is_cpu(), "rows must be 1-D int64 on the CPU");
+    TORCH_CHECK(p.dim() == 1 && p.scalar_type() == at::kDouble && p.numel() == r.numel() && p.is_cpu(),
+                "priority must be 1-D float64 on the CPU with one value per row");
+    if (d) {
+      TORCH_CHECK(d->numel() == r.numel() && d->scalar_type() == at::kLong && d->is_cpu(),
+                  "drawn generations: one int64 per row");
+    }
+    rows = r.contiguous();
+    priority = p.contiguous();
+    drawn = d ? d->contiguous() : at::Tensor();
+  }
+
+  UpdateArrays arrays() const {
+    return {rows.data_ptr<int64_t>(), priority.data_ptr<double>(),
+            drawn.defined() ? drawn.data_ptr<int64_t>() : nullptr, rows.numel()};
+  }
+};
+
+bool int64_vector(const at::Tensor& t) {
+  return t.dim() == 1 && t.scalar_type() == at::kLong && t.is_contiguous() && t.is_cpu();
+}
+
+}  // namespace
+
 PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& generation,
                                const at::Tensor& rows, const at::Tensor& priority,
                                const std::optional<at::Tensor>& drawn, double alpha, double eps, int64_t bound) {
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_cpu(), "rows must be 1-D int64 on the CPU");
-  TORCH_CHECK(priority.dim() == 1 && priority.scalar_type() == at::kDouble && priority.numel() == rows.numel(),
-              "priority must be 1-D float64 with one value per row");
-  if (drawn) {
-    TORCH_CHECK(drawn->numel() == rows.numel() && drawn->scalar_type() == at::kLong,
-                "drawn generations: one int64 per row");
-  }
-  const at::Tensor r = rows.contiguous(), p = priority.contiguous();
-  const at::Tensor d = drawn ? drawn->contiguous() : at::Tensor();
-  return priority_update(sum_tree, min_tree, generation,
-                         {r.data_ptr<int64_t>(), p.data_ptr<double>(), d.defined() ? d.data_ptr<int64_t>() : nullptr,
-                          r.numel()},
-                         alpha, eps, bound);
+  const UpdateTensors update(rows, priority, drawn);
+  return priority_update(sum_tree, min_tree, generation, update.arrays(), alpha, eps, bound);
+}
+
+PriorityUpdate priority_window_update(const at::Tensor& sum_tree, const at::Tensor& min_tree,
+                                      const at::Tensor& generation, const at::Tensor& row_mass,
+                                      const at::Tensor& rows, const at::Tensor& priority,
+                                      const std::optional<at::Tensor>& drawn, double alpha, double eps, int64_t bound,
+                                      const LiveTensors& live, const WindowKeys& keys) {
+  const int64_t count = live.start.numel();
+  TORCH_CHECK(int64_vector(live.start) && int64_vector(live.length) && int64_vector(live.ends) &&
+                  live.length.numel() == count && live.ends.numel() == count,
+              "live episodes: starts, lengths and ends are contiguous 1-D int64 CPU tensors of one size");
+  TORCH_CHECK(live.closed.dim() == 1 && live.closed.scalar_type() == at::kBool && live.closed.is_contiguous() &&
+                  live.closed.numel() == count,
+              "live episodes: one closed flag each");
+  TORCH_CHECK(keys.window_len >= 1 && keys.burn_in >= 0 && keys.burn_in < keys.window_len,
+              "window keys: need window_len >= 1 and 0 <= burn_in < window_len");
+  const UpdateTensors update(rows, priority, drawn);
+  const LiveEpisodes episodes{live.start.data_ptr<int64_t>(), live.length.data_ptr<int64_t>(),
+                              live.ends.data_ptr<int64_t>(),  live.closed.data_ptr<bool>(),
+                              count,                          live.first_start,
+                              generation.numel()};
+  return priority_window_update(sum_tree, min_tree, generation, row_mass, update.arrays(), alpha, eps, bound,
+                                episodes, keys);
 }
 
 LandingUpdate landing_update(const at::Tensor& generation, const UpdateArrays& u, double alpha, double eps,
@@ -78,6 +121,36 @@ PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min
                                const UpdateArrays& u, double alpha, double eps, int64_t bound) {
   const LandingUpdate landing = landing_update(generation, u, alpha, eps, bound);
   if (landing.count > 0) priority_set_into(sum_tree, min_tree, landing.rows, landing.mass, landing.count);
+  return landing.facts;
+}
+
+bool WindowKeys::keys(const LiveEpisodes& live, int64_t row) const {
+  const auto [episode, offset] = live.locate(row);
+  if (episode < 0 || !(include_open || live.closed[episode])) return false;
+  const int64_t length = live.length[episode];
+  const int64_t lo = strict_length ? burn_in : 0;
+  const int64_t hi = strict_length ? std::max(length - (window_len - burn_in) + 1, burn_in) : length;
+  return offset >= lo && offset < hi;
+}
+
+PriorityUpdate priority_window_update(const at::Tensor& sum_tree, const at::Tensor& min_tree,
+                                      const at::Tensor& generation, const at::Tensor& row_mass,
+                                      const UpdateArrays& u, double alpha, double eps, int64_t bound,
+                                      const LiveEpisodes& live, const WindowKeys& keys) {
+  TORCH_CHECK(row_mass.dim() == 1 && row_mass.scalar_type() == at::kDouble && row_mass.is_contiguous() &&
+                  row_mass.numel() == generation.numel(),
+              "row_mass must be a contiguous float64 tensor of one mass per row");
+  const LandingUpdate landing = landing_update(generation, u, alpha, eps, bound);
+  if (landing.count == 0) return landing.facts;
+  double* mass = row_mass.data_ptr<double>();
+  for (int64_t i = 0; i < landing.count; ++i) mass[landing.rows[i]] = landing.mass[i];  // a repeat keeps its last
+  thread_local std::vector<double> key_mass;
+  key_mass.resize(static_cast<size_t>(landing.count));
+  for (int64_t i = 0; i < landing.count; ++i) {
+    const int64_t row = landing.rows[i];
+    key_mass[static_cast<size_t>(i)] = keys.keys(live, row) ? mass[row] : 0.0;
+  }
+  priority_set_into(sum_tree, min_tree, landing.rows, key_mass.data(), landing.count);
   return landing.facts;
 }
 

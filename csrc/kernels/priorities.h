@@ -3,6 +3,8 @@
 // out, the others' masses (p + eps)^alpha set in the sum and min trees.
 #pragma once
 
+#include "kernels/windows.h"
+
 #include <ATen/ATen.h>
 
 #include <optional>
@@ -46,5 +48,35 @@ LandingUpdate landing_update(const at::Tensor& generation, const UpdateArrays& u
 // The same update from raw arrays (a native owner's, as received): one tensor op, the masses' pow.
 PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& generation,
                                const UpdateArrays& update, double alpha, double eps, int64_t bound);
+
+// Where a rule of prioritized windows lets a window's training steps start (PriorityWindowSelector._key_offsets).
+struct WindowKeys {
+  int64_t window_len, burn_in;
+  bool strict_length, include_open;
+
+  // Whether ring row `row` keys a window of one of `live`'s episodes.
+  bool keys(const LiveEpisodes& live, int64_t row) const;
+};
+
+// PriorityWindowSelector.update on the CPU (selection/priority_windows.py) in one pass: checked and landed as
+// priority_update lands rows, each landing row's mass kept in `row_mass` (float64 [capacity]) and set in the
+// trees where the row keys a window of `live`, elsewhere none. A refused update changes nothing.
+PriorityUpdate priority_window_update(const at::Tensor& sum_tree, const at::Tensor& min_tree,
+                                      const at::Tensor& generation, const at::Tensor& row_mass,
+                                      const UpdateArrays& update, double alpha, double eps, int64_t bound,
+                                      const LiveEpisodes& live, const WindowKeys& keys);
+
+// The live episodes as tensors (EpisodeIndex.located: starts, lengths, running ends, closed flags, oldest first).
+struct LiveTensors {
+  at::Tensor start, length, ends, closed;
+  int64_t first_start;
+};
+
+// The same update from tensors (a learner's update of its own store), checked first.
+PriorityUpdate priority_window_update(const at::Tensor& sum_tree, const at::Tensor& min_tree,
+                                      const at::Tensor& generation, const at::Tensor& row_mass,
+                                      const at::Tensor& rows, const at::Tensor& priority,
+                                      const std::optional<at::Tensor>& drawn, double alpha, double eps, int64_t bound,
+                                      const LiveTensors& live, const WindowKeys& keys);
 
 }  // namespace gear

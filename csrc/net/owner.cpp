@@ -630,30 +630,14 @@ bool apply_update(const PriorityWindowRule& r, const UpdateArrays& update) {
   std::lock_guard<std::mutex> lock(r.lock->mutex);
   if (!derived_as_taken(r)) return false;
   const int64_t capacity = r.generation.numel();
-  const LandingUpdate landing = landing_update(r.generation, update, r.alpha, r.eps, capacity);
-  if (!landing.facts.applied) return false;
-  double* row_mass = r.row_mass.data_ptr<double>();
-  for (int64_t i = 0; i < landing.count; ++i) row_mass[landing.rows[i]] = landing.mass[i];
-  thread_local std::vector<double> key_mass;
-  key_mass.resize(static_cast<size_t>(landing.count));
-  const LiveEpisodes live = live_episodes(r, capacity);
-  const int64_t seq_len = r.window_len - r.burn_in;
-  for (int64_t i = 0; i < landing.count; ++i) {
-    const int64_t row = landing.rows[i];
-    const auto [episode, offset] = live.locate(row);
-    bool keys = episode >= 0 && (r.include_open || live.closed[episode]);
-    if (keys) {  // PriorityWindowSelector._key_offsets: where a window's training steps may start
-      const int64_t length = live.length[episode];
-      const int64_t lo = r.strict_length ? r.burn_in : 0;
-      const int64_t hi = r.strict_length ? std::max(length - seq_len + 1, r.burn_in) : length;
-      keys = offset >= lo && offset < hi;
-    }
-    key_mass[static_cast<size_t>(i)] = keys ? row_mass[row] : 0.0;
+  const PriorityUpdate done =
+      priority_window_update(r.sum_tree, r.min_tree, r.generation, r.row_mass, update, r.alpha, r.eps, capacity,
+                             live_episodes(r, capacity), {r.window_len, r.burn_in, r.strict_length, r.include_open});
+  if (done.applied) {
+    double* max_priority = r.max_priority.data_ptr<double>();
+    *max_priority = std::max(*max_priority, done.landed_max);
   }
-  priority_set_into(r.sum_tree, r.min_tree, landing.rows, key_mass.data(), landing.count);
-  double* max_priority = r.max_priority.data_ptr<double>();
-  *max_priority = std::max(*max_priority, landing.facts.landed_max);
-  return true;
+  return done.applied;
 }
 
 // A POST_UPDATE of `r` met by serve_samples: applied (true), or `served` says what Python does next: read

@@ -239,6 +239,7 @@ class PriorityPackedSelector(PriorityWindowSelector):
     """Key masses as ``PriorityWindowSelector`` keeps them; a key may start any span (offsets ``0 .. c - 1``)."""
 
     spec: PriorityPackedSpec
+    keys_are_window_starts: ClassVar[bool] = False  # a key starts any of its episode's spans
 
     def __init__(self, spec: PriorityPackedSpec, capacity: int, device: torch.device | str = "cpu") -> None:
         super().__init__(spec, capacity, device)
@@ -246,10 +247,6 @@ class PriorityPackedSelector(PriorityWindowSelector):
 
     def _key_offsets(self, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros_like(length), span_counts(length, self.spec.seq_len)
-
-    def draw_state(self, shard: Shard) -> None:
-        """None: packs are drawn in Python (``pick``), not as the native owner draws windows."""
-        return None
 
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
         """A pack of ``count`` tokens; each token carries its sequence's key mass and generation."""

@@ -17,7 +17,16 @@ import torch
 
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import needs_shard
-from gear_torchrl.selection.checked_inputs import as_generation, as_priority, validated
+from gear_torchrl.selection.checked_inputs import (
+    as_generation,
+    as_priority,
+    integer_rows,
+    refuse_out_of_range,
+    refuse_priority_at,
+    row_bound,
+    shaped_priority,
+    validated,
+)
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priorities import PrioritySelector, ProportionalSpec
 from gear_torchrl.selection.trees import PriorityTrees
@@ -116,6 +125,10 @@ class NativeWindowTables(NamedTuple):
 
 class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
     """Row masses as window keys; rows that may not key a window have none."""
+
+    # Whether a key is a window's first training step, which the extension knows (``_key_offsets``): it then
+    # draws and updates this rule itself (csrc/net/owner.cpp, kernels/priorities.cpp).
+    keys_are_window_starts: ClassVar[bool] = True
 
     def __init__(self, spec: PriorityWindowSpec, capacity: int, device: torch.device | str = "cpu") -> None:
         # Moves whenever the trees are derived anew from an index (or cleared, restored, rewritten): a native
@@ -218,7 +231,7 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         (windows kept off the ring end, env columns) or there is nothing to draw. Call under the core's lock,
         after ``follow``."""
         episodes = shard.episodes
-        if not (self.spec.cross_ring_end and isinstance(episodes, EpisodeIndex)):
+        if not (self.keys_are_window_starts and self.spec.cross_ring_end and isinstance(episodes, EpisodeIndex)):
             return None
         if not (isinstance(self.trees, PriorityTrees) and self.mass(shard) > 0):
             return None
@@ -252,7 +265,48 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
     # -- priorities ------------------------------------------------------------------
     def update(self, rows: Any, priority: Any, generation: Any = None, stored: int | None = None) -> None:
         """Raw priorities of window keys (checked against the ``stored`` rows where known): what an update lands
-        as, here or on a shard's owner. Keys rewritten since their ``generation`` was drawn keep theirs."""
+        as, here or on a shard's owner. Keys rewritten since their ``generation`` was drawn keep theirs.
+
+        Once a pick derived the trees from an episode index, one extension call checks the update, keeps each
+        row's mass and sets the trees where the row keys a window (as a native owner applies a posted one)."""
+        episodes, trees = self._episodes, self.trees
+        if not (
+            self.keys_are_window_starts and isinstance(episodes, EpisodeIndex) and isinstance(trees, PriorityTrees)
+        ):
+            self._update_in_python(rows, priority, generation, stored)
+            return
+        index = integer_rows(rows).reshape(-1).cpu()
+        priority = shaped_priority(priority, index.numel())
+        view, ends = episodes.located()
+        applied, lo, hi, bad, landed_max = _C.priority_window_update(
+            trees.sum,
+            trees.min,
+            self.generation,
+            self.row_mass,
+            index,
+            priority,
+            as_generation(generation, index.numel()),
+            self.alpha,
+            self.eps,
+            row_bound(self.capacity, stored),
+            view.start,
+            view.length,
+            ends,
+            view.closed,
+            int(view.start[0]) if view.start.numel() else 0,
+            self.spec.window_len,
+            self.spec.burn_in,
+            self.spec.strict_length,
+            self.spec.include_open,
+        )
+        if not applied:
+            refuse_out_of_range(lo, hi, self.capacity, stored)
+            refuse_priority_at(priority, bad)
+        self.max_raw_priority.clamp_(min=landed_max)
+
+    def _update_in_python(self, rows: Any, priority: Any, generation: Any, stored: int | None) -> None:
+        """``update`` with tensor ops: before the first pick (the row masses alone), over env columns, or where
+        keys are not window starts (packs)."""
         checked = validated(rows, priority, self.capacity, stored=stored)
         rows, priority = checked.rows, as_priority(checked.priority, checked.rows.numel())
         mass = torch.pow(priority + self.eps, self.alpha)  # over the whole update, as the native owner's
