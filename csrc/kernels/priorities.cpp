@@ -36,10 +36,6 @@ struct UpdateTensors {
   }
 };
 
-bool int64_vector(const at::Tensor& t) {
-  return t.dim() == 1 && t.scalar_type() == at::kLong && t.is_contiguous() && t.is_cpu();
-}
-
 }  // namespace
 
 PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min_tree, const at::Tensor& generation,
@@ -54,20 +50,9 @@ PriorityUpdate priority_window_update(const at::Tensor& sum_tree, const at::Tens
                                       const at::Tensor& rows, const at::Tensor& priority,
                                       const std::optional<at::Tensor>& drawn, double alpha, double eps, int64_t bound,
                                       const LiveTensors& live, const WindowKeys& keys) {
-  const int64_t count = live.start.numel();
-  TORCH_CHECK(int64_vector(live.start) && int64_vector(live.length) && int64_vector(live.ends) &&
-                  live.length.numel() == count && live.ends.numel() == count,
-              "live episodes: starts, lengths and ends are contiguous 1-D int64 CPU tensors of one size");
-  TORCH_CHECK(live.closed.dim() == 1 && live.closed.scalar_type() == at::kBool && live.closed.is_contiguous() &&
-                  live.closed.numel() == count,
-              "live episodes: one closed flag each");
-  TORCH_CHECK(keys.window_len >= 1 && keys.burn_in >= 0 && keys.burn_in < keys.window_len,
-              "window keys: need window_len >= 1 and 0 <= burn_in < window_len");
+  keys.check();
+  const LiveEpisodes episodes = live_episodes(live, generation.numel());
   const UpdateTensors update(rows, priority, drawn);
-  const LiveEpisodes episodes{live.start.data_ptr<int64_t>(), live.length.data_ptr<int64_t>(),
-                              live.ends.data_ptr<int64_t>(),  live.closed.data_ptr<bool>(),
-                              count,                          live.first_start,
-                              generation.numel()};
   return priority_window_update(sum_tree, min_tree, generation, row_mass, update.arrays(), alpha, eps, bound,
                                 episodes, keys);
 }
@@ -122,6 +107,11 @@ PriorityUpdate priority_update(const at::Tensor& sum_tree, const at::Tensor& min
   const LandingUpdate landing = landing_update(generation, u, alpha, eps, bound);
   if (landing.count > 0) priority_set_into(sum_tree, min_tree, landing.rows, landing.mass, landing.count);
   return landing.facts;
+}
+
+void WindowKeys::check() const {
+  TORCH_CHECK(window_len >= 1 && burn_in >= 0 && burn_in < window_len,
+              "window keys: need window_len >= 1 and 0 <= burn_in < window_len, got ", window_len, ", ", burn_in);
 }
 
 bool WindowKeys::keys(const LiveEpisodes& live, int64_t row) const {

@@ -56,6 +56,8 @@ struct WindowKeys {
 
   // Whether ring row `row` keys a window of one of `live`'s episodes.
   bool keys(const LiveEpisodes& live, int64_t row) const;
+  // Throws unless 1 <= window_len and 0 <= burn_in < window_len.
+  void check() const;
 };
 
 // PriorityWindowSelector.update on the CPU (selection/priority_windows.py) in one pass: checked and landed as
@@ -65,12 +67,6 @@ PriorityUpdate priority_window_update(const at::Tensor& sum_tree, const at::Tens
                                       const at::Tensor& generation, const at::Tensor& row_mass,
                                       const UpdateArrays& update, double alpha, double eps, int64_t bound,
                                       const LiveEpisodes& live, const WindowKeys& keys);
-
-// The live episodes as tensors (EpisodeIndex.located: starts, lengths, running ends, closed flags, oldest first).
-struct LiveTensors {
-  at::Tensor start, length, ends, closed;
-  int64_t first_start;
-};
 
 // The same update from tensors (a learner's update of its own store), checked first.
 PriorityUpdate priority_window_update(const at::Tensor& sum_tree, const at::Tensor& min_tree,

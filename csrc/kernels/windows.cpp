@@ -140,6 +140,20 @@ std::pair<int64_t, int64_t> LiveEpisodes::locate(int64_t row) const {
   return {i, logical - (ends[i] - length[i])};
 }
 
+LiveEpisodes live_episodes(const LiveTensors& live, int64_t capacity) {
+  const int64_t count = live.start.numel();
+  TORCH_CHECK(int64_vector(live.start) && int64_vector(live.length) && int64_vector(live.ends) &&
+                  live.length.numel() == count && live.ends.numel() == count,
+              "live episodes: starts, lengths and ends are contiguous 1-D int64 CPU tensors of one size");
+  TORCH_CHECK(live.closed.device().is_cpu() && live.closed.scalar_type() == at::kBool && live.closed.dim() == 1 &&
+                  live.closed.is_contiguous() && live.closed.numel() == count,
+              "live episodes: one closed flag each");
+  TORCH_CHECK(capacity >= 1, "live episodes: a ring of at least one row");
+  return {live.start.data_ptr<int64_t>(), live.length.data_ptr<int64_t>(), live.ends.data_ptr<int64_t>(),
+          live.closed.data_ptr<bool>(),   count,                            live.first_start,
+          capacity};
+}
+
 bool place_keyed_windows_into(const LiveEpisodes& live, const int64_t* keys, int64_t n, int64_t window_len,
                               int64_t burn_in, int64_t* starts, int64_t* valid_begin, int64_t* valid_end) {
   const Into out{starts, valid_begin, valid_end};

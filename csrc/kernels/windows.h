@@ -56,6 +56,15 @@ struct LiveEpisodes {
   std::pair<int64_t, int64_t> locate(int64_t row) const;
 };
 
+// The same live episodes as tensors (EpisodeIndex.located): int64 starts, lengths and running ends, bool closed.
+struct LiveTensors {
+  at::Tensor start, length, ends, closed;
+  int64_t first_start;
+};
+
+// `live`'s arrays, checked (contiguous CPU vectors of one size), over a ring of `capacity` rows.
+LiveEpisodes live_episodes(const LiveTensors& live, int64_t capacity);
+
 // PriorityWindowSelector's windows after its draw (selection/priority_windows.py): each of the `n` key rows
 // located in `live` and its window placed with the key `burn_in` steps in, starts not wrapped. False when a key
 // lies in no live episode (the keys were derived from other episodes): nothing may be drawn from them.

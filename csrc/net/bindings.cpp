@@ -110,13 +110,14 @@ void bind_rules(py::module_& m) {
                        at::Tensor live_ends, at::Tensor live_closed, double alpha, double eps, int64_t window_len,
                        int64_t burn_in, bool strict_length, bool include_open, int64_t seen_lo, int64_t seen_hi,
                        std::shared_ptr<gear::SelectorLock> lock) {
-             return gear::PriorityWindowRule{
-                 std::move(key),         std::move(update_key),  std::move(sum_tree),    std::move(min_tree),
-                 std::move(generation),  std::move(row_mass),    std::move(max_priority), std::move(derivation),
-                 derived,                first_start,            std::move(live_start),  std::move(live_length),
-                 std::move(live_ends),   std::move(live_closed), alpha,                  eps,
-                 window_len,             burn_in,                strict_length,          include_open,
-                 seen_lo,                seen_hi,                std::move(lock)};
+             gear::LiveTensors live{std::move(live_start), std::move(live_length), std::move(live_ends),
+                                    std::move(live_closed), first_start};
+             return gear::PriorityWindowRule{std::move(key),          std::move(update_key), std::move(sum_tree),
+                                             std::move(min_tree),     std::move(generation), std::move(row_mass),
+                                             std::move(max_priority), std::move(derivation), derived,
+                                             std::move(live),         alpha,                 eps,
+                                             {window_len, burn_in, strict_length, include_open},
+                                             seen_lo,                 seen_hi,               std::move(lock)};
            }),
            py::kw_only(), py::arg("key"), py::arg("update_key"), py::arg("sum_tree"), py::arg("min_tree"),
            py::arg("generation"), py::arg("row_mass"), py::arg("max_priority"), py::arg("derivation"),

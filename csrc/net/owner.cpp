@@ -482,12 +482,6 @@ struct KeyedWindows {
   int64_t* generation;
 };
 
-LiveEpisodes live_episodes(const PriorityWindowRule& r, int64_t capacity) {
-  return {r.live_start.data_ptr<int64_t>(), r.live_length.data_ptr<int64_t>(), r.live_ends.data_ptr<int64_t>(),
-          r.live_closed.data_ptr<bool>(),   r.live_start.numel(),               r.first_start,
-          capacity};
-}
-
 // Whether the core's trees are those derived from the rule's episodes still (under the core's lock).
 bool derived_as_taken(const PriorityWindowRule& r) { return r.derivation.data_ptr<int64_t>()[0] == r.derived; }
 
@@ -498,7 +492,7 @@ bool derived_as_taken(const PriorityWindowRule& r) { return r.derivation.data_pt
 int64_t sample_priority_windows(const OwnedStore& s, const Request& q, const PriorityWindowRule& r, int64_t seen_seq,
                                 const KeyedWindows& picks, double& mass, double& min_mass, std::vector<at::Tensor> out) {
   int64_t* header = s.header.data_ptr<int64_t>();
-  if (!answerable(s, q) || q.count > kMaxReadPositions / r.window_len || !readable_as_mapped(s)) return -1;
+  if (!answerable(s, q) || q.count > kMaxReadPositions / r.keys.window_len || !readable_as_mapped(s)) return -1;
   Section section(header, s.reader.data_ptr<int64_t>());
   if (load(header, kPublishedSeq) != seen_seq || section.lo > r.seen_lo) return -1;
   const int64_t capacity = s.columns.front().size(0);
@@ -516,7 +510,7 @@ int64_t sample_priority_windows(const OwnedStore& s, const Request& q, const Pri
         picks.mass[i] = leaves[picks.starts[i]];
         picks.generation[i] = generation[picks.starts[i]];
       }
-      if (!place_keyed_windows_into(live_episodes(r, capacity), picks.starts, q.count, r.window_len, r.burn_in,
+      if (!place_keyed_windows_into(live_episodes(r.live, capacity), picks.starts, q.count, r.keys.window_len, r.keys.burn_in,
                                     picks.starts, picks.valid_begin, picks.valid_end)) {
         return -1;
       }
@@ -528,9 +522,9 @@ int64_t sample_priority_windows(const OwnedStore& s, const Request& q, const Pri
     const at::Tensor starts = at::from_blob(picks.starts, {q.count}, at::kLong);
     const at::Tensor begin = at::from_blob(picks.valid_begin, {q.count}, at::kLong);
     const at::Tensor end = at::from_blob(picks.valid_end, {q.count}, at::kLong);
-    if (first_row_outside(starts, begin, end, r.window_len, capacity, r.seen_lo % capacity, live) >= 0) return -1;
+    if (first_row_outside(starts, begin, end, r.keys.window_len, capacity, r.seen_lo % capacity, live) >= 0) return -1;
     gather_cpu({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), std::move(out), starts,
-                begin, end, std::nullopt, r.window_len});
+                begin, end, std::nullopt, r.keys.window_len});
   }
   return section.close() ? live : -1;
 }
@@ -540,10 +534,10 @@ int64_t sample_priority_windows(const OwnedStore& s, const Request& q, const Pri
 // each column's rows. Returns 0 once framed in the outbox, 1 when Python must answer, or -errno.
 int64_t answer_priority_windows(int fd, const OwnedStore& s, const Request& q, const PriorityWindowRule& r,
                                 int64_t seen_seq) {
-  if (!answerable(s, q) || q.count > kMaxReadPositions / r.window_len) return 1;
+  if (!answerable(s, q) || q.count > kMaxReadPositions / r.keys.window_len) return 1;
   const auto ncols = static_cast<size_t>(q.columns);
   const auto count = static_cast<uint64_t>(q.count);
-  const int64_t positions = q.count * r.window_len;
+  const int64_t positions = q.count * r.keys.window_len;
   const Reply reply = frame_reply(kPrioritized, {}, {32, 8 * count, 8 * count, 8 * count, 8 * count, 8 * count},
                                   s.columns, ncols, positions);
   char* at = reply.out.data();
@@ -632,7 +626,7 @@ bool apply_update(const PriorityWindowRule& r, const UpdateArrays& update) {
   const int64_t capacity = r.generation.numel();
   const PriorityUpdate done =
       priority_window_update(r.sum_tree, r.min_tree, r.generation, r.row_mass, update, r.alpha, r.eps, capacity,
-                             live_episodes(r, capacity), {r.window_len, r.burn_in, r.strict_length, r.include_open});
+                             live_episodes(r.live, capacity), r.keys);
   if (done.applied) {
     double* max_priority = r.max_priority.data_ptr<double>();
     *max_priority = std::max(*max_priority, done.landed_max);
@@ -724,19 +718,11 @@ void check_priority_window_rule(const PriorityWindowRule& r) {
               "priority window rule: the largest priority is one float64 on the CPU");
   TORCH_CHECK(r.derivation.scalar_type() == at::kLong && r.derivation.numel() == 1 && r.derivation.is_cpu(),
               "priority window rule: the derivation is one int64 on the CPU");
-  const int64_t episodes = r.live_start.numel();
-  for (const at::Tensor* t : {&r.live_start, &r.live_length, &r.live_ends}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous() && t->is_cpu() &&
-                    t->numel() == episodes,
-                "priority window rule: live episodes' starts, lengths and ends are contiguous int64 tensors of one size");
-  }
-  TORCH_CHECK(r.live_closed.scalar_type() == at::kBool && r.live_closed.dim() == 1 && r.live_closed.is_contiguous() &&
-                  r.live_closed.numel() == episodes,
-              "priority window rule: one closed flag per live episode");
-  TORCH_CHECK(r.window_len >= 1 && r.burn_in >= 0 && r.burn_in < r.window_len && r.seen_lo >= 0 &&
-                  r.seen_hi >= r.seen_lo && r.lock != nullptr && !r.key.empty() && r.key.size() <= kMaxMeta &&
-                  !r.update_key.empty() && r.update_key.size() <= kMaxMeta,
-              "priority window rule: bad geometry, positions, lock or keys");
+  live_episodes(r.live, capacity);  // (checks them)
+  r.keys.check();
+  TORCH_CHECK(r.seen_lo >= 0 && r.seen_hi >= r.seen_lo && r.lock != nullptr && !r.key.empty() &&
+                  r.key.size() <= kMaxMeta && !r.update_key.empty() && r.update_key.size() <= kMaxMeta,
+              "priority window rule: bad positions, lock or keys");
 }
 
 void check_owned_store(const OwnedStore& s) {
@@ -812,7 +798,7 @@ PrioritizedInto sample_priority_windows_into(const OwnedStore& s, const Priority
   check_priority_window_rule(r);
   const Request q{count, seed, static_cast<int64_t>(out.size())};
   PrioritizedInto got;
-  if (!answerable(s, q) || q.count > kMaxReadPositions / r.window_len) return got;
+  if (!answerable(s, q) || q.count > kMaxReadPositions / r.keys.window_len) return got;
   TORCH_CHECK(windows.size() == 3, "sample_priority_windows_into: windows are starts, valid_begin and valid_end");
   for (const auto& [t, type] : {std::pair{&windows[0], at::kLong}, {&windows[1], at::kLong}, {&windows[2], at::kLong},
                                 {&mass, at::kDouble}, {&generation, at::kLong}}) {
@@ -823,7 +809,7 @@ PrioritizedInto sample_priority_windows_into(const OwnedStore& s, const Priority
                 count, " values (int64 but the masses' float64)");
   }
   check_gather_args({std::vector<at::Tensor>(s.columns.begin(), s.columns.begin() + q.columns), out, windows[0],
-                     windows[1], windows[2], std::nullopt, r.window_len});
+                     windows[1], windows[2], std::nullopt, r.keys.window_len});
   TORCH_CHECK(out.front().device().is_cpu(), "sample_priority_windows_into: the outputs must be CPU tensors");
   const KeyedWindows into{windows[0].data_ptr<int64_t>(), windows[1].data_ptr<int64_t>(),
                           windows[2].data_ptr<int64_t>(), mass.data_ptr<double>(), generation.data_ptr<int64_t>()};

@@ -3,6 +3,8 @@
 // distributed/native_owner.py).
 #pragma once
 
+#include "kernels/priorities.h"
+#include "kernels/windows.h"
 #include "net/selector_lock.h"
 
 #include <ATen/ATen.h>
@@ -70,12 +72,9 @@ struct PriorityWindowRule {
   at::Tensor max_priority;  // float64 scalar: the largest raw priority seen
   at::Tensor derivation;    // int64 [1]: moves whenever Python derives the trees anew
   int64_t derived;          // its value when these tables were taken
-  int64_t first_start;      // the live episodes (windows.h LiveEpisodes): where the oldest starts,
-  at::Tensor live_start, live_length, live_ends;  // int64 [E] each, oldest first
-  at::Tensor live_closed;                         // bool [E]
+  LiveTensors live;         // the live episodes of the view's index (kernels/windows.h), oldest first
   double alpha, eps;
-  int64_t window_len, burn_in;
-  bool strict_length, include_open;
+  WindowKeys keys;          // the windows' geometry: where a key sits, which rows may key one
   int64_t seen_lo, seen_hi;  // the positions the view's episode index covers
   std::shared_ptr<SelectorLock> lock;
 };
@@ -97,7 +96,8 @@ struct Served {
 };
 
 // Answers SAMPLE_ROWS requests, SAMPLE_WINDOWS of the `windows` rule and SAMPLE_PRIORITIZED and
-// POST_UPDATE of the `priorities` or the `priority_windows` rule (each if any, one of the last two), on `fd` (a blocking socket) until another op is next, one needs Python
+// POST_UPDATE of the `priorities` or the `priority_windows` rule (each if any, one of the last two), on `fd`
+// (a blocking socket) until another op is next, one needs Python
 // (empty store, rows a dead writer left, a new layout, a revoked read, a request out of bounds, windows
 // drawn from a view no longer current, priorities whose core has not followed the store), the store's
 // records ran `max_lag` ahead of `seen_seq`, or `catch_up_s` passed since the call began (checked from the

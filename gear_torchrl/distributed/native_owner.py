@@ -44,7 +44,7 @@ from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
-from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec
+from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec, window_keys
 from gear_torchrl.selection.windows import WindowSelector, WindowSpec
 
 # why _C.serve_samples returned (csrc/net/owner.h ServeCode)
@@ -175,18 +175,17 @@ class NativeOwner:
             return None
         with lock:
             core.follow(self.view.shard)
-            tables = core.draw_state(self.view.shard)
-        if tables is None:
+            state = core.draw_state(self.view.shard)
+        if state is None:
             return None
+        tables, live = state
         lo, hi = self.view.shared.seen_positions
         return _C.PriorityWindowRule(
             key=key,
             update_key=rule_meta(spec),
             **tables._asdict(),
-            window_len=spec.window_len,
-            burn_in=spec.burn_in,
-            strict_length=spec.strict_length,
-            include_open=spec.include_open,
+            **live._asdict(),
+            **window_keys(spec),
             seen_lo=lo,
             seen_hi=hi,
             lock=lock,

@@ -102,10 +102,26 @@ class PriorityWindowSpec(WindowGeometry, ProportionalSpec):
         return PriorityWindowSelector(self, capacity)
 
 
+class LiveTables(NamedTuple):
+    """An index's live episodes as ``EpisodeIndex.locate`` searches them, named as the extension takes them
+    (csrc/kernels/windows.h ``LiveTensors``)."""
+
+    first_start: int  # the ring row where the oldest live episode starts
+    live_start: torch.Tensor  # int64 [E], oldest first
+    live_length: torch.Tensor
+    live_ends: torch.Tensor  # their lengths' running sums
+    live_closed: torch.Tensor  # bool [E]
+
+    @classmethod
+    def of(cls, episodes: EpisodeIndex) -> LiveTables:
+        view, ends = episodes.located()
+        return cls(int(view.start[0]) if view.start.numel() else 0, view.start, view.length, ends, view.closed)
+
+
 class NativeWindowTables(NamedTuple):
     """What the native owner draws prioritized windows from and updates, named as ``_C.PriorityWindowRule``'s
-    fields (csrc/net/owner.h): the core's tables, and the live episodes of the index its trees were derived
-    from, as ``EpisodeIndex.locate`` searches them."""
+    fields (csrc/net/owner.h): the core's tables, and (``LiveTables``) the live episodes of the index its trees
+    were derived from."""
 
     sum_tree: torch.Tensor
     min_tree: torch.Tensor
@@ -114,13 +130,18 @@ class NativeWindowTables(NamedTuple):
     max_priority: torch.Tensor
     derivation: torch.Tensor  # int64 [1]: moves whenever the trees are derived anew (``derived``: its value now)
     derived: int
-    first_start: int  # the ring row where the oldest live episode starts
-    live_start: torch.Tensor  # int64 [E], oldest first
-    live_length: torch.Tensor
-    live_ends: torch.Tensor  # their lengths' running sums
-    live_closed: torch.Tensor  # bool [E]
     alpha: float
     eps: float
+
+
+def window_keys(spec: PriorityWindowSpec) -> dict[str, Any]:
+    """Where ``spec``'s keys sit and which rows may be one, named as the extension takes them (``WindowKeys``)."""
+    return {
+        "window_len": spec.window_len,
+        "burn_in": spec.burn_in,
+        "strict_length": spec.strict_length,
+        "include_open": spec.include_open,
+    }
 
 
 class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
@@ -225,7 +246,7 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return no_window_reason(self.spec, needs_shard(self, shard).episodes)
 
-    def draw_state(self, shard: Shard) -> NativeWindowTables | None:
+    def draw_state(self, shard: Shard) -> tuple[NativeWindowTables, LiveTables] | None:
         """What ``pick`` draws from and ``update`` changes, the trees brought up to the shard's index, for a
         native owner that repeats them (``csrc/net/owner.cpp``). None where ``pick`` does more than one draw
         (windows kept off the ring end, env columns) or there is nothing to draw. Call under the core's lock,
@@ -235,8 +256,7 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
             return None
         if not (isinstance(self.trees, PriorityTrees) and self.mass(shard) > 0):
             return None
-        view, ends = episodes.located()
-        return NativeWindowTables(
+        tables = NativeWindowTables(
             self.trees.sum,
             self.trees.min,
             self.generation,
@@ -244,14 +264,10 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
             self.max_raw_priority,
             self.derivation,
             int(self.derivation),
-            int(view.start[0]),
-            view.start,
-            view.length,
-            ends,
-            view.closed,
             self.alpha,
             self.eps,
         )
+        return tables, LiveTables.of(episodes)
 
     def _draw(self, episodes: Episodes, count: int, generator: torch.Generator | None, mass: float) -> Picked:
         """Windows by their key steps' priorities: the key step sits ``burn_in`` steps into its window."""
@@ -277,7 +293,6 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
             return
         index = integer_rows(rows).reshape(-1).cpu()
         priority = shaped_priority(priority, index.numel())
-        view, ends = episodes.located()
         applied, lo, hi, bad, landed_max = _C.priority_window_update(
             trees.sum,
             trees.min,
@@ -289,15 +304,8 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
             self.alpha,
             self.eps,
             row_bound(self.capacity, stored),
-            view.start,
-            view.length,
-            ends,
-            view.closed,
-            int(view.start[0]) if view.start.numel() else 0,
-            self.spec.window_len,
-            self.spec.burn_in,
-            self.spec.strict_length,
-            self.spec.include_open,
+            **LiveTables.of(episodes)._asdict(),
+            **window_keys(self.spec),
         )
         if not applied:
             refuse_out_of_range(lo, hi, self.capacity, stored)
