@@ -51,8 +51,9 @@ from gear_torchrl.selection.windows import WindowSelector, WindowSpec
 _NEXT_IS_OTHER, _SERVE_IN_PYTHON, _CATCH_UP = _C.SERVE_NEXT_IS_OTHER, _C.SERVE_IN_PYTHON, _C.SERVE_CATCH_UP
 CATCH_UP_S = 1.0  # the view replays the records published meanwhile at least this often
 
-# (layout version, control segment header, this connection's reader slot, the columns of that layout)
-_Source = tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]
+# (control segment header, this connection's reader slot, the columns of a layout, that layout's version): the
+# store as every native answer takes it, first
+_Source = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], int]
 _WindowRule = Any  # _C.WindowRule: csrc/net/owner.h WindowRule, its fields by name
 _PriorityRule = Any  # _C.PriorityRule: csrc/net/owner.h PriorityRule, its fields by name
 _PriorityWindowRule = Any  # _C.PriorityWindowRule: csrc/net/owner.h PriorityWindowRule, its fields by name
@@ -79,14 +80,10 @@ class NativeOwner:
             source = self._mapped()
             if source is None:
                 return None
-            version, header, reader, columns = source
             priorities = self._priority_rule()
             code, count, seed, num_columns, answered, op, arrays = _C.serve_samples(
                 conn.fileno(),
-                header,
-                reader,
-                columns,
-                version,
+                *source,
                 log.seen_seq,
                 log.num_records // 4,
                 CATCH_UP_S,
@@ -214,24 +211,17 @@ class NativeOwner:
         log = self.view.shared.log
         if time.monotonic() - self._caught_up > CATCH_UP_S or log.records_unseen() > log.num_records // 4:
             self._catch_up()
-        version, header, reader, columns = source
         assert ask.picks is not None and ask.columns is not None  # (samples_rows)
         picks = ask.picks.starts[ask.first : ask.first + ask.count]
-        live = _C.sample_rows_into(
-            header, reader, columns, version, ask.count, ask.sample_seed, picks, ask.rows(ask.count)
-        )
+        live = _C.sample_rows_into(*source, ask.count, ask.sample_seed, picks, ask.rows(ask.count))
         return None if live < 0 else ask.landed(ask.count, float(live), {"rows": live})
 
     def _windows_in_place(self, ask: Ask, source: _Source, windows: WindowSpec) -> Picked | None:
         rule = self._window_rule() if self._view_current() else None
         if rule is None:
             return None
-        version, header, reader, columns = source
         live, mass, starts, valid_begin, valid_end = _C.sample_windows_into(
-            header,
-            reader,
-            columns,
-            version,
+            *source,
             rule,
             self.view.shared.log.seen_seq,
             ask.count,
@@ -250,14 +240,10 @@ class NativeOwner:
         rule = self._priority_rule()
         if rule is None:
             return None
-        version, header, reader, columns = source
         assert ask.picks is not None and ask.extra is not None  # (samples_prioritized)
         end = ask.first_pick + ask.count
         live, mass, min_mass = _C.sample_prioritized_into(
-            header,
-            reader,
-            columns,
-            version,
+            *source,
             rule,
             ask.count,
             ask.sample_seed,
@@ -272,15 +258,11 @@ class NativeOwner:
         rule = self._priority_rule() if self._view_current() else None
         if rule is None:
             return None
-        version, header, reader, columns = source
         assert ask.picks is not None and ask.extra is not None  # (samples_prioritized)
         first, end = ask.first_pick, ask.first_pick + ask.count
         windows = ask.picks.part(first, end)
         live, mass, min_mass = _C.sample_priority_windows_into(
-            header,
-            reader,
-            columns,
-            version,
+            *source,
             rule,
             self.view.shared.log.seen_seq,
             ask.count,
@@ -311,11 +293,11 @@ class NativeOwner:
         shared = self.view.shared
         columns = shared.mapped_columns()
         version = shared.mapped_layout_version
-        if self._source is None or self._source[0] != version:
+        if self._source is None or self._source[3] != version:
             if self.view.shard.table is None or not columns:
                 return None
             header, reader = shared.log.native_words()
-            self._source = version, header, reader, list(columns)
+            self._source = header, reader, list(columns), version
         return self._source
 
     def close(self) -> None:

@@ -93,6 +93,29 @@ def refuse_priority_at(priority: torch.Tensor, pos: int) -> None:
     raise ValueError(f"priorities must be finite and non-negative; got {float(priority[pos])} at position {pos}")
 
 
+class NativeUpdate(NamedTuple):
+    """An update as one extension call takes it (``_C.priority_update`` and ``_C.priority_window_update``):
+    int64 rows, float64 priorities and the drawn generations (or None) on the CPU, shapes checked."""
+
+    rows: torch.Tensor
+    priority: torch.Tensor
+    drawn: torch.Tensor | None
+
+    @classmethod
+    def of(cls, rows: Any, priority: Any, generation: Any) -> NativeUpdate:
+        index = integer_rows(rows).reshape(-1).cpu()
+        return cls(index, shaped_priority(priority, index.numel()), as_generation(generation, index.numel()))
+
+    def landed(self, facts: tuple[bool, int, int, int, float], capacity: int, stored: int | None) -> float:
+        """The largest priority that landed, from the extension's facts; the error naming the first bad entry
+        where its checks refused the update (nothing changed then)."""
+        applied, lo, hi, bad, landed_max = facts
+        if not applied:
+            refuse_out_of_range(lo, hi, capacity, stored)
+            refuse_priority_at(self.priority, bad)
+        return landed_max
+
+
 def as_rows(index: Any, capacity: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Checked int64 rows in ``[-1, capacity)``."""
     return validated(index, None, capacity, device).rows

@@ -17,12 +17,9 @@ from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import SelectionSpec, StatefulSelector
 from gear_torchrl.selection.block_sums import BlockPrefixSums
 from gear_torchrl.selection.checked_inputs import (
+    NativeUpdate,
     as_generation,
-    integer_rows,
-    refuse_out_of_range,
-    refuse_priority_at,
     row_bound,
-    shaped_priority,
     validated,
 )
 from gear_torchrl.selection.picked import Picked
@@ -210,24 +207,11 @@ class PrioritySelector(StatefulSelector[ProportionalT_co]):
     def _update_in_trees(self, rows: Any, priority: Any, generation: Any, stored: int | None) -> None:
         """``update`` on the CPU trees: checked, stale rows dropped and masses set in one extension call."""
         assert isinstance(self.trees, PriorityTrees)
-        index = integer_rows(rows).reshape(-1).cpu()
-        priority = shaped_priority(priority, index.numel())
-        drawn = as_generation(generation, index.numel())
-        applied, lo, hi, bad, landed_max = _C.priority_update(
-            self.trees.sum,
-            self.trees.min,
-            self.generation,
-            index,
-            priority,
-            drawn,
-            self.alpha,
-            self.eps,
-            row_bound(self.capacity, stored),
-        )
-        if not applied:
-            refuse_out_of_range(lo, hi, self.capacity, stored)
-            refuse_priority_at(priority, bad)
-        self.max_raw_priority.clamp_(min=landed_max)
+        update = NativeUpdate.of(rows, priority, generation)
+        bound = row_bound(self.capacity, stored)
+        trees = self.trees.sum, self.trees.min
+        facts = _C.priority_update(*trees, self.generation, *update, self.alpha, self.eps, bound)
+        self.max_raw_priority.clamp_(min=update.landed(facts, self.capacity, stored))
 
     # -- state -----------------------------------------------------------------------
     def export_rows(self, rows: torch.Tensor) -> dict[str, Any]:

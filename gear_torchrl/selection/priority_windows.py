@@ -18,13 +18,10 @@ import torch
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import needs_shard
 from gear_torchrl.selection.checked_inputs import (
+    NativeUpdate,
     as_generation,
     as_priority,
-    integer_rows,
-    refuse_out_of_range,
-    refuse_priority_at,
     row_bound,
-    shaped_priority,
     validated,
 )
 from gear_torchrl.selection.picked import Picked
@@ -291,26 +288,20 @@ class PriorityWindowSelector(PrioritySelector[PriorityWindowSpec]):
         ):
             self._update_in_python(rows, priority, generation, stored)
             return
-        index = integer_rows(rows).reshape(-1).cpu()
-        priority = shaped_priority(priority, index.numel())
-        applied, lo, hi, bad, landed_max = _C.priority_window_update(
+        update = NativeUpdate.of(rows, priority, generation)
+        facts = _C.priority_window_update(
             trees.sum,
             trees.min,
             self.generation,
             self.row_mass,
-            index,
-            priority,
-            as_generation(generation, index.numel()),
+            *update,
             self.alpha,
             self.eps,
             row_bound(self.capacity, stored),
             **LiveTables.of(episodes)._asdict(),
             **window_keys(self.spec),
         )
-        if not applied:
-            refuse_out_of_range(lo, hi, self.capacity, stored)
-            refuse_priority_at(priority, bad)
-        self.max_raw_priority.clamp_(min=landed_max)
+        self.max_raw_priority.clamp_(min=update.landed(facts, self.capacity, stored))
 
     def _update_in_python(self, rows: Any, priority: Any, generation: Any, stored: int | None) -> None:
         """``update`` with tensor ops: before the first pick (the row masses alone), over env columns, or where
