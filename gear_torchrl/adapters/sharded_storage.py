@@ -79,7 +79,7 @@ class ShardedGearStorage(TableStorage):
             shard is read in this process (``local``, its own shard): with eight
             ahead a batch of 256 costs the learner about half of what it does without,
             as much as ``LazyTensorStorage`` in its own process, and each owner added
-            about 5 µs (+21% from 1 to 8 owners; BENCHMARKS.md). A number N asks for
+            5-7 µs (+17% from 1 to 8 owners; BENCHMARKS.md). A number N asks for
             the next N batches at once when none is left asked for, each owner's N
             requests in one write, its N replies in one write back, read several at a
             time; ``0`` or ``False`` asks for each batch when it is sampled, ``True``
