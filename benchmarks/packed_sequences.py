@@ -219,12 +219,17 @@ def slice_sampler(max_len: int) -> SliceSampler:
 
 
 class Windows:
-    """W padded windows of T steps, flat [W*T]: SDPA per window with a causal & key-padding boolean mask."""
+    """W padded windows of T steps, flat [W*T]: SDPA per window with a causal & key-padding boolean mask.
+
+    Each position also sees itself: a padding position with no real key before it (head padding) would
+    otherwise attend to nothing, and SDPA gives NaN there.
+    """
 
     def __init__(self, valid: torch.Tensor, window: int) -> None:
         valid = valid.view(-1, window)
-        causal = torch.ones(window, window, dtype=torch.bool).tril()
-        self.window, self.mask = window, (causal[None] & valid[:, None, :])[:, None]
+        causal = torch.ones(window, window, dtype=torch.bool, device=valid.device).tril()
+        itself = torch.eye(window, dtype=torch.bool, device=valid.device)
+        self.window, self.mask = window, ((causal[None] & valid[:, None, :]) | itself)[:, None]
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = qkv.view(-1, self.window, *qkv.shape[1:]).transpose(1, 3).unbind(2)
@@ -265,13 +270,13 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A causal transformer over flat tokens [N, OBS]; ``layout`` says who attends to whom."""
+    """A causal transformer over flat tokens [N, obs]; ``layout`` says who attends to whom."""
 
-    def __init__(self, width: int, heads: int, layers: int, max_len: int) -> None:
+    def __init__(self, width: int, heads: int, layers: int, max_len: int, obs: int = OBS) -> None:
         super().__init__()
-        self.embed, self.position = nn.Linear(OBS, width), nn.Embedding(max_len, width)
+        self.embed, self.position = nn.Linear(obs, width), nn.Embedding(max_len, width)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
-        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, OBS)
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, obs)
 
     def forward(self, obs: torch.Tensor, position: torch.Tensor, layout: Any) -> torch.Tensor:
         x = self.embed(obs) + self.position(position)

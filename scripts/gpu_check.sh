@@ -15,7 +15,8 @@
 # and 4 learners), learner_alone (benchmarks/probes/learner_round_cost.py: the learner's own CPU per batch from 1
 # to 8 owners, replies queued, with the raw floor and its sends), owner_growth (benchmarks/probes/owner_growth.py:
 # stores over 1, 2, 4 and 8 owners in one job, sampled in the same turns, plain and 4 or 8 batches ahead),
-# memcheck.
+# learner (benchmarks/transformer_learner.py: a transformer learner fed by five feeds while actors write; about
+# two minutes at its default sizes; GPU_CHECK_LEARNER_ARGS appended), memcheck.
 # Carried wheels: .whl/*.whl (torchrl, tensordict and their small deps) are
 # installed for the tests; .whl/peer/*.whl, a torchrl + tensordict built for the
 # machine's own torch, let the prioritized benchmark time TorchRL's C++ trees.
@@ -163,6 +164,10 @@ fi
 if has_step many_learners; then  # one owner serving 1, 2 and 4 learners, each with a core
   run_bench many_learners many_learners.py --owners 1 --learners 1 2 4 --batches 256 --rounds 3 \
     --out "$OUT/many_learners.json" "${SHARDED_ARGS[@]}"
+fi
+
+if has_step learner; then  # the transformer learner end to end: TorchRL's feeds against the store's, padded and packed
+  run_bench learner transformer_learner.py --out "$OUT/transformer_learner.json" ${GPU_CHECK_LEARNER_ARGS:-}
 fi
 
 if has_step owner_growth; then  # the learner's growth from 1 to 8 owners, every world in the same turns

@@ -1,0 +1,83 @@
+"""benchmarks/transformer_learner.py at its tiny CPU size: every feed trains, and what it reports holds.
+
+The GPU figures come from the same script on a GPU machine (tests/gpu/test_transformer_learner_cuda.py runs
+it there at a small size); here it runs whole, actors and loader workers included, so that run has only
+the device to meet.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "transformer_learner.py"
+TOKENS = 384  # what --tiny asks of every feed
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("learner") / "learner.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=SCRIPT.parent,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def rows(report: dict) -> dict[str, dict]:
+    return {row["feed"].split(" ", 1)[1]: row for row in report["rows"]}
+
+
+def test_every_feed_trains_on_one_episode_per_sequence(report):
+    by = rows(report)
+    assert list(by) == ["torchrl_cpu", "torchrl_device", "gear_padded", "gear_loader", "gear_packed"]
+    assert report["failed_feeds"] == {}
+    for name, row in by.items():
+        assert row["consistent_share"] == 1.0, name  # each sequence: one episode's consecutive steps
+        assert 0.0 < row["wait_share"] < 1.0, name
+        assert row["trained_tokens_per_s"] > 0 and row["updates_per_s"] > 0, name
+
+
+def test_every_feed_is_sized_to_the_same_trained_tokens(report):
+    for name, row in rows(report).items():
+        assert 0.6 * TOKENS <= row["trained_tokens_per_step"] <= 1.6 * TOKENS, (name, row)
+
+
+def test_packs_spend_fewer_positions_on_padding_than_windows(report):
+    by = rows(report)
+    packed, padded = by["gear_packed"], by["gear_padded"]
+    assert packed["positions_per_step"] == packed["size"]  # a pack is exactly its budget
+    assert padded["positions_per_step"] == padded["size"] * report["args"]["max_len"]  # windows x length
+    share = {name: row["trained_tokens_per_step"] / row["positions_per_step"] for name, row in by.items()}
+    assert share["gear_packed"] > max(share[name] for name in by if name != "gear_packed"), share
+
+
+def test_the_actors_data_reaches_every_store(report):
+    by = rows(report)
+    pace = report["actor_pace_steps_per_s"]
+    assert pace["actors"] == 2 and pace["achieved"] >= 0.7 * pace["asked"], pace  # the fixed pace held
+    for name in ("torchrl_cpu", "torchrl_device"):  # episodes the learner extended TorchRL's stores with
+        assert by[name]["ingested_steps"] > 0, by[name]
+    assert sum(by[name]["actor_share"] for name in ("gear_padded", "gear_loader", "gear_packed")) > 0
+
+
+def test_the_packed_attention_says_why_each_candidate_was_passed_over(report):
+    notes = report["packed_attention"]
+    assert notes["buckets"] == "used" and rows(report)["gear_packed"]["attention"] == "buckets"
+    assert notes["flash_varlen"] and notes["flash_varlen"] != "used"  # no flash-attn on a CPU
+    assert notes["nested"] and notes["nested"] != "used"  # no causal nested SDPA on a CPU
+
+
+def test_memory_is_counted_where_the_rows_live(report):
+    by = rows(report)
+    assert report["utilisation_source"].startswith("none")  # no GPU to poll
+    assert all(row["gpu_utilisation"] is None and row["device_bytes_per_step"] == 0 for row in by.values())
+    assert by["gear_padded"]["host_bytes_per_step"] > 0 and by["torchrl_cpu"]["host_bytes_per_step"] > 0
