@@ -1,4 +1,4 @@
-"""A transformer learner end to end: actor processes write while a causal transformer trains, five feeds.
+"""A transformer learner end to end: actor processes write while a causal transformer trains, six feeds.
 
 Actor processes write episodes at a fixed pace (``--pace`` steps/s shared by ``--actors`` processes; lengths
 from a heavy-tailed mix, ``packed_sequences``' "lognormal" by default: median 55 steps, clipped to [10, 1000])
@@ -22,7 +22,10 @@ padding nor burn-in):
   laid end to end in a token budget, attention restricted to each sequence (``--packed-attention``:
   flash-attn's varlen kernel where it is installed, SDPA over a nested jagged tensor, compiled FlexAttention,
   or the library's ``LengthBuckets``; ``auto`` takes the first of flash_varlen, nested, buckets whose outputs
-  and gradients match each sequence attended alone, on this device, in the training dtype).
+  and gradients match each sequence attended alone, on this device, in the training dtype);
+- ``gear_sharded`` (f): the same packs from a ``ShardedGearStorage`` of ``--owners`` owner processes on this
+  host (``--transport``), each holding ``capacity / owners`` steps and writing its shard at an actor's pace;
+  the learner is the job's last rank, its batches pinned, then ``.to(device)``.
 
 Windows (a-d) attend with SDPA and a boolean causal & key-padding mask, each position also seeing itself
 (a window that starts in head padding has no real key before it). The first ``B`` positions of a window or
@@ -34,13 +37,15 @@ with an idle device. Reported per feed, median over rounds: trained tokens/s, up
 (data time / step time), the GPU's utilisation while the feed ran (NVML through ``torch.cuda.utilization``,
 else ``nvidia-smi``), and the host and device bytes per stored step of the feed's store (the resident and
 CUDA-allocated bytes its creation and filling to capacity added, over its capacity; feeds c-e share one
-store). Every batch is checked: each sequence's tokens are one episode's consecutive steps (the share of
-token pairs that hold, per feed), and the actors' achieved pace is reported beside the one asked for.
+store; (f)'s owners report theirs). Every batch is checked: each sequence's tokens are one episode's
+consecutive steps (the share of token pairs that hold, per feed), and the writers' achieved pace is reported
+beside the one asked for. A feed that cannot run on this machine is reported and the run goes on without it
+(exit status 1 at the end); ``kill -USR1`` prints every thread's stack should a run hang.
 
 Commands::
 
     python benchmarks/transformer_learner.py --out bench_out/transformer_learner.json     # a GPU, real sizes
-    python benchmarks/transformer_learner.py --tiny     # seconds on a CPU, what tests/test_benchmarks.py runs
+    python benchmarks/transformer_learner.py --tiny     # seconds on a CPU: what tests/test_transformer_learner.py runs
 """
 
 from __future__ import annotations
@@ -58,13 +63,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from harness import table, write_json
+from harness import free_port, table, write_json
 from packed_sequences import PerSequence, Transformer, Windows, episode_lengths, masked_loss
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import LazyTensorStorage, SliceSampler, TensorDictReplayBuffer
@@ -86,11 +92,13 @@ FEEDS = {
     "gear_padded": "c",
     "gear_loader": "d",
     "gear_packed": "e",
+    "gear_sharded": "f",
 }
 PACKED_ATTENTION = ("flash_varlen", "nested", "buckets")  # what "auto" tries, in order
 CHUNK = 64  # steps an actor writes at a time
 PREFILL_CHUNK = 100_000
-LEARNER_EPISODES = 99  # the episode-number prefix of the steps the learner prefills
+LEARNER_EPISODES = 99  # the episode-number prefix of the steps the stores are prefilled with
+JOB_TIMEOUT = timedelta(seconds=120)  # (f)'s process group
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -118,25 +126,23 @@ def episodes(prefix: int, lengths: torch.Tensor, obs: int, generator: torch.Gene
 
 @dataclass(frozen=True)
 class ActorPlan:
-    rank: int
-    pace: float  # steps/s for this actor
+    who: str  # "actor 0", "owner 1": what its reports are filed under
+    prefix: int  # its episodes' number prefix
+    pace: float  # steps/s it writes
     mix: str
     obs: int
 
 
-def actor(plan: ActorPlan, handle: Any, finished: Any, listening: Any, stop: Any, report: Any) -> None:
-    """Write episodes into the shared store at ``plan.pace``; while ``listening``, also send each one whole."""
-    torch.set_num_threads(1)
-    storage = GearStorage(handle.capacity, handle=handle, device="cpu")
-    writer = TrajectoryWriter(storage)
-    generator = torch.Generator().manual_seed(1000 + plan.rank)
-    report.put(("ready", plan.rank, 0, 0.0))
+def write_at_pace(writer: TrajectoryWriter, plan: ActorPlan, stop: Any, report: Any, send: Callable | None) -> None:
+    """Write episodes at ``plan.pace`` until ``stop``; ``send(episode)`` after each commit, when given."""
+    generator = torch.Generator().manual_seed(1000 + plan.prefix)
+    report.put(("ready", plan.who, 0, 0.0))
     started = due = time.monotonic()
     written, number = 0, 0
     try:
         while not stop.is_set():
             for length in episode_lengths(plan.mix, 100_000, generator).tolist():
-                data = episodes(plan.rank, torch.tensor([length]), plan.obs, generator, first=number)
+                data = episodes(plan.prefix, torch.tensor([length]), plan.obs, generator, first=number)
                 number += 1
                 for chunk in data.split(CHUNK):
                     due += chunk.shape[0] / plan.pace
@@ -146,14 +152,100 @@ def actor(plan: ActorPlan, handle: Any, finished: Any, listening: Any, stop: Any
                     writer.extend(chunk)
                     written += chunk.shape[0]
                 writer.end_episode()
-                if listening.is_set():  # arrays, pickled through the pipe: torch's fd passing hangs under load
-                    finished.put(data.numpy())
+                if send is not None:
+                    send(data)
                 if stop.is_set():
                     break
     finally:
-        report.put(("done", plan.rank, written, time.monotonic() - started))
+        report.put(("done", plan.who, written, time.monotonic() - started))
+
+
+def actor(plan: ActorPlan, handle: Any, finished: Any, listening: Any, stop: Any, report: Any) -> None:
+    """Write episodes into the shared store; while ``listening``, also send each one whole to the learner."""
+    torch.set_num_threads(1)
+    storage = GearStorage(handle.capacity, handle=handle, device="cpu")
+
+    def send(episode: TensorDict) -> None:
+        if listening.is_set():  # arrays, pickled through the pipe: torch's fd passing hangs under load
+            finished.put(episode.numpy())
+
+    try:
+        write_at_pace(TrajectoryWriter(storage), plan, stop, report, send)
+    finally:
         finished.cancel_join_thread()  # what nobody took is dropped: the run is over
         storage.close()
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    rank: int
+    world: int  # owners and the learner, which is the last rank
+    port: int
+    rows: int
+    transport: str
+    writes: ActorPlan
+
+
+def owner(plan: ShardPlan, stop: Any, report: Any) -> None:
+    """(f)'s owner: hold a shard filled to its capacity, serve the learner and write the shard at a pace."""
+    import torch.distributed as dist
+
+    from gear_torchrl import ShardedGearStorage
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{plan.port}", rank=plan.rank, world_size=plan.world, timeout=JOB_TIMEOUT
+    )
+    before = rss_bytes()
+    storage = ShardedGearStorage(plan.rows, owns_shard=True, serve_on="127.0.0.1", transport=plan.transport)  # type: ignore[arg-type]
+    assert storage.local is not None  # an owning rank holds its shard
+    generator = torch.Generator().manual_seed(plan.rank)
+    lengths = episode_lengths(plan.writes.mix, plan.rows, generator)
+    prefill(storage.local, episodes(LEARNER_EPISODES, lengths, plan.writes.obs, generator))
+    report.put(("memory", plan.writes.who, rss_bytes() - before, plan.rows))
+    dist.barrier()  # every shard is full before the learner samples
+    try:
+        write_at_pace(TrajectoryWriter(storage.local), plan.writes, stop, report, None)
+    finally:
+        storage.close()
+        dist.destroy_process_group()
+
+
+class Reports:
+    """What the actor and owner processes report: ready, done (steps written, seconds), memory (bytes, rows)."""
+
+    def __init__(self, report: Any) -> None:
+        self.queue, self.ready, self.done, self.memory = report, set(), {}, {}
+
+    def _take(self, timeout_s: float) -> bool:
+        try:
+            what, who, a, b = self.queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return False
+        if what == "ready":
+            self.ready.add(who)
+        elif what == "done":
+            self.done[who] = a / b
+        else:
+            self.memory[who] = (a, b)
+        return True
+
+    def wait_ready(self, processes: list[Any], timeout_s: float = 120.0) -> None:
+        """Until every process writes (a spawned process imports torch first); one that exits raises."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.ready) < len(processes):
+            dead = [p.name for p in processes if p.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"writers not writing after {timeout_s:.0f} s (exited: {dead})")
+            self._take(1.0)
+
+    def wait_done(self, count: int, timeout_s: float = 30.0) -> None:
+        while len(self.done) < count and self._take(timeout_s):
+            pass
+
+    def pace(self, kind: str) -> float:
+        """Steps/s the ``kind`` ("actor", "owner") processes wrote together."""
+        return round(sum(v for who, v in self.done.items() if who.startswith(kind)), 1)
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -360,15 +452,20 @@ class GearWindows:
     def __init__(self, rb: TensorDictReplayBuffer, shape: Shape, workers: int = 0) -> None:
         self.rb, self.shape, self.workers = rb, shape, workers
         self.size = 32  # windows
-        self.batches: Iterator[TensorDictBase] | None = None
+        self.batches: Generator[TensorDictBase] | None = None
 
     def start_workers(self) -> None:
         """Sample from ``workers`` DataLoader workers from now on, ``size`` windows a batch."""
         dataset = GearDataset(self.rb, batch_size=self.size * self.shape.window)
         pinned = self.shape.device.type == "cuda"
-        self.batches = iter(
-            dataset.loader(num_workers=self.workers, pin_memory=pinned, prefetch_factor=2, persistent_workers=True)
-        )
+        loader = dataset.loader(num_workers=self.workers, pin_memory=pinned, prefetch_factor=2, persistent_workers=True)
+        self.batches = iter(loader)  # type: ignore[assignment]  # with workers, GearLoader's is a generator
+
+    def close(self) -> None:
+        """Stop the workers, if any."""
+        if self.batches is not None:
+            self.batches.close()
+            self.batches = None
 
     def next(self) -> Batch:
         window = self.shape.window
@@ -378,16 +475,16 @@ class GearWindows:
 
 
 class GearPacks:
-    """(e): packs of whole sequences (spans of longer ones) in a token budget."""
+    """(e), (f): packs of whole sequences (spans of longer ones) in a token budget."""
 
-    store, granule = "gear", 64
+    granule = 64
 
-    def __init__(self, rb: TensorDictReplayBuffer, attention: Callable[[torch.Tensor], Layout]) -> None:
-        self.rb, self.attention = rb, attention
+    def __init__(self, store: str, rb: TensorDictReplayBuffer, shape: Shape, attention: Callable[..., Layout]) -> None:
+        self.store, self.rb, self.shape, self.attention = store, rb, shape, attention
         self.size = 4096  # tokens
 
     def next(self) -> Batch:
-        data = self.rb.sample(self.size)
+        data = self.rb.sample(self.size).to(self.shape.device, non_blocking=True)  # a sharded store's: pinned
         seq = data["packed", "seq_id"]
         return Batch(
             obs=data["obs"],
@@ -424,10 +521,14 @@ def make_feeds(
     windows = GearSequenceSampler(seq_len=window - burn_in, burn_in=burn_in, strict_length=False)
     feeds["gear_loader"] = GearWindows(TensorDictReplayBuffer(storage=on_cpu, sampler=windows), shape, args.workers)
     notes: dict[str, str] = {}
-    if "gear_packed" in args.feeds:
+    if {"gear_packed", "gear_sharded"} & set(args.feeds):
         attention, notes = choose_packed_attention(args.packed_attention, shape.device, amp, args.heads)
-        packs = GearPackedSequenceSampler(window, burn_in=burn_in)
-        feeds["gear_packed"] = GearPacks(TensorDictReplayBuffer(storage=gear, sampler=packs), PACKED_LAYOUTS[attention])
+        for name, storage in (("gear_packed", gear), ("gear_sharded", stores.get("sharded"))):
+            packs = GearPackedSequenceSampler(window, burn_in=burn_in)
+            rb = TensorDictReplayBuffer(storage=storage, sampler=packs)
+            feeds[name] = GearPacks(
+                "gear" if name == "gear_packed" else "sharded", rb, shape, PACKED_LAYOUTS[attention]
+            )
     return {name: feed for name, feed in feeds.items() if name in args.feeds}, notes
 
 
@@ -508,19 +609,6 @@ class Utilisation:
         return result, statistics.mean(readings) if readings else None
 
 
-def wait_for_actors(report: Any, actors: list[Any], timeout_s: float = 120.0) -> None:
-    """Until every actor has attached to the store and starts writing (a spawned process imports torch first)."""
-    ready, deadline = 0, time.monotonic() + timeout_s
-    while ready < len(actors):
-        dead = [p.name for p in actors if p.exitcode is not None]
-        if dead or time.monotonic() > deadline:
-            raise RuntimeError(f"actors not writing after {timeout_s:.0f} s (exited: {dead})")
-        try:
-            ready += report.get(timeout=1.0)[0] == "ready"
-        except queue.Empty:
-            continue
-
-
 def turn(feed: Feed, steps: int, train: Callable[[Batch], float], device: torch.device) -> dict:
     """``steps`` training steps from ``feed``: data and step seconds, trained tokens, batches' consistency."""
     data_s, step_s, trained, positions, consistent, from_actors = [], [], [], [], [], []
@@ -553,6 +641,13 @@ def turn(feed: Feed, steps: int, train: Callable[[Batch], float], device: torch.
 # ------------------------------------------------------------------------------------------------ the run
 
 
+def prefill(storage: Any, data: TensorDict) -> None:
+    """``data`` into ``storage`` through TorchRL's buffer, in chunks."""
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=1)
+    for first in range(0, data.shape[0], PREFILL_CHUNK):
+        rb.extend(data[first : first + PREFILL_CHUNK])
+
+
 def build_stores(args: argparse.Namespace, device: torch.device) -> tuple[dict, dict]:
     """The three stores, each filled to capacity with the same episodes; their bytes per stored step."""
     generator = torch.Generator().manual_seed(args.seed)
@@ -566,15 +661,36 @@ def build_stores(args: argparse.Namespace, device: torch.device) -> tuple[dict, 
     for name, make in makers.items():
         rss, gpu = rss_bytes(), cuda_bytes(device)
         stores[name] = make()
-        rb = TensorDictReplayBuffer(storage=stores[name], batch_size=1)
-        for first in range(0, args.capacity, PREFILL_CHUNK):
-            rb.extend(data[first : first + PREFILL_CHUNK])
+        prefill(stores[name], data)
         memory[name] = {
             "host_bytes_per_step": round(max(0, rss_bytes() - rss) / args.capacity, 1),
             "device_bytes_per_step": round(max(0, cuda_bytes(device) - gpu) / args.capacity, 1),
         }
     memory["row_bytes"] = data[0].bytes()
     return stores, memory
+
+
+def join_shards(args: argparse.Namespace, context: Any, stop: Any, report: Any) -> tuple[Any, list[Any]]:
+    """(f)'s job: ``args.owners`` owner processes and this learner, the last rank; every shard full."""
+    import torch.distributed as dist
+
+    from gear_torchrl import ShardedGearStorage
+
+    port, world, rows = free_port(), args.owners + 1, args.capacity // args.owners
+    owners = []
+    for rank in range(args.owners):
+        writes = ActorPlan(f"owner {rank}", 50 + rank, args.pace / args.actors, args.mix, args.obs)
+        plan = ShardPlan(rank, world, port, rows, args.transport, writes)
+        owners.append(context.Process(target=owner, args=(plan, stop, report), name=f"owner {rank}", daemon=True))
+    for process in owners:
+        process.start()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world - 1, world_size=world, timeout=JOB_TIMEOUT
+    )
+    pinned = args.device.startswith("cuda")
+    storage = ShardedGearStorage(rows, owns_shard=False, transport=args.transport, pin_memory=pinned, timeout=60)
+    dist.barrier()  # the owners' shards are full
+    return storage, owners
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -587,22 +703,26 @@ def run(args: argparse.Namespace) -> dict:
     context = mp.get_context("spawn")
     finished, report = context.Queue(), context.Queue()
     listening, stop = context.Event(), context.Event()
-    actors = [
-        context.Process(
-            target=actor,
-            args=(
-                ActorPlan(r, args.pace / args.actors, args.mix, args.obs),
-                stores["gear"].handle,
-                *(finished, listening, stop, report),
-            ),
-            daemon=True,
+    reports = Reports(report)
+    writers = []
+    for r in range(args.actors):
+        plan = ActorPlan(f"actor {r}", r, args.pace / args.actors, args.mix, args.obs)
+        writers.append(
+            context.Process(
+                target=actor,
+                args=(plan, stores["gear"].handle, finished, listening, stop, report),
+                name=f"actor {r}",
+                daemon=True,
+            )
         )
-        for r in range(args.actors)
-    ]
-    for process in actors:
-        process.start()
+        writers[-1].start()
     failed: dict[str, str] = {}
+    feeds: dict[str, Feed] = {}
     try:
+        if "gear_sharded" in args.feeds:
+            stores["sharded"], owners = join_shards(args, context, stop, report)
+            writers += owners
+            progress(f"{args.owners} owners' shards filled")
         feeds, notes = make_feeds(args, stores, shape, finished, amp)
         for name, feed in list(feeds.items()):  # a feed that cannot run here is reported, not fatal to the rest
             try:
@@ -633,8 +753,8 @@ def run(args: argparse.Namespace) -> dict:
             return feed
 
         utilisation = Utilisation(device)
-        wait_for_actors(report, actors)
-        progress(f"{len(actors)} actors writing")
+        reports.wait_ready(writers)
+        progress(f"{len(writers)} actors and owners writing")
         for name in feeds:  # warm up: kernels, allocator, workers, and an episode through TorchRL's ingest
             feed = feeding(name)
             if isinstance(feed, Slices):
@@ -652,48 +772,53 @@ def run(args: argparse.Namespace) -> dict:
         listening.clear()
     finally:
         stop.set()
-        pace = actors_pace(report, actors)
-        for process in actors:
+        for feed in feeds.values():
+            if isinstance(feed, GearWindows):
+                feed.close()
+        reports.wait_done(len(writers))
+        for store in stores.values():
+            if not isinstance(store, LazyTensorStorage):
+                store.close()
+        for process in writers:
             process.join(10)
             if process.is_alive():
                 process.kill()
-        stores["gear"].close()
+        if "sharded" in stores:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if "sharded" in stores:  # the owners' shards: what they reported
+        held, rows = map(sum, zip(*reports.memory.values()))
+        memory["sharded"] = {"host_bytes_per_step": round(held / rows, 1), "device_bytes_per_step": 0.0}
     rows = [
         {
             "feed": f"({FEEDS[name]}) {name}",
-            "attention": next((k for k, v in notes.items() if v == "used"), "")
-            if name == "gear_packed"
+            "attention": next(k for k, v in notes.items() if v == "used")
+            if isinstance(feed, GearPacks)
             else "window mask",
-            "size": feeds[name].size,
+            "size": feed.size,
             **medians(results),
-            **memory[feeds[name].store],
-            "ingested_steps": getattr(feeds[name], "ingested", None),
+            **memory[feed.store],
+            "ingested_steps": feed.ingested if isinstance(feed, Slices) else None,
             "backlog_episodes": max((r["backlog"] for r in results if r["backlog"] is not None), default=None),
         }
         for name, results in rounds.items()
+        for feed in (feeds[name],)
     ]
     return {
         "rows": rows,
         "failed_feeds": failed,
         "packed_attention": notes,
         "utilisation_source": utilisation.source,
-        "actor_pace_steps_per_s": {"asked": args.pace, "achieved": round(sum(pace.values()), 1), "actors": len(pace)},
+        "writers_pace_steps_per_s": {
+            "asked_per_process": args.pace / args.actors,
+            "actors": reports.pace("actor"),
+            "owners": reports.pace("owner"),
+            "processes": len(reports.done),
+        },
         "row_bytes": memory["row_bytes"],
         "verdicts": verdicts(rows),
     }
-
-
-def actors_pace(report: Any, actors: list[Any]) -> dict[int, float]:
-    """Each stopping actor's steps written per second, as it reports them."""
-    pace: dict[int, float] = {}
-    while len(pace) < len(actors):
-        try:
-            what, rank, written, seconds = report.get(timeout=30)
-        except queue.Empty:
-            break
-        if what == "done":
-            pace[rank] = written / seconds
-    return pace
 
 
 def medians(results: list[dict]) -> dict[str, Any]:
@@ -747,7 +872,9 @@ def main() -> None:
     parser.add_argument("--packed-attention", choices=["auto", *PACKED_LAYOUTS], default="auto")
     parser.add_argument("--no-amp", action="store_true", help="float32 on CUDA too (bf16 autocast by default)")
     parser.add_argument("--workers", type=int, default=4, help="GearDataset workers (feed d)")
-    parser.add_argument("--pilot", type=int, default=5, help="batches that size each feed")
+    parser.add_argument("--owners", type=int, default=2, help="owner processes of the sharded store (feed f)")
+    parser.add_argument("--transport", choices=["auto", "local", "tcp"], default="auto", help="feed f's")
+    parser.add_argument("--pilot", type=int, default=10, help="batches that size each feed")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per feed first")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="training steps per feed per round")
@@ -767,7 +894,7 @@ def main() -> None:
     if result["rows"]:
         print(table(result["rows"], list(result["rows"][0])))
     print(f"packed attention: {result['packed_attention']}; GPU utilisation from {result['utilisation_source']}")
-    print(f"actors: {result['actor_pace_steps_per_s']}; a stored step is {result['row_bytes']} bytes")
+    print(f"writers (steps/s): {result['writers_pace_steps_per_s']}; a stored step is {result['row_bytes']} bytes")
     print(f"verdicts: {result['verdicts']}")
     write_json(args.out, {"args": vars(args), **result})
     for name, why in result["failed_feeds"].items():

@@ -38,7 +38,7 @@ def rows(report: dict) -> dict[str, dict]:
 
 def test_every_feed_trains_on_one_episode_per_sequence(report):
     by = rows(report)
-    assert list(by) == ["torchrl_cpu", "torchrl_device", "gear_padded", "gear_loader", "gear_packed"]
+    assert list(by) == ["torchrl_cpu", "torchrl_device", "gear_padded", "gear_loader", "gear_packed", "gear_sharded"]
     assert report["failed_feeds"] == {}
     for name, row in by.items():
         assert row["consistent_share"] == 1.0, name  # each sequence: one episode's consecutive steps
@@ -53,25 +53,30 @@ def test_every_feed_is_sized_to_the_same_trained_tokens(report):
 
 def test_packs_spend_fewer_positions_on_padding_than_windows(report):
     by = rows(report)
-    packed, padded = by["gear_packed"], by["gear_padded"]
-    assert packed["positions_per_step"] == packed["size"]  # a pack is exactly its budget
+    padded = by["gear_padded"]
+    for name in ("gear_packed", "gear_sharded"):  # a pack is exactly its budget, from one store or two owners
+        assert by[name]["positions_per_step"] == by[name]["size"], by[name]
     assert padded["positions_per_step"] == padded["size"] * report["args"]["max_len"]  # windows x length
     share = {name: row["trained_tokens_per_step"] / row["positions_per_step"] for name, row in by.items()}
-    assert share["gear_packed"] > max(share[name] for name in by if name != "gear_packed"), share
+    windows = [share[name] for name in by if name not in ("gear_packed", "gear_sharded")]
+    assert min(share["gear_packed"], share["gear_sharded"]) > max(windows), share
 
 
-def test_the_actors_data_reaches_every_store(report):
+def test_the_writers_data_reaches_every_store(report):
     by = rows(report)
-    pace = report["actor_pace_steps_per_s"]
-    assert pace["actors"] == 2 and pace["achieved"] >= 0.7 * pace["asked"], pace  # the fixed pace held
+    pace = report["writers_pace_steps_per_s"]  # 2 actors and 2 owners, each at its fixed pace
+    assert pace["processes"] == 4, pace
+    assert min(pace["actors"], pace["owners"]) >= 0.7 * 2 * pace["asked_per_process"], pace
     for name in ("torchrl_cpu", "torchrl_device"):  # episodes the learner extended TorchRL's stores with
         assert by[name]["ingested_steps"] > 0, by[name]
     assert sum(by[name]["actor_share"] for name in ("gear_padded", "gear_loader", "gear_packed")) > 0
+    assert by["gear_sharded"]["actor_share"] > 0  # the owners' own writes are in the packs
 
 
 def test_the_packed_attention_says_why_each_candidate_was_passed_over(report):
     notes = report["packed_attention"]
-    assert notes["buckets"] == "used" and rows(report)["gear_packed"]["attention"] == "buckets"
+    assert notes["buckets"] == "used"
+    assert rows(report)["gear_packed"]["attention"] == rows(report)["gear_sharded"]["attention"] == "buckets"
     assert notes["flash_varlen"] and notes["flash_varlen"] != "used"  # no flash-attn on a CPU
     assert notes["nested"] and notes["nested"] != "used"  # no causal nested SDPA on a CPU
 

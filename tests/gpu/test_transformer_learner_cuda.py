@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "transformer_learner.py"
 SMALL = ["--capacity", "50000", "--actors", "2", "--pace", "8000", "--tokens", "2048", "--max-len", "64"]
-SMALL += ["--burn-in", "8", "--layers", "2", "--width", "128", "--heads", "4", "--workers", "2"]
+SMALL += ["--burn-in", "8", "--layers", "2", "--width", "128", "--heads", "4", "--workers", "2", "--owners", "2"]
 SMALL += ["--rounds", "2", "--steps", "3", "--warmup", "2"]
 
 
@@ -31,7 +31,7 @@ def test_every_feed_trains_on_the_gpu(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
     report = json.loads(out.read_text())
     by = {row["feed"].split(" ", 1)[1]: row for row in report["rows"]}
-    assert len(by) == 5 and report["failed_feeds"] == {}
+    assert len(by) == 6 and report["failed_feeds"] == {}
     assert all(row["consistent_share"] == 1.0 for row in by.values()), by
     row_bytes = report["row_bytes"]
     assert by["torchrl_device"]["device_bytes_per_step"] >= row_bytes  # TorchRL's device store: rows on the GPU
