@@ -35,7 +35,8 @@ Per step the learner times its data (from the step's start until the batch, padd
 layout, is on the device, synchronised) and the whole step (to the loss's ``.item()``); the next step starts
 with an idle device. Reported per feed, median over rounds: trained tokens/s, updates/s, the data-wait share
 (data time / step time), the GPU's utilisation while the feed ran (NVML through ``torch.cuda.utilization``,
-else ``nvidia-smi``), and the host and device bytes per stored step of the feed's store (the resident and
+else ``nvidia-smi``, every 50 ms; the driver averages over its own sample period, up to a second, so a turn
+should last a few), and the host and device bytes per stored step of the feed's store (the resident and
 CUDA-allocated bytes its creation and filling to capacity added, over its capacity; feeds c-e share one
 store; (f)'s owners report theirs). Every batch is checked: each sequence's tokens are one episode's
 consecutive steps (the share of token pairs that hold, per feed), and the writers' achieved pace is reported
@@ -365,7 +366,7 @@ class Batch:
 class Feed(Protocol):
     """A learner's source of batches: ``size`` windows, slices or tokens a batch, in steps of ``granule``."""
 
-    store: str  # the store it reads: "torchrl_cpu", "torchrl_device" or "gear"
+    store: str  # the store it reads: "torchrl_cpu", "torchrl_device", "gear" or "sharded"
     size: int
     granule: int
 
@@ -606,7 +607,9 @@ class Utilisation:
         finally:
             done.set()
             thread.join()
-        return result, statistics.mean(readings) if readings else None
+        if not readings:  # a block shorter than one poll: the reading just after it
+            readings.append(read())
+        return result, statistics.mean(readings)
 
 
 def turn(feed: Feed, steps: int, train: Callable[[Batch], float], device: torch.device) -> dict:
@@ -877,7 +880,7 @@ def main() -> None:
     parser.add_argument("--pilot", type=int, default=10, help="batches that size each feed")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per feed first")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10, help="training steps per feed per round")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per feed per round")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="a seconds-long CPU run of every feed (the tests')")
     parser.add_argument("--out", default=None)
