@@ -17,8 +17,8 @@
 # stores over 1, 2, 4 and 8 owners in one job, sampled in the same turns, plain and 4 or 8 batches ahead),
 # learner (benchmarks/transformer_learner.py: a transformer learner fed by five feeds while actors write; about
 # two minutes at its default sizes; GPU_CHECK_LEARNER_ARGS appended), memcheck.
-# Carried wheels: .whl/*.whl (torchrl, tensordict and their small deps) are
-# installed for the tests; .whl/peer/*.whl, a torchrl + tensordict built for the
+# Carried wheels: .whl/*.whl (torchrl, tensordict and their small deps; scripts/gpu_wheels.sh downloads them)
+# are installed for the tests; .whl/peer/*.whl, a torchrl + tensordict built for the
 # machine's own torch, let the prioritized benchmark time TorchRL's C++ trees.
 #
 # Environment: PYTHON (default python3), GEAR_TORCHRL_CUDA_ARCHS (default 90),
