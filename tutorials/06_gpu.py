@@ -20,6 +20,8 @@ This lesson, on a GPU machine:
    priority updates on the GPU, so a PER loop never brings a batch back.
 4. ``GearSequenceSampler``: windows of steps, padding and mask, on the GPU.
 5. How to read ``benchmarks/gpu_gather.py``, the benchmark behind our figures.
+6. How to read ``benchmarks/transformer_learner.py``: a transformer learner trained while actors
+   write, fed by TorchRL's buffers and by ours, padded and packed.
 
 Without a GPU the script does nothing: it prints why (the same clear error a
 user gets from ``GearStorage(device="cuda")``) and exits with status 77
@@ -204,6 +206,20 @@ HOW_TO_READ = """\
    BENCHMARKS.md keeps the figures, the device and the command; on an H100 batches of 1024
    windows arrive at about 50 GB/s."""
 
+# -- 6. a transformer learner, end to end ----------------------------------------------------
+LEARNER = """\
+6. benchmarks/transformer_learner.py trains a causal transformer (8 layers, width 768, bf16) while
+   actor processes write episodes of heavy-tailed lengths at a fixed pace, and gives it the same
+   trained tokens per step from six feeds in turns: TorchRL's SliceSampler over a host store
+   (+ .to("cuda")) and over a device store, GearStorage(device="cuda") windows, GearDataset workers,
+   packed sequences, and packs from a ShardedGearStorage of two owner processes. Read:
+   - "wait_share": the share of each step spent until its batch is on the GPU, ready to train;
+   - "trained_tokens_per_s": tokens that carry loss per second: packs spend no position on padding,
+     padded windows spend most on it when episodes are shorter than the window;
+   - "host/device_bytes_per_step": what each store costs per stored step, and where.
+   The table's last lines say which packed attention ran (flash-attn's varlen kernel, SDPA over
+   nested tensors, or LengthBuckets) and whether the actors held their pace."""
+
 
 def plot(path: str, host: dict[str, float], device: dict[str, float]) -> None:
     import matplotlib
@@ -258,6 +274,7 @@ def main() -> None:
     prioritized(data, args.batch, args.updates)
     windows(data, seq_len=16, num_windows=max(1, args.batch // 16))
     print(HOW_TO_READ)
+    print(LEARNER)
     if args.plot:
         plot(args.plot, host, device)
         print(f"wrote {args.plot}")

@@ -37,4 +37,5 @@ def test_06_gpu_tutorial(tmp_path):
     store, batch = map(int, shares.groups())
     assert batch > 2 * store, out  # priorities 100x higher on rewarding steps: they dominate the batches
     assert re.search(r"windows: \(16, 16, 4, 84, 84\) on the GPU", out), out
+    assert "6. benchmarks/transformer_learner.py trains a causal transformer" in out, out
     assert plot.stat().st_size > 10_000
