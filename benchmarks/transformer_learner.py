@@ -279,13 +279,15 @@ class NestedCausal:
     """SDPA with ``is_causal`` over nested jagged tensors of the pack's sequences (one offsets tensor for all)."""
 
     def __init__(self, seq_id: torch.Tensor) -> None:
-        cu_seqlens, _ = varlen_inputs(seq_id)
+        cu_seqlens, self.max_seqlen = varlen_inputs(seq_id)
         self.offsets = cu_seqlens.to(torch.int64)
         self.real, self.n = int(cu_seqlens[-1]), seq_id.numel()
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        # The longest sequence given, not found again in every layer (a device sync each time).
         q, k, v = (
-            torch.nested.nested_tensor_from_jagged(x, self.offsets).transpose(1, 2) for x in qkv[: self.real].unbind(1)
+            torch.nested.nested_tensor_from_jagged(x, self.offsets, max_seqlen=self.max_seqlen).transpose(1, 2)
+            for x in qkv[: self.real].unbind(1)
         )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).values()
         return F.pad(out, (0, 0, 0, 0, 0, self.n - self.real))
