@@ -700,7 +700,7 @@ def join_shards(args: argparse.Namespace, context: Any, stop: Any, report: Any) 
 
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
-    amp = device.type == "cuda" and not args.no_amp
+    amp = args.amp == "bf16" or (args.amp == "auto" and device.type == "cuda")
     torch.manual_seed(args.seed)
     shape = Shape(device, args.max_len, args.burn_in)
     stores, memory = build_stores(args, device)
@@ -875,7 +875,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--packed-attention", choices=["auto", *PACKED_LAYOUTS], default="auto")
-    parser.add_argument("--no-amp", action="store_true", help="float32 on CUDA too (bf16 autocast by default)")
+    parser.add_argument(
+        "--amp", choices=["auto", "bf16", "off"], default="auto", help="bf16 autocast (auto: on CUDA only)"
+    )
     parser.add_argument("--workers", type=int, default=4, help="GearDataset workers (feed d)")
     parser.add_argument("--owners", type=int, default=2, help="owner processes of the sharded store (feed f)")
     parser.add_argument("--transport", choices=["auto", "local", "tcp"], default="auto", help="feed f's")

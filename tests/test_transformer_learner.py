@@ -22,7 +22,7 @@ TOKENS = 384  # what --tiny asks of every feed
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("learner") / "learner.json"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--tiny", "--amp", "bf16", "--out", str(out)],  # bf16: a GPU run's dtype
         capture_output=True,
         text=True,
         timeout=300,
