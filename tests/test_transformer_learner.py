@@ -58,8 +58,9 @@ def test_packs_spend_fewer_positions_on_padding_than_windows(report):
         assert by[name]["positions_per_step"] == by[name]["size"], by[name]
     assert padded["positions_per_step"] == padded["size"] * report["args"]["max_len"]  # windows x length
     share = {name: row["trained_tokens_per_step"] / row["positions_per_step"] for name, row in by.items()}
-    windows = [share[name] for name in by if name not in ("gear_packed", "gear_sharded")]
-    assert min(share["gear_packed"], share["gear_sharded"]) > max(windows), share
+    # Over this store, the trained share of 4 batches of windows is 0.74 (sd 0.03, at most 0.82 in 300 draws);
+    # of packs 0.88 (at least 0.875): the burn-in is all they do not train on.
+    assert min(share["gear_packed"], share["gear_sharded"]) > max(share["gear_padded"], share["gear_loader"]), share
 
 
 def test_the_writers_data_reaches_every_store(report):
