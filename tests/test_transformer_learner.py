@@ -86,4 +86,5 @@ def test_memory_is_counted_where_the_rows_live(report):
     by = rows(report)
     assert report["utilisation_source"].startswith("none")  # no GPU to poll
     assert all(row["gpu_utilisation"] is None and row["device_bytes_per_step"] == 0 for row in by.values())
-    assert by["gear_padded"]["host_bytes_per_step"] > 0 and by["torchrl_cpu"]["host_bytes_per_step"] > 0
+    # The shared store's rows are a new segment, resident once filled (a small TorchRL store may reuse freed heap).
+    assert by["gear_padded"]["host_bytes_per_step"] >= report["row_bytes"]
