@@ -512,27 +512,32 @@ def make_feeds(
 ) -> tuple[dict[str, Feed], dict[str, str]]:
     """The feeds asked for, and why each packed attention tried was taken or passed over."""
     window, burn_in = shape.window, shape.burn_in
-    feeds: dict[str, Feed] = {}
-    for name in ("torchrl_cpu", "torchrl_device"):
-        sampler = SliceSampler(slice_len=window, end_key=("next", "done"), strict_length=False)
-        feeds[name] = Slices(name, TensorDictReplayBuffer(storage=stores[name], sampler=sampler), finished, shape)
-    gear = stores["gear"]
-    windows = GearSequenceSampler(seq_len=window - burn_in, burn_in=burn_in, strict_length=False)
-    feeds["gear_padded"] = GearWindows(TensorDictReplayBuffer(storage=gear, sampler=windows), shape)
-    # The workers' buffer reads the same shared store on the CPU (pickled into each worker, it attaches there).
-    on_cpu = GearStorage(gear.handle.capacity, handle=gear.handle, device="cpu")
-    windows = GearSequenceSampler(seq_len=window - burn_in, burn_in=burn_in, strict_length=False)
-    feeds["gear_loader"] = GearWindows(TensorDictReplayBuffer(storage=on_cpu, sampler=windows), shape, args.workers)
+
+    def buffer(storage: Any, sampler: Any) -> TensorDictReplayBuffer:
+        return TensorDictReplayBuffer(storage=storage, sampler=sampler)
+
+    def windows() -> GearSequenceSampler:
+        return GearSequenceSampler(seq_len=window - burn_in, burn_in=burn_in, strict_length=False)
+
     notes: dict[str, str] = {}
     if {"gear_packed", "gear_sharded"} & set(args.feeds):
         attention, notes = choose_packed_attention(args.packed_attention, shape.device, amp, args.heads)
-        for name, storage in (("gear_packed", gear), ("gear_sharded", stores.get("sharded"))):
+    feeds: dict[str, Feed] = {}
+    for name in args.feeds:
+        if name.startswith("torchrl"):
+            slices = SliceSampler(slice_len=window, end_key=("next", "done"), strict_length=False)
+            feeds[name] = Slices(name, buffer(stores[name], slices), finished, shape)
+        elif name == "gear_padded":
+            feeds[name] = GearWindows(buffer(stores["gear"], windows()), shape)
+        elif name == "gear_loader":  # the same shared store read on the CPU: pickled into each worker, it attaches
+            handle = stores["gear"].handle
+            stores["gear_on_cpu"] = GearStorage(handle.capacity, handle=handle, device="cpu")  # closed with the rest
+            feeds[name] = GearWindows(buffer(stores["gear_on_cpu"], windows()), shape, args.workers)
+        else:
+            store = "gear" if name == "gear_packed" else "sharded"
             packs = GearPackedSequenceSampler(window, burn_in=burn_in)
-            rb = TensorDictReplayBuffer(storage=storage, sampler=packs)
-            feeds[name] = GearPacks(
-                "gear" if name == "gear_packed" else "sharded", rb, shape, PACKED_LAYOUTS[attention]
-            )
-    return {name: feed for name, feed in feeds.items() if name in args.feeds}, notes
+            feeds[name] = GearPacks(store, buffer(stores[store], packs), shape, PACKED_LAYOUTS[attention])
+    return feeds, notes
 
 
 def calibrate(feed: Feed, tokens: int, pilot: int) -> int:
@@ -781,7 +786,7 @@ def run(args: argparse.Namespace) -> dict:
             if isinstance(feed, GearWindows):
                 feed.close()
         reports.wait_done(len(writers))
-        for store in stores.values():
+        for store in reversed(stores.values()):  # attachments before the stores they attach to
             if not isinstance(store, LazyTensorStorage):
                 store.close()
         for process in writers:
