@@ -34,6 +34,8 @@ constexpr uint16_t kWindows = 13;
 constexpr uint16_t kSamplePrioritized = 14;
 constexpr uint16_t kPrioritized = 15;
 constexpr uint16_t kPostUpdate = 16;
+constexpr uint16_t kInsert = 17;
+constexpr uint16_t kHeld = 18;
 
 // Limits checked before anything is allocated, so a peer cannot make the other side allocate or read out
 // of bounds.
@@ -61,6 +63,8 @@ inline constexpr PythonName<uint64_t> kWireOps[] = {
     {"SAMPLE_PRIORITIZED", kSamplePrioritized},
     {"PRIORITIZED", kPrioritized},
     {"POST_UPDATE", kPostUpdate},
+    {"INSERT", kInsert},
+    {"HELD", kHeld},
 };
 inline constexpr PythonName<uint64_t> kWireLimits[] = {
     {"HEADER_BYTES", kHeader},

@@ -75,6 +75,13 @@ class Op:
     PRIORITIZED: int = _WIRE.PRIORITIZED
     # an UPDATE the learner does not wait for: no reply (it checked the rows; a refusal is logged)
     POST_UPDATE: int = _WIRE.POST_UPDATE
+    # a writer's episode (JSON: its table, its columns' positions and its rows; one array per column), committed
+    # whole by the owner (through its rate limiter) or refused whole; the reply (OK: the rows the shard holds and
+    # its inserts) may follow HELD messages
+    INSERT: int = _WIRE.INSERT
+    # sent by the owner while its rate limiter holds an INSERT back, so the writer's wait for the reply stays
+    # within its timeout (a writer counts an owner silent for longer as gone)
+    HELD: int = _WIRE.HELD
 
 
 class ProtocolError(ConnectionError):

@@ -16,7 +16,7 @@ from gear_torchrl.store.addressing import StepRows
 from gear_torchrl.store.indices import TORCHRL_INDEX, Index, as_index_tensor
 from gear_torchrl.store.last_writes import last_write_positions
 from gear_torchrl.store.local_commits import CommitRecord
-from gear_torchrl.store.ring import Ring
+from gear_torchrl.store.ring import Ring, as_leaves
 from gear_torchrl.store.table_spec import Data, Leaves
 from gear_torchrl.store.visibility import Visibility
 
@@ -80,7 +80,7 @@ class OwnWrites(Visibility):
         rows = as_index_tensor([index] if single else index, self.capacity, "write")
         at_cursor = append and self._continues_ring(rows)
         spec = None if self.takes_any_layout else self.shard.table  # emptied: the data's own (``Shard.validated``)
-        leaves = self.shard.as_leaves(data, single, spec, complete=at_cursor, lead=lead)
+        leaves = as_leaves(data, single, spec, complete=at_cursor, lead=lead)
         if rows.numel() != leaves.n:
             raise IndexError(f"{rows.numel()} write indices for {leaves.n} rows of data")
         if leaves.n == 0:

@@ -205,26 +205,6 @@ class Ring:
             out[position] = value
         return out
 
-    def as_leaves(
-        self, data: Data, single: bool, spec: TableSpec | None, *, complete: bool = True, lead: torch.Size | None = None
-    ) -> Leaves:
-        """``data`` as checked rows (``Leaves``, with a row dim even when ``single``) of ``spec``, or of the
-        data's own spec when None; raises before any change (``Shard.validated`` says which spec).
-
-        ``complete``: the write appends whole rows, so it must carry every stored
-        key (one left out would leave the new rows holding an older step's values), except
-        TorchRL's ``"index"``, which its writers store only sometimes: that one is filled
-        with the rows' own positions, what TorchRL stores there.
-        """
-        rows = None if single else lead if lead is not None else torch.Size([_num_rows(data)])
-        spec = spec or TableSpec.from_data(data, 0 if rows is None else len(rows))
-        leaves = spec.leaves(data, rows)
-        if complete and leaves.missing:
-            _refuse_missing(leaves)
-        if single:
-            leaves = replace(leaves, values=[v.unsqueeze(0) for v in leaves.values])
-        return leaves
-
     def copy_in(self, rows: torch.Tensor, values: list[torch.Tensor], columns: Sequence[int], contiguous: bool) -> None:
         """Copy ``values`` into the columns at positions ``columns``, rows ``rows``."""
         n = rows.numel()
@@ -437,6 +417,27 @@ def _object_array(objects: Sequence) -> np.ndarray:
     for i, o in enumerate(objects):
         out[i] = o
     return out
+
+
+def as_leaves(
+    data: Data, single: bool, spec: TableSpec | None, *, complete: bool = True, lead: torch.Size | None = None
+) -> Leaves:
+    """``data`` as checked rows (``Leaves``, with a row dim even when ``single``) of ``spec``, or of the
+    data's own spec when None; raises before any change (``Shard.validated`` says which spec).
+
+    ``complete``: the write appends whole rows, so it must carry every stored
+    key (one left out would leave the new rows holding an older step's values), except
+    TorchRL's ``"index"``, which its writers store only sometimes: that one is filled
+    with the rows' own positions, what TorchRL stores there.
+    """
+    rows = None if single else lead if lead is not None else torch.Size([_num_rows(data)])
+    spec = spec or TableSpec.from_data(data, 0 if rows is None else len(rows))
+    leaves = spec.leaves(data, rows)
+    if complete and leaves.missing:
+        _refuse_missing(leaves)
+    if single:
+        leaves = replace(leaves, values=[v.unsqueeze(0) for v in leaves.values])
+    return leaves
 
 
 def _num_rows(data: Data) -> int:

@@ -21,7 +21,7 @@ from gear_torchrl.errors import EmptyStoreError
 from gear_torchrl.kernels import gather
 from gear_torchrl.store.indices import Index
 from gear_torchrl.store.own_writes import OwnWrites
-from gear_torchrl.store.ring import Ring, RingOptions
+from gear_torchrl.store.ring import Ring, RingOptions, as_leaves
 from gear_torchrl.store.table_spec import Data, Leaves, NestedKey, TableSpec
 from gear_torchrl.store.visibility import Visibility
 from gear_torchrl.store.windows import Windows
@@ -99,7 +99,7 @@ class Shard(Ring):
         with the rows' own positions, what TorchRL stores there.
         """
         spec = spec or (None if self.visibility.takes_any_layout else self.table)
-        return self.as_leaves(data, single, spec, complete=complete, lead=lead)
+        return as_leaves(data, single, spec, complete=complete, lead=lead)
 
     def set_size(self, size: int) -> None:
         """Make rows ``[0, size)`` readable (TorchRL writers set ``_len`` after ``write_at``)."""

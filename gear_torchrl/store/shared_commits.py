@@ -42,7 +42,7 @@ from gear_torchrl.store.indices import TORCHRL_INDEX, Index
 from gear_torchrl.store.numbered_reads import NumberedReads
 from gear_torchrl.store.rate_counters import SharedRateCounters
 from gear_torchrl.store.read_sections import ReadSections
-from gear_torchrl.store.ring import DEFAULT_END_KEYS, Ring
+from gear_torchrl.store.ring import DEFAULT_END_KEYS, Ring, as_leaves
 from gear_torchrl.store.seen_commits import SeenCommits
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.shared_columns import SharedColumns, refuse_objects
@@ -170,7 +170,7 @@ class SharedCommits(Visibility):
             )
         self.columns.map_new()  # check against the layout other processes may have grown since
         single = isinstance(index, (int, np.integer))
-        leaves = self.shard.as_leaves(data, single, self.shard.table, lead=lead)  # never any layout: the store's
+        leaves = as_leaves(data, single, self.shard.table, lead=lead)  # never any layout: the store's
         return self.commit(leaves.flat())
 
     def commit(self, leaves: Leaves) -> torch.Tensor:

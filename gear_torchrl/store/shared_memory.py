@@ -15,6 +15,7 @@ import fcntl
 import mmap
 import os
 import secrets
+import select
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ from gear_torchrl.kernels import _C
 SHM_DIR = Path(os.environ.get("GEAR_TORCHRL_SHM_DIR", "/dev/shm"))
 PREFIX = "gear_torchrl-"
 PAGE = mmap.PAGESIZE
+_RELEASE_WAIT_S = 30.0  # how long closing a store waits for its janitor to remove the segments
 
 
 def new_store_id() -> str:
@@ -105,7 +107,7 @@ class Janitor:
     """Removes a store's segments when this process closes the store or dies."""
 
     def __init__(self, store_id: str) -> None:
-        self._proc = subprocess.Popen(
+        launcher = subprocess.Popen(
             # The janitor script beside this file, on the standard library alone (-S): the same code as this
             # process runs, whatever an installer's import hooks would resolve the package to.
             [
@@ -120,8 +122,9 @@ class Janitor:
             stdout=subprocess.PIPE,
             start_new_session=True,
         )
-        assert self._proc.stdin is not None and self._proc.stdout is not None  # both are pipes
-        self._stdin, self._stdout = self._proc.stdin, self._proc.stdout
+        assert launcher.stdin is not None and launcher.stdout is not None  # both are pipes
+        self._stdin, self._stdout = launcher.stdin, launcher.stdout
+        launcher.wait()  # it exits once it has forked the janitor, which holds the pipes on (see janitor.py)
         ready = self._stdout.readline()  # the janitor is watching before any segment exists
         if ready.strip() != b"ready":
             raise RuntimeError(f"the shared-memory janitor failed to start (said {ready!r})")
@@ -139,9 +142,10 @@ class Janitor:
         """Remove the segments now (the owner closes the store)."""
         if self._inherited:  # the owner's janitor, not this process's
             return
-        if self._proc.poll() is None:
-            self._stdin.close()
-            self._proc.wait(timeout=30)
+        self._stdin.close()
+        ready, _, _ = select.select([self._stdout], [], [], _RELEASE_WAIT_S)
+        if ready:
+            self._stdout.read()  # EOF once the janitor has removed the segments and exited
         self._stdout.close()
 
 
