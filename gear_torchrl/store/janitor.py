@@ -9,7 +9,8 @@ of a worker it stops (Ray does, on ``ray.kill`` of an actor) leaves it to do
 its work. The owner knows it has finished when its stdout closes.
 
 Kept free of torch so it starts in milliseconds: the control segment's
-state word and its 'closed' and 'owner died' values come on the command line (``Janitor`` passes them from ``_C.control``, where they are defined).
+state word and its 'closed' and 'owner died' values come on the command
+line (``Janitor`` passes them from ``_C.control``, where they are defined).
 """
 
 from __future__ import annotations
