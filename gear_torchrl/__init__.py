@@ -42,6 +42,8 @@ _EXPORTS = {
     "UnverifiedCheckpointWarning": "gear_torchrl.errors",
     "GearDataset": "gear_torchrl.adapters.dataset",
     "ShardedGearStorage": "gear_torchrl.adapters.sharded_storage",
+    "GearRayReplayBuffer": "gear_torchrl.adapters.ray_buffer",
+    "PlacementError": "gear_torchrl.errors",
     "ShardUnavailableError": "gear_torchrl.errors",
 }
 __all__ = sorted(_EXPORTS)  # noqa: PLE0605  (one list of public names: _EXPORTS, loaded lazily)

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "EmptyStoreError",
+    "PlacementError",
     "RateLimiterTimeout",
     "ReadRevokedError",
     "ShardUnavailableError",
@@ -46,6 +47,10 @@ class UnverifiedCheckpointWarning(UserWarning):
 
 class ShardUnavailableError(ConnectionError):
     """A shard owner died, stopped answering, or refused us."""
+
+
+class PlacementError(RuntimeError):
+    """A cluster cannot place what was asked of it (shard owners on Ray); the message names what is missing."""
 
 
 class RateLimiterTimeout(TimeoutError):

@@ -12,20 +12,26 @@ job in ``distributed/bootstrap.py``.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Sequence
+import os
+import secrets
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torchrl.data.replay_buffers.storages import Storage
 
+from gear_torchrl.adapters.episode_sinks import checked_episode
+from gear_torchrl.adapters.rate_limiters import RateLimiter
+from gear_torchrl.adapters.ray_owners import OwnerConfig, RayOwners, start_owners
+from gear_torchrl.adapters.sharded_writes import Routing, ShardedWrites, ends_an_episode
 from gear_torchrl.adapters.stats import Rates
 from gear_torchrl.adapters.storage import GearStorage
 from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.bootstrap import Membership, join
 from gear_torchrl.distributed.directory import ShardDescriptor, host_id
+from gear_torchrl.distributed.secret import operator_secret
 from gear_torchrl.distributed.shard_set import Options, ShardSet
 from gear_torchrl.distributed.sharded_table import ShardedTable
 from gear_torchrl.selection.picked import SelectionIndex, sample_of
@@ -92,9 +98,20 @@ class ShardedGearStorage(TableStorage):
             evaluation, a checkpoint), so a pause never serves rows picked before it.
             Rows read in this process (a ``local`` shard, its own) are picked when
             sampled, whatever ``prefetch`` says.
+        routing: which shard a writer's episode goes to, where it may write to
+            several: ``"round_robin"`` or ``"least_full"`` (see "Writes" below).
         heartbeat_s: how often an owner publishes its shard's statistics.
         group: the process group to build over (default: the default group,
             initialized from torchrun's environment if needed).
+
+    Writes: ``rb.extend`` and ``TrajectoryWriter(storage)`` work in any process that
+    holds the storage (a rank, or any process it is pickled into). A rank that owns
+    a shard writes into it; another process writes into the shards on its host
+    through shared memory, or, where none is (or with ``transport="tcp"``), sends each
+    episode to an owner over tcp, committed there whole; ``routing`` says which
+    shard (``adapters/sharded_writes.py``). An episode's chunks (a TrajectoryWriter's
+    ``max_chunk``, an ``extend`` whose last step ends no episode) stay on one shard.
+    Each shard's own rate limiter admits the episodes it takes.
 
     ``storage.rate_limiter = RateLimiter(...)`` gates this process's appends and draws
     through this storage, counted here; to hold actors on a host back, set one on the
@@ -109,8 +126,10 @@ class ShardedGearStorage(TableStorage):
 
     table: ShardedTable
     _local: GearStorage | None
+    _ray: RayOwners | None  # the owner actors, where the store lives on Ray
     device: torch.device  # TorchRL allows a string; rows arrive on the CPU
     _membership: Membership | None
+    _writes_pid: int
     shard_id: int | None
 
     def __init__(
@@ -127,10 +146,11 @@ class ShardedGearStorage(TableStorage):
         traj_key: NestedKey | None = None,
         pin_memory: bool = False,
         prefetch: bool | int | Literal["auto"] = "auto",
+        routing: Routing = "round_robin",
         heartbeat_s: float = 1.0,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        options = Options(transport, on_shard_failure, timeout, pin_memory, prefetch)
+        options = Options(transport, on_shard_failure, timeout, pin_memory, prefetch, routing)
         local = GearStorage(max_size, shared=True, end_keys=end_keys, traj_key=traj_key) if owns_shard else None
         try:
             membership = join(
@@ -140,6 +160,7 @@ class ShardedGearStorage(TableStorage):
                 serve_on=serve_on,
                 timeout=timeout,
                 heartbeat_s=heartbeat_s,
+                admit=None if local is None else local.admitting,
             )
         except BaseException:
             if local is not None:
@@ -152,6 +173,97 @@ class ShardedGearStorage(TableStorage):
         self._setup(membership.descriptors, membership.secret, options, membership.control, dist.get_rank(), served)
         self._local, self._membership, self.shard_id = local, membership, membership.shard_id
 
+    @classmethod
+    def on_ray(
+        cls,
+        max_size: int,
+        *,
+        num_shards: int,
+        transport: TransportName = "auto",
+        on_shard_failure: Literal["raise", "skip"] = "raise",
+        timeout: float = 10.0,
+        serve_on: str | None = None,
+        end_keys: Sequence[NestedKey] = DEFAULT_END_KEYS,
+        traj_key: NestedKey | None = None,
+        pin_memory: bool = False,
+        prefetch: bool | int | Literal["auto"] = "auto",
+        routing: Routing = "round_robin",
+        rate_limiter: RateLimiter | None = None,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        resources: dict[str, float] | None = None,
+        placement_group: Any = None,
+        max_restarts: int = 0,
+        checkpoint_dir: str | None = None,
+        checkpoint_every: float | None = None,
+    ) -> ShardedGearStorage:
+        """The sharded store on a Ray cluster: ``num_shards`` owner actors of ``max_size`` rows each.
+
+        Call it from a Ray driver, task or actor (``ray.init()`` is called if needed). Ray
+        places the owners (a placement group spread over the nodes, one bundle of
+        ``num_cpus``/``num_gpus``/``resources`` per owner, or the user's ``placement_group``,
+        owner i in bundle i), supervises them (``max_restarts``) and tells processes where
+        they are; rows move over our transports, never through Ray's object store. The
+        storage pickles into any Ray task or actor, which attaches on arrival: it samples
+        every shard (``transport="auto"``: ``local`` for shards on its node, ``tcp``
+        elsewhere; ``"tcp"`` forces the wire even on one node) and writes as "Writes"
+        says. ``storage.owners`` lists the owner actors in shard order;
+        ``storage.close()`` ends them and frees their memory.
+
+        Args (the rest as in the constructor):
+            rate_limiter: each owner's, holding its shard's writers, wherever they are.
+            num_cpus, num_gpus, resources: what each owner reserves (no GPU unless asked).
+                Zero resources (``num_cpus=0``) spread the owners without a placement group.
+            max_restarts: how often Ray restarts a dead owner. A restarted owner restores
+                its shard from its last checkpoint (rows committed since are lost), and
+                learners and writers reach it again without being rebuilt: a batch asked of it
+                while it was down raised ``ShardUnavailableError`` (``"raise"``) or left it
+                out (``"skip"``: a skipped shard stays skipped).
+            checkpoint_dir: where owners save their shard (``storage.checkpoint()``, and every
+                ``checkpoint_every`` seconds when given), a path on each owner's node.
+
+        Raises ``PlacementError`` naming the missing resources when the cluster cannot
+        place the owners within ``timeout``, ImportError when Ray is not installed.
+        """
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+            raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
+        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
+            raise ValueError(f"max_size (rows per shard) must be a positive int, got {max_size!r}")
+        if checkpoint_every is not None and (checkpoint_dir is None or not checkpoint_every > 0):
+            raise ValueError("checkpoint_every needs checkpoint_dir and a positive number of seconds")
+        options = Options(transport, on_shard_failure, timeout, pin_memory, prefetch, routing)
+        if transport == "rdma":
+            raise NotImplementedError("on Ray, shards are read over 'tcp' or 'local' (same node); rdma needs torchrun")
+        config = OwnerConfig(
+            max_size, tuple(end_keys), traj_key, timeout, serve_on, rate_limiter, checkpoint_dir, checkpoint_every
+        )
+        owners = start_owners(
+            num_shards,
+            operator_secret() or secrets.token_bytes(32),
+            config,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            resources=resources,
+            placement_group=placement_group,
+            max_restarts=max_restarts,
+        )
+        try:
+            return _ray_reader(owners, options)
+        except BaseException:
+            owners.close()
+            raise
+
+    @property
+    def owners(self) -> list[Any]:
+        """The owner actors' handles in shard order (a store on Ray; empty under torchrun)."""
+        return [] if self._ray is None else list(self._ray.actors)
+
+    def checkpoint(self) -> list[dict[str, Any]]:
+        """Every owner on Ray saves its shard under ``checkpoint_dir`` now (what a restarted owner restores)."""
+        if self._ray is None:
+            raise NotImplementedError("checkpoint() is for a store on Ray; under torchrun save with rb.dumps(path)")
+        return self._ray.checkpoint()
+
     def _setup(
         self,
         descriptors: list[ShardDescriptor],
@@ -160,15 +272,21 @@ class ShardedGearStorage(TableStorage):
         control: Any = None,
         rank: int | None = None,
         served: tuple[int, Any] | None = None,
+        locate: Callable[[int], ShardDescriptor] | None = None,
     ) -> None:
-        """The reader half, which every copy of the storage has (see ``__reduce__``)."""
+        """The reader half, which every copy of the storage has (see ``__reduce__``); ``locate(shard)`` finds
+        where a shard's owner serves after it stopped answering (a restarted owner, on Ray)."""
         Storage.__init__(self, sum(d.capacity for d in descriptors))
         self.ndim = 1
         self.device = torch.device("cpu")
         self.descriptors = descriptors
         self.on_shard_failure = options.on_shard_failure
-        self._shards = ShardSet(descriptors, secret, options, control, rank, served)
+        self._shards = ShardSet(descriptors, secret, options, control, rank, served, locate)
+        self._locate = locate
         self._reader_args = (descriptors, secret, options)
+        self._secret = secret
+        self._ray = None
+        self._writes: ShardedWrites | None = None  # made at this process's first write
         self._local = None
         self._membership = None
         self.shard_id = None
@@ -278,23 +396,39 @@ class ShardedGearStorage(TableStorage):
         return self._shards.stats(directory, self._rates, self.table.rows_sampled)
 
     # -- writes go to a shard ------------------------------------------------------------------------
-    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
-        """Append to this rank's own shard (a replay buffer's ``extend`` on an owning rank)."""
-        if self._local is None:
-            raise NotImplementedError(
-                "this rank owns no shard, so it cannot write: write on a rank built with "
-                "owns_shard=True (through this storage or `storage.local`), or from actors "
-                "with a TrajectoryWriter on `storage.local`"
+    def episode_sink(self) -> ShardedWrites:
+        """Where this process's episodes go (``TrajectoryWriter``, ``rb.extend``): see "Writes" in the class doc."""
+        if self._writes is None or self._writes_pid != os.getpid():  # a forked child routes on its own
+            own = None if self._local is None or self.shard_id is None else (self.shard_id, self._local)
+            options = self._shards.options
+            self._writes = ShardedWrites(
+                self.descriptors,
+                self._secret,
+                timeout=options.timeout,
+                transport=options.transport,
+                on_shard_failure=options.on_shard_failure,
+                routing=options.routing,  # type: ignore[arg-type]  # checked by Options
+                own=own,
+                locate=self._locate,
             )
-        appending = (
-            self._appending(None, torch.as_tensor(cursor).numel(), lambda *_: None)
-            if set_cursor
-            else contextlib.nullcontext()
-        )
-        with appending:
-            self._local.set(cursor, data, set_cursor=set_cursor)
-        if self.shard_id is not None:  # set with self._local
-            self._shards.rows.pop(self.shard_id, None)  # len() asks the shard again
+            self._writes_pid = os.getpid()
+        return self._writes
+
+    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+        """Append ``data`` (a replay buffer's ``extend``): to this rank's own shard, else to a shard it routes to."""
+        if not set_cursor:
+            raise NotImplementedError("a sharded store takes appends only: its rows are not written in place")
+        rows = torch.as_tensor(cursor).numel()
+        with self._appending(None, rows, lambda *_: None):
+            if self._local is not None:
+                self._local.set(cursor, data)
+                assert self.shard_id is not None  # an owner has its shard's number
+                self._shards.rows.pop(self.shard_id, None)  # len() asks the shard again
+                return
+            sink = self.episode_sink()
+            leaves = checked_episode(sink, data, isinstance(cursor, int)).flat()
+            sink.commit(leaves, ends_episode=ends_an_episode(leaves, self.descriptors[0].end_keys))
+        self._shards.rows.clear()
 
     def _empty(self) -> None:
         raise NotImplementedError("empty each shard on its owner (`storage.local`)")
@@ -319,14 +453,21 @@ class ShardedGearStorage(TableStorage):
 
     # -- lifetime and pickling ---------------------------------------------------------------------
     def close(self) -> None:
-        """Stop serving this rank's shard (its memory is freed) and drop connections."""
+        """Stop serving this rank's shard (its memory is freed) and drop connections; on Ray, from the process
+        that called ``on_ray``, end every owner and free its memory."""
+        if self._writes is not None:
+            self._writes.close()
         self._shards.close()
+        if self._ray is not None and self._ray.home:
+            self._ray.close()
         if self._membership is not None:
             self._membership.close()
         if self._local is not None:
             self._local.close()
 
     def __reduce__(self):
+        if self._ray is not None:
+            return (_ray_reader, (self._ray.visitor(), self._shards.options))
         return (_reader, self._reader_args)
 
     def __repr__(self) -> str:
@@ -334,6 +475,15 @@ class ShardedGearStorage(TableStorage):
             f"{type(self).__name__}(shards={self.num_shards}, failed={sorted(self._shards.failed)}, "
             f"local={self.shard_id}, transport={self._shards.options.transport!r})"
         )
+
+
+def _ray_reader(owners: RayOwners, options: Options) -> ShardedGearStorage:
+    """The store on Ray, attached in this process: where each shard is and the secret, asked of its owner."""
+    descriptors, secret = owners.join_info()
+    storage = ShardedGearStorage.__new__(ShardedGearStorage)
+    storage._setup(descriptors, secret, options, locate=owners.locate)
+    storage._ray = owners
+    return storage
 
 
 def _reader(descriptors: list[ShardDescriptor], secret: bytes, options: Options) -> ShardedGearStorage:

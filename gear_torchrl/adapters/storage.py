@@ -29,6 +29,7 @@ from gear_torchrl.adapters.env_indices import (
     steps_read_at,
     steps_written_at,
 )
+from gear_torchrl.adapters.episode_sinks import StoreSink
 from gear_torchrl.adapters.in_place import InPlaceWrites
 from gear_torchrl.adapters.rate_gate import check_sampler_is_gated
 from gear_torchrl.adapters.rate_limiters import RateLimiter
@@ -276,6 +277,10 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
     def _steps_in(self, positions: torch.Tensor, data: Data) -> int:
         """Steps an append of ``data`` at TorchRL's ``positions`` brings (what a rate limiter counts)."""
         return positions.numel()
+
+    def episode_sink(self) -> StoreSink:
+        """Where a ``TrajectoryWriter`` commits its episodes: this store's shard."""
+        return StoreSink(self)
 
     def admitting(self, rows: int) -> contextlib.AbstractContextManager:
         """Around an append made without TorchRL's writer (``TrajectoryWriter``): the rate limiter admits it."""

@@ -1,9 +1,10 @@
-"""TrajectoryWriter: an actor's episodes, each committed to a GearStorage at once.
+"""TrajectoryWriter: an actor's episodes, each committed to a store at once.
 
-Steps are checked against the table spec as they arrive and staged in this
-process; ``end_episode`` hands the episode over as one contiguous commit.
-Readers therefore never see part of an episode, and an actor killed
-mid-episode leaves nothing in the store: its staged steps die with it.
+Steps are checked against the store's table as they arrive and staged in this
+process; ``end_episode`` hands the episode to the store's sink
+(``episode_sinks.py``) as one contiguous commit. Readers therefore never see
+part of an episode, and an actor killed mid-episode leaves nothing in the
+store: its staged steps die with it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from gear_torchrl.adapters.storage import GearStorage
+from gear_torchrl.adapters.episode_sinks import WritableStorage, checked_episode
 from gear_torchrl.errors import SpecMismatchError
 from gear_torchrl.store.table_spec import Leaves, TableSpec
 
@@ -26,16 +27,19 @@ class TrajectoryWriter:
 
     Args:
         storage: a :class:`GearStorage`, usually ``shared=True`` and handed to this
-            (actor) process by pickling it.
+            (actor) process by pickling it, or a :class:`ShardedGearStorage`, which
+            routes each episode to one of its shards (``ShardedGearStorage``, "Writes").
         max_chunk: commit every ``max_chunk`` steps of a long episode instead of at
             its end (bounds this process's staging memory). Each chunk is then an
-            episode of its own to the sequence samplers.
+            episode of its own to the sequence samplers; a sharded store keeps an
+            episode's chunks on one shard.
 
     Each commit waits for the storage's rate limiter, if it has one (over a shared
-    store, the one its owner set: ``GearStorage(..., rate_limiter=...)``).
+    store, the one its owner set: ``GearStorage(..., rate_limiter=...)``; over a
+    sharded store, the one of the shard the episode goes to).
     """
 
-    def __init__(self, storage: GearStorage, *, max_chunk: int | None = None, **removed: object) -> None:
+    def __init__(self, storage: WritableStorage, *, max_chunk: int | None = None, **removed: object) -> None:
         if "limiter" in removed:
             raise TypeError(
                 "TrajectoryWriter takes no limiter any more: the storage holds it "
@@ -52,6 +56,7 @@ class TrajectoryWriter:
                 "time steps of every env at once: write [T, num_envs] batches with rb.extend"
             )
         self.storage = storage
+        self._sink = storage.episode_sink()
         self.max_chunk = max_chunk
         self._spec: TableSpec | None = None
         self._staged: list[Leaves] = []
@@ -80,7 +85,7 @@ class TrajectoryWriter:
         """
         if truncated and self._pending:
             self._mark_truncated()
-        return self._commit()
+        return self._commit(ends_episode=True)
 
     def discard(self) -> int:
         """Drop the staged steps (an episode the actor abandons); returns how many."""
@@ -89,10 +94,7 @@ class TrajectoryWriter:
 
     # -- internals -------------------------------------------------------------------
     def _stage(self, data: TensorDictBase, single: bool) -> None:
-        self.storage.check_writable_here()
-        shard = self.storage.shard
-        spec = shard.table or self._spec or TableSpec.from_data(data, 0 if single else 1)
-        leaves = shard.validated(data, single, spec=spec)  # raises before anything is staged
+        leaves = checked_episode(self._sink, data, single, self._spec)  # raises before anything is staged
         if self._staged and (leaves.spec != self._spec or leaves.columns != self._staged[0].columns):
             raise SpecMismatchError(
                 "every step of an episode must carry the same keys as its first steps "
@@ -104,7 +106,7 @@ class TrajectoryWriter:
         self._staged.append(leaves)
         self._pending += leaves.n
         if self.max_chunk is not None and self._pending >= self.max_chunk:
-            self._commit()
+            self._commit(ends_episode=False)
 
     def _mark_truncated(self) -> None:
         last = self._staged[-1]
@@ -116,7 +118,7 @@ class TrajectoryWriter:
         flag[-1] = True
         last.values[at] = flag
 
-    def _commit(self) -> int:
+    def _commit(self, ends_episode: bool) -> int:
         if self._pending == 0:
             return 0
         n = self._pending
@@ -124,8 +126,7 @@ class TrajectoryWriter:
         values = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*(s.values for s in staged))]
         objects = [np.concatenate(parts) for parts in zip(*(s.objects for s in staged))]
         leaves = replace(staged[0], values=values, objects=objects, n=n)
-        with self.storage.admitting(n):
-            self.storage.shard.commit(leaves)
+        self._sink.commit(leaves, ends_episode=ends_episode)
         self._staged, self._pending = [], 0
         self.episodes_written += 1
         self.rows_written += n

@@ -25,7 +25,7 @@ from gear_torchrl.distributed.directory import (
 )
 from gear_torchrl.distributed.sealed_store import SealedStore
 from gear_torchrl.distributed.secret import job_secret
-from gear_torchrl.distributed.shard_server import ShardServer
+from gear_torchrl.distributed.shard_server import Admit, ShardServer, admit_all
 from gear_torchrl.distributed.transports.registry import rdma_unavailable_reason
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.shared_commits import SharedCommits, shared_part
@@ -76,15 +76,19 @@ def join(
     serve_on: str | None,
     timeout: float,
     heartbeat_s: float,
+    admit: Admit | None = None,
 ) -> Membership:
-    """Every rank calls this at once (a collective); ``shard`` is this rank's own (shared) shard, or None."""
+    """Every rank calls this at once (a collective); ``shard`` is this rank's own (shared) shard, or None,
+    ``admit`` what holds writers' episodes sent to it until its rate limiter admits them."""
     directory = Directory(process_group_store(group), name)
     secret = job_secret(group)
     server = None
     mine = None
     if shard is not None:
         shared = shared_part(shard)
-        server = ShardServer(shared.handle, secret, host=serve_on or serving_address(), timeout=timeout)
+        server = ShardServer(
+            shared.handle, secret, host=serve_on or serving_address(), timeout=timeout, admit=admit or admit_all
+        )
         rdma = {"prefix": f"{directory.prefix}/rdma/{dist.get_rank()}"} if rdma_unavailable_reason() is None else None
         mine = _describe(shared, server, dist.get_rank(), rdma)
     descriptors = exchange_descriptors(mine, group)

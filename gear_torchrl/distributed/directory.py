@@ -23,6 +23,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from gear_torchrl.store.shared_commits import SharedStoreHandle
+from gear_torchrl.store.shared_memory import segment_path
+
 logger = logging.getLogger(__name__)
 
 
@@ -61,6 +64,20 @@ class ShardDescriptor:
     @property
     def where(self) -> str:
         return f"shard {self.shard} (rank {self.rank}, {self.addr}:{self.port})"
+
+    @property
+    def on_this_host(self) -> bool:
+        """Whether this process can map the shard's shared memory (same machine, its segments there)."""
+        return self.host == host_id() and segment_path(self.store_id, "data").exists()
+
+    def store_handle(self) -> SharedStoreHandle:
+        """What attaches to the shard's shared memory from this host (``GearStorage(handle=...)``)."""
+        return SharedStoreHandle(self.store_id, self.capacity, tuple(map(_key, self.end_keys)), _key(self.traj_key))
+
+
+def _key(key: Any) -> Any:
+    """JSON turned tuple keys into lists; keys are strings or tuples."""
+    return tuple(key) if isinstance(key, list) else key
 
 
 class Directory:

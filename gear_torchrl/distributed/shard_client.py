@@ -20,14 +20,22 @@ import torch
 
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.directory import ShardDescriptor
+from gear_torchrl.distributed.remote_inserts import insert_message
 from gear_torchrl.distributed.wire import EncodedMessage, Message, Op
-from gear_torchrl.errors import CheckpointError, EmptyStoreError, ShardUnavailableError
+from gear_torchrl.errors import (
+    CheckpointError,
+    EmptyStoreError,
+    RateLimiterTimeout,
+    ShardUnavailableError,
+    SpecMismatchError,
+)
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
 from gear_torchrl.selection.priorities import ProportionalSpec
 from gear_torchrl.selection.uniform import UniformSpec
 from gear_torchrl.selection.windows import WindowGeometry, WindowSpec
+from gear_torchrl.store.table_spec import Leaves
 from gear_torchrl.store.windows import Windows
 
 # What a socket cannot be made without; they say nothing about the shard.
@@ -40,6 +48,8 @@ _REMOTE_TYPES: dict[str, type[Exception]] = {
     "EmptyStoreError": EmptyStoreError,
     "NotImplementedError": NotImplementedError,
     "CheckpointError": CheckpointError,
+    "SpecMismatchError": SpecMismatchError,
+    "RateLimiterTimeout": RateLimiterTimeout,
 }
 
 
@@ -145,6 +155,8 @@ class ShardClient:
             try:
                 wire.send(sock, message)
                 reply = wire.receive(sock, into)
+                while reply.op == Op.HELD:  # an INSERT the owner's rate limiter holds back: it is alive
+                    reply = wire.receive(sock, into)
             except (OSError, wire.ProtocolError) as exc:
                 raise self._broken(exc) from exc
         if reply.op == Op.ERROR:
@@ -195,6 +207,11 @@ class ShardClient:
     def load(self, directory: str) -> None:
         """The owner restores them from ``directory`` into its empty shard."""
         self.request(Message(Op.LOAD, {"path": directory}))
+
+    def insert(self, leaves: Leaves) -> dict[str, Any]:
+        """Send one episode (checked rows) for the owner to commit whole; its answer: the rows the shard
+        holds and its inserts. Waits while the owner's rate limiter holds the episode back."""
+        return self.request(insert_message(leaves)).meta
 
     def describe(self) -> dict[str, Any]:
         return self.request(Message(Op.DESCRIBE)).meta

@@ -93,8 +93,11 @@ class ShardLinks:
         control: SealedStore | None = None,
         rank: int | None = None,
         served: tuple[int, ShardServer] | None = None,
+        locate: Callable[[int], ShardDescriptor] | None = None,
     ) -> None:
         self.descriptors = descriptors
+        self._locate = locate  # where a shard that stopped answering serves now (None: where it did)
+        self._stale: set[int] = set()  # shards disconnected since: located again before they are dialled
         self._secret = secret
         self._transport_name, self._timeout, self._pin_memory = transport, timeout, pin_memory
         self._control, self._rank = control, rank  # the job's control plane: only where it was built
@@ -172,6 +175,8 @@ class ShardLinks:
     def disconnect(self, shard: int) -> None:
         """Close the shard's connection and transport; the next use opens new ones."""
         self._kept_routes = {}
+        if self._locate is not None:
+            self._stale.add(shard)
         client = self._clients.pop(shard, None)
         if client is not None:
             client.close()
@@ -191,8 +196,19 @@ class ShardLinks:
         self.forget_parent_connections()
         client = self._clients.get(shard)
         if client is None:
+            self._relocate(shard)
             client = self._clients[shard] = ShardClient(self.descriptors[shard], self._secret, self._timeout)
         return client
+
+    def _relocate(self, shard: int) -> None:
+        """Ask where a shard that stopped answering serves now (its owner may have restarted elsewhere)."""
+        if self._locate is None or shard not in self._stale:
+            return
+        found = self._locate(shard)  # ShardUnavailableError while its owner is gone
+        self._stale.discard(shard)
+        if found != self.descriptors[shard]:
+            self.descriptors[shard] = found  # the list every part of this learner reads
+            self._specs.pop(shard, None)
 
     def transport(self, shard: int) -> Transport:
         self.forget_parent_connections()

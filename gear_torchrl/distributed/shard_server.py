@@ -14,6 +14,12 @@ Whatever peers and the OS do, the server keeps serving: a failed ``accept``
 (out of descriptors, memory or buffers, an aborted connection) is retried
 after a pause, and connections that have not proved they hold the secret are
 few and timed out.
+
+Writers without the shard in their memory send whole episodes (INSERT,
+``remote_inserts.py``): each is committed as one unit, admitted by ``admit``
+(the owner's rate limiter), or refused whole. While the limiter holds one
+back, the server tells the writer so (HELD) every third of ``timeout``, so
+the writer waits as long as the limiter does and no longer for a dead owner.
 """
 
 from __future__ import annotations
@@ -24,12 +30,16 @@ import logging
 import select
 import socket
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 
 from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.native_owner import NativeOwner
+from gear_torchrl.distributed.remote_inserts import received_episode
 from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
 from gear_torchrl.distributed.shard_client import PRIORITIZED_EXTRA, answered_as_prioritized
 from gear_torchrl.distributed.shard_view import ShardView, spec_of
@@ -50,19 +60,35 @@ MAX_READ_POSITIONS = wire.MAX_READ_POSITIONS  # rows in one READ
 MAX_HANDSHAKES = 64  # connections that have not answered the challenge yet, at once
 _CLOSE_WAIT_S = 2.0  # how long close waits for the connections' threads to end
 _PAUSES_S = (0.01, 1.0)  # after a failed accept: the first pause, and the longest
+Admit = Callable[[int], contextlib.AbstractContextManager]  # holds an insert of n rows until the rate limiter admits it
+
+
+def admit_all(rows: int) -> contextlib.AbstractContextManager:
+    """What admits inserts where the owner set no rate limiter: nothing holds them."""
+    return contextlib.nullcontext()
 
 
 class ShardServer:
     """Serves the shared store ``handle`` on ``host:port`` (0: any free port).
 
     ``timeout`` bounds each wait for a learner: its answer to the challenge,
-    taking a reply's bytes, and reading a selection it holds.
+    taking a reply's bytes, and reading a selection it holds. ``admit(rows)``
+    holds a writer's episode until the owner's rate limiter admits it
+    (``GearStorage.admitting``; default: nothing holds it).
     """
 
     def __init__(
-        self, handle: SharedStoreHandle, secret: bytes, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 10.0
+        self,
+        handle: SharedStoreHandle,
+        secret: bytes,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout: float = 10.0,
+        admit: Admit = admit_all,
     ) -> None:
         self.handle = handle
+        self._admit = admit
         self.selectors = SelectorRegistry(handle.capacity)
         self._secret = secret
         self._timeout = timeout
@@ -116,7 +142,7 @@ class ShardServer:
         try:
             if not self._authenticate(conn, peer):
                 return
-            session = _Session(ShardView(self.handle, self.selectors), conn, self._timeout)
+            session = _Session(ShardView(self.handle, self.selectors), conn, self._timeout, self._admit)
             while not self._closed.is_set():
                 session.respond(session.next_request())
         except (OSError, wire.ProtocolError) as exc:  # the learner left, stalled or spoke nonsense: drop it
@@ -176,9 +202,10 @@ class ReplyCutShort(ConnectionError):
 class _Session:
     """One learner's requests over its connection, through its own view of the shard."""
 
-    def __init__(self, view: ShardView, conn: socket.socket, timeout: float) -> None:
+    def __init__(self, view: ShardView, conn: socket.socket, timeout: float, admit: Admit) -> None:
         self.conn = conn
         self.view = view
+        self.admit = admit
         self.shard = view.shard
         self.timeout = timeout
         self.native = NativeOwner(view)
@@ -239,6 +266,8 @@ class _Session:
                 return None
             if request.op == Op.DESCRIBE:
                 return self._describe()
+            if request.op == Op.INSERT:
+                return self._insert(request)
             if request.op == Op.GIVE_BACK:
                 return self._give_back(request)
             if request.op == Op.DUMP:
@@ -378,6 +407,30 @@ class _Session:
             raise ValueError("a GIVE_BACK carries the rows given back")
         self.view.give_back(spec_of(request.meta["selection"]), _viewed(request.arrays[0], torch.int64))
         return Message(Op.OK)
+
+    def _insert(self, request: Message) -> Message:
+        """Commit a writer's episode whole once admitted, telling the writer HELD while it waits; the reply
+        says the rows the shard holds and its inserts since it was made."""
+        self.view.shared.mapped_columns()  # the table as another process may have laid it out
+        leaves = received_episode(request, self.shard.table)
+        done: Future[None] = Future()
+
+        def commit() -> None:
+            try:
+                with self.admit(leaves.n):
+                    self.shard.commit(leaves)
+                done.set_result(None)
+            except BaseException as exc:  # noqa: BLE001  (the session thread raises it)
+                done.set_exception(exc)
+
+        threading.Thread(target=commit, name="gear-shard-insert", daemon=True).start()
+        while True:
+            try:
+                done.result(timeout=self.timeout / 3)
+                break
+            except FutureTimeout:
+                wire.send(self.conn, Message(Op.HELD))
+        return Message(Op.OK, {"rows": self.shard.readable_rows(), "inserts": self.view.shared.rows_inserted})
 
     def _describe(self) -> Message:
         shared = self.view.shared

@@ -13,6 +13,7 @@ parts' own methods; the rest a storage asks of the whole.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -45,6 +46,7 @@ class Options:
     timeout: float = 10.0
     pin_memory: bool = False
     prefetch: int | Literal["auto"] = "auto"  # batches asked for ahead (True: 1; "auto": see ShardBatches)
+    routing: str = "round_robin"  # which shard a writer's episode goes to (``adapters/sharded_writes.py``)
 
     def __post_init__(self) -> None:
         if isinstance(self.prefetch, bool):
@@ -55,6 +57,8 @@ class Options:
             raise ValueError(f"transport must be 'auto', 'tcp', 'local' or 'rdma', got {self.transport!r}")
         if self.on_shard_failure not in ("raise", "skip"):
             raise ValueError(f"on_shard_failure must be 'raise' or 'skip', got {self.on_shard_failure!r}")
+        if self.routing not in ("round_robin", "least_full"):
+            raise ValueError(f"routing must be 'round_robin' or 'least_full', got {self.routing!r}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         if self.pin_memory and not torch.cuda.is_available():
@@ -72,6 +76,7 @@ class ShardSet:
         control: SealedStore | None = None,
         rank: int | None = None,
         served: tuple[int, ShardServer] | None = None,
+        locate: Callable[[int], ShardDescriptor] | None = None,
     ) -> None:
         self.options = options
         self.links = ShardLinks(
@@ -84,6 +89,7 @@ class ShardSet:
             control,
             rank,
             served,
+            locate,
         )
         self.owners = ShardOwners(self.links)
         self.batches = ShardBatches(self.links, self.owners, options.prefetch)

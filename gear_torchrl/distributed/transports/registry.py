@@ -10,10 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gear_torchrl.distributed.directory import ShardDescriptor, host_id
+from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.transports.base import ColumnLayout, Transport
-from gear_torchrl.store.shared_commits import SharedStoreHandle
-from gear_torchrl.store.shared_memory import segment_path
 
 
 @dataclass
@@ -42,9 +40,9 @@ def _local(reach: Reach) -> Transport:
 
         return InProcessTransport(served_view(reach.server))
     d = reach.descriptor
-    if not _same_host(d):
+    if not d.on_this_host:
         raise ValueError(f"transport='local' needs {d.where} on this host; it is on {d.host}")
-    return LocalTransport(SharedStoreHandle(d.store_id, d.capacity, tuple(map(_key, d.end_keys)), _key(d.traj_key)))
+    return LocalTransport(d.store_handle())
 
 
 def _rdma(reach: Reach) -> Transport:
@@ -79,19 +77,10 @@ def auto_choice(reach: Reach) -> str:
         return "local"
     if d.rdma is not None and reach.control is not None and rdma_unavailable_reason() is None:
         return "rdma"
-    return "local" if _same_host(d) else "tcp"
+    return "local" if d.on_this_host else "tcp"
 
 
 def open_transport(choice: str, reach: Reach) -> Transport:
     if choice not in CHOICES:
         raise ValueError(f"transport must be one of {CHOICES}, got {choice!r}")
     return TRANSPORTS[auto_choice(reach) if choice == "auto" else choice](reach)
-
-
-def _same_host(d: ShardDescriptor) -> bool:
-    return d.host == host_id() and segment_path(d.store_id, "data").exists()
-
-
-def _key(key: Any) -> Any:
-    """JSON turned tuple keys into lists; keys are strings or tuples."""
-    return tuple(key) if isinstance(key, list) else key
