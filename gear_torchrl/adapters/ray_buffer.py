@@ -13,7 +13,7 @@ object store. ``RayReplayBuffer``-style code (``rb.extend`` in actors,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 from torchrl.data import TensorDictReplayBuffer
 
@@ -22,9 +22,10 @@ from gear_torchrl.adapters.sharded_storage import ShardedGearStorage
 
 class GearRayReplayBuffer(TensorDictReplayBuffer):
     """``TensorDictReplayBuffer(storage=<on_ray storage>, sampler=..., batch_size=...)`` with TorchRL's service
-    protocol (``service_backend``, ``client()``, ``clients(n)``, ``is_alive``, ``start()``, ``shutdown()``).
+    protocol: ``service_backend`` is ``"ray"``; ``client()`` and ``clients(n)`` give buffers over the same store
+    for writers elsewhere; ``is_alive``, ``start()`` and ``shutdown()`` are ``ReplayBuffer``'s.
 
-    ``shutdown()`` (or ``close()``) from the process that made the store ends its owners and frees their memory.
+    ``shutdown()`` of the buffer (not of a client) ends the store: its owners stop and their memory is freed.
     """
 
     def __init__(self, *, storage: ShardedGearStorage, **kwargs: Any) -> None:
@@ -34,29 +35,25 @@ class GearRayReplayBuffer(TensorDictReplayBuffer):
                 f"num_shards=...), got {type(storage).__name__}"
             )
         super().__init__(storage=storage, **kwargs)
-        self._alive = True
+        self._owns_store = True
 
     @property
     def service_backend(self) -> str:
         """What TorchRL's RayCollector checks: this buffer is served on Ray."""
         return "ray"
 
-    @property
-    def is_alive(self) -> bool:
-        return self._alive
-
-    def start(self) -> GearRayReplayBuffer:
-        """The buffer, already serving (its owners started with the store)."""
-        self._check_alive()
-        return self
-
-    def client(self) -> TensorDictReplayBuffer:
+    def client(self) -> Self:
         """A buffer over the same store for a writer elsewhere: pickled into a Ray task or actor it attaches
-        there and writes into the shards; it cannot end the owners."""
-        self._check_alive()
-        return TensorDictReplayBuffer(storage=self._storage, batch_size=self._batch_size)
+        there and writes into the shards; its ``shutdown`` leaves the store running."""
+        if not self.is_alive:
+            raise RuntimeError("this GearRayReplayBuffer was shut down: its store's owners are gone")
+        storage = self._storage
+        assert isinstance(storage, ShardedGearStorage)  # checked when made
+        client = type(self)(storage=storage, batch_size=self._batch_size)
+        client._owns_store = False
+        return client
 
-    def clients(self, num_clients: int) -> list[TensorDictReplayBuffer]:
+    def clients(self, num_clients: int) -> list[Self]:
         """One client per concurrent writer (each routes its own episodes)."""
         if isinstance(num_clients, bool) or not isinstance(num_clients, int):
             raise TypeError(f"num_clients must be an int, got {type(num_clients).__name__}")
@@ -65,13 +62,15 @@ class GearRayReplayBuffer(TensorDictReplayBuffer):
         return [self.client() for _ in range(num_clients)]
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """End the store: its owners stop, their shared memory is freed (from the process that made it)."""
-        if self._alive:
-            self._alive = False
-            self._storage.close()
+        """Finish pending work; the buffer (not a client) then ends its store's owners. Safe to repeat."""
+        super().shutdown(timeout)
+        if self._owns_store:
+            self._owns_store = False
+            storage = self._storage
+            assert isinstance(storage, ShardedGearStorage)  # checked when made
+            storage.close()
 
-    close = shutdown
-
-    def _check_alive(self) -> None:
-        if not self._alive:
-            raise RuntimeError("this GearRayReplayBuffer was shut down: its store's owners are gone")
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_owns_store"] = False  # a copy elsewhere is a client: the store is its maker's to end
+        return state
