@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import sharded_oracles as o
 import sharded_workers as w
 import torch
 from helpers import pid_of, segments_left_by_dead_owners, shm_segments
@@ -81,30 +82,6 @@ def job(tmp_path_factory):
                 p.join(5)
 
 
-def _chi2(observed: torch.Tensor, expected_p: torch.Tensor) -> tuple[float, int]:
-    support = expected_p > 0
-    assert int(observed[~support].sum()) == 0, "rows outside the store were sampled"
-    expected = expected_p[support] / expected_p[support].sum() * observed.sum()
-    return float(((observed[support] - expected) ** 2 / expected).sum()), int(support.sum()) - 1
-
-
-def _assert_fits(observed: torch.Tensor, expected_p: torch.Tensor) -> None:
-    """Chi-square within 5 standard deviations of its mean (normal approximation, many dof)."""
-    chi2, dof = _chi2(observed.to(torch.float64), expected_p.to(torch.float64))
-    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
-
-
-def _stored() -> tuple[torch.Tensor, torch.Tensor]:
-    shard = torch.arange(w.OWNERS).repeat_interleave(w.CAPACITY)
-    pos = torch.arange(w.CAPACITY).repeat(w.OWNERS)
-    return shard, pos
-
-
-def _uniform_oracle() -> torch.Tensor:
-    shard, pos = _stored()
-    return (pos < torch.tensor(w.ROWS_PER_SHARD)[shard]).to(torch.float64)
-
-
 def test_processes_exit_cleanly_and_free_their_memory(job):
     assert job["exits"].pop(f"rank{w.KILLED}") == -signal.SIGKILL
     assert set(job["exits"].values()) == {0}, job["exits"]
@@ -125,60 +102,36 @@ def test_learners_see_every_shard_through_their_transport(job):
 def test_uniform_sampling_matches_one_store_holding_all_rows(job):
     for r in OPTIONS:
         counts = job["results"][r]["uniform"]
-        _assert_fits(counts, _uniform_oracle())
+        o.assert_fits(counts, o.uniform_oracle())
         per_shard = counts.view(w.OWNERS, w.CAPACITY).sum(1).to(torch.float64) / counts.sum()
         sizes = torch.tensor(w.ROWS_PER_SHARD, dtype=torch.float64)
         assert torch.allclose(per_shard, sizes / sizes.sum(), atol=0.01), per_shard
 
 
 def test_windows_are_uniform_over_all_windows_of_all_shards(job):
-    expected = torch.zeros(w.OWNERS * w.CAPACITY, dtype=torch.float64)  # 1 where a window may start
-    for s in range(w.OWNERS):
-        for data in w.shard_episodes(s):
-            first = s * w.CAPACITY + int(data["pos"][0])
-            expected[first : first + max(0, data.shape[0] - w.SEQ_LEN + 1)] = 1.0
     for r in OPTIONS:
-        _assert_fits(job["results"][r]["windows"], expected)
+        o.assert_fits(job["results"][r]["windows"], o.window_starts())
 
 
 def test_prioritized_sampling_and_weights_match_one_store(job):
-    got = job["results"][LEARNER_SKIP]["prioritized"]
-    shard, pos = _stored()
-    stored = _uniform_oracle() > 0
-    mass = torch.where(stored, (w.priority_of(shard, pos) + w.EPS) ** w.ALPHA, 0.0)
-    _assert_fits(got["counts"], mass)
-    seen = got["counts"] > 0
-    expected_weight = (mass[seen] / mass[stored].min()) ** -w.BETA
-    assert torch.allclose(got["weights"][seen], expected_weight, rtol=1e-5)
+    o.assert_prioritized(job["results"][LEARNER_SKIP]["prioritized"], o.prioritized_mass())
 
 
 def test_prioritized_windows_and_weights_match_one_store(job):
-    got = job["results"][LEARNER_SKIP]["prioritized_windows"]
-    shard, pos = _stored()
-    key = torch.zeros(w.OWNERS * w.CAPACITY, dtype=torch.bool)  # where a whole window may start
-    for s in range(w.OWNERS):
-        for data in w.shard_episodes(s):
-            first = s * w.CAPACITY + int(data["pos"][0])
-            key[first : first + max(0, data.shape[0] - w.SEQ_LEN + 1)] = True
-    mass = torch.where(key, (w.priority_of(shard, pos) + w.EPS) ** w.ALPHA, 0.0)
-    _assert_fits(got["counts"], mass)
-    seen = got["counts"] > 0
-    expected_weight = (mass[seen] / mass[key].min()) ** -w.BETA  # the minimum over every shard's windows
-    assert torch.allclose(got["weights"][seen], expected_weight, rtol=1e-5)
+    shard, pos = o.stored()
+    mass = torch.where(o.window_starts() > 0, (w.priority_of(shard, pos) + w.EPS) ** w.ALPHA, 0.0)
+    o.assert_prioritized(job["results"][LEARNER_SKIP]["prioritized_windows"], mass)
 
 
 def test_queues_across_shards_serve_every_row_exactly_once(job):
     got = job["results"][LEARNER_SKIP]["queue"]
-    expected = _uniform_oracle().nonzero().squeeze(1)  # every stored row
+    expected = o.uniform_oracle().nonzero().squeeze(1)  # every stored row
     assert torch.equal(got["served"].sort().values, expected)  # once each: none lost, none twice
     assert f"found {sum(w.ROWS_PER_SHARD) % 256} of 256" in got["short"], got["short"]
 
 
 def test_topk_across_shards_is_the_best_rows_of_all_of_them(job):
-    shard = torch.arange(w.OWNERS).repeat_interleave(torch.tensor(w.ROWS_PER_SHARD))
-    pos = torch.cat([torch.arange(n) for n in w.ROWS_PER_SHARD])
-    order = w.top_scores().argsort(descending=True)[:50]
-    assert torch.equal(job["results"][LEARNER_SKIP]["topk"]["best"], (shard * w.CAPACITY + pos)[order])
+    assert torch.equal(job["results"][LEARNER_SKIP]["topk"]["best"], o.topk_best())
 
 
 @pytest.mark.parametrize("name", w.SEEDED_SAMPLERS)
@@ -223,7 +176,7 @@ def _capped_oracle() -> torch.Tensor:
 def test_max_times_sampled_across_shards_counts_on_the_owners_like_one_store(job):
     got = job["results"][LEARNER_SKIP]["capped"]
     oracle = _capped_oracle()
-    stored = _uniform_oracle() > 0
+    stored = o.uniform_oracle() > 0
     for counts in (got["counts"], oracle):
         assert int(counts.max()) <= 2 and not bool(counts[~stored].any())  # never past the cap, never off the store
         # every row is served twice, but for the draws of the one batch that could not be filled

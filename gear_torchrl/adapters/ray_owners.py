@@ -42,6 +42,7 @@ from gear_torchrl.store.table_spec import NestedKey
 logger = logging.getLogger(__name__)
 
 RAY_MISSING = "ShardedGearStorage.on_ray needs Ray: pip install 'gear_torchrl[ray]' (it pins the Ray version we test)"
+_START_S = 120.0  # how long owners may take to start (a Ray worker imports torch first), at the least
 _LATEST = "LATEST"  # names the newest whole checkpoint of a shard; written last, atomically
 
 
@@ -184,14 +185,16 @@ class RayOwners:
         """What a copy of the store pickled into another process holds: the handles, not the right to end them."""
         return dataclasses.replace(self, placement_group=None, home=False)
 
-    def join_info(self) -> tuple[list[ShardDescriptor], bytes]:
-        """Every shard's descriptor and the job's secret, asked of the owners (Ray actor calls)."""
+    def join_info(self, timeout: float | None = None) -> tuple[list[ShardDescriptor], bytes]:
+        """Every shard's descriptor and the job's secret, asked of the owners (Ray actor calls) within
+        ``timeout`` (default: the store's)."""
         import ray
 
+        timeout = self.timeout if timeout is None else timeout
         try:
-            answers = ray.get([a.join_info.remote() for a in self.actors], timeout=self.timeout)
+            answers = ray.get([a.join_info.remote() for a in self.actors], timeout=timeout)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            raise ShardUnavailableError(f"a shard owner did not answer within {self.timeout:g} s: {exc}") from exc
+            raise ShardUnavailableError(f"a shard owner did not answer within {timeout:g} s: {exc}") from exc
         return [d for d, _ in answers], answers[0][1]
 
     def locate(self, shard: int) -> ShardDescriptor:
@@ -275,7 +278,7 @@ def start_owners(
             else:
                 actors.append(remote.options(scheduling_strategy="SPREAD", **options).remote(shard, secret, config))
         owners = RayOwners(actors, config.timeout, made)
-        owners.join_info()  # each serves by now, or the store is not made
+        owners.join_info(max(config.timeout, _START_S))  # each serves by now, or the store is not made
         return owners
     except BaseException:
         for actor in actors:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDictBase
 from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.adapters.episode_sinks import checked_episode
@@ -36,8 +37,9 @@ from gear_torchrl.distributed.shard_set import Options, ShardSet
 from gear_torchrl.distributed.sharded_table import ShardedTable
 from gear_torchrl.selection.picked import SelectionIndex, sample_of
 from gear_torchrl.selection.uniform import UniformSpec
+from gear_torchrl.store.indices import TORCHRL_INDEX
 from gear_torchrl.store.ring import DEFAULT_END_KEYS
-from gear_torchrl.store.table_spec import Data, NestedKey
+from gear_torchrl.store.table_spec import Data, NestedKey, TableSpec
 
 TransportName = Literal["auto", "tcp", "local", "rdma"]
 _UNIFORM = UniformSpec().build(0)  # what TorchRL's RandomSampler asks for
@@ -426,7 +428,7 @@ class ShardedGearStorage(TableStorage):
                 self._shards.rows.pop(self.shard_id, None)  # len() asks the shard again
                 return
             sink = self.episode_sink()
-            leaves = checked_episode(sink, data, isinstance(cursor, int)).flat()
+            leaves = checked_episode(sink, _without_writer_index(data, sink.table()), isinstance(cursor, int)).flat()
             sink.commit(leaves, ends_episode=ends_an_episode(leaves, self.descriptors[0].end_keys))
         self._shards.rows.clear()
 
@@ -475,6 +477,15 @@ class ShardedGearStorage(TableStorage):
             f"{type(self).__name__}(shards={self.num_shards}, failed={sorted(self._shards.failed)}, "
             f"local={self.shard_id}, transport={self._shards.options.transport!r})"
         )
+
+
+def _without_writer_index(data: Any, table: TableSpec | None) -> Any:
+    """``data`` without the ``"index"`` TorchRL's writers set (their cursor: no row id of a sharded store, whose
+    batches carry global ids there), unless the store holds that key (then it is kept, as in one store)."""
+    held = table is not None and table.find(TORCHRL_INDEX) is not None
+    if isinstance(data, TensorDictBase) and TORCHRL_INDEX in data.keys() and not held:
+        return data.exclude(TORCHRL_INDEX)
+    return data
 
 
 def _ray_reader(owners: RayOwners, options: Options) -> ShardedGearStorage:

@@ -67,8 +67,13 @@ class ShardDescriptor:
 
     @property
     def on_this_host(self) -> bool:
-        """Whether this process can map the shard's shared memory (same machine, its segments there)."""
-        return self.host == host_id() and segment_path(self.store_id, "data").exists()
+        """Whether this process can attach to the shard's shared memory (same machine, its store there)."""
+        return self.host == host_id() and segment_path(self.store_id, "control").exists()
+
+    @property
+    def rows_on_this_host(self) -> bool:
+        """Whether this process can map the shard's rows (on this host, its columns laid out: a first write)."""
+        return self.on_this_host and segment_path(self.store_id, "data").exists()
 
     def store_handle(self) -> SharedStoreHandle:
         """What attaches to the shard's shared memory from this host (``GearStorage(handle=...)``)."""

@@ -40,7 +40,7 @@ def _local(reach: Reach) -> Transport:
 
         return InProcessTransport(served_view(reach.server))
     d = reach.descriptor
-    if not d.on_this_host:
+    if not d.rows_on_this_host:
         raise ValueError(f"transport='local' needs {d.where} on this host; it is on {d.host}")
     return LocalTransport(d.store_handle())
 
@@ -77,7 +77,7 @@ def auto_choice(reach: Reach) -> str:
         return "local"
     if d.rdma is not None and reach.control is not None and rdma_unavailable_reason() is None:
         return "rdma"
-    return "local" if d.on_this_host else "tcp"
+    return "local" if d.rows_on_this_host else "tcp"
 
 
 def open_transport(choice: str, reach: Reach) -> Transport:

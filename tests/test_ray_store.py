@@ -1,0 +1,291 @@
+"""The sharded store on a real local Ray cluster: owners as actors, writers and learners as Ray tasks and actors.
+
+One cluster for the module (``ray.init(num_cpus=2)``); every server binds 127.0.0.1. Each store a test makes
+is closed by it, and the last test checks that nothing is left in /dev/shm or running.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import sharded_oracles as o
+import sharded_workers as w
+import torch
+from helpers import shm_segments
+from torchrl.data import TensorDictReplayBuffer
+
+from gear_torchrl import (
+    GearRayReplayBuffer,
+    GearStorage,
+    PlacementError,
+    QueueSampler,
+    ShardedGearStorage,
+    ShardUnavailableError,
+    SpecMismatchError,
+)
+from gear_torchrl.distributed.shard_client import ShardClient
+from gear_torchrl.store.ring import as_leaves
+
+ray = pytest.importorskip("ray", reason="Ray is the [ray] extra: `make test` installs it (requirements.txt)")
+import ray_workers as rw  # noqa: E402  (imports ray)
+
+TESTS = str(Path(__file__).parent)
+TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    before = shm_segments()
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, path) if p)  # Ray workers import ray_workers
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield before
+    finally:
+        ray.shutdown()
+        if path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = path
+
+
+def _store(max_size: int = 1000, num_shards: int = 2, **options) -> ShardedGearStorage:
+    options = {"num_cpus": 0, "serve_on": "127.0.0.1", "timeout": TIMEOUT_S, **options}
+    return ShardedGearStorage.on_ray(max_size, num_shards=num_shards, **options)
+
+
+def _rows_now(storage: ShardedGearStorage) -> int:
+    """The rows every shard holds now (``len`` answers from each shard's last answer to this process)."""
+    storage._shards.rows.clear()
+    return len(storage)
+
+
+def _every_row(storage: ShardedGearStorage):
+    """Every stored row once (a queue drains them all), with the shard it came from."""
+    rows = _rows_now(storage)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=QueueSampler(storage.max_size), batch_size=rows)
+    batch = rb.sample()
+    return batch, ShardedGearStorage.shard_of(batch["index"].as_subclass(torch.Tensor))
+
+
+def _assert_whole_episodes(batch, shard, episodes: int, length: int) -> dict[tuple[int, int], int]:
+    """Each (writer, episode) is ``length`` steps, all of them on one shard; returns each one's shard."""
+    where: dict[tuple[int, int], int] = {}
+    for key in {(int(a), int(b)) for a, b in zip(batch["writer"], batch["ep"])}:
+        mine = (batch["writer"] == key[0]) & (batch["ep"] == key[1])
+        assert int(mine.sum()) == length, f"episode {key} has {int(mine.sum())} of its {length} steps"
+        assert sorted(batch["step"][mine].tolist()) == list(range(length))
+        shards = set(shard[mine].tolist())
+        assert len(shards) == 1, f"episode {key} is split over shards {shards}"
+        where[key] = shards.pop()
+    assert len(where) == episodes
+    return where
+
+
+def test_every_sampler_over_four_owner_actors_matches_one_store_holding_all_rows():
+    storage = _store(w.CAPACITY, num_shards=w.OWNERS, transport="tcp")
+    try:
+        assert len(storage.owners) == w.OWNERS
+        filled = ray.get([rw.fill_shard_in_place.remote(storage, s) for s in range(w.OWNERS)], timeout=120)
+        assert filled == w.ROWS_PER_SHARD
+        got = ray.get(rw.learn.remote(storage), timeout=300)
+    finally:
+        storage.close()
+    assert got["transports"] == ["tcp"] * w.OWNERS and got["len"] == sum(w.ROWS_PER_SHARD)
+    o.assert_fits(got["uniform"], o.uniform_oracle())
+    o.assert_fits(got["windows"], o.window_starts())
+    o.assert_prioritized(got["prioritized"], o.prioritized_mass())
+    assert torch.equal(got["queue"]["served"].sort().values, o.uniform_oracle().nonzero().squeeze(1))
+    assert torch.equal(got["topk"]["best"], o.topk_best())
+    for name, (first, second, ahead, verified) in got["seeded"].items():
+        assert all(torch.equal(a, b) for a, b in zip(first, second)), f"{name}: seeded draws differ"
+        assert all(torch.equal(a, b) for a, b in zip(first, ahead)), f"{name}: draws asked ahead differ"
+        assert verified, f"{name}: a batch's rows are not the rows its index names"
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_writer_actors_land_whole_episodes_through_shared_memory_or_over_tcp(transport):
+    storage = _store(transport=transport)
+    try:
+        writers = [rw.Writer.remote(storage, i) for i in range(2)]
+        near = ray.get([a.through_shared_memory.remote() for a in writers], timeout=60)
+        assert near == [[transport == "auto"] * 2] * 2  # every owner is on this node
+        ray.get([a.write.remote(6, 10, chunk=True) for a in writers], timeout=60)
+        ray.get([a.extend.remote(3, 8) for a in [rw.Writer.remote(storage, 2)]], timeout=60)
+        batch, shard = _every_row(storage)
+        where = {**_assert_whole_episodes(batch[batch["writer"] < 2], shard[batch["writer"] < 2], 12, 10)}
+        extended = batch["writer"] == 2  # rb.extend of halves: an episode's halves stay on one shard
+        _assert_whole_episodes(batch[extended], shard[extended], 3, 8)
+        for writer in range(2):  # round robin: each writer's episodes alternate over the shards
+            assert sorted(where[(writer, e)] for e in range(6)) == [0, 0, 0, 1, 1, 1]
+    finally:
+        storage.close()
+
+
+def test_least_full_routing_evens_out_the_shards():
+    storage = _store(routing="least_full", transport="tcp")
+    try:
+        writer = rw.Writer.remote(storage, 0)
+        ray.get(writer.write.remote(1, 30), timeout=60)  # shard 0 (all empty) gets 30 rows
+        ray.get(writer.write.remote(3, 10), timeout=60)  # then the emptier shard each time: 1, 1, 1
+        batch, shard = _every_row(storage)
+        assert torch.bincount(shard, minlength=2).tolist() == [30, 30]
+    finally:
+        storage.close()
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_writer_killed_mid_episode_leaves_nothing(transport):
+    storage = _store(transport=transport)
+    try:
+        writer = rw.Writer.remote(storage, 0)
+        assert ray.get(writer.write.remote(2, 5), timeout=60) == 10
+        assert ray.get(writer.stage.remote(7), timeout=60) == 7
+        ray.kill(writer)
+        time.sleep(0.5)
+        batch, _ = _every_row(storage)
+        assert len(batch) == 10 and set(batch["ep"].tolist()) == {0, 1}
+    finally:
+        storage.close()
+
+
+def test_a_remote_episode_with_wrong_keys_dtypes_or_shapes_is_refused_whole():
+    storage = _store(transport="tcp")
+    try:
+        writer = rw.Writer.remote(storage, 0)
+        ray.get(writer.write.remote(2, 5), timeout=60)
+        rows = _rows_now(storage)
+        client = ShardClient(storage.descriptors[0], storage._secret, TIMEOUT_S)
+        good = rw.episode(9, 0, 4)
+        for bad, says in (
+            (good.clone().exclude("obs"), "lacks keys ['obs']"),
+            (good.clone().set("obs", torch.zeros(4, 3, dtype=torch.float64)), "as torch.float64"),
+            (good.clone().set("obs", torch.zeros(4, 5)), "(5,)"),
+            (good.clone().set("extra", torch.zeros(4)), "brings keys the shard does not hold ['extra']"),
+        ):
+            with pytest.raises(SpecMismatchError, match=re.escape(says)):
+                client.insert(as_leaves(bad, False, None))
+        client.close()
+        assert _rows_now(storage) == rows  # refused whole: nothing written
+        with pytest.raises(PermissionError, match="secret"):
+            ShardClient(storage.descriptors[0], b"not the job's secret" * 2, TIMEOUT_S)
+    finally:
+        storage.close()
+
+
+def test_a_killed_owner_raises_or_is_skipped_within_the_timeout():
+    raising, skipping = _store(), _store(on_shard_failure="skip")
+    try:
+        for storage in (raising, skipping):
+            ray.get(rw.Writer.remote(storage, 0).write.remote(4, 5), timeout=60)
+            ray.kill(storage.owners[1])
+        rb = TensorDictReplayBuffer(storage=raising, batch_size=8)
+        began = time.monotonic()
+        with pytest.raises(ShardUnavailableError, match="shard 1"):
+            for _ in range(20):
+                rb.sample()
+        assert time.monotonic() - began < TIMEOUT_S + 2
+        rb = TensorDictReplayBuffer(storage=skipping, batch_size=8)
+        for _ in range(10):
+            batch = rb.sample()
+        assert set(ShardedGearStorage.shard_of(batch["index"].as_subclass(torch.Tensor)).tolist()) == {0}
+        assert list(skipping.failed_shards) == [1]
+    finally:
+        raising.close()
+        skipping.close()
+
+
+def test_a_restarted_owner_comes_back_from_its_last_checkpoint(tmp_path):
+    storage = _store(max_restarts=1, checkpoint_dir=str(tmp_path))
+    try:
+        writer = rw.Writer.remote(storage, 0)
+        ray.get(writer.write.remote(4, 5), timeout=60)  # 10 rows on each shard
+        saved = storage.checkpoint()
+        assert [c["rows"] for c in saved] == [10, 10]
+        ray.get(writer.write.remote(2, 5), timeout=60)  # 5 more on each: lost with the owner
+        old = ray.get(storage.owners[1].stats.remote(), timeout=10)["pid"]
+        ray.kill(storage.owners[1], no_restart=False)
+        rb = TensorDictReplayBuffer(storage=storage, batch_size=8)
+        deadline, batch = time.monotonic() + 60, None
+        while batch is None:
+            try:
+                batch = rb.sample()
+            except ShardUnavailableError:
+                assert time.monotonic() < deadline, "the restarted owner was never reached"
+                time.sleep(0.2)
+        stats = ray.get(storage.owners[1].stats.remote(), timeout=10)
+        assert stats["pid"] != old and stats["restored"]["rows"] == 10
+        assert _rows_now(storage) == 15 + 10  # shard 0 kept its 15; shard 1 is back at its checkpoint
+        ray.get(writer.write.remote(2, 5), timeout=60)  # writers reach it again too
+        batch, shard = _every_row(storage)
+        assert torch.bincount(shard, minlength=2).tolist() == [20, 15]
+    finally:
+        storage.close()
+
+
+def test_gear_ray_replay_buffer_speaks_torchrls_replay_service_protocol():
+    storage = _store()
+    rb = GearRayReplayBuffer(storage=storage, batch_size=16)
+    try:
+        assert rb.service_backend == "ray" and rb.is_alive and rb.start() is rb
+        clients = rb.clients(2)
+        assert all(c.service_backend == "ray" for c in clients)
+        with pytest.raises(ValueError, match="at least 1"):
+            rb.clients(0)
+        ray.get([rw.Writer.remote(c.storage, i).extend.remote(2, 6) for i, c in enumerate(clients)], timeout=60)
+        assert len(rb.sample()) == 16 and _rows_now(storage) == 24
+        clients[0].shutdown()  # a client's shutdown leaves the store running
+        assert len(rb.sample()) == 16
+        with pytest.raises(TypeError, match="on_ray"):
+            GearRayReplayBuffer(storage=GearStorage(10))  # type: ignore[arg-type]  # the mistake refused
+    finally:
+        rb.shutdown()
+    assert not rb.is_alive
+
+
+def test_more_owners_than_the_cluster_can_place_names_the_missing_resources():
+    free = ray.available_resources().get("CPU", 0.0)
+    began = time.monotonic()
+    with pytest.raises(PlacementError, match=r"missing CPU \d"):
+        ShardedGearStorage.on_ray(100, num_shards=4, num_cpus=1, serve_on="127.0.0.1", timeout=2.0)
+    assert time.monotonic() - began < 10
+    time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0.0) == free  # the placement group was removed
+
+
+def test_without_ray_on_ray_says_how_to_install_it():
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from gear_torchrl import ShardedGearStorage\n"
+        "try:\n    ShardedGearStorage.on_ray(10, num_shards=1)\n"
+        "except ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "pip install 'gear_torchrl[ray]'" in out.stdout, out.stderr
+
+
+def test_closing_leaves_nothing_in_shared_memory_or_running(cluster):
+    storage = _store()
+    ray.get(rw.Writer.remote(storage, 0).write.remote(2, 5), timeout=60)
+    pids = [ray.get(a.stats.remote(), timeout=10)["pid"] for a in storage.owners]
+    storage.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (any(_running(p) for p in pids) or shm_segments() - cluster):
+        time.sleep(0.2)
+    assert not [p for p in pids if _running(p)], "an owner process outlived close()"
+    assert shm_segments() - cluster == set(), "segments left in /dev/shm"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    return status.exists() and status.read_text().split()[2] != "Z"
