@@ -7,6 +7,7 @@ functions, so the oracles of the torchrun tests (``sharded_oracles``) check them
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import ray
 import sharded_workers as w
@@ -61,8 +62,7 @@ def episode(writer_id: int, number: int, length: int) -> TensorDict:
     )
 
 
-@ray.remote(num_cpus=0)
-class Writer:
+class WriterActor:
     """An actor writing episodes into a store with a TrajectoryWriter or ``rb.extend``."""
 
     def __init__(self, storage, writer_id: int) -> None:
@@ -102,3 +102,6 @@ class Writer:
         """Stage steps of an episode and never end it (the test kills this actor)."""
         self.writer.extend(episode(self.writer_id, 0, steps))
         return self.writer.pending
+
+
+Writer: Any = ray.remote(num_cpus=0)(WriterActor)  # its handles' methods have .remote, which no type says

@@ -243,7 +243,7 @@ def test_gear_ray_replay_buffer_speaks_torchrls_replay_service_protocol():
         clients[0].shutdown()  # a client's shutdown leaves the store running
         assert len(rb.sample()) == 16
         with pytest.raises(TypeError, match="on_ray"):
-            GearRayReplayBuffer(storage=GearStorage(10))  # type: ignore[arg-type]  # the mistake refused
+            GearRayReplayBuffer(storage=GearStorage(10))  # a store that is not on Ray
     finally:
         rb.shutdown()
     assert not rb.is_alive
