@@ -22,6 +22,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gear_torchrl.adapters.rate_limiters import WAIT_SLICE_S, RateLimiter
+from gear_torchrl.adapters.storage_draws import draws_through_storage
+
+if TYPE_CHECKING:
+    from torchrl.data.replay_buffers.samplers import Sampler
 from gear_torchrl.errors import RateLimiterTimeout
 from gear_torchrl.store.rate_counters import Counts, LocalRateCounters, SharedRateCounters
 
@@ -182,6 +186,11 @@ class RateLimitedStorage:
 
     _gate: RateGate | None = None
 
+    def uniform_sampler(self) -> Sampler:
+        """A sampler of uniform rows whose draws this storage makes (``RateLimiter.attach`` swaps it in for
+        TorchRL's RandomSampler, which refuses an empty storage before asking it: a gated sample waits)."""
+        raise NotImplementedError(f"{type(self).__name__} names no uniform sampler")
+
     if TYPE_CHECKING:  # TorchRL's Storage, which every subclass derives from too
 
         @property
@@ -244,13 +253,7 @@ class RateLimitedStorage:
 
 def check_sampler_is_gated(sampler: Any) -> None:
     """A rate-limited storage counts draws it makes: refuse a sampler that draws without asking it."""
-    if sampler is None:
-        return
-    from torchrl.data.replay_buffers.samplers import RandomSampler
-
-    from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage
-
-    if isinstance(sampler, SelectsThroughStorage) or type(sampler) is RandomSampler:
+    if sampler is None or draws_through_storage(sampler):
         return
     raise TypeError(
         f"{type(sampler).__name__} draws rows without asking the storage, so the storage's rate limiter cannot "

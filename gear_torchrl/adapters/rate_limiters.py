@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from torchrl.data.replay_buffers.samplers import RandomSampler
+
 from gear_torchrl.errors import RateLimiterTimeout
 from gear_torchrl.store.rate_counters import Counts, LocalRateCounters, RuleNumbers, SharedRateCounters
 
@@ -177,10 +179,6 @@ class RateLimiter:
         (the same draws, made by the storage): ``RandomSampler`` raises on an empty
         storage before it asks it, where a rate-limited sample should wait for rows.
         """
-        from torchrl.data.replay_buffers.samplers import RandomSampler
-
-        from gear_torchrl.adapters.samplers.uniform import GearUniformSampler
-
         storage = rb.storage
         if not hasattr(type(storage), "rate_limiter"):
             raise TypeError(
@@ -188,7 +186,7 @@ class RateLimiter:
                 f"writes and draws; {type(storage).__name__} cannot hold one"
             )
         if type(rb.sampler) is RandomSampler:
-            rb.set_sampler(GearUniformSampler())
+            rb.set_sampler(storage.uniform_sampler())
         storage.rate_limiter = self
         return rb
 

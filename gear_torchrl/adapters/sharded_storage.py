@@ -25,6 +25,7 @@ from torchrl.data.replay_buffers.storages import Storage
 from gear_torchrl.adapters.episode_sinks import checked_episode
 from gear_torchrl.adapters.rate_limiters import RateLimiter
 from gear_torchrl.adapters.ray_owners import OwnerConfig, RayOwners, start_owners
+from gear_torchrl.adapters.samplers.uniform import GearUniformSampler
 from gear_torchrl.adapters.sharded_writes import Routing, ShardedWrites, ends_an_episode
 from gear_torchrl.adapters.stats import Rates
 from gear_torchrl.adapters.storage import GearStorage
@@ -398,6 +399,9 @@ class ShardedGearStorage(TableStorage):
         return self._shards.stats(directory, self._rates, self.table.rows_sampled)
 
     # -- writes go to a shard ------------------------------------------------------------------------
+    def uniform_sampler(self) -> GearUniformSampler:
+        return GearUniformSampler()
+
     def episode_sink(self) -> ShardedWrites:
         """Where this process's episodes go (``TrajectoryWriter``, ``rb.extend``): see "Writes" in the class doc."""
         if self._writes is None or self._writes_pid != os.getpid():  # a forked child routes on its own

@@ -33,6 +33,7 @@ from gear_torchrl.adapters.episode_sinks import StoreSink
 from gear_torchrl.adapters.in_place import InPlaceWrites
 from gear_torchrl.adapters.rate_gate import check_sampler_is_gated
 from gear_torchrl.adapters.rate_limiters import RateLimiter
+from gear_torchrl.adapters.samplers.uniform import GearUniformSampler
 from gear_torchrl.adapters.sharing import SharedAcrossProcesses
 from gear_torchrl.adapters.stats import Rates
 from gear_torchrl.adapters.steps_shape import StepsShape
@@ -277,6 +278,9 @@ class GearStorage(StepsShape, InPlaceWrites, SharedAcrossProcesses, TableStorage
     def _steps_in(self, positions: torch.Tensor, data: Data) -> int:
         """Steps an append of ``data`` at TorchRL's ``positions`` brings (what a rate limiter counts)."""
         return positions.numel()
+
+    def uniform_sampler(self) -> GearUniformSampler:
+        return GearUniformSampler()
 
     def episode_sink(self) -> StoreSink:
         """Where a ``TrajectoryWriter`` commits its episodes: this store's shard."""

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torchrl.data.replay_buffers.storages import Storage
 
+from gear_torchrl.adapters.storage_draws import DrawsThroughStorage
 from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.selection.base import AnySelector, SelectionSpec, StatefulSelector, pick_exactly
 from gear_torchrl.selection.checked_inputs import as_rows
@@ -48,7 +49,7 @@ def select_over_rows(storage: Storage, selector: AnySelector, count: int, genera
     return picked
 
 
-class SelectsThroughStorage:
+class SelectsThroughStorage(DrawsThroughStorage):
     """Mixin for a TorchRL ``Sampler`` whose rule is ``self.selector``, run by the storage's table
     (:func:`select`); what it adds is TorchRL's side of per-row state: writes and priorities."""
 
