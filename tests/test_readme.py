@@ -29,7 +29,7 @@ def test_readme_snippet_runs(number, tmp_path):
     script.write_text(code)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(script)]
-    if "ShardedGearStorage" in code:  # the many-hosts snippet: two ranks on this machine
+    if "ShardedGearStorage(" in code:  # the torchrun snippet: two ranks on this machine (the Ray one starts Ray)
         command = [
             sys.executable,
             "-m",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -44,6 +45,7 @@ from gear_torchrl.store.table_spec import Data, NestedKey, TableSpec
 
 TransportName = Literal["auto", "tcp", "local", "rdma"]
 _UNIFORM = UniformSpec().build(0)  # what TorchRL's RandomSampler asks for
+LEN_FRESH_S = 0.25  # how old each shard's last word on its rows may be for len() to answer from it
 _NO_STATE_DICT = (
     "a sharded store's rows stay on their owners: save it with rb.dumps(path), which every owner "
     "writes its shard to, not with a state dict"
@@ -289,6 +291,7 @@ class ShardedGearStorage(TableStorage):
         self._reader_args = (descriptors, secret, options)
         self._secret = secret
         self._ray = None
+        self._rows_asked = time.monotonic()
         self._writes: ShardedWrites | None = None  # made at this process's first write
         self._local = None
         self._membership = None
@@ -344,6 +347,13 @@ class ShardedGearStorage(TableStorage):
 
     # -- size -------------------------------------------------------------------------
     def __len__(self) -> int:
+        """The rows every shard holds, as of its last answer; asked again where that answer is older than
+        ``LEN_FRESH_S`` and no batch is asked for ahead (other processes write: a loop polling ``len`` sees
+        their rows)."""
+        now = time.monotonic()
+        if now - self._rows_asked > LEN_FRESH_S and not self._shards.batches.asked_ahead:
+            self._shards.rows.clear()
+            self._rows_asked = now
         return self._shards.total_rows()
 
     @property

@@ -1,0 +1,181 @@
+"""The sharded store on Ray against TorchRL's Ray replay buffer, on one local Ray cluster.
+
+Sampling: a learner (the driver) draws uniform batches from ``ShardedGearStorage.on_ray``
+with 1, 2 and 4 owner actors and from TorchRL's ``ReplayBuffer(storage=LazyTensorStorage,
+service_backend="ray")`` (one actor; every batch through Ray's object store), each
+holding the same steps (obs f32[84], action f32[6], reward, done: ``sharded_cost``'s
+rows), taking turns (interleaved rounds, medians): steps per second of wall time and the
+learner's CPU per batch (every thread of the driver).
+
+Inserts: 1, 2 and 4 writer actors append 1000-step episodes, ours with a
+``TrajectoryWriter`` over a store forced onto tcp (``transport="tcp"``: every
+episode an INSERT to an owner, as from another node), TorchRL's with its client's
+``extend``: steps per second of all writers together (medians of rounds).
+
+    .venv/bin/python benchmarks/ray_store.py [--owners 1 2 4] [--writers 1 2 4] [--rounds 5] \
+        --out bench_out/ray_store.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+from harness import interleaved_medians, table, write_json  # noqa: E402
+from sharded_cost import EPISODE, _rows  # noqa: E402
+
+STEPS = 200_000
+
+
+def _gear_store(owners: int, transport: str = "auto"):
+    from gear_torchrl import ShardedGearStorage
+
+    return ShardedGearStorage.on_ray(
+        STEPS // owners + EPISODE, num_shards=owners, num_cpus=0, serve_on="127.0.0.1", transport=transport
+    )
+
+
+def _torchrl_buffer():
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    return ReplayBuffer(
+        storage=functools.partial(LazyTensorStorage, STEPS),
+        service_backend="ray",
+        transport="ray",
+        service_backend_options={"remote_config": {"num_cpus": 0}},
+    )
+
+
+def _fill(extend, steps: int) -> None:
+    for first in range(0, steps, 10 * EPISODE):
+        extend(_rows(10 * EPISODE, first))
+
+
+def sampling(owners: list[int], batches: list[int], rounds: int) -> list[dict]:
+    from torchrl.data import TensorDictReplayBuffer
+
+    from gear_torchrl import TrajectoryWriter
+
+    theirs = _torchrl_buffer()
+    _fill(theirs.extend, STEPS)
+    results = []
+    for n in owners:
+        storage = _gear_store(n)
+        writer = TrajectoryWriter(storage)
+        for first in range(0, STEPS, EPISODE):  # whole episodes, routed over the shards
+            writer.extend(_rows(EPISODE, first))
+            writer.end_episode()
+        ours = TensorDictReplayBuffer(storage=storage)
+        for b in batches:
+            fns = {"gear": functools.partial(ours.sample, b), "torchrl": functools.partial(theirs.sample, b)}
+            wall = interleaved_medians(fns, repeats=rounds, inner=20, warmup=3)
+            cpu = interleaved_medians(fns, repeats=rounds, inner=20, warmup=1, clock=time.process_time)
+            results.append(
+                {
+                    "owners": n,
+                    "batch": b,
+                    "gear_steps_per_s": b / wall["gear"],
+                    "torchrl_steps_per_s": b / wall["torchrl"],
+                    "ratio": wall["torchrl"] / wall["gear"],
+                    "gear_cpu_us": cpu["gear"] * 1e6,
+                    "torchrl_cpu_us": cpu["torchrl"] * 1e6,
+                }
+            )
+        storage.close()
+    theirs.shutdown()
+    return results
+
+
+@ray.remote(num_cpus=0)
+class _GearWriter:
+    def __init__(self, storage) -> None:
+        from gear_torchrl import TrajectoryWriter
+
+        self.writer = TrajectoryWriter(storage)
+        self.episode = _rows(EPISODE, 0)
+
+    def write(self, episodes: int) -> int:
+        for _ in range(episodes):
+            self.writer.extend(self.episode)
+            self.writer.end_episode()
+        return episodes * EPISODE
+
+
+@ray.remote(num_cpus=0)
+class _TorchRLWriter:
+    def __init__(self, client) -> None:
+        self.client = client
+        self.episode = _rows(EPISODE, 0)
+
+    def write(self, episodes: int) -> int:
+        for _ in range(episodes):
+            self.client.extend(self.episode)
+        return episodes * EPISODE
+
+
+def inserts(writers: list[int], rounds: int, episodes: int) -> list[dict]:
+    storage = _gear_store(max(writers), transport="tcp")
+    theirs = _torchrl_buffer()
+    results = []
+    for n in writers:
+        contenders = {
+            "gear": [_GearWriter.remote(storage) for _ in range(n)],
+            "torchrl": [_TorchRLWriter.remote(theirs.client()) for _ in range(n)],
+        }
+        for actors in contenders.values():
+            ray.get([a.write.remote(1) for a in actors])  # warm: connections, first layout
+        rates: dict[str, list[float]] = {name: [] for name in contenders}
+        for _ in range(rounds):
+            for name, actors in contenders.items():
+                began = time.perf_counter()
+                steps = sum(ray.get([a.write.remote(episodes) for a in actors]))
+                rates[name].append(steps / (time.perf_counter() - began))
+        gear, torchrl = (statistics.median(rates[k]) for k in ("gear", "torchrl"))
+        results.append(
+            {"writers": n, "gear_steps_per_s": gear, "torchrl_steps_per_s": torchrl, "ratio": gear / torchrl}
+        )
+        for actors in contenders.values():
+            for a in actors:
+                ray.kill(a)
+    storage.close()
+    theirs.shutdown()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--owners", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--batches", type=int, nargs="+", default=[256, 4096])
+    parser.add_argument("--writers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--episodes", type=int, default=10, help="episodes each writer appends per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    torch.manual_seed(0)
+    sampled = sampling(args.owners, args.batches, args.rounds)
+    print(
+        table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r.items()} for r in sampled], list(sampled[0]))
+    )
+    inserted = inserts(args.writers, args.rounds, args.episodes)
+    print(
+        table(
+            [{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r.items()} for r in inserted], list(inserted[0])
+        )
+    )
+    write_json(args.out, {"args": vars(args), "sampling": sampled, "inserts": inserted})
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
