@@ -270,6 +270,21 @@ def test_without_ray_on_ray_says_how_to_install_it():
     assert "pip install 'gear_torchrl[ray]'" in out.stdout, out.stderr
 
 
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_windows_sample_while_a_shard_is_still_empty(transport):
+    from gear_torchrl import GearSequenceSampler
+
+    storage = _store(transport=transport)
+    try:
+        ray.get(rw.Writer.remote(storage, 0).write.remote(1, 40), timeout=60)  # one episode: one shard holds rows
+        rb = TensorDictReplayBuffer(storage=storage, sampler=GearSequenceSampler(4), batch_size=32)
+        batch = rb.sample()
+        shards = ShardedGearStorage.shard_of(batch["index"].as_subclass(torch.Tensor))
+        assert len(set(shards.tolist())) == 1 and bool((batch["ep"] == 0).all())
+    finally:
+        storage.close()
+
+
 def test_closing_leaves_nothing_in_shared_memory_or_running(cluster):
     storage = _store()
     ray.get(rw.Writer.remote(storage, 0).write.remote(2, 5), timeout=60)

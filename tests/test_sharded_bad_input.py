@@ -59,13 +59,17 @@ def test_bad_options_are_refused_before_anything_starts():
         ShardedGearStorage(10, on_shard_failure="ignore")  # type: ignore[arg-type]  # bad input: no such policy
 
 
-def test_an_owner_extends_the_union_into_its_own_shard_and_a_reader_cannot(storage):
-    reader = pickle.loads(pickle.dumps(storage))  # a copy holds no shard (as a DataLoader worker's)
-    with pytest.raises(NotImplementedError, match="owns no shard"):
-        ReplayBuffer(storage=reader).extend(_steps(3))
-    before = len(storage)
+def test_an_owner_extends_its_own_shard_and_a_copy_sends_its_rows_to_the_owner(storage):
+    before = len(storage.local)
     ReplayBuffer(storage=storage).extend(_steps(5))
-    assert len(storage) == len(storage.local) == before + 5
+    assert len(storage.local) == before + 5
+    reader = pickle.loads(pickle.dumps(storage))  # a copy holds no shard (as a DataLoader worker's)
+    assert not reader.episode_sink().through_shared_memory(0)  # transport="tcp": an INSERT to the owner
+    ReplayBuffer(storage=reader).extend(_steps(3))
+    assert len(storage.local) == before + 8
+    with pytest.raises(NotImplementedError, match="appends only"):
+        reader.set(0, _steps(1)[0], set_cursor=False)
+    reader.close()
 
 
 def test_bad_row_ids_and_priorities_leave_the_owner_unchanged(storage):

@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "tutorials" / "08_ray.py"
 
 def test_ray_collector_fills_the_shards_while_the_learner_trains():
     before = shm_segments()
-    args = ["--frames", "4000", "--capacity", "5000", "--steps", "60"]
+    args = ["--frames", "4000", "--capacity", "5000", "--updates", "2"]
     run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     out = run.stdout
@@ -25,5 +25,7 @@ def test_ray_collector_fills_the_shards_while_the_learner_trains():
     assert last < first, out  # the learner learned from the rows the collectors wrote
     rows = [int(r) for r in found(r"rows per shard: shard 0 (\d+), shard 1 (\d+)", out).groups()]
     assert all(r > 0 for r in rows) and sum(rows) >= 4000, out  # both collectors' batches, spread over both shards
-    assert "['local', 'local']" in out, out  # one node: the learner maps both shards
+    assert "'local'" in found(r"transports: (.*)", out).group(1), (
+        out
+    )  # one node: a shard laid out when first read is mapped
     assert not segments_left_by_dead_owners(before), "shared memory left behind"

@@ -24,8 +24,8 @@ Run it on one machine (a local Ray cluster on 2 CPUs; every server on loopback):
     python tutorials/08_ray.py                                   # what CI runs, smaller
     python tutorials/08_ray.py --address auto --serve-on 0.0.0.0 # on a running cluster
 
-The learner trains a small dynamics model on windows of 8 steps while the
-collectors fill the store, and reports the rows each shard holds.
+The learner trains a small dynamics model on windows of 8 steps, a few steps
+for each batch the collectors write, and reports the rows each shard holds.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--collectors", type=int, default=2)
     parser.add_argument("--frames", type=int, default=20_000, help="frames the collectors gather in all")
     parser.add_argument("--capacity", type=int, default=50_000, help="rows per shard")
-    parser.add_argument("--steps", type=int, default=300, help="learner steps")
+    parser.add_argument("--updates", type=int, default=4, help="learner steps per batch the collectors write")
     parser.add_argument("--address", default=None, help="a running cluster's address (default: start one here)")
     parser.add_argument("--serve-on", default="127.0.0.1", help="the address shard servers bind")
     args = parser.parse_args()
@@ -73,27 +73,26 @@ def main() -> None:
         replay_buffer=rb,
         remote_configs={"num_cpus": 0},
     )
-    collector.start()  # collectors write in the background while the learner samples
-
     model = nn.Sequential(nn.Linear(5, 64), nn.ReLU(), nn.Linear(64, 4))  # (obs, action) -> next obs
     optim = torch.optim.Adam(model.parameters(), lr=3e-3)
-    while len(storage) < 32 * seq_len * 4:  # enough whole windows to start
-        time.sleep(0.1)
     began, losses = time.monotonic(), []
-    for _ in range(args.steps):
-        batch = rb.sample()
-        x = torch.cat([batch["observation"], batch["action"].float().argmax(-1, keepdim=True)], -1)
-        loss = (model(x) - batch["next", "observation"]).pow(2).mean()
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        losses.append(loss.item())
+    for _ in collector:  # each turn: the remote collectors wrote a batch straight into the shards
+        if len(storage) < 32 * seq_len * 4:  # enough whole windows to start
+            continue
+        for _ in range(args.updates):
+            batch = rb.sample()  # windows from every shard
+            x = torch.cat([batch["observation"], batch["action"].float().argmax(-1, keepdim=True)], -1)
+            loss = (model(x) - batch["next", "observation"]).pow(2).mean()
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            losses.append(loss.item())
     elapsed = time.monotonic() - began
     collector.shutdown()
 
-    rows = storage.stats()["shards"]
-    print(f"learner: {args.steps} steps in {elapsed:.1f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    print("rows per shard: " + ", ".join(f"shard {s['shard']} {s['rows']}" for s in rows))
+    rows = [stats["rows"] for stats in ray.get([owner.stats.remote() for owner in storage.owners])]
+    print(f"learner: {len(losses)} steps in {elapsed:.1f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    print("rows per shard: " + ", ".join(f"shard {s} {n}" for s, n in enumerate(rows)))
     print(f"transports: {[storage.transport_of(s) for s in range(storage.num_shards)]}")
     rb.shutdown()  # the owners end and free their memory
     ray.shutdown()

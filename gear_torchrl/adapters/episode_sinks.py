@@ -9,13 +9,14 @@ same-host shards through shared memory, the others over tcp).
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Protocol
 
 from gear_torchrl.store.ring import as_leaves
+from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.table_spec import Data, Leaves, TableSpec
 
 if TYPE_CHECKING:
-    from gear_torchrl.adapters.storage import GearStorage
     from gear_torchrl.distributed.directory import ShardDescriptor
 
 
@@ -43,11 +44,26 @@ class WritableStorage(Protocol):
     def episode_sink(self) -> EpisodeSink: ...
 
 
+class OneShardStore(Protocol):
+    """What a ``StoreSink`` writes through: a ``GearStorage`` (one shard, its rate limiter, its process checks)."""
+
+    @property
+    def shard(self) -> Shard: ...
+
+    def admitting(self, rows: int) -> contextlib.AbstractContextManager: ...
+
+    def check_writable_here(self) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class StoreSink:
     """Episodes into one ``GearStorage``'s shard, admitted by its rate limiter (over a shared store, the rule its
     owner set, which every attached process obeys)."""
 
-    def __init__(self, storage: GearStorage, descriptor: ShardDescriptor | None = None) -> None:
+    def __init__(self, storage: OneShardStore, descriptor: ShardDescriptor | None = None) -> None:
         storage.check_writable_here()
         self.storage = storage
         self.descriptor = descriptor  # the shard of a sharded store it is, where it is one

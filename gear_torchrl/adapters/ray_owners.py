@@ -32,7 +32,8 @@ from typing import Any
 
 from gear_torchrl.adapters.rate_limiters import RateLimiter
 from gear_torchrl.adapters.storage import GearStorage
-from gear_torchrl.distributed.directory import ShardDescriptor, advertised_address, host_id
+from gear_torchrl.distributed.bootstrap import describe_served
+from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
 from gear_torchrl.distributed.shard_server import ShardServer
 from gear_torchrl.errors import PlacementError, ShardUnavailableError
@@ -93,18 +94,8 @@ class ShardOwner:
             shared_handle, secret, host=host, timeout=config.timeout, admit=self.storage.admitting
         )
         self._secret = secret
-        bound, port = self.server.address[:2]
-        self._descriptor = ShardDescriptor(
-            shard=shard,
-            rank=shard,
-            host=host_id(),
-            addr=advertised_address(bound),
-            port=port,
-            store_id=shared_handle.store_id,
-            capacity=config.capacity,
-            end_keys=list(config.end_keys),
-            traj_key=config.traj_key,
-        )
+        served = describe_served(shared_part(self.storage.shard), self.server, shard, None)
+        self._descriptor = dataclasses.replace(served, shard=shard)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self.restored = self._restore()

@@ -90,7 +90,7 @@ def join(
             shared.handle, secret, host=serve_on or serving_address(), timeout=timeout, admit=admit or admit_all
         )
         rdma = {"prefix": f"{directory.prefix}/rdma/{dist.get_rank()}"} if rdma_unavailable_reason() is None else None
-        mine = _describe(shared, server, dist.get_rank(), rdma)
+        mine = describe_served(shared, server, dist.get_rank(), rdma)
     descriptors = exchange_descriptors(mine, group)
     if not descriptors:
         if server is not None:
@@ -114,7 +114,8 @@ def _beat(membership: Membership, shard_id: int, shard: Shard) -> dict[str, Any]
     return {"rows": shard.readable_rows(), "capacity": shard.capacity, "inserts": shared.log.inserts}
 
 
-def _describe(shared: SharedCommits, server: ShardServer, rank: int, rdma: dict | None) -> ShardDescriptor:
+def describe_served(shared: SharedCommits, server: ShardServer, rank: int, rdma: dict | None) -> ShardDescriptor:
+    """The descriptor of the shard ``server`` serves (its number, -1, is given when every shard's is known)."""
     handle = shared.handle
     bound, port = server.address
     return ShardDescriptor(

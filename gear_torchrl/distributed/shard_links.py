@@ -303,6 +303,10 @@ class ShardLinks:
         if table is None:
             blob = self.client(shard).describe()["spec"]
             if blob is None:
+                with self._specs_lock:
+                    known = next(iter(self._specs.values()), None)
+                if known is not None:  # not laid out yet, others are: it answers with no rows, in theirs
+                    return known
                 raise EmptyStoreError(f"{self.descriptors[shard].where} holds no rows yet")
             table = TableSpec.from_json(blob)
             with self._specs_lock:  # shards answer on threads of their own

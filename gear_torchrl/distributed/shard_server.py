@@ -57,6 +57,7 @@ from gear_torchrl.store.windows import Windows
 logger = logging.getLogger(__name__)
 
 MAX_READ_POSITIONS = wire.MAX_READ_POSITIONS  # rows in one READ
+MAX_COLUMNS = wire.MAX_ARRAYS  # columns a reply of rows may carry
 MAX_HANDSHAKES = 64  # connections that have not answered the challenge yet, at once
 _CLOSE_WAIT_S = 2.0  # how long close waits for the connections' threads to end
 _PAUSES_S = (0.01, 1.0)  # after a failed accept: the first pause, and the longest
@@ -339,6 +340,8 @@ class _Session:
         held = len(self.view.shared.mapped_columns())
         if asked is None:
             return held
+        if held == 0 and isinstance(asked, int) and not isinstance(asked, bool) and 0 < asked <= MAX_COLUMNS:
+            return asked  # an empty shard, not laid out yet (others are): it picks nothing, every column empty
         if isinstance(asked, bool) or not isinstance(asked, int) or not 0 < asked <= held:
             raise ValueError(f"the learner asks for {asked!r} columns; this shard holds {held}")
         return asked
