@@ -184,7 +184,11 @@ class RayOwners:
         timeout = self.timeout if timeout is None else timeout
         try:
             answers = ray.get([a.join_info.remote() for a in self.actors], timeout=timeout)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.ActorUnavailableError,
+            ray.exceptions.GetTimeoutError,
+        ) as exc:
             raise ShardUnavailableError(f"a shard owner did not answer within {timeout:g} s: {exc}") from exc
         return [d for d, _ in answers], answers[0][1]
 
@@ -194,7 +198,11 @@ class RayOwners:
 
         try:
             return ray.get(self.actors[shard].descriptor.remote(), timeout=self.timeout)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.ActorUnavailableError,
+            ray.exceptions.GetTimeoutError,
+        ) as exc:
             raise ShardUnavailableError(f"shard {shard}'s owner is gone: {type(exc).__name__}: {exc}") from exc
 
     def checkpoint(self) -> list[dict[str, Any]]:
