@@ -74,6 +74,15 @@ def _every_row(storage: ShardedGearStorage):
     return batch, ShardedGearStorage.shard_of(batch["index"].as_subclass(torch.Tensor))
 
 
+def _after_a_restart(read):
+    """``read()``, once more where a connection the restart broke fails first (the documented raise; the
+    next request reaches the owner where it serves now)."""
+    try:
+        return read()
+    except ShardUnavailableError:
+        return read()
+
+
 def _assert_whole_episodes(batch, shard, episodes: int, length: int) -> dict[tuple[int, int], int]:
     """Each (writer, episode) is ``length`` steps, all of them on one shard; returns each one's shard."""
     where: dict[tuple[int, int], int] = {}
@@ -227,9 +236,11 @@ def test_a_restarted_owner_comes_back_from_its_last_checkpoint(tmp_path):
                 assert time.monotonic() < deadline, "the restarted owner never answered Ray"
                 time.sleep(0.2)
         assert stats["pid"] != old and stats["restored"]["rows"] == 10
-        assert _rows_now(storage) == 15 + 10  # shard 0 kept its 15; shard 1 is back at its checkpoint
+        assert (
+            _after_a_restart(lambda: _rows_now(storage)) == 15 + 10
+        )  # shard 0 kept its 15; shard 1 is back at its checkpoint
         ray.get(writer.write.remote(2, 5), timeout=60)  # writers reach it again too
-        batch, shard = _every_row(storage)
+        batch, shard = _after_a_restart(lambda: _every_row(storage))
         assert torch.bincount(shard, minlength=2).tolist() == [20, 15]
     finally:
         storage.close()

@@ -149,7 +149,9 @@ class ShardedWrites:
                 break
             except (ShardUnavailableError, StoreClosedError) as exc:
                 self._open = None
-                if not self._relocated(shard):
+                if self._relocated(shard):
+                    self._open = shard  # the retry goes to the same shard, where it serves now
+                else:
                     self._failed(shard, ShardUnavailableError(f"writing to shard {shard}: {exc}"))
         self._open = None if ends_episode else shard
 
