@@ -107,9 +107,6 @@ class ShardOwner:
         """This shard's descriptor and the job's secret (an actor call: Ray's own authenticated channel)."""
         return self._descriptor, self._secret
 
-    def descriptor(self) -> ShardDescriptor:
-        return self._descriptor
-
     def stats(self) -> dict[str, Any]:
         return {**self.storage.stats(), "pid": os.getpid(), "restored": self.restored}
 
@@ -179,31 +176,14 @@ class RayOwners:
     def join_info(self, timeout: float | None = None) -> tuple[list[ShardDescriptor], bytes]:
         """Every shard's descriptor and the job's secret, asked of the owners (Ray actor calls) within
         ``timeout`` (default: the store's)."""
-        import ray
-
         timeout = self.timeout if timeout is None else timeout
-        try:
-            answers = ray.get([a.join_info.remote() for a in self.actors], timeout=timeout)
-        except (
-            ray.exceptions.RayActorError,
-            ray.exceptions.ActorUnavailableError,
-            ray.exceptions.GetTimeoutError,
-        ) as exc:
-            raise ShardUnavailableError(f"a shard owner did not answer within {timeout:g} s: {exc}") from exc
+        answers = _answers([a.join_info.remote() for a in self.actors], timeout, "a shard owner did not answer")
         return [d for d, _ in answers], answers[0][1]
 
     def locate(self, shard: int) -> ShardDescriptor:
         """Where ``shard``'s owner serves now (a restarted owner serves elsewhere)."""
-        import ray
-
-        try:
-            return ray.get(self.actors[shard].descriptor.remote(), timeout=self.timeout)
-        except (
-            ray.exceptions.RayActorError,
-            ray.exceptions.ActorUnavailableError,
-            ray.exceptions.GetTimeoutError,
-        ) as exc:
-            raise ShardUnavailableError(f"shard {shard}'s owner is gone: {type(exc).__name__}: {exc}") from exc
+        ref = self.actors[shard].join_info.remote()
+        return _answers([ref], self.timeout, f"shard {shard}'s owner is gone")[0][0]
 
     def checkpoint(self) -> list[dict[str, Any]]:
         import ray
@@ -285,6 +265,17 @@ def start_owners(
         if made is not None:
             remove_placement_group(made)
         raise
+
+
+def _answers(refs: list[Any], timeout: float, failure: str) -> list[Any]:
+    """The owners' answers to actor calls ``refs``; an owner dead, restarting or silent past ``timeout`` is
+    ``ShardUnavailableError`` (``failure`` says which)."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout)
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError) as exc:
+        raise ShardUnavailableError(f"{failure} within {timeout:g} s: {type(exc).__name__}: {exc}") from exc
 
 
 def _unplaceable(num_shards: int, bundle: dict[str, float], timeout: float, ray: Any) -> str:

@@ -27,7 +27,7 @@ from gear_torchrl.adapters.episode_sinks import checked_episode
 from gear_torchrl.adapters.rate_limiters import RateLimiter
 from gear_torchrl.adapters.ray_owners import OwnerConfig, RayOwners, start_owners
 from gear_torchrl.adapters.samplers.uniform import GearUniformSampler
-from gear_torchrl.adapters.sharded_writes import Routing, ShardedWrites, ends_an_episode
+from gear_torchrl.adapters.sharded_writes import ShardedWrites, ends_an_episode
 from gear_torchrl.adapters.stats import Rates
 from gear_torchrl.adapters.storage import GearStorage
 from gear_torchrl.adapters.table_storage import TableStorage
@@ -35,7 +35,7 @@ from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.bootstrap import Membership, join
 from gear_torchrl.distributed.directory import ShardDescriptor, host_id
 from gear_torchrl.distributed.secret import operator_secret
-from gear_torchrl.distributed.shard_set import Options, ShardSet
+from gear_torchrl.distributed.shard_set import Options, Routing, ShardSet
 from gear_torchrl.distributed.sharded_table import ShardedTable
 from gear_torchrl.selection.picked import SelectionIndex, sample_of
 from gear_torchrl.selection.uniform import UniformSpec
@@ -423,7 +423,7 @@ class ShardedGearStorage(TableStorage):
                 timeout=options.timeout,
                 transport=options.transport,
                 on_shard_failure=options.on_shard_failure,
-                routing=options.routing,  # type: ignore[arg-type]  # checked by Options
+                routing=options.routing,
                 own=own,
                 locate=self._locate,
             )
@@ -444,7 +444,6 @@ class ShardedGearStorage(TableStorage):
             sink = self.episode_sink()
             leaves = checked_episode(sink, _without_writer_index(data, sink.table()), isinstance(cursor, int)).flat()
             sink.commit(leaves, ends_episode=ends_an_episode(leaves, self.descriptors[0].end_keys))
-        self._shards.rows.clear()
 
     def _empty(self) -> None:
         raise NotImplementedError("empty each shard on its owner (`storage.local`)")

@@ -28,19 +28,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 from gear_torchrl.adapters.episode_sinks import StoreSink
 from gear_torchrl.adapters.storage import GearStorage
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.distributed.shard_client import ShardClient
+from gear_torchrl.distributed.shard_set import Routing
 from gear_torchrl.errors import ShardUnavailableError, StoreClosedError
 from gear_torchrl.store.table_spec import Leaves, NestedKey, TableSpec
 
 logger = logging.getLogger(__name__)
-
-Routing = Literal["round_robin", "least_full"]
-ROUTINGS: tuple[Routing, ...] = ("round_robin", "least_full")
 
 
 class RemoteShardSink:
@@ -99,9 +96,7 @@ class ShardedWrites:
         own: tuple[int, GearStorage] | None = None,
         locate: Callable[[int], ShardDescriptor] | None = None,
     ) -> None:
-        if routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-        self.routing = routing
+        self.routing = routing  # checked by the store's Options
         self._skip = on_shard_failure == "skip"
         self._secret, self._timeout, self._locate = secret, timeout, locate
         self._sinks: dict[int, Sink] = {}
@@ -116,6 +111,8 @@ class ShardedWrites:
         self._turn = os.getpid() % len(self.candidates)
         self._open: int | None = None  # the shard an episode that goes on was sent to
         self.failed: dict[int, str] = {}
+        self._table: TableSpec | None = None  # the shards' table, once one holds rows
+        self._asked = False  # every shard said it had none since this writer's last commit
 
     def _sink_to(self, descriptor: ShardDescriptor, near: bool) -> Sink:
         if not near:
@@ -131,6 +128,10 @@ class ShardedWrites:
         return isinstance(self._sinks[shard], StoreSink)
 
     def table(self) -> TableSpec | None:
+        """The shards' table: asked of them until one has it, at most once per episode while none has."""
+        if self._table is not None or self._asked:
+            return self._table
+        self._asked = True
         for shard in self._live():
             try:
                 table = self._sinks[shard].table()
@@ -138,6 +139,7 @@ class ShardedWrites:
                 self._failed(shard, exc)
                 continue
             if table is not None:
+                self._table = table
                 return table
         return None
 
@@ -154,6 +156,7 @@ class ShardedWrites:
                 else:
                     self._failed(shard, ShardUnavailableError(f"writing to shard {shard}: {exc}"))
         self._open = None if ends_episode else shard
+        self._table, self._asked = self._table or leaves.spec, False
 
     def _route(self) -> int:
         """The shard this episode (or chunk) goes to."""
@@ -180,6 +183,9 @@ class ShardedWrites:
         self._sinks[shard] = self._sink_to(found, isinstance(old, StoreSink) and found.on_this_host)
         if isinstance(old, RemoteShardSink):
             old.close()
+        elif old.storage in self._attached:  # the dead store's mapping
+            self._attached.remove(old.storage)
+            old.storage.close()
         return True
 
     def _rows(self, shard: int) -> int:

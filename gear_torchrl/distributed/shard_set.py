@@ -34,7 +34,9 @@ from gear_torchrl.store.table_spec import TableSpec
 if TYPE_CHECKING:
     from gear_torchrl.distributed.shard_server import ShardServer
 
-__all__ = ["Options", "ShardPicks", "ShardSet"]  # ShardPicks: what ``ShardSet.pick`` answers
+__all__ = ["ROUTINGS", "Options", "Routing", "ShardPicks", "ShardSet"]  # ShardPicks: what ``ShardSet.pick`` answers
+Routing = Literal["round_robin", "least_full"]  # which shard a writer's episode goes to (adapters/sharded_writes.py)
+ROUTINGS: tuple[Routing, ...] = ("round_robin", "least_full")
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class Options:
     timeout: float = 10.0
     pin_memory: bool = False
     prefetch: int | Literal["auto"] = "auto"  # batches asked for ahead (True: 1; "auto": see ShardBatches)
-    routing: str = "round_robin"  # which shard a writer's episode goes to (``adapters/sharded_writes.py``)
+    routing: Routing = "round_robin"
 
     def __post_init__(self) -> None:
         if isinstance(self.prefetch, bool):
@@ -57,8 +59,8 @@ class Options:
             raise ValueError(f"transport must be 'auto', 'tcp', 'local' or 'rdma', got {self.transport!r}")
         if self.on_shard_failure not in ("raise", "skip"):
             raise ValueError(f"on_shard_failure must be 'raise' or 'skip', got {self.on_shard_failure!r}")
-        if self.routing not in ("round_robin", "least_full"):
-            raise ValueError(f"routing must be 'round_robin' or 'least_full', got {self.routing!r}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         if self.pin_memory and not torch.cuda.is_available():
