@@ -352,7 +352,7 @@ class ShardedGearStorage(TableStorage):
         their rows)."""
         now = time.monotonic()
         if now - self._rows_asked > LEN_FRESH_S and not self._shards.batches.asked_ahead:
-            self._shards.rows.clear()
+            self._shards.links.ask_rows()  # not a pick: the draws stay what the seed makes them
             self._rows_asked = now
         return self._shards.total_rows()
 

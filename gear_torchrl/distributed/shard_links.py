@@ -147,6 +147,12 @@ class ShardLinks:
     def rows_known(self) -> bool:
         return self.rows.keys() >= set(self.live_shards)
 
+    def ask_rows(self) -> None:
+        """Ask every live shard's owner how many rows it holds now (a DESCRIBE each: no pick, so no rule's
+        masses or seeded draws change)."""
+        answers = self.on_each(self.live(), lambda s, _: int(self.client(s).describe()["rows"]), [0] * len(self.live()))
+        self.rows.update(answers)
+
     def stats(self, directory: Heartbeats | None, rates: Rates, rows_sampled: int) -> dict[str, Any]:
         """Rows per shard (last answer, else heartbeat) and in all; inserts from heartbeats; rates."""
         per_shard: list[dict[str, Any]] = []

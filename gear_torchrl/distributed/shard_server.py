@@ -445,6 +445,7 @@ class _Session:
                 "spec": None if spec is None else spec.to_json(),
                 "capacity": self.shard.capacity,
                 "offsets": None if spec is None else shared.columns.column_offsets(),
+                "rows": self.shard.readable_rows(),
             },
         )
 
