@@ -8,8 +8,8 @@ owner answered with an error) is always raised, once every other call is done.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 from gear_torchrl.errors import ShardUnavailableError
@@ -20,7 +20,8 @@ FailurePolicy = Literal["raise", "skip"]
 
 
 class FanOut:
-    """Runs ``call(shard, count)`` on shards in parallel (threads), applying the failure policy."""
+    """Runs ``call(shard, count)`` on shards in parallel (threads where a shard waits on its peer), applying the
+    failure policy."""
 
     def __init__(self, policy: FailurePolicy, workers: int) -> None:
         if policy not in ("raise", "skip"):
@@ -41,15 +42,19 @@ class FanOut:
         """Results of the shards that answered; ``on_unavailable(shard)`` runs for each that failed."""
         return self.settle(self.outcomes(shards, call, counts), on_unavailable, allow_skip)
 
-    def outcomes(self, shards: list[int], call: Callable[[int, int], Any], counts: list[int]) -> list[tuple[int, Any]]:
-        """``call(shard, count)`` on each shard (threads when several), each result or exception in shard order."""
-        if len(shards) == 1:
-            return [(shards[0], _outcome(call, shards[0], counts[0]))]
-        if not shards:
-            return []
-        self._pool = self._pool or ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="gear-shards")
-        futures = [(s, self._pool.submit(_outcome, call, s, k)) for s, k in zip(shards, counts)]
-        return [(s, f.result()) for s, f in futures]
+    def outcomes(
+        self, shards: list[int], call: Callable[[int, int], Any], counts: list[int], here: Collection[int] = ()
+    ) -> list[tuple[int, Any]]:
+        """``call(shard, count)`` on each shard, each result or exception in shard order: the shards in ``here``
+        in the caller's thread, the others on threads started first (in the caller's thread too when one is all
+        there is)."""
+        away = [(s, k) for s, k in zip(shards, counts) if s not in here]
+        pending: dict[int, Future[Any]] = {}
+        if len(away) > 1 or (away and len(away) < len(shards)):
+            self._pool = self._pool or ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="gear-shards")
+            pending = {s: self._pool.submit(_outcome, call, s, k) for s, k in away}
+        done = {s: _outcome(call, s, k) for s, k in zip(shards, counts) if s not in pending}
+        return [(s, done[s] if s in done else pending[s].result()) for s in shards]
 
     def settle(
         self, outcomes: list[tuple[int, Any]], on_unavailable: Callable[[int], None], allow_skip: bool = True

@@ -253,8 +253,8 @@ class ShardBatches:
         """Every live shard's answer to ``round_``. If a shard fails or refuses, what the batch took goes back
         first.
 
-        The tcp owners' replies are received at once; the other shards answer each
-        on a thread of the fan-out meanwhile.
+        The tcp owners' replies are received at once; meanwhile the other shards answer each apart, on a thread
+        of the fan-out where it waits on a peer (rdma), else in this thread (``Route.here``).
         """
         links = self._links
         live, asks, route = round_.live, round_.asks, round_.route
@@ -269,6 +269,7 @@ class ShardBatches:
                     route.apart,
                     lambda s, _: self._select_apart(s, route.transports[s], asks[s]),
                     [0] * len(route.apart),
+                    route.here,
                 )
             )
             outcomes.update(zip(route.together, round_.flight.land()))

@@ -66,6 +66,12 @@ class Route:
     pid: int  # the process it was made in
 
     @property
+    def here(self) -> set[int]:
+        """The shards answered apart in the caller's thread: their transport waits on no peer
+        (``Transport.waits_on_peer``), or could not be opened (the round raises at once)."""
+        return {s for s in self.apart if isinstance(t := self.transports[s], Exception) or not t.waits_on_peer}
+
+    @property
     def whole(self) -> bool:
         """Every shard's transport opened and every tcp owner reached: a route worth keeping."""
         return not self.unreached and not any(isinstance(t, Exception) for t in self.transports.values())

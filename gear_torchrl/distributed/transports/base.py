@@ -31,6 +31,10 @@ class Transport(ABC):
     name: str
     writes_padding: bool = True  # whether padding positions come back as zeros (else: left untouched)
     speaks_to_owner: bool = True  # picks go through the learner's connection to the owner (else: in this process)
+    # Whether answering a rule apart waits on another process (the owner's reply, a NIC's completions). Shards
+    # whose transport does not are answered in the caller's thread: their picks and gathers are this process's
+    # CPU work, which a pool thread does no sooner (measured in BENCHMARKS.md, the store on Ray).
+    waits_on_peer: bool = True
 
     def replies_with_rows(self, spec: SelectionSpec) -> bool:
         """Whether the owner sends the rows of ``spec``'s picks in its reply (tcp): such shards are asked together

@@ -30,6 +30,7 @@ class InProcessTransport(Transport):
 
     name = "local"
     speaks_to_owner = False
+    waits_on_peer = False  # picks and gathers in the caller's thread (a LocalTransport's liveness poll does not block)
 
     def __init__(self, view: ShardView) -> None:
         self._view = view
