@@ -4,7 +4,11 @@ Batch 4096 over 10M rows: draw a batch, then write new priorities for it,
 the PER loop's sampler work. Median of repetitions, synchronized.
 
     python benchmarks/gpu_prioritized_sampling.py [--rows 10000000] [--out gpu_prioritized.json]
-        [--torchrl-site DIR]
+        [--torchrl-site DIR] [--device cuda]
+
+Where TorchRL's sampler does not run, its ratio column reads "not measured" (``null``
+in the JSON): no other contender stands in for the peer. ``--device cpu`` runs the
+script without a GPU, to check the script, not to quote.
 
 TorchRL's trees are C++ built against one torch: where this machine's torch
 differs from the pinned one (the lent GPU image), pass ``--torchrl-site``, a
@@ -69,12 +73,23 @@ def torchrl_seconds_elsewhere(site: str, rows: int, batch: int) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
 
 
+def ratio_rows(times: dict[str, float], peer: str) -> list[dict]:
+    """One row per contender: milliseconds per iteration and the ratio against ``peer``'s time, or
+    ``"not measured"`` (``None`` in the JSON) where ``peer`` did not run: no other contender stands in for it."""
+    base = times.get(peer)
+    return [
+        {"contender": k, "ms_per_iter": round(t * 1e3, 3), "x_vs_torchrl": round(base / t, 2) if base else None}
+        for k, t in times.items()
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--out", default=None)
     parser.add_argument("--torchrl-site", default=None, help="time TorchRL's sampler with the torchrl found here")
+    parser.add_argument("--device", default="cuda", help="where GearPrioritizedSampler runs (cpu: the script's check)")
     parser.add_argument("--torchrl-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.getLogger("torchrl").setLevel(logging.WARNING)
@@ -84,10 +99,11 @@ def main() -> None:
         return
     from gear_torchrl import GearPrioritizedSampler
 
-    contenders = {
-        "GearPrioritizedSampler(device='cuda')": (lambda: GearPrioritizedSampler(n, 0.7, 0.5, device="cuda"), "cuda"),
-        "GearPrioritizedSampler (CPU trees)": (lambda: GearPrioritizedSampler(n, 0.7, 0.5), "cpu"),
-    }
+    device = args.device
+    gear = lambda: GearPrioritizedSampler(n, 0.7, 0.5, device=device)  # noqa: E731
+    contenders = {f"GearPrioritizedSampler(device='{device}')": (gear, device)}
+    if device != "cpu":
+        contenders["GearPrioritizedSampler (CPU trees)"] = (lambda: GearPrioritizedSampler(n, 0.7, 0.5), "cpu")
     times = {name: seconds_per_iteration(make, n, batch, device) for name, (make, device) in contenders.items()}
     try:
         times[TORCHRL] = (
@@ -95,17 +111,16 @@ def main() -> None:
         )
     except Exception as err:  # torchrl's C++ trees need the torch they were built for
         print(f"{TORCHRL}: not measured here ({type(err).__name__}: {err}); see --torchrl-site")
-    base = times.get(TORCHRL, times["GearPrioritizedSampler (CPU trees)"])
-    rows = [
-        {"contender": k, "ms_per_iter": round(t * 1e3, 3), "x_vs_torchrl": round(base / t, 2)} for k, t in times.items()
-    ]
-    print(f"== {torch.cuda.get_device_name()}: sample + update, batch {batch} over {n:,} rows ==")
-    print(table(rows, ["contender", "ms_per_iter", "x_vs_torchrl"]))
+    rows = ratio_rows(times, TORCHRL)
+    machine = torch.cuda.get_device_name() if device == "cuda" else device
+    print(f"== {machine}: sample + update, batch {batch} over {n:,} rows ==")
+    shown = [{**r, "x_vs_torchrl": "not measured" if r["x_vs_torchrl"] is None else r["x_vs_torchrl"]} for r in rows]
+    print(table(shown, ["contender", "ms_per_iter", "x_vs_torchrl"]))
     write_json(
         args.out,
         {
             "benchmark": "gpu_prioritized_sampling",
-            "device": torch.cuda.get_device_name(),
+            "device": machine,
             "rows": n,
             "batch": batch,
             "torchrl_site": args.torchrl_site,

@@ -2,7 +2,8 @@
 
 Uniform batches through a TorchRL replay buffer (the user's path), the gather
 alone against a plain ``index_select`` of the same bytes (the practical memory
-limit), and memory per stored step against the raw bytes.
+limit; both into preallocated outputs, each call's rows fresh), and memory per
+stored step against the raw bytes.
 
     .venv/bin/python benchmarks/storage_sampling.py [--rows 1000000] [--out bench_out/storage.json]
 """
@@ -10,6 +11,7 @@ limit), and memory per stored step against the raw bytes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import shutil
@@ -27,6 +29,8 @@ from torchrl.data import (
 
 from gear_torchrl import GearStorage
 from gear_torchrl.kernels import _C
+
+_INDEX_POOL = 64  # index tensors each call cycles through: 64 batches of rows outrun any cache
 
 LAYOUTS = {
     # name: (row spec, default rows)
@@ -69,6 +73,12 @@ def torchrl_storage_bytes(storage) -> int:
     return sum(t.numel() * t.element_size() for t in storage._storage.values(True, True))
 
 
+def index_select_into(columns: list[torch.Tensor], outs: list[torch.Tensor], index: torch.Tensor) -> None:
+    """The plain-torch gather: ``index_select`` of every column into its preallocated output."""
+    for column, out in zip(columns, outs):
+        torch.index_select(column, 0, index, out=out)
+
+
 def run_layout(name: str, rows: int, batch: int, repeats: int, scratch: str) -> dict:
     layout, _ = LAYOUTS[name]
     raw_row_bytes = sum(torch.Size(s).numel() * d.itemsize for s, d in layout.values())
@@ -86,14 +96,19 @@ def run_layout(name: str, rows: int, batch: int, repeats: int, scratch: str) -> 
         buffers[label] = rb
     plain = {label: ReplayBuffer(storage=rb.storage, batch_size=batch) for label, rb in buffers.items()}
 
-    index = torch.randint(0, rows, (batch,))
+    # Each call reads rows of its own (a fresh index from a pool larger than the caches), so that no
+    # contender finds the last call's rows cached; the gather and index_select both write into the same
+    # preallocated outputs.
+    indices = itertools.cycle([torch.randint(0, rows, (batch,)) for _ in range(_INDEX_POOL)])
     shard = buffers["GearStorage"].storage.shard
     outs = [torch.empty((batch, *c.shape[1:]), dtype=c.dtype) for c in shard.columns]
     contenders = {f"TensorDictReplayBuffer.sample / {k}": rb.sample for k, rb in buffers.items()}
     contenders.update({f"ReplayBuffer.sample / {k}": rb.sample for k, rb in plain.items()})
-    contenders.update({f"storage.get / {k}": (lambda rb=rb: rb.storage.get(index)) for k, rb in buffers.items()})
-    contenders["gather (extension, all columns)"] = lambda: _C.gather(shard.columns, outs, index)
-    contenders["index_select (same bytes)"] = lambda: [c.index_select(0, index) for c in shard.columns]
+    contenders.update(
+        {f"storage.get / {k}": (lambda rb=rb: rb.storage.get(next(indices))) for k, rb in buffers.items()}
+    )
+    contenders["gather (extension, all columns)"] = lambda: _C.gather(shard.columns, outs, next(indices))
+    contenders["index_select (same bytes)"] = lambda: index_select_into(shard.columns, outs, next(indices))
     times = interleaved_medians(contenders, repeats=repeats, inner=10)
 
     results = []

@@ -107,6 +107,17 @@ def _owner_pid(segment: str) -> int:
 
 # -- typed accessors: they narrow what the package and TorchRL declare broadly, and fail loudly where a test's
 # assumption (a shared store, a round-robin writer, a printed line) does not hold.
+def require(module: str) -> None:
+    """Fail (not skip) where ``module``, a declared requirement (requirements.txt), is missing: its absence is a
+    broken set-up, which a skip would hide."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec(module) is None:
+        pytest.fail(f"{module} is not installed, though requirements.txt declares it: `make test` installs it")
+
+
 def found(pattern: str, text: str, flags: int = 0) -> re.Match[str]:
     """``re.search`` that fails, showing the text, where the pattern is absent."""
     match = re.search(pattern, text, flags)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import make_steps
+from prioritized_agreement import check_prioritized_against_torchrl
 from torchrl.data import LazyTensorStorage, PrioritizedSampler, TensorDictReplayBuffer
 
 from gear_torchrl import GearPrioritizedSampler, GearStorage
@@ -52,6 +53,10 @@ def test_weights_and_masses_match_torchrl():
     expected = torch.pow(ref_mass / ref._min_tree.query(0, 30), -0.4).float()
     assert torch.allclose(info["priority_weight"], expected, rtol=1e-5)
     assert info["priority_weight"].dtype == torch.float32
+
+
+def test_written_priorities_land_and_draws_agree_with_torchrl():
+    check_prioritized_against_torchrl("cpu")
 
 
 def test_new_rows_get_the_largest_priority_seen():

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import segments_left_by_dead_owners, shm_segments
+from helpers import require, segments_left_by_dead_owners, shm_segments
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tutorials" / "05_multi_host.py"
 SMALL = [
@@ -66,8 +65,7 @@ def torchrun(*args: str, nproc: int = 3, timeout: int = 110) -> str:
 
 @pytest.fixture(scope="module")
 def local_run() -> str:
-    if importlib.util.find_spec("gymnasium") is None:
-        pytest.skip("gymnasium is not installed (it is in requirements.txt)")
+    require("gymnasium")
     return torchrun(*SMALL)
 
 
@@ -126,8 +124,7 @@ def test_owners_kept_acting_until_the_learner_was_done(local_run):
 
 
 def test_tcp_can_be_forced_and_two_learners_share_the_shards():
-    if importlib.util.find_spec("gymnasium") is None:
-        pytest.skip("gymnasium is not installed (it is in requirements.txt)")
+    require("gymnasium")
     out = torchrun(*SMALL, "--transport", "tcp", "--learners-per-node", "2", "--batches", "5", nproc=4)
     transports = _learner_lines(out, r"shard (\d+) \(rank \d+, [\d.]+:\d+, on this host\) is read over (\w+)")
     assert len(transports) == 2 * OWNERS and {m.group(2) for m in transports} == {"tcp"}, out

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import found, segments_left_by_dead_owners, shm_segments
+from helpers import found, require, segments_left_by_dead_owners, shm_segments
 
 pytest.importorskip("ray", reason="Ray is the [ray] extra: `make test` installs it (requirements.txt)")
-pytest.importorskip("gymnasium", reason="the tutorial's CartPole comes from gymnasium (in requirements.txt)")
+require("gymnasium")  # the tutorial's CartPole
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tutorials" / "08_ray.py"
 

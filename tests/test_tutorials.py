@@ -6,10 +6,14 @@ import importlib.util
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
-from helpers import found, segments_left_by_dead_owners, shm_segments
+from helpers import found, require, segments_left_by_dead_owners, shm_segments
+
+from gear_torchrl import GearStorage
 
 TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
 
@@ -22,15 +26,74 @@ def run(script: str, *args: str, timeout: int = 600, status: int = 0) -> str:
     return result.stdout
 
 
-def test_01_swap_storage_prints_the_speed_up():
-    out = run("01_swap_storage.py", "--steps", "50000", "--batch", "512", "--updates", "20")
-    assert re.search(r"GearStorage\s+[\d.]+ ms per update", out), out
-    assert re.search(r"one line changed: [\d.]+x faster", out), out
+def load_tutorial(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """A tutorial as a module (with ``tutorials/`` importable, as when it runs as a script)."""
+    monkeypatch.syspath_prepend(str(TUTORIALS))
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), TUTORIALS / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def agrees(said: str, ours: float, theirs: float, monkeypatch: pytest.MonkeyPatch, **words: str) -> None:
+    """``said``, a comparison a tutorial printed, is what ``measured.compared`` makes of the two rates it printed
+    beside it: the same words, the ratio within their rounding (a ratio within 2% of 1 may be worded either way)."""
+    want = load_tutorial("measured.py", monkeypatch).compared(ours, theirs, **words)
+    said_ratio, want_ratio = (float(found(r"([\d.]+)x", text).group(1)) for text in (said, want))
+    assert abs(said_ratio - want_ratio) <= 0.02 * want_ratio, (said, want)
+    if abs(want_ratio - 1) > 0.02:
+        assert re.sub(r"[\d.]+x", "", said) == re.sub(r"[\d.]+x", "", want), (said, want)
+
+
+def test_01_swap_storage_says_what_it_measured(monkeypatch):
+    out = run("01_swap_storage.py", "--steps", "50000", "--batch", "512", "--updates", "10", "--rounds", "3")
+    ms = {
+        name: float(found(rf"^{name}\s+([\d.]+) ms per update", out, re.M).group(1))
+        for name in ("LazyTensorStorage", "GearStorage")
+    }
+    said = found(r"one line changed: updates (.+) with GearStorage \(medians of 3 interleaved rounds\)", out).group(1)
+    agrees(said, 1 / ms["GearStorage"], 1 / ms["LazyTensorStorage"], monkeypatch)
+
+
+def test_01_swap_storage_says_slower_when_it_is(monkeypatch, capsys):
+    tutorial = load_tutorial("01_swap_storage.py", monkeypatch)
+    monkeypatch.setattr(
+        tutorial, "train", lambda rb, q_net, updates: 2.0 if isinstance(rb.storage, GearStorage) else 1.0
+    )
+    monkeypatch.setattr(sys, "argv", ["01_swap_storage.py", "--steps", "1000", "--batch", "8", "--rounds", "3"])
+    tutorial.main()
+    assert "one line changed: updates 2.00x slower with GearStorage" in capsys.readouterr().out
+
+
+def test_comparisons_are_worded_as_measured(monkeypatch):
+    compared = load_tutorial("measured.py", monkeypatch).compared
+    assert compared(3.0, 1.0) == "3.00x faster"
+    assert compared(1.0, 2.0) == "2.00x slower"
+    assert compared(1.0, 1.001) == "as fast (1.00x)"
+    assert compared(1.0, 4.0, "more", "fewer", "as many") == "4.00x fewer"
+    with pytest.raises(ValueError, match="rates must be positive"):
+        compared(0.0, 1.0)
+
+
+def test_interleaved_medians_alternate_the_runs(monkeypatch):
+    medians = load_tutorial("measured.py", monkeypatch).interleaved_medians
+    calls: list[str] = []
+    times = {"a": iter([5.0, 1.0, 2.0]), "b": iter([1.0, 9.0, 3.0])}
+
+    def timed(name: str) -> Callable[[], float]:
+        def run() -> float:
+            calls.append(name)
+            return next(times[name])
+
+        return run
+
+    assert medians({"a": timed("a"), "b": timed("b")}, 3) == {"a": 2.0, "b": 3.0}
+    assert calls == ["a", "b"] * 3
 
 
 def test_02_dqn_cartpole_learns():
-    if importlib.util.find_spec("gymnasium") is None:
-        pytest.skip("gymnasium is not installed (it is in requirements.txt)")
+    require("gymnasium")
     target = 300.0
     out = run("02_dqn_cartpole.py", "--frames", "30000", "--target", str(target))
     assert "reached the target" in out, out  # an evaluation's mean return reached the target
@@ -76,8 +139,7 @@ def test_03_sequence_transformer_learns_what_needs_memory():
 
 
 def test_04_many_actors_hold_the_sample_to_insert_ratio():
-    if importlib.util.find_spec("gymnasium") is None:
-        pytest.skip("gymnasium is not installed (it is in requirements.txt)")
+    require("gymnasium")
     actors, steps, ratio, chunk, batch = 2, 3000, 8.0, 64, 256
     out = run_without_leaks(
         "04_many_actors.py",
@@ -122,7 +184,7 @@ def test_06_gpu_says_why_it_cannot_run_without_a_gpu():
     assert "Nothing was run or measured; exiting with status 77 (skipped)." in out, out
 
 
-def test_07_packed_sequences_train_on_real_tokens_only():
+def test_07_packed_sequences_train_on_real_tokens_only(monkeypatch):
     out = run("07_packed_sequences.py", "--episodes", "400", "--budget", "1024", "--steps", "100")
     difference = float(
         found(
@@ -134,12 +196,14 @@ def test_07_packed_sequences_train_on_real_tokens_only():
     assert difference < 1e-4, out  # the attention trained on is exactly document-causal
     share: dict[str, float] = {}
     real: dict[str, float] = {}
+    rate: dict[str, float] = {}
     for name in ("padded", "packed"):
         share_pct, real_tokens, tokens_per_s = found(
             rf"{name}: useful share ([\d.]+)% \(([\d,]+) real of [\d,]+ tokens per batch\), ([\d,]+) real tokens/s", out
         ).groups()
         share[name], real[name] = float(share_pct) / 100, float(real_tokens.replace(",", ""))
-        assert float(tokens_per_s.replace(",", "")) > 0, out
+        rate[name] = float(tokens_per_s.replace(",", ""))
+        assert rate[name] > 0, out
     assert share["packed"] >= 0.95, out  # burn_in=0: a pack is all real tokens
     assert share["padded"] < 0.75 and share["padded"] < share["packed"] - 0.2, out  # windows pad short episodes
     assert abs(real["padded"] - real["packed"]) < 0.1 * real["packed"], out  # same real tokens per optimizer step
@@ -155,4 +219,10 @@ def test_07_packed_sequences_train_on_real_tokens_only():
         out,
     )
     assert min(float(accuracy.group(1)), float(accuracy.group(2))) > 2 * float(accuracy.group(3)), out
-    assert re.search(r"^packed: [\d.]+x the real tokens per second of padded$", out, re.M), out
+    said = found(r"^packed: (.+) real tokens per second than padded$", out, re.M).group(1)
+    agrees(said, rate["packed"], rate["padded"], monkeypatch, higher="more", lower="fewer", even="as many")
+
+
+def test_a_missing_requirement_fails_rather_than_skips():
+    with pytest.raises(pytest.fail.Exception, match="no_such_module_for_gear is not installed"):
+        require("no_such_module_for_gear")

@@ -4,9 +4,9 @@ Below is an ordinary TorchRL training loop: a replay buffer of transitions, a
 learner that samples batches and takes gradient steps. Moving it to
 gear_torchrl changes one line, the storage; everything else, samplers and
 writers included, stays TorchRL's. The script runs the same loop with both
-storages and prints what the swap bought.
+storages, in interleaved rounds (medians), and prints what the swap bought.
 
-    .venv/bin/python tutorials/01_swap_storage.py [--steps 1000000]
+    .venv/bin/python tutorials/01_swap_storage.py [--steps 1000000] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import logging
 import time
 
 import torch
+from measured import compared, interleaved_medians  # tutorials/measured.py: medians, and words that match
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
@@ -63,29 +64,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Swap GearStorage into a TorchRL replay buffer")
     parser.add_argument("--steps", type=int, default=1_000_000)
     parser.add_argument("--batch", type=int, default=4096)
-    parser.add_argument("--updates", type=int, default=200)
+    parser.add_argument("--updates", type=int, default=50, help="updates per storage per round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds, each timing both storages in turn")
     args = parser.parse_args()
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     torch.manual_seed(0)
 
     data = collect(args.steps)
     q_net = torch.nn.Linear(84, 6)  # small on purpose: the loop's cost is the replay buffer's
-    seconds = {}
-    for name, storage in (
-        ("LazyTensorStorage", LazyTensorStorage(args.steps)),
-        ("GearStorage", GearStorage(args.steps)),
-    ):
-        rb = make_buffer(storage, args.batch)
+    buffers = {
+        "LazyTensorStorage": make_buffer(LazyTensorStorage(args.steps), args.batch),
+        "GearStorage": make_buffer(GearStorage(args.steps), args.batch),
+    }
+    for rb in buffers.values():
         rb.extend(data)
         train(rb, q_net, 10)  # warm up
-        seconds[name] = train(rb, q_net, args.updates)
-        print(
-            f"{name:<18} {seconds[name] * 1e3:7.3f} ms per update ({args.batch / seconds[name] / 1e6:5.2f} M "
-            f"sampled steps/s)"
-        )
+    seconds = interleaved_medians(
+        {name: lambda rb=rb: train(rb, q_net, args.updates) for name, rb in buffers.items()}, args.rounds
+    )
+    for name, s in seconds.items():
+        print(f"{name:<18} {s * 1e3:7.3f} ms per update ({args.batch / s / 1e6:5.2f} M sampled steps/s)")
+    speed = compared(1 / seconds["GearStorage"], 1 / seconds["LazyTensorStorage"])
     print(
-        f"Same training code, one line changed: {seconds['LazyTensorStorage'] / seconds['GearStorage']:.2f}x "
-        f"faster updates with GearStorage"
+        f"Same training code, one line changed: updates {speed} with GearStorage "
+        f"(medians of {args.rounds} interleaved rounds)"
     )
 
 

@@ -40,6 +40,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
+from measured import compared  # tutorials/measured.py: a comparison in words that agree with it
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
@@ -104,7 +105,7 @@ def zero_copy(data: TensorDict, batch: int) -> dict[str, float]:
     )
     print(
         f"   LazyTensorStorage + .to('cuda')   {ms['torchrl']:7.3f} ms  {gbps['torchrl']:6.1f} GB/s"
-        f"  -> GearStorage is {ms['torchrl'] / ms['gear']:.1f}x faster"
+        f"  -> GearStorage is {compared(1 / ms['gear'], 1 / ms['torchrl'])}"
     )
     print(f"   pinned memcpy, same bytes         {ms['pcie']:7.3f} ms  {gbps['pcie']:6.1f} GB/s  (the PCIe limit)")
     return gbps

@@ -45,6 +45,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from measured import compared  # tutorials/measured.py: a comparison in words that agree with it
 from tensordict import TensorDict
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
@@ -355,8 +356,10 @@ def main() -> None:
         f"held-out accuracy where memory is needed: padded {accuracy['padded']:.3f}, packed "
         f"{accuracy['packed']:.3f} (chance {1 / args.symbols:.3f})"
     )
-    speed_up = (packed["real"] / packed["seconds"]) / (padded["real"] / padded["seconds"])
-    print(f"packed: {speed_up:.2f}x the real tokens per second of padded")
+    rates = [run["real"] / run["seconds"] for run in (packed, padded)]
+    print(
+        f"packed: {compared(*rates, higher='more', lower='fewer', even='as many')} real tokens per second than padded"
+    )
 
 
 if __name__ == "__main__":

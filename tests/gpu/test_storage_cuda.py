@@ -15,10 +15,11 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
 try:
     from helpers import as_td  # tests/helpers.py, which imports torchrl
+    from prioritized_agreement import check_prioritized_against_torchrl
     from tensordict import TensorDict
     from torchrl.data import RandomSampler, TensorDictReplayBuffer
 
-    from gear_torchrl import GearPrioritizedSampler, GearSequenceSampler, GearStorage
+    from gear_torchrl import GearSequenceSampler, GearStorage
 except ImportError as err:  # the GPU machine needs the carried torchrl/tensordict wheels
     pytest.skip(
         f"torchrl/tensordict not importable here ({err}); carry their wheels (scripts/gpu_check.sh)",
@@ -91,15 +92,9 @@ def test_sequence_windows_match_the_cpu_storage():
     assert_same(got, want)
 
 
-def test_prioritized_sampler_over_a_gpu_storage():
-    rb = TensorDictReplayBuffer(
-        storage=GearStorage(300, device="cuda"), sampler=GearPrioritizedSampler(300, 0.7, 0.5), batch_size=64
-    )
-    rb.extend(steps(300, seed=1))
-    sample = rb.sample()
-    sample["td_error"] = torch.rand(64, device="cuda")
-    rb.update_tensordict_priority(sample)
-    assert sample.device.type == "cuda" and rb.sampler._trees.total > 0
+@pytest.mark.parametrize("sampler_device", ["cpu", "cuda"])
+def test_prioritized_sampler_over_a_gpu_storage(sampler_device):
+    check_prioritized_against_torchrl("cuda", sampler_device)
 
 
 def test_checkpoint_round_trip_on_gpu(tmp_path):

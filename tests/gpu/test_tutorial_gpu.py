@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -16,6 +17,21 @@ if not torch.cuda.is_available():
 TUTORIAL = Path(__file__).resolve().parents[2] / "tutorials" / "06_gpu.py"
 
 
+def compared(ours: float, theirs: float) -> str:
+    """The words tutorials/measured.py gives two rates: what the tutorial prints beside its two times."""
+    spec = importlib.util.spec_from_file_location("measured", TUTORIAL.parent / "measured.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return str(module.compared(ours, theirs))
+
+
+def found(pattern: str, text: str, flags: int = 0) -> re.Match[str]:
+    match = re.search(pattern, text, flags)
+    assert match is not None, f"{pattern!r} not in:\n{text}"
+    return match
+
+
 def test_06_gpu_tutorial(tmp_path):
     plot = tmp_path / "gpu.png"
     result = subprocess.run(
@@ -27,10 +43,13 @@ def test_06_gpu_tutorial(tmp_path):
     out = result.stdout
     assert result.returncode == 0, out[-2000:] + result.stderr[-4000:]
     assert "equal to the stored rows" in out, out
-    timing = re.search(r"GearStorage is ([\d.]+)x faster", out)
-    assert timing is not None, out
-    speedup = float(timing.group(1))
-    assert speedup > 1.0, out  # the zero-copy batch beats CPU gather + pin + copy
+    # The speed itself is a benchmark's figure (benchmarks/gpu_gather.py), not a gate: here its words must agree
+    # with the two times printed beside it.
+    gear = float(found(r"GearStorage\(device='cuda'\)\s+([\d.]+) ms", out).group(1))
+    torchrl = float(found(r"LazyTensorStorage \+ \.to\('cuda'\)\s+([\d.]+) ms", out).group(1))
+    said = found(r"-> GearStorage is (.+)$", out, re.M).group(1)
+    if abs(gear / torchrl - 1) > 0.02:  # (nearer 1, the printed times' rounding could word it either way)
+        assert said.split()[1] == compared(1 / gear, 1 / torchrl).split()[1], (said, gear, torchrl)
     assert re.search(r"memory='device': [\d.]+ ms", out), out
     shares = re.search(r"rewarding steps are (\d+)% of the store and (\d+)% of a batch", out)
     assert shares is not None, out
