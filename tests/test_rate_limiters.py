@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 
@@ -209,6 +210,19 @@ def test_a_limiter_set_on_a_store_with_rows_counts_them_inserted():
     assert rb.sample().batch_size == torch.Size([4])  # the 10 rows already held count toward min_size
     storage.rate_limiter = None
     assert storage.rate_limiter is None
+
+
+def test_a_limiter_pickles_as_its_rule_and_the_copy_counts_afresh():
+    limiter = SampleToInsertRatio(2.0, 5, 4.0, timeout=3.0)
+    rb = limited_buffer(limiter, capacity=100)
+    rb.extend(make_steps(6, seed=0))
+    copy = pickle.loads(pickle.dumps(limiter))  # what an owner actor gets from on_ray(rate_limiter=...)
+    assert type(copy) is SampleToInsertRatio and copy.numbers == limiter.numbers
+    assert (copy.inserts, limiter.inserts) == (0, 6)
+    storage = GearStorage(100)
+    storage.rate_limiter = copy
+    TensorDictReplayBuffer(storage=storage).extend(make_steps(3, seed=1))
+    assert (copy.inserts, limiter.inserts) == (3, 6)
 
 
 def test_a_refused_write_under_a_limiter_counts_nothing_and_leaves_the_cursor():

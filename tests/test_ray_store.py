@@ -6,6 +6,7 @@ is closed by it, and the last test checks that nothing is left in /dev/shm or ru
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -23,8 +24,10 @@ from torchrl.data import TensorDictReplayBuffer
 from gear_torchrl import (
     GearRayReplayBuffer,
     GearStorage,
+    GearUniformSampler,
     PlacementError,
     QueueSampler,
+    SampleToInsertRatio,
     ShardedGearStorage,
     ShardUnavailableError,
     SpecMismatchError,
@@ -145,6 +148,31 @@ def test_least_full_routing_evens_out_the_shards():
         ray.get(writer.write.remote(3, 10), timeout=60)  # then the emptier shard each time: 1, 1, 1
         batch, shard = _every_row(storage)
         assert torch.bincount(shard, minlength=2).tolist() == [30, 30]
+    finally:
+        storage.close()
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_an_owners_rate_limiter_holds_a_remote_writer_until_the_learner_samples(transport):
+    """The learner's draws count at the owner, through shared memory or over tcp. Held longer than the
+    storage's timeout (over tcp: told HELD), the writer keeps waiting, not taking the owner for dead, with
+    the rows the ratio allows stored; the learner's draws let the rest in, whole episodes."""
+    limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=10, error_buffer=10.0, timeout=30.0)
+    storage = _store(num_shards=1, transport=transport, timeout=1.0, rate_limiter=limiter)
+    try:
+        writer = rw.Writer.remote(storage, 0)
+        written = writer.write.remote(6, 10)
+        done, _ = ray.wait([written], timeout=4.0)  # four times the storage's timeout
+        assert not done, "the limiter let 60 rows in with nothing sampled"
+        assert _rows_now(storage) == 20  # the first episode (under min size), and the second: diff 20 <= 20
+        rb = TensorDictReplayBuffer(storage=storage, sampler=GearUniformSampler(), batch_size=10)
+        deadline = time.monotonic() + 30
+        while not ray.wait([written], timeout=0.05)[0]:
+            assert time.monotonic() < deadline, "the writer stayed held while the learner sampled"
+            rb.sample()
+        assert ray.get(written) == 60
+        batch, shard = _every_row(storage)
+        _assert_whole_episodes(batch, shard, 6, 10)
     finally:
         storage.close()
 
@@ -311,6 +339,36 @@ def test_closing_leaves_nothing_in_shared_memory_or_running(cluster):
     while time.monotonic() < deadline and (any(_running(p) for p in pids) or shm_segments() - cluster):
         time.sleep(0.2)
     assert not [p for p in pids if _running(p)], "an owner process outlived close()"
+    assert shm_segments() - cluster == set(), "segments left in /dev/shm"
+
+
+_DRIVER = """
+import json, sys
+import ray, torch
+from tensordict import TensorDict
+from gear_torchrl import ShardedGearStorage, TrajectoryWriter
+ray.init(address=sys.argv[1], log_to_driver=False)
+storage = ShardedGearStorage.on_ray(100, num_shards=2, num_cpus=0, serve_on="127.0.0.1", transport="tcp")
+writer = TrajectoryWriter(storage)
+writer.extend(TensorDict({"obs": torch.randn(5, 3), ("next", "done"): torch.ones(5, 1, dtype=torch.bool)}, [5]))
+writer.end_episode()
+pids = [ray.get(a.stats.remote(), timeout=10)["pid"] for a in storage.owners]
+print(json.dumps({"pids": pids, "rows": len(storage)}))
+"""  # exits without storage.close()
+
+
+def test_a_driver_that_exits_without_closing_leaves_nothing_behind(cluster):
+    address = ray.get_runtime_context().gcs_address
+    result = subprocess.run(
+        [sys.executable, "-c", _DRIVER, address], capture_output=True, text=True, timeout=120, env=os.environ.copy()
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    told = json.loads(result.stdout.strip().splitlines()[-1])
+    assert told["rows"] == 5 and len(told["pids"]) == 2
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (any(_running(p) for p in told["pids"]) or shm_segments() - cluster):
+        time.sleep(0.2)
+    assert not [p for p in told["pids"] if _running(p)], "an owner process outlived its driver"
     assert shm_segments() - cluster == set(), "segments left in /dev/shm"
 
 

@@ -36,7 +36,9 @@ class RateLimiter:
     (``None``: forever).
 
     The counts live with the storage that holds the limiter; over a shared store they
-    are the store's, with the rule, so every process attached to it obeys them.
+    are the store's, with the rule, so every process attached to it obeys them. A limiter
+    pickles as its rule (to a Ray owner, say): the copy counts afresh until a storage
+    takes it.
     """
 
     def __init__(
@@ -59,6 +61,12 @@ class RateLimiter:
         self.min_diff, self.max_diff = min_diff, max_diff
         self.timeout = timeout
         self._counters: LocalRateCounters | SharedRateCounters = LocalRateCounters()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_counters"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _counters=LocalRateCounters())
 
     @property
     def numbers(self) -> RuleNumbers:

@@ -108,7 +108,9 @@ class ShardOwner:
         return self._descriptor, self._secret
 
     def stats(self) -> dict[str, Any]:
-        return {**self.storage.stats(), "pid": os.getpid(), "restored": self.restored}
+        """The shard's ``stats()``, with where it runs (its process and Ray node) and what it restored."""
+        node = require_ray().get_runtime_context().get_node_id()
+        return {**self.storage.stats(), "pid": os.getpid(), "node_id": node, "restored": self.restored}
 
     # -- checkpoints --------------------------------------------------------------------------
     def _root(self) -> Path:

@@ -64,12 +64,12 @@ class RemoteShardSink:
 
     def commit(self, leaves: Leaves, *, ends_episode: bool = True) -> None:
         answer = self._connected().insert(leaves)
-        self._rows = int(answer["rows"])
+        self._rows = int(answer["filled"])
         if self._table is None:
             self._table = leaves.spec
 
     def rows(self) -> int:
-        """The rows the shard held at its last answer to this writer."""
+        """The rows the shard's ring had filled at its last answer to this writer (live or not)."""
         return self._rows
 
     def close(self) -> None:

@@ -76,6 +76,8 @@ class NativeOwner:
         next (None: read it as usual) or one needs Python (returned, as a request to answer)."""
         log = self.view.shared.log
         caught_up = False
+        if self.view.shared.rates.has_rule:  # draws under a rate limiter count: Python answers them (pick)
+            return None
         while not log.reading:
             source = self._mapped()
             if source is None:
@@ -194,8 +196,8 @@ class NativeOwner:
         then ``arm``)."""
         windows = self._windows[2] if self._windows is not None and ask.samples_windows else None
         priorities = self._priorities[2] if self._priorities is not None and ask.samples_prioritized else None
-        if self.view.shared.log.reading:  # a section Python holds stays Python's
-            return None
+        if self.view.shared.log.reading or self.view.shared.rates.has_rule:  # a section Python holds, or
+            return None  # draws under a rate limiter (counted by ShardView.pick): Python's
         if not (ask.samples_rows or windows == ask.spec or priorities == ask.spec):
             return None
         source = self._mapped()

@@ -30,9 +30,8 @@ import logging
 import select
 import socket
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -196,6 +195,61 @@ class ShardServer:
             return list(self._connections)
 
 
+class _HeldNotices:
+    """Tells a writer HELD every ``period`` seconds while its INSERT waits for the rate limiter.
+
+    The session's thread commits the episode; this helper's thread (one per connection, started by its
+    first INSERT) only speaks while one waits. A notice being sent is finished before the session sends
+    its reply, so the two never interleave on the connection.
+    """
+
+    def __init__(self, conn: socket.socket, period: float) -> None:
+        self._conn, self._period = conn, period
+        self._turn = threading.Condition()
+        self._insert = 0  # the INSERT being admitted now, counted from 1; 0: none
+        self._count = 0
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def while_waiting(self) -> Iterator[None]:
+        with self._turn:
+            self._count += 1
+            self._insert = self._count
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._notices, name="gear-shard-held", daemon=True)
+                self._thread.start()
+            self._turn.notify()
+        try:
+            yield
+        finally:
+            with self._turn:
+                self._insert = 0
+
+    def _notices(self) -> None:
+        with self._turn:
+            while not self._closed:
+                if not self._insert:
+                    self._turn.wait()
+                    continue
+                insert, due = self._insert, time.monotonic() + self._period
+                while self._insert == insert and not self._closed:
+                    left = due - time.monotonic()
+                    if left > 0:
+                        self._turn.wait(left)
+                        continue
+                    try:
+                        wire.send(self._conn, Message(Op.HELD))
+                    except OSError:  # the connection is gone: the session's own send says so
+                        return
+                    due += self._period
+
+    def close(self) -> None:
+        with self._turn:
+            self._closed = True
+            self._turn.notify()
+
+
 class ReplyCutShort(ConnectionError):
     """A reply failed once its first bytes may have left: the connection cannot carry another message."""
 
@@ -210,6 +264,7 @@ class _Session:
         self.shard = view.shard
         self.timeout = timeout
         self.native = NativeOwner(view)
+        self.held = _HeldNotices(conn, timeout / 3)
         self.holding = False  # a selection's rows stay readable for a one-sided read, until RELEASE
 
     def next_request(self) -> Message:
@@ -412,28 +467,15 @@ class _Session:
         return Message(Op.OK)
 
     def _insert(self, request: Message) -> Message:
-        """Commit a writer's episode whole once admitted, telling the writer HELD while it waits; the reply
-        says the rows the shard holds and its inserts since it was made."""
+        """Commit a writer's episode whole once admitted, in this thread, the writer told HELD while it waits;
+        the reply says its inserts since it was made and the rows of its ring they filled (live or not: what
+        least-full routing compares, and free to count)."""
         self.view.shared.mapped_columns()  # the table as another process may have laid it out
         leaves = received_episode(request, self.shard.table)
-        done: Future[None] = Future()
-
-        def commit() -> None:
-            try:
-                with self.admit(leaves.n):
-                    self.shard.commit(leaves)
-                done.set_result(None)
-            except BaseException as exc:  # noqa: BLE001  (the session thread raises it)
-                done.set_exception(exc)
-
-        threading.Thread(target=commit, name="gear-shard-insert", daemon=True).start()
-        while True:
-            try:
-                done.result(timeout=self.timeout / 3)
-                break
-            except FutureTimeout:
-                wire.send(self.conn, Message(Op.HELD))
-        return Message(Op.OK, {"rows": self.shard.readable_rows(), "inserts": self.view.shared.rows_inserted})
+        with self.held.while_waiting(), self.admit(leaves.n):
+            self.shard.commit(leaves)
+        inserts = self.view.shared.rows_inserted
+        return Message(Op.OK, {"filled": min(inserts, self.shard.capacity), "inserts": inserts})
 
     def _describe(self) -> Message:
         shared = self.view.shared
@@ -450,6 +492,7 @@ class _Session:
         )
 
     def close(self) -> None:
+        self.held.close()
         self.native.close()
         self.view.close()
 

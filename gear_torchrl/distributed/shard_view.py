@@ -43,7 +43,9 @@ class ShardView:
         """``count`` picks drawn from the learner's ``seed`` (None: the owner's global generator), their
         rows readable until ``release`` (none held when nothing was picked).
 
-        Its scalars are plain floats, with the shard's ``rows`` (what the learner's size comes from).
+        Its scalars are plain floats, with the shard's ``rows`` (what the learner's size comes from). Under
+        the shard's rate limiter (a rule its owner published) the rows picked count as sampled, so that
+        writers held for the learners' pace are let in as learners draw, wherever they draw from.
         """
         generator = _seeded(seed)
         with self.selector(spec) as selector, self.shard.picking():
@@ -51,6 +53,8 @@ class ShardView:
             picked = selector.pick(self.shard, count, generator)
         if not picked.count:
             self.release()
+        elif self.shared.rates.has_rule:
+            self.shared.rates.add(sampled=picked.count * max(picked.window_len, 1))
         picked.scalars = {**{k: float(v) for k, v in picked.scalars.items()}, "rows": self.shard.size}
         return picked
 

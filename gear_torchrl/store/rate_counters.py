@@ -187,6 +187,11 @@ class SharedRateCounters:
         """Bumped by every ``publish_rule`` (read without the lock: a process checks it on every call)."""
         return int(self._words[_W_RULE_VERSION])
 
+    @property
+    def has_rule(self) -> bool:
+        """Whether a rule is published (read without the lock, as ``rule_version``)."""
+        return bool(self._words[_W_HAS_RULE])
+
     def rule(self) -> RuleNumbers | None:
         with self._locked():
             if not self._words[_W_HAS_RULE]:
