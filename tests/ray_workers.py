@@ -98,6 +98,17 @@ class WriterActor:
             rb.extend(data[length // 2 :])
         return episodes * length
 
+    def extend_across(self, episodes: int, length: int, batch: int) -> int:
+        """``rb.extend`` of ``episodes`` back to back in batches of ``batch`` steps, cut across episodes."""
+        from tensordict import cat
+        from torchrl.data import TensorDictReplayBuffer
+
+        rb = TensorDictReplayBuffer(storage=self.storage, batch_size=1)
+        steps = cat([episode(self.writer_id, e, length) for e in range(episodes)])
+        for first in range(0, len(steps), batch):
+            rb.extend(steps[first : first + batch])
+        return len(steps)
+
     def stage(self, steps: int) -> int:
         """Stage steps of an episode and never end it (the test kills this actor)."""
         self.writer.extend(episode(self.writer_id, 0, steps))

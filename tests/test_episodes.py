@@ -206,3 +206,45 @@ def test_the_kernel_refuses_records_without_room_and_changes_nothing():
     changed = _C.episodes_append(start, length, closed, dead, first, nxt, torch.tensor([3]), ends[2:], 3, 8)
     assert (first.tolist(), nxt.tolist()) == ([1], [2]) and start[0, 1] == 3 and length[0, 1] == 1
     assert sorted(changed.tolist()) == [0, 1] and not closed[0, 1]
+
+
+def _leaves_of(dones: list[bool]):
+    from gear_torchrl.store.ring import as_leaves
+    from gear_torchrl.store.table_spec import TableSpec
+
+    td = steps_td(0, dones)
+    return as_leaves(td, False, TableSpec.from_data(td, 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=40), st.booleans())
+def test_an_extend_is_cut_at_its_episode_ends_into_at_most_three_routed_parts(dones, continues):
+    """``episode_parts``: the parts rebuild the extend in order; every part but an unfinished last one ends an
+    episode; an open episode's rest is a part of its own (it goes to its shard), the whole episodes after it
+    are one part, and only the trailing unfinished episode is left open."""
+    from gear_torchrl.adapters.sharded_writes import episode_parts
+
+    parts = episode_parts(_leaves_of(dones), [("next", "done")], continues=continues)
+    step = _leaves_of(dones).spec.position("step")
+    rebuilt = torch.cat([p.values[step] for p, _ in parts])
+    assert torch.equal(rebuilt, torch.arange(len(dones))) and sum(p.n for p, _ in parts) == len(dones)
+    ends = [i for i, d in enumerate(dones) if d]
+    bounds = [0]
+    for p, _ in parts:
+        bounds.append(bounds[-1] + p.n)
+    for (part, closes), first, stop in zip(parts, bounds, bounds[1:]):
+        assert part.n > 0
+        assert closes == dones[stop - 1], "a part ends an episode exactly when its last step does"
+        if not closes:
+            assert not any(dones[first:stop]) and stop == len(dones), "only a trailing unfinished part stays open"
+    expected = (1 if continues and len(ends) > 1 else 0) + (1 if ends else 0) + (0 if dones[-1] else 1)
+    assert len(parts) == expected
+    if continues and len(ends) > 1:
+        assert bounds[1] == ends[0] + 1, "the open episode's rest goes alone to its shard"
+
+
+def test_rows_that_carry_no_end_key_are_one_unit():
+    from gear_torchrl.adapters.sharded_writes import episode_parts
+
+    parts = episode_parts(_leaves_of([False, False, False]), [("next", "terminated")], continues=True)
+    assert [(p.n, closes) for p, closes in parts] == [(3, True)]

@@ -140,6 +140,20 @@ def test_writer_actors_land_whole_episodes_through_shared_memory_or_over_tcp(tra
         storage.close()
 
 
+def test_extends_that_end_inside_an_episode_still_spread_whole_episodes_over_the_shards():
+    """Batches of 15 over episodes of 10: each batch's whole episodes are routed apart from the episode it
+    leaves open (which keeps its shard for its rest), so round robin alternates episode by episode."""
+    storage = _store(transport="tcp")
+    try:
+        writer = rw.Writer.remote(storage, 0)
+        assert ray.get(writer.extend_across.remote(6, 10, 15), timeout=60) == 60
+        batch, shard = _every_row(storage)
+        where = _assert_whole_episodes(batch, shard, 6, 10)
+        assert [where[(0, e)] for e in range(6)] in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
+    finally:
+        storage.close()
+
+
 def test_least_full_routing_evens_out_the_shards():
     storage = _store(routing="least_full", transport="tcp")
     try:

@@ -27,7 +27,7 @@ from gear_torchrl.adapters.episode_sinks import checked_episode
 from gear_torchrl.adapters.rate_limiters import RateLimiter
 from gear_torchrl.adapters.ray_owners import OwnerConfig, RayOwners, start_owners
 from gear_torchrl.adapters.samplers.uniform import GearUniformSampler
-from gear_torchrl.adapters.sharded_writes import ShardedWrites, ends_an_episode
+from gear_torchrl.adapters.sharded_writes import ShardedWrites, episode_parts
 from gear_torchrl.adapters.stats import Rates
 from gear_torchrl.adapters.storage import GearStorage
 from gear_torchrl.adapters.table_storage import TableStorage
@@ -115,7 +115,8 @@ class ShardedGearStorage(TableStorage):
     through shared memory, or, where none is (or with ``transport="tcp"``), sends each
     episode to an owner over tcp, committed there whole; ``routing`` says which
     shard (``adapters/sharded_writes.py``). An episode's chunks (a TrajectoryWriter's
-    ``max_chunk``, an ``extend`` whose last step ends no episode) stay on one shard.
+    ``max_chunk``, the unfinished episode at the end of an ``extend``) stay on one
+    shard; the whole episodes of an ``extend`` are routed as one unit apart from it.
     Each shard's own rate limiter admits the episodes it takes.
 
     ``storage.rate_limiter = RateLimiter(...)`` gates this process's appends and draws
@@ -443,7 +444,8 @@ class ShardedGearStorage(TableStorage):
                 return
             sink = self.episode_sink()
             leaves = checked_episode(sink, _without_writer_index(data, sink.table()), isinstance(cursor, int)).flat()
-            sink.commit(leaves, ends_episode=ends_an_episode(leaves, self.descriptors[0].end_keys))
+            for part, ends in episode_parts(leaves, self.descriptors[0].end_keys, continues=sink.continues_episode):
+                sink.commit(part, ends_episode=ends)
 
     def _empty(self) -> None:
         raise NotImplementedError("empty each shard on its owner (`storage.local`)")

@@ -14,7 +14,9 @@ next candidate, each writer starting at one drawn from its process id so that
 writers spread from their first episode; ``"least_full"`` sends it to the
 candidate holding the fewest rows, as of its last answer to this writer (a
 shard not written yet counts as empty). The chunks of one episode
-(``ends_episode=False``) stay on the shard its first chunk went to.
+(``ends_episode=False``) stay on the shard its first chunk went to; an
+``rb.extend`` is cut at its episode ends (``episode_parts``), so only the
+episode it leaves unfinished waits for its next rows on one shard.
 
 Either way an owner's rate limiter admits the episode, and a writer killed
 before its episode is committed leaves nothing. A shard that fails raises
@@ -28,6 +30,8 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+
+import torch
 
 from gear_torchrl.adapters.episode_sinks import StoreSink
 from gear_torchrl.adapters.storage import GearStorage
@@ -119,6 +123,11 @@ class ShardedWrites:
             return RemoteShardSink(descriptor, self._secret, self._timeout)
         self._attached.append(GearStorage(descriptor.capacity, handle=descriptor.store_handle()))
         return StoreSink(self._attached[-1], descriptor)
+
+    @property
+    def continues_episode(self) -> bool:
+        """Whether this writer's last commit left an episode open (its next rows go to the same shard)."""
+        return self._open is not None
 
     def sink_of(self, shard: int) -> Sink:
         return self._sinks[shard]
@@ -212,15 +221,34 @@ class ShardedWrites:
         self._attached.clear()
 
 
-def ends_an_episode(leaves: Leaves, end_keys: Sequence[NestedKey]) -> bool:
-    """Whether the last row of ``leaves`` ends an episode: one of ``end_keys`` it carries is set there (rows
-    that carry none are each a unit of their own)."""
-    carried = False
+def episode_parts(leaves: Leaves, end_keys: Sequence[NestedKey], *, continues: bool) -> list[tuple[Leaves, bool]]:
+    """An extend's rows as the units a sharded store routes, each with whether it ends an episode.
+
+    A row ends an episode where one of ``end_keys`` it carries is set (rows that carry
+    none are each a unit of their own: one part). The parts, in order and at most three:
+    the rest of the episode a previous extend left open (``continues``: its rows up to
+    its first end, for the shard it went to), the whole episodes that follow (one part,
+    routed), and a trailing episode the extend does not finish (routed; the shard it
+    goes to keeps its next rows). So a batch that ends inside an episode holds only
+    that episode to its shard, not the writer.
+    """
+    ended: torch.Tensor | None = None
     for key in end_keys:
         column = leaves.spec.find(key)
         if column is None or column not in leaves.columns:
             continue
-        carried = True
-        if bool(leaves.values[leaves.columns.index(column)][-1].any()):
-            return True
-    return not carried
+        flags = leaves.values[leaves.columns.index(column)].reshape(leaves.n, -1).any(1)
+        ended = flags if ended is None else ended | flags
+    if ended is None:
+        return [(leaves, True)]
+    ends = ended.nonzero().flatten().tolist()
+    if not ends:
+        return [(leaves, False)]
+    cuts = [0]
+    if continues and ends[0] < ends[-1]:
+        cuts.append(ends[0] + 1)
+    cuts.append(ends[-1] + 1)
+    parts = [(leaves.rows(a, b), True) for a, b in zip(cuts, cuts[1:])]
+    if cuts[-1] < leaves.n:
+        parts.append((leaves.rows(cuts[-1], leaves.n), False))
+    return parts

@@ -128,6 +128,19 @@ class Leaves:
             return self
         return replace(self, values=[v.flatten(0, self.row_dims - 1) for v in self.values], row_dims=1)
 
+    def rows(self, start: int, stop: int) -> Leaves:
+        """Rows ``[start, stop)`` of this write, ``0 <= start <= stop <= n`` (views of its values; one row dim)."""
+        if not 0 <= start <= stop <= self.n:
+            raise IndexError(f"rows [{start}, {stop}) of a write of {self.n}")
+        if self.row_dims != 1:
+            raise ValueError("rows() takes a write with one row dim: flatten it first (flat())")
+        return replace(
+            self,
+            values=[v[start:stop] for v in self.values],
+            objects=[o[start:stop] for o in self.objects],
+            n=stop - start,
+        )
+
     def placed_in(self, spec: TableSpec) -> Leaves:
         """The same write addressed to ``spec``'s columns, a spec holding every key it writes (a store
         grown meanwhile by other writers: its columns may sit at other positions)."""
