@@ -127,7 +127,7 @@ def run_ranks(target: Callable[..., None], world: int, args: tuple, label: str, 
                 p.kill()
 
 
-def sharded_rank(rank: int, world: int, port: int, rows: int, timeout_s: float):
+def sharded_rank(rank: int, world: int, port: int, rows: int, timeout_s: float, transport: str = "tcp"):
     """Join a loopback job (ranks 0..world-2 own shards of ``rows`` steps, the last learns) and build its store."""
     from datetime import timedelta
 
@@ -139,7 +139,7 @@ def sharded_rank(rank: int, world: int, port: int, rows: int, timeout_s: float):
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
     )
-    return ShardedGearStorage(rows, owns_shard=rank < world - 1, transport="tcp", serve_on="127.0.0.1", timeout=60)
+    return ShardedGearStorage(rows, owns_shard=rank < world - 1, transport=transport, serve_on="127.0.0.1", timeout=60)
 
 
 def machine() -> dict:

@@ -7,6 +7,12 @@ holding the same steps (obs f32[84], action f32[6], reward, done: ``sharded_cost
 rows), taking turns (interleaved rounds, medians): steps per second of wall time and the
 learner's CPU per batch (every thread of the driver).
 
+Placement: the same learner draws from N owner actors (``on_ray``) and from N owner
+ranks of a torchrun-style job it joins as the last rank (``ShardedGearStorage(owns_shard=
+False)``, spawned on 127.0.0.1), both ``transport="auto"``, the same rows per shard, taking
+turns: the learner's CPU per batch under each (Ray only places the owners; the reads are
+the same).
+
 Inserts: 1, 2 and 4 writer actors append 1000-step episodes, ours with a
 ``TrajectoryWriter`` over a store forced onto tcp (``transport="tcp"``: every
 episode an INSERT to an owner, as from another node), TorchRL's with its client's
@@ -30,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-from harness import interleaved_medians, table, write_json  # noqa: E402
+from harness import free_port, interleaved_medians, sharded_rank, table, write_json  # noqa: E402
 from sharded_cost import EPISODE, _rows  # noqa: E402
+from sharded_cost import _fill as _fill_shard  # noqa: E402
 
 STEPS = 200_000
 
@@ -92,6 +99,64 @@ def sampling(owners: list[int], batches: list[int], rounds: int) -> list[dict]:
             )
         storage.close()
     theirs.shutdown()
+    return results
+
+
+def _torchrun_owner(rank: int, world: int, port: int, rows: int) -> None:
+    """An owner rank of the torchrun-style job: fill its shard, serve until the learner is done."""
+    import torch.distributed as dist
+
+    storage = sharded_rank(rank, world, port, rows, timeout_s=600, transport="auto")
+    _fill_shard(storage.local, rows, rank * rows)
+    dist.barrier()  # filled
+    dist.barrier()  # the learner is done
+    storage.close()
+    dist.destroy_process_group()
+
+
+def placement(owners: list[int], batches: list[int], rounds: int) -> list[dict]:
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+    from torchrl.data import TensorDictReplayBuffer
+
+    results = []
+    for n in owners:
+        rows, port = STEPS // n, free_port()
+        ctx = mp.get_context("spawn")
+        ranks = [ctx.Process(target=_torchrun_owner, args=(r, n + 1, port, rows)) for r in range(n)]
+        for p in ranks:
+            p.start()
+        torchrun = sharded_rank(n, n + 1, port, rows, timeout_s=600, transport="auto")
+        on_ray = _gear_store(n)
+        try:
+            for shard in range(n):  # the same rows per shard as the torchrun owners write
+                _fill_shard(on_ray.episode_sink().sink_of(shard).storage, rows, shard * rows)
+            dist.barrier()
+            buffers = {
+                "ray": TensorDictReplayBuffer(storage=on_ray),
+                "torchrun": TensorDictReplayBuffer(storage=torchrun),
+            }
+            for b in batches:
+                fns = {name: functools.partial(rb.sample, b) for name, rb in buffers.items()}
+                cpu = interleaved_medians(fns, repeats=rounds, inner=50, warmup=3, clock=time.process_time)
+                results.append(
+                    {
+                        "owners": n,
+                        "batch": b,
+                        "ray_cpu_us": cpu["ray"] * 1e6,
+                        "torchrun_cpu_us": cpu["torchrun"] * 1e6,
+                        "ratio": cpu["ray"] / cpu["torchrun"],
+                        "transports": sorted({s.transport_of(i) for s in (on_ray, torchrun) for i in range(n)}),
+                    }
+                )
+        finally:
+            dist.barrier()
+            on_ray.close()
+            torchrun.close()
+            dist.destroy_process_group()
+            for p in ranks:
+                p.join(60)
     return results
 
 
@@ -167,13 +232,17 @@ def main() -> None:
     print(
         table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r.items()} for r in sampled], list(sampled[0]))
     )
+    placed = placement(args.owners, args.batches, args.rounds)
+    print(
+        table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r.items()} for r in placed], list(placed[0]))
+    )
     inserted = inserts(args.writers, args.rounds, args.episodes)
     print(
         table(
             [{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r.items()} for r in inserted], list(inserted[0])
         )
     )
-    write_json(args.out, {"args": vars(args), "sampling": sampled, "inserts": inserted})
+    write_json(args.out, {"args": vars(args), "sampling": sampled, "placement": placed, "inserts": inserted})
     ray.shutdown()
 
 
