@@ -175,6 +175,7 @@ def test_an_owners_rate_limiter_holds_a_remote_writer_until_the_learner_samples(
     storage = _store(num_shards=1, transport=transport, timeout=1.0, rate_limiter=limiter)
     try:
         writer = rw.Writer.remote(storage, 0)
+        ray.get(writer.through_shared_memory.remote(), timeout=60)  # started and connected: the wait is the limiter's
         written = writer.write.remote(6, 10)
         done, _ = ray.wait([written], timeout=4.0)  # four times the storage's timeout
         assert not done, "the limiter let 60 rows in with nothing sampled"
