@@ -216,6 +216,10 @@ def inserts(writers: list[int], rounds: int, episodes: int) -> list[dict]:
     return results
 
 
+def _print(rows: list[dict]) -> None:
+    print(table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows], list(rows[0])))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--owners", type=int, nargs="+", default=[1, 2, 4])
@@ -229,19 +233,11 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     torch.manual_seed(0)
     sampled = sampling(args.owners, args.batches, args.rounds)
-    print(
-        table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r.items()} for r in sampled], list(sampled[0]))
-    )
+    _print(sampled)
     placed = placement(args.owners, args.batches, args.rounds)
-    print(
-        table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r.items()} for r in placed], list(placed[0]))
-    )
+    _print(placed)
     inserted = inserts(args.writers, args.rounds, args.episodes)
-    print(
-        table(
-            [{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r.items()} for r in inserted], list(inserted[0])
-        )
-    )
+    _print(inserted)
     write_json(args.out, {"args": vars(args), "sampling": sampled, "placement": placed, "inserts": inserted})
     ray.shutdown()
 

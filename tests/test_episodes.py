@@ -224,8 +224,9 @@ def test_an_extend_is_cut_at_its_episode_ends_into_at_most_three_routed_parts(do
     are one part, and only the trailing unfinished episode is left open."""
     from gear_torchrl.adapters.sharded_writes import episode_parts
 
-    parts = episode_parts(_leaves_of(dones), [("next", "done")], continues=continues)
-    step = _leaves_of(dones).spec.position("step")
+    leaves = _leaves_of(dones)
+    parts = episode_parts(leaves, [("next", "done")], continues=continues)
+    step = leaves.spec.position("step")
     rebuilt = torch.cat([p.values[step] for p, _ in parts])
     assert torch.equal(rebuilt, torch.arange(len(dones))) and sum(p.n for p, _ in parts) == len(dones)
     ends = [i for i, d in enumerate(dones) if d]
