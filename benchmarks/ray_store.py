@@ -16,7 +16,8 @@ the same).
 Inserts: 1, 2 and 4 writer actors append 1000-step episodes, ours with a
 ``TrajectoryWriter`` over a store forced onto tcp (``transport="tcp"``: every
 episode an INSERT to an owner, as from another node), TorchRL's with its client's
-``extend``: steps per second of all writers together (medians of rounds).
+``extend``: steps per second of all writers together (medians of rounds), once both
+stores are full (a replay buffer's steady state: every insert overwrites old rows).
 
     .venv/bin/python benchmarks/ray_store.py [--owners 1 2 4] [--writers 1 2 4] [--rounds 5] \
         --out bench_out/ray_store.json
@@ -191,13 +192,15 @@ def inserts(writers: list[int], rounds: int, episodes: int) -> list[dict]:
     storage = _gear_store(max(writers), transport="tcp")
     theirs = _torchrl_buffer()
     results = []
+    full = -(-(STEPS + max(writers) * EPISODE) // EPISODE)  # episodes that fill either store once
     for n in writers:
         contenders = {
             "gear": [_GearWriter.remote(storage) for _ in range(n)],
             "torchrl": [_TorchRLWriter.remote(theirs.client()) for _ in range(n)],
         }
+        warm = -(-full // n) if n == writers[0] else 1  # first: fill both rings, so rounds overwrite rows
         for actors in contenders.values():
-            ray.get([a.write.remote(1) for a in actors])  # warm: connections, first layout
+            ray.get([a.write.remote(warm) for a in actors])
         rates: dict[str, list[float]] = {name: [] for name in contenders}
         for _ in range(rounds):
             for name, actors in contenders.items():
