@@ -87,6 +87,19 @@ class WriterActor:
             self.writer.end_episode()
         return self.writer.rows_written
 
+    def write_versions(self, episodes: int, length: int) -> int:
+        """Episodes whose first half is stamped policy version ``e`` and second half ``e + 1`` (weights that
+        arrived mid-episode, as in partial rollouts)."""
+        for e in range(episodes):
+            data = episode(self.writer_id, e, length)
+            self.writer.policy_version = e
+            self.writer.extend(data[: length // 2])
+            self.writer.policy_version = e + 1
+            self.writer.extend(data[length // 2 :])
+            self.writer.end_episode()
+        self.writer.policy_version = None
+        return self.writer.rows_written
+
     def extend(self, episodes: int, length: int) -> int:
         """``rb.extend`` of whole episodes, each in two halves (the first ends no episode)."""
         from torchrl.data import TensorDictReplayBuffer

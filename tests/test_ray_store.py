@@ -140,6 +140,20 @@ def test_writer_actors_land_whole_episodes_through_shared_memory_or_over_tcp(tra
         storage.close()
 
 
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_remote_writers_stamp_the_policy_version_of_each_step(transport):
+    storage = _store(transport=transport)
+    try:
+        ray.get([rw.Writer.remote(storage, i).write_versions.remote(4, 10) for i in range(2)], timeout=60)
+        batch, shard = _every_row(storage)
+        _assert_whole_episodes(batch, shard, 8, 10)
+        expected = batch["ep"] + (batch["step"] >= 5).long()  # the version changed mid-episode
+        assert batch["policy_version"].dtype == torch.int64
+        assert torch.equal(batch["policy_version"], expected)
+    finally:
+        storage.close()
+
+
 def test_extends_that_end_inside_an_episode_still_spread_whole_episodes_over_the_shards():
     """Batches of 15 over episodes of 10: each batch's whole episodes are routed apart from the episode it
     leaves open (which keeps its shard for its rest), so round robin alternates episode by episode."""

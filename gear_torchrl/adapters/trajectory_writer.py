@@ -17,7 +17,8 @@ from tensordict import TensorDictBase
 
 from gear_torchrl.adapters.episode_sinks import WritableStorage, checked_episode
 from gear_torchrl.errors import SpecMismatchError
-from gear_torchrl.store.table_spec import Leaves, TableSpec
+from gear_torchrl.store.policy_versions import POLICY_VERSION, check_version_column, checked_version, stamped
+from gear_torchrl.store.table_spec import Leaves, NestedKey, TableSpec
 
 _TRUNCATED = ("next", "truncated")
 
@@ -33,13 +34,27 @@ class TrajectoryWriter:
             its end (bounds this process's staging memory). Each chunk is then an
             episode of its own to the sequence samplers; a sharded store keeps an
             episode's chunks on one shard.
+        policy_version: the version of the policy producing the steps written next,
+            stamped on each of them under ``version_key`` (None: the steps' own, if
+            any). Set ``writer.policy_version = v`` when the actor receives new
+            weights; an episode may then hold several versions (partial rollouts).
+        version_key: where rows hold their policy version (TorchRL's
+            ``PolicyVersion`` key by default).
 
     Each commit waits for the storage's rate limiter, if it has one (over a shared
     store, the one its owner set: ``GearStorage(..., rate_limiter=...)``; over a
     sharded store, the one of the shard the episode goes to).
     """
 
-    def __init__(self, storage: WritableStorage, *, max_chunk: int | None = None, **removed: object) -> None:
+    def __init__(
+        self,
+        storage: WritableStorage,
+        *,
+        max_chunk: int | None = None,
+        policy_version: int | None = None,
+        version_key: NestedKey = POLICY_VERSION,
+        **removed: object,
+    ) -> None:
         if "limiter" in removed:
             raise TypeError(
                 "TrajectoryWriter takes no limiter any more: the storage holds it "
@@ -58,11 +73,22 @@ class TrajectoryWriter:
         self.storage = storage
         self._sink = storage.episode_sink()
         self.max_chunk = max_chunk
+        self.version_key = version_key
+        self.policy_version = policy_version
         self._spec: TableSpec | None = None
         self._staged: list[Leaves] = []
         self._pending = 0
         self.episodes_written = 0
         self.rows_written = 0
+
+    @property
+    def policy_version(self) -> int | None:
+        """The version stamped on the steps written next (None: they keep their own)."""
+        return self._policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int | None) -> None:
+        self._policy_version = None if version is None else checked_version(version, "writer.policy_version")
 
     @property
     def pending(self) -> int:
@@ -94,6 +120,10 @@ class TrajectoryWriter:
 
     # -- internals -------------------------------------------------------------------
     def _stage(self, data: TensorDictBase, single: bool) -> None:
+        if self._policy_version is not None:
+            data = stamped(data, self.version_key, self._policy_version)
+        else:
+            check_version_column(data, self.version_key)
         leaves = checked_episode(self._sink, data, single, self._spec)  # raises before anything is staged
         if self._staged and (leaves.spec != self._spec or leaves.columns != self._staged[0].columns):
             raise SpecMismatchError(
