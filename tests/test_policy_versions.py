@@ -39,7 +39,7 @@ def test_a_writer_stamps_the_version_set_for_the_steps_it_writes_next(shared):
         writer.append(_steps(2, 4)[0])
         writer.extend(_steps(1, 5))
         writer.end_episode()
-        writer.policy_version = np.int64(9)  # any integer type
+        writer.policy_version = checked_version(np.int64(9))  # numpy's integers are versions too
         writer.extend(_steps(3, 6))
         writer.end_episode()
         rows = _stored(storage)
