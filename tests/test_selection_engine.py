@@ -257,3 +257,39 @@ def test_only_rules_with_state_are_stateful_and_what_a_cap_wraps_can_exclude():
         assert isinstance(core, StatefulSelector) == (not spec.per_reader), spec.kind
         if spec.can_exclude:
             assert callable(getattr(core, "exclude", None)), spec.kind
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.kind for s in SPECS])
+def test_a_pick_of_none_reports_the_shards_mass_and_changes_nothing(spec):
+    """The contract a sharded store relies on: it asks each shard for zero picks to learn its mass."""
+    import dataclasses
+
+    from gear_torchrl import TrajectoryWriter
+    from gear_torchrl.selection.base import StatefulSelector
+
+    storage = GearStorage(64)
+    writer = TrajectoryWriter(storage)  # its commits are what a core follows
+    for e in range(4):
+        writer.extend(make_steps(10, seed=e, done_prob=0.0))
+        writer.end_episode()
+    shard = storage.shard
+    core = (dataclasses.replace(spec, traj_key=None) if isinstance(spec, WindowSpec) else spec).build(64)
+    with shard.picking():
+        core.follow(shard)
+        before = core.state_dict() if isinstance(core, StatefulSelector) else None
+        none = core.pick(shard, 0, torch.Generator().manual_seed(0))
+        mass = core.mass(shard)
+    shard.release()
+    assert none.count == 0 and mass > 0
+    assert none.mass == pytest.approx(mass), f"{spec.kind}: a pick of none reported mass {none.mass}, not {mass}"
+    if before is not None:
+        assert _equal_states(core.state_dict(), before), f"{spec.kind}: a pick of none changed the core's state"
+
+
+def test_only_the_rules_the_owners_extension_draws_declare_another_answer_than_pick():
+    from gear_torchrl.selection.packed import PriorityPackedSpec
+    from gear_torchrl.selection.rules import RULES
+
+    native = {kind for kind, cls in RULES.items() if cls.answered_by != "pick"}
+    assert native == {"uniform", "windows", "priorities", "priority_windows"}
+    assert PriorityPackedSpec.answered_by == "pick"  # packs say more per pick than the extension's replies

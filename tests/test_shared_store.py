@@ -446,3 +446,25 @@ def test_queue_and_topk_samplers_follow_other_processes_commits_and_evictions():
         assert top["step"].tolist() == sorted((s for _, s in readable), reverse=True)[:5]
     finally:
         owner.close()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_rows_in_write_order_are_the_readable_rows_oldest_first_once_the_ring_wraps(shared):
+    storage = GearStorage(10, shared=shared)
+    try:
+        target = pickle.loads(pickle.dumps(storage)) if shared else storage  # attached: as an actor's is
+        writer = TrajectoryWriter(target)
+        for e in range(4):  # 4 episodes of 4 steps in a ring of 10: the first two are overwritten
+            writer.extend(w.episode(e, 4))
+            writer.end_episode()
+        with storage.shard.picking():
+            rows = storage.shard.rows_in_write_order()
+        storage.shard.release()
+        assert len(rows) == len(storage) >= 8  # a shared ring keeps a row free for the next commit
+        assert rows.tolist() == [(6 - len(rows) + i) % 10 for i in range(len(rows))]  # up to the last row written
+        episodes = as_td(_read_ring_rows(storage, rows))["ep"].tolist()
+        assert episodes == sorted(episodes) and episodes[-8:] == [2] * 4 + [3] * 4
+    finally:
+        if shared:
+            target.close()
+        storage.close()

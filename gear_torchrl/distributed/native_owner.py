@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from gear_torchrl.distributed import wire
-from gear_torchrl.distributed.shard_client import Ask, answered_as_prioritized, rule_meta
+from gear_torchrl.distributed.shard_client import Ask, rule_meta
 from gear_torchrl.distributed.shard_view import ShardView
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.errors import ReadRevokedError, StoreClosedError
@@ -117,7 +117,7 @@ class NativeOwner:
         key = json.dumps(meta, separators=(",", ":")).encode()
         if isinstance(spec, WindowSpec):
             self._windows = key, meta, spec
-        elif answered_as_prioritized(spec):
+        elif spec.answered_by == "prioritized":
             self._priorities = key, meta, spec
 
     @property

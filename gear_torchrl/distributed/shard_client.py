@@ -32,9 +32,7 @@ from gear_torchrl.errors import (
 from gear_torchrl.kernels import _C
 from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.picked import EXTRA_DTYPES, Picked
-from gear_torchrl.selection.priorities import ProportionalSpec
-from gear_torchrl.selection.uniform import UniformSpec
-from gear_torchrl.selection.windows import WindowGeometry, WindowSpec
+from gear_torchrl.selection.windows import WindowGeometry
 from gear_torchrl.store.table_spec import Leaves
 from gear_torchrl.store.windows import Windows
 
@@ -264,9 +262,9 @@ class Ask:
 
     def __post_init__(self) -> None:
         sampled = bool(self.columns) and _fits_int64(self.seed)  # read back at once, with a seed a request carries
-        self.samples_rows = sampled and isinstance(self.spec, UniformSpec)
-        self.samples_windows = sampled and isinstance(self.spec, WindowSpec)
-        self.samples_prioritized = sampled and answered_as_prioritized(self.spec)
+        self.samples_rows = sampled and self.spec.answered_by == "rows"
+        self.samples_windows = sampled and self.spec.answered_by == "windows"
+        self.samples_prioritized = sampled and self.spec.answered_by == "prioritized"
         if not (self.samples_rows or self.samples_windows or self.samples_prioritized):
             self.picks = None  # a SELECT's reply carries its picks
         elif self.picks is None:
@@ -514,14 +512,9 @@ def _as_float(bits: int) -> float:
 def landing_extra(spec: SelectionSpec, count: int) -> dict[str, torch.Tensor] | None:
     """Room for the per-pick values of ``count`` picks that PRIORITIZED replies land (None: the rule's
     replies land none)."""
-    if not answered_as_prioritized(spec):
+    if spec.answered_by != "prioritized":
         return None
     return {name: torch.empty(count, dtype=EXTRA_DTYPES[name]) for name in PRIORITIZED_EXTRA}
-
-
-def answered_as_prioritized(spec: SelectionSpec) -> bool:
-    """Whether picks of ``spec`` read back at once go as SAMPLE_PRIORITIZED (prioritized rows and windows)."""
-    return isinstance(spec, ProportionalSpec) and spec.picks_rows_or_windows
 
 
 def landing_picks(count: int, window_len: int) -> Windows:

@@ -40,7 +40,7 @@ from gear_torchrl.distributed import wire
 from gear_torchrl.distributed.native_owner import NativeOwner
 from gear_torchrl.distributed.remote_inserts import received_episode
 from gear_torchrl.distributed.shard_checkpoint import dump_shard, load_shard
-from gear_torchrl.distributed.shard_client import PRIORITIZED_EXTRA, answered_as_prioritized
+from gear_torchrl.distributed.shard_client import PRIORITIZED_EXTRA
 from gear_torchrl.distributed.shard_view import ShardView, spec_of
 from gear_torchrl.distributed.wire import Message, Op
 from gear_torchrl.kernels import _C
@@ -305,7 +305,7 @@ class _Session:
             if request.op == Op.SAMPLE_PRIORITIZED:
                 count, seed, columns = _sample_request(request)
                 spec = _asked_spec(request, ProportionalSpec)
-                if not answered_as_prioritized(spec):
+                if spec.answered_by != "prioritized":
                     raise ValueError(f"a {spec.kind} rule is asked for with a SELECT, not SAMPLE_PRIORITIZED")
                 reply = self._sample(spec, count, seed, self._columns_asked(columns), Op.PRIORITIZED)
                 self.native.arm(request.meta, spec)

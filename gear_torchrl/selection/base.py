@@ -9,11 +9,14 @@ core that runs the rule over one shard; each rule's spec lives in its core's fil
 A core (``Selector``) runs one rule over one shard: it follows the shard's writes,
 reports its mass (what a batch is split across shards by), picks ``n`` rows or
 windows with a given ``torch.Generator``, takes priority updates and takes back
-picks that were not used. A rule with per-row state of its own (priorities, queue
-order, scores, counts) is a ``StatefulSelector``: it also saves and restores that
-state, and a shard owner shares one such core among its learners. A core knows
-tensors and the store, never TorchRL: a local sampler and a shard owner run the
-same core.
+picks that were not used. What a core reads of its shard is on ``Shard``: the
+readable rows in write order (``rows_in_write_order``), the commits since its
+last look (``rows_changed_since``, through ``follow``), the columns and episodes.
+A rule with per-row state of its own (priorities, queue order, scores, counts) is
+a ``StatefulSelector``: it also saves and restores that state, and a shard owner
+shares one such core among its learners. A core knows tensors and the store,
+never TorchRL: a local sampler and a shard owner run the same core, so a new rule
+is its spec and core in one file here and its sampler in ``adapters/samplers/``.
 """
 
 from __future__ import annotations
@@ -21,12 +24,17 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
 
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.store.shard import Shard
+
+# How a shard's owner answers a learner that reads a rule's picks back at once. "pick": the rule's core
+# picks and the owner sends the rows (any rule); the others are the built-in rules the owner's extension
+# draws itself (``distributed/native_owner.py``). A new rule leaves it "pick": correct everywhere.
+AnsweredBy = Literal["pick", "rows", "windows", "prioritized"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class SelectionSpec:
     per_reader: ClassVar[bool] = False
     merges_best: ClassVar[bool] = False  # across shards: every owner picks ``n``, the best ``n`` are kept
     can_exclude: ClassVar[bool] = False  # its core can leave rows out of its draws (what a cap needs)
+    answered_by: ClassVar[AnsweredBy] = "pick"
 
     @property
     def rows_per_pick(self) -> int:
@@ -100,7 +109,9 @@ class Selector(ABC, Generic[SpecT_co]):
 
     @abstractmethod
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
-        """``count`` picks (fewer only where the rule has fewer to give: queues, top-k)."""
+        """``count`` picks (fewer only where the rule has fewer to give: queues, top-k), with the shard's
+        mass (``Picked.mass``). ``count`` may be 0: a sharded store asks each shard for zero picks to learn
+        its mass, so a pick of none still reports it (and changes no state)."""
 
     def update(
         self,

@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import torch
 
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import SelectionSpec, needs_shard
+from gear_torchrl.selection.base import AnsweredBy, SelectionSpec, needs_shard
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.priority_windows import PriorityWindowSelector, PriorityWindowSpec
 from gear_torchrl.selection.random_draws import uniform
@@ -220,7 +220,7 @@ class PriorityPackedSpec(PriorityWindowSpec):
     (``seq_len``: training steps at most), the priorities of ``PriorityWindowSpec``."""
 
     kind: ClassVar[str] = "priority_packed"
-    picks_rows_or_windows: ClassVar[bool] = False  # a pick is a token of a sequence
+    answered_by: ClassVar[AnsweredBy] = "pick"  # a pick is a token of a sequence
     strict_length: bool = False  # spans never pad; kept for the window rule's fields
 
     @property

@@ -14,7 +14,7 @@ import torch
 
 from gear_torchrl.errors import CheckpointError
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import SelectionSpec, StatefulSelector
+from gear_torchrl.selection.base import AnsweredBy, SelectionSpec, StatefulSelector
 from gear_torchrl.selection.block_sums import BlockPrefixSums
 from gear_torchrl.selection.checked_inputs import (
     NativeUpdate,
@@ -56,9 +56,9 @@ class ProportionalSpec(SelectionSpec):
 
     alpha: float
     eps: float
-    # Whether a pick is whole as rows or windows, each with its mass and generation: what a learner reads back
-    # at once with SAMPLE_PRIORITIZED (packs say more per pick, so they go as a SELECT).
-    picks_rows_or_windows: ClassVar[bool] = True
+    # A pick is whole as rows or windows, each with its mass and generation: what the owner's extension draws
+    # (packs say more per pick: their core picks them).
+    answered_by: ClassVar[AnsweredBy] = "prioritized"
 
     def check(self) -> None:
         if not self.alpha >= 0:

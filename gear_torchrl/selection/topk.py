@@ -84,9 +84,11 @@ class TopKSelector(StatefulSelector[TopKSpec]):
         return float(shard.size)
 
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
-        """The (at most) ``count`` best rows, best first, with their scores."""
+        """The (at most) ``count`` best rows, best first, with their scores, and the shard's mass (its rows;
+        without a shard, the rows picked)."""
         rows = self.scores.top(count)
-        return Picked.row_picks(rows, float(rows.numel()), extra={"score": self.scores.get(rows)})
+        mass = float(rows.numel()) if shard is None else self.mass(shard)
+        return Picked.row_picks(rows, mass, extra={"score": self.scores.get(rows)})
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return f"top-k: asked for the top {count} rows, only {got} are stored"

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from gear_torchrl.selection.base import SelectionSpec, Selector, needs_shard
+from gear_torchrl.selection.base import AnsweredBy, SelectionSpec, Selector, needs_shard
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.store.shard import Shard
 
@@ -20,6 +20,7 @@ class UniformSpec(SelectionSpec):
 
     kind: ClassVar[str] = "uniform"
     per_reader: ClassVar[bool] = True
+    answered_by: ClassVar[AnsweredBy] = "rows"
 
     def build(self, capacity: int) -> UniformSelector:
         return UniformSelector(self)

@@ -16,7 +16,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from gear_torchrl.kernels import _C
-from gear_torchrl.selection.base import SelectionSpec, Selector, SpecT_co, needs_shard
+from gear_torchrl.selection.base import AnsweredBy, SelectionSpec, Selector, SpecT_co, needs_shard
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.selection.random_draws import uniform
 from gear_torchrl.selection.trees import PriorityTrees
@@ -155,6 +155,7 @@ class WindowSpec(WindowGeometry):
 
     kind: ClassVar[str] = "windows"
     per_reader: ClassVar[bool] = True
+    answered_by: ClassVar[AnsweredBy] = "windows"
     seq_len: int
     burn_in: int = 0
     strict_length: bool = True

@@ -58,7 +58,7 @@ class OwnWrites(Visibility):
     def readable_rows(self) -> int:
         return self._size
 
-    def logical_order(self) -> torch.Tensor:
+    def rows_in_write_order(self) -> torch.Tensor:
         """Readable ring rows, oldest first."""
         if self._size < self.capacity:
             return torch.arange(self._size, dtype=torch.int64)
@@ -198,7 +198,7 @@ class OwnWrites(Visibility):
     def rebuild_episodes(self, ends: torch.Tensor | None = None) -> None:
         """Re-derive the episode index from the stored flags (after a write that was not an append);
         ``ends`` (over rows oldest first) marks further episode ends."""
-        order = self.logical_order()
+        order = self.rows_in_write_order()
         if order.numel() == 0:
             self.shard.episodes.clear()
             return

@@ -167,6 +167,11 @@ class Shard(Ring):
         """
         return self.visibility.rows_changed_since(position)
 
+    def rows_in_write_order(self) -> torch.Tensor:
+        """The readable ring rows, oldest first (call inside ``picking``): the same for a local shard and a
+        shared one (there: every process's commits), so a rule that weighs recency reads the order here."""
+        return self.visibility.rows_in_write_order()
+
     def readable_rows(self) -> int:
         """How many rows a reader finds now."""
         return self.visibility.readable_rows()

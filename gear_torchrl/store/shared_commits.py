@@ -266,6 +266,11 @@ class SharedCommits(Visibility):
         offsets = torch.randint(0, len(live), (n,), generator=generator)
         return (live.positions(offsets) % self.capacity).to(device)
 
+    def rows_in_write_order(self) -> torch.Tensor:
+        """Live rows (every process's commits, less rows crashed writers left), oldest commit first."""
+        live = self.seen.live_rows()
+        return live.positions(torch.arange(len(live), dtype=torch.int64)) % self.capacity
+
     @contextmanager
     def picking(self) -> Iterator[None]:
         self._numbering.drop_scan()
@@ -313,8 +318,7 @@ class SharedCommits(Visibility):
     def snapshot(self) -> tuple[dict, torch.Tensor]:
         """``state()`` and the ring row each saved row came from (what per-row state elsewhere follows)."""
         with self.picking():  # ends the read section itself if anything here raises
-            live = self.seen.live_rows()
-            rows = live.positions(torch.arange(len(live), dtype=torch.int64)) % self.capacity  # oldest first
+            rows = self.rows_in_write_order()
             ends = torch.isin(rows, self.shard.addressing.closed_ends())  # commits end episodes the flags do not
             mapped = self.mapped_columns()  # another process may have laid the columns out since we attached
             if self.shard.table is not None:

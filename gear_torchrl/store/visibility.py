@@ -155,6 +155,10 @@ class Visibility(ABC):
         """``n`` readable ring rows drawn uniformly with replacement (inside ``picking``)."""
 
     @abstractmethod
+    def rows_in_write_order(self) -> torch.Tensor:
+        """The readable ring rows, oldest write first (inside ``picking``): what a rule of recency reads."""
+
+    @abstractmethod
     def read(self, index: Index) -> Data:
         """Rows at an index from outside this library's samplers (``storage[i]``, TorchRL's samplers):
         what it numbers, checked, read as ring rows (``ring_index``, then ``read_rows``)."""
