@@ -12,6 +12,7 @@ from typing import Any
 
 from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.capped import CappedSpec
+from gear_torchrl.selection.fresh import FreshSpec
 from gear_torchrl.selection.packed import PackedSpec, PriorityPackedSpec
 from gear_torchrl.selection.priorities import PrioritySpec
 from gear_torchrl.selection.priority_windows import PriorityWindowSpec
@@ -31,6 +32,7 @@ RULES: dict[str, type[SelectionSpec]] = {
         QueueSpec,
         TopKSpec,
         CappedSpec,
+        FreshSpec,
         PackedSpec,
         PriorityPackedSpec,
     )
