@@ -7,11 +7,12 @@ import json
 
 import pytest
 import torch
+from helpers import as_td
 from tensordict import TensorDict
 
 from gear_torchrl import GearStorage, TrajectoryWriter
 from gear_torchrl.selection.fresh import FreshSelector, FreshSpec
-from gear_torchrl.selection.priorities import PrioritySpec
+from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec
 from gear_torchrl.selection.rules import spec_from_json
 from gear_torchrl.selection.topk import TopKSpec
 from gear_torchrl.selection.uniform import UniformSpec
@@ -28,15 +29,15 @@ def _episode(n: int) -> TensorDict:
 def _drawable(core: FreshSelector) -> set[int]:
     """The rows the inner rule can still draw."""
     everything = torch.arange(CAPACITY)
-    if isinstance(core.spec.inner, TopKSpec):
-        return set(core.inner.pick(None, CAPACITY, None).starts.tolist())
-    return set(everything[core.inner.masses(everything) > 0].tolist())
+    if isinstance(core.inner, PrioritySelector):
+        return set(everything[core.inner.masses(everything) > 0].tolist())
+    return set(core.inner.pick(None, CAPACITY, None).starts.tolist())  # top-k: every ranked row
 
 
 def _oracle(storage: GearStorage, max_staleness: int, consumer: int | None) -> set[int]:
     """Every stored row fresh enough for ``consumer``, from the rows themselves."""
     rows = torch.arange(len(storage))
-    versions = storage.get(rows)["policy_version"]
+    versions = as_td(storage.get(rows))["policy_version"]
     if consumer is None:
         return set(rows.tolist())
     return set(rows[versions >= consumer - max_staleness].tolist())
@@ -82,7 +83,7 @@ def test_picks_are_fresh_and_seeded_picks_repeat():
         storage.shard.release()
         assert core.mass(storage.shard) == 10  # versions 4 and 5: five rows each
         draws.append(picked.starts)
-    versions = storage.get(draws[0])["policy_version"]
+    versions = as_td(storage.get(draws[0]))["policy_version"]
     assert bool((versions >= 4).all()) and set(versions.tolist()) == {4, 5}
     assert torch.equal(draws[0], draws[1])
 

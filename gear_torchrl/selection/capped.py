@@ -12,11 +12,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from gear_torchrl.selection.base import AnySelector, SelectionSpec, StatefulSelector
+from gear_torchrl.selection.around import AroundSpec, excluding_core
+from gear_torchrl.selection.base import AnySelector, StatefulSelector
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.priorities import PrioritySelector, ProportionalSpec
-from gear_torchrl.selection.topk import TopKSelector
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.state_checks import checked_tensor, field, require_nonnegative
 
@@ -44,16 +43,11 @@ def _cannot_cap(what: str) -> TypeError:
 
 
 @dataclass(frozen=True)
-class CappedSpec(SelectionSpec):
+class CappedSpec(AroundSpec):
     """Another rule whose rows leave the draw after ``max_times`` picks, until written again."""
 
     kind: ClassVar[str] = "capped"
-    inner: SelectionSpec
     max_times: int
-
-    @property
-    def merges_best(self) -> bool:  # type: ignore[override]  # a property: the inner rule decides
-        return self.inner.merges_best
 
     def describe(self) -> str:
         return f"{self.inner.describe()} capped at max_times_sampled={self.max_times}"
@@ -75,9 +69,7 @@ class CappedSelector(StatefulSelector[CappedSpec]):
         self.spec = spec
         self.capacity = capacity
         inner = inner if inner is not None else spec.inner.build(capacity)
-        if not isinstance(inner, (PrioritySelector, TopKSelector)):
-            raise _cannot_cap(f"{inner.spec.kind} selection")
-        self.inner: PrioritySelector[ProportionalSpec] | TopKSelector = inner
+        self.inner = excluding_core(inner, str(_cannot_cap(f"{inner.spec.kind} selection")))
         self.count = torch.zeros(capacity, dtype=torch.int64)
         self._followed = (0, 0)
 

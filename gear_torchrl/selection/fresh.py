@@ -19,10 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from gear_torchrl.selection.base import AnySelector, SelectionSpec, StatefulSelector
+from gear_torchrl.selection.around import AroundSpec, excluding_core
+from gear_torchrl.selection.base import AnySelector, StatefulSelector
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.selection.priorities import PrioritySelector, ProportionalSpec
-from gear_torchrl.selection.topk import TopKSelector
 from gear_torchrl.store.policy_versions import checked_version
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.state_checks import checked_tensor, field
@@ -32,17 +31,12 @@ _UNWRITTEN = torch.iinfo(torch.int64).min  # a row no write has given a version 
 
 
 @dataclass(frozen=True)
-class FreshSpec(SelectionSpec):
+class FreshSpec(AroundSpec):
     """Another rule over the rows at most ``max_staleness`` versions older than the learner's."""
 
     kind: ClassVar[str] = "fresh"
-    inner: SelectionSpec
     max_staleness: int
     version_key: Path = ("policy_version",)
-
-    @property
-    def merges_best(self) -> bool:  # type: ignore[override]  # a property: the inner rule decides
-        return self.inner.merges_best
 
     def describe(self) -> str:
         return f"{self.inner.describe()} within max_staleness={self.max_staleness}"
@@ -68,9 +62,7 @@ class FreshSelector(StatefulSelector[FreshSpec]):
         self.spec = spec
         self.capacity = capacity
         inner = inner if inner is not None else spec.inner.build(capacity)
-        if not isinstance(inner, (PrioritySelector, TopKSelector)):
-            raise TypeError(f"a {inner.spec.kind} selection cannot leave stale rows out of its draws")
-        self.inner: PrioritySelector[ProportionalSpec] | TopKSelector = inner
+        self.inner = excluding_core(inner, f"a {inner.spec.kind} selection cannot leave stale rows out of its draws")
         self.clear()
 
     def clear(self) -> None:
