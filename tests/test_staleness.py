@@ -126,3 +126,21 @@ def test_bad_input_is_refused_naming_the_problem():
     with storage.shard.picking(), pytest.raises(KeyError, match="under 'policy_version', which the data lacks"):
         core.follow(storage.shard)
     storage.shard.release()
+
+
+def test_priority_updates_of_stale_rows_leave_them_out_and_fresh_ones_take_theirs():
+    storage = GearStorage(CAPACITY)
+    writer = TrajectoryWriter(storage)
+    for version in (0, 1):
+        writer.policy_version = version
+        writer.extend(_episode(4))
+        writer.end_episode()
+    core = FreshSpec(PrioritySpec(1.0, 0.0), 0).build(CAPACITY)
+    with storage.shard.picking():
+        core.follow(storage.shard)
+    storage.shard.release()
+    core.set_consumer_version(1)  # rows 0-3 (version 0) are stale now
+    core.update(torch.tensor([1, 5]), torch.tensor([9.0, 3.0]))
+    assert isinstance(core.inner, PrioritySelector)
+    masses = core.inner.masses(torch.arange(8))
+    assert masses[:4].tolist() == [0.0] * 4 and masses[5].item() == pytest.approx(3.0)

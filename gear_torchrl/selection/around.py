@@ -7,6 +7,9 @@ drawing, weighing shards and merging picks across them as it would alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from gear_torchrl.selection.base import AnySelector, SelectionSpec
 from gear_torchrl.selection.priorities import PrioritySelector, ProportionalSpec
@@ -32,3 +35,20 @@ def excluding_core(inner: AnySelector, refusal: str) -> ExcludingCore:
     if not isinstance(inner, (PrioritySelector, TopKSelector)):
         raise TypeError(refusal)
     return inner
+
+
+def update_kept(
+    inner: ExcludingCore,
+    rows: torch.Tensor,
+    keep: torch.Tensor,
+    priority: Any,
+    generation: Any,
+    stored: int | None,
+) -> None:
+    """Forward to ``inner`` the priority updates of ``rows`` that ``keep`` marks (the others stay out of the draw)."""
+    priority = torch.as_tensor(priority)
+    if priority.numel() > 1:
+        priority = priority.reshape(-1)[keep]
+    if generation is not None:
+        generation = torch.as_tensor(generation).reshape(-1)[keep]
+    inner.update(rows[keep], priority, generation, stored=stored)

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from gear_torchrl.selection.around import AroundSpec, excluding_core
+from gear_torchrl.selection.around import AroundSpec, excluding_core, update_kept
 from gear_torchrl.selection.base import AnySelector, StatefulSelector
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
@@ -122,13 +122,8 @@ class CappedSelector(StatefulSelector[CappedSpec]):
     def update(self, rows: Any, priority: Any, generation: Any = None, stored: int | None = None) -> None:
         """Forwarded, except for rows that reached the cap (they stay out of the draw)."""
         rows = as_rows(rows, self.capacity)
-        priority = torch.as_tensor(priority)
         keep = (rows < 0) | (self.count[rows.clamp_min(0)] < self.spec.max_times)
-        if priority.numel() > 1:
-            priority = priority.reshape(-1)[keep]
-        if generation is not None:
-            generation = torch.as_tensor(generation).reshape(-1)[keep]
-        self.inner.update(rows[keep], priority, generation, stored=stored)
+        update_kept(self.inner, rows, keep, priority, generation, stored)
 
     def give_back(self, rows: torch.Tensor) -> None:
         """Picks not used do not count against the cap (rows excluded by them come back only when rewritten)."""

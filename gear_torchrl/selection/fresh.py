@@ -19,8 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from gear_torchrl.selection.around import AroundSpec, excluding_core
+from gear_torchrl.selection.around import AroundSpec, excluding_core, update_kept
 from gear_torchrl.selection.base import AnySelector, StatefulSelector
+from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.store.policy_versions import checked_version
 from gear_torchrl.store.shard import Shard
@@ -134,17 +135,12 @@ class FreshSelector(StatefulSelector[FreshSpec]):
 
     def update(self, rows: Any, priority: Any, generation: Any = None, stored: int | None = None) -> None:
         """Forwarded, except for stale rows (they stay out of the draw)."""
-        rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        rows = as_rows(rows, self.capacity)
         floor = self.oldest_fresh
         keep = torch.ones_like(rows, dtype=torch.bool)
         if floor is not None:
-            keep = (rows < 0) | (self.version[rows.clamp(0, self.capacity - 1)] >= floor)
-        priority = torch.as_tensor(priority)
-        if priority.numel() > 1:
-            priority = priority.reshape(-1)[keep]
-        if generation is not None:
-            generation = torch.as_tensor(generation).reshape(-1)[keep]
-        self.inner.update(rows[keep], priority, generation, stored=stored)
+            keep = (rows < 0) | (self.version[rows.clamp_min(0)] >= floor)
+        update_kept(self.inner, rows, keep, priority, generation, stored)
 
     def give_back(self, rows: torch.Tensor) -> None:
         self.inner.give_back(rows)
