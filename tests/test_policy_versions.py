@@ -1,7 +1,7 @@
 """Rows carry the policy version that produced them: writers stamp it, or the data brings its own.
 
 Over a sharded store the stamp travels in the INSERT like any column
-(``test_ray_store.py``, remote writers on both transports).
+(``test_ray_store.py``, remote writers over tcp).
 """
 
 from __future__ import annotations
