@@ -30,10 +30,10 @@ class AroundSpec(SelectionSpec):
         return self.inner.merges_best
 
 
-def excluding_core(inner: AnySelector, refusal: str) -> ExcludingCore:
-    """``inner``, a core that can exclude rows; else a TypeError saying ``refusal``."""
+def excluding_core(inner: AnySelector, refusal: TypeError) -> ExcludingCore:
+    """``inner``, a core that can exclude rows; else ``refusal`` is raised."""
     if not isinstance(inner, (PrioritySelector, TopKSelector)):
-        raise TypeError(refusal)
+        raise refusal
     return inner
 
 

@@ -69,7 +69,7 @@ class CappedSelector(StatefulSelector[CappedSpec]):
         self.spec = spec
         self.capacity = capacity
         inner = inner if inner is not None else spec.inner.build(capacity)
-        self.inner = excluding_core(inner, str(_cannot_cap(f"{inner.spec.kind} selection")))
+        self.inner = excluding_core(inner, _cannot_cap(f"{inner.spec.kind} selection"))
         self.count = torch.zeros(capacity, dtype=torch.int64)
         self._followed = (0, 0)
 

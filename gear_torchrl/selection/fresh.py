@@ -23,7 +23,7 @@ from gear_torchrl.selection.around import AroundSpec, excluding_core, update_kep
 from gear_torchrl.selection.base import AnySelector, StatefulSelector
 from gear_torchrl.selection.checked_inputs import as_rows
 from gear_torchrl.selection.picked import Picked
-from gear_torchrl.store.policy_versions import checked_version
+from gear_torchrl.store.policy_versions import checked_version, holds_versions
 from gear_torchrl.store.shard import Shard
 from gear_torchrl.store.state_checks import checked_tensor, field
 from gear_torchrl.store.table_spec import Path, key_name
@@ -63,7 +63,7 @@ class FreshSelector(StatefulSelector[FreshSpec]):
         self.spec = spec
         self.capacity = capacity
         inner = inner if inner is not None else spec.inner.build(capacity)
-        self.inner = excluding_core(inner, f"a {inner.spec.kind} selection cannot leave stale rows out of its draws")
+        self.inner = excluding_core(inner, TypeError(f"a {inner.spec.kind} selection cannot leave stale rows out"))
         self.clear()
 
     def clear(self) -> None:
@@ -95,10 +95,10 @@ class FreshSelector(StatefulSelector[FreshSpec]):
 
     def written(self, rows: torch.Tensor, shard: Shard | None) -> None:
         versions = self._versions_from(shard, rows)
-        self.version[rows] = versions
         self.inner.written(rows, shard)
         floor = self.oldest_fresh
         if floor is not None and bool((stale := versions < floor).any()):
+            self.version[rows[stale]] = versions[stale]
             self.inner.exclude(rows[stale])  # out of the draw already: no later move concerns them
             rows, versions = rows[~stale], versions[~stale]
         self._file(rows, versions)
@@ -108,7 +108,7 @@ class FreshSelector(StatefulSelector[FreshSpec]):
         column = None if shard is None else shard.column(key)
         if column is None:
             raise KeyError(f"staleness reads each row's policy version under '{key_name(key)}', which the data lacks")
-        if column.dtype.is_floating_point or column.dtype == torch.bool:
+        if not holds_versions(column.dtype):
             raise TypeError(
                 f"'{key_name(key)}' holds policy versions, which are integers; the store holds {column.dtype}"
             )

@@ -22,10 +22,15 @@ from gear_torchrl.store.table_spec import NestedKey, key_name
 POLICY_VERSION = "policy_version"  # TorchRL's PolicyVersion transform writes the version there
 
 
+def holds_versions(dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``dtype`` can hold policy versions: integers count updates, bools and floats do not."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def checked_version(value: object, what: str = "a policy version") -> int:
     """``value`` as a Python int: versions count policy updates, so they are integers, not bools or floats."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        if value.numel() != 1 or not holds_versions(value.dtype):
             raise TypeError(f"{what} is one integer, got a {value.dtype} tensor of shape {tuple(value.shape)}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -38,7 +43,7 @@ def check_version_column(data: TensorDictBase, key: NestedKey) -> None:
     column = data.get(key, None)
     if column is None:
         return
-    if not isinstance(column, torch.Tensor) or column.dtype.is_floating_point or column.dtype == torch.bool:
+    if not isinstance(column, torch.Tensor) or not holds_versions(column.dtype):
         kind = column.dtype if isinstance(column, torch.Tensor) else type(column).__name__
         raise SpecMismatchError(f"'{key_name(key)}' holds policy versions, which are integers; these rows carry {kind}")
 
