@@ -318,11 +318,11 @@ def test_a_sequence_sampler_pickled_after_sampling_sees_later_episodes():
 
 
 def test_concurrent_writers_cannot_all_pass_the_same_rate_limiter_check():
-    """Nobody samples, so the rule admits at most 101 rows; 8 writers racing must not overshoot it."""
+    """Nobody samples, so the rule admits at most 101 rows; 4 writers racing must not overshoot it."""
     limiter = SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=1, error_buffer=100, timeout=1.0)
     storage = GearStorage(10_000, shared=True, rate_limiter=limiter)
-    barrier = CTX.Barrier(8)
-    writers = [CTX.Process(target=w.write_until_blocked, args=(storage, barrier)) for _ in range(8)]
+    barrier = CTX.Barrier(4)
+    writers = [CTX.Process(target=w.write_until_blocked, args=(storage, barrier)) for _ in range(4)]
     try:
         for p in writers:
             p.start()
