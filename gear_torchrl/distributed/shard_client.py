@@ -534,8 +534,13 @@ def _fits_int64(seed: int | None) -> bool:
     return seed is None or (type(seed) is int and 0 <= seed < _SEED_BOUND)
 
 
-@functools.lru_cache(maxsize=256)
 def _spec_json(spec: SelectionSpec) -> bytes:
+    return _encoded_spec(spec, spec.per_request())
+
+
+@functools.lru_cache(maxsize=256)
+def _encoded_spec(spec: SelectionSpec, per_request: tuple[Any, ...]) -> bytes:
+    """A rule's JSON, made once per rule and per-request settings (a spec's hash leaves those out)."""
     return json.dumps(spec.to_json(), separators=(",", ":")).encode()
 
 
@@ -544,13 +549,16 @@ def _sample_meta(op: int, spec: SelectionSpec) -> bytes:
     return b"" if op == Op.SAMPLE_ROWS else _spec_json(spec)
 
 
-@functools.lru_cache(maxsize=256)
 def _sample_head(op: int, spec: SelectionSpec) -> bytes:
     """What precedes a SAMPLE_*'s one 24-byte array on the wire: the same for every ask of a rule."""
+    return _encoded_sample_head(op, spec, spec.per_request())
+
+
+@functools.lru_cache(maxsize=256)
+def _encoded_sample_head(op: int, spec: SelectionSpec, per_request: tuple[Any, ...]) -> bytes:
     return wire.header(op, _sample_meta(op, spec), [_SAMPLE.size])
 
 
-@functools.lru_cache(maxsize=256)
 def rule_meta(spec: SelectionSpec) -> bytes:
     """An UPDATE's, POST_UPDATE's or GIVE_BACK's metadata: the rule it is for."""
     return b'{"selection":%s}' % _spec_json(spec)

@@ -66,6 +66,12 @@ class SelectionSpec:
             fields[f.name] = value.to_json() if isinstance(value, SelectionSpec) else value
         return {"kind": self.kind, **fields}
 
+    def per_request(self) -> tuple[Any, ...]:
+        """The values of its fields outside its identity (``compare=False``): settings a learner's request
+        carries that may change from one request to the next (a consumer version). What caches of a spec's
+        encoding key on, besides the spec."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if not f.compare)
+
     def __post_init__(self) -> None:
         self.check()
 
@@ -132,6 +138,10 @@ class Selector(ABC, Generic[SpecT_co]):
 
     def clear(self) -> None:
         """Back to the state of a new core (the store was emptied): nothing, for a rule without state."""
+
+    def asked(self, spec: SelectionSpec) -> None:
+        """A learner asks with ``spec``, equal to this core's but for fields outside a spec's identity
+        (``compare=False``: a learner's consumer version), which change per request: the core takes them."""
 
 
 # A core of any rule: what tables and registries hold and run.

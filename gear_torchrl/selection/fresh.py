@@ -8,11 +8,18 @@ once, until it is written again: this core keeps each row's version and, per
 version, the rows written with it, and when the consumer version moves it
 takes the rows of the versions left behind out of the inner rule's draw
 (``exclude``, as a cap does). Its cost is one step per row over the row's
-life, never a scan of the store per pick.
+life, never a scan of the store per pick. Each pick carries the versions of
+its rows (``extra["policy_version"]``), what a sampler reports staleness from.
+
+Over a sharded store the learner's consumer version travels in the spec of
+each request (``FreshSpec.consumer_version``, outside the spec's identity, so
+that an owner keeps one core across versions), and the owner's core moves to
+it before it picks (``asked``): no round trip of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -38,6 +45,8 @@ class FreshSpec(AroundSpec):
     kind: ClassVar[str] = "fresh"
     max_staleness: int
     version_key: Path = ("policy_version",)
+    # The learner's version when it asked (None: none set yet); per request, so not part of the rule's identity.
+    consumer_version: int | None = dataclasses.field(default=None, compare=False)
 
     def describe(self) -> str:
         return f"{self.inner.describe()} within max_staleness={self.max_staleness}"
@@ -64,13 +73,13 @@ class FreshSelector(StatefulSelector[FreshSpec]):
         self.capacity = capacity
         inner = inner if inner is not None else spec.inner.build(capacity)
         self.inner = excluding_core(inner, TypeError(f"a {inner.spec.kind} selection cannot leave stale rows out"))
+        self.consumer_version: int | None = spec.consumer_version  # the learner's: an emptied store keeps it
         self.clear()
 
     def clear(self) -> None:
         self.version = torch.full((self.capacity,), _UNWRITTEN, dtype=torch.int64)
         self._by_version: dict[int, list[torch.Tensor]] = {}  # rows written with each version (some since rewritten)
         self._versions: list[int] = []  # a min-heap of _by_version's keys
-        self.consumer_version: int | None = None
         self._followed = (0, 0)
         self.inner.clear()
 
@@ -85,6 +94,7 @@ class FreshSelector(StatefulSelector[FreshSpec]):
         if self.consumer_version is not None and version < self.consumer_version:
             raise ValueError(f"the consumer version goes forward only: it is {self.consumer_version}, got {version}")
         self.consumer_version = version
+        self.spec = dataclasses.replace(self.spec, consumer_version=version)  # what requests carry to owners
         floor = version - self.spec.max_staleness
         while self._versions and self._versions[0] < floor:
             old = heapq.heappop(self._versions)
@@ -92,6 +102,13 @@ class FreshSelector(StatefulSelector[FreshSpec]):
             still = rows[self.version[rows] == old]  # the rest were rewritten with another version since
             if still.numel():
                 self.inner.exclude(still)
+
+    def asked(self, spec: FreshSpec) -> None:  # type: ignore[override]  # a core is asked with its own kind of spec
+        """A learner's request: the consumer version it carries, where ahead of this core's, is taken (learners
+        behind it get rows fresher than they need, never staler)."""
+        asked = spec.consumer_version
+        if asked is not None and (self.consumer_version is None or asked > self.consumer_version):
+            self.set_consumer_version(asked)
 
     def written(self, rows: torch.Tensor, shard: Shard | None) -> None:
         versions = self._versions_from(shard, rows)
@@ -125,7 +142,9 @@ class FreshSelector(StatefulSelector[FreshSpec]):
         return self.inner.mass(shard)
 
     def pick(self, shard: Shard | None, count: int, generator: torch.Generator | None) -> Picked:
-        return self.inner.pick(shard, count, generator)
+        picked = self.inner.pick(shard, count, generator)
+        picked.extra["policy_version"] = self.version[picked.starts.cpu()]
+        return picked
 
     def nothing_to_pick(self, shard: Shard | None, count: int, got: int) -> str:
         return (
@@ -181,6 +200,7 @@ class FreshSelector(StatefulSelector[FreshSpec]):
         self.version.fill_(_UNWRITTEN)
         self._by_version, self._versions = {}, []
         self.consumer_version = state["consumer_version"]
+        self.spec = dataclasses.replace(self.spec, consumer_version=self.consumer_version)
         version = state["version"]
         written = version != _UNWRITTEN
         self._file(torch.arange(self.capacity)[written], version[written])

@@ -35,6 +35,7 @@ EXTRA_DTYPES = {
     "mass": torch.float64,
     "score": torch.float64,
     "generation": torch.int64,
+    "policy_version": torch.int64,  # the version that wrote a picked row (``selection/fresh.py``)
     # a packed token's place (``selection/packed.py``)
     "position": torch.int64,
     "step": torch.int64,

@@ -67,7 +67,9 @@ def _typed(cls: type[SelectionSpec], name: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise ValueError(f"{cls.kind}.{name} must be a bool, got {value!r}")
         return value
-    if declared == "int":
+    if declared == "int | None" and value is None:
+        return None
+    if declared in ("int", "int | None"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{cls.kind}.{name} must be an int, got {value!r}")
         return value

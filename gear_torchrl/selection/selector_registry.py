@@ -34,10 +34,12 @@ class SelectorRegistry:
         if spec.per_reader:
             if spec not in own:
                 own[spec] = spec.build(self.capacity)
+            own[spec].asked(spec)
             yield own[spec]
             return
         selector, lock = self.shared_core(spec)
         with lock:
+            selector.asked(spec)
             yield selector
 
     def shared_core(self, spec: SelectionSpec) -> tuple[StatefulSelector[SelectionSpec], SelectorLock]:

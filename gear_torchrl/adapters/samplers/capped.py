@@ -16,6 +16,7 @@ from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage, select
+from gear_torchrl.adapters.samplers.staleness import BoundsStaleness
 from gear_torchrl.errors import CheckpointError
 from gear_torchrl.selection.base import AnySelector
 from gear_torchrl.selection.capped import CappedSelector, CappedSpec
@@ -56,6 +57,11 @@ class MaxTimesSampled(SelectsThroughStorage, StateDictFile, Sampler):
             raise TypeError(
                 f"{type(sampler).__name__} cannot exclude rows, so it cannot be capped; "
                 "use GearPrioritizedSampler (alpha=0 samples uniformly) or TopKSampler"
+            )
+        if isinstance(sampler, BoundsStaleness) and sampler.max_staleness >= 0:
+            raise TypeError(
+                f"a cap around a staleness bound (max_staleness={sampler.max_staleness}) is not supported yet: "
+                "the cap would draw from the rule inside the bound"
             )
         if max_times < 1:
             raise ValueError(f"max_times must be >= 1, got {max_times}")

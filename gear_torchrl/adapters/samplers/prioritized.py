@@ -9,14 +9,17 @@ from torchrl.data.replay_buffers.samplers import PrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.adapters.samplers.priority_state import PriorityState
-from gear_torchrl.adapters.samplers.selecting import SelectsThroughStorage, select
+from gear_torchrl.adapters.samplers.selecting import select
+from gear_torchrl.adapters.samplers.staleness import BoundsStaleness
 from gear_torchrl.adapters.table_storage import TableStorage
 from gear_torchrl.selection.checked_inputs import as_rows, integer_rows, seeds_defaults
 from gear_torchrl.selection.picked import Picked, SelectionIndex, sample_of
 from gear_torchrl.selection.priorities import PrioritySelector, PrioritySpec, ProportionalSpec
+from gear_torchrl.store.policy_versions import POLICY_VERSION
+from gear_torchrl.store.table_spec import NestedKey
 
 
-class GearPrioritizedSampler(SelectsThroughStorage, PriorityState, PrioritizedSampler):
+class GearPrioritizedSampler(BoundsStaleness, PriorityState, PrioritizedSampler):
     """Proportional PER (Schaul et al.): P(i) = p_i^alpha / sum_j p_j^alpha, weights (p_i / p_min)^-beta.
 
     A drop-in for TorchRL's ``PrioritizedSampler`` (it is one, so
@@ -34,9 +37,11 @@ class GearPrioritizedSampler(SelectsThroughStorage, PriorityState, PrioritizedSa
     With ``device="cuda"`` the masses live on the GPU (blocked prefix sums, see
     ``selection/block_sums.py``): draws, weights and updates run there, for
     storages whose batches are on the GPU too.
-    """
 
-    _empty = PriorityState._empty  # the core cleared and the last draw forgotten too
+    ``max_staleness``, ``version_key`` and ``consumer_version`` bound the policy
+    versions drawn, as TorchRL's ``StalenessAwareSampler`` does
+    (``adapters/samplers/staleness.py``); the weights are those of the fresh rows.
+    """
 
     selector: PrioritySelector[ProportionalSpec]
     _device: torch.device  # TorchRL's may be None; ours is always set
@@ -51,6 +56,8 @@ class GearPrioritizedSampler(SelectsThroughStorage, PriorityState, PrioritizedSa
         beta_final: float = 1.0,
         beta_anneal_steps: int | None = None,
         device: torch.device | str = "cpu",
+        max_staleness: int = -1,
+        version_key: NestedKey = POLICY_VERSION,
     ) -> None:
         if alpha < 0 or beta < 0:
             raise ValueError(f"alpha and beta must be non-negative, got alpha={alpha}, beta={beta}")
@@ -68,6 +75,16 @@ class GearPrioritizedSampler(SelectsThroughStorage, PriorityState, PrioritizedSa
         # The last draw (rows, their generations, writes seen by then): TorchRL's update_tensordict_priority
         # passes no generation, and a row rewritten since its draw must not take the update.
         self._last_draw: tuple[SelectionIndex, torch.Tensor, int] | None = None
+        self._bound_staleness(max_staleness, version_key, self._max_capacity)
+
+    def _empty(self) -> None:
+        """The core cleared (and the staleness bound's versions), the last draw forgotten."""
+        self.rule.clear()
+        self._last_draw = None
+
+    def state_dict(self) -> dict[str, Any]:
+        self._refuse_unsaved_bound()
+        return PriorityState.state_dict(self)
 
     def _new_selector(self, alpha: float, eps: float) -> PrioritySelector[ProportionalSpec]:
         """The core this sampler adapts (prioritized windows make another, over their windows)."""
@@ -133,7 +150,7 @@ class GearPrioritizedSampler(SelectsThroughStorage, PriorityState, PrioritizedSa
 
     # -- sampling --------------------------------------------------------------------
     def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:  # type: ignore[override]  # TorchRL annotates Tensor; its samplers return (index, info)
-        picked = select(storage, self.selector, batch_size, self._rng)
+        picked = select(storage, self.rule, batch_size, self._rng)
         return picked.index, self.info(picked)
 
     def info(self, picked: Picked) -> dict[str, Any]:
@@ -142,7 +159,7 @@ class GearPrioritizedSampler(SelectsThroughStorage, PriorityState, PrioritizedSa
         self._last_draw = (picked.index, generation, self.selector.writes)
         weight = self._importance_weights(picked.extra["mass"], picked.scalars["min_mass"])
         self._anneal_beta()
-        return {"priority_weight": weight, "generation": generation}
+        return {"priority_weight": weight, "generation": generation, **self.staleness_info(picked)}
 
     def _importance_weights(self, masses: torch.Tensor, min_mass: float | torch.Tensor) -> torch.Tensor:
         """(N P(i))^-beta normalized by its largest value: (mass_i / min mass)^-beta."""

@@ -56,23 +56,28 @@ class SelectsThroughStorage(DrawsThroughStorage):
     selector: AnySelector
     _rng: torch.Generator | None = None
 
+    @property
+    def rule(self) -> AnySelector:
+        """The core the storage runs: the selector, or a rule around it (a staleness bound)."""
+        return self.selector
+
     def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
         """Rows were (over)written through TorchRL's writer: the rule's per-row state follows."""
-        if not self.selector.keeps_row_state:
+        if not self.rule.keeps_row_state:
             return
         if isinstance(storage, TableStorage):
-            storage.table.note_written(self.selector, index)
+            storage.table.note_written(self.rule, index)
         else:
             rows = as_rows(index, self.selector_capacity)
-            self.selector.written(rows[rows >= 0], None)
+            self.rule.written(rows[rows >= 0], None)
 
     def _update(self, storage: Storage | None, index: Any, priority: Any, generation: Any = None) -> None:
         """Priorities through the storage's table (checked against its rows; routed to owners), else to the
         core."""
         if isinstance(storage, TableStorage):
-            storage.table.update(self.selector, index, priority, generation)
+            storage.table.update(self.rule, index, priority, generation)
         else:
-            self.selector.update(index, priority, generation)
+            self.rule.update(index, priority, generation)
 
     @property
     def selector_capacity(self) -> int:
@@ -80,7 +85,7 @@ class SelectsThroughStorage(DrawsThroughStorage):
         raise NotImplementedError(f"{type(self).__name__} keeps per-row state and must say for how many rows")
 
     def _empty(self) -> None:
-        self.selector.clear()
+        self.rule.clear()
 
 
 class FollowsEpisodes(SelectsThroughStorage):

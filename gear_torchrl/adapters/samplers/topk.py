@@ -9,13 +9,15 @@ from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from gear_torchrl.adapters.samplers.selecting import SavesCoreState, select
+from gear_torchrl.adapters.samplers.staleness import BoundsStaleness
 from gear_torchrl.selection.picked import SelectionIndex
 from gear_torchrl.selection.state_file import StateDictFile
 from gear_torchrl.selection.topk import TopKSelector, TopKSpec
+from gear_torchrl.store.policy_versions import POLICY_VERSION
 from gear_torchrl.store.table_spec import NestedKey, optional_path
 
 
-class TopKSampler(SavesCoreState, StateDictFile, Sampler):
+class TopKSampler(BoundsStaleness, SavesCoreState, StateDictFile, Sampler):
     """Each batch is the ``batch_size`` highest-scoring rows, best first.
 
     Rows committed by TrajectoryWriters (in this process or, over a shared
@@ -28,15 +30,30 @@ class TopKSampler(SavesCoreState, StateDictFile, Sampler):
         key: a scalar-per-row key of the data whose value is the score (e.g.
             ``("next", "reward")``); None to score rows with ``update_priority``
             (new rows then score ``default_score``).
+        max_staleness, version_key: the best rows among those at most ``max_staleness`` policy versions
+            older than ``consumer_version`` (``adapters/samplers/staleness.py``; -1: no bound).
     """
 
     selector: TopKSelector
 
-    def __init__(self, max_capacity: int, key: NestedKey | None = None, default_score: float = 0.0) -> None:
+    def __init__(
+        self,
+        max_capacity: int,
+        key: NestedKey | None = None,
+        default_score: float = 0.0,
+        *,
+        max_staleness: int = -1,
+        version_key: NestedKey = POLICY_VERSION,
+    ) -> None:
         self.max_capacity = max_capacity
         self.key = key
         self.default_score = default_score
         self.selector = TopKSelector(TopKSpec(optional_path(key), float(default_score)), max_capacity)
+        self._bound_staleness(max_staleness, version_key, max_capacity)
+
+    def state_dict(self) -> dict[str, Any]:
+        self._refuse_unsaved_bound()
+        return SavesCoreState.state_dict(self)
 
     @property
     def selector_capacity(self) -> int:
@@ -47,7 +64,8 @@ class TopKSampler(SavesCoreState, StateDictFile, Sampler):
         return self.selector.scores
 
     def sample(self, storage: Storage, batch_size: int) -> tuple[SelectionIndex, dict]:
-        return select(storage, self.selector, batch_size, self._rng).index, {}
+        picked = select(storage, self.rule, batch_size, self._rng)
+        return picked.index, self.staleness_info(picked)
 
     def update_priority(self, index: Any, priority: Any, *, storage: Storage | None = None) -> None:
         self._update(storage, index, priority)

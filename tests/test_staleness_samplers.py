@@ -1,0 +1,194 @@
+"""``max_staleness`` on the gear samplers (``adapters/samplers/staleness.py``), checked against the fresh rows
+listed by brute force: local, shared (commits of a TrajectoryWriter) and sharded (the consumer version travels
+in each request to the owner)."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torchrl.data import TensorDictReplayBuffer
+
+from gear_torchrl import (
+    GearPrioritizedSampler,
+    GearStorage,
+    MaxTimesSampled,
+    ShardedGearStorage,
+    TopKSampler,
+    TrajectoryWriter,
+)
+from gear_torchrl.selection.fresh import FreshSpec
+from gear_torchrl.selection.priorities import PrioritySpec
+from gear_torchrl.selection.rules import spec_from_json
+
+CAPACITY = 64
+
+
+def _rows(first: int, n: int, version: int) -> TensorDict:
+    done = torch.zeros(n, 1, dtype=torch.bool)
+    done[-1] = True
+    obs = torch.arange(first, first + n, dtype=torch.float32)
+    return TensorDict({"obs": obs, "policy_version": torch.full((n,), version), ("next", "done"): done}, [n])
+
+
+def _fill(write, versions: list[int], per_version: int = 10, ring: dict | None = None) -> dict[float, int]:
+    """Rows of each version in ``versions``, after those of ``ring`` (ring row -> (obs, version), updated; a
+    ring of CAPACITY rows laps): each live row's obs -> its version."""
+    ring = {} if ring is None else ring
+    first = max((obs for obs, _ in ring.values()), default=-1.0) + 1
+    for version in versions:
+        write(_rows(int(first), per_version, version))
+        for i in range(per_version):
+            ring[int(first + i) % CAPACITY] = (float(first + i), version)
+        first += per_version
+    return dict(ring.values())
+
+
+def _fresh(live: dict[float, int], consumer: int, bound: int) -> set[float]:
+    return {obs for obs, version in live.items() if consumer - version <= bound}
+
+
+def _check_draws(rb: TensorDictReplayBuffer, sampler, live: dict[float, int], bound: int, shard=None) -> None:
+    """Every drawn row is fresh, its staleness is reported, and (uniform over the fresh) every fresh row is drawn."""
+    stored = rb.storage if shard is None else shard  # a sharded store's rows: its one shard's
+    readable = set(stored[:]["obs"].tolist())  # a shared ring keeps one row out, for the next write
+    fresh = _fresh(live, sampler.consumer_version, bound) & readable
+    seen: set[float] = set()
+    for _ in range(40):
+        batch = rb.sample()
+        obs = batch["obs"].tolist()
+        assert set(obs) <= fresh, sorted(set(obs) - fresh)
+        expected = torch.tensor([sampler.consumer_version - live[o] for o in obs])
+        assert torch.equal(batch["staleness"].reshape(-1).cpu(), expected)
+        seen |= set(obs)
+    assert seen == fresh
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["local", "shared"])
+@pytest.mark.parametrize("bound", [0, 1, 3])
+def test_prioritized_rows_are_drawn_from_the_fresh_rows_only(shared, bound):
+    storage = GearStorage(CAPACITY, shared=shared)
+    try:
+        sampler = GearPrioritizedSampler(CAPACITY, alpha=0.0, beta=0.4, max_staleness=bound)
+        rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=32)
+        writer = TrajectoryWriter(storage)  # commits the sampler follows (another process's, when shared)
+
+        def write(rows):
+            writer.extend(rows)
+            writer.end_episode()
+
+        ring: dict = {}
+        live = _fill(write, [0, 1, 2, 3, 4, 5, 6, 7], ring=ring)  # 80 rows: the ring lapped past versions 0, 1
+        for consumer in (4, 5, 7, 8):
+            sampler.consumer_version = consumer
+            if not _fresh(live, consumer, bound):
+                with pytest.raises(RuntimeError, match=f"max_staleness={bound}"):
+                    rb.sample()
+                continue
+            _check_draws(rb, sampler, live, bound)
+        live = _fill(write, [9], ring=ring)  # rewritten rows come back fresh
+        sampler.increment_consumer_version()
+        assert sampler.consumer_version == 9
+        _check_draws(rb, sampler, live, bound)
+    finally:
+        storage.close()
+
+
+def test_topk_is_the_best_of_the_fresh_rows():
+    sampler = TopKSampler(CAPACITY, key="obs", max_staleness=1)
+    rb = TensorDictReplayBuffer(storage=GearStorage(CAPACITY), sampler=sampler, batch_size=5)
+    live = _fill(rb.extend, [3, 0, 2, 1])  # the newest versions hold the lowest scores
+    sampler.consumer_version = 3
+    best = sorted(_fresh(live, 3, 1), reverse=True)[:5]
+    batch = rb.sample()
+    assert batch["obs"].tolist() == best
+    assert batch["staleness"].tolist() == [3 - live[o] for o in best]
+
+
+def test_without_a_bound_nothing_is_filtered_and_no_staleness_is_reported():
+    sampler = GearPrioritizedSampler(CAPACITY, alpha=0.0, beta=0.4)
+    rb = TensorDictReplayBuffer(storage=GearStorage(CAPACITY), sampler=sampler, batch_size=64)
+    rb.extend(_rows(0, 20, 0))
+    sampler.consumer_version = 100
+    batches = [rb.sample() for _ in range(10)]
+    assert all("staleness" not in batch.keys() for batch in batches)
+    assert {o for batch in batches for o in batch["obs"].tolist()} == set(map(float, range(20)))
+
+
+def test_bad_bounds_versions_and_keys_are_refused_and_leave_the_sampler_as_it_was():
+    for bad in (-2, 1.5, "1", True):
+        with pytest.raises(ValueError, match="max_staleness must be an integer >= -1"):
+            GearPrioritizedSampler(CAPACITY, alpha=0.0, beta=0.4, max_staleness=bad)  # type: ignore[arg-type]
+    sampler = GearPrioritizedSampler(CAPACITY, alpha=0.0, beta=0.4, max_staleness=1)
+    sampler.consumer_version = 5
+    with pytest.raises(ValueError, match="goes forward only: it is 5, got 4"):
+        sampler.consumer_version = 4
+    for wrong in (5.5, "6", torch.tensor([6, 7])):
+        with pytest.raises((TypeError, ValueError), match="consumer version"):
+            sampler.consumer_version = wrong  # type: ignore[assignment]
+    assert sampler.consumer_version == 5
+    rb = TensorDictReplayBuffer(storage=GearStorage(CAPACITY), sampler=sampler, batch_size=4)
+    with pytest.raises(KeyError, match="'policy_version'"):
+        rb.extend(TensorDict({"obs": torch.zeros(4)}, [4]))
+    mine = TopKSampler(CAPACITY, key="obs", max_staleness=0, version_key=("meta", "v"))
+    rb = TensorDictReplayBuffer(storage=GearStorage(CAPACITY), sampler=mine, batch_size=4)
+    with pytest.raises(KeyError, match="'meta.v'"):
+        rb.extend(_rows(0, 4, 0))
+
+
+def test_what_a_bound_does_not_combine_with_yet_is_refused(tmp_path):
+    sampler = GearPrioritizedSampler(CAPACITY, alpha=0.5, beta=0.4, max_staleness=2)
+    with pytest.raises(NotImplementedError, match="max_staleness=2"):
+        sampler.dumps(tmp_path)
+    with pytest.raises(NotImplementedError, match="max_staleness=-1"):
+        TopKSampler(CAPACITY, max_staleness=0).state_dict()
+    with pytest.raises(TypeError, match="cap around a staleness bound"):
+        MaxTimesSampled(sampler, 2, CAPACITY)
+    assert MaxTimesSampled(GearPrioritizedSampler(CAPACITY, 0.0, 0.4), 2, CAPACITY).max_times == 2
+
+
+def test_the_consumer_version_travels_in_the_spec_outside_its_identity():
+    asked = FreshSpec(PrioritySpec(0.0, 1e-8), 1, consumer_version=7)
+    back = spec_from_json(asked.to_json())
+    assert isinstance(back, FreshSpec) and back.consumer_version == 7 and back == FreshSpec(PrioritySpec(0.0, 1e-8), 1)
+    assert hash(back) == hash(FreshSpec(PrioritySpec(0.0, 1e-8), 1))  # an owner keeps one core across versions
+    with pytest.raises(ValueError, match="consumer_version must be an int"):
+        spec_from_json({**asked.to_json(), "consumer_version": "7"})
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
+    store = ShardedGearStorage(CAPACITY, serve_on="127.0.0.1", transport="tcp", timeout=10)
+    try:
+        yield store
+    finally:
+        store.close()
+        dist.destroy_process_group()
+
+
+def test_a_sharded_owner_filters_by_the_consumer_version_each_request_carries(sharded):
+    writer = TrajectoryWriter(sharded.local)
+
+    def write(rows):
+        writer.extend(rows)
+        writer.end_episode()
+
+    live = _fill(write, [0, 1, 2, 3, 4, 5])
+    sampler = GearPrioritizedSampler(CAPACITY, alpha=0.0, beta=0.4, max_staleness=1)
+    rb = TensorDictReplayBuffer(storage=sharded, sampler=sampler, batch_size=32)
+    for consumer in (2, 4, 5):
+        sampler.consumer_version = consumer  # set on the learner only: the owner learns it from the requests
+        _check_draws(rb, sampler, live, 1, shard=sharded.local)
+    sampler.consumer_version = 7
+    with pytest.raises(RuntimeError, match="max_staleness=1"):
+        rb.sample()
