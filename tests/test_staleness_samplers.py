@@ -14,6 +14,7 @@ from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
 from gear_torchrl import (
+    CheckpointError,
     GearPrioritizedSampler,
     GearStorage,
     MaxTimesSampled,
@@ -140,14 +141,46 @@ def test_bad_bounds_versions_and_keys_are_refused_and_leave_the_sampler_as_it_wa
         rb.extend(_rows(0, 4, 0))
 
 
-def test_what_a_bound_does_not_combine_with_yet_is_refused(tmp_path):
-    sampler = GearPrioritizedSampler(CAPACITY, alpha=0.5, beta=0.4, max_staleness=2)
-    with pytest.raises(NotImplementedError, match="max_staleness=2"):
+@pytest.mark.parametrize("saved", ["dumps", "state_dict"])
+def test_a_bounded_sampler_saves_its_rows_versions_and_consumer_version(saved, tmp_path):
+    storage = GearStorage(CAPACITY)
+    sampler = GearPrioritizedSampler(CAPACITY, alpha=0.0, beta=0.4, max_staleness=1)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=32)
+    live = _fill(rb.extend, [0, 1, 2, 3])
+    sampler.consumer_version = 2
+    back = GearPrioritizedSampler(CAPACITY, alpha=0.0, beta=0.4, max_staleness=1)
+    if saved == "dumps":
         sampler.dumps(tmp_path)
-    with pytest.raises(NotImplementedError, match="max_staleness=-1"):
-        TopKSampler(CAPACITY, max_staleness=0).state_dict()
+        back.loads(tmp_path)
+    else:
+        back.load_state_dict(sampler.state_dict())
+    assert back.consumer_version == 2
+    rb = TensorDictReplayBuffer(storage=storage, sampler=back, batch_size=32)
+    _check_draws(rb, back, live, 1)
+    back.consumer_version = 3  # the versions came back too: the bound moves with them
+    _check_draws(rb, back, live, 1)
+    topk = TopKSampler(CAPACITY, key="obs", max_staleness=0)
+    topk.consumer_version = 4
+    again = TopKSampler(CAPACITY, key="obs", max_staleness=0)
+    again.load_state_dict(topk.state_dict())
+    assert again.consumer_version == 4
+
+
+def test_a_state_without_versions_is_refused_by_a_bounded_sampler_which_stays_as_it_was():
+    unbounded = GearPrioritizedSampler(CAPACITY, alpha=0.0, beta=0.4)
+    bounded = GearPrioritizedSampler(CAPACITY, alpha=0.0, beta=0.4, max_staleness=1)
+    bounded.consumer_version = 3
+    with pytest.raises(CheckpointError, match="policy_version"):
+        bounded.load_state_dict(unbounded.state_dict())
+    state = bounded.state_dict()
+    with pytest.raises(CheckpointError, match="consumer version"):
+        bounded.load_state_dict({**state, "consumer_version": 1.5})
+    assert bounded.consumer_version == 3
+
+
+def test_a_cap_around_a_bound_is_refused():
     with pytest.raises(TypeError, match="cap around a staleness bound"):
-        MaxTimesSampled(sampler, 2, CAPACITY)
+        MaxTimesSampled(GearPrioritizedSampler(CAPACITY, 0.0, 0.4, max_staleness=1), 2, CAPACITY)
     assert MaxTimesSampled(GearPrioritizedSampler(CAPACITY, 0.0, 0.4), 2, CAPACITY).max_times == 2
 
 

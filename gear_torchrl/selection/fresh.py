@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from gear_torchrl.errors import CheckpointError
 from gear_torchrl.selection.around import AroundSpec, excluding_core, update_kept
 from gear_torchrl.selection.base import AnySelector, StatefulSelector
 from gear_torchrl.selection.checked_inputs import as_rows
@@ -187,21 +188,36 @@ class FreshSelector(StatefulSelector[FreshSpec]):
 
     def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
         where = "the saved staleness state"
-        version = checked_tensor(field(state, "version", where), "version", torch.int64, (self.capacity,))
-        consumer = field(state, "consumer_version", where)
+        version, consumer = self.checked_versions(
+            field(state, "version", where), field(state, "consumer_version", where)
+        )
         return {
             "version": version,
-            "consumer_version": None if consumer is None else checked_version(consumer, "the saved consumer version"),
+            "consumer_version": consumer,
             "sampler": self.inner.checked_state_dict(field(state, "sampler", where), rows),
         }
 
     def assign(self, state: dict[str, Any]) -> None:
         self.inner.assign(state["sampler"])
+        self.take_versions(state["version"], state["consumer_version"])
+
+    def checked_versions(self, version: Any, consumer: Any) -> tuple[torch.Tensor, int | None]:
+        """Saved row versions (int64 per row) and consumer version, checked (CheckpointError naming the problem)."""
+        version = checked_tensor(version, "version", torch.int64, (self.capacity,))
+        if consumer is None:
+            return version, None
+        try:
+            return version, checked_version(consumer, "the saved consumer version")
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(str(e)) from None
+
+    def take_versions(self, version: torch.Tensor, consumer: int | None) -> None:
+        """Rows' versions and the consumer version as saved (the inner rule's state, saved with them, already
+        leaves out the rows that were stale)."""
         self.version.fill_(_UNWRITTEN)
         self._by_version, self._versions = {}, []
-        self.consumer_version = state["consumer_version"]
-        self.spec = dataclasses.replace(self.spec, consumer_version=self.consumer_version)
-        version = state["version"]
+        self.consumer_version = consumer
+        self.spec = dataclasses.replace(self.spec, consumer_version=consumer)
         written = version != _UNWRITTEN
         self._file(torch.arange(self.capacity)[written], version[written])
 

@@ -83,8 +83,14 @@ class GearPrioritizedSampler(BoundsStaleness, PriorityState, PrioritizedSampler)
         self._last_draw = None
 
     def state_dict(self) -> dict[str, Any]:
-        self._refuse_unsaved_bound()
-        return PriorityState.state_dict(self)
+        return self._with_bound(PriorityState.state_dict(self))
+
+    def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
+        return self._checked_bound(state, PriorityState.checked_state_dict(self, state, rows))
+
+    def _assign(self, state: dict[str, Any]) -> None:
+        PriorityState._assign(self, state)
+        self._assign_bound(state)
 
     def _new_selector(self, alpha: float, eps: float) -> PrioritySelector[ProportionalSpec]:
         """The core this sampler adapts (prioritized windows make another, over their windows)."""

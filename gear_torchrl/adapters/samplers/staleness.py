@@ -9,7 +9,9 @@ policy moves on. A bounded sampler runs its rule inside the staleness core
 version leaves them behind: the cost stays that of the batch, never a scan of
 the store. Each bounded batch's info carries ``"staleness"``, one value per
 sampled row, as TorchRL's does. The consumer version only goes forward: a lower
-one is an error, as is a version that is not an integer.
+one is an error, as is a version that is not an integer. A bounded sampler's
+state (``state_dict``, ``dumps``) holds its rows' versions and the consumer
+version beside its rule's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gear_torchrl.selection.base import AnySelector
 from gear_torchrl.selection.fresh import FreshSelector, FreshSpec
 from gear_torchrl.selection.picked import Picked
 from gear_torchrl.store.policy_versions import POLICY_VERSION, checked_version
+from gear_torchrl.store.state_checks import field
 from gear_torchrl.store.table_spec import NestedKey, as_path
 
 
@@ -74,10 +77,25 @@ class BoundsStaleness(SelectsThroughStorage):
             return {}
         return {"staleness": self._consumer_version - versions.to(torch.int64)}
 
-    def _refuse_unsaved_bound(self) -> None:
-        """Checkpoints do not yet hold the rows' versions: a bounded sampler says so rather than lose them."""
+    # -- state: the rule's, plus the bound's ------------------------------------------------
+    def _with_bound(self, state: dict[str, Any]) -> dict[str, Any]:
+        if self._fresh is None:
+            return state
+        return {**state, _VERSIONS: self._fresh.version.clone(), _CONSUMER: self._consumer_version}
+
+    def _checked_bound(self, state: dict[str, Any], checked: dict[str, Any]) -> dict[str, Any]:
+        """``checked`` (the rule's state, checked) with the bound's, checked, from ``state``."""
+        if self._fresh is None:
+            return checked
+        where = f"the saved {type(self).__name__}(max_staleness={self.max_staleness}) state"
+        version, consumer = self._fresh.checked_versions(field(state, _VERSIONS, where), field(state, _CONSUMER, where))
+        return {**checked, _VERSIONS: version, _CONSUMER: consumer}
+
+    def _assign_bound(self, state: dict[str, Any]) -> None:
         if self._fresh is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__}(max_staleness={self.max_staleness}) cannot be checkpointed yet: its "
-                "saved state would not hold the rows' policy versions; checkpoint with max_staleness=-1"
-            )
+            self._fresh.take_versions(state[_VERSIONS], state[_CONSUMER])
+            self._consumer_version = state[_CONSUMER]
+
+
+_VERSIONS = "policy_version"  # a bounded sampler's state: each row's version,
+_CONSUMER = "consumer_version"  # and the learner's

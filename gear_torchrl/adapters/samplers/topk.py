@@ -52,8 +52,14 @@ class TopKSampler(BoundsStaleness, SavesCoreState, StateDictFile, Sampler):
         self._bound_staleness(max_staleness, version_key, max_capacity)
 
     def state_dict(self) -> dict[str, Any]:
-        self._refuse_unsaved_bound()
-        return SavesCoreState.state_dict(self)
+        return self._with_bound(SavesCoreState.state_dict(self))
+
+    def checked_state_dict(self, state: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
+        return self._checked_bound(state, SavesCoreState.checked_state_dict(self, state, rows))
+
+    def _assign(self, state: dict[str, Any]) -> None:
+        SavesCoreState._assign(self, state)
+        self._assign_bound(state)
 
     @property
     def selector_capacity(self) -> int:
