@@ -267,3 +267,20 @@ def batched_mock_env():
     from torchrl.envs import SerialEnv
 
     return SerialEnv(1, mock_env)
+
+
+def write_policy_versions(storage, versions, per_version) -> None:
+    """One 10-step episode per version in ``versions``, each stamped by the writer (``writer.policy_version``),
+    obs counting from 0 across them: what a generator process with new weights per episode writes."""
+    from gear_torchrl import TrajectoryWriter
+
+    writer = TrajectoryWriter(storage, policy_version=versions[0])
+    first = 0
+    for version in versions:
+        writer.policy_version = version
+        done = torch.zeros(per_version, 1, dtype=torch.bool)
+        done[-1] = True
+        obs = torch.arange(first, first + per_version, dtype=torch.float32)
+        writer.extend(TensorDict({"obs": obs, ("next", "done"): done}, [per_version]))
+        writer.end_episode()
+        first += per_version

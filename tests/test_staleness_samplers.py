@@ -4,10 +4,12 @@ in each request to the owner)."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import socket
 from datetime import timedelta
 
 import pytest
+import shared_workers as w
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
@@ -95,6 +97,24 @@ def test_prioritized_rows_are_drawn_from_the_fresh_rows_only(shared, bound):
         sampler.increment_consumer_version()
         assert sampler.consumer_version == 9
         _check_draws(rb, sampler, live, bound)
+    finally:
+        storage.close()
+
+
+def test_rows_another_process_writes_are_bounded_by_the_versions_it_stamped():
+    storage = GearStorage(CAPACITY, shared=True)
+    try:
+        sampler = GearPrioritizedSampler(CAPACITY, alpha=0.0, beta=0.4, max_staleness=1)
+        rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=32)
+        versions = [0, 1, 2, 3, 4, 5, 6, 7]
+        generator = mp.get_context("spawn").Process(target=w.write_policy_versions, args=(storage, versions, 10))
+        generator.start()
+        generator.join(120)
+        assert generator.exitcode == 0
+        live = _fill(lambda rows: None, versions)  # what the generator wrote, listed here
+        for consumer in (6, 8):
+            sampler.consumer_version = consumer
+            _check_draws(rb, sampler, live, 1)
     finally:
         storage.close()
 
