@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import re
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from typing import Any, TypedDict, cast
 
@@ -11,7 +15,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch.utils.data import Dataset
 from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
-from gear_torchrl import GearStorage
+from gear_torchrl import GearStorage, ShardedGearStorage
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.store.shared_commits import SharedCommits, SharedStoreHandle
 
@@ -179,3 +183,24 @@ def descriptor_of(address: tuple[str, int], handle: SharedStoreHandle) -> ShardD
         end_keys=list(handle.end_keys),
         traj_key=handle.traj_key,
     )
+
+
+@contextmanager
+def one_rank_sharded_store(capacity: int) -> Iterator[ShardedGearStorage]:
+    """A sharded store of one shard, owned by this process (a one-rank gloo job on 127.0.0.1), over tcp."""
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
+    try:
+        store = ShardedGearStorage(capacity, serve_on="127.0.0.1", transport="tcp", timeout=10)
+        try:
+            yield store
+        finally:
+            store.close()
+    finally:
+        dist.destroy_process_group()

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import pickle
-import socket
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
+from helpers import one_rank_sharded_store
 from tensordict import TensorDict
 from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
@@ -25,18 +23,8 @@ from gear_torchrl.distributed import global_ids
 
 @pytest.fixture(scope="module")
 def storage():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timedelta(seconds=60)
-    )
-    store = ShardedGearStorage(100, serve_on="127.0.0.1", transport="tcp", timeout=10)
-    try:
+    with one_rank_sharded_store(100) as store:
         yield store
-    finally:
-        store.close()
-        dist.destroy_process_group()
 
 
 def _steps(n: int) -> TensorDict:

@@ -5,13 +5,11 @@ in each request to the owner)."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
-from datetime import timedelta
 
 import pytest
 import shared_workers as w
 import torch
-import torch.distributed as dist
+from helpers import one_rank_sharded_store
 from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
@@ -20,7 +18,6 @@ from gear_torchrl import (
     GearPrioritizedSampler,
     GearStorage,
     MaxTimesSampled,
-    ShardedGearStorage,
     TopKSampler,
     TrajectoryWriter,
 )
@@ -215,18 +212,8 @@ def test_the_consumer_version_travels_in_the_spec_outside_its_identity():
 
 @pytest.fixture(scope="module")
 def sharded():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timedelta(seconds=60)
-    )
-    store = ShardedGearStorage(CAPACITY, serve_on="127.0.0.1", transport="tcp", timeout=10)
-    try:
+    with one_rank_sharded_store(CAPACITY) as store:
         yield store
-    finally:
-        store.close()
-        dist.destroy_process_group()
 
 
 def test_a_sharded_owner_filters_by_the_consumer_version_each_request_carries(sharded):
