@@ -70,13 +70,20 @@ class SelectionSpec:
         """The values of its fields outside its identity (``compare=False``): settings a learner's request
         carries that may change from one request to the next (a consumer version). What caches of a spec's
         encoding key on, besides the spec."""
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if not f.compare)
+        names = _PER_REQUEST_FIELDS.get(type(self))
+        if names is None:
+            names = _PER_REQUEST_FIELDS[type(self)] = tuple(f.name for f in dataclasses.fields(self) if not f.compare)
+        return tuple(getattr(self, name) for name in names)
 
     def __post_init__(self) -> None:
         self.check()
 
     def check(self) -> None:
         """Raise ValueError naming a setting out of range."""
+
+
+# Each spec class's fields outside its identity, by class: asked on every request, looked up once.
+_PER_REQUEST_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 SpecT_co = TypeVar("SpecT_co", bound=SelectionSpec, covariant=True)  # a core's spec is set once, when made

@@ -74,8 +74,12 @@ class FreshSelector(StatefulSelector[FreshSpec]):
         self.capacity = capacity
         inner = inner if inner is not None else spec.inner.build(capacity)
         self.inner = excluding_core(inner, TypeError(f"a {inner.spec.kind} selection cannot leave stale rows out"))
-        self.consumer_version: int | None = spec.consumer_version  # the learner's: an emptied store keeps it
         self.clear()
+
+    @property
+    def consumer_version(self) -> int | None:
+        """The learner's version (None: none yet), kept in the spec that requests carry; an emptied store keeps it."""
+        return self.spec.consumer_version
 
     def clear(self) -> None:
         self.version = torch.full((self.capacity,), _UNWRITTEN, dtype=torch.int64)
@@ -94,7 +98,6 @@ class FreshSelector(StatefulSelector[FreshSpec]):
         version = checked_version(version, "a consumer version")
         if self.consumer_version is not None and version < self.consumer_version:
             raise ValueError(f"the consumer version goes forward only: it is {self.consumer_version}, got {version}")
-        self.consumer_version = version
         self.spec = dataclasses.replace(self.spec, consumer_version=version)  # what requests carry to owners
         floor = version - self.spec.max_staleness
         while self._versions and self._versions[0] < floor:
@@ -216,7 +219,6 @@ class FreshSelector(StatefulSelector[FreshSpec]):
         leaves out the rows that were stale)."""
         self.version.fill_(_UNWRITTEN)
         self._by_version, self._versions = {}, []
-        self.consumer_version = consumer
         self.spec = dataclasses.replace(self.spec, consumer_version=consumer)
         written = version != _UNWRITTEN
         self._file(torch.arange(self.capacity)[written], version[written])
