@@ -1,9 +1,10 @@
 """Process bodies for the sharded checkpoint test: owners and one learner on 127.0.0.1.
 
-``save``: owners write their rows; the learner sets priorities and scores,
-consumes part of the queue, draws under a cap, then ``rb.dumps``. ``restore``:
-new, empty owners; the learner ``rb.loads`` and reports what it finds.
-Results go to files in ``tmp``.
+One process group runs three phases, each over a new store. ``save``: owners
+write their rows; the learner sets priorities and scores, consumes part of the
+queue, draws under a cap, then ``rb.dumps``. ``restore``: new, empty owners;
+the learner ``rb.loads`` and reports what it finds. ``other_layout``: one owner
+fewer, where loading must be refused. Results go to files in ``tmp``.
 """
 
 from __future__ import annotations
@@ -22,31 +23,37 @@ QUEUE_BATCHES = 3  # of 100 rows, served before the checkpoint
 NEW_ROWS = 50  # each owner writes after the restore
 
 
-def run_rank(rank: int, world: int, owners: int, port: int, tmp: str, phase: str) -> None:
-    from gear_torchrl import ShardedGearStorage
-
+def run_rank(rank: int, world: int, owners: int, port: int, tmp: str) -> None:
+    """The three phases in one process group, each over a store of its own: ``save`` and ``restore`` on
+    ``owners`` owners (the second's start empty), ``other_layout`` on one owner fewer."""
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
-    storage = ShardedGearStorage(CAPACITY, owns_shard=rank < owners, serve_on="127.0.0.1", timeout=10.0)
-    tmp_path = Path(tmp)
+    for phase, owning in (("save", owners), ("restore", owners), ("other_layout", owners - 1)):
+        _run_phase(rank, owners, owning, phase, Path(tmp))
+    os._exit(0)
+
+
+def _run_phase(rank: int, learner: int, owning: int, phase: str, tmp_path: Path) -> None:
+    from gear_torchrl import ShardedGearStorage
+
+    storage = ShardedGearStorage(CAPACITY, owns_shard=rank < owning, serve_on="127.0.0.1", timeout=10.0, name=phase)
     try:
-        if phase == "save" and rank < owners:
+        if phase == "save" and rank < owning:
             _write_shard(storage.local, rank)
         dist.barrier()  # every shard holds its rows (or none, to restore into)
-        if rank == owners:
+        if rank == learner:
             results = {"save": _save, "restore": _restore, "other_layout": _other_layout}[phase](storage, tmp_path)
             torch.save(results, tmp_path / f"{phase}.pt")
         dist.barrier()  # owners serve until the learner is done
-        if phase == "restore" and rank < owners:
+        if phase == "restore" and rank < owning:
             _write_more(storage.local, rank)  # new rows after the restored ones: the cursor moved on
         dist.barrier()
-        if phase == "restore" and rank == owners:
+        if phase == "restore" and rank == learner:
             torch.save(_after_new_writes(storage), tmp_path / "after_writes.pt")
         dist.barrier()
     finally:
         storage.close()
-    os._exit(0)
 
 
 def _write_more(local, shard: int) -> None:

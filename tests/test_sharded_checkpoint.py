@@ -27,12 +27,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp, owners: int, phase: str) -> dict:
+def _run(tmp, owners: int) -> None:
     ctx = mp.get_context("spawn")
     world, port = owners + 1, _free_port()
     processes = [
-        ctx.Process(target=cw.run_rank, args=(r, world, owners, port, str(tmp), phase), name=f"rank{r}")
-        for r in range(world)
+        ctx.Process(target=cw.run_rank, args=(r, world, owners, port, str(tmp)), name=f"rank{r}") for r in range(world)
     ]
     for p in processes:
         p.start()
@@ -46,20 +45,15 @@ def _run(tmp, owners: int, phase: str) -> dict:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    return torch.load(tmp / f"{phase}.pt")
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded_checkpoint")
-    saved = _run(tmp, OWNERS, "save")
-    restored = _run(tmp, OWNERS, "restore")
-    return {
-        "saved": saved,
-        "restored": restored,
-        "after_writes": torch.load(tmp / "after_writes.pt"),
-        "other_layout": _run(tmp, OWNERS - 1, "other_layout"),
-    }
+    _run(tmp, OWNERS)
+    phases = ("save", "restore", "after_writes", "other_layout")
+    saved, restored, after_writes, other_layout = (torch.load(tmp / f"{phase}.pt") for phase in phases)
+    return {"saved": saved, "restored": restored, "after_writes": after_writes, "other_layout": other_layout}
 
 
 def test_every_row_comes_back_at_its_id(jobs):
