@@ -26,12 +26,12 @@ from gear_torchrl import (
     GearStorage,
     GearUniformSampler,
     PlacementError,
-    QueueSampler,
     SampleToInsertRatio,
     ShardedGearStorage,
     ShardUnavailableError,
     SpecMismatchError,
 )
+from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.shard_client import ShardClient
 from gear_torchrl.store.ring import as_leaves
 
@@ -70,11 +70,18 @@ def _rows_now(storage: ShardedGearStorage) -> int:
 
 
 def _every_row(storage: ShardedGearStorage):
-    """Every stored row once (a queue drains them all), with the shard it came from."""
-    rows = _rows_now(storage)
-    rb = TensorDictReplayBuffer(storage=storage, sampler=QueueSampler(storage.max_size), batch_size=rows)
-    batch = rb.sample()
-    return batch, ShardedGearStorage.shard_of(batch["index"].as_subclass(torch.Tensor))
+    """Every stored row once, read by its id, with the shard it came from."""
+    _rows_now(storage)
+    sizes = [storage._shards.rows[s] for s in range(storage.num_shards)]
+    ids = torch.cat([global_ids.encode(s, torch.arange(n)) for s, n in enumerate(sizes)])
+    return storage.get(ids), global_ids.decode(ids)[0]
+
+
+def _rows_of(storage: ShardedGearStorage, *writers: int):
+    """Every stored row of these writers, with its shard."""
+    batch, shard = _every_row(storage)
+    mine = torch.isin(batch["writer"], torch.tensor(writers))
+    return batch[mine], shard[mine]
 
 
 def _after_a_restart(read):
@@ -121,23 +128,74 @@ def test_every_sampler_over_four_owner_actors_matches_one_store_holding_all_rows
         assert verified, f"{name}: a batch's rows are not the rows its index names"
 
 
-@pytest.mark.parametrize("transport", ["auto", "tcp"])
-def test_writer_actors_land_whole_episodes_through_shared_memory_or_over_tcp(transport):
-    storage = _store(transport=transport)
+@pytest.fixture(scope="class")
+def stores():
+    """A store per transport, shared by the tests of one class, closed after its last test."""
+    stores = {transport: _store(transport=transport) for transport in ("auto", "tcp")}
     try:
-        writers = [rw.Writer.remote(storage, i) for i in range(2)]
+        yield stores
+    finally:
+        for storage in stores.values():
+            storage.close()
+
+
+class TestWritersIntoOneStoreEach:
+    """Remote writers' tests that share a store per transport (each owner's start is an actor's torch
+    import): every writer has an id of its own, and each test looks only at its writers' rows."""
+
+    @pytest.mark.parametrize("transport", ["auto", "tcp"])
+    def test_writer_actors_land_whole_episodes_through_shared_memory_or_over_tcp(self, stores, transport):
+        storage = stores[transport]
+        writers = [rw.Writer.remote(storage, i) for i in (10, 11)]
         near = ray.get([a.through_shared_memory.remote() for a in writers], timeout=60)
         assert near == [[transport == "auto"] * 2] * 2  # every owner is on this node
         ray.get([a.write.remote(6, 10, chunk=True) for a in writers], timeout=60)
-        ray.get([a.extend.remote(3, 8) for a in [rw.Writer.remote(storage, 2)]], timeout=60)
-        batch, shard = _every_row(storage)
-        where = {**_assert_whole_episodes(batch[batch["writer"] < 2], shard[batch["writer"] < 2], 12, 10)}
-        extended = batch["writer"] == 2  # rb.extend of halves: an episode's halves stay on one shard
+        ray.get([a.extend.remote(3, 8) for a in [rw.Writer.remote(storage, 12)]], timeout=60)
+        batch, shard = _rows_of(storage, 10, 11, 12)
+        chunked = batch["writer"] < 12
+        where = _assert_whole_episodes(batch[chunked], shard[chunked], 12, 10)
+        extended = ~chunked  # rb.extend of halves: an episode's halves stay on one shard
         _assert_whole_episodes(batch[extended], shard[extended], 3, 8)
-        for writer in range(2):  # round robin: each writer's episodes alternate over the shards
+        for writer in (10, 11):  # round robin: each writer's episodes alternate over the shards
             assert sorted(where[(writer, e)] for e in range(6)) == [0, 0, 0, 1, 1, 1]
-    finally:
-        storage.close()
+
+    def test_extends_that_end_inside_an_episode_still_spread_whole_episodes_over_the_shards(self, stores):
+        """Batches of 15 over episodes of 10: each batch's whole episodes are routed apart from the episode it
+        leaves open (which keeps its shard for its rest), so round robin alternates episode by episode."""
+        writer = rw.Writer.remote(stores["tcp"], 20)
+        assert ray.get(writer.extend_across.remote(6, 10, 15), timeout=60) == 60
+        batch, shard = _rows_of(stores["tcp"], 20)
+        where = _assert_whole_episodes(batch, shard, 6, 10)
+        assert [where[(20, e)] for e in range(6)] in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
+
+    @pytest.mark.parametrize("transport", ["auto", "tcp"])
+    def test_a_writer_killed_mid_episode_leaves_nothing(self, stores, transport):
+        writer = rw.Writer.remote(stores[transport], 30)
+        assert ray.get(writer.write.remote(2, 5), timeout=60) == 10
+        assert ray.get(writer.stage.remote(7), timeout=60) == 7
+        ray.kill(writer)
+        time.sleep(0.5)
+        batch, _ = _rows_of(stores[transport], 30)
+        assert len(batch) == 10 and set(batch["ep"].tolist()) == {0, 1}
+
+    def test_a_remote_episode_with_wrong_keys_dtypes_or_shapes_is_refused_whole(self, stores):
+        storage = stores["tcp"]
+        ray.get(rw.Writer.remote(storage, 40).write.remote(2, 5), timeout=60)
+        rows = _rows_now(storage)
+        client = ShardClient(storage.descriptors[0], storage._secret, TIMEOUT_S)
+        good = rw.episode(41, 0, 4)
+        for bad, says in (
+            (good.clone().exclude("obs"), "lacks keys ['obs']"),
+            (good.clone().set("obs", torch.zeros(4, 3, dtype=torch.float64)), "as torch.float64"),
+            (good.clone().set("obs", torch.zeros(4, 5)), "(5,)"),
+            (good.clone().set("extra", torch.zeros(4)), "brings keys the shard does not hold ['extra']"),
+        ):
+            with pytest.raises(SpecMismatchError, match=re.escape(says)):
+                client.insert(as_leaves(bad, False, None))
+        client.close()
+        assert _rows_now(storage) == rows  # refused whole: nothing written
+        with pytest.raises(PermissionError, match="secret"):
+            ShardClient(storage.descriptors[0], b"not the job's secret" * 2, TIMEOUT_S)
 
 
 def test_remote_writers_stamp_the_policy_version_of_each_step():
@@ -149,20 +207,6 @@ def test_remote_writers_stamp_the_policy_version_of_each_step():
         expected = batch["ep"] + (batch["step"] >= 5).long()  # the version changed mid-episode
         assert batch["policy_version"].dtype == torch.int64
         assert torch.equal(batch["policy_version"], expected)
-    finally:
-        storage.close()
-
-
-def test_extends_that_end_inside_an_episode_still_spread_whole_episodes_over_the_shards():
-    """Batches of 15 over episodes of 10: each batch's whole episodes are routed apart from the episode it
-    leaves open (which keeps its shard for its rest), so round robin alternates episode by episode."""
-    storage = _store(transport="tcp")
-    try:
-        writer = rw.Writer.remote(storage, 0)
-        assert ray.get(writer.extend_across.remote(6, 10, 15), timeout=60) == 60
-        batch, shard = _every_row(storage)
-        where = _assert_whole_episodes(batch, shard, 6, 10)
-        assert [where[(0, e)] for e in range(6)] in ([0, 1, 0, 1, 0, 1], [1, 0, 1, 0, 1, 0])
     finally:
         storage.close()
 
@@ -201,45 +245,6 @@ def test_an_owners_rate_limiter_holds_a_remote_writer_until_the_learner_samples(
         assert ray.get(written) == 60
         batch, shard = _every_row(storage)
         _assert_whole_episodes(batch, shard, 6, 10)
-    finally:
-        storage.close()
-
-
-@pytest.mark.parametrize("transport", ["auto", "tcp"])
-def test_a_writer_killed_mid_episode_leaves_nothing(transport):
-    storage = _store(transport=transport)
-    try:
-        writer = rw.Writer.remote(storage, 0)
-        assert ray.get(writer.write.remote(2, 5), timeout=60) == 10
-        assert ray.get(writer.stage.remote(7), timeout=60) == 7
-        ray.kill(writer)
-        time.sleep(0.5)
-        batch, _ = _every_row(storage)
-        assert len(batch) == 10 and set(batch["ep"].tolist()) == {0, 1}
-    finally:
-        storage.close()
-
-
-def test_a_remote_episode_with_wrong_keys_dtypes_or_shapes_is_refused_whole():
-    storage = _store(transport="tcp")
-    try:
-        writer = rw.Writer.remote(storage, 0)
-        ray.get(writer.write.remote(2, 5), timeout=60)
-        rows = _rows_now(storage)
-        client = ShardClient(storage.descriptors[0], storage._secret, TIMEOUT_S)
-        good = rw.episode(9, 0, 4)
-        for bad, says in (
-            (good.clone().exclude("obs"), "lacks keys ['obs']"),
-            (good.clone().set("obs", torch.zeros(4, 3, dtype=torch.float64)), "as torch.float64"),
-            (good.clone().set("obs", torch.zeros(4, 5)), "(5,)"),
-            (good.clone().set("extra", torch.zeros(4)), "brings keys the shard does not hold ['extra']"),
-        ):
-            with pytest.raises(SpecMismatchError, match=re.escape(says)):
-                client.insert(as_leaves(bad, False, None))
-        client.close()
-        assert _rows_now(storage) == rows  # refused whole: nothing written
-        with pytest.raises(PermissionError, match="secret"):
-            ShardClient(storage.descriptors[0], b"not the job's secret" * 2, TIMEOUT_S)
     finally:
         storage.close()
 
