@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
 from gear_torchrl import GearStorage, ShardedGearStorage
+from gear_torchrl.distributed import global_ids
 from gear_torchrl.distributed.directory import ShardDescriptor
 from gear_torchrl.store.shared_commits import SharedCommits, SharedStoreHandle
 
@@ -204,3 +205,9 @@ def one_rank_sharded_store(capacity: int) -> Iterator[ShardedGearStorage]:
             store.close()
     finally:
         dist.destroy_process_group()
+
+
+def stored_ids(storage: ShardedGearStorage) -> torch.Tensor:
+    """The global id of every row a sharded store holds, shard by shard, as of each shard's last answer."""
+    sizes = [storage._shards.rows[s] for s in range(storage.num_shards)]
+    return torch.cat([global_ids.encode(s, torch.arange(n)) for s, n in enumerate(sizes)])

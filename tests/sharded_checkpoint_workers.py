@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from helpers import stored_ids
 from sharded_workers import CAPACITY, ROWS_PER_SHARD, _write_shard, priority_of, sample_until_refused, top_scores
 from shared_workers import episode
 
@@ -83,17 +84,10 @@ def _buffers(storage):
     }
 
 
-def _all_ids(storage) -> torch.Tensor:
-    from gear_torchrl.distributed import global_ids
-
-    sizes = [storage._shards.rows[s] for s in range(storage.num_shards)]
-    return torch.cat([global_ids.encode(s, torch.arange(n)) for s, n in enumerate(sizes)])
-
-
 def _state(storage, buffers) -> dict:
     """What must survive: every row, the priorities (seen in a draw's weights), the best rows."""
     len(storage)
-    ids = _all_ids(storage)
+    ids = stored_ids(storage)
     rows = storage.get(ids)
     drawn = buffers["prioritized"].sample()
     return {
@@ -115,7 +109,7 @@ def _save(storage, tmp: Path) -> dict:
     buffers["prioritized"].sample()  # the owners start keeping priorities and scores
     buffers["topk"].sample()
     len(storage)
-    ids = _all_ids(storage)
+    ids = stored_ids(storage)
     shard, pos = global_ids.decode(ids)
     buffers["prioritized"].update_priority(ids, priority_of(shard, pos))
     buffers["topk"].update_priority(ids, top_scores())

@@ -18,7 +18,7 @@ import pytest
 import sharded_oracles as o
 import sharded_workers as w
 import torch
-from helpers import shm_segments
+from helpers import shm_segments, stored_ids
 from torchrl.data import TensorDictReplayBuffer
 
 from gear_torchrl import (
@@ -72,8 +72,7 @@ def _rows_now(storage: ShardedGearStorage) -> int:
 def _every_row(storage: ShardedGearStorage):
     """Every stored row once, read by its id, with the shard it came from."""
     _rows_now(storage)
-    sizes = [storage._shards.rows[s] for s in range(storage.num_shards)]
-    ids = torch.cat([global_ids.encode(s, torch.arange(n)) for s, n in enumerate(sizes)])
+    ids = stored_ids(storage)
     return storage.get(ids), global_ids.decode(ids)[0]
 
 

@@ -51,9 +51,8 @@ def _run(tmp, owners: int) -> None:
 def jobs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded_checkpoint")
     _run(tmp, OWNERS)
-    phases = ("save", "restore", "after_writes", "other_layout")
-    saved, restored, after_writes, other_layout = (torch.load(tmp / f"{phase}.pt") for phase in phases)
-    return {"saved": saved, "restored": restored, "after_writes": after_writes, "other_layout": other_layout}
+    files = {"saved": "save", "restored": "restore", "after_writes": "after_writes", "other_layout": "other_layout"}
+    return {name: torch.load(tmp / f"{file}.pt") for name, file in files.items()}
 
 
 def test_every_row_comes_back_at_its_id(jobs):
