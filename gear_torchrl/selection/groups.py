@@ -79,12 +79,15 @@ class GroupSpec(SelectionSpec):
             raise ValueError(f"unknown strategy={self.strategy!r}: expected one of {', '.join(STRATEGIES)}")
         if self.order not in ORDERS:
             raise ValueError(f"unknown order={self.order!r}: expected one of {', '.join(ORDERS)}")
-        if self.group_size is not None and self.samples_per_group is not None:
-            if self.samples_per_group > self.group_size:
-                raise ValueError(
-                    f"samples_per_group={self.samples_per_group} is above group_size={self.group_size}: "
-                    f"a group never holds that many rows"
-                )
+        if (
+            self.group_size is not None
+            and self.samples_per_group is not None
+            and self.samples_per_group > self.group_size
+        ):
+            raise ValueError(
+                f"samples_per_group={self.samples_per_group} is above group_size={self.group_size}: "
+                f"a group never holds that many rows"
+            )
         ms = self.max_staleness
         if isinstance(ms, bool) or not isinstance(ms, int) or ms < -1:
             raise ValueError(f"max_staleness must be an integer >= -1 (-1: no bound), got {ms!r}")
@@ -92,7 +95,9 @@ class GroupSpec(SelectionSpec):
     def shape(self, count: int) -> tuple[int, int]:
         """``(groups, rows per group)`` of a batch of ``count`` rows; a count they do not divide is a ValueError."""
         given, name = (
-            (self.num_groups, "num_groups") if self.num_groups is not None else (self.samples_per_group, "samples_per_group")
+            (self.num_groups, "num_groups")
+            if self.num_groups is not None
+            else (self.samples_per_group, "samples_per_group")
         )
         assert given is not None  # check() holds one of them
         if count % given:
@@ -394,7 +399,9 @@ class GroupSelector(StatefulSelector[GroupSpec]):
     def _ids_from(self, shard: Shard | None, rows: torch.Tensor) -> list[GroupId]:
         values = self._column(shard, self.spec.group_key, "group id", rows)
         if values.dtype.is_floating_point or values.dtype.is_complex:
-            raise TypeError(f"'{key_name(self.spec.group_key)}' holds group ids, which are integers; got {values.dtype}")
+            raise TypeError(
+                f"'{key_name(self.spec.group_key)}' holds group ids, which are integers; got {values.dtype}"
+            )
         if values.shape[1] == 1:
             return values[:, 0].tolist()
         return [tuple(v) for v in values.tolist()]
@@ -464,7 +471,9 @@ class GroupSelector(StatefulSelector[GroupSpec]):
         consumer = field(state, "consumer_version", where)
         clock = field(state, "clock", where)
         try:
-            checked["consumer_version"] = None if consumer is None else checked_version(consumer, "the consumer version")
+            checked["consumer_version"] = (
+                None if consumer is None else checked_version(consumer, "the consumer version")
+            )
             checked["clock"] = checked_version(clock, "the write clock")
         except (TypeError, ValueError) as e:
             raise CheckpointError(str(e)) from None

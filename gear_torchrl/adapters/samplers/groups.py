@@ -196,5 +196,3 @@ def _capacity_of(state: dict[str, Any]) -> int:
     if not isinstance(held, torch.Tensor) or held.ndim != 1:
         raise CheckpointError("the saved groups state has no 'held' rows: it is damaged or not a gear_torchrl state")
     return held.numel()
-
-
