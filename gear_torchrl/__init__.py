@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "GearStorage": "gear_torchrl.adapters.storage",
     "GearStorageCheckpointer": "gear_torchrl.adapters.checkpointer",
+    "GearGroupSampler": "gear_torchrl.adapters.samplers",
     "GearPackedSequenceSampler": "gear_torchrl.adapters.samplers",
     "GearPrioritizedPackedSequenceSampler": "gear_torchrl.adapters.samplers",
     "GearPrioritizedSampler": "gear_torchrl.adapters.samplers",
@@ -75,6 +76,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads l
     from gear_torchrl.adapters.dataset import GearDataset
     from gear_torchrl.adapters.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
     from gear_torchrl.adapters.samplers import (
+        GearGroupSampler,
         GearPackedSequenceSampler,
         GearPrioritizedPackedSequenceSampler,
         GearPrioritizedSampler,

@@ -284,3 +284,31 @@ def write_policy_versions(storage, versions, per_version) -> None:
         writer.extend(TensorDict({"obs": obs, ("next", "done"): done}, [per_version]))
         writer.end_episode()
         first += per_version
+
+
+def write_groups(storage, groups: list[tuple[int, int, int]], seed: int) -> None:
+    """Each ``(group id, members, version)`` as one episode per member (a response), written by a
+    TrajectoryWriter stamping the version: a generator process writing GRPO groups, a group's members
+    possibly spread over several calls."""
+    from gear_torchrl import TrajectoryWriter
+
+    generator = torch.Generator().manual_seed(seed)
+    writer = TrajectoryWriter(storage)
+    for gid, members, version in groups:
+        writer.policy_version = version
+        for _ in range(members):
+            writer.extend(group_rows(gid, 1, torch.rand(1, generator=generator)))
+            writer.end_episode()
+
+
+def group_rows(gid: int, n: int, reward: torch.Tensor) -> TensorDict:
+    """``n`` one-step responses of group ``gid`` with ``reward`` (one per row)."""
+    return TensorDict(
+        {
+            "query": torch.full((n,), gid),
+            "obs": torch.randn(n, 2),
+            ("next", "done"): torch.ones(n, 1, dtype=torch.bool),
+            ("next", "reward"): reward.reshape(n, 1).float(),
+        },
+        [n],
+    )

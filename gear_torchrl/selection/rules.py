@@ -13,6 +13,7 @@ from typing import Any
 from gear_torchrl.selection.base import SelectionSpec
 from gear_torchrl.selection.capped import CappedSpec
 from gear_torchrl.selection.fresh import FreshSpec
+from gear_torchrl.selection.groups import GroupSpec
 from gear_torchrl.selection.packed import PackedSpec, PriorityPackedSpec
 from gear_torchrl.selection.priorities import PrioritySpec
 from gear_torchrl.selection.priority_windows import PriorityWindowSpec
@@ -33,6 +34,7 @@ RULES: dict[str, type[SelectionSpec]] = {
         TopKSpec,
         CappedSpec,
         FreshSpec,
+        GroupSpec,
         PackedSpec,
         PriorityPackedSpec,
     )
